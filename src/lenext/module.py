@@ -1,0 +1,78 @@
+"""The LightningModule: next-token loss, perplexity metrics, AdamW with warmup + cosine decay."""
+
+import math
+
+import lightning as L
+import torch
+from torch import nn
+from torchmetrics import MeanMetric
+
+from lenext.model import Decoder
+
+
+class LanguageModel(L.LightningModule):
+    """Trains a ``Decoder``; logs ``train/loss``, ``val/loss`` and ``val/ppl`` (at L_train).
+
+    ``run_config`` is the resolved run configuration, kept in checkpoints so ``eval.py`` can rebuild
+    the model without the original command line.
+    """
+
+    def __init__(
+        self,
+        net: Decoder,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 100,
+        min_lr_ratio: float = 0.1,
+        run_config: dict | None = None,
+    ):
+        super().__init__()
+        self.save_hyperparameters(ignore=["net"])
+        self.net = net
+        # Weighted by token count, synchronised across DDP ranks: each token counts once.
+        self.val_nll = MeanMetric()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.net.logits(self.net(tokens))
+
+    def token_nll(self, batch: torch.Tensor) -> torch.Tensor:
+        """batch: (B, L+1) token windows -> (B, L) NLL of each next token."""
+        return self.net.token_nll(batch[:, :-1], batch[:, 1:])
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.token_nll(batch).mean()
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        nll = self.token_nll(batch)
+        self.val_nll.update(nll.mean(), weight=nll.numel())
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_nll.compute()
+        self.val_nll.reset()
+        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
+        self.log("val/ppl", torch.exp(loss), prog_bar=True, sync_dist=False)
+
+    def configure_optimizers(self):
+        # Decay only matrix weights of linear layers; norms, biases, embeddings and PE tables are exempt.
+        linear_weights = {id(m.weight) for m in self.net.modules() if isinstance(m, nn.Linear)}
+        decay = [p for p in self.net.parameters() if id(p) in linear_weights]
+        no_decay = [p for p in self.net.parameters() if id(p) not in linear_weights]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.lr,
+            betas=tuple(self.hparams.betas),
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,59 @@
+"""Absolute PEs, added to the token embeddings."""
+
+
+
+import torch
+from torch import nn
+
+from lenext.errors import LengthNotSupported
+from lenext.pe.base import AttentionShape, PositionalEncoding
+
+
+def sinusoidal_table(length: int, dim: int) -> torch.Tensor:
+    """(length, dim) table: PE[p, 2t] = sin(p / 10000^(2t/d)), PE[p, 2t+1] = cos(p / 10000^(2t/d))."""
+    position = torch.arange(length, dtype=torch.float64)[:, None]
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    table = torch.zeros(length, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq[: dim // 2])
+    return table.float()
+
+
+class Sinusoidal(PositionalEncoding):
+    """Fixed sinusoidal APE (Vaswani et al. 2017), defined for every position."""
+
+    def __init__(self, shape: AttentionShape):
+        super().__init__(shape)
+        # Non-persistent: rebuilt for the longest length seen, so checkpoints stay length-free.
+        self.register_buffer("table", torch.empty(0, shape.d_model), persistent=False)
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.size(1)
+        if self.table.size(0) < length:
+            self.table = sinusoidal_table(length, self.shape.d_model).to(x.device)
+        return x + self.table[:length].to(x.dtype)
+
+
+class Learned(PositionalEncoding):
+    """Learned APE (GPT-2, BERT): one trained vector per position below ``max_len``."""
+
+    def __init__(self, shape: AttentionShape, max_len: int | None = None):
+        super().__init__(shape)
+        self.max_len = max_len or shape.train_len
+        self.table = nn.Embedding(self.max_len, shape.d_model)
+        nn.init.normal_(self.table.weight, std=0.02)
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.size(1)
+        if length > self.max_len:
+            raise LengthNotSupported(
+                f"learned positional embeddings exist for positions 0..{self.max_len - 1}; "
+                f"a sequence of {length} tokens needs positions it never trained"
+            )
+        return x + self.table.weight[:length].to(x.dtype)
+
+    def describe(self) -> dict:
+        return {"name": "Learned", "max_len": self.max_len}
+
+
+

@@ -1,0 +1,76 @@
+"""The positional-encoding interface (DESIGN.md section 2).
+
+A PE acts at up to three sites of the decoder, and implements only the ones it needs:
+
+- ``embed(x)``: added to the token embeddings (sinusoidal, learned);
+- ``rotate(q, k)``: applied to queries and keys (RoPE and its scalings);
+- ``score_bias(q, layer, start, end)``: added to the attention scores (ALiBi, T5, Shaw).
+
+The decoder calls all three everywhere and never looks at which PE it holds.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a PE needs to know about the model it is plugged into."""
+
+    d_model: int
+    n_heads: int
+    n_layers: int
+    train_len: int  # L_train: learned APE size, and the reference length for RoPE scaling
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class PositionalEncoding(nn.Module):
+    """Base class, and on its own the NoPE control: the causal mask is the only positional signal."""
+
+    has_score_bias = False  # True: the attention must add ``score_bias``; False: plain causal SDPA
+    needs_attention_probs = False  # True: ``value_term`` needs the softmax probabilities (Shaw's a^V)
+
+    def __init__(self, shape: AttentionShape):
+        super().__init__()
+        self.shape = shape
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, L, d_model) token embeddings -> same shape with position information."""
+        return x
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k: (B, H, L, d_head), positions 0..L-1 -> rotated q, k."""
+        return q, k
+
+    def score_bias(self, q: torch.Tensor, layer: int, start: int, end: int) -> torch.Tensor:
+        """Additive bias for query rows [start, end) against keys [0, end), in units of scaled scores.
+
+        q: (B, H, end - start, d_head). Returns a tensor broadcastable to (B, H, end - start, end);
+        a bias of shape (1, H, 1, end) (key-only) lets the attention use SDPA's fused causal path.
+        Positions j > i are masked by the attention, so the bias may hold anything there.
+        """
+        raise NotImplementedError
+
+    def value_term(self, probs: torch.Tensor, layer: int, start: int, end: int) -> torch.Tensor:
+        """Extra attention output from the probabilities (B, H, rows, end) -> (B, H, rows, d_head)."""
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """Parameters that identify this PE in results files."""
+        return {"name": type(self).__name__}
+
+
+class NoPE(PositionalEncoding):
+    """No positional encoding (Kazemnejad et al. 2023): the control row of every study."""
+
+
+def relative_offsets(start: int, end: int, device: torch.device) -> torch.Tensor:
+    """(end - start, end) matrix of j - i for query rows i in [start, end) and keys j in [0, end)."""
+    i = torch.arange(start, end, device=device)
+    j = torch.arange(end, device=device)
+    return j[None, :] - i[:, None]

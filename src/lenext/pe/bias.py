@@ -1,0 +1,108 @@
+"""PEs that add a bias to the attention scores: ALiBi, T5 relative buckets, Shaw relative keys."""
+
+import math
+
+import torch
+from torch import nn
+
+from lenext.errors import ConfigError
+from lenext.pe.base import AttentionShape, PositionalEncoding, relative_offsets
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """Head slopes of Press et al. 2022: 2^(-8h/H) for H a power of two, interleaved otherwise."""
+
+    def power_of_two(n: int) -> list[float]:
+        return [2 ** (-8 * h / n) for h in range(1, n + 1)]
+
+    closest = 2 ** math.floor(math.log2(n_heads))
+    slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class ALiBi(PositionalEncoding):
+    """Attention with linear biases: scores += -m_h (i - j), not scaled by 1/sqrt(d)."""
+
+    has_score_bias = True
+
+    def __init__(self, shape: AttentionShape):
+        super().__init__(shape)
+        self.register_buffer("slopes", alibi_slopes(shape.n_heads), persistent=False)
+
+    def score_bias(self, q, layer, start, end):
+        # -m (i - j) = m (j - (end-1)) - m (i - (end-1)): the second term is constant along a row
+        # and softmax ignores it, so a key-only (1, H, 1, end) bias is exact and keeps SDPA fused.
+        # Anchoring at end-1 keeps the values of the keys that matter small, so fp32 stays exact.
+        keys = torch.arange(end, device=q.device, dtype=torch.float32) - (end - 1)
+        return (self.slopes[:, None] * keys)[None, :, None, :]  # (1, H, 1, end), fp32 even under bf16
+
+
+def t5_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
+    """Causal T5 bucket of n = max(i - j, 0) (Raffel et al. 2020, bidirectional=False)."""
+    n = distance.clamp(min=0)
+    max_exact = num_buckets // 2
+    scaled = torch.log(n.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+    far = (max_exact + (scaled * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
+    return torch.where(n < max_exact, n, far)
+
+
+class T5Bias(PositionalEncoding):
+    """T5 relative bias: one learned scalar per (bucket, head), shared across layers by default."""
+
+    has_score_bias = True
+
+    def __init__(self, shape: AttentionShape, num_buckets: int = 32, max_distance: int = 128, per_layer: bool = False):
+        super().__init__(shape)
+        if num_buckets < 2:
+            raise ConfigError(f"pe.num_buckets must be at least 2; got {num_buckets}")
+        self.num_buckets, self.max_distance, self.per_layer = num_buckets, max_distance, per_layer
+        self.table = nn.Parameter(torch.randn(shape.n_layers if per_layer else 1, num_buckets, shape.n_heads) * 0.02)
+        self.register_buffer("buckets", torch.empty(0, dtype=torch.long), persistent=False)
+
+    def score_bias(self, q, layer, start, end):
+        if self.buckets.numel() < end:  # bucket of each distance 0..end-1, grown for the longest length
+            self.buckets = t5_bucket(torch.arange(end, device=q.device), self.num_buckets, self.max_distance)
+        by_distance = self.table[layer if self.per_layer else 0][self.buckets[:end]]  # (end, H)
+        distance = (-relative_offsets(start, end, q.device)).clamp(min=0)  # (rows, end), i - j
+        return by_distance.t()[:, distance].unsqueeze(0)  # (1, H, rows, end)
+
+    def describe(self) -> dict:
+        return {"name": "T5Bias", "num_buckets": self.num_buckets, "max_distance": self.max_distance,
+                "per_layer": self.per_layer}
+
+
+class ShawRelative(PositionalEncoding):
+    """Relative position representations (Shaw et al. 2018) with clipping distance k.
+
+    score(i, j) = (q_i . k_j + q_i . a^K_{clip(j-i, -k, k)}) / sqrt(d_h); optional a^V on values.
+    Tables are per layer and shared across heads, as in the paper. The bias is q @ A^T (rows x 2k+1)
+    gathered by clipped offset: the (L, L, d_h) tensor of the naive form is never built.
+    """
+
+    has_score_bias = True
+
+    def __init__(self, shape: AttentionShape, k: int = 16, value_term: bool = False):
+        super().__init__(shape)
+        if k < 1:
+            raise ConfigError(f"pe.k (Shaw clipping distance) must be at least 1; got {k}")
+        self.k = k
+        table_shape = (shape.n_layers, 2 * k + 1, shape.head_dim)
+        self.key_table = nn.Parameter(torch.randn(table_shape) * 0.02)
+        self.value_table = nn.Parameter(torch.randn(table_shape) * 0.02) if value_term else None
+        self.needs_attention_probs = value_term
+
+    def _clipped_offsets(self, start, end, device):
+        return relative_offsets(start, end, device).clamp(-self.k, self.k) + self.k  # (rows, end) in [0, 2k]
+
+    def score_bias(self, q, layer, start, end):
+        by_offset = q @ self.key_table[layer].t().to(q.dtype)  # (B, H, rows, 2k+1)
+        index = self._clipped_offsets(start, end, q.device).expand(*q.shape[:2], -1, -1)
+        return by_offset.gather(-1, index) / math.sqrt(self.shape.head_dim)  # (B, H, rows, end)
+
+    def value_term(self, probs, layer, start, end):
+        index = self._clipped_offsets(start, end, probs.device).expand_as(probs)
+        mass = probs.new_zeros(*probs.shape[:-1], 2 * self.k + 1).scatter_add_(-1, index, probs)
+        return mass @ self.value_table[layer].to(probs.dtype)  # (B, H, rows, d_head)
+
+    def describe(self) -> dict:
+        return {"name": "ShawRelative", "k": self.k, "value_term": self.value_table is not None}

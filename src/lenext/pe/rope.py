@@ -1,0 +1,132 @@
+"""Rotary position embedding (Su et al. 2021) and its length-scaling variants.
+
+Pairing convention: interleaved pairs (x[2t], x[2t+1]) rotated as one complex number, as in
+RoFormer and seed 001; rotation is a complex multiplication (the fastest eager form on CPU).
+
+Scalings (DESIGN.md section 3), with s the factor and L_train the training length:
+- ``none``: theta_t = base^(-2t/d).
+- ``linear`` (position interpolation, Chen et al. 2023): theta_t / s.
+- ``ntk`` (bloc97 2023): base' = base * s^(d/(d-2)).
+- ``dynamic_ntk``: for a sequence of length l > L_train,
+  base' = base * (s*l/L_train - (s-1))^(d/(d-2)); s defaults to 1.
+- ``yarn`` (Peng et al. 2023): a per-dimension ramp between PI and no scaling
+  (beta_fast 32, beta_slow 1) and q, k both scaled by 0.1 ln s + 1.
+With ``factor: null`` the static scalings use s = max(1, L / L_train) for a sequence of
+length L: identity at the training length, the method's own factor beyond it.
+"""
+
+import math
+
+import torch
+
+from lenext.errors import ConfigError
+from lenext.pe.base import AttentionShape, PositionalEncoding
+
+SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn")
+
+
+def rope_frequencies(
+    dim: int,
+    base: float,
+    scaling: str,
+    factor: float,
+    length: int,
+    train_len: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (dim/2,) in float64 and the attention factor applied to q and k."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+    if scaling == "none":
+        return base**-exponents, 1.0
+    if scaling == "linear":
+        return base**-exponents / factor, 1.0
+    if scaling == "ntk":
+        return (base * factor ** (dim / (dim - 2))) ** -exponents, 1.0
+    if scaling == "dynamic_ntk":
+        length = max(length, train_len)
+        scaled_base = base * (factor * length / train_len - (factor - 1)) ** (dim / (dim - 2))
+        return scaled_base**-exponents, 1.0
+    if scaling == "yarn":
+        extrapolation = base**-exponents
+        interpolation = extrapolation / factor
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(train_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        # ramp 0 -> keep the original frequency (high-frequency dims), 1 -> interpolate.
+        inv_freq = extrapolation * (1 - ramp) + interpolation * ramp
+        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        return inv_freq, attention_factor
+    raise ConfigError(f"pe.scaling must be one of {', '.join(SCALINGS)}; got {scaling!r}")
+
+
+class RoPE(PositionalEncoding):
+    """Rotary embedding with an optional length scaling, overridable at evaluation time."""
+
+    def __init__(
+        self,
+        shape: AttentionShape,
+        base: float = 10000.0,
+        scaling: str = "none",
+        factor: float | None = None,
+        beta_fast: float = 32.0,
+        beta_slow: float = 1.0,
+    ):
+        super().__init__(shape)
+        if shape.head_dim % 2:
+            raise ConfigError(f"RoPE rotates pairs of dimensions: head dim {shape.head_dim} must be even")
+        if scaling not in SCALINGS:
+            raise ConfigError(f"pe.scaling must be one of {', '.join(SCALINGS)}; got {scaling!r}")
+        self.base, self.scaling, self.factor = base, scaling, factor
+        self.beta_fast, self.beta_slow = beta_fast, beta_slow
+        self.register_buffer("rotations", torch.empty(0, shape.head_dim // 2, dtype=torch.complex64), persistent=False)
+        self._cache_key: tuple | None = None
+
+    def factor_for(self, length: int) -> float:
+        """The scaling factor s used for a sequence of ``length`` tokens."""
+        if self.factor is not None:
+            return float(self.factor)
+        if self.scaling == "dynamic_ntk":
+            return 1.0
+        return max(1.0, length / self.shape.train_len)
+
+    def frequencies(self, length: int) -> tuple[torch.Tensor, float]:
+        return rope_frequencies(
+            self.shape.head_dim,
+            self.base,
+            self.scaling,
+            self.factor_for(length),
+            length,
+            self.shape.train_len,
+            self.beta_fast,
+            self.beta_slow,
+        )
+
+    def _rotations(self, length: int, device: torch.device) -> torch.Tensor:
+        """(length, d_head/2) complex64 table e^{i p theta_t}, built once per (length, scaling) in fp32+."""
+        key = (length, self.base, self.scaling, self.factor_for(length), self.beta_fast, self.beta_slow)
+        if key != self._cache_key or self.rotations.device != device:
+            inv_freq, attention_factor = self.frequencies(length)
+            angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
+            magnitude = torch.full_like(angles, attention_factor)
+            self.rotations = torch.polar(magnitude, angles).to(device=device, dtype=torch.complex64)
+            self._cache_key = key
+        return self.rotations
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rotations = self._rotations(q.size(-2), q.device)  # (L, d_head/2)
+        return _rotate(q, rotations), _rotate(k, rotations)
+
+    def describe(self) -> dict:
+        return {"name": "RoPE", "base": self.base, "scaling": self.scaling, "factor": self.factor}
+
+
+def _rotate(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2).contiguous())  # (B, H, L, d/2)
+    return torch.view_as_real(pairs * rotations).flatten(-2).type_as(x)
