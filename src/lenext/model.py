@@ -34,6 +34,17 @@ def fused_mask_with_causal(device_type: str) -> bool:
     return True
 
 
+def _sdpa_keep_mask(q, k, v, **kwargs) -> torch.Tensor:
+    """SDPA with the additive mask kept in its own dtype (fp32 for ALiBi), also under autocast.
+
+    Autocast (and a cast to q's dtype) would round the mask to bf16, whose 8-bit mantissa loses
+    ALiBi's key offsets m * (j - anchor) beyond 256 positions: logit errors of order 1 at long lengths.
+    SDPA accepts an fp32 mask with bf16 q, k, v.
+    """
+    with torch.autocast(q.device.type, enabled=False):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 def causal_attention(q, k, v, pe: PositionalEncoding, layer: int) -> torch.Tensor:
     """Causal attention with the PE's score bias, on the cheapest path that is exact.
 
@@ -47,7 +58,7 @@ def causal_attention(q, k, v, pe: PositionalEncoding, layer: int) -> torch.Tenso
         bias = pe.score_bias(q, layer, 0, length)
         # The fused kernel takes a mask with is_causal only when the mask needs no gradient (ALiBi).
         if not bias.requires_grad and fused_mask_with_causal(q.device.type):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=True)
+            return _sdpa_keep_mask(q, k, v, attn_mask=bias, is_causal=True)
     blocks = []
     for start in range(0, length, rows):  # query blocks attend to keys [0, end): memory O(rows * L)
         end = min(start + rows, length)
@@ -59,7 +70,7 @@ def causal_attention(q, k, v, pe: PositionalEncoding, layer: int) -> torch.Tenso
             probs = scores.softmax(-1).to(q.dtype)  # (B, H, rows, end)
             blocks.append(probs @ v_seen + pe.value_term(probs, layer, start, end))
         else:
-            blocks.append(F.scaled_dot_product_attention(q_block, k_seen, v_seen, attn_mask=mask.to(q.dtype)))
+            blocks.append(_sdpa_keep_mask(q_block, k_seen, v_seen, attn_mask=mask))
     return torch.cat(blocks, dim=2)
 
 

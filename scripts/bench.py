@@ -1,0 +1,483 @@
+"""Benchmark the positional encodings on the small model (DESIGN.md section 7).
+
+Measures, in one run:
+
+1. training throughput (tokens/s) at L=512, batch 8, one AdamW step per iteration, for every PE on
+   the same model size and the same random batch; the PEs are interleaved round-robin across
+   repetitions and the median is taken, so the ratios vs NoPE are measured side by side;
+2. one forward pass of the whole model (eval, no_grad, batch 1, chunked-logit NLL) at
+   L = 512 .. 16384: wall time and peak extra memory (peak RSS minus RSS just before the forward),
+   each (PE, L) in a fresh subprocess so peaks do not leak from one measurement into the next;
+3. Shaw attention at L=2048: forward+backward of lenext's gather path vs the naive
+   (L, L, d_head) einsum reference.
+
+Usage:
+    .venv/bin/python scripts/bench.py                   # fp32, writes docs/bench.md (~15 min)
+    .venv/bin/python scripts/bench.py --precision bf16  # writes docs/bench-bf16.md
+    .venv/bin/python scripts/bench.py --quick           # smoke test, ~1-2 min
+"""
+
+import argparse
+import contextlib
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lenext import pe as pes
+from lenext.errors import LengthNotSupported
+from lenext.model import Decoder, causal_attention
+
+REPO = Path(__file__).resolve().parent.parent
+
+PE_FACTORIES = {
+    "nope": pes.NoPE,
+    "sinusoidal": pes.Sinusoidal,
+    "learned": pes.Learned,
+    "shaw": pes.ShawRelative,
+    "t5": pes.T5Bias,
+    "rope": pes.RoPE,
+    "rope_ntk": functools.partial(pes.RoPE, scaling="ntk"),
+    "alibi": pes.ALiBi,
+}
+PE_NAMES = list(PE_FACTORIES)
+TARGETS = {"rope": 0.95, "alibi": 0.9, "t5": 0.8, "shaw": 0.7}  # training throughput vs nope
+
+SMALL = dict(vocab_size=8192, d_model=256, n_layers=6, n_heads=8)
+TRAIN_LEN = 512
+BATCH = 8
+SEED = 0
+
+
+def precision_context(precision: str):
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def build_model(name: str, train_len: int = TRAIN_LEN) -> Decoder:
+    torch.manual_seed(SEED)
+    return Decoder(train_len=train_len, pe=PE_FACTORIES[name], **SMALL)
+
+
+def random_batch(batch: int, length: int, seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, SMALL["vocab_size"], (batch, length + 1), generator=generator)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Training throughput
+
+
+def train_step(net, optimizer, tokens, targets, precision):
+    with precision_context(precision):
+        loss = net.token_nll(tokens, targets).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def bench_training(precision, length, batch, warmup, steps, reps, log):
+    tokens, targets = random_batch(batch, length)
+    setups = {}
+    for name in PE_NAMES:
+        net = build_model(name).train()
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
+        start = time.perf_counter()
+        for _ in range(warmup):
+            loss = train_step(net, optimizer, tokens, targets, precision)
+        log(f"  warmup {name:<10} {warmup} steps, {time.perf_counter() - start:6.1f} s, loss {loss:.3f}")
+        setups[name] = (net, optimizer)
+    rates = {name: [] for name in PE_NAMES}
+    for rep in range(reps):
+        order = PE_NAMES[rep % len(PE_NAMES):] + PE_NAMES[: rep % len(PE_NAMES)]  # rotate the start
+        for name in order:
+            net, optimizer = setups[name]
+            start = time.perf_counter()
+            for _ in range(steps):
+                train_step(net, optimizer, tokens, targets, precision)
+            rates[name].append(steps * batch * length / (time.perf_counter() - start))
+        log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{n} {rates[n][-1]:.0f}" for n in PE_NAMES))
+    results = {}
+    for name in PE_NAMES:
+        # Ratio: median over repetitions of (this PE / nope in the same repetition), i.e. paired.
+        paired = [r / n for r, n in zip(rates[name], rates["nope"])]
+        results[name] = {
+            "tokens_per_s": statistics.median(rates[name]),
+            "ratio": statistics.median(paired),
+            "ratio_min": min(paired),
+            "ratio_max": max(paired),
+            "rates": rates[name],
+        }
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Forward pass of the whole model, one (PE, length) per subprocess
+
+
+def _proc_status(field: str) -> int:
+    """A /proc/self/status field in KiB."""
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+)", f.read(), re.M).group(1))
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def forward_worker(spec: dict) -> dict:
+    name, length, precision, repeats = spec["pe"], spec["length"], spec["precision"], spec["repeats"]
+    net = build_model(name).eval()
+    tokens, targets = random_batch(1, length)
+    with torch.no_grad(), precision_context(precision):
+        warm_tokens, warm_targets = random_batch(1, 64)
+        net.token_nll(warm_tokens, warm_targets)  # kernels, oneDNN primitives, lazy init
+        rss_before = _proc_status("VmRSS")
+        peak_reset = _reset_peak_rss()
+        maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        times = []
+        try:
+            for _ in range(repeats):
+                start = time.perf_counter()
+                nll = net.token_nll(tokens, targets)
+                times.append(time.perf_counter() - start)
+        except LengthNotSupported as error:
+            return {"status": "n/a", "reason": f"LengthNotSupported: {error}"}
+    if peak_reset:
+        peak = _proc_status("VmHWM")
+        method = "VmHWM"
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        method = "ru_maxrss" + (" (lower bound: earlier peak)" if maxrss_before > rss_before else "")
+    return {
+        "status": "ok",
+        "ms": 1000 * min(times),
+        "ms_first": 1000 * times[0],
+        "extra_mb": max(0, peak - rss_before) / 1024,
+        "rss_before_mb": rss_before / 1024,
+        "peak_method": method,
+        "mean_nll": float(nll.mean()),
+    }
+
+
+def run_forward_subprocess(name, length, precision, repeats, timeout):
+    spec = {"pe": name, "length": length, "precision": precision, "repeats": repeats}
+    command = [sys.executable, str(Path(__file__).resolve()), "--_forward-worker", json.dumps(spec)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "reason": f"timeout after {timeout} s"}
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+        reason = "killed (out of memory?)" if done.returncode < 0 else tail[0]
+        return {"status": "error", "reason": f"exit {done.returncode}: {reason}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_forward(precision, lengths, timeout, log):
+    results = {}
+    for length in lengths:
+        repeats = 3 if length <= 2048 else 1
+        for name in PE_NAMES:
+            start = time.perf_counter()
+            result = run_forward_subprocess(name, length, precision, repeats, timeout)
+            results[(name, length)] = result
+            if result["status"] == "ok":
+                detail = f"{result['ms']:9.1f} ms  {result['extra_mb']:8.1f} MB extra"
+            else:
+                detail = f"{result['status']}: {result['reason'][:80]}"
+            log(f"  forward {name:<10} L={length:<6} {detail}   ({time.perf_counter() - start:.1f} s wall)")
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Shaw attention: lenext gather path vs naive (L, L, d_head) einsum
+
+
+def naive_shaw_attention(q, k, v, table, clip):
+    """Reference: rel = table[clip(j - i) + k] -> (L, L, d); scores = q k^T + einsum(q, rel)."""
+    length, head_dim = q.size(-2), q.size(-1)
+    positions = torch.arange(length)
+    offsets = (positions[None, :] - positions[:, None]).clamp(-clip, clip) + clip  # (L, L), j - i
+    rel = table[offsets]  # (L, L, d)
+    scores = q @ k.transpose(-2, -1) + torch.einsum("bhid,ijd->bhij", q, rel)
+    scores = scores / math.sqrt(head_dim)
+    future = torch.ones(length, length, dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    return scores.float().softmax(-1).to(v.dtype) @ v
+
+
+def bench_shaw(precision, length, reps, log, heads=8, head_dim=64, clip=16):
+    shape = pes.AttentionShape(d_model=heads * head_dim, n_heads=heads, n_layers=1, train_len=length)
+    torch.manual_seed(SEED)
+    pe = pes.ShawRelative(shape, k=clip)
+    q, k, v = (torch.randn(1, heads, length, head_dim, requires_grad=True) for _ in range(3))
+    inputs = [q, k, v, pe.key_table]
+
+    def lenext_path():
+        return causal_attention(q, k, v, pe, 0)
+
+    def naive_path():
+        return naive_shaw_attention(q, k, v, pe.key_table[0], clip)
+
+    def fwd_bwd(fn):
+        for tensor in inputs:
+            tensor.grad = None
+        start = time.perf_counter()
+        with precision_context(precision):
+            out = fn()
+        out.float().sum().backward()
+        elapsed = time.perf_counter() - start
+        return elapsed, out.detach().float(), [t.grad.detach().clone() for t in inputs]
+
+    # Correctness check and warmup.
+    _, out_lenext, grads_lenext = fwd_bwd(lenext_path)
+    _, out_naive, grads_naive = fwd_bwd(naive_path)
+    max_out_err = (out_lenext - out_naive).abs().max().item()
+    max_grad_err = max((a - b).abs().max().item() for a, b in zip(grads_lenext, grads_naive))
+    times = {"lenext": [], "naive": []}
+    for rep in range(reps):  # interleaved
+        times["lenext"].append(fwd_bwd(lenext_path)[0])
+        times["naive"].append(fwd_bwd(naive_path)[0])
+        log(f"  shaw rep {rep + 1}/{reps}: lenext {1000 * times['lenext'][-1]:.0f} ms, "
+            f"naive {1000 * times['naive'][-1]:.0f} ms")
+    lenext_ms = 1000 * statistics.median(times["lenext"])
+    naive_ms = 1000 * statistics.median(times["naive"])
+    return {
+        "length": length, "heads": heads, "head_dim": head_dim, "k": clip,
+        "lenext_ms": lenext_ms, "naive_ms": naive_ms, "speedup": naive_ms / lenext_ms,
+        "max_out_err": max_out_err, "max_grad_err": max_grad_err,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Contention: CPU time that other processes took while a section ran
+
+
+class CpuMeter:
+    """Busy CPU seconds of the whole machine minus those of this process and its waited-for children."""
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample():
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # user..steal
+        t = os.times()
+        own = t.user + t.system + t.children_user + t.children_system
+        return time.perf_counter(), busy, own
+
+    def stop(self) -> dict:
+        (w0, b0, o0), (w1, b1, o1) = self.start, self._sample()
+        wall = w1 - w0
+        foreign = max(0.0, (b1 - b0) - (o1 - o0))
+        return {"wall_s": wall, "own_cpu_s": o1 - o0, "foreign_cpu_s": foreign,
+                "foreign_cores": foreign / wall if wall > 0 else 0.0}
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+
+
+def machine_info(precision: str) -> dict:
+    cpu = "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        match = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+        cpu = match.group(1).strip() if match else cpu
+    flags = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        match = re.search(r"^flags\s*:\s*(.+)$", f.read(), re.M)
+        if match:
+            wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+            flags = " ".join(flag for flag in match.group(1).split() if flag in wanted)
+    return {
+        "cpu": cpu,
+        "cpu_flags": flags,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "precision": precision,
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+    }
+
+
+def render(info, settings, training, forward, lengths, shaw, elapsed) -> str:
+    lines = ["# lenext benchmark", ""]
+    lines += [
+        f"- CPU: {info['cpu']} ({info['cores']} cores; torch threads {info['torch_threads']}; "
+        f"flags: {info['cpu_flags'] or 'n/a'})",
+        f"- torch {info['torch']}, Python {info['python']}",
+        f"- precision: {info['precision']}"
+        + (" (torch.autocast('cpu', dtype=torch.bfloat16))" if info["precision"] == "bf16" else ""),
+        f"- date: {info['date']}",
+        f"- command: `{settings['command']}`",
+        f"- total run time: {elapsed / 60:.1f} min",
+        "- CPU taken by other processes while each section ran (cores busy on average, out of "
+        f"{info['cores']}): " + ", ".join(f"{k} {v['foreign_cores']:.2f}" for k, v in settings["contention"].items())
+        + (" -- **the machine was shared; absolute numbers are pessimistic and noisy**"
+           if max(v["foreign_cores"] for v in settings["contention"].values()) > 0.2 else ""),
+        "",
+        "## Training throughput",
+        "",
+        f"Small model ({SMALL['n_layers']} layers, d_model {SMALL['d_model']}, {SMALL['n_heads']} heads, "
+        f"vocab {SMALL['vocab_size']}), L={settings['train_length']}, batch {settings['train_batch']}, "
+        "one step = forward `token_nll().mean()`, backward, AdamW step, zero_grad; same random batch for "
+        f"every PE. {settings['warmup']} warmup steps per PE, then {settings['reps']} repetitions "
+        f"round-robin over the PEs of {settings['steps']} timed steps each. tokens/s: median over "
+        "repetitions; ratio: median over repetitions of (PE / nope in the same repetition), "
+        "with the min-max range.",
+        "",
+        "| PE | tokens/s | ratio vs nope | range | target | meets |",
+        "|---|---:|---:|---|---:|---|",
+    ]
+    for name in PE_NAMES:
+        row = training[name]
+        target = TARGETS.get(name)
+        meets = "" if target is None else ("yes" if row["ratio"] >= target else "**no**")
+        lines.append(
+            f"| {name} | {row['tokens_per_s']:.0f} | {row['ratio']:.3f} | "
+            f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f} | "
+            f"{'' if target is None else f'>= {target}'} | {meets} |"
+        )
+    lines += [
+        "",
+        "## Forward pass (whole model, eval, no_grad, batch 1)",
+        "",
+        "One `token_nll` forward (logits in chunks of 1024) per cell, each (PE, L) in a fresh process "
+        "after a warmup forward at L=64. Cell: wall ms / peak extra MB (peak RSS during the forward "
+        "minus RSS just before it). Time: min of 3 runs for L <= 2048, a single run above.",
+        "",
+        "| PE | " + " | ".join(f"L={length}" for length in lengths) + " |",
+        "|---|" + "---:|" * len(lengths),
+    ]
+    for name in PE_NAMES:
+        cells = []
+        for length in lengths:
+            result = forward[(name, length)]
+            if result["status"] == "ok":
+                cells.append(f"{result['ms']:.0f} ms / {result['extra_mb']:.0f} MB")
+            elif result["status"] == "n/a":
+                cells.append("n/a (LengthNotSupported)")
+            else:
+                cells.append(f"error: {result['reason'][:60]}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    methods = {r.get("peak_method") for r in forward.values() if r["status"] == "ok"}
+    lines += ["", f"Peak measured with: {', '.join(sorted(methods)) or 'n/a'}."]
+    lines += [
+        "",
+        "## Shaw attention: lenext vs naive einsum",
+        "",
+        f"Attention alone at L={shaw['length']} (B=1, H={shaw['heads']}, d_head={shaw['head_dim']}, "
+        f"k={shaw['k']}), forward+backward, median of {settings['shaw_reps']} interleaved runs: "
+        f"lenext `causal_attention` with `ShawRelative` {shaw['lenext_ms']:.0f} ms vs naive "
+        f"(L, L, d_head) einsum {shaw['naive_ms']:.0f} ms: **{shaw['speedup']:.1f}x speedup** "
+        f"(max |diff| output {shaw['max_out_err']:.1e}, gradients {shaw['max_grad_err']:.1e}).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke test (~1-2 min)")
+    parser.add_argument("--out", type=Path, help="Markdown output (default docs/bench.md, docs/bench-bf16.md)")
+    parser.add_argument("--reps", type=int, help="training repetitions (round-robin over PEs)")
+    parser.add_argument("--steps", type=int, help="timed training steps per PE per repetition")
+    parser.add_argument("--warmup", type=int, help="warmup training steps per PE")
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], help="forward lengths")
+    parser.add_argument("--_forward-worker", dest="forward_worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.forward_worker:
+        print(json.dumps(forward_worker(json.loads(args.forward_worker))))
+        return
+
+    if args.quick:
+        settings = dict(train_length=TRAIN_LEN, train_batch=2, warmup=1, reps=2, steps=1,
+                        lengths=[512, 2048], shaw_reps=1)
+    else:
+        settings = dict(train_length=TRAIN_LEN, train_batch=BATCH, warmup=2, reps=5, steps=2,
+                        lengths=[512, 2048, 8192, 16384], shaw_reps=3)
+    for key in ("reps", "steps", "warmup", "lengths"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    settings["command"] = " ".join([Path(sys.executable).name, *sys.argv])
+    out = args.out or REPO / ("docs/bench-bf16.md" if args.precision == "bf16" else "docs/bench.md")
+
+    started = time.perf_counter()
+
+    def log(message):
+        print(f"[{time.perf_counter() - started:7.1f}s] {message}", flush=True)
+
+    info = machine_info(args.precision)
+    log(f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.precision}, "
+        f"settings {json.dumps({k: v for k, v in settings.items() if k != 'command'})}")
+
+    contention = settings["contention"] = {}
+
+    def measured(section, fn, *fn_args, **fn_kwargs):
+        log(section)
+        meter = CpuMeter()
+        result = fn(*fn_args, **fn_kwargs)
+        contention[section] = meter.stop()
+        log(f"  {section}: {contention[section]['wall_s']:.0f} s, other processes busy "
+            f"{contention[section]['foreign_cores']:.2f} cores on average")
+        return result
+
+    training = measured("training", bench_training, args.precision, settings["train_length"],
+                        settings["train_batch"], settings["warmup"], settings["steps"], settings["reps"], log)
+    forward = measured("forward", bench_forward, args.precision, settings["lengths"], timeout=900, log=log)
+    shaw = measured("shaw", bench_shaw, args.precision, 2048, settings["shaw_reps"], log)
+
+    text = render(info, settings, training, forward, settings["lengths"], shaw, time.perf_counter() - started)
+    write_atomic(out, text)
+    print()
+    print(text)
+    log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

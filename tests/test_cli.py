@@ -1,0 +1,47 @@
+"""The command line as a user types it: bad input ends in one clear line, before any work."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_train(tmp_path, *overrides, env=None):
+    environment = {**os.environ, "LENEXT_ROOT": str(tmp_path), **(env or {})}
+    environment.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides], capture_output=True, text=True,
+                          env=environment, timeout=300)
+
+
+def test_unknown_pe_lists_the_available_ones(tmp_path):
+    result = run_train(tmp_path, "pe=nonsense")
+    assert result.returncode != 0
+    assert "Available options in 'pe'" in result.stderr
+    for name in ("alibi", "rope", "shaw", "t5", "nope"):
+        assert name in result.stderr
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [("data.max_len=0", "data.max_len"), ("optim.lr=-1e-3", "optim.lr"), ("data.vocab_size=100", "data.vocab_size"),
+     ("model.n_heads=3", "model.n_heads"), ("pe=shaw", "pe.k")],
+)
+def test_invalid_values_fail_with_one_line_naming_the_key(tmp_path, override, key):
+    extra = ["pe.k=0"] if override == "pe=shaw" else []
+    result = run_train(tmp_path, override, *extra)
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.strip().splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / ".cache").exists()  # failed before reading or tokenizing the corpus
+
+
+def test_hub_corpus_offline_points_to_text_files(tmp_path):
+    result = run_train(tmp_path, "data=wikitext103", env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 1
+    assert "data=text_files" in result.stderr and "offline" in result.stderr
+    assert "Traceback" not in result.stderr

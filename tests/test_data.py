@@ -1,0 +1,124 @@
+"""Corpora, tokenizer, caches and windows."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import lenext.data
+from lenext.data import DocumentWindows, HubCorpus, LMDataModule, Sotu, TextFiles, TrainWindows
+from lenext.errors import DataError
+from tests.conftest import TEST_VOCAB
+
+
+def test_sotu_splits_are_disjoint_whole_documents_held_out_by_year():
+    corpus = Sotu()
+    docs = {split: corpus.documents(split) for split in ("train", "validation", "test")}
+    assert len(docs["train"]) > 150 and len(docs["validation"]) >= 20 and len(docs["test"]) >= 20
+    sets = {split: set(d) for split, d in docs.items()}
+    assert not sets["train"] & sets["validation"] and not sets["train"] & sets["test"]
+    assert not sets["validation"] & sets["test"]
+    assert [corpus.split_of(y) for y in (1795, 1800, 1801)] == ["validation", "test", "train"]
+
+
+def test_held_out_splits_keep_documents_long_enough_for_32x_evaluation(sotu_data):
+    # L_train 512 x 32 = 16k tokens must fit inside single validation and test documents.
+    for split in ("validation", "test"):
+        assert sum(len(d) > 16385 for d in sotu_data.splits[split]) >= 2
+
+
+@pytest.mark.parametrize("text", ["The Congress shall assemble.", "café — “quotes” 1,234.5\n\n  tabs\t", "日本"])
+def test_tokenizer_round_trips(sotu_data, text):
+    ids = sotu_data.tokenizer.encode(text).ids
+    assert sotu_data.tokenizer.decode(ids) == text
+    assert sotu_data.vocab_size == TEST_VOCAB
+
+
+def test_caches_are_reused_without_retraining(sotu_data, cache_dir, monkeypatch):
+    files = {os.path.join(d, f): os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(cache_dir) for f in fs}
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the tokenizer was trained again")
+
+    monkeypatch.setattr(lenext.data, "train_tokenizer", no_training)
+    again = LMDataModule(Sotu(), max_len=32, vocab_size=TEST_VOCAB, cache_dir=cache_dir)
+    again.load()
+    after = {os.path.join(d, f): os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(cache_dir) for f in fs}
+    assert after == files  # nothing rewritten: tokenized splits came from the datasets cache
+    for split in sotu_data.splits:
+        assert all(np.array_equal(a, b) for a, b in zip(again.splits[split], sotu_data.splits[split], strict=True))
+
+
+def test_documents_start_with_eos_and_train_stream_holds_only_train_tokens(sotu_data):
+    eos = sotu_data.tokenizer.token_to_id(lenext.data.EOS)
+    for docs in sotu_data.splits.values():
+        assert all(d[0] == eos and (d[1:] != eos).all() for d in docs)
+    stream = sotu_data.stream("train")
+    assert len(stream) == sum(len(d) for d in sotu_data.splits["train"])
+    assert (stream == eos).sum() == len(sotu_data.splits["train"])
+
+
+def test_train_windows_are_consecutive_slices_with_shifted_targets():
+    stream = np.arange(100, dtype=np.int32)
+    windows = TrainWindows(stream, 8)
+    assert len(windows) == 12  # (100 - 1) // 8
+    assert windows[0].tolist() == list(range(9)) and windows[11].tolist() == list(range(88, 97))
+
+
+def test_document_windows_stay_inside_one_document_and_score_each_token_once():
+    docs = [np.arange(0, 21, dtype=np.int32), np.arange(100, 105, dtype=np.int32), np.arange(200, 217, dtype=np.int32)]
+    windows = DocumentWindows(docs, 4)
+    targets = [tuple(w[1:].tolist()) for w in (windows[i] for i in range(len(windows)))]
+    # doc 0: 20 targets -> 5 windows; doc 1: 4 targets -> 1 window; doc 2: 16 targets -> 4 windows
+    assert len(windows) == 10
+    flat = [t for window in targets for t in window]
+    assert len(flat) == len(set(flat))  # each target token once
+    assert set(flat) == set(range(1, 21)) | set(range(101, 105)) | set(range(201, 217))
+    for i in range(len(windows)):
+        window = windows[i].tolist()
+        assert len({v // 100 for v in window}) == 1  # never crosses a document
+
+
+def test_text_files_corpus_reads_txt_and_jsonl_and_holds_out_round_robin(tmp_path):
+    for i in range(8):
+        (tmp_path / f"doc{i}.txt").write_text(f"document number {i} " * 5)
+    (tmp_path / "more.jsonl").write_text("\n".join(json.dumps({"text": f"line doc {i}"}) for i in range(4)))
+    corpus = TextFiles(str(tmp_path), holdout_every=4)
+    splits = {s: corpus.documents(s) for s in ("train", "validation", "test")}
+    assert [len(v) for v in splits.values()] == [6, 3, 3]
+    assert sum(splits.values(), []).count("line doc 0") == 1
+
+
+def test_empty_text_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(DataError, match="no .txt or .jsonl files"):
+        TextFiles(str(tmp_path)).documents("train")
+
+
+def test_hub_corpus_groups_wikitext_articles_from_a_local_dataset_of_the_same_schema(tmp_path):
+    lines = [" \n", " = Alpha = \n", " \n", " Alpha text . \n", " = = Section = = \n", " more alpha . \n",
+             " = Beta = \n", " Beta text . \n"]
+    files = {}
+    for split in ("train", "validation", "test"):
+        files[split] = str(tmp_path / f"{split}.jsonl")
+        with open(files[split], "w") as f:
+            f.writelines(json.dumps({"text": line}) + "\n" for line in lines)
+    corpus = HubCorpus("json", data_files=files, wikitext_articles=True)
+    articles = corpus.documents("validation")
+    assert len(articles) == 2
+    assert articles[0].startswith(" = Alpha = ") and "Section" in articles[0] and "more alpha" in articles[0]
+    assert articles[1] == " = Beta = \n Beta text . \n"
+
+
+def test_hub_corpus_one_document_per_row_as_in_pg19(tmp_path):
+    path = tmp_path / "books.jsonl"
+    path.write_text("\n".join(json.dumps({"short_book_title": f"B{i}", "text": f"book {i} text"}) for i in range(3)))
+    corpus = HubCorpus("json", data_files={"train": str(path)}, split_names={"validation": "train", "test": "train"})
+    assert corpus.documents("test") == ["book 0 text", "book 1 text", "book 2 text"]
+
+
+def test_corpus_with_an_empty_split_fails_before_tokenizing(tmp_path):
+    (tmp_path / "only.txt").write_text("just one document")
+    data = LMDataModule(TextFiles(str(tmp_path), holdout_every=3), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match="no validation documents"):
+        data.load()

@@ -1,0 +1,689 @@
+"""Positional encodings against DESIGN.md section 3: worked examples, independent references, oracles.
+
+Every reference here is written independently of ``lenext.pe`` (plain loops, float64, the papers'
+rules) or taken from ``transformers`` (RoPE scalings, T5 buckets). Models are tiny: the whole
+file runs in seconds on two CPU cores.
+"""
+
+import math
+from functools import partial
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import lenext.model as model_module
+from lenext.errors import LengthNotSupported
+from lenext.model import Decoder, causal_attention
+from lenext.pe import (
+    SCALINGS,
+    ALiBi,
+    AttentionShape,
+    Learned,
+    NoPE,
+    RoPE,
+    ShawRelative,
+    Sinusoidal,
+    T5Bias,
+    alibi_slopes,
+    rope_frequencies,
+    sinusoidal_table,
+    t5_bucket,
+)
+
+VOCAB, TRAIN_LEN = 97, 16
+
+# Every PE the decoder can hold, with settings that exercise the interesting paths
+# (Shaw clipped below the sequence length, YaRN with a real factor).
+PES = {
+    "nope": NoPE,
+    "sinusoidal": Sinusoidal,
+    "learned": Learned,
+    "rope": RoPE,
+    "rope_yarn": partial(RoPE, scaling="yarn", factor=4.0),
+    "alibi": ALiBi,
+    "t5": T5Bias,
+    "shaw": partial(ShawRelative, k=4),
+    "shaw_value": partial(ShawRelative, k=4, value_term=True),
+}
+
+
+def tiny_decoder(pe, seed: int = 0) -> Decoder:
+    torch.manual_seed(seed)
+    net = Decoder(vocab_size=VOCAB, train_len=TRAIN_LEN, pe=pe, d_model=32, n_layers=2, n_heads=4)
+    # Learned PE tables start at 0.02: make them large enough that a wrong position would show.
+    with torch.no_grad():
+        for name, param in net.pe.named_parameters():
+            param.normal_(std=0.5)
+    return net.eval()
+
+
+def tokens(length: int, batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------------------------
+# Sinusoidal
+# --------------------------------------------------------------------------------------------
+
+
+def test_sinusoidal_worked_example():
+    """Seed 000: p = 2, d = 4 -> (sin 2, cos 2, sin 0.02, cos 0.02)."""
+    expected = torch.tensor([math.sin(2), math.cos(2), math.sin(0.02), math.cos(0.02)])
+    assert_close(sinusoidal_table(3, 4)[2], expected)
+
+
+@pytest.mark.parametrize("length, dim", [(1, 2), (7, 4), (50, 32), (300, 64)])
+def test_sinusoidal_table_matches_formula(length, dim):
+    expected = torch.empty(length, dim, dtype=torch.float64)
+    for p in range(length):
+        for t in range(dim // 2):
+            angle = p / 10000 ** (2 * t / dim)
+            expected[p, 2 * t], expected[p, 2 * t + 1] = math.sin(angle), math.cos(angle)
+    assert_close(sinusoidal_table(length, dim), expected.float())
+
+
+def test_sinusoidal_module_adds_the_table_and_grows_its_cache():
+    pe = Sinusoidal(AttentionShape(d_model=8, n_heads=2, n_layers=1, train_len=4))
+    for length in (5, 20, 3):  # grow, then shrink: the cached table must still be sliced right
+        x = torch.randn(2, length, 8)
+        assert_close(pe.embed(x), x + sinusoidal_table(length, 8))
+
+
+# --------------------------------------------------------------------------------------------
+# RoPE: worked example, relative property, explicit rotation reference
+# --------------------------------------------------------------------------------------------
+
+
+def rope_at(pe: RoPE, q: torch.Tensor, m: int, k: torch.Tensor, n: int, length: int) -> torch.Tensor:
+    """q placed at row m, k at row n of a (1, 1, length, d) tensor; returns rotated q_m . k_n (float64)."""
+    dim = q.numel()
+    qs, ks = torch.zeros(1, 1, length, dim), torch.zeros(1, 1, length, dim)
+    qs[0, 0, m], ks[0, 0, n] = q, k
+    qr, kr = pe.rotate(qs, ks)
+    return qr[0, 0, m].double() @ kr[0, 0, n].double()
+
+
+def test_rope_worked_example():
+    """Seed 001: interleaved pairs, d = 4, q at m = 2, k at n = 5 -> q.k = 0.3683 (exact 0.368307...)."""
+    pe = RoPE(AttentionShape(d_model=4, n_heads=1, n_layers=1, train_len=8))
+    q, k = torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([0.5, 0.6, 0.7, 0.8])
+    qs, ks = torch.zeros(1, 1, 6, 4), torch.zeros(1, 1, 6, 4)
+    qs[0, 0, 2], ks[0, 0, 5] = q, k
+    qr, kr = pe.rotate(qs, ks)
+    assert_close(qr[0, 0, 2], torch.tensor([-0.2235, 0.0077, 0.2919, 0.4059]), atol=2e-4, rtol=0)
+    dot = (qr[0, 0, 2] @ kr[0, 0, 5]).item()
+    assert dot == pytest.approx(0.368307, abs=2e-5)
+    assert round(dot, 4) == 0.3683
+    # Depends only on n - m = 3: the same pair at m = 0, n = 3 gives the same score.
+    assert rope_at(pe, q, 0, k, 3, 6).item() == pytest.approx(dot, abs=1e-6)
+
+
+def rope_reference(x: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float) -> torch.Tensor:
+    """Interleaved-pair rotation written as explicit 2x2 matrices, float64. x: (..., L, d)."""
+    x = x.double()
+    out = torch.empty_like(x)
+    position = torch.arange(x.size(-2), dtype=torch.float64)[:, None]
+    angle = position * inv_freq.double()[None, :]  # (L, d/2)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = even * sin + odd * cos
+    return out * attention_factor
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("factor", [None, 2.0, 4.0])
+def test_rope_rotate_matches_explicit_rotation(scaling, factor):
+    shape = AttentionShape(d_model=32, n_heads=2, n_layers=1, train_len=8)
+    pe = RoPE(shape, scaling=scaling, factor=factor)
+    for length in (8, 40):
+        q, k = torch.randn(2, 2, length, 16), torch.randn(2, 2, length, 16)
+        s = pe.factor_for(length)
+        inv_freq, attention = rope_frequencies(16, 10000.0, scaling, s, length, 8)
+        qr, kr = pe.rotate(q, k)
+        assert_close(qr.double(), rope_reference(q, inv_freq, attention), atol=2e-5, rtol=1e-5)
+        assert_close(kr.double(), rope_reference(k, inv_freq, attention), atol=2e-5, rtol=1e-5)
+
+
+RELATIVE_PAIRS = [(0, 3), (2, 5), (7, 10), (20, 23), (60, 63)]  # n - m = 3, also far beyond train_len = 8
+
+
+@pytest.mark.parametrize(
+    "scaling, factor",
+    [("none", None), ("linear", 4.0), ("ntk", 4.0), ("dynamic_ntk", 2.0), ("yarn", 4.0), ("yarn", 16.0)],
+)
+@pytest.mark.parametrize("gap", [0, 3, 11])
+def test_rope_score_depends_only_on_relative_position(scaling, factor, gap):
+    pe = RoPE(AttentionShape(d_model=32, n_heads=2, n_layers=1, train_len=8), scaling=scaling, factor=factor)
+    torch.manual_seed(gap)
+    q, k = torch.randn(16), torch.randn(16)
+    length = 64  # fixed, so dynamic NTK uses one base for every pair
+    scores = torch.stack([rope_at(pe, q, m, k, m + gap, length) for m in (0, 2, 7, 20, 52)])
+    assert_close(scores, scores[:1].expand_as(scores), atol=2e-5, rtol=1e-5)
+    # ... and does depend on the gap (otherwise the property holds vacuously).
+    other = rope_at(pe, q, 0, k, gap + 1, length)
+    assert abs(other - scores[0]) > 1e-4
+
+
+# --------------------------------------------------------------------------------------------
+# RoPE scalings: transformers oracles, factor 1 identity, factor for a length
+# --------------------------------------------------------------------------------------------
+
+
+def hf_config(dim: int, base: float, train_len: int, rope_parameters: dict):
+    transformers = pytest.importorskip("transformers")
+    heads = 2
+    return transformers.LlamaConfig(
+        hidden_size=heads * dim,
+        num_attention_heads=heads,
+        max_position_embeddings=train_len,
+        rope_parameters={"rope_theta": base, **rope_parameters},
+    )
+
+
+def hf_rope():
+    pytest.importorskip("transformers")
+    from transformers import modeling_rope_utils
+
+    return modeling_rope_utils
+
+
+ORACLE_GRID = pytest.mark.parametrize("dim", [16, 64, 128])
+BASES = pytest.mark.parametrize("base", [10000.0, 500000.0])
+FACTORS = pytest.mark.parametrize("factor", [2.0, 4.0, 8.0, 16.0])
+TRAIN_LENS = (16, 512, 4096)
+
+
+@ORACLE_GRID
+@BASES
+@FACTORS
+def test_linear_scaling_matches_transformers(dim, base, factor):
+    hf = hf_rope()
+    for train_len in TRAIN_LENS:
+        config = hf_config(dim, base, train_len, {"rope_type": "linear", "factor": factor})
+        expected, expected_attention = hf._compute_linear_scaling_rope_parameters(config)
+        got, attention = rope_frequencies(dim, base, "linear", factor, 4 * train_len, train_len)
+        assert got.dtype == torch.float64
+        assert_close(got.float(), expected, rtol=1e-5, atol=0)
+        assert attention == expected_attention == 1.0
+
+
+@ORACLE_GRID
+@BASES
+@FACTORS
+def test_dynamic_ntk_matches_transformers(dim, base, factor):
+    hf = hf_rope()
+    for train_len in TRAIN_LENS:
+        config = hf_config(dim, base, train_len, {"rope_type": "dynamic", "factor": factor})
+        for length in (train_len // 2, train_len, train_len + 1, 3 * train_len, 8 * train_len):
+            expected, _ = hf._compute_dynamic_ntk_parameters(config, seq_len=length)
+            got, attention = rope_frequencies(dim, base, "dynamic_ntk", factor, length, train_len)
+            assert_close(got.float(), expected, rtol=1e-5, atol=0)
+            assert attention == 1.0
+
+
+@ORACLE_GRID
+@BASES
+@FACTORS
+def test_static_ntk_matches_transformers_dynamic_at_factor_times_train_len(dim, base, factor):
+    """Static NTK with factor s is HF's dynamic NTK with factor 1 at seq_len = s * L_train."""
+    hf = hf_rope()
+    for train_len in TRAIN_LENS:
+        config = hf_config(dim, base, train_len, {"rope_type": "dynamic", "factor": 1.0})
+        expected, _ = hf._compute_dynamic_ntk_parameters(config, seq_len=int(factor * train_len))
+        got, attention = rope_frequencies(dim, base, "ntk", factor, 7, train_len)  # length is irrelevant
+        assert_close(got.float(), expected, rtol=1e-5, atol=0)
+        assert attention == 1.0
+        # DESIGN.md: base' = base * s^(d/(d-2)).
+        formula = (base * factor ** (dim / (dim - 2))) ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        assert_close(got, formula, rtol=1e-12, atol=0)
+
+
+@ORACLE_GRID
+@BASES
+@FACTORS
+def test_yarn_matches_transformers(dim, base, factor):
+    hf = hf_rope()
+    for train_len in TRAIN_LENS:
+        config = hf_config(
+            dim, base, train_len,
+            {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": train_len},
+        )
+        expected, expected_attention = hf._compute_yarn_parameters(config)
+        got, attention = rope_frequencies(dim, base, "yarn", factor, 4 * train_len, train_len)
+        assert_close(got.float(), expected, rtol=1e-5, atol=0)
+        assert attention == pytest.approx(expected_attention, rel=1e-12)
+        assert attention == pytest.approx(0.1 * math.log(factor) + 1.0, rel=1e-12)
+
+
+def test_yarn_ramp_direction():
+    """High-frequency dims keep the original frequency, low-frequency dims are interpolated (not inverted)."""
+    none, _ = rope_frequencies(128, 10000.0, "none", 1.0, 2048, 2048)
+    yarn, _ = rope_frequencies(128, 10000.0, "yarn", 8.0, 8192, 2048)
+    assert_close(yarn[:4], none[:4], rtol=1e-12, atol=0)
+    assert_close(yarn[-4:], none[-4:] / 8.0, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("dim, base, train_len", [(16, 10000.0, 16), (64, 10000.0, 512), (128, 500000.0, 4096)])
+def test_factor_one_is_identity(scaling, dim, base, train_len):
+    expected, _ = rope_frequencies(dim, base, "none", 1.0, train_len, train_len)
+    got, attention = rope_frequencies(dim, base, scaling, 1.0, train_len, train_len)
+    assert_close(got, expected, rtol=1e-12, atol=0)
+    assert attention == 1.0
+
+
+@pytest.mark.parametrize("scaling", ["linear", "ntk", "yarn", "dynamic_ntk"])
+def test_rope_factor_none_is_identity_at_train_len_and_scales_beyond(scaling):
+    shape = AttentionShape(d_model=32, n_heads=2, n_layers=1, train_len=16)
+    plain, scaled = RoPE(shape), RoPE(shape, scaling=scaling, factor=None)
+    q, k = torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16)
+    for got, expected in zip(scaled.rotate(q, k), plain.rotate(q, k), strict=True):
+        assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+    long = 4 * 16
+    if scaling == "dynamic_ntk":  # dynamic NTK grows its base with the length itself; s defaults to 1
+        assert scaled.factor_for(long) == 1.0
+        assert scaled.factor_for(16) == 1.0
+    else:
+        assert scaled.factor_for(long) == 4.0
+        assert scaled.factor_for(16) == 1.0
+        assert scaled.factor_for(8) == 1.0  # never compresses below the training length
+    expected_freq, expected_attention = rope_frequencies(16, 10000.0, scaling, scaled.factor_for(long), long, 16)
+    freq, attention = scaled.frequencies(long)
+    assert_close(freq, expected_freq, rtol=0, atol=0)
+    assert attention == expected_attention
+    # ... and the rotation at that length really differs from the unscaled one.
+    q, k = torch.randn(1, 2, long, 16), torch.randn(1, 2, long, 16)
+    assert not torch.allclose(scaled.rotate(q, k)[0], plain.rotate(q, k)[0], atol=1e-3)
+    assert_close(scaled.rotate(q, k)[0].double(), rope_reference(q, expected_freq, expected_attention),
+                 atol=2e-5, rtol=1e-5)
+
+
+def test_rope_cache_follows_length_and_overrides():
+    """Rotations are cached per (length, scaling): switching scaling or factor at eval must take effect."""
+    shape = AttentionShape(d_model=16, n_heads=1, n_layers=1, train_len=8)
+    pe = RoPE(shape)
+    q = torch.randn(1, 1, 32, 16)
+    pe.rotate(q, q)
+    pe.scaling, pe.factor = "linear", 4.0  # eval-time override, as `pe.scaling=... pe.factor=...` does
+    inv_freq, _ = rope_frequencies(16, 10000.0, "linear", 4.0, 32, 8)
+    assert_close(pe.rotate(q, q)[0].double(), rope_reference(q, inv_freq, 1.0), atol=2e-5, rtol=1e-5)
+    inv_freq, _ = rope_frequencies(16, 10000.0, "linear", 4.0, 10, 8)
+    assert_close(pe.rotate(q[:, :, :10], q[:, :, :10])[0].double(), rope_reference(q[:, :, :10], inv_freq, 1.0),
+                 atol=2e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# T5 buckets and ALiBi slopes
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_buckets, max_distance", [(32, 128), (16, 64), (64, 256), (8, 20), (2, 8)])
+def test_t5_buckets_match_transformers(num_buckets, max_distance):
+    pytest.importorskip("transformers")
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    distance = torch.arange(0, 10001)
+    expected = T5Attention._relative_position_bucket(
+        relative_position=-distance, bidirectional=False, num_buckets=num_buckets, max_distance=max_distance
+    )
+    got = t5_bucket(distance, num_buckets, max_distance)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # Future keys (negative distance) share bucket 0, as in T5's causal buckets.
+    assert (t5_bucket(-torch.arange(1, 50), num_buckets, max_distance) == 0).all()
+
+
+def t5_bucket_reference(n: int, num_buckets: int = 32, max_distance: int = 128) -> int:
+    """DESIGN.md: bucket = n if n < B/2 else min(B-1, B/2 + floor(ln(n/(B/2)) / ln(D/(B/2)) * (B - B/2)))."""
+    n = max(n, 0)
+    exact = num_buckets // 2
+    if n < exact:
+        return n
+    return min(num_buckets - 1, exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact)))
+
+
+def test_t5_bucket_formula_spot_values():
+    got = t5_bucket(torch.tensor([0, 1, 15, 16, 17, 31, 32, 64, 100, 127, 128, 10**6]), 32, 128)
+    expected = [t5_bucket_reference(int(n)) for n in (0, 1, 15, 16, 17, 31, 32, 64, 100, 127, 128, 10**6)]
+    assert got.tolist() == expected
+    assert expected[:5] == [0, 1, 15, 16, 16] and expected[-1] == 31
+
+
+def alibi_get_slopes(n: int) -> list[float]:
+    """The ALiBi repository's ``get_slopes`` (Press et al. 2022), verbatim in spirit."""
+
+    def get_slopes_power_of_2(n):
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        ratio = start
+        return [start * ratio**i for i in range(n)]
+
+    if math.log2(n).is_integer():
+        return get_slopes_power_of_2(n)
+    closest_power_of_2 = 2 ** math.floor(math.log2(n))
+    return get_slopes_power_of_2(closest_power_of_2) + alibi_get_slopes(2 * closest_power_of_2)[0::2][: n - closest_power_of_2]
+
+
+@pytest.mark.parametrize("n_heads", sorted(set(range(1, 33)) | {6, 12, 24}))
+def test_alibi_slopes_match_paper(n_heads):
+    got = alibi_slopes(n_heads)
+    assert got.shape == (n_heads,)
+    assert_close(got.double(), torch.tensor(alibi_get_slopes(n_heads), dtype=torch.float64), rtol=1e-7, atol=0)
+
+
+def test_alibi_slopes_eight_heads():
+    assert_close(alibi_slopes(8), torch.tensor([2.0**-h for h in range(1, 9)]), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Biased attention: every path of causal_attention against a naive float64 reference
+# --------------------------------------------------------------------------------------------
+
+BATCH, HEADS, HEAD_DIM = 2, 4, 8
+
+
+def make_bias_pe(kind: str, n_layers: int = 2) -> torch.nn.Module:
+    shape = AttentionShape(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=n_layers, train_len=16)
+    pe = {
+        "alibi": lambda: ALiBi(shape),
+        "t5": lambda: T5Bias(shape),
+        "t5_per_layer": lambda: T5Bias(shape, num_buckets=16, max_distance=40, per_layer=True),
+        "shaw": lambda: ShawRelative(shape, k=3),
+        "shaw_value": lambda: ShawRelative(shape, k=3, value_term=True),
+    }[kind]()
+    torch.manual_seed(123)
+    with torch.no_grad():
+        for param in pe.parameters():
+            param.normal_(std=0.5)  # large enough that a wrong bucket/offset changes the output
+    return pe
+
+
+def naive_biased_attention(q, k, v, pe, layer: int) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + bias(i, j) + causal -inf) v (+ Shaw's a^V), float64, bias built per (i, j)."""
+    q, k, v = q.double(), k.double(), v.double()
+    length, head_dim = q.size(-2), q.size(-1)
+    i = torch.arange(length)[:, None]
+    j = torch.arange(length)[None, :]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
+    value_offsets = None
+    if isinstance(pe, ALiBi):
+        slopes = torch.tensor(alibi_get_slopes(q.size(1)), dtype=torch.float64)
+        scores = scores - slopes[:, None, None] * (i - j)
+    elif isinstance(pe, T5Bias):
+        table = pe.table.double()[layer if pe.per_layer else 0]  # (buckets, H)
+        by_distance = torch.tensor([t5_bucket_reference(n, pe.num_buckets, pe.max_distance) for n in range(length)])
+        buckets = by_distance[(i - j).clamp(min=0)]  # (L, L); j > i is masked below
+        scores = scores + table[buckets].permute(2, 0, 1)  # (H, L, L)
+    elif isinstance(pe, ShawRelative):
+        clipped = (j - i).clamp(-pe.k, pe.k) + pe.k  # (L, L)
+        a_key = pe.key_table.double()[layer][clipped]  # (L, L, d): the tensor the model never builds
+        scores = scores + torch.einsum("bhid,ijd->bhij", q, a_key) / math.sqrt(head_dim)
+        if pe.value_table is not None:
+            value_offsets = pe.value_table.double()[layer][clipped]
+    else:
+        raise AssertionError(type(pe))
+    probs = scores.masked_fill(j > i, float("-inf")).softmax(-1)
+    out = probs @ v
+    if value_offsets is not None:
+        out = out + torch.einsum("bhij,ijd->bhid", probs, value_offsets)
+    return out
+
+
+def block_elements(rows: str, length: int) -> int:
+    per_row = BATCH * HEADS * length
+    return {"one_block": 2**25, "thirds": per_row * max(2, length // 3), "single_row": per_row}[rows]
+
+
+@pytest.mark.parametrize("kind", ["alibi", "t5", "t5_per_layer", "shaw", "shaw_value"])
+@pytest.mark.parametrize("length", [7, 64, 300])
+@pytest.mark.parametrize("rows", ["one_block", "thirds", "single_row"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_biased_attention_matches_naive_reference(kind, length, rows, grad, monkeypatch):
+    if rows == "single_row" and length > 7:
+        pytest.skip("hundreds of one-row blocks add time, not coverage")
+    monkeypatch.setattr(model_module, "SCORE_BLOCK_ELEMENTS", block_elements(rows, length))
+    pe = make_bias_pe(kind)
+    gen = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen) for _ in range(3))
+    layer = 1
+    with torch.set_grad_enabled(grad):
+        got = causal_attention(q, k, v, pe, layer=layer)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    with torch.no_grad():
+        expected = naive_biased_attention(q, k, v, pe, layer)
+    assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["t5", "t5_per_layer", "shaw", "shaw_value"])
+def test_biased_attention_gradients_match_naive_reference(kind):
+    """The learned tables train: their gradients through causal_attention equal the naive reference's."""
+    pe = make_bias_pe(kind)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, weight = (torch.randn(1, HEADS, 20, HEAD_DIM, generator=gen) for _ in range(4))
+    params = list(pe.parameters())
+    got = torch.autograd.grad((causal_attention(q, k, v, pe, layer=1) * weight).sum(), params)
+    expected = torch.autograd.grad((naive_biased_attention(q, k, v, pe, layer=1) * weight).sum(), params)
+    for g, e in zip(got, expected, strict=True):
+        assert e.abs().sum() > 0
+        assert_close(g, e, atol=1e-5, rtol=1e-4)
+
+
+def test_alibi_under_bf16_autocast_keeps_long_offsets(monkeypatch):
+    """The key-only ALiBi mask must stay fp32 under bf16 (DESIGN.md section 7).
+
+    In bf16, offsets m * (j - anchor) beyond 256 positions round by whole slope units:
+    with the mask cast to bf16 the output was off by ~1; with an fp32 mask it is off by ~0.02.
+    """
+    length = 1536
+    pe = ALiBi(AttentionShape(d_model=HEADS * 16, n_heads=HEADS, n_layers=1, train_len=16))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, HEADS, length, 16, generator=gen).bfloat16() for _ in range(3))
+    expected = naive_biased_attention(q, k, v, pe, layer=0)
+    for rows in (length, 512):  # fused key-only path, then query blocks
+        monkeypatch.setattr(model_module, "SCORE_BLOCK_ELEMENTS", HEADS * length * rows)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = causal_attention(q, k, v, pe, layer=0)
+        assert (got.double() - expected).abs().max() < 0.06
+
+
+# --------------------------------------------------------------------------------------------
+# Shaw: efficient path vs the (L, L, d_head) formula
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [5, 20, 40])
+@pytest.mark.parametrize("clip", [2, 3, 64])  # 64 >= L: no effective clipping
+@pytest.mark.parametrize("value_term", [False, True])
+def test_shaw_matches_naive_formula(length, clip, value_term):
+    shape = AttentionShape(d_model=3 * 8, n_heads=3, n_layers=2, train_len=16)
+    pe = ShawRelative(shape, k=clip, value_term=value_term)
+    assert pe.key_table.shape == (2, 2 * clip + 1, 8)
+    torch.manual_seed(clip)
+    with torch.no_grad():
+        for param in pe.parameters():
+            param.normal_()
+    q, k, v = (torch.randn(2, 3, length, 8) for _ in range(3))
+    layer = 1
+    a_key = pe.key_table[layer].detach().double()
+    a_value = pe.value_table[layer].detach().double() if value_term else None
+    expected = torch.zeros(2, 3, length, 8, dtype=torch.float64)
+    qd, kd, vd = q.double(), k.double(), v.double()
+    # The (L, L, d_head) relative tensors, written the way the paper writes them.
+    rel_k = torch.stack([torch.stack([a_key[min(max(j - i, -clip), clip) + clip] for j in range(length)])
+                         for i in range(length)])
+    rel_v = None
+    if value_term:
+        rel_v = torch.stack([torch.stack([a_value[min(max(j - i, -clip), clip) + clip] for j in range(length)])
+                             for i in range(length)])
+    for i in range(length):
+        keys = range(i + 1)
+        scores = torch.stack([(qd[..., i, :] * (kd[..., j, :] + rel_k[i, j])).sum(-1) for j in keys], -1)
+        probs = (scores / math.sqrt(8)).softmax(-1)  # (B, H, i+1)
+        values = torch.stack([vd[..., j, :] + (rel_v[i, j] if value_term else 0) for j in keys], -2)
+        expected[..., i, :] = (probs[..., None] * values).sum(-2)
+    with torch.no_grad():
+        got = causal_attention(q, k, v, pe, layer=layer)
+    assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    with torch.enable_grad():
+        got = causal_attention(q, k, v, pe, layer=layer)
+    assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Shift invariance of relative PEs (score level)
+# --------------------------------------------------------------------------------------------
+
+SHIFTS = pytest.mark.parametrize("shift", [1, 5, 37])
+
+
+@SHIFTS
+@pytest.mark.parametrize("scaling, factor", [("none", None), ("linear", 4.0), ("ntk", 4.0), ("yarn", 8.0)])
+def test_rope_scores_shift_invariant(shift, scaling, factor):
+    pe = RoPE(AttentionShape(d_model=32, n_heads=2, n_layers=1, train_len=8), scaling=scaling, factor=factor)
+    length = 24
+    q, k = torch.randn(1, 2, length, 16), torch.randn(1, 2, length, 16)
+    qr, kr = pe.rotate(q, k)
+    pad = torch.randn(1, 2, shift, 16)
+    qs, ks = pe.rotate(torch.cat([pad, q], 2), torch.cat([pad, k], 2))
+    base_scores = qr.double() @ kr.double().transpose(-2, -1)
+    shifted = qs[:, :, shift:].double() @ ks[:, :, shift:].double().transpose(-2, -1)
+    assert_close(shifted, base_scores, atol=5e-5, rtol=1e-5)
+
+
+def full_bias(pe, q: torch.Tensor, layer: int = 0) -> torch.Tensor:
+    """score_bias for all rows, broadcast to (B, H, L, L)."""
+    length = q.size(-2)
+    return pe.score_bias(q, layer, 0, length).expand(q.size(0), q.size(1), length, length)
+
+
+@SHIFTS
+def test_alibi_bias_is_minus_slope_times_distance_and_shift_invariant(shift):
+    pe = ALiBi(AttentionShape(d_model=6 * 4, n_heads=6, n_layers=1, train_len=8))
+    length = 50
+    bias = full_bias(pe, torch.zeros(1, 6, length + shift, 4)).double()
+    diag = bias.diagonal(dim1=-2, dim2=-1)[..., :, None]  # bias(i, i): the per-row constant softmax ignores
+    relative = bias - diag  # bias(i, j) - bias(i, i)
+    i, j = torch.arange(length + shift)[:, None], torch.arange(length + shift)[None, :]
+    slopes = torch.tensor(alibi_get_slopes(6), dtype=torch.float64)
+    causal = j <= i
+    expected = -slopes[:, None, None] * (i - j)
+    assert_close(relative[0][:, causal], expected[:, causal], atol=1e-4, rtol=1e-6)
+    assert_close(relative[..., shift:, shift:][..., causal[:length, :length]],
+                 relative[..., :length, :length][..., causal[:length, :length]], atol=1e-4, rtol=1e-6)
+
+
+@SHIFTS
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_t5_bias_shift_invariant_and_table_lookup(shift, per_layer):
+    pe = make_bias_pe("t5_per_layer" if per_layer else "t5")
+    length = 150  # beyond max_distance 128 (and 40): the far buckets are covered too
+    layer = 1
+    bias = full_bias(pe, torch.zeros(1, HEADS, length + shift, HEAD_DIM), layer)[0]  # (H, L, L)
+    mask = torch.ones(length, length, dtype=torch.bool).tril()
+    assert_close(bias[:, shift:, shift:][:, mask], bias[:, :length, :length][:, mask], rtol=0, atol=0)
+    table = pe.table.detach()[layer if per_layer else 0]
+    for i, j in [(0, 0), (10, 3), (149, 0), (100, 99), (shift + 20, shift)]:
+        assert_close(bias[:, i, j], table[t5_bucket_reference(i - j, pe.num_buckets, pe.max_distance)])
+
+
+@SHIFTS
+@pytest.mark.parametrize("clip", [2, 16])
+def test_shaw_bias_shift_invariant(shift, clip):
+    shape = AttentionShape(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=1, train_len=8)
+    pe = ShawRelative(shape, k=clip)
+    length = 30
+    q = torch.randn(1, HEADS, length, HEAD_DIM)
+    q_shifted = torch.cat([torch.randn(1, HEADS, shift, HEAD_DIM), q], 2)  # same row content, positions + shift
+    bias = full_bias(pe, q).detach()
+    shifted = full_bias(pe, q_shifted).detach()[..., shift:, shift:]
+    mask = torch.ones(length, length, dtype=torch.bool).tril()
+    assert_close(shifted[..., mask], bias[..., mask], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["alibi", "t5", "shaw"])
+def test_bias_rows_of_a_block_equal_rows_of_the_full_bias(kind):
+    """score_bias(q_block, start, end) must equal rows [start, end) of the full bias (keys [0, end))."""
+    pe = make_bias_pe(kind)
+    length = 40
+    q = torch.randn(1, HEADS, length, HEAD_DIM)
+    full = full_bias(pe, q, 1).detach()
+    i = torch.arange(length)[:, None]
+    for start, end in [(0, 5), (5, 17), (17, 40), (39, 40)]:
+        block = pe.score_bias(q[:, :, start:end], 1, start, end).detach()
+        block = block.expand(1, HEADS, end - start, end)
+        causal = (torch.arange(end)[None, :] <= i[start:end])
+        reference = full[:, :, start:end, :end]
+        if kind == "alibi":  # key-only: rows agree up to a per-row constant
+            block = block - block.diagonal(offset=start, dim1=-2, dim2=-1)[..., None]
+            reference = reference - reference.diagonal(offset=start, dim1=-2, dim2=-1)[..., None]
+        assert_close(block[..., causal], reference[..., causal], atol=1e-5, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# The decoder with every PE: causality, long inputs, caches, bf16
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", PES)
+def test_decoder_is_causal(name):
+    net = tiny_decoder(PES[name])
+    x = tokens(TRAIN_LEN)
+    with torch.no_grad():
+        logits = net.logits(net(x))
+        for t in (0, 6, TRAIN_LEN - 2):
+            changed = x.clone()
+            changed[:, t + 1] = (changed[:, t + 1] + 1) % VOCAB
+            other = net.logits(net(changed))
+            assert_close(other[:, : t + 1], logits[:, : t + 1])
+            assert (other[:, t + 1] - logits[:, t + 1]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", PES)
+def test_decoder_serves_eight_times_train_len(name):
+    net = tiny_decoder(PES[name])
+    long = tokens(8 * TRAIN_LEN)
+    with torch.no_grad():
+        if name == "learned":
+            with pytest.raises(LengthNotSupported):
+                net(long)
+            with pytest.raises(LengthNotSupported):
+                net(long[:, : TRAIN_LEN + 1])
+            assert torch.isfinite(net(long[:, :TRAIN_LEN])).all()  # exactly max_len works
+            return
+        hidden = net(long)
+        assert hidden.shape == (2, 8 * TRAIN_LEN, 32)
+        assert torch.isfinite(net.logits(hidden)).all()
+        # Caches grown for 128 tokens must not change what a short input sees.
+        short = long[:, :TRAIN_LEN]
+        fresh = tiny_decoder(PES[name])
+        assert_close(net(short), fresh(short), atol=1e-5, rtol=1e-5)
+        # Prefix consistency: a causal model's first 16 outputs do not depend on the length of the input
+        # (every PE here has a length-independent rule: RoPE-YaRN has a fixed factor).
+        assert_close(hidden[:, :TRAIN_LEN], net(short), atol=1e-5, rtol=1e-5)
+
+
+def test_learned_max_len_is_configurable():
+    net = tiny_decoder(partial(Learned, max_len=40))
+    with torch.no_grad():
+        assert torch.isfinite(net(tokens(40))).all()
+        with pytest.raises(LengthNotSupported, match="0..39"):
+            net(tokens(41))
+
+
+def test_learned_adds_its_table():
+    pe = Learned(AttentionShape(d_model=8, n_heads=2, n_layers=1, train_len=6))
+    x = torch.randn(3, 5, 8)
+    assert_close(pe.embed(x), x + pe.table.weight[:5].detach())
+
+
+@pytest.mark.parametrize("name", PES)
+def test_decoder_bf16_autocast_close_to_fp32(name):
+    net = tiny_decoder(PES[name])
+    x = tokens(2 * TRAIN_LEN if name != "learned" else TRAIN_LEN)
+    with torch.no_grad():
+        reference = net.logits(net(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = net.logits(net(x))
+    assert torch.isfinite(low).all()
+    assert_close(low.float(), reference, atol=0.1, rtol=0.02)
