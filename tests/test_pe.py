@@ -51,9 +51,9 @@ PES = {
 def tiny_decoder(pe, seed: int = 0) -> Decoder:
     torch.manual_seed(seed)
     net = Decoder(vocab_size=VOCAB, train_len=TRAIN_LEN, pe=pe, d_model=32, n_layers=2, n_heads=4)
-    # Learned PE tables start at 0.02: make them large enough that a wrong position would show.
+    # PE parameters (learned APE, T5, Shaw tables) start at std 0.02: make a wrong position visible.
     with torch.no_grad():
-        for name, param in net.pe.named_parameters():
+        for param in net.pe.parameters():
             param.normal_(std=0.5)
     return net.eval()
 
@@ -341,7 +341,8 @@ def t5_bucket_reference(n: int, num_buckets: int = 32, max_distance: int = 128) 
     exact = num_buckets // 2
     if n < exact:
         return n
-    return min(num_buckets - 1, exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact)))
+    far = exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact))
+    return min(num_buckets - 1, far)
 
 
 def test_t5_bucket_formula_spot_values():
@@ -362,7 +363,10 @@ def alibi_get_slopes(n: int) -> list[float]:
     if math.log2(n).is_integer():
         return get_slopes_power_of_2(n)
     closest_power_of_2 = 2 ** math.floor(math.log2(n))
-    return get_slopes_power_of_2(closest_power_of_2) + alibi_get_slopes(2 * closest_power_of_2)[0::2][: n - closest_power_of_2]
+    return (
+        get_slopes_power_of_2(closest_power_of_2)
+        + alibi_get_slopes(2 * closest_power_of_2)[0::2][: n - closest_power_of_2]
+    )
 
 
 @pytest.mark.parametrize("n_heads", sorted(set(range(1, 33)) | {6, 12, 24}))
@@ -435,15 +439,19 @@ def block_elements(rows: str, length: int) -> int:
     return {"one_block": 2**25, "thirds": per_row * max(2, length // 3), "single_row": per_row}[rows]
 
 
-@pytest.mark.parametrize("kind", ["alibi", "t5", "t5_per_layer", "shaw", "shaw_value"])
-@pytest.mark.parametrize(
-    "length, rows",
-    [(7, "one_block"), (7, "thirds"), (7, "single_row"), (64, "one_block"), (64, "thirds"),
-     (300, "one_block"), (300, "thirds")],
-)
-@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def attention_paths():
+    """(kind, length, rows, grad): one block (SDPA's fused path: ALiBi always, T5/Shaw without grad,
+    since a mask that needs grad cannot go with is_causal) and query blocks (where grad changes nothing)."""
+    for kind in ("alibi", "t5", "t5_per_layer", "shaw", "shaw_value"):
+        for length in (7, 64, 300):
+            for grad in (True,) if kind == "alibi" else (True, False):
+                yield pytest.param(kind, length, "one_block", grad, id=f"{kind}-{length}-one_block-grad{int(grad)}")
+            yield pytest.param(kind, length, "thirds", True, id=f"{kind}-{length}-thirds")
+        yield pytest.param(kind, 7, "single_row", True, id=f"{kind}-7-single_row")
+
+
+@pytest.mark.parametrize("kind, length, rows, grad", attention_paths())
 def test_biased_attention_matches_naive_reference(kind, length, rows, grad, monkeypatch):
-    """One block (the fused key-only path for ALiBi, and for T5/Shaw without grad) and query blocks."""
     monkeypatch.setattr(model_module, "SCORE_BLOCK_ELEMENTS", block_elements(rows, length))
     pe = make_bias_pe(kind)
     gen = torch.Generator().manual_seed(length)
@@ -629,15 +637,16 @@ def test_bias_rows_of_a_block_equal_rows_of_the_full_bias(kind):
 @pytest.mark.parametrize("name", PES)
 def test_decoder_is_causal(name):
     net = tiny_decoder(PES[name])
-    x = tokens(TRAIN_LEN)
+    x = tokens(TRAIN_LEN, batch=1)
+    changed_at = (0, 6, TRAIN_LEN - 2)  # t: the token at t + 1 changes
+    batch = x.repeat(1 + len(changed_at), 1)  # row 0 unchanged, row r changes token changed_at[r - 1] + 1
+    for row, t in enumerate(changed_at, start=1):
+        batch[row, t + 1] = (batch[row, t + 1] + 1) % VOCAB
     with torch.no_grad():
-        logits = net.logits(net(x))
-        for t in (0, 6, TRAIN_LEN - 2):
-            changed = x.clone()
-            changed[:, t + 1] = (changed[:, t + 1] + 1) % VOCAB
-            other = net.logits(net(changed))
-            assert_close(other[:, : t + 1], logits[:, : t + 1])
-            assert (other[:, t + 1] - logits[:, t + 1]).abs().max() > 1e-3
+        logits = net.logits(net(batch))
+    for row, t in enumerate(changed_at, start=1):
+        assert_close(logits[row, : t + 1], logits[0, : t + 1])
+        assert (logits[row, t + 1] - logits[0, t + 1]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("name", PES)

@@ -17,6 +17,10 @@ class DataError(LenextError):
     """A corpus cannot be read or is too small for what was asked."""
 
 
+class CheckpointError(LenextError):
+    """A checkpoint is missing, truncated, or was not written by lenext."""
+
+
 class LengthNotSupported(LenextError):
     """A positional encoding cannot serve a sequence this long (e.g. learned APE beyond max_len).
 

@@ -90,6 +90,8 @@ class RoPE(PositionalEncoding):
 
     def factor_for(self, length: int) -> float:
         """The scaling factor s used for a sequence of ``length`` tokens."""
+        if self.scaling == "none":
+            return 1.0
         if self.factor is not None:
             return float(self.factor)
         if self.scaling == "dynamic_ntk":

@@ -1,0 +1,270 @@
+"""Perplexity beyond L_train under named protocols (DESIGN.md section 5) -> one results file per run.
+
+A protocol turns the held-out documents and an evaluation length L into windows of L + 1 tokens
+(inputs + shifted targets) and says which targets of each window are scored:
+
+- ``nonoverlap``: disjoint windows; every target scored (the ALiBi paper's default).
+- ``sliding``: windows advanced by ``stride``; only targets not scored by an earlier window
+  (the last ``stride`` of each, after the first window) count: each token once, each with
+  at least L - stride tokens of context.
+- ``last_k``: each document is cut into blocks of the longest evaluation length; the last
+  ``k`` targets of each block are scored, with the L tokens before them as context. The scored
+  (document, position) set is identical at every L, so lengths compare like for like.
+Windows never cross a document and are never padded: a length no document can fill gives 0
+windows and says why.
+"""
+
+import json
+import logging
+import math
+import os
+import platform
+import resource
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from importlib import metadata
+
+import numpy as np
+import torch
+from torchmetrics import MeanMetric, SumMetric
+
+from lenext.errors import ConfigError, LengthNotSupported
+
+log = logging.getLogger("lenext")
+PROTOCOLS = ("nonoverlap", "sliding", "last_k")
+RESULTS_FILE, POSITIONS_FILE = "results.json", "positions.csv"
+
+
+@dataclass(frozen=True)
+class Window:
+    document: int
+    start: int  # first input token; the window holds tokens [start, start + L]
+    score_from: int  # targets 0..L-1 of the window; those >= score_from are scored
+
+
+def windows_for(protocol: str, lengths_of_documents: list[int], length: int, stride: int = 0, k: int = 0,
+                block: int = 0) -> list[Window]:
+    """Windows of ``length`` + 1 tokens under ``protocol`` for documents of the given token counts."""
+    windows = []
+    for d, n in enumerate(lengths_of_documents):
+        targets = n - 1  # positions 1..n-1 can be predicted
+        if targets < length:
+            continue
+        if protocol == "nonoverlap":
+            windows += [Window(d, w * length, 0) for w in range(targets // length)]
+        elif protocol == "sliding":
+            windows.append(Window(d, 0, 0))
+            scored = length  # targets 1..scored are done
+            while scored < targets:
+                end = min(scored + stride, targets)
+                windows.append(Window(d, end - length, length - (end - scored)))
+                scored = end
+        elif protocol == "last_k":
+            if targets < block:
+                continue
+            windows += [Window(d, (b + 1) * block - length, length - k) for b in range(targets // block)]
+        else:
+            raise ConfigError(f"eval.protocol must be among {', '.join(PROTOCOLS)}; got {protocol!r}")
+    return windows
+
+
+class PeakMemory:
+    """Peak extra memory (MB) of a block: CUDA's allocator peak, or sampled RSS on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak_mb = device, 0.0
+
+    @staticmethod
+    def _rss_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device) / 2**20
+        else:
+            self._base, self._stop = self._rss_mb(), threading.Event()
+            self._peak = self._base
+
+            def sample():
+                while not self._stop.wait(0.005):
+                    self._peak = max(self._peak, self._rss_mb())
+
+            self._thread = threading.Thread(target=sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self.peak_mb = torch.cuda.max_memory_allocated(self.device) / 2**20 - self._base
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak_mb = max(self._peak, self._rss_mb()) - self._base
+
+
+def _distributed() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+@torch.no_grad()
+def evaluate_length(net, documents: list[np.ndarray], windows: list[Window], length: int, tokens_per_batch: int,
+                    per_position: bool, precision: str = "32") -> dict:
+    """Mean NLL over the scored targets of ``windows``; DDP ranks split windows, each token counted once."""
+    device = next(net.parameters()).device
+    rank, world = _distributed()
+    nll_mean, tokens = MeanMetric().to(device), SumMetric().to(device)
+    position_sum = torch.zeros(length, dtype=torch.float64, device=device)
+    position_count = torch.zeros(length, dtype=torch.float64, device=device)
+    batch = max(1, tokens_per_batch // length)
+    mine = windows[rank::world]
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision.startswith("bf16"))
+    for b in range(0, len(mine), batch):
+        group = mine[b : b + batch]
+        ids = torch.from_numpy(np.stack([documents[w.document][w.start : w.start + length + 1] for w in group]))
+        ids = ids.to(device=device, dtype=torch.long)
+        with autocast:
+            nll = net.token_nll(ids[:, :-1], ids[:, 1:]).double()  # (B, L)
+        scored = torch.arange(length, device=device)[None, :] >= torch.tensor([w.score_from for w in group],
+                                                                             device=device)[:, None]
+        count = scored.sum()
+        nll_mean.update(nll[scored].sum() / count, weight=count)
+        tokens.update(count)
+        if per_position:
+            position_sum += (nll * scored).sum(0)
+            position_count += scored.sum(0)
+    if world > 1:
+        torch.distributed.all_reduce(position_sum)
+        torch.distributed.all_reduce(position_count)
+    n_tokens = int(tokens.compute().item())
+    mean_nll = float(nll_mean.compute().item()) if n_tokens else float("nan")
+    curve = (position_sum / position_count.clamp(min=1)).tolist() if per_position else None
+    return {"mean_nll": mean_nll, "tokens": n_tokens, "curve": curve, "curve_counts": position_count.tolist()}
+
+
+def rope_variants(net, scalings: list[str] | None):
+    """Yield (scaling name or None, net) for each RoPE scaling asked for; the PE is switched in place."""
+    pe = net.pe
+    if not scalings:
+        yield getattr(pe, "scaling", None), net
+        return
+    if not hasattr(pe, "scaling"):
+        raise ConfigError(f"eval.rope_scalings applies to RoPE checkpoints; this one uses {pe.describe()['name']}")
+    original = (pe.scaling, pe.factor)
+    try:
+        for scaling in scalings:
+            pe.scaling, pe.factor = scaling, (original[1] if scaling == original[0] else None)
+            yield scaling, net
+    finally:
+        pe.scaling, pe.factor = original
+
+
+def sweep(net, documents: list[np.ndarray], train_len: int, eval_cfg, precision: str = "32") -> tuple[list, list]:
+    """Evaluate every (protocol, RoPE scaling, length). Returns (rows, per-position curve rows)."""
+    protocols = [eval_cfg.protocol] if isinstance(eval_cfg.protocol, str) else list(eval_cfg.protocol)
+    lengths = sorted(set(eval_cfg.lengths or [int(f * train_len) for f in eval_cfg.factors]))
+    if not lengths or min(lengths) < 1:
+        raise ConfigError(f"eval.lengths must be positive token counts; got {lengths}")
+    stride = eval_cfg.stride or max(1, train_len // 2)
+    k = eval_cfg.last_k or min(lengths)
+    if k > min(lengths):
+        raise ConfigError(f"eval.last_k={k} must not exceed the shortest evaluation length {min(lengths)}")
+    doc_lengths = [len(d) for d in documents]
+    rows, curves = [], []
+    net.eval()
+    for scaling, model in rope_variants(net, eval_cfg.rope_scalings):
+        for protocol in protocols:
+            for length in lengths:
+                windows = windows_for(protocol, doc_lengths, length, stride=stride, k=k, block=max(lengths))
+                row = {"protocol": protocol, "scaling": scaling, "length": length, "length_factor": length / train_len,
+                       "rope_factor": model.pe.factor_for(length) if scaling else None,
+                       "stride": stride if protocol == "sliding" else None, "k": k if protocol == "last_k" else None,
+                       "windows": len(windows)}
+                if eval_cfg.max_windows and len(windows) > eval_cfg.max_windows:
+                    windows = windows[:: math.ceil(len(windows) / eval_cfg.max_windows)]
+                    row["windows"] = len(windows)
+                if not windows:
+                    longest = max(doc_lengths) - 1
+                    needed = max(lengths) if protocol == "last_k" else length
+                    rows.append({**row, "status": "no windows", "ppl": None, "mean_nll": None, "tokens": 0,
+                                 "reason": f"needs documents of {needed} targets; the longest has {longest}"})
+                    continue
+                started = time.perf_counter()
+                try:
+                    device = next(model.parameters()).device
+                    with PeakMemory(device) as memory:
+                        result = evaluate_length(model, documents, windows, length, eval_cfg.tokens_per_batch,
+                                                 eval_cfg.per_position and protocol == "nonoverlap", precision)
+                except LengthNotSupported as e:
+                    rows.append({**row, "status": "not applicable", "ppl": None, "mean_nll": None, "tokens": 0,
+                                 "reason": str(e)})
+                    continue
+                rows.append({**row, "status": "ok", "ppl": math.exp(result["mean_nll"]),
+                             "mean_nll": result["mean_nll"], "tokens": result["tokens"],
+                             "seconds": round(time.perf_counter() - started, 3),
+                             "peak_mem_mb": round(memory.peak_mb, 1), "reason": None})
+                log.info("%s %s L=%d: ppl %.3f over %d tokens", protocol, scaling or "", length,
+                         rows[-1]["ppl"], result["tokens"])
+                if result["curve"] is not None:
+                    curves += [(scaling, length, p, v, int(c)) for p, (v, c) in
+                               enumerate(zip(result["curve"], result["curve_counts"], strict=True))]
+    return rows, curves
+
+
+def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -> dict:
+    """Everything needed to identify and reproduce a results file."""
+
+    def version(package: str) -> str | None:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                                cwd=os.path.dirname(__file__)).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "pe": net.pe.describe(),
+        "pe_config": cfg["pe"],
+        "model": {k: v for k, v in cfg["model"].items() if not k.startswith("_")},
+        "train_len": cfg["data"]["max_len"],
+        "seed": cfg["seed"],
+        "corpus": data.corpus.name,
+        "split": split,
+        "tokenizer": data.tokenizer_id,
+        "vocab_size": data.vocab_size,
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "tokens_trained": tokens_trained,
+        "git_commit": commit,
+        "versions": {p: version(p) for p in ("lenext", "torch", "lightning", "datasets", "tokenizers")},
+        "python": platform.python_version(),
+        "device": str(next(net.parameters()).device),
+    }
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write via a temporary file and rename: readers see the old file or the new one, never half."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_results(output_dir: str, meta: dict, rows: list, curves: list) -> str:
+    os.makedirs(output_dir, exist_ok=True)
+    if curves:
+        lines = ["scaling,length,position,mean_nll,count"] + [
+            f"{s or ''},{length},{p},{v:.6f},{c}" for s, length, p, v, c in curves]
+        write_atomic(os.path.join(output_dir, POSITIONS_FILE), "\n".join(lines) + "\n")
+    path = os.path.join(output_dir, RESULTS_FILE)
+    write_atomic(path, json.dumps({"complete": True, "meta": meta, "rows": rows}, indent=1) + "\n")
+    return path

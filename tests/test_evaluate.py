@@ -1,0 +1,175 @@
+"""Evaluation protocols: token accounting, numbers against an independent loop, results files."""
+
+import functools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import lenext.model
+from lenext.cli import evaluate_checkpoint, train
+from lenext.evaluate import evaluate_length, sweep, windows_for
+from lenext.model import Decoder
+from lenext.pe import ALiBi, Learned, RoPE, T5Bias
+from tests.conftest import tiny_overrides
+
+DOC_LENGTHS = [1, 40, 97, 130, 64, 65]
+
+
+def scored_positions(windows, length):
+    """Multiset of (document, target position) scored by ``windows``; targets of window w are start+1..start+L."""
+    return [(w.document, w.start + 1 + t) for w in windows for t in range(w.score_from, length)]
+
+
+@pytest.mark.parametrize("length", [8, 16, 64])
+def test_nonoverlap_scores_each_covered_token_once(length):
+    scored = scored_positions(windows_for("nonoverlap", DOC_LENGTHS, length), length)
+    assert len(scored) == len(set(scored))
+    expected = {(d, p) for d, n in enumerate(DOC_LENGTHS) for p in range(1, 1 + (n - 1) // length * length)}
+    assert set(scored) == expected
+
+
+@pytest.mark.parametrize("length,stride", [(16, 4), (16, 16), (32, 5), (8, 1)])
+def test_sliding_scores_every_token_after_the_first_window_exactly_once(length, stride):
+    windows = windows_for("sliding", DOC_LENGTHS, length, stride=stride)
+    scored = scored_positions(windows, length)
+    assert len(scored) == len(set(scored))
+    # every target of every document long enough for one window: positions 1..n-1
+    assert set(scored) == {(d, p) for d, n in enumerate(DOC_LENGTHS) if n - 1 >= length for p in range(1, n)}
+    for w in windows:  # every scored token has at least L - stride tokens of context (after the first window)
+        assert w.score_from == 0 and w.start == 0 or w.score_from >= length - stride
+
+
+def test_last_k_scores_the_identical_set_at_every_length():
+    lengths = [8, 16, 32]
+    sets = [scored_positions(windows_for("last_k", DOC_LENGTHS, n, k=8, block=32), n) for n in lengths]
+    assert sets[0] and sets[0] == sets[1] == sets[2]
+    assert {d for d, _ in sets[0]} == {d for d, n in enumerate(DOC_LENGTHS) if n - 1 >= 32}
+
+
+def tiny_net(pe=RoPE, train_len=16, seed=0):
+    torch.manual_seed(seed)
+    return Decoder(vocab_size=50, train_len=train_len, pe=pe, d_model=32, n_layers=2, n_heads=4).eval()
+
+
+def random_documents(seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 50, size=n).astype(np.int32) for n in (70, 33, 150, 9)]
+
+
+def eval_cfg(**overrides):
+    base = {"protocol": "nonoverlap", "lengths": None, "factors": [1, 2, 4], "stride": None, "last_k": None,
+            "rope_scalings": None, "max_windows": None, "tokens_per_batch": 64, "per_position": True}
+    return OmegaConf.create({**base, **overrides})
+
+
+@pytest.mark.parametrize("protocol", ["nonoverlap", "sliding", "last_k"])
+def test_perplexity_equals_exp_mean_nll_of_a_plain_per_window_loop(protocol):
+    net, docs = tiny_net(), random_documents()
+    rows, _ = sweep(net, docs, 16, eval_cfg(protocol=protocol, stride=5, last_k=8))
+    for row in rows:
+        length = row["length"]
+        windows = windows_for(protocol, [len(d) for d in docs], length, stride=5, k=8, block=64)
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for w in windows:  # reference: one window at a time, full logits, log_softmax by hand
+                ids = torch.from_numpy(docs[w.document][w.start : w.start + length + 1]).long()[None]
+                logp = torch.log_softmax(net.logits(net(ids[:, :-1])).double(), -1)[0]
+                nll = -logp[torch.arange(length), ids[0, 1:]]
+                total += nll[w.score_from :].sum().item()
+                count += length - w.score_from
+        assert row["tokens"] == count and row["status"] == "ok"
+        assert row["ppl"] == pytest.approx(math.exp(total / count), rel=1e-5)
+
+
+@pytest.mark.parametrize("pe", [T5Bias, ALiBi, functools.partial(__import__("lenext.pe", fromlist=["x"]).ShawRelative,
+                                                                    value_term=True)])
+def test_query_chunked_evaluation_equals_unchunked(pe, monkeypatch):
+    net, docs = tiny_net(pe), random_documents(1)
+    windows = windows_for("nonoverlap", [len(d) for d in docs], 64)
+    whole = evaluate_length(net, docs, windows, 64, 256, per_position=True)
+    monkeypatch.setattr(lenext.model, "SCORE_BLOCK_ELEMENTS", 4 * 64 * 5)  # query blocks of 5 rows
+    chunked = evaluate_length(net, docs, windows, 64, 256, per_position=True)
+    assert chunked["mean_nll"] == pytest.approx(whole["mean_nll"], rel=1e-5)
+    np.testing.assert_allclose(chunked["curve"], whole["curve"], rtol=1e-5)
+
+
+def test_per_position_curve_averages_the_windows():
+    net, docs = tiny_net(), random_documents(2)
+    windows = windows_for("nonoverlap", [len(d) for d in docs], 16)
+    result = evaluate_length(net, docs, windows, 16, 1000, per_position=True)
+    assert result["curve_counts"] == [len(windows)] * 16
+    assert np.mean(result["curve"]) == pytest.approx(result["mean_nll"], rel=1e-6)  # MeanMetric sums in fp32
+
+
+def test_learned_beyond_max_len_is_not_applicable_and_the_sweep_goes_on():
+    rows, _ = sweep(tiny_net(Learned), random_documents(), 16, eval_cfg(factors=[1, 2, 4, 16]))
+    by_length = {r["length"]: r for r in rows}
+    assert by_length[16]["status"] == "ok" and by_length[16]["ppl"] > 1
+    for length in (32, 64):
+        assert by_length[length]["status"] == "not applicable" and "positions" in by_length[length]["reason"]
+    # 256 tokens: no document is that long -> 0 windows with the reason, never padding
+    assert by_length[256]["status"] == "no windows" and by_length[256]["windows"] == 0
+    assert "longest has 149" in by_length[256]["reason"]
+
+
+def test_rope_scalings_give_one_row_each_with_the_factor_used():
+    net = tiny_net(RoPE)
+    rows, _ = sweep(net, random_documents(), 16, eval_cfg(rope_scalings=["none", "linear", "ntk", "yarn"]))
+    assert [(r["scaling"], r["length"]) for r in rows] == [(s, n) for s in ("none", "linear", "ntk", "yarn")
+                                                            for n in (16, 32, 64)]
+    for r in rows:
+        assert r["rope_factor"] == (1.0 if r["scaling"] == "none" else r["length"] / 16)
+    at_train_len = {r["ppl"] for r in rows if r["length"] == 16}
+    assert len({round(p, 9) for p in at_train_len}) == 1  # every scaling is the identity at L_train
+    assert net.pe.scaling == "none"  # restored after the sweep
+
+
+@pytest.fixture
+def small_text_corpus(tmp_path):
+    """Twelve real addresses as a text_files corpus: 3 validation documents, seconds to evaluate."""
+    from lenext.data import Sotu
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i, text in enumerate(Sotu().documents("train")[:12]):
+        (folder / f"{i:02d}.txt").write_text(text)
+    return folder
+
+
+def test_checkpoint_evaluation_matches_training_validation_and_writes_documented_results(
+        compose_train, small_text_corpus, tmp_path):
+    cfg = compose_train(*tiny_overrides(
+        "pe=rope", "data=text_files", f"data.corpus.path={small_text_corpus}", "data.corpus.holdout_every=4",
+        "data.vocab_size=512", "data.max_len=32", "trainer.max_steps=20", "trainer.val_check_interval=20",
+        "trainer.enable_progress_bar=false", "eval.factors=[1,4]"))
+    metrics = train(cfg)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["complete"] and results["meta"]["train_len"] == 32 and results["meta"]["tokens_trained"] == 20 * 4 * 32
+    assert {"pe", "seed", "corpus", "tokenizer", "git_commit", "versions"} <= set(results["meta"])
+    first = results["rows"][0]
+    assert (first["length"], first["status"]) == (32, "ok")
+    assert first["ppl"] == pytest.approx(metrics["val/ppl"], rel=1e-5)
+    assert (tmp_path / "positions.csv").read_text().startswith("scaling,length,position,mean_nll,count")
+
+    eval_dir = tmp_path / "eval"
+    eval_config = compose_eval(tmp_path, eval_dir, tmp_path / "checkpoints" / "last.ckpt",
+                               "eval.lengths=[32,64]", "eval.rope_scalings=[none,ntk]")
+    evaluate_checkpoint(eval_config)
+    rows = json.loads((eval_dir / "results.json").read_text())["rows"]
+    none_at_train_len = next(r for r in rows if r["scaling"] == "none" and r["length"] == 32)
+    assert none_at_train_len["ppl"] == pytest.approx(metrics["val/ppl"], rel=1e-5)
+    assert [(r["scaling"], r["length"]) for r in rows] == [("none", 32), ("none", 64), ("ntk", 32), ("ntk", 64)]
+
+
+def compose_eval(tmp_path, output_dir, ckpt, *overrides):
+    from hydra import compose, initialize_config_dir
+
+    from lenext.cli import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose("eval", overrides=[f"paths.root_dir={tmp_path}", f"paths.output_dir={output_dir}",
+                                          f"paths.cache_dir={tmp_path}/.cache", f"ckpt={ckpt}", *overrides])
