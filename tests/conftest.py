@@ -38,8 +38,14 @@ def compose_train(tmp_path, cache_dir):
 
 def tiny_overrides(*extra: str) -> list[str]:
     """A tiny model on short windows with the test vocabulary: seconds per run on CPU."""
-    return ["model=tiny", f"data.vocab_size={TEST_VOCAB}", "data.max_len=32", "data.batch_size=4",
-            "trainer=cpu", *extra]
+    return [
+        "model=tiny",
+        f"data.vocab_size={TEST_VOCAB}",
+        "data.max_len=32",
+        "data.batch_size=4",
+        "trainer=cpu",
+        *extra,
+    ]
 
 
 def pytest_configure(config):

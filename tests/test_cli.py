@@ -13,8 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_train(tmp_path, *overrides, env=None):
     environment = {**os.environ, "LENEXT_ROOT": str(tmp_path), **(env or {})}
     environment.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides], capture_output=True, text=True,
-                          env=environment, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *overrides],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+    )
 
 
 def test_unknown_pe_lists_the_available_ones(tmp_path):
@@ -27,8 +32,13 @@ def test_unknown_pe_lists_the_available_ones(tmp_path):
 
 @pytest.mark.parametrize(
     "override,key",
-    [("data.max_len=0", "data.max_len"), ("optim.lr=-1e-3", "optim.lr"), ("data.vocab_size=100", "data.vocab_size"),
-     ("model.n_heads=3", "model.n_heads"), ("pe=shaw", "pe.k")],
+    [
+        ("data.max_len=0", "data.max_len"),
+        ("optim.lr=-1e-3", "optim.lr"),
+        ("data.vocab_size=100", "data.vocab_size"),
+        ("model.n_heads=3", "model.n_heads"),
+        ("pe=shaw", "pe.k"),
+    ],
 )
 def test_invalid_values_fail_with_one_line_naming_the_key(tmp_path, override, key):
     extra = ["pe.k=0"] if override == "pe=shaw" else []

@@ -10,8 +10,10 @@ from lenext.cli import CONFIG_DIR, train
 from lenext.pe import PositionalEncoding
 from tests.conftest import tiny_overrides
 
-GROUPS = {g: sorted(p.stem for p in (Path(CONFIG_DIR) / g).glob("*.yaml"))
-          for g in ("pe", "data", "model", "trainer", "logger", "callbacks", "optim")}
+GROUPS = {
+    g: sorted(p.stem for p in (Path(CONFIG_DIR) / g).glob("*.yaml"))
+    for g in ("pe", "data", "model", "trainer", "logger", "callbacks", "optim")
+}
 ALL_PES = ["nope", "sinusoidal", "learned", "shaw", "t5", "rope", "rope_ntk", "alibi"]
 
 

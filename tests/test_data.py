@@ -96,8 +96,16 @@ def test_empty_text_folder_is_a_clear_error(tmp_path):
 
 
 def test_hub_corpus_groups_wikitext_articles_from_a_local_dataset_of_the_same_schema(tmp_path):
-    lines = [" \n", " = Alpha = \n", " \n", " Alpha text . \n", " = = Section = = \n", " more alpha . \n",
-             " = Beta = \n", " Beta text . \n"]
+    lines = [
+        " \n",
+        " = Alpha = \n",
+        " \n",
+        " Alpha text . \n",
+        " = = Section = = \n",
+        " more alpha . \n",
+        " = Beta = \n",
+        " Beta text . \n",
+    ]
     files = {}
     for split in ("train", "validation", "test"):
         files[split] = str(tmp_path / f"{split}.jsonl")

@@ -61,8 +61,17 @@ def random_documents(seed=0):
 
 
 def eval_cfg(**overrides):
-    base = {"protocol": "nonoverlap", "lengths": None, "factors": [1, 2, 4], "stride": None, "last_k": None,
-            "rope_scalings": None, "max_windows": None, "tokens_per_batch": 64, "per_position": True}
+    base = {
+        "protocol": "nonoverlap",
+        "lengths": None,
+        "factors": [1, 2, 4],
+        "stride": None,
+        "last_k": None,
+        "rope_scalings": None,
+        "max_windows": None,
+        "tokens_per_batch": 64,
+        "per_position": True,
+    }
     return OmegaConf.create({**base, **overrides})
 
 
@@ -85,8 +94,9 @@ def test_perplexity_equals_exp_mean_nll_of_a_plain_per_window_loop(protocol):
         assert row["ppl"] == pytest.approx(math.exp(total / count), rel=1e-5)
 
 
-@pytest.mark.parametrize("pe", [T5Bias, ALiBi, functools.partial(__import__("lenext.pe", fromlist=["x"]).ShawRelative,
-                                                                    value_term=True)])
+@pytest.mark.parametrize(
+    "pe", [T5Bias, ALiBi, functools.partial(__import__("lenext.pe", fromlist=["x"]).ShawRelative, value_term=True)]
+)
 def test_query_chunked_evaluation_equals_unchunked(pe, monkeypatch):
     net, docs = tiny_net(pe), random_documents(1)
     windows = windows_for("nonoverlap", [len(d) for d in docs], 64)
@@ -119,8 +129,9 @@ def test_learned_beyond_max_len_is_not_applicable_and_the_sweep_goes_on():
 def test_rope_scalings_give_one_row_each_with_the_factor_used():
     net = tiny_net(RoPE)
     rows, _ = sweep(net, random_documents(), 16, eval_cfg(rope_scalings=["none", "linear", "ntk", "yarn"]))
-    assert [(r["scaling"], r["length"]) for r in rows] == [(s, n) for s in ("none", "linear", "ntk", "yarn")
-                                                            for n in (16, 32, 64)]
+    assert [(r["scaling"], r["length"]) for r in rows] == [
+        (s, n) for s in ("none", "linear", "ntk", "yarn") for n in (16, 32, 64)
+    ]
     for r in rows:
         assert r["rope_factor"] == (1.0 if r["scaling"] == "none" else r["length"] / 16)
     at_train_len = {r["ppl"] for r in rows if r["length"] == 16}
@@ -141,14 +152,27 @@ def small_text_corpus(tmp_path):
 
 
 def test_checkpoint_evaluation_matches_training_validation_and_writes_documented_results(
-        compose_train, small_text_corpus, tmp_path):
-    cfg = compose_train(*tiny_overrides(
-        "pe=rope", "data=text_files", f"data.corpus.path={small_text_corpus}", "data.corpus.holdout_every=4",
-        "data.vocab_size=512", "data.max_len=32", "trainer.max_steps=20", "trainer.val_check_interval=20",
-        "trainer.enable_progress_bar=false", "eval.factors=[1,4]"))
+    compose_train, small_text_corpus, tmp_path
+):
+    cfg = compose_train(
+        *tiny_overrides(
+            "pe=rope",
+            "data=text_files",
+            f"data.corpus.path={small_text_corpus}",
+            "data.corpus.holdout_every=4",
+            "data.vocab_size=512",
+            "data.max_len=32",
+            "trainer.max_steps=20",
+            "trainer.val_check_interval=20",
+            "trainer.enable_progress_bar=false",
+            "eval.factors=[1,4]",
+        )
+    )
     metrics = train(cfg)
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["complete"] and results["meta"]["train_len"] == 32 and results["meta"]["tokens_trained"] == 20 * 4 * 32
+    assert (
+        results["complete"] and results["meta"]["train_len"] == 32 and results["meta"]["tokens_trained"] == 20 * 4 * 32
+    )
     assert {"pe", "seed", "corpus", "tokenizer", "git_commit", "versions"} <= set(results["meta"])
     first = results["rows"][0]
     assert (first["length"], first["status"]) == (32, "ok")
@@ -156,8 +180,13 @@ def test_checkpoint_evaluation_matches_training_validation_and_writes_documented
     assert (tmp_path / "positions.csv").read_text().startswith("scaling,length,position,mean_nll,count")
 
     eval_dir = tmp_path / "eval"
-    eval_config = compose_eval(tmp_path, eval_dir, tmp_path / "checkpoints" / "last.ckpt",
-                               "eval.lengths=[32,64]", "eval.rope_scalings=[none,ntk]")
+    eval_config = compose_eval(
+        tmp_path,
+        eval_dir,
+        tmp_path / "checkpoints" / "last.ckpt",
+        "eval.lengths=[32,64]",
+        "eval.rope_scalings=[none,ntk]",
+    )
     evaluate_checkpoint(eval_config)
     rows = json.loads((eval_dir / "results.json").read_text())["rows"]
     none_at_train_len = next(r for r in rows if r["scaling"] == "none" and r["length"] == 32)
@@ -171,5 +200,13 @@ def compose_eval(tmp_path, output_dir, ckpt, *overrides):
     from lenext.cli import CONFIG_DIR
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose("eval", overrides=[f"paths.root_dir={tmp_path}", f"paths.output_dir={output_dir}",
-                                          f"paths.cache_dir={tmp_path}/.cache", f"ckpt={ckpt}", *overrides])
+        return compose(
+            "eval",
+            overrides=[
+                f"paths.root_dir={tmp_path}",
+                f"paths.output_dir={output_dir}",
+                f"paths.cache_dir={tmp_path}/.cache",
+                f"ckpt={ckpt}",
+                *overrides,
+            ],
+        )

@@ -247,7 +247,9 @@ def test_yarn_matches_transformers(dim, base, factor):
     hf = hf_rope()
     for train_len in TRAIN_LENS:
         config = hf_config(
-            dim, base, train_len,
+            dim,
+            base,
+            train_len,
             {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": train_len},
         )
         expected, expected_attention = hf._compute_yarn_parameters(config)
@@ -297,8 +299,9 @@ def test_rope_factor_none_is_identity_at_train_len_and_scales_beyond(scaling):
     # ... and the rotation at that length really differs from the unscaled one.
     q, k = torch.randn(1, 2, long, 16), torch.randn(1, 2, long, 16)
     assert not torch.allclose(scaled.rotate(q, k)[0], plain.rotate(q, k)[0], atol=1e-3)
-    assert_close(scaled.rotate(q, k)[0].double(), rope_reference(q, expected_freq, expected_attention),
-                 atol=2e-5, rtol=1e-5)
+    assert_close(
+        scaled.rotate(q, k)[0].double(), rope_reference(q, expected_freq, expected_attention), atol=2e-5, rtol=1e-5
+    )
 
 
 def test_rope_cache_follows_length_and_overrides():
@@ -311,8 +314,12 @@ def test_rope_cache_follows_length_and_overrides():
     inv_freq, _ = rope_frequencies(16, 10000.0, "linear", 4.0, 32, 8)
     assert_close(pe.rotate(q, q)[0].double(), rope_reference(q, inv_freq, 1.0), atol=2e-5, rtol=1e-5)
     inv_freq, _ = rope_frequencies(16, 10000.0, "linear", 4.0, 10, 8)
-    assert_close(pe.rotate(q[:, :, :10], q[:, :, :10])[0].double(), rope_reference(q[:, :, :10], inv_freq, 1.0),
-                 atol=2e-5, rtol=1e-5)
+    assert_close(
+        pe.rotate(q[:, :, :10], q[:, :, :10])[0].double(),
+        rope_reference(q[:, :, :10], inv_freq, 1.0),
+        atol=2e-5,
+        rtol=1e-5,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -519,12 +526,14 @@ def test_shaw_matches_naive_formula(length, clip, value_term):
     a_value = pe.value_table[layer].detach().double() if value_term else None
     qd, kd, vd = q.double(), k.double(), v.double()
     # The (L, L, d_head) relative tensors, written the way the paper writes them.
-    rel_k = torch.stack([torch.stack([a_key[min(max(j - i, -clip), clip) + clip] for j in range(length)])
-                         for i in range(length)])
+    rel_k = torch.stack(
+        [torch.stack([a_key[min(max(j - i, -clip), clip) + clip] for j in range(length)]) for i in range(length)]
+    )
     rel_v = None
     if value_term:
-        rel_v = torch.stack([torch.stack([a_value[min(max(j - i, -clip), clip) + clip] for j in range(length)])
-                             for i in range(length)])
+        rel_v = torch.stack(
+            [torch.stack([a_value[min(max(j - i, -clip), clip) + clip] for j in range(length)]) for i in range(length)]
+        )
     # score(i, j) = q_i . (k_j + a^K_ij) / sqrt(d); out_i = sum_j p_ij (v_j + a^V_ij): (B, H, L, L, d) products.
     scores = (qd[..., :, None, :] * (kd[..., None, :, :] + rel_k)).sum(-1) / math.sqrt(8)
     future = torch.ones(length, length, dtype=torch.bool).triu(1)
@@ -578,8 +587,12 @@ def test_alibi_bias_is_minus_slope_times_distance_and_shift_invariant(shift):
     causal = j <= i
     expected = -slopes[:, None, None] * (i - j)
     assert_close(relative[0][:, causal], expected[:, causal], atol=1e-4, rtol=1e-6)
-    assert_close(relative[..., shift:, shift:][..., causal[:length, :length]],
-                 relative[..., :length, :length][..., causal[:length, :length]], atol=1e-4, rtol=1e-6)
+    assert_close(
+        relative[..., shift:, shift:][..., causal[:length, :length]],
+        relative[..., :length, :length][..., causal[:length, :length]],
+        atol=1e-4,
+        rtol=1e-6,
+    )
 
 
 @SHIFTS
@@ -621,7 +634,7 @@ def test_bias_rows_of_a_block_equal_rows_of_the_full_bias(kind):
     for start, end in [(0, 5), (5, 17), (17, 40), (39, 40)]:
         block = pe.score_bias(q[:, :, start:end], 1, start, end).detach()
         block = block.expand(1, HEADS, end - start, end)
-        causal = (torch.arange(end)[None, :] <= i[start:end])
+        causal = torch.arange(end)[None, :] <= i[start:end]
         reference = full[:, :, start:end, :end]
         if kind == "alibi":  # key-only: rows agree up to a per-row constant
             block = block - block.diagonal(offset=start, dim1=-2, dim2=-1)[..., None]

@@ -5,10 +5,19 @@ from tests.conftest import TEST_VOCAB, tiny_overrides
 
 
 def test_short_training_beats_uniform_baseline_by_4x(compose_train, tmp_path):
-    cfg = compose_train(*tiny_overrides(
-        "pe=rope", "data.max_len=64", "data.batch_size=16", "trainer.max_steps=200", "trainer.val_check_interval=200",
-        "trainer.limit_val_batches=40", "optim.lr=3e-3", "optim.warmup_steps=20", "trainer.enable_progress_bar=false",
-    ))
+    cfg = compose_train(
+        *tiny_overrides(
+            "pe=rope",
+            "data.max_len=64",
+            "data.batch_size=16",
+            "trainer.max_steps=200",
+            "trainer.val_check_interval=200",
+            "trainer.limit_val_batches=40",
+            "optim.lr=3e-3",
+            "optim.warmup_steps=20",
+            "trainer.enable_progress_bar=false",
+        )
+    )
     metrics = train(cfg)
     # Uniform guessing scores a perplexity of TEST_VOCAB (512); 200 steps of the tiny model reach ~75.
     assert metrics["val/ppl"] < TEST_VOCAB / 4

@@ -112,9 +112,7 @@ class TextFiles(Corpus):
         n = self.holdout_every
         wanted = {"validation": n - 2, "test": n - 1}.get(split)
         return [
-            d
-            for i, d in enumerate(self._all_documents())
-            if (i % n == wanted if wanted is not None else i % n < n - 2)
+            d for i, d in enumerate(self._all_documents()) if (i % n == wanted if wanted is not None else i % n < n - 2)
         ]
 
 
@@ -205,9 +203,7 @@ class DocumentWindows(Dataset):
 
     def __init__(self, documents: list[np.ndarray], length: int):
         self.documents, self.length = documents, length
-        self.windows = [
-            (d, w * length) for d, doc in enumerate(documents) for w in range((len(doc) - 1) // length)
-        ]
+        self.windows = [(d, w * length) for d, doc in enumerate(documents) for w in range((len(doc) - 1) // length)]
 
     def __len__(self) -> int:
         return len(self.windows)
@@ -296,8 +292,13 @@ class LMDataModule(L.LightningDataModule):
         windows = TrainWindows(self.stream("train"), self.max_len)
         if len(windows) == 0:
             raise DataError(f"the training split has fewer than data.max_len + 1 = {self.max_len + 1} tokens")
-        return DataLoader(windows, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers,
-                          drop_last=len(windows) >= self.batch_size)
+        return DataLoader(
+            windows,
+            batch_size=self.batch_size,
+            shuffle=True,
+            num_workers=self.num_workers,
+            drop_last=len(windows) >= self.batch_size,
+        )
 
     def val_dataloader(self) -> DataLoader:
         return self.document_loader("validation", self.max_len)

@@ -44,8 +44,9 @@ class Window:
     score_from: int  # targets 0..L-1 of the window; those >= score_from are scored
 
 
-def windows_for(protocol: str, lengths_of_documents: list[int], length: int, stride: int = 0, k: int = 0,
-                block: int = 0) -> list[Window]:
+def windows_for(
+    protocol: str, lengths_of_documents: list[int], length: int, stride: int = 0, k: int = 0, block: int = 0
+) -> list[Window]:
     """Windows of ``length`` + 1 tokens under ``protocol`` for documents of the given token counts."""
     windows = []
     for d, n in enumerate(lengths_of_documents):
@@ -113,8 +114,15 @@ def _distributed() -> tuple[int, int]:
 
 
 @torch.no_grad()
-def evaluate_length(net, documents: list[np.ndarray], windows: list[Window], length: int, tokens_per_batch: int,
-                    per_position: bool, precision: str = "32") -> dict:
+def evaluate_length(
+    net,
+    documents: list[np.ndarray],
+    windows: list[Window],
+    length: int,
+    tokens_per_batch: int,
+    per_position: bool,
+    precision: str = "32",
+) -> dict:
     """Mean NLL over the scored targets of ``windows``; DDP ranks split windows, each token counted once."""
     device = next(net.parameters()).device
     rank, world = _distributed()
@@ -130,8 +138,10 @@ def evaluate_length(net, documents: list[np.ndarray], windows: list[Window], len
         ids = ids.to(device=device, dtype=torch.long)
         with autocast:
             nll = net.token_nll(ids[:, :-1], ids[:, 1:]).double()  # (B, L)
-        scored = torch.arange(length, device=device)[None, :] >= torch.tensor([w.score_from for w in group],
-                                                                             device=device)[:, None]
+        scored = (
+            torch.arange(length, device=device)[None, :]
+            >= torch.tensor([w.score_from for w in group], device=device)[:, None]
+        )
         count = scored.sum()
         nll_mean.update(nll[scored].sum() / count, weight=count)
         tokens.update(count)
@@ -181,38 +191,83 @@ def sweep(net, documents: list[np.ndarray], train_len: int, eval_cfg, precision:
         for protocol in protocols:
             for length in lengths:
                 windows = windows_for(protocol, doc_lengths, length, stride=stride, k=k, block=max(lengths))
-                row = {"protocol": protocol, "scaling": scaling, "length": length, "length_factor": length / train_len,
-                       "rope_factor": model.pe.factor_for(length) if scaling else None,
-                       "stride": stride if protocol == "sliding" else None, "k": k if protocol == "last_k" else None,
-                       "windows": len(windows)}
+                row = {
+                    "protocol": protocol,
+                    "scaling": scaling,
+                    "length": length,
+                    "length_factor": length / train_len,
+                    "rope_factor": model.pe.factor_for(length) if scaling else None,
+                    "stride": stride if protocol == "sliding" else None,
+                    "k": k if protocol == "last_k" else None,
+                    "windows": len(windows),
+                }
                 if eval_cfg.max_windows and len(windows) > eval_cfg.max_windows:
                     windows = windows[:: math.ceil(len(windows) / eval_cfg.max_windows)]
                     row["windows"] = len(windows)
                 if not windows:
                     longest = max(doc_lengths) - 1
                     needed = max(lengths) if protocol == "last_k" else length
-                    rows.append({**row, "status": "no windows", "ppl": None, "mean_nll": None, "tokens": 0,
-                                 "reason": f"needs documents of {needed} targets; the longest has {longest}"})
+                    rows.append(
+                        {
+                            **row,
+                            "status": "no windows",
+                            "ppl": None,
+                            "mean_nll": None,
+                            "tokens": 0,
+                            "reason": f"needs documents of {needed} targets; the longest has {longest}",
+                        }
+                    )
                     continue
                 started = time.perf_counter()
                 try:
                     device = next(model.parameters()).device
                     with PeakMemory(device) as memory:
-                        result = evaluate_length(model, documents, windows, length, eval_cfg.tokens_per_batch,
-                                                 eval_cfg.per_position and protocol == "nonoverlap", precision)
+                        result = evaluate_length(
+                            model,
+                            documents,
+                            windows,
+                            length,
+                            eval_cfg.tokens_per_batch,
+                            eval_cfg.per_position and protocol == "nonoverlap",
+                            precision,
+                        )
                 except LengthNotSupported as e:
-                    rows.append({**row, "status": "not applicable", "ppl": None, "mean_nll": None, "tokens": 0,
-                                 "reason": str(e)})
+                    rows.append(
+                        {
+                            **row,
+                            "status": "not applicable",
+                            "ppl": None,
+                            "mean_nll": None,
+                            "tokens": 0,
+                            "reason": str(e),
+                        }
+                    )
                     continue
-                rows.append({**row, "status": "ok", "ppl": math.exp(result["mean_nll"]),
-                             "mean_nll": result["mean_nll"], "tokens": result["tokens"],
-                             "seconds": round(time.perf_counter() - started, 3),
-                             "peak_mem_mb": round(memory.peak_mb, 1), "reason": None})
-                log.info("%s %s L=%d: ppl %.3f over %d tokens", protocol, scaling or "", length,
-                         rows[-1]["ppl"], result["tokens"])
+                rows.append(
+                    {
+                        **row,
+                        "status": "ok",
+                        "ppl": math.exp(result["mean_nll"]),
+                        "mean_nll": result["mean_nll"],
+                        "tokens": result["tokens"],
+                        "seconds": round(time.perf_counter() - started, 3),
+                        "peak_mem_mb": round(memory.peak_mb, 1),
+                        "reason": None,
+                    }
+                )
+                log.info(
+                    "%s %s L=%d: ppl %.3f over %d tokens",
+                    protocol,
+                    scaling or "",
+                    length,
+                    rows[-1]["ppl"],
+                    result["tokens"],
+                )
                 if result["curve"] is not None:
-                    curves += [(scaling, length, p, v, int(c)) for p, (v, c) in
-                               enumerate(zip(result["curve"], result["curve_counts"], strict=True))]
+                    curves += [
+                        (scaling, length, p, v, int(c))
+                        for p, (v, c) in enumerate(zip(result["curve"], result["curve_counts"], strict=True))
+                    ]
     return rows, curves
 
 
@@ -226,8 +281,12 @@ def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -
             return None
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                                cwd=os.path.dirname(__file__)).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=os.path.dirname(__file__)
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
@@ -263,7 +322,8 @@ def write_results(output_dir: str, meta: dict, rows: list, curves: list) -> str:
     os.makedirs(output_dir, exist_ok=True)
     if curves:
         lines = ["scaling,length,position,mean_nll,count"] + [
-            f"{s or ''},{length},{p},{v:.6f},{c}" for s, length, p, v, c in curves]
+            f"{s or ''},{length},{p},{v:.6f},{c}" for s, length, p, v, c in curves
+        ]
         write_atomic(os.path.join(output_dir, POSITIONS_FILE), "\n".join(lines) + "\n")
     path = os.path.join(output_dir, RESULTS_FILE)
     write_atomic(path, json.dumps({"complete": True, "meta": meta, "rows": rows}, indent=1) + "\n")

@@ -1,7 +1,5 @@
 """Absolute PEs, added to the token embeddings."""
 
-
-
 import torch
 from torch import nn
 
@@ -54,6 +52,3 @@ class Learned(PositionalEncoding):
 
     def describe(self) -> dict:
         return {"name": "Learned", "max_len": self.max_len}
-
-
-

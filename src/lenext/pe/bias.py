@@ -67,8 +67,12 @@ class T5Bias(PositionalEncoding):
         return by_distance.t()[:, distance].unsqueeze(0)  # (1, H, rows, end)
 
     def describe(self) -> dict:
-        return {"name": "T5Bias", "num_buckets": self.num_buckets, "max_distance": self.max_distance,
-                "per_layer": self.per_layer}
+        return {
+            "name": "T5Bias",
+            "num_buckets": self.num_buckets,
+            "max_distance": self.max_distance,
+            "per_layer": self.per_layer,
+        }
 
 
 class ShawRelative(PositionalEncoding):
