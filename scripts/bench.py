@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from lenext import pe as pes
 from lenext.errors import LengthNotSupported
@@ -105,7 +104,7 @@ def bench_training(precision, length, batch, warmup, steps, reps, log):
         setups[name] = (net, optimizer)
     rates = {name: [] for name in PE_NAMES}
     for rep in range(reps):
-        order = PE_NAMES[rep % len(PE_NAMES):] + PE_NAMES[: rep % len(PE_NAMES)]  # rotate the start
+        order = PE_NAMES[rep % len(PE_NAMES) :] + PE_NAMES[: rep % len(PE_NAMES)]  # rotate the start
         for name in order:
             net, optimizer = setups[name]
             start = time.perf_counter()
@@ -116,7 +115,7 @@ def bench_training(precision, length, batch, warmup, steps, reps, log):
     results = {}
     for name in PE_NAMES:
         # Ratio: median over repetitions of (this PE / nope in the same repetition), i.e. paired.
-        paired = [r / n for r, n in zip(rates[name], rates["nope"])]
+        paired = [r / n for r, n in zip(rates[name], rates["nope"], strict=True)]
         results[name] = {
             "tokens_per_s": statistics.median(rates[name]),
             "ratio": statistics.median(paired),
@@ -259,19 +258,27 @@ def bench_shaw(precision, length, reps, log, heads=8, head_dim=64, clip=16):
     _, out_lenext, grads_lenext = fwd_bwd(lenext_path)
     _, out_naive, grads_naive = fwd_bwd(naive_path)
     max_out_err = (out_lenext - out_naive).abs().max().item()
-    max_grad_err = max((a - b).abs().max().item() for a, b in zip(grads_lenext, grads_naive))
+    max_grad_err = max((a - b).abs().max().item() for a, b in zip(grads_lenext, grads_naive, strict=True))
     times = {"lenext": [], "naive": []}
     for rep in range(reps):  # interleaved
         times["lenext"].append(fwd_bwd(lenext_path)[0])
         times["naive"].append(fwd_bwd(naive_path)[0])
-        log(f"  shaw rep {rep + 1}/{reps}: lenext {1000 * times['lenext'][-1]:.0f} ms, "
-            f"naive {1000 * times['naive'][-1]:.0f} ms")
+        log(
+            f"  shaw rep {rep + 1}/{reps}: lenext {1000 * times['lenext'][-1]:.0f} ms, "
+            f"naive {1000 * times['naive'][-1]:.0f} ms"
+        )
     lenext_ms = 1000 * statistics.median(times["lenext"])
     naive_ms = 1000 * statistics.median(times["naive"])
     return {
-        "length": length, "heads": heads, "head_dim": head_dim, "k": clip,
-        "lenext_ms": lenext_ms, "naive_ms": naive_ms, "speedup": naive_ms / lenext_ms,
-        "max_out_err": max_out_err, "max_grad_err": max_grad_err,
+        "length": length,
+        "heads": heads,
+        "head_dim": head_dim,
+        "k": clip,
+        "lenext_ms": lenext_ms,
+        "naive_ms": naive_ms,
+        "speedup": naive_ms / lenext_ms,
+        "max_out_err": max_out_err,
+        "max_grad_err": max_grad_err,
     }
 
 
@@ -299,8 +306,12 @@ class CpuMeter:
         (w0, b0, o0), (w1, b1, o1) = self.start, self._sample()
         wall = w1 - w0
         foreign = max(0.0, (b1 - b0) - (o1 - o0))
-        return {"wall_s": wall, "own_cpu_s": o1 - o0, "foreign_cpu_s": foreign,
-                "foreign_cores": foreign / wall if wall > 0 else 0.0}
+        return {
+            "wall_s": wall,
+            "own_cpu_s": o1 - o0,
+            "foreign_cpu_s": foreign,
+            "foreign_cores": foreign / wall if wall > 0 else 0.0,
+        }
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,9 +353,13 @@ def render(info, settings, training, forward, lengths, shaw, elapsed) -> str:
         f"- command: `{settings['command']}`",
         f"- total run time: {elapsed / 60:.1f} min",
         "- CPU taken by other processes while each section ran (cores busy on average, out of "
-        f"{info['cores']}): " + ", ".join(f"{k} {v['foreign_cores']:.2f}" for k, v in settings["contention"].items())
-        + (" -- **the machine was shared; absolute numbers are pessimistic and noisy**"
-           if max(v["foreign_cores"] for v in settings["contention"].values()) > 0.2 else ""),
+        f"{info['cores']}): "
+        + ", ".join(f"{k} {v['foreign_cores']:.2f}" for k, v in settings["contention"].items())
+        + (
+            " -- **the machine was shared; absolute numbers are pessimistic and noisy**"
+            if max(v["foreign_cores"] for v in settings["contention"].values()) > 0.2
+            else ""
+        ),
         "",
         "## Training throughput",
         "",
@@ -439,11 +454,19 @@ def main(argv=None) -> None:
         return
 
     if args.quick:
-        settings = dict(train_length=TRAIN_LEN, train_batch=2, warmup=1, reps=2, steps=1,
-                        lengths=[512, 2048], shaw_reps=1)
+        settings = dict(
+            train_length=TRAIN_LEN, train_batch=2, warmup=1, reps=2, steps=1, lengths=[512, 2048], shaw_reps=1
+        )
     else:
-        settings = dict(train_length=TRAIN_LEN, train_batch=BATCH, warmup=2, reps=5, steps=2,
-                        lengths=[512, 2048, 8192, 16384], shaw_reps=3)
+        settings = dict(
+            train_length=TRAIN_LEN,
+            train_batch=BATCH,
+            warmup=2,
+            reps=5,
+            steps=2,
+            lengths=[512, 2048, 8192, 16384],
+            shaw_reps=3,
+        )
     for key in ("reps", "steps", "warmup", "lengths"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
@@ -456,8 +479,10 @@ def main(argv=None) -> None:
         print(f"[{time.perf_counter() - started:7.1f}s] {message}", flush=True)
 
     info = machine_info(args.precision)
-    log(f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.precision}, "
-        f"settings {json.dumps({k: v for k, v in settings.items() if k != 'command'})}")
+    log(
+        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.precision}, "
+        f"settings {json.dumps({k: v for k, v in settings.items() if k != 'command'})}"
+    )
 
     contention = settings["contention"] = {}
 
@@ -466,12 +491,23 @@ def main(argv=None) -> None:
         meter = CpuMeter()
         result = fn(*fn_args, **fn_kwargs)
         contention[section] = meter.stop()
-        log(f"  {section}: {contention[section]['wall_s']:.0f} s, other processes busy "
-            f"{contention[section]['foreign_cores']:.2f} cores on average")
+        log(
+            f"  {section}: {contention[section]['wall_s']:.0f} s, other processes busy "
+            f"{contention[section]['foreign_cores']:.2f} cores on average"
+        )
         return result
 
-    training = measured("training", bench_training, args.precision, settings["train_length"],
-                        settings["train_batch"], settings["warmup"], settings["steps"], settings["reps"], log)
+    training = measured(
+        "training",
+        bench_training,
+        args.precision,
+        settings["train_length"],
+        settings["train_batch"],
+        settings["warmup"],
+        settings["steps"],
+        settings["reps"],
+        log,
+    )
     forward = measured("forward", bench_forward, args.precision, settings["lengths"], timeout=900, log=log)
     shaw = measured("shaw", bench_shaw, args.precision, 2048, settings["shaw_reps"], log)
 

@@ -36,6 +36,26 @@ def compose_train(tmp_path, cache_dir):
     return _compose
 
 
+@pytest.fixture(scope="session")
+def small_text_corpus(tmp_path_factory):
+    """Twelve real addresses as a text_files corpus (3 validation documents): seconds to train and evaluate."""
+    folder = tmp_path_factory.mktemp("corpus")
+    for i, text in enumerate(Sotu().documents("train")[:12]):
+        (folder / f"{i:02d}.txt").write_text(text)
+    return folder
+
+
+def small_corpus_overrides(folder, *extra: str) -> list[str]:
+    """tiny_overrides on the small text corpus, with a short evaluation."""
+    return tiny_overrides(
+        "data=text_files",
+        f"data.corpus.path={folder}",
+        "data.corpus.holdout_every=4",
+        "trainer.enable_progress_bar=false",
+        *extra,
+    )
+
+
 def tiny_overrides(*extra: str) -> list[str]:
     """A tiny model on short windows with the test vocabulary: seconds per run on CPU."""
     return [

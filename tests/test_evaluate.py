@@ -139,18 +139,6 @@ def test_rope_scalings_give_one_row_each_with_the_factor_used():
     assert net.pe.scaling == "none"  # restored after the sweep
 
 
-@pytest.fixture
-def small_text_corpus(tmp_path):
-    """Twelve real addresses as a text_files corpus: 3 validation documents, seconds to evaluate."""
-    from lenext.data import Sotu
-
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    for i, text in enumerate(Sotu().documents("train")[:12]):
-        (folder / f"{i:02d}.txt").write_text(text)
-    return folder
-
-
 def test_checkpoint_evaluation_matches_training_validation_and_writes_documented_results(
     compose_train, small_text_corpus, tmp_path
 ):

@@ -13,6 +13,7 @@ def test_short_training_beats_uniform_baseline_by_4x(compose_train, tmp_path):
             "trainer.max_steps=200",
             "trainer.val_check_interval=200",
             "trainer.limit_val_batches=40",
+            "eval.enabled=false",
             "optim.lr=3e-3",
             "optim.warmup_steps=20",
             "trainer.enable_progress_bar=false",

@@ -1,6 +1,7 @@
 """Hydra entry points behind ``train.py`` (and the checks that run before any work)."""
 
 import functools
+import json
 import logging
 import os
 import sys
@@ -9,10 +10,12 @@ from collections.abc import Callable
 import hydra
 import lightning as L
 import torch
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lenext.errors import CheckpointError, ConfigError, LenextError
-from lenext.evaluate import run_metadata, sweep, write_results
+from lenext.evaluate import RESULTS_FILE, run_metadata, sweep, write_results
 
 log = logging.getLogger("lenext")
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
@@ -89,9 +92,21 @@ def one_line_errors(main: Callable) -> Callable:
     return wrapper
 
 
+def _hydra() -> HydraConfig | None:
+    return HydraConfig.get() if HydraConfig.initialized() else None
+
+
 def build(cfg: DictConfig):
     """Data module, LightningModule and Trainer for a composed training config."""
     validate(cfg)
+    hydra_cfg = _hydra()
+    with open_dict(cfg):
+        # The PE's config name (rope vs rope_ntk share a class) labels rows in reports.
+        cfg.pe_name = hydra_cfg.runtime.choices.get("pe") if hydra_cfg else cfg.pe._target_.rsplit(".", 1)[-1].lower()
+        if "wandb" in (cfg.get("logger") or {}):
+            cfg.logger.wandb.name = cfg.logger.wandb.name or f"{cfg.pe_name}-L{cfg.data.max_len}-seed{cfg.seed}"
+            if cfg.logger.wandb.group is None and hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN:
+                cfg.logger.wandb.group = os.path.basename(hydra_cfg.sweep.dir)  # one wandb group per sweep
     L.seed_everything(cfg.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.load()
@@ -99,7 +114,7 @@ def build(cfg: DictConfig):
         cfg.model, vocab_size=datamodule.vocab_size, train_len=cfg.data.max_len, pe=hydra.utils.instantiate(cfg.pe)
     )
     # run_config holds _target_ keys: passed after instantiation so Hydra does not build it.
-    module = hydra.utils.instantiate(cfg.optim, _partial_=True)(
+    module = hydra.utils.instantiate(cfg.optim, _partial_=True, _convert_="all")(
         net=net, run_config=OmegaConf.to_container(cfg, resolve=True)
     )
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
@@ -108,12 +123,45 @@ def build(cfg: DictConfig):
     return datamodule, module, trainer
 
 
+def completed_results(output_dir: str) -> dict | None:
+    """The run's results if its results file is complete (a finished run a re-launched sweep skips)."""
+    try:
+        with open(os.path.join(output_dir, RESULTS_FILE)) as f:
+            results = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    return results if results.get("complete") else None
+
+
+def resume_checkpoint(cfg: DictConfig) -> str | None:
+    """``ckpt_path`` as given; ``last`` or null -> the run directory's last.ckpt when there is one."""
+    last = os.path.join(cfg.paths.output_dir, "checkpoints", "last.ckpt")
+    if cfg.ckpt_path not in (None, "last"):
+        load_checkpoint(cfg.ckpt_path)  # fail now, with a clear message, if it is unusable
+        return cfg.ckpt_path
+    if os.path.exists(last):
+        log.info("resuming from %s", last)
+        return last
+    if cfg.ckpt_path == "last":
+        raise CheckpointError(f"ckpt_path=last: there is no {last} yet; drop ckpt_path to start afresh")
+    return None
+
+
 def train(cfg: DictConfig) -> dict:
-    """Train, report validation perplexity at L_train, then sweep evaluation lengths. Returns the metrics."""
+    """Train, report validation perplexity at L_train, then sweep evaluation lengths. Returns the metrics.
+
+    A run whose output folder already holds a complete results file is skipped, and one with a
+    last.ckpt resumes from it: re-launching an interrupted sweep redoes only what did not finish.
+    """
+    done = completed_results(cfg.paths.output_dir)
+    if done:
+        first = done["rows"][0]
+        print(f"skipping {cfg.paths.output_dir}: its {RESULTS_FILE} is complete")
+        return {"val/ppl": first["ppl"], "val/loss": first["mean_nll"], "skipped": True}
     datamodule, module, trainer = build(cfg)
     n_params = sum(p.numel() for p in module.net.parameters())
     log.info("model: %.2fM parameters, PE %s, L_train %d", n_params / 1e6, module.net.pe.describe(), cfg.data.max_len)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_checkpoint(cfg))
     metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     print(
         f"validation perplexity at L_train={cfg.data.max_len}: {metrics['val/ppl']:.2f} "
@@ -122,8 +170,31 @@ def train(cfg: DictConfig) -> dict:
     if cfg.eval.enabled and not cfg.trainer.get("fast_dev_run"):
         tokens = trainer.global_step * cfg.data.batch_size * cfg.data.max_len * trainer.world_size
         precision = "bf16" if str(trainer.precision).startswith("bf16") else "32"
-        evaluate_and_write(cfg, module.net, datamodule, "validation", tokens, cfg.paths.output_dir, precision)
+        speed = module.train_tokens / module.train_seconds * trainer.world_size if module.train_seconds else None
+        path = evaluate_and_write(
+            cfg,
+            module.net,
+            datamodule,
+            "validation",
+            tokens,
+            cfg.paths.output_dir,
+            precision,
+            {"train_tokens_per_s": speed},
+        )
+        log_results_to_wandb(trainer, path)
     return metrics
+
+
+def log_results_to_wandb(trainer, results_path: str) -> None:
+    """The evaluation rows as a wandb Table (key eval/results) when logging to wandb."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger) and results_path:
+            with open(results_path) as f:
+                rows = json.load(f)["rows"]
+            columns = list(rows[0])
+            logger.log_table(key="eval/results", columns=columns, data=[[r[c] for c in columns] for r in rows])
 
 
 def evaluate_and_write(

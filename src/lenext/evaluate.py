@@ -163,8 +163,9 @@ def rope_variants(net, scalings: list[str] | None):
     if not scalings:
         yield getattr(pe, "scaling", None), net
         return
-    if not hasattr(pe, "scaling"):
-        raise ConfigError(f"eval.rope_scalings applies to RoPE checkpoints; this one uses {pe.describe()['name']}")
+    if not hasattr(pe, "scaling"):  # a sweep over all PEs sets it once; only RoPE has scalings
+        yield None, net
+        return
     original = (pe.scaling, pe.factor)
     try:
         for scaling in scalings:
@@ -290,6 +291,7 @@ def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
+        "pe_name": cfg.get("pe_name"),
         "pe": net.pe.describe(),
         "pe_config": cfg["pe"],
         "model": {k: v for k, v in cfg["model"].items() if not k.startswith("_")},

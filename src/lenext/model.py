@@ -15,9 +15,16 @@ from torch import nn
 from lenext.errors import ConfigError
 from lenext.pe import AttentionShape, PositionalEncoding
 
+# FlexAttention runs score-bias PEs on CUDA without any (L, L) tensor. torch 2.6 is the first
+# version whose backward reaches tensors a score_mod captures (the T5 table, Shaw's q . a^K).
+flex_attention = None
+if torch.__version__ >= "2.6":
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
 # Float elements of score/bias per query block: bounds attention memory at long lengths to
 # O(block * L) (128 MiB in fp32) while training lengths fit in one block.
 SCORE_BLOCK_ELEMENTS = 2**25
+FLEX_BLOCK = 128  # FlexAttention's sparse block size (its default)
 
 
 @cache
@@ -45,6 +52,38 @@ def _sdpa_keep_mask(q, k, v, **kwargs) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
+@cache
+def compiled_flex_attention():
+    """flex_attention compiled once, on first use: uncompiled it materializes all (L, L) scores."""
+    return torch.compile(flex_attention)
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@cache
+def causal_block_mask(length: int, device: torch.device) -> "BlockMask":
+    """The causal BlockMask, built from its block structure.
+
+    create_block_mask would evaluate ``causal`` at all L^2 positions (20 s / 10 GB at 32k on CPU).
+    Query block i sees key blocks 0..i-1 whole and its diagonal block i through ``causal``;
+    flex itself bounds rows and keys past ``length`` in the last block.
+    """
+    blocks = -(-length // FLEX_BLOCK)
+    index = torch.arange(blocks, dtype=torch.int32, device=device)
+    in_order = index.expand(blocks, blocks).contiguous()[None, None]  # (1, 1, n, n): every row lists 0..n-1
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks=torch.ones_like(index)[None, None],  # row i: one partial block,
+        kv_indices=in_order.transpose(-2, -1).contiguous(),  # block i
+        full_kv_num_blocks=index[None, None],  # and i full blocks,
+        full_kv_indices=in_order,  # blocks 0..i-1
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=causal,
+        seq_lengths=(length, length),
+    )
+
+
 def causal_attention(q, k, v, pe: PositionalEncoding, layer: int) -> torch.Tensor:
     """Causal attention with the PE's score bias, on the cheapest path that is exact.
 
@@ -53,6 +92,10 @@ def causal_attention(q, k, v, pe: PositionalEncoding, layer: int) -> torch.Tenso
     batch, heads, length, head_dim = q.shape
     if not pe.has_score_bias:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # Flex only on CUDA: on CPU it has no backward and compiles for seconds (DESIGN.md section 7).
+    score_mod = pe.score_mod(q, layer) if q.is_cuda and flex_attention is not None else None
+    if score_mod is not None:
+        return compiled_flex_attention()(q, k, v, score_mod=score_mod, block_mask=causal_block_mask(length, q.device))
     rows = max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * length))
     if rows >= length and not pe.needs_attention_probs:
         bias = pe.score_bias(q, layer, 0, length)

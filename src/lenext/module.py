@@ -1,6 +1,7 @@
 """The LightningModule: next-token loss, perplexity metrics, AdamW with warmup + cosine decay."""
 
 import math
+import time
 
 import lightning as L
 import torch
@@ -32,6 +33,14 @@ class LanguageModel(L.LightningModule):
         self.net = net
         # Weighted by token count, synchronised across DDP ranks: each token counts once.
         self.val_nll = MeanMetric()
+        self.train_seconds, self.train_tokens = 0.0, 0  # time inside training steps, for tokens/s
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        self._step_started = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.train_seconds += time.perf_counter() - self._step_started
+        self.train_tokens += batch[:, 1:].numel()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.net.logits(self.net(tokens))

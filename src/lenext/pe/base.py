@@ -4,11 +4,13 @@ A PE acts at up to three sites of the decoder, and implements only the ones it n
 
 - ``embed(x)``: added to the token embeddings (sinusoidal, learned);
 - ``rotate(q, k)``: applied to queries and keys (RoPE and its scalings);
-- ``score_bias(q, layer, start, end)``: added to the attention scores (ALiBi, T5, Shaw).
+- ``score_bias(q, layer, start, end)``: added to the attention scores (ALiBi, T5, Shaw), and its
+  FlexAttention form ``score_mod(q, layer)`` where the attention runs FlexAttention (CUDA).
 
 The decoder calls all three everywhere and never looks at which PE it holds.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +57,15 @@ class PositionalEncoding(nn.Module):
         Positions j > i are masked by the attention, so the bias may hold anything there.
         """
         raise NotImplementedError
+
+    def score_mod(self, q: torch.Tensor, layer: int) -> Callable | None:
+        """``score_bias`` over the whole sequence as a FlexAttention score_mod, or None if there is none.
+
+        q: (B, H, L, d_head). Returns ``(score, b, h, q_idx, kv_idx) -> score + bias``; flex applies
+        the causal mask after it, so it may return anything (but must index in bounds) for kv_idx > q_idx.
+        None (the default) sends the attention to its SDPA paths, as for PEs flex cannot express.
+        """
+        return None
 
     def value_term(self, probs: torch.Tensor, layer: int, start: int, end: int) -> torch.Tensor:
         """Extra attention output from the probabilities (B, H, rows, end) -> (B, H, rows, d_head)."""

@@ -36,6 +36,14 @@ class ALiBi(PositionalEncoding):
         keys = torch.arange(end, device=q.device, dtype=torch.float32) - (end - 1)
         return (self.slopes[:, None] * keys)[None, :, None, :]  # (1, H, 1, end), fp32 even under bf16
 
+    def score_mod(self, q, layer):
+        slopes = self.slopes  # fp32; flex adds it to fp32 scores, so -m (i - j) is exact as written
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx - kv_idx)
+
+        return alibi
+
 
 def t5_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
     """Causal T5 bucket of n = max(i - j, 0) (Raffel et al. 2020, bidirectional=False)."""
@@ -59,12 +67,26 @@ class T5Bias(PositionalEncoding):
         self.table = nn.Parameter(torch.randn(shape.n_layers if per_layer else 1, num_buckets, shape.n_heads) * 0.02)
         self.register_buffer("buckets", torch.empty(0, dtype=torch.long), persistent=False)
 
-    def score_bias(self, q, layer, start, end):
+    def _by_distance(self, layer, end, device):
+        """(end, H): the bias of each distance i - j in 0..end-1."""
         if self.buckets.numel() < end:  # bucket of each distance 0..end-1, grown for the longest length
-            self.buckets = t5_bucket(torch.arange(end, device=q.device), self.num_buckets, self.max_distance)
-        by_distance = self.table[layer if self.per_layer else 0][self.buckets[:end]]  # (end, H)
+            self.buckets = t5_bucket(torch.arange(end, device=device), self.num_buckets, self.max_distance)
+        return self.table[layer if self.per_layer else 0][self.buckets[:end]]
+
+    def score_bias(self, q, layer, start, end):
+        by_distance = self._by_distance(layer, end, q.device)
         distance = (-relative_offsets(start, end, q.device)).clamp(min=0)  # (rows, end), i - j
         return by_distance.t()[:, distance].unsqueeze(0)  # (1, H, rows, end)
+
+    def score_mod(self, q, layer):
+        # Looked up per distance, not per bucket: the backward scatters gradients into this (L, H)
+        # tensor with atomic adds, and far fewer of them collide than on the (buckets, H) table.
+        by_distance = self._by_distance(layer, q.size(2), q.device)
+
+        def t5(score, b, h, q_idx, kv_idx):
+            return score + by_distance[(q_idx - kv_idx).clamp(min=0), h]  # clamp: j > i (masked) stays in bounds
+
+        return t5
 
     def describe(self) -> dict:
         return {
@@ -98,10 +120,23 @@ class ShawRelative(PositionalEncoding):
     def _clipped_offsets(self, start, end, device):
         return relative_offsets(start, end, device).clamp(-self.k, self.k) + self.k  # (rows, end) in [0, 2k]
 
+    def _by_offset(self, q, layer):
+        """(B, H, rows, 2k+1): q_i . a^K_o / sqrt(d_h) for each clipped offset o + k."""
+        return q @ self.key_table[layer].t().to(q.dtype) / math.sqrt(self.shape.head_dim)
+
     def score_bias(self, q, layer, start, end):
-        by_offset = q @ self.key_table[layer].t().to(q.dtype)  # (B, H, rows, 2k+1)
         index = self._clipped_offsets(start, end, q.device).expand(*q.shape[:2], -1, -1)
-        return by_offset.gather(-1, index) / math.sqrt(self.shape.head_dim)  # (B, H, rows, end)
+        return self._by_offset(q, layer).gather(-1, index)  # (B, H, rows, end)
+
+    def score_mod(self, q, layer):
+        if self.needs_attention_probs:
+            return None  # flex cannot add a^V: the attention keeps its explicit path
+        by_offset, k = self._by_offset(q, layer), self.k
+
+        def shaw(score, b, h, q_idx, kv_idx):
+            return score + by_offset[b, h, q_idx, (kv_idx - q_idx).clamp(-k, k) + k]
+
+        return shaw
 
     def value_term(self, probs, layer, start, end):
         index = self._clipped_offsets(start, end, probs.device).expand_as(probs)

@@ -1,0 +1,302 @@
+"""Results files -> paper-style tables (Markdown, LaTeX, CSV) and plots (PNG).
+
+    python -m lenext.report <multirun dir or run dirs ...> [--out DIR]
+
+Reads every ``results.json`` below the given folders. A row of the table is a PE (RoPE
+evaluated under another scaling gets its own row, e.g. ``rope (ntk)``); columns are L_eval;
+cells are mean +- std of perplexity over seeds, the best (lowest) of each column marked.
+One table per (L_train, protocol). Runs without a complete results file are listed, not dropped.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections import defaultdict
+
+import pandas as pd
+
+from lenext.evaluate import POSITIONS_FILE, RESULTS_FILE, write_atomic
+
+PE_ORDER = ["nope", "sinusoidal", "learned", "shaw", "t5", "rope", "rope_ntk", "alibi"]
+
+
+def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[str, str]]]:
+    """(run dir, results) for complete runs, and (run dir, why) for runs that are not."""
+    complete, incomplete = [], []
+    for folder in folders:
+        if not os.path.isdir(folder):
+            raise SystemExit(f"error: {folder!r} is not a folder: give a multirun folder or run folders")
+        for root, dirs, files in os.walk(folder):
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ("checkpoints", "csv", "report"))
+            is_run = ".hydra" in os.listdir(root)
+            if RESULTS_FILE in files:
+                try:
+                    with open(os.path.join(root, RESULTS_FILE)) as f:
+                        results = json.load(f)
+                except (OSError, json.JSONDecodeError) as e:
+                    incomplete.append((root, f"unreadable {RESULTS_FILE} ({type(e).__name__})"))
+                    continue
+                if results.get("complete"):
+                    complete.append((root, results))
+                else:
+                    incomplete.append((root, f"{RESULTS_FILE} not marked complete"))
+            elif is_run and not any(d.isdigit() for d in dirs):
+                incomplete.append((root, f"no {RESULTS_FILE}: failed, interrupted or still running"))
+    return complete, incomplete
+
+
+def label(meta: dict, scaling: str | None) -> str:
+    """Row label: the PE's config name, plus the RoPE scaling when evaluation changed it."""
+    name = meta.get("pe_name") or meta["pe"]["name"].lower()
+    trained = meta["pe"].get("scaling")
+    return name if scaling in (None, trained) else f"{name} ({scaling})"
+
+
+def collect(runs: list[tuple[str, dict]]) -> pd.DataFrame:
+    """One record per (run, row) with status ok or not applicable."""
+    records = []
+    for run_dir, results in runs:
+        meta = results["meta"]
+        for row in results["rows"]:
+            records.append(
+                {
+                    "run": run_dir,
+                    "pe": label(meta, row["scaling"]),
+                    "train_len": meta["train_len"],
+                    "seed": meta["seed"],
+                    "protocol": row["protocol"],
+                    "length": row["length"],
+                    "ppl": row["ppl"],
+                    "status": row["status"],
+                    "peak_mem_mb": row.get("peak_mem_mb"),
+                    "train_tokens_per_s": meta.get("train_tokens_per_s"),
+                }
+            )
+    return pd.DataFrame.from_records(records)
+
+
+def _order(pe: str) -> tuple:
+    base = pe.split(" ")[0]
+    return (PE_ORDER.index(base) if base in PE_ORDER else len(PE_ORDER), pe)
+
+
+def summarize(frame: pd.DataFrame) -> dict[tuple[int, str], pd.DataFrame]:
+    """Per (L_train, protocol): a frame indexed by PE with columns (length, mean|std|n|status) + speed/memory."""
+    tables = {}
+    for (train_len, protocol), group in frame.groupby(["train_len", "protocol"]):
+        cells = {}
+        for (pe, length), g in group.groupby(["pe", "length"]):
+            ok = g[g.status == "ok"].ppl.astype(float)
+            cells[(pe, length)] = {
+                "mean": ok.mean() if len(ok) else math.nan,
+                "std": ok.std(ddof=1) if len(ok) > 1 else (0.0 if len(ok) else math.nan),
+                "n": len(ok),
+                "status": "ok" if len(ok) else g.status.iloc[0],
+            }
+        pes = sorted({pe for pe, _ in cells}, key=_order)
+        lengths = sorted({length for _, length in cells})
+        table = pd.DataFrame(index=pes, columns=pd.MultiIndex.from_product([lengths, ["mean", "std", "n", "status"]]))
+        for (pe, length), cell in cells.items():
+            for key, value in cell.items():
+                table.loc[pe, (length, key)] = value
+        speed = group.groupby("pe").train_tokens_per_s.mean()
+        memory = group.groupby("pe").peak_mem_mb.max()
+        table[("train tok/s", "")] = [speed.get(pe) for pe in pes]
+        table[("eval peak MB", "")] = [memory.get(pe) for pe in pes]
+        tables[(train_len, protocol)] = table
+    return tables
+
+
+def _best(table: pd.DataFrame, length: int) -> str | None:
+    means = pd.to_numeric(table[(length, "mean")], errors="coerce")
+    return None if means.isna().all() else means.idxmin()
+
+
+def _cell(table, pe, length, fmt) -> str:
+    mean, std, n, status = (table.loc[pe, (length, k)] for k in ("mean", "std", "n", "status"))
+    if not isinstance(status, str):
+        return ""
+    if status != "ok":
+        return "n/a" if status == "not applicable" else "-"
+    text = f"{mean:.2f}" + (f" {fmt['pm']} {std:.2f}" if n > 1 else "")
+    return fmt["bold"].format(text) if pe == _best(table, length) else text
+
+
+def _number(value, digits=0) -> str:
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.{digits}f}"
+
+
+def to_markdown(tables: dict) -> str:
+    parts = []
+    for (train_len, protocol), table in tables.items():
+        lengths = [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
+        seeds = int(pd.to_numeric(table.xs("n", axis=1, level=1).stack(), errors="coerce").max())
+        parts.append(
+            f"### L_train = {train_len}, protocol `{protocol}` (perplexity, mean +- std over "
+            f"{seeds} seed{'s' if seeds != 1 else ''}; best per column in bold)\n"
+        )
+        head = ["PE", *[f"{n}" for n in lengths], "train tok/s", "eval peak MB"]
+        parts.append("| " + " | ".join(head) + " |")
+        parts.append("|" + "---|" * len(head))
+        for pe in table.index:
+            cells = [_cell(table, pe, n, {"pm": "±", "bold": "**{}**"}) for n in lengths]
+            extra = [_number(table.loc[pe, ("train tok/s", "")]), _number(table.loc[pe, ("eval peak MB", "")])]
+            parts.append("| " + " | ".join([pe, *cells, *extra]) + " |")
+        parts.append("")
+    return "\n".join(parts)
+
+
+def to_latex(tables: dict) -> str:
+    parts = []
+    for (train_len, protocol), table in tables.items():
+        lengths = [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
+        parts += [
+            f"% L_train = {train_len}, protocol {protocol}",
+            "\\begin{tabular}{l" + "r" * len(lengths) + "}",
+            "\\toprule",
+            "PE & " + " & ".join(str(n) for n in lengths) + " \\\\",
+            "\\midrule",
+        ]
+        for pe in table.index:
+            cells = [_cell(table, pe, n, {"pm": "$\\pm$", "bold": "\\textbf{{{}}}"}) for n in lengths]
+            parts.append(pe.replace("_", "\\_") + " & " + " & ".join(cells) + " \\\\")
+        parts += ["\\bottomrule", "\\end{tabular}", ""]
+    return "\n".join(parts)
+
+
+def to_csv(frame: pd.DataFrame, tables: dict) -> str:
+    rows = []
+    for (train_len, protocol), table in tables.items():
+        for length in [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]:
+            best = _best(table, length)
+            for pe in table.index:
+                if not isinstance(table.loc[pe, (length, "status")], str):
+                    continue
+                rows.append(
+                    {
+                        "train_len": train_len,
+                        "protocol": protocol,
+                        "pe": pe,
+                        "length": length,
+                        **{k: table.loc[pe, (length, k)] for k in ("mean", "std", "n", "status")},
+                        "best": pe == best,
+                        "train_tokens_per_s": table.loc[pe, ("train tok/s", "")],
+                        "eval_peak_mem_mb": table.loc[pe, ("eval peak MB", "")],
+                    }
+                )
+    return pd.DataFrame(rows).to_csv(index=False)
+
+
+def plot_perplexity(tables: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(tables), figsize=(6 * len(tables), 4.5), squeeze=False)
+    for ax, ((train_len, protocol), table) in zip(axes[0], tables.items(), strict=True):
+        lengths = [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
+        for pe in table.index:
+            mean = pd.to_numeric(pd.Series([table.loc[pe, (n, "mean")] for n in lengths]), errors="coerce")
+            std = pd.to_numeric(pd.Series([table.loc[pe, (n, "std")] for n in lengths]), errors="coerce").fillna(0)
+            ax.errorbar(lengths, mean, yerr=std, marker="o", ms=3, capsize=2, label=pe)
+        ax.axvline(train_len, color="grey", ls="--", lw=1)
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="L_eval (tokens)",
+            ylabel="perplexity",
+            title=f"L_train = {train_len}, {protocol}",
+        )
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save_figure(fig, path)
+
+
+def plot_positions(runs: list[tuple[str, dict]], path: str) -> bool:
+    """Mean loss per position at the longest evaluated length, one line per PE (mean over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = defaultdict(list)
+    for run_dir, results in runs:
+        file = os.path.join(run_dir, POSITIONS_FILE)
+        if not os.path.exists(file):
+            continue
+        frame = pd.read_csv(file, keep_default_na=False)
+        frame = frame[frame.length == frame.length.max()]
+        for scaling, g in frame.groupby("scaling"):
+            meta = results["meta"]
+            curves[(meta["train_len"], label(meta, scaling or None))].append(g.mean_nll.to_numpy())
+    if not curves:
+        return False
+    train_lens = sorted({t for t, _ in curves})
+    fig, axes = plt.subplots(1, len(train_lens), figsize=(7 * len(train_lens), 4.5), squeeze=False)
+    for ax, train_len in zip(axes[0], train_lens, strict=True):
+        for (t, pe), series in sorted(curves.items(), key=lambda kv: _order(kv[0][1])):
+            if t != train_len:
+                continue
+            n = min(len(s) for s in series)
+            mean = pd.Series(sum(s[:n] for s in series) / len(series))
+            ax.plot(mean.rolling(max(1, train_len // 8), min_periods=1).mean(), label=pe, lw=1)
+        ax.axvline(train_len, color="grey", ls="--", lw=1)
+        ax.set(
+            xscale="log",
+            xlabel="position in window",
+            ylabel="mean loss (nats, smoothed)",
+            title=f"per-position loss, L_train = {train_len}",
+        )
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save_figure(fig, path)
+    return True
+
+
+def _save_figure(fig, path: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp.png"
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+
+
+def report(folders: list[str], out: str) -> str:
+    """Write table.{md,tex,csv}, ppl_vs_length.png, per_position.png into ``out``; return the Markdown."""
+    runs, incomplete = find_runs(folders)
+    if not runs:
+        raise SystemExit(
+            f"error: no complete {RESULTS_FILE} under {', '.join(folders)}"
+            + (f" ({len(incomplete)} incomplete runs)" if incomplete else "")
+        )
+    frame = collect(runs)
+    tables = summarize(frame)
+    markdown = to_markdown(tables)
+    if incomplete:
+        markdown += (
+            "\nIncomplete or failed runs (not in the table):\n\n"
+            + "\n".join(f"- `{run}`: {why}" for run, why in incomplete)
+            + "\n"
+        )
+    os.makedirs(out, exist_ok=True)
+    write_atomic(os.path.join(out, "table.md"), markdown)
+    write_atomic(os.path.join(out, "table.tex"), to_latex(tables))
+    write_atomic(os.path.join(out, "table.csv"), to_csv(frame, tables))
+    plot_perplexity(tables, os.path.join(out, "ppl_vs_length.png"))
+    plot_positions(runs, os.path.join(out, "per_position.png"))
+    return markdown
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lenext.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("folders", nargs="+", help="multirun folder(s) or run folders holding results.json")
+    parser.add_argument("--out", help="where to write tables and plots (default: <first folder>/report)")
+    args = parser.parse_args(argv)
+    out = args.out or os.path.join(args.folders[0], "report")
+    print(report(args.folders, out))
+    print(f"tables and plots: {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Studies: presets, skipping finished runs, resuming, reproducibility, DDP evaluation, launchers."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from hydra import compose, initialize_config_dir
+
+from lenext.cli import CONFIG_DIR, train
+from lenext.evaluate import evaluate_length, windows_for
+from lenext.model import Decoder
+from lenext.pe import ALiBi
+from tests.conftest import small_corpus_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("preset,model,max_len", [("quick", 64, 64), ("paper", 256, 512)])
+def test_experiment_presets_compose_into_multiruns_over_every_pe(preset, model, max_len, tmp_path):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(
+            "train", overrides=[f"experiment={preset}", f"paths.root_dir={tmp_path}"], return_hydra_config=True
+        )
+    assert cfg.model.d_model == model and cfg.data.max_len == max_len
+    assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+    assert cfg.hydra.sweeper.params.pe.split(",") == [
+        "nope",
+        "sinusoidal",
+        "learned",
+        "shaw",
+        "t5",
+        "rope",
+        "rope_ntk",
+        "alibi",
+    ]
+
+
+def test_finished_runs_are_skipped_and_interrupted_ones_resume(compose_train, small_text_corpus, tmp_path, caplog):
+    first = compose_train(*small_corpus_overrides(small_text_corpus, "trainer.max_steps=6", "eval.factors=[1]"))
+    train(first)
+    results = tmp_path / "results.json"
+    assert json.loads(results.read_text())["complete"]
+    written = results.stat().st_mtime_ns
+    assert train(first)["skipped"] and results.stat().st_mtime_ns == written
+
+    # An interrupted run: a checkpoint at step 6 but no results. Same folder, longer budget -> resumes.
+    results.unlink()
+    longer = compose_train(*small_corpus_overrides(small_text_corpus, "trainer.max_steps=10", "eval.factors=[1]"))
+    with caplog.at_level("INFO", logger="lenext"):
+        train(longer)
+    assert f"resuming from {tmp_path / 'checkpoints' / 'last.ckpt'}" in caplog.text
+    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert checkpoint["global_step"] == 10
+    assert json.loads(results.read_text())["meta"]["tokens_trained"] == 10 * 4 * 32
+
+
+def test_same_config_and_seed_give_identical_results(compose_train, small_text_corpus, tmp_path):
+    rows = []
+    for run in ("a", "b"):
+        cfg = compose_train(
+            *small_corpus_overrides(
+                small_text_corpus,
+                "pe=alibi",
+                "trainer.max_steps=8",
+                "eval.factors=[1,2]",
+                f"paths.output_dir={tmp_path / run}",
+            )
+        )
+        train(cfg)
+        rows.append(json.loads((tmp_path / run / "results.json").read_text())["rows"])
+    assert [r["ppl"] for r in rows[0]] == [r["ppl"] for r in rows[1]]
+
+
+def _evaluate_on_rank(rank, world, port, out):
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    net = Decoder(50, 16, ALiBi, d_model=32, n_layers=2, n_heads=4).eval()
+    docs = [np.random.default_rng(i).integers(0, 50, size=n).astype(np.int32) for i, n in enumerate((90, 51, 133))]
+    windows = windows_for("nonoverlap", [len(d) for d in docs], 16)
+    result = evaluate_length(net, docs, windows, 16, 32, per_position=True)
+    if rank == 0:
+        torch.save(result, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_evaluation_under_ddp_counts_each_token_once_and_matches_one_process(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ddp.pt"
+    mp.spawn(_evaluate_on_rank, args=(2, port, str(out)), nprocs=2, join=True)
+    distributed = torch.load(out, weights_only=False)
+    single = tmp_path / "single.pt"
+    _single_process(str(single))
+    alone = torch.load(single, weights_only=False)
+    assert distributed["tokens"] == alone["tokens"] == (89 // 16 + 50 // 16 + 132 // 16) * 16
+    assert distributed["mean_nll"] == pytest.approx(alone["mean_nll"], rel=1e-6)
+    np.testing.assert_allclose(distributed["curve"], alone["curve"], rtol=1e-6)
+
+
+def _single_process(out):
+    torch.manual_seed(0)
+    net = Decoder(50, 16, ALiBi, d_model=32, n_layers=2, n_heads=4).eval()
+    docs = [np.random.default_rng(i).integers(0, 50, size=n).astype(np.int32) for i, n in enumerate((90, 51, 133))]
+    torch.save(evaluate_length(net, docs, windows_for("nonoverlap", [len(d) for d in docs], 16), 16, 32, True), out)
+
+
+def _run(tmp_path, *args):
+    env = {**os.environ, "LENEXT_ROOT": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.slow
+def test_ddp_sim_trains_and_evaluates_like_one_process(small_text_corpus, tmp_path):
+    common = [
+        *small_corpus_overrides(small_text_corpus, "trainer.max_steps=4", "eval.factors=[1,2]"),
+        f"paths.cache_dir={tmp_path / '.cache'}",
+    ]
+    ddp = _run(tmp_path, *common, "trainer=ddp_sim", f"hydra.run.dir={tmp_path / 'ddp'}")
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    rows = json.loads((tmp_path / "ddp" / "results.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert (tmp_path / "ddp" / "checkpoints" / "last.ckpt").exists()
+
+
+@pytest.mark.slow
+def test_submitit_local_launcher_runs_a_two_job_sweep(small_text_corpus, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    result = _run(
+        tmp_path,
+        "-m",
+        "hydra/launcher=submitit_local",
+        "pe=nope,alibi",
+        *small_corpus_overrides(small_text_corpus, "trainer.max_steps=3", "eval.factors=[1]"),
+        f"paths.cache_dir={tmp_path / '.cache'}",
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    names = sorted(json.loads((sweep / str(job) / "results.json").read_text())["meta"]["pe_name"] for job in (0, 1))
+    assert names == ["alibi", "nope"]
