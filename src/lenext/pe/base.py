@@ -35,6 +35,7 @@ class PositionalEncoding(nn.Module):
     """Base class, and on its own the NoPE control: the causal mask is the only positional signal."""
 
     has_score_bias = False  # True: the attention must add ``score_bias``; False: plain causal SDPA
+    key_only_bias = False  # True: ``score_bias`` is (1, H, 1, end) and the attention adds the causal mask
     needs_attention_probs = False  # True: ``value_term`` needs the softmax probabilities (Shaw's a^V)
 
     def __init__(self, shape: AttentionShape):
@@ -52,9 +53,10 @@ class PositionalEncoding(nn.Module):
     def score_bias(self, q: torch.Tensor, layer: int, start: int, end: int) -> torch.Tensor:
         """Additive bias for query rows [start, end) against keys [0, end), in units of scaled scores.
 
-        q: (B, H, end - start, d_head). Returns a tensor broadcastable to (B, H, end - start, end);
-        a bias of shape (1, H, 1, end) (key-only) lets the attention use SDPA's fused causal path.
-        Positions j > i are masked by the attention, so the bias may hold anything there.
+        q: (B, H, end - start, d_head). Returns either a key-only (1, H, 1, end) bias (with
+        ``key_only_bias``; the attention adds the causal mask, on SDPA's fused kernel when it can)
+        or a (B or 1, H, end - start, end) bias that already holds -inf at every j > i, so the
+        attention uses it as the mask as it is.
         """
         raise NotImplementedError
 

@@ -24,6 +24,7 @@ class ALiBi(PositionalEncoding):
     """Attention with linear biases: scores += -m_h (i - j), not scaled by 1/sqrt(d)."""
 
     has_score_bias = True
+    key_only_bias = True
 
     def __init__(self, shape: AttentionShape):
         super().__init__(shape)
@@ -74,9 +75,12 @@ class T5Bias(PositionalEncoding):
         return self.table[layer if self.per_layer else 0][self.buckets[:end]]
 
     def score_bias(self, q, layer, start, end):
+        # A -inf row after the last distance: future keys (i - j < 0, clamped to -1) index it, so
+        # one lookup gives the bias with the causal mask already in place.
         by_distance = self._by_distance(layer, end, q.device)
-        distance = (-relative_offsets(start, end, q.device)).clamp(min=0)  # (rows, end), i - j
-        return by_distance.t()[:, distance].unsqueeze(0)  # (1, H, rows, end)
+        padded = torch.cat([by_distance, by_distance.new_full((1, by_distance.size(1)), float("-inf"))])
+        distance = (-relative_offsets(start, end, q.device)).clamp(min=-1)  # (rows, end): i - j, or -1 if j > i
+        return padded.t()[:, distance].unsqueeze(0)  # (1, H, rows, end)
 
     def score_mod(self, q, layer):
         # Looked up per distance, not per bucket: the backward scatters gradients into this (L, H)
@@ -125,8 +129,13 @@ class ShawRelative(PositionalEncoding):
         return q @ self.key_table[layer].t().to(q.dtype) / math.sqrt(self.shape.head_dim)
 
     def score_bias(self, q, layer, start, end):
-        index = self._clipped_offsets(start, end, q.device).expand(*q.shape[:2], -1, -1)
-        return self._by_offset(q, layer).gather(-1, index)  # (B, H, rows, end)
+        # Column 2k+1 holds -inf and future keys (j > i) index it: the gather returns the bias with
+        # the causal mask in place (offsets 1..k of the paper's table are never used causally).
+        by_offset = self._by_offset(q, layer)  # (B, H, rows, 2k+1)
+        padded = torch.cat([by_offset, by_offset.new_full((*by_offset.shape[:-1], 1), float("-inf"))], dim=-1)
+        offsets = relative_offsets(start, end, q.device)  # (rows, end): j - i
+        index = torch.where(offsets > 0, 2 * self.k + 1, offsets.clamp(min=-self.k) + self.k)
+        return padded.gather(-1, index.expand(*q.shape[:2], -1, -1))  # (B, H, rows, end)
 
     def score_mod(self, q, layer):
         if self.needs_attention_probs:
