@@ -11,6 +11,7 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -72,8 +73,26 @@ def validate(cfg: DictConfig) -> None:
     model = cfg.get("model")
     if model is not None and model.d_model % model.n_heads:
         raise ConfigError(f"model.n_heads={model.n_heads} must divide model.d_model={model.d_model}")
-    if "eval" in cfg and not (cfg.eval.lengths or cfg.eval.factors):
-        raise ConfigError("eval.lengths and eval.factors are both empty: give the lengths to evaluate")
+    if "eval" in cfg:
+        for key in ("lengths", "factors"):
+            values = cfg.eval[key] or []
+            if not all(_positive_number(v) for v in values):
+                raise ConfigError(f"eval.{key}={list(values)} is invalid: every entry must be a positive number")
+        if not (cfg.eval.lengths or cfg.eval.factors):
+            raise ConfigError("eval.lengths and eval.factors are both empty: give the lengths to evaluate")
+
+
+def instantiate(node, **kwargs):
+    """hydra.utils.instantiate, re-raising lenext's own errors unwrapped (so they print as one line)."""
+    try:
+        return hydra.utils.instantiate(node, **kwargs)
+    except InstantiationException as e:
+        cause = e.__cause__
+        while cause is not None and not isinstance(cause, LenextError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        raise cause from None
 
 
 def one_line_errors(main: Callable) -> Callable:
@@ -108,18 +127,16 @@ def build(cfg: DictConfig):
             if cfg.logger.wandb.group is None and hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN:
                 cfg.logger.wandb.group = os.path.basename(hydra_cfg.sweep.dir)  # one wandb group per sweep
     L.seed_everything(cfg.seed, workers=True)
-    datamodule = hydra.utils.instantiate(cfg.data)
+    datamodule = instantiate(cfg.data)
     datamodule.load()
-    net = hydra.utils.instantiate(
-        cfg.model, vocab_size=datamodule.vocab_size, train_len=cfg.data.max_len, pe=hydra.utils.instantiate(cfg.pe)
-    )
+    net = instantiate(cfg.model, vocab_size=datamodule.vocab_size, train_len=cfg.data.max_len, pe=instantiate(cfg.pe))
     # run_config holds _target_ keys: passed after instantiation so Hydra does not build it.
-    module = hydra.utils.instantiate(cfg.optim, _partial_=True, _convert_="all")(
+    module = instantiate(cfg.optim, _partial_=True, _convert_="all")(
         net=net, run_config=OmegaConf.to_container(cfg, resolve=True)
     )
-    callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
-    loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values()]
-    trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
+    loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     return datamodule, module, trainer
 
 
@@ -262,11 +279,9 @@ def evaluate_checkpoint(cfg: DictConfig) -> str:
             run.pe[key] = value
     run.eval, run.paths = cfg.eval, cfg.paths
     validate(run)
-    datamodule = hydra.utils.instantiate(run.data)
+    datamodule = instantiate(run.data)
     datamodule.load()
-    net = hydra.utils.instantiate(
-        run.model, vocab_size=datamodule.vocab_size, train_len=run.data.max_len, pe=hydra.utils.instantiate(run.pe)
-    )
+    net = instantiate(run.model, vocab_size=datamodule.vocab_size, train_len=run.data.max_len, pe=instantiate(run.pe))
     state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()}
     net.load_state_dict(state)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -11,13 +11,13 @@ import glob
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from importlib import resources
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lenext.errors import ConfigError, DataError
 
@@ -194,6 +194,49 @@ class TrainWindows(Dataset):
         return torch.from_numpy(self.stream[i * self.length : (i + 1) * self.length + 1].astype(np.int64))
 
 
+class StepShuffler(Sampler[int]):
+    """Training order as a function of (seed, position) alone: sample t of the run is
+    permutation_{t // n}[t % n], each epoch's permutation drawn from seed + epoch.
+
+    Every iteration starts at ``start()``, the number of samples already trained (read from the
+    trainer's step): a resumed run, or an epoch Lightning restarts, sees exactly the samples the
+    uninterrupted run would have seen next. ``total`` samples make the whole run.
+    """
+
+    def __init__(self, n: int, seed: int, total: int, start: Callable[[], int] = lambda: 0):
+        self.n, self.seed, self.total, self.start = n, seed, total, start
+
+    def __len__(self) -> int:
+        return max(0, self.total - self.start())
+
+    def __iter__(self):
+        epoch, permutation = None, None
+        for t in range(self.start(), self.total):
+            if t // self.n != epoch:
+                epoch = t // self.n
+                permutation = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
+            yield int(permutation[t % self.n])
+
+
+class _RankSlice(Sampler[int]):
+    """Rank r's share of each global batch of ``batch_size * world`` samples from ``sampler``."""
+
+    def __init__(self, sampler: Sampler[int], batch_size: int, world: int, rank: int):
+        self.sampler, self.batch_size, self.world, self.rank = sampler, batch_size, world, rank
+
+    def __len__(self) -> int:
+        return len(self.sampler) // (self.batch_size * self.world) * self.batch_size
+
+    def __iter__(self):
+        per_step = self.batch_size * self.world
+        batch = []
+        for index in self.sampler:
+            batch.append(index)
+            if len(batch) == per_step:
+                yield from batch[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+                batch = []
+
+
 class DocumentWindows(Dataset):
     """Non-overlapping windows of ``length + 1`` tokens inside single documents.
 
@@ -225,8 +268,10 @@ class LMDataModule(L.LightningDataModule):
         eval_batch_size: int | None = None,
         num_workers: int = 0,
         cache_dir: str = ".cache",
+        seed: int = 0,
     ):
         super().__init__()
+        self.seed = seed
         self.corpus, self.max_len, self.requested_vocab = corpus, max_len, vocab_size
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.num_workers, self.cache_dir = num_workers, cache_dir
@@ -290,14 +335,21 @@ class LMDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         windows = TrainWindows(self.stream("train"), self.max_len)
-        if len(windows) == 0:
-            raise DataError(f"the training split has fewer than data.max_len + 1 = {self.max_len + 1} tokens")
+        if len(windows) < self.batch_size:
+            raise DataError(
+                f"the training split has {len(windows)} windows of data.max_len + 1 = {self.max_len + 1} tokens, "
+                f"fewer than data.batch_size={self.batch_size}: use a shorter data.max_len or a larger corpus"
+            )
+        trainer = self.trainer
+        steps = trainer.max_steps if trainer and trainer.max_steps > 0 else len(windows) // self.batch_size
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
+        per_step = self.batch_size * world
+        done = (lambda: trainer.global_step * per_step) if trainer else (lambda: 0)
+        sampler = StepShuffler(len(windows), self.seed, steps * per_step, start=done)
+        # Each rank takes its own slice of every global batch.
+        indices = _RankSlice(sampler, self.batch_size, world, rank)
         return DataLoader(
-            windows,
-            batch_size=self.batch_size,
-            shuffle=True,
-            num_workers=self.num_workers,
-            drop_last=len(windows) >= self.batch_size,
+            windows, batch_size=self.batch_size, sampler=indices, num_workers=self.num_workers, drop_last=True
         )
 
     def val_dataloader(self) -> DataLoader:
@@ -310,4 +362,11 @@ class LMDataModule(L.LightningDataModule):
         windows = DocumentWindows(self.splits[split], length)
         if len(windows) == 0:
             raise DataError(f"no {split} document has {length + 1} tokens: use a shorter data.max_len")
-        return DataLoader(windows, batch_size=self.eval_batch_size, num_workers=self.num_workers)
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        # Under DDP each rank scores its own windows; the weighted metric counts each token once.
+        return DataLoader(
+            windows,
+            batch_size=self.eval_batch_size,
+            sampler=range(rank, len(windows), world),
+            num_workers=self.num_workers,
+        )

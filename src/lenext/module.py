@@ -1,14 +1,31 @@
 """The LightningModule: next-token loss, perplexity metrics, AdamW with warmup + cosine decay."""
 
 import math
+import os
 import time
 
 import lightning as L
 import torch
+from lightning.fabric.plugins.io import TorchCheckpointIO
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lenext.errors import LenextError
 from lenext.model import Decoder
+
+
+class NonFiniteLoss(LenextError):
+    """Training produced a NaN or infinite loss."""
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Checkpoints written via a temporary file and a rename: a run killed while saving leaves the
+    previous complete checkpoint (or none), never a truncated one."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        tmp = f"{path}.tmp"
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        os.replace(tmp, path)
 
 
 class LanguageModel(L.LightningModule):
@@ -51,6 +68,11 @@ class LanguageModel(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.token_nll(batch).mean()
+        if not torch.isfinite(loss):
+            raise NonFiniteLoss(
+                f"the training loss became {loss.item()} at step {self.global_step}; the run stopped and its "
+                "last good checkpoint is checkpoints/last.ckpt. Lower optim.lr or try trainer.precision=32-true"
+            )
         self.log("train/loss", loss, prog_bar=True)
         return loss
 

@@ -80,7 +80,10 @@ class RoPE(PositionalEncoding):
     ):
         super().__init__(shape)
         if shape.head_dim % 2:
-            raise ConfigError(f"RoPE rotates pairs of dimensions: head dim {shape.head_dim} must be even")
+            raise ConfigError(
+                f"RoPE rotates pairs of dimensions: the head dim model.d_model / model.n_heads = {shape.head_dim} "
+                "must be even"
+            )
         if scaling not in SCALINGS:
             raise ConfigError(f"pe.scaling must be one of {', '.join(SCALINGS)}; got {scaling!r}")
         self.base, self.scaling, self.factor = base, scaling, factor
