@@ -24,6 +24,8 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.pat
 OmegaConf.register_new_resolver(
     "auto_precision", lambda: "bf16-mixed" if torch.cuda.is_available() else "32-true", replace=True
 )
+# In run folder names: two sweeps started in the same second still get folders of their own.
+OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 
 
 def _positive_int(v) -> bool:
