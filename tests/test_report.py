@@ -65,6 +65,8 @@ def sweep_dir(tmp_path):
         job += 1
     os.makedirs(tmp_path / str(job) / ".hydra")  # a run that died before writing results
     write_run(tmp_path / str(job + 1), "t5", 0, {64: 1.0}, complete=False)
+    os.makedirs(tmp_path / str(job + 2) / ".hydra")
+    (tmp_path / str(job + 2) / "error.txt").write_text("pe.k=0 is invalid\n")  # a job of the sweep that failed
     return tmp_path
 
 
@@ -78,7 +80,7 @@ def test_table_has_mean_std_over_seeds_marks_best_and_lists_incomplete_runs(swee
     assert "3 seeds" in markdown
     assert "1,001" in lines["alibi"]  # train tokens/s mean over seeds 1000, 1001, 1002
     assert "Incomplete or failed runs" in markdown and "not marked complete" in markdown
-    assert "no results.json" in markdown
+    assert "no results.json" in markdown and "failed: pe.k=0 is invalid" in markdown
     for name in ("table.md", "table.tex", "table.csv", "ppl_vs_length.png", "per_position.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
     csv = pd.read_csv(tmp_path / "out" / "table.csv")

@@ -154,3 +154,12 @@ def test_submitit_local_launcher_runs_a_two_job_sweep(small_text_corpus, tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     names = sorted(json.loads((sweep / str(job) / "results.json").read_text())["meta"]["pe_name"] for job in (0, 1))
     assert names == ["alibi", "nope"]
+
+
+def test_a_failing_job_is_recorded_and_the_sweep_goes_on(small_text_corpus, tmp_path):
+    sweep = tmp_path / "sweep"
+    result = _run(tmp_path, "-m", *small_corpus_overrides(small_text_corpus, "trainer.max_steps=3", "eval.factors=[1]"),
+                  f"paths.cache_dir={tmp_path / '.cache'}", f"hydra.sweep.dir={sweep}", "data.max_len=0,32")
+    assert "error: data.max_len=0 is invalid" in result.stderr
+    assert "data.max_len=0 is invalid" in (sweep / "0" / "error.txt").read_text()
+    assert json.loads((sweep / "1" / "results.json").read_text())["complete"]

@@ -16,7 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lenext.errors import CheckpointError, ConfigError, LenextError
-from lenext.evaluate import RESULTS_FILE, run_metadata, sweep, write_results
+from lenext.evaluate import ERROR_FILE, RESULTS_FILE, run_metadata, sweep, write_atomic, write_results
 
 log = logging.getLogger("lenext")
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
@@ -97,8 +97,16 @@ def instantiate(node, **kwargs):
         raise cause from None
 
 
+def _hydra() -> HydraConfig | None:
+    return HydraConfig.get() if HydraConfig.initialized() else None
+
+
 def one_line_errors(main: Callable) -> Callable:
-    """Print a LenextError as one line and exit 1; HYDRA_FULL_ERROR=1 keeps the traceback."""
+    """Print a LenextError as one line and exit 1; HYDRA_FULL_ERROR=1 keeps the traceback.
+
+    In a multirun the failed job writes its message to error.txt in its folder and the sweep
+    goes on; the report lists the job as failed.
+    """
 
     @functools.wraps(main)
     def wrapper(cfg: DictConfig):
@@ -108,13 +116,13 @@ def one_line_errors(main: Callable) -> Callable:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
             print(f"error: {e}", file=sys.stderr)
+            hydra_cfg = _hydra()
+            if hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN:
+                write_atomic(os.path.join(hydra_cfg.runtime.output_dir, ERROR_FILE), f"{e}\n")
+                return None
             sys.exit(1)
 
     return wrapper
-
-
-def _hydra() -> HydraConfig | None:
-    return HydraConfig.get() if HydraConfig.initialized() else None
 
 
 def build(cfg: DictConfig):

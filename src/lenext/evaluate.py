@@ -34,7 +34,7 @@ from lenext.errors import ConfigError, LengthNotSupported
 
 log = logging.getLogger("lenext")
 PROTOCOLS = ("nonoverlap", "sliding", "last_k")
-RESULTS_FILE, POSITIONS_FILE = "results.json", "positions.csv"
+RESULTS_FILE, POSITIONS_FILE, ERROR_FILE = "results.json", "positions.csv", "error.txt"
 
 
 @dataclass(frozen=True)

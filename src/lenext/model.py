@@ -178,7 +178,7 @@ class Decoder(nn.Module):
         mlp: str = "gelu",
         mlp_ratio: float = 4.0,
         dropout: float = 0.0,
-        tie_embeddings: bool = True,
+        tie_embeddings: bool = False,
     ):
         super().__init__()
         if d_model % n_heads:
@@ -196,8 +196,8 @@ class Decoder(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.head = None if tie_embeddings else nn.Linear(d_model, vocab_size, bias=False)
         self.apply(self._init_weights)
-        # Unit-variance inputs (embedding * sqrt(d)) put tokens and sinusoidal PEs on the same scale.
-        nn.init.normal_(self.embedding.weight, std=d_model**-0.5)
+        # Unit-variance token embeddings put tokens and the sinusoidal PE (amplitude 1) on one scale.
+        nn.init.normal_(self.embedding.weight, std=1.0)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -205,15 +205,17 @@ class Decoder(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(tokens) * math.sqrt(self.d_model)  # (B, L, d)
+        x = self.embedding(tokens)  # (B, L, d)
         x = self.dropout(self.pe.embed(x))
         for block in self.blocks:
             x = block(x)
         return self.norm(x)  # (B, L, d)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embedding.weight if self.head is None else self.head.weight
-        return hidden @ weight.t().to(hidden.dtype)  # (B, L, V)
+        if self.head is not None:
+            return self.head(hidden)  # (B, L, V)
+        # Tied weights (T5): scale by d^-0.5, else each token's own embedding would score ~d at init.
+        return (hidden * self.d_model**-0.5) @ self.embedding.weight.t().to(hidden.dtype)  # (B, L, V)
 
     def token_nll(self, tokens: torch.Tensor, targets: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
         """Per-token negative log-likelihood (B, L) in fp32, with logits built ``chunk`` positions at a time.

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import pandas as pd
 
-from lenext.evaluate import POSITIONS_FILE, RESULTS_FILE, write_atomic
+from lenext.evaluate import ERROR_FILE, POSITIONS_FILE, RESULTS_FILE, write_atomic
 
 PE_ORDER = ["nope", "sinusoidal", "learned", "shaw", "t5", "rope", "rope_ntk", "alibi"]
 
@@ -42,6 +42,9 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
                     complete.append((root, results))
                 else:
                     incomplete.append((root, f"{RESULTS_FILE} not marked complete"))
+            elif ERROR_FILE in files:
+                with open(os.path.join(root, ERROR_FILE)) as f:
+                    incomplete.append((root, f"failed: {f.read().strip()}"))
             elif is_run and not any(d.isdigit() for d in dirs):
                 incomplete.append((root, f"no {RESULTS_FILE}: failed, interrupted or still running"))
     return complete, incomplete
@@ -190,11 +193,7 @@ def to_csv(frame: pd.DataFrame, tables: dict) -> str:
 
 
 def plot_perplexity(tables: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, len(tables), figsize=(6 * len(tables), 4.5), squeeze=False)
     for ax, ((train_len, protocol), table) in zip(axes[0], tables.items(), strict=True):
         lengths = [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
@@ -217,11 +216,7 @@ def plot_perplexity(tables: dict, path: str) -> None:
 
 def plot_positions(runs: list[tuple[str, dict]], path: str) -> bool:
     """Mean loss per position at the longest evaluated length, one line per PE (mean over seeds)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     curves = defaultdict(list)
     for run_dir, results in runs:
         file = os.path.join(run_dir, POSITIONS_FILE)
@@ -254,6 +249,15 @@ def plot_positions(runs: list[tuple[str, dict]], path: str) -> bool:
     fig.tight_layout()
     _save_figure(fig, path)
     return True
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _save_figure(fig, path: str) -> None:
