@@ -164,3 +164,22 @@ def test_random_configs_either_work_or_fail_with_a_lenext_error(
         next(iter(datamodule.train_dataloader()))
     except LenextError:
         pass  # the project's own, one-line error: the expected way to fail
+
+
+def test_checkpoint_problems_are_named(tmp_path):
+    from lenext.cli import load_checkpoint
+    from lenext.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(str(tmp_path / "missing.ckpt"))
+    good = tmp_path / "good.ckpt"
+    torch.save({"hyper_parameters": {"run_config": {"seed": 0}}, "state_dict": {}}, good)
+    assert load_checkpoint(str(good))["hyper_parameters"]["run_config"] == {"seed": 0}
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(good.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="truncated or not a PyTorch checkpoint"):
+        load_checkpoint(str(truncated))
+    other = tmp_path / "other.ckpt"
+    torch.save({"state_dict": {}}, other)
+    with pytest.raises(CheckpointError, match="not a lenext checkpoint"):
+        load_checkpoint(str(other))

@@ -113,8 +113,8 @@ def _single_process(out):
     torch.save(evaluate_length(net, docs, windows_for("nonoverlap", [len(d) for d in docs], 16), 16, 32, True), out)
 
 
-def _run(tmp_path, *args):
-    env = {**os.environ, "LENEXT_ROOT": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+def _run(tmp_path, *args, root="tmp"):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"LENEXT_ROOT": str(tmp_path)} if root else {})}
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args],
         capture_output=True,
@@ -156,10 +156,28 @@ def test_submitit_local_launcher_runs_a_two_job_sweep(small_text_corpus, tmp_pat
     assert names == ["alibi", "nope"]
 
 
-def test_a_failing_job_is_recorded_and_the_sweep_goes_on(small_text_corpus, tmp_path):
-    sweep = tmp_path / "sweep"
+def test_a_failing_job_is_recorded_and_the_sweep_goes_on(small_text_corpus, tmp_path, monkeypatch):
+    monkeypatch.delenv("LENEXT_ROOT", raising=False)  # the default folders, under the launch folder
     result = _run(tmp_path, "-m", *small_corpus_overrides(small_text_corpus, "trainer.max_steps=3", "eval.factors=[1]"),
-                  f"paths.cache_dir={tmp_path / '.cache'}", f"hydra.sweep.dir={sweep}", "data.max_len=0,32")
+                  "data.max_len=0,32", root=None)
     assert "error: data.max_len=0 is invalid" in result.stderr
+    (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
     assert "data.max_len=0 is invalid" in (sweep / "0" / "error.txt").read_text()
     assert json.loads((sweep / "1" / "results.json").read_text())["complete"]
+
+
+def test_wandb_logs_offline_without_an_account_and_gets_the_results_table(
+        compose_train, small_text_corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    tables = []
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setattr(WandbLogger, "log_table", lambda self, key, columns, data: tables.append((key, columns, data)))
+    cfg = compose_train(*small_corpus_overrides(small_text_corpus, "logger=wandb", "trainer.max_steps=3",
+                                                "eval.factors=[1,2]"))
+    train(cfg)
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    key, columns, data = tables[0]
+    assert key == "eval/results" and "ppl" in columns and len(data) == 2

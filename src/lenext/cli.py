@@ -26,6 +26,8 @@ OmegaConf.register_new_resolver(
 )
 # In run folder names: two sweeps started in the same second still get folders of their own.
 OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
+# The launch folder, known before Hydra's own config (hydra:runtime.cwd is not, when a sweep folder resolves).
+OmegaConf.register_new_resolver("cwd", os.getcwd, replace=True)
 
 
 def _positive_int(v) -> bool:
