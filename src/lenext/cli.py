@@ -194,7 +194,7 @@ def train(cfg: DictConfig) -> dict:
     metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     print(
         f"validation perplexity at L_train={cfg.data.max_len}: {metrics['val/ppl']:.2f} "
-        f"(loss {metrics['val/loss']:.4f}, PE {cfg.pe._target_.rsplit('.', 1)[-1]})"
+        f"(loss {metrics['val/loss']:.4f}, pe={cfg.pe_name})"
     )
     if cfg.eval.enabled and not cfg.trainer.get("fast_dev_run"):
         tokens = trainer.global_step * cfg.data.batch_size * cfg.data.max_len * trainer.world_size

@@ -217,20 +217,21 @@ class Decoder(nn.Module):
         # Tied weights (T5): scale by d^-0.5, else each token's own embedding would score ~d at init.
         return (hidden * self.d_model**-0.5) @ self.embedding.weight.t().to(hidden.dtype)  # (B, L, V)
 
-    def token_nll(self, tokens: torch.Tensor, targets: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-        """Per-token negative log-likelihood (B, L) in fp32, with logits built ``chunk`` positions at a time.
+    def token_nll(self, tokens: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
+        """Per-token negative log-likelihood (B, L) in fp32, with logits for ``chunk_tokens`` tokens at a time.
 
-        Full logits for 16k positions x a large vocabulary would cost gigabytes.
+        Full logits of a batch of long windows x a large vocabulary would cost gigabytes.
         """
         hidden = self(tokens)
+        span = max(1, chunk_tokens // tokens.size(0))  # positions per chunk
         return torch.cat(
             [
                 F.cross_entropy(
-                    self.logits(hidden[:, s : s + chunk]).float().flatten(0, 1),
-                    targets[:, s : s + chunk].flatten(),
+                    self.logits(hidden[:, s : s + span]).float().flatten(0, 1),
+                    targets[:, s : s + span].flatten(),
                     reduction="none",
                 ).view(targets.size(0), -1)
-                for s in range(0, tokens.size(1), chunk)
+                for s in range(0, tokens.size(1), span)
             ],
             dim=1,
         )
