@@ -1,6 +1,9 @@
 """Shared fixtures: composed configs (as lightning-hydra-template does) and one tokenized corpus."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -70,3 +73,23 @@ def tiny_overrides(*extra: str) -> list[str]:
 
 def pytest_configure(config):
     os.environ.setdefault("WANDB_MODE", "offline")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_train(tmp_path, *overrides, env=None, set_root=True):
+    """`python train.py <overrides>` as a user runs it, from tmp_path; LENEXT_ROOT=tmp_path unless set_root=False."""
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    environment.pop("HYDRA_FULL_ERROR", None)
+    environment.pop("LENEXT_ROOT", None)
+    if set_root:
+        environment["LENEXT_ROOT"] = str(tmp_path)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *overrides],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=900,
+        cwd=tmp_path,
+    )

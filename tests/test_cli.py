@@ -1,25 +1,8 @@
 """The command line as a user types it: bad input ends in one clear line, before any work."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_train(tmp_path, *overrides, env=None):
-    environment = {**os.environ, "LENEXT_ROOT": str(tmp_path), **(env or {})}
-    environment.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *overrides],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=300,
-    )
+from tests.conftest import run_train
 
 
 def test_unknown_pe_lists_the_available_ones(tmp_path):

@@ -1,9 +1,6 @@
 """Studies: presets, skipping finished runs, resuming, reproducibility, DDP evaluation, launchers."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +13,7 @@ from lenext.cli import CONFIG_DIR, train
 from lenext.evaluate import evaluate_length, windows_for
 from lenext.model import Decoder
 from lenext.pe import ALiBi
-from tests.conftest import small_corpus_overrides
+from tests.conftest import run_train, small_corpus_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,25 +110,13 @@ def _single_process(out):
     torch.save(evaluate_length(net, docs, windows_for("nonoverlap", [len(d) for d in docs], 16), 16, 32, True), out)
 
 
-def _run(tmp_path, *args, root="tmp"):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"LENEXT_ROOT": str(tmp_path)} if root else {})}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        cwd=tmp_path,
-    )
-
-
 @pytest.mark.slow
 def test_ddp_sim_trains_and_evaluates_like_one_process(small_text_corpus, tmp_path):
     common = [
         *small_corpus_overrides(small_text_corpus, "trainer.max_steps=4", "eval.factors=[1,2]"),
         f"paths.cache_dir={tmp_path / '.cache'}",
     ]
-    ddp = _run(tmp_path, *common, "trainer=ddp_sim", f"hydra.run.dir={tmp_path / 'ddp'}")
+    ddp = run_train(tmp_path, *common, "trainer=ddp_sim", f"hydra.run.dir={tmp_path / 'ddp'}")
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     rows = json.loads((tmp_path / "ddp" / "results.json").read_text())["rows"]
     assert [r["status"] for r in rows] == ["ok", "ok"]
@@ -142,7 +127,7 @@ def test_ddp_sim_trains_and_evaluates_like_one_process(small_text_corpus, tmp_pa
 def test_submitit_local_launcher_runs_a_two_job_sweep(small_text_corpus, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     sweep = tmp_path / "sweep"
-    result = _run(
+    result = run_train(
         tmp_path,
         "-m",
         "hydra/launcher=submitit_local",
@@ -156,10 +141,14 @@ def test_submitit_local_launcher_runs_a_two_job_sweep(small_text_corpus, tmp_pat
     assert names == ["alibi", "nope"]
 
 
-def test_a_failing_job_is_recorded_and_the_sweep_goes_on(small_text_corpus, tmp_path, monkeypatch):
-    monkeypatch.delenv("LENEXT_ROOT", raising=False)  # the default folders, under the launch folder
-    result = _run(tmp_path, "-m", *small_corpus_overrides(small_text_corpus, "trainer.max_steps=3", "eval.factors=[1]"),
-                  "data.max_len=0,32", root=None)
+def test_a_failing_job_is_recorded_and_the_sweep_goes_on(small_text_corpus, tmp_path):
+    result = run_train(
+        tmp_path,
+        "-m",
+        *small_corpus_overrides(small_text_corpus, "trainer.max_steps=3", "eval.factors=[1]"),
+        "data.max_len=0,32",
+        set_root=False,
+    )
     assert "error: data.max_len=0 is invalid" in result.stderr
     (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
     assert "data.max_len=0 is invalid" in (sweep / "0" / "error.txt").read_text()
@@ -167,7 +156,8 @@ def test_a_failing_job_is_recorded_and_the_sweep_goes_on(small_text_corpus, tmp_
 
 
 def test_wandb_logs_offline_without_an_account_and_gets_the_results_table(
-        compose_train, small_text_corpus, tmp_path, monkeypatch):
+    compose_train, small_text_corpus, tmp_path, monkeypatch
+):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
@@ -175,8 +165,9 @@ def test_wandb_logs_offline_without_an_account_and_gets_the_results_table(
     from lightning.pytorch.loggers import WandbLogger
 
     monkeypatch.setattr(WandbLogger, "log_table", lambda self, key, columns, data: tables.append((key, columns, data)))
-    cfg = compose_train(*small_corpus_overrides(small_text_corpus, "logger=wandb", "trainer.max_steps=3",
-                                                "eval.factors=[1,2]"))
+    cfg = compose_train(
+        *small_corpus_overrides(small_text_corpus, "logger=wandb", "trainer.max_steps=3", "eval.factors=[1,2]")
+    )
     train(cfg)
     assert list((tmp_path / "wandb").glob("offline-run-*"))
     key, columns, data = tables[0]
