@@ -37,8 +37,9 @@ from pathlib import Path
 import torch
 
 from lenext import pe as pes
+from lenext.attention import causal_attention
 from lenext.errors import LengthNotSupported
-from lenext.model import Decoder, causal_attention
+from lenext.model import Decoder
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -232,8 +233,7 @@ def bench_shaw(precision, length, reps, log, heads=8, head_dim=64, clip=16):
     shape = pes.AttentionShape(d_model=heads * head_dim, n_heads=heads, n_layers=1, train_len=length)
     torch.manual_seed(SEED)
     pe = pes.ShawRelative(shape, k=clip)
-    # Under bf16, q/k/v are bf16 as they are in the model (outputs of an autocast Linear). Note: lenext's
-    # causal_attention raises for fp32 q under CPU autocast with a Shaw PE (bf16 mask vs fp32 query).
+    # Under bf16, q/k/v are bf16 as they are in the model (outputs of an autocast Linear).
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     q, k, v = (torch.randn(1, heads, length, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
     inputs = [q, k, v, pe.key_table]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import lenext.model
+import lenext.attention
 from lenext.cli import evaluate_checkpoint, train
 from lenext.evaluate import evaluate_length, sweep, windows_for
 from lenext.model import Decoder
@@ -101,7 +101,7 @@ def test_query_chunked_evaluation_equals_unchunked(pe, monkeypatch):
     net, docs = tiny_net(pe), random_documents(1)
     windows = windows_for("nonoverlap", [len(d) for d in docs], 64)
     whole = evaluate_length(net, docs, windows, 64, 256, per_position=True)
-    monkeypatch.setattr(lenext.model, "SCORE_BLOCK_ELEMENTS", 4 * 64 * 5)  # query blocks of 5 rows
+    monkeypatch.setattr(lenext.attention, "SCORE_BLOCK_ELEMENTS", 4 * 64 * 5)  # query blocks of 5 rows
     chunked = evaluate_length(net, docs, windows, 64, 256, per_position=True)
     assert chunked["mean_nll"] == pytest.approx(whole["mean_nll"], rel=1e-5)
     np.testing.assert_allclose(chunked["curve"], whole["curve"], rtol=1e-5)

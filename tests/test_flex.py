@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-import lenext.model as model_module
-from lenext.model import causal_attention, causal_block_mask
+import lenext.attention as model_module
+from lenext.attention import causal_attention, causal_block_mask
 from lenext.pe import ALiBi, AttentionShape, NoPE, ShawRelative, T5Bias
 
 pytestmark = pytest.mark.skipif(model_module.flex_attention is None, reason="FlexAttention needs torch >= 2.6")

@@ -67,6 +67,11 @@ class T5Bias(PositionalEncoding):
         self.num_buckets, self.max_distance, self.per_layer = num_buckets, max_distance, per_layer
         self.table = nn.Parameter(torch.randn(shape.n_layers if per_layer else 1, num_buckets, shape.n_heads) * 0.02)
         self.register_buffer("buckets", torch.empty(0, dtype=torch.long), persistent=False)
+        # Buckets of the distances W-1 .. 0 before the last bucket, which holds every distance >= W.
+        in_last = t5_bucket(torch.arange(max_distance + 1), num_buckets, max_distance) == num_buckets - 1
+        width = int(in_last.nonzero()[0])
+        band_buckets = t5_bucket(torch.arange(width - 1, -1, -1), num_buckets, max_distance)
+        self.register_buffer("band_buckets", band_buckets, persistent=False)
 
     def _by_distance(self, layer, end, device):
         """(end, H): the bias of each distance i - j in 0..end-1."""
@@ -74,13 +79,9 @@ class T5Bias(PositionalEncoding):
             self.buckets = t5_bucket(torch.arange(end, device=device), self.num_buckets, self.max_distance)
         return self.table[layer if self.per_layer else 0][self.buckets[:end]]
 
-    def score_bias(self, q, layer, start, end):
-        # A -inf row after the last distance: future keys (i - j < 0, clamped to -1) index it, so
-        # one lookup gives the bias with the causal mask already in place.
-        by_distance = self._by_distance(layer, end, q.device)
-        padded = torch.cat([by_distance, by_distance.new_full((1, by_distance.size(1)), float("-inf"))])
-        distance = (-relative_offsets(start, end, q.device)).clamp(min=-1)  # (rows, end): i - j, or -1 if j > i
-        return padded.t()[:, distance].unsqueeze(0)  # (1, H, rows, end)
+    def band_bias(self, q, layer):
+        table = self.table[layer if self.per_layer else 0]  # (buckets, H)
+        return (table[self.band_buckets] - table[-1]).t()[None, :, None, :]  # (1, H, 1, W): same for every row
 
     def score_mod(self, q, layer):
         # Looked up per distance, not per bucket: the backward scatters gradients into this (L, H)
@@ -128,14 +129,10 @@ class ShawRelative(PositionalEncoding):
         """(B, H, rows, 2k+1): q_i . a^K_o / sqrt(d_h) for each clipped offset o + k."""
         return q @ self.key_table[layer].t().to(q.dtype) / math.sqrt(self.shape.head_dim)
 
-    def score_bias(self, q, layer, start, end):
-        # Column 2k+1 holds -inf and future keys (j > i) index it: the gather returns the bias with
-        # the causal mask in place (offsets 1..k of the paper's table are never used causally).
-        by_offset = self._by_offset(q, layer)  # (B, H, rows, 2k+1)
-        padded = torch.cat([by_offset, by_offset.new_full((*by_offset.shape[:-1], 1), float("-inf"))], dim=-1)
-        offsets = relative_offsets(start, end, q.device)  # (rows, end): j - i
-        index = torch.where(offsets > 0, 2 * self.k + 1, offsets.clamp(min=-self.k) + self.k)
-        return padded.gather(-1, index.expand(*q.shape[:2], -1, -1))  # (B, H, rows, end)
+    def band_bias(self, q, layer):
+        # Offsets j - i <= -k share a^K_{-k}: a per-row constant, so the band is offsets -k+1 .. 0.
+        table = self.key_table[layer]  # (2k+1, d_h): row o + k holds a^K_o
+        return q @ (table[1 : self.k + 1] - table[0]).t().to(q.dtype) / math.sqrt(self.shape.head_dim)  # (B, H, R, k)
 
     def score_mod(self, q, layer):
         if self.needs_attention_probs:
