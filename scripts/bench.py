@@ -387,7 +387,7 @@ def render(info, settings, training, forward, lengths, shaw, elapsed) -> str:
         "",
         "## Forward pass (whole model, eval, no_grad, batch 1)",
         "",
-        "One `token_nll` forward (logits in chunks of 1024) per cell, each (PE, L) in a fresh process "
+        "One `token_nll` forward (logits in chunks of 4096 tokens) per cell, each (PE, L) in a fresh process "
         "after a warmup forward at L=64. Cell: wall ms / peak extra MB (peak RSS during the forward "
         "minus RSS just before it). Time: min of 3 runs for L <= 2048, a single run above.",
         "",
