@@ -465,7 +465,7 @@ def main(argv=None) -> None:
             reps=5,
             steps=2,
             lengths=[512, 2048, 8192, 16384],
-            shaw_reps=3,
+            shaw_reps=5,
         )
     for key in ("reps", "steps", "warmup", "lengths"):
         if getattr(args, key) is not None:

@@ -54,9 +54,7 @@ def cpu_flash_with_mask() -> bool:
     """Whether this torch has the fused CPU flash kernel with an additive mask, forward and backward."""
     q = torch.zeros(1, 1, 2, 2)
     try:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, attn_mask=q)
-        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        flash_backward(q, q, q, q, out, lse, 0.0, False, attn_mask=q)
+        _flash_backward(q, q, q, q, *_flash(q, q, q, attn_mask=q), attn_mask=q)
     except (AttributeError, RuntimeError, TypeError):
         return False
     return True
@@ -96,17 +94,26 @@ def band_dots(x: torch.Tensor, y: torch.Tensor, start: int, width: int) -> torch
 class BandedAttention(torch.autograd.Function):
     """Causal attention for query rows [start, start + R) with a banded bias, on the fused CPU kernel.
 
-    The band (see ``PositionalEncoding.band_bias``) is written into an additive mask for the flash
-    kernel. SDPA would run a mask that needs a gradient on its unfused math path (softmax over
-    (B, H, L, L) in memory, 3.5x slower here), so the backward is written out: the flash kernel's
-    own backward for q, k, v, and dS = P (dP - rowsum(dO * O)) for the bias, on the band only.
+    Keys split in two: the band's span [first, end), scored with the band written into a small
+    (R, R + W - 1) mask, and the keys before it, which every row sees with bias 0, scored with no
+    mask at all; the two halves merge by their log-sum-exps. SDPA would run a mask that needs a
+    gradient on its unfused math path (softmax over (B, H, L, L) in memory, 3.5x slower here),
+    so the backward is written out: the flash kernel's own backward for q, k, v (exact per key
+    range, given the merged output and log-sum-exp), and dS = P (dP - rowsum(dO * O)) for the
+    bias, on the band only.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, band, start: int):
         # q: (B, H, R, d); k, v: (B, H, start + R, d); band: (B or 1, H, R or 1, W)
-        mask = band_mask(band, start, start + q.size(-2))  # (B or 1, H, R, start + R)
-        out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
+        first = max(0, start - band.size(-1) + 1)
+        mask = band_mask(band, start, start + q.size(-2))  # (B or 1, H, R, end - first)
+        out, logsumexp = _flash(q, k[:, :, first:], v[:, :, first:], attn_mask=mask)
+        if first > 0:
+            out_far, logsumexp_far = _flash(q, k[:, :, :first], v[:, :, :first])
+            total = torch.logaddexp(logsumexp, logsumexp_far)  # (B, H, R)
+            near_share, far_share = (logsumexp - total).exp()[..., None], (logsumexp_far - total).exp()[..., None]
+            out, logsumexp = (out.float() * near_share + out_far.float() * far_share).to(q.dtype), total
         ctx.save_for_backward(q, k, v, band, out, logsumexp)
         ctx.start = start
         return out
@@ -114,12 +121,17 @@ class BandedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, band, out, logsumexp = ctx.saved_tensors
-        start, rows = ctx.start, q.size(-2)
+        start, rows, width = ctx.start, q.size(-2), band.size(-1)
+        first = max(0, start - width + 1)
+        grad_out = grad_out.contiguous()
         mask = band_mask(band, start, start + rows)
-        grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, logsumexp, 0.0, False, attn_mask=mask
-        )
-        width = band.size(-1)
+        grad_q, grad_k, grad_v = _flash_backward(grad_out, q, k[:, :, first:], v[:, :, first:], out, logsumexp, mask)
+        if first > 0:
+            grad_q_far, grad_k_far, grad_v_far = _flash_backward(
+                grad_out, q, k[:, :, :first], v[:, :, :first], out, logsumexp, None
+            )
+            grad_q = grad_q + grad_q_far
+            grad_k, grad_v = torch.cat([grad_k_far, grad_k], dim=2), torch.cat([grad_v_far, grad_v], dim=2)
         scores = band_dots(q, k, start, width) / math.sqrt(q.size(-1)) + band.float()  # (B, H, R, W)
         probs = torch.exp(scores - logsumexp[..., None])
         grad_probs = band_dots(grad_out, v, start, width) - (grad_out.float() * out.float()).sum(-1, keepdim=True)
@@ -127,6 +139,17 @@ class BandedAttention(torch.autograd.Function):
         key = row - (width - 1) + torch.arange(width, device=q.device)  # (R, W): key j of each band entry
         grad_band = (probs * grad_probs).masked_fill_(key < 0, 0.0)  # dS on the band
         return grad_q, grad_k, grad_v, grad_band.sum_to_size(band.shape).to(band.dtype), None
+
+
+def _flash(q, k, v, attn_mask=None):
+    """The fused CPU flash kernel: (out, logsumexp), non-causal, with an optional additive mask."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=attn_mask)
+
+
+def _flash_backward(grad_out, q, k, v, out, logsumexp, attn_mask):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, logsumexp, 0.0, False, attn_mask=attn_mask
+    )
 
 
 @cache
@@ -176,8 +199,11 @@ def causal_attention(q, k, v, pe: PositionalEncoding, layer: int) -> torch.Tenso
     if pe.key_only_bias and not pe.needs_attention_probs and fused_mask_with_causal(q.device.type):
         # (1, H, 1, L) mask on the fused causal kernel: O(L) memory at any length (ALiBi).
         return _sdpa_keep_mask(q, k, v, attn_mask=pe.score_bias(q, layer, 0, length), is_causal=True)
-    rows = max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * length))
     flash_band = q.device.type == "cpu" and not pe.needs_attention_probs and cpu_flash_with_mask()
+    if flash_band:  # masks of (rows, rows + W - 1): block size independent of L
+        rows = max(1, math.isqrt(SCORE_BLOCK_ELEMENTS // (batch * heads)))
+    else:  # masks of (rows, L)
+        rows = max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * length))
     out = q.new_empty(batch, heads, length, v.size(-1))  # written block by block: see SCORE_BLOCK_ELEMENTS
     for start in range(0, length, rows):  # query blocks attend to keys [0, end): memory O(rows * L)
         end = min(start + rows, length)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -58,7 +59,8 @@ class PositionalEncoding(nn.Module):
         or a (B or 1, H, end - start, end) bias that already holds -inf at every j > i, so the
         attention uses it as the mask as it is. By default, the mask ``band_bias`` stands for.
         """
-        return band_mask(self.band_bias(q, layer), start, end)
+        mask = band_mask(self.band_bias(q, layer), start, end)
+        return F.pad(mask, (end - mask.size(-1), 0))  # keys before the band: bias 0
 
     def band_bias(self, q: torch.Tensor, layer: int) -> torch.Tensor | None:
         """The bias as a band, for PEs whose bias is constant along each row beyond W keys back.
@@ -101,18 +103,19 @@ def relative_offsets(start: int, end: int, device: torch.device) -> torch.Tensor
 
 
 def band_mask(band: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """The fp32 mask (B or 1, H, end - start, end) a band (B or 1, H, R or 1, W) stands for.
+    """The fp32 mask a band (B or 1, H, R or 1, W) stands for, for query rows [start, end).
 
-    Row i = start + r holds the band on keys i - W + 1 .. i, 0 on the keys before them and -inf
-    on future keys. Built W - 1 columns wide on the left, so bands that start before key 0 fit,
-    and the band is written along diagonals: no index tensor of the mask's size.
+    Covers keys [first, end), first = max(0, start - W + 1): (B or 1, H, end - start, end - first).
+    Row i = start + r holds the band on keys i - W + 1 .. i and -inf on future keys. The keys
+    before ``first`` are W or more back from every row of the block: their bias is 0.
+    Built as one (rows, rows + W - 1) pattern with the band written along its diagonals, so its
+    size does not depend on ``start``.
     """
     rows, width = end - start, band.size(-1)
     lead = band.shape[:-2]
-    future = torch.ones(rows, width - 1 + end, dtype=torch.bool, device=band.device).triu(start + width)
-    # column c: key c - (W - 1). One (rows, columns) pattern, copied out: 3-7x faster than zeros + masked_fill
+    future = torch.ones(rows, rows + width - 1, dtype=torch.bool, device=band.device).triu(width)
+    # column c: key start - W + 1 + c. One pattern, copied out: 3-7x faster than zeros + masked_fill
     padded = torch.where(future, float("-inf"), 0.0).expand(*lead, -1, -1).contiguous()
     *lead_strides, row_stride, _ = padded.stride()
-    diagonals = padded.as_strided((*lead, rows, width), (*lead_strides, row_stride + 1, 1), start)
-    diagonals.copy_(band)
-    return padded[..., width - 1 :]
+    padded.as_strided((*lead, rows, width), (*lead_strides, row_stride + 1, 1)).copy_(band)
+    return padded[..., max(0, width - 1 - start) :]  # drop the columns of keys before 0
