@@ -5,8 +5,9 @@ Which path runs follows from what the PE provides (DESIGN.md section 7), never f
 - no score bias (NoPE, APEs, RoPE): SDPA ``is_causal``;
 - on CUDA, a ``score_mod``: compiled FlexAttention, no (L, L) tensor at all;
 - a key-only bias (ALiBi): a (1, H, 1, L) fp32 mask on SDPA's fused causal kernel;
-- a banded bias (T5, Shaw): the fused CPU flash kernel with the band written into a mask, and
-  ``BandedAttention``'s backward, which computes the bias gradient on the band only;
+- a banded bias (T5, Shaw) on CPU: ``BandedAttention``, the fused flash kernel on query blocks
+  whose keys before the band need no mask and whose band takes a (rows, rows + W - 1) mask,
+  with a backward that computes the bias gradient on the band only;
 - otherwise (Shaw's a^V, or no fused kernel): explicit scores, in query blocks.
 """
 
@@ -25,11 +26,10 @@ flex_attention = None
 if torch.__version__ >= "2.6":
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-# Float elements of bias per query block: attention memory at long lengths is O(block * L).
-# 16 MiB in fp32 keeps each block's mask below glibc's mmap threshold (32 MiB), so the heap
-# reuses it: a fresh mmap per mask cost more in page faults than the attention itself (Shaw,
-# B 8, L 512: 0.69 -> 0.82 of NoPE's training throughput). The output is preallocated, not
-# concatenated: small block outputs kept between growing masks fragmented the heap (2.5 GB at 16k).
+# Float elements of mask per query block. 16 MiB in fp32 keeps each block's mask below glibc's
+# mmap threshold (32 MiB), so the heap reuses it: a fresh mmap per mask cost more in page faults
+# than the attention itself (Shaw, B 8, L 512). The output is preallocated, not concatenated:
+# small block outputs kept between growing masks fragmented the heap (2.5 GB at 16k).
 SCORE_BLOCK_ELEMENTS = 2**22
 FLEX_BLOCK = 128  # FlexAttention's sparse block size (its default)
 BAND_ROWS = 128  # query rows per matmul when BandedAttention's backward scores the band
