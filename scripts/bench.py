@@ -12,7 +12,7 @@ Measures, in one run:
    (L, L, d_head) einsum reference.
 
 Usage:
-    .venv/bin/python scripts/bench.py                   # fp32, writes docs/bench.md (~15 min)
+    .venv/bin/python scripts/bench.py                   # fp32, writes docs/bench.md (~7 min)
     .venv/bin/python scripts/bench.py --precision bf16  # writes docs/bench-bf16.md
     .venv/bin/python scripts/bench.py --quick           # smoke test, ~1-2 min
 """
@@ -462,8 +462,8 @@ def main(argv=None) -> None:
             train_length=TRAIN_LEN,
             train_batch=BATCH,
             warmup=2,
-            reps=5,
-            steps=2,
+            reps=10,  # one step each: paired ratios compare steps close in time (the host is noisy)
+            steps=1,
             lengths=[512, 2048, 8192, 16384],
             shaw_reps=5,
         )
