@@ -473,6 +473,23 @@ def test_biased_attention_matches_naive_reference(kind, length, rows, grad, monk
     assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["t5", "t5_per_layer", "shaw"])
+def test_explicit_path_without_cpu_flash_matches_naive_reference(kind, monkeypatch):
+    """Without the CPU flash kernel (older torch, or a device without it) T5/Shaw take the explicit
+    path: score_bias as SDPA's mask in query blocks. Values and table gradients stay exact."""
+    monkeypatch.setattr(attention_module, "cpu_flash_with_mask", lambda: False)
+    monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", block_elements("thirds", 150))
+    pe = make_bias_pe(kind)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(BATCH, HEADS, 150, HEAD_DIM, generator=gen) for _ in range(3))
+    got = causal_attention(q, k, v, pe, layer=1)
+    assert_close(got.double(), naive_biased_attention(q, k, v, pe, 1).detach(), atol=1e-5, rtol=1e-5)
+    params = list(pe.parameters())
+    expected = torch.autograd.grad(naive_biased_attention(q, k, v, pe, 1).sum(), params)
+    for g, e in zip(torch.autograd.grad(got.sum(), params), expected, strict=True):
+        assert_close(g, e, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("length, rows", [(20, "one_block"), (150, "one_block"), (150, "thirds")])
 @pytest.mark.parametrize("kind", ["t5", "t5_per_layer", "shaw", "shaw_value"])
 def test_biased_attention_gradients_match_naive_reference(kind, length, rows, monkeypatch):
@@ -483,7 +500,8 @@ def test_biased_attention_gradients_match_naive_reference(kind, length, rows, mo
     monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", block_elements(rows, length) // BATCH)
     pe = make_bias_pe(kind)
     gen = torch.Generator().manual_seed(5)
-    q, k, v, weight = (torch.randn(1, HEADS, length, HEAD_DIM, generator=gen, requires_grad=True) for _ in range(4))
+    q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM, generator=gen, requires_grad=True) for _ in range(3))
+    weight = torch.randn(1, HEADS, length, HEAD_DIM, generator=gen)
     inputs = [q, k, v, *pe.parameters()]
     got = torch.autograd.grad((causal_attention(q, k, v, pe, layer=1) * weight).sum(), inputs)
     expected = torch.autograd.grad((naive_biased_attention(q, k, v, pe, layer=1) * weight).sum(), inputs)

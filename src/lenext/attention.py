@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from lenext.pe import PositionalEncoding
-from lenext.pe.base import band_mask
+from lenext.pe.base import band_mask, diagonal_band
 
 # FlexAttention runs score-bias PEs on CUDA without any (L, L) tensor. torch 2.6 is the first
 # version whose backward reaches tensors a score_mod captures (the T5 table, Shaw's q . a^K).
@@ -86,8 +86,7 @@ def band_dots(x: torch.Tensor, y: torch.Tensor, start: int, width: int) -> torch
     for r in range(0, rows, BAND_ROWS):
         n = min(BAND_ROWS, rows - r)
         scores = x[..., r : r + n, :] @ keys[..., r : r + n + width - 1, :].transpose(-2, -1)  # (B, H, n, n+W-1)
-        *lead, row_stride, _ = scores.stride()
-        bands.append(scores.as_strided((*scores.shape[:-2], n, width), (*lead, row_stride + 1, 1)))
+        bands.append(diagonal_band(scores, width))
     return torch.cat(bands, dim=-2)
 
 
@@ -105,7 +104,7 @@ class BandedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, band, start: int):
-        # q: (B, H, R, d); k, v: (B, H, start + R, d); band: (B or 1, H, R or 1, W)
+        # q: (B, H, R, d); k, v: (B, H, start + R, d); band: (B or 1, H, R, W)
         first = max(0, start - band.size(-1) + 1)
         mask = band_mask(band, start, start + q.size(-2))  # (B or 1, H, R, end - first)
         out, logsumexp = _flash(q, k[:, :, first:], v[:, :, first:], attn_mask=mask)
@@ -200,17 +199,17 @@ def causal_attention(q, k, v, pe: PositionalEncoding, layer: int) -> torch.Tenso
         # (1, H, 1, L) mask on the fused causal kernel: O(L) memory at any length (ALiBi).
         return _sdpa_keep_mask(q, k, v, attn_mask=pe.score_bias(q, layer, 0, length), is_causal=True)
     flash_band = q.device.type == "cpu" and not pe.needs_attention_probs and cpu_flash_with_mask()
-    if flash_band:  # masks of (rows, rows + W - 1): block size independent of L
+    band = pe.band_bias(q, layer) if flash_band else None  # (B or 1, H, L, W)
+    if band is not None:  # masks of (rows, rows + W - 1): block size independent of L
         rows = max(1, math.isqrt(SCORE_BLOCK_ELEMENTS // (batch * heads)))
     else:  # masks of (rows, L)
         rows = max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * length))
     out = q.new_empty(batch, heads, length, v.size(-1))  # written block by block: see SCORE_BLOCK_ELEMENTS
-    for start in range(0, length, rows):  # query blocks attend to keys [0, end): memory O(rows * L)
+    for start in range(0, length, rows):  # query blocks attend to keys [0, end)
         end = min(start + rows, length)
         q_block, k_seen, v_seen = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
-        band = pe.band_bias(q_block, layer) if flash_band else None
         if band is not None:
-            out[:, :, start:end] = BandedAttention.apply(q_block, k_seen, v_seen, band, start)
+            out[:, :, start:end] = BandedAttention.apply(q_block, k_seen, v_seen, band[:, :, start:end], start)
             continue
         mask = pe.score_bias(q_block, layer, start, end)
         if pe.key_only_bias:  # the PE left the causal mask to us

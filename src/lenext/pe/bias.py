@@ -81,7 +81,8 @@ class T5Bias(PositionalEncoding):
 
     def band_bias(self, q, layer):
         table = self.table[layer if self.per_layer else 0]  # (buckets, H)
-        return (table[self.band_buckets] - table[-1]).t()[None, :, None, :]  # (1, H, 1, W): same for every row
+        band = (table[self.band_buckets] - table[-1]).t()  # (H, W): the same for every row
+        return band[None, :, None, :].expand(-1, -1, q.size(-2), -1)  # (1, H, R, W)
 
     def score_mod(self, q, layer):
         # Looked up per distance, not per bucket: the backward scatters gradients into this (L, H)
