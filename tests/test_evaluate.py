@@ -101,7 +101,11 @@ def test_query_chunked_evaluation_equals_unchunked(pe, monkeypatch):
     net, docs = tiny_net(pe), random_documents(1)
     windows = windows_for("nonoverlap", [len(d) for d in docs], 64)
     whole = evaluate_length(net, docs, windows, 64, 256, per_position=True)
-    monkeypatch.setattr(lenext.attention, "SCORE_BLOCK_ELEMENTS", 4 * 64 * 5)  # query blocks of 5 rows
+    # Blocks of 5 rows: BandedAttention's steps (T5), the explicit path's query blocks (Shaw with a^V,
+    # and ALiBi once its fused kernel is taken away).
+    monkeypatch.setattr(lenext.attention, "BAND_ROWS", 5)
+    monkeypatch.setattr(lenext.attention, "SCORE_BLOCK_ELEMENTS", 4 * 64 * 5)
+    monkeypatch.setattr(lenext.attention, "fused_mask_with_causal", lambda device_type: False)
     chunked = evaluate_length(net, docs, windows, 64, 256, per_position=True)
     assert chunked["mean_nll"] == pytest.approx(whole["mean_nll"], rel=1e-5)
     np.testing.assert_allclose(chunked["curve"], whole["curve"], rtol=1e-5)

@@ -442,25 +442,41 @@ def naive_biased_attention(q, k, v, pe, layer: int) -> torch.Tensor:
     return out
 
 
-def block_elements(rows: str, length: int) -> int:
-    per_row = BATCH * HEADS * length
-    return {"one_block": 2**25, "thirds": per_row * max(2, length // 3), "single_row": per_row}[rows]
+BLOCKINGS = {  # (BandedAttention's BAND_ROWS, the explicit path's query rows per block) for L rows
+    "default": lambda length: (attention_module.BAND_ROWS, None),
+    "small": lambda length: (5, max(2, length // 3)),  # T5's band (W 113) spans many 5-row steps
+    "single_row": lambda length: (1, 1),
+}
 
 
-def attention_paths():
-    """(kind, length, rows, grad): one block (SDPA's fused path: ALiBi always, T5/Shaw without grad,
-    since a mask that needs grad cannot go with is_causal) and query blocks (where grad changes nothing)."""
-    for kind in ("alibi", "t5", "t5_per_layer", "shaw", "shaw_value"):
-        for length in (7, 64, 300):
-            for grad in (True,) if kind == "alibi" else (True, False):
-                yield pytest.param(kind, length, "one_block", grad, id=f"{kind}-{length}-one_block-grad{int(grad)}")
-            yield pytest.param(kind, length, "thirds", True, id=f"{kind}-{length}-thirds")
-        yield pytest.param(kind, 7, "single_row", True, id=f"{kind}-7-single_row")
+def use_blocking(monkeypatch, blocking: str, length: int, batch: int = BATCH) -> None:
+    band_rows, query_rows = BLOCKINGS[blocking](length)
+    monkeypatch.setattr(attention_module, "BAND_ROWS", band_rows)
+    if query_rows is not None:
+        monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", batch * HEADS * length * query_rows)
 
 
-@pytest.mark.parametrize("kind, length, rows, grad", attention_paths())
-def test_biased_attention_matches_naive_reference(kind, length, rows, grad, monkeypatch):
-    monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", block_elements(rows, length))
+def explicit_path(monkeypatch) -> None:
+    """What runs without the fused kernels (older torch, other devices): score_bias as SDPA's mask,
+    in query blocks, with the causal mask added to ALiBi's key-only bias."""
+    monkeypatch.setattr(attention_module, "cpu_flash", lambda: False)
+    monkeypatch.setattr(attention_module, "fused_mask_with_causal", lambda device_type: False)
+
+
+BIAS_KINDS = ("alibi", "t5", "t5_per_layer", "shaw", "shaw_value")
+
+
+@pytest.mark.parametrize("blocking", BLOCKINGS)
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("length", [7, 64, 300])
+@pytest.mark.parametrize("kind", BIAS_KINDS)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+def test_biased_attention_matches_naive_reference(fused, kind, length, grad, blocking, monkeypatch):
+    """Every path (fused kernels or explicit blocks) at lengths below, near and beyond T5's band,
+    with and without autograd (a mask that needs grad cannot take SDPA's fused path)."""
+    if not fused:
+        explicit_path(monkeypatch)
+    use_blocking(monkeypatch, blocking, length)
     pe = make_bias_pe(kind)
     gen = torch.Generator().manual_seed(length)
     q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen) for _ in range(3))
@@ -473,31 +489,17 @@ def test_biased_attention_matches_naive_reference(kind, length, rows, grad, monk
     assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["t5", "t5_per_layer", "shaw"])
-def test_explicit_path_without_cpu_flash_matches_naive_reference(kind, monkeypatch):
-    """Without the CPU flash kernel (older torch, or a device without it) T5/Shaw take the explicit
-    path: score_bias as SDPA's mask in query blocks. Values and table gradients stay exact."""
-    monkeypatch.setattr(attention_module, "cpu_flash_with_mask", lambda: False)
-    monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", block_elements("thirds", 150))
-    pe = make_bias_pe(kind)
-    gen = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(BATCH, HEADS, 150, HEAD_DIM, generator=gen) for _ in range(3))
-    got = causal_attention(q, k, v, pe, layer=1)
-    assert_close(got.double(), naive_biased_attention(q, k, v, pe, 1).detach(), atol=1e-5, rtol=1e-5)
-    params = list(pe.parameters())
-    expected = torch.autograd.grad(naive_biased_attention(q, k, v, pe, 1).sum(), params)
-    for g, e in zip(torch.autograd.grad(got.sum(), params), expected, strict=True):
-        assert_close(g, e, atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("length, rows", [(20, "one_block"), (150, "one_block"), (150, "thirds")])
+@pytest.mark.parametrize("length, blocking", [(20, "default"), (150, "default"), (150, "small"), (9, "single_row")])
 @pytest.mark.parametrize("kind", ["t5", "t5_per_layer", "shaw", "shaw_value"])
-def test_biased_attention_gradients_match_naive_reference(kind, length, rows, monkeypatch):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+def test_biased_attention_gradients_match_naive_reference(fused, kind, length, blocking, monkeypatch):
     """Gradients through causal_attention (q, k, v and the learned tables) equal the naive reference's.
 
-    150 rows span two of the band's matmul steps; thirds put bands across query-block edges.
+    150 rows hold T5's band and keys beyond it, across BandedAttention's steps and query blocks.
     """
-    monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", block_elements(rows, length) // BATCH)
+    if not fused:
+        explicit_path(monkeypatch)
+    use_blocking(monkeypatch, blocking, length, batch=1)
     pe = make_bias_pe(kind)
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM, generator=gen, requires_grad=True) for _ in range(3))
@@ -508,6 +510,45 @@ def test_biased_attention_gradients_match_naive_reference(kind, length, rows, mo
     for g, e in zip(got, expected, strict=True):
         assert e.abs().sum() > 0
         assert_close(g, e.float(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("band_rows", [1, 4, 64])
+@pytest.mark.parametrize("length, width", [(1, 1), (6, 9), (37, 5), (40, 8)])
+def test_band_products_equal_dense_matrices(length, width, band_rows, monkeypatch):
+    """BandedAttention's band products against the (L, L) matrix the band stands for."""
+    monkeypatch.setattr(attention_module, "BAND_ROWS", band_rows)
+    gen = torch.Generator().manual_seed(length * width)
+    x, y = (torch.randn(2, 3, length, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    band = torch.randn(2, 3, length, width, generator=gen, dtype=torch.float64)
+    dense = torch.zeros(2, 3, length, length, dtype=torch.float64)  # dense[i, j] = band[i, w], j = i - W + 1 + w
+    expected_dots = torch.zeros(2, 3, length, width, dtype=torch.float64)  # keys before 0 give 0
+    for i in range(length):
+        for w in range(width):
+            j = i - width + 1 + w
+            if j >= 0:
+                dense[:, :, i, j] = band[:, :, i, w]
+                expected_dots[:, :, i, w] = (x[:, :, i] * y[:, :, j]).sum(-1)
+    assert_close(attention_module.band_dots(x, y, width).double(), expected_dots, atol=1e-5, rtol=1e-5)
+    assert_close(attention_module.band_matmul(band, y).double(), dense @ y, atol=1e-5, rtol=1e-5)
+    assert_close(
+        attention_module.band_matmul_transposed(band, x).double(), dense.transpose(-2, -1) @ x, atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("kind", ["t5", "shaw"])
+def test_banded_attention_under_bf16_autocast_scores_the_band_in_fp32(kind):
+    """bf16 q, k, v under autocast stay close to the float64 reference on the same inputs.
+
+    Autocast would run the band's matmuls in bf16 too: that rounding doubled the worst error here
+    (T5 0.089, Shaw 0.045 against 0.027 and 0.025 with the band in fp32).
+    """
+    pe = make_bias_pe(kind)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, HEADS, 600, HEAD_DIM, generator=gen).mul(2).bfloat16() for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = causal_attention(q, k, v, pe, layer=1)
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - naive_biased_attention(q, k, v, pe, layer=1)).abs().max() < 0.035
 
 
 def test_alibi_under_bf16_autocast_keeps_long_offsets(monkeypatch):
@@ -521,8 +562,10 @@ def test_alibi_under_bf16_autocast_keeps_long_offsets(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, HEADS, length, 16, generator=gen).bfloat16() for _ in range(3))
     expected = naive_biased_attention(q, k, v, pe, layer=0)
-    for rows in (length, 512):  # fused key-only path, then query blocks
-        monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", HEADS * length * rows)
+    for fused in (True, False):  # the fused key-only path, then query blocks of 512 rows
+        if not fused:
+            explicit_path(monkeypatch)
+            monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", HEADS * length * 512)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got = causal_attention(q, k, v, pe, layer=0)
         assert (got.double() - expected).abs().max() < 0.06

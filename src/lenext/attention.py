@@ -5,9 +5,8 @@ Which path runs follows from what the PE provides (DESIGN.md section 7), never f
 - no score bias (NoPE, APEs, RoPE): SDPA ``is_causal``;
 - on CUDA, a ``score_mod``: compiled FlexAttention, no (L, L) tensor at all;
 - a key-only bias (ALiBi): a (1, H, 1, L) fp32 mask on SDPA's fused causal kernel;
-- a banded bias (T5, Shaw) on CPU: ``BandedAttention``, the fused flash kernel on query blocks
-  whose keys before the band need no mask and whose band takes a (rows, rows + W - 1) mask,
-  with a backward that computes the bias gradient on the band only;
+- a banded bias (T5, Shaw) on CPU: ``BandedAttention``, the fused causal flash kernel for the
+  keys beyond the band (bias 0) and the W band keys scored directly, in O(L W) extra memory;
 - otherwise (Shaw's a^V, or no fused kernel): explicit scores, in query blocks.
 """
 
@@ -18,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lenext.pe import PositionalEncoding
-from lenext.pe.base import band_mask, diagonal_band
+from lenext.pe.base import diagonal_band
 
 # FlexAttention runs score-bias PEs on CUDA without any (L, L) tensor. torch 2.6 is the first
 # version whose backward reaches tensors a score_mod captures (the T5 table, Shaw's q . a^K).
@@ -26,13 +25,13 @@ flex_attention = None
 if torch.__version__ >= "2.6":
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-# Float elements of mask per query block. 16 MiB in fp32 keeps each block's mask below glibc's
+# Float elements of mask per query block on the explicit path. 16 MiB in fp32 keeps each block's mask below glibc's
 # mmap threshold (32 MiB), so the heap reuses it: a fresh mmap per mask cost more in page faults
 # than the attention itself (Shaw, B 8, L 512). The output is preallocated, not concatenated:
 # small block outputs kept between growing masks fragmented the heap (2.5 GB at 16k).
 SCORE_BLOCK_ELEMENTS = 2**22
 FLEX_BLOCK = 128  # FlexAttention's sparse block size (its default)
-BAND_ROWS = 128  # query rows per matmul when BandedAttention's backward scores the band
+BAND_ROWS = 64  # query rows per matmul of BandedAttention's band products
 
 
 @cache
@@ -50,11 +49,11 @@ def fused_mask_with_causal(device_type: str) -> bool:
 
 
 @cache
-def cpu_flash_with_mask() -> bool:
-    """Whether this torch has the fused CPU flash kernel with an additive mask, forward and backward."""
+def cpu_flash() -> bool:
+    """Whether this torch exposes the fused causal CPU flash kernel, forward and backward."""
     q = torch.zeros(1, 1, 2, 2)
     try:
-        _flash_backward(q, q, q, q, *_flash(q, q, q, attn_mask=q), attn_mask=q)
+        _causal_flash_backward(q, q, q, q, *_causal_flash(q, q, q))
     except (AttributeError, RuntimeError, TypeError):
         return False
     return True
@@ -71,83 +70,134 @@ def _sdpa_keep_mask(q, k, v, **kwargs) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
-def band_dots(x: torch.Tensor, y: torch.Tensor, start: int, width: int) -> torch.Tensor:
-    """(B, H, R, W) fp32: x_i . y_j for rows i = start + r of x and the W keys j = i - W + 1 + w of y.
+def _band_steps(y: torch.Tensor, width: int):
+    """Yield (r, n, keys): query rows [r, r + n) in steps of BAND_ROWS, and the keys their bands span.
 
-    x: (B, H, R, d) rows [start, start + R); y: (B, H, >= start + R, d). Keys j < 0 give 0.
-    Each step scores BAND_ROWS rows against the keys their bands span with one matmul, then reads
-    the band off the diagonals of that (rows, rows + W - 1) block.
+    keys: (B, H, n + W - 1, d) fp32, y's rows r - W + 1 .. r + n - 1, zeros for rows before 0.
     """
-    rows = x.size(-2)
-    missing = max(0, width - 1 - start)  # band keys before position 0
-    keys = F.pad(y[..., max(0, start - width + 1) : start + rows, :], (0, 0, missing, 0)).float()
-    x = x.float()
-    bands = []
-    for r in range(0, rows, BAND_ROWS):
-        n = min(BAND_ROWS, rows - r)
-        scores = x[..., r : r + n, :] @ keys[..., r : r + n + width - 1, :].transpose(-2, -1)  # (B, H, n, n+W-1)
-        bands.append(diagonal_band(scores, width))
-    return torch.cat(bands, dim=-2)
+    length = y.size(-2)
+    for r in range(0, length, BAND_ROWS):
+        n = min(BAND_ROWS, length - r)
+        missing = max(0, width - 1 - r)  # band keys before position 0
+        keys = y[..., r + missing - width + 1 : r + n, :].float()
+        yield r, n, F.pad(keys, (0, 0, missing, 0)) if missing else keys
+
+
+def _dense_blocks(band: torch.Tensor):
+    """Yield (r, block): band rows [r, r + n) written along the diagonals of a zero
+    (n, n + W - 1) block, whose column c is key r - W + 1 + c. One buffer serves every step:
+    the entries off the band stay zero."""
+    length, width = band.shape[-2:]
+    rows = min(BAND_ROWS, length)
+    buffer = band.new_zeros(*band.shape[:-2], rows, rows + width - 1, dtype=torch.float32)
+    for r in range(0, length, BAND_ROWS):
+        n = min(BAND_ROWS, length - r)
+        block = buffer[..., :n, : n + width - 1]
+        diagonal_band(block, width).copy_(band[..., r : r + n, :])
+        yield r, block
+
+
+def band_dots(x: torch.Tensor, y: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, H, L, W) fp32: x_i . y_j for the W keys j = i - W + 1 + w of each row i; keys j < 0 give 0.
+
+    x, y: (B, H, L, d). Each step scores BAND_ROWS rows against the keys their bands span with one
+    matmul, then reads the band off the diagonals of that (rows, rows + W - 1) block.
+    """
+    out = x.new_empty(*x.shape[:-1], width, dtype=torch.float32)
+    for r, n, keys in _band_steps(y, width):
+        out[..., r : r + n, :] = diagonal_band(x[..., r : r + n, :].float() @ keys.transpose(-2, -1), width)
+    return out
+
+
+def band_matmul(band: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, d) fp32: the band as an (L, L) matrix times y; row i is sum_w band[i, w] y_{i - W + 1 + w}."""
+    out = y.new_empty(*band.shape[:-1], y.size(-1), dtype=torch.float32)
+    for (r, block), (_, n, keys) in zip(_dense_blocks(band), _band_steps(y, band.size(-1)), strict=True):
+        out[..., r : r + n, :] = block @ keys
+    return out
+
+
+def band_matmul_transposed(band: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, d) fp32: the band's transpose times x; key j gets band[i, w] x_i wherever j = i - W + 1 + w."""
+    width = band.size(-1)
+    out = x.new_zeros(*band.shape[:-2], band.size(-2) + width - 1, x.size(-1), dtype=torch.float32)  # from key -W+1
+    for r, block in _dense_blocks(band):
+        out[..., r : r + block.size(-1), :] += block.transpose(-2, -1) @ x[..., r : r + block.size(-2), :].float()
+    return out[..., width - 1 :, :]
 
 
 class BandedAttention(torch.autograd.Function):
-    """Causal attention for query rows [start, start + R) with a banded bias, on the fused CPU kernel.
+    """Causal attention with a banded bias (T5, Shaw) on the fused CPU kernel, in O(L W) extra memory.
 
-    Keys split in two: the band's span [first, end), scored with the band written into a small
-    (R, R + W - 1) mask, and the keys before it, which every row sees with bias 0, scored with no
-    mask at all; the two halves merge by their log-sum-exps. SDPA would run a mask that needs a
-    gradient on its unfused math path (softmax over (B, H, L, L) in memory, 3.5x slower here),
-    so the backward is written out: the flash kernel's own backward for q, k, v (exact per key
-    range, given the merged output and log-sum-exp), and dS = P (dP - rowsum(dO * O)) for the
-    bias, on the band only.
+    Row i's keys split in two. The far keys j <= i - W all carry bias 0: query rows W.. against
+    key rows ..L-W-1 is a square causal problem, one call of the fused flash kernel with no mask.
+    The W band keys are scored directly, (B, H, L, W), with the bias added. The two merge by their
+    log-sum-exps. SDPA would run a mask that needs a gradient on its unfused math path (softmax
+    over (B, H, L, L) in memory, 3.5x slower here), so the backward is written out: the flash
+    kernel's own backward for the far keys (exact given the merged output and log-sum-exp), and
+    dS = P (dP - rowsum(dO * O)) on the band, which is also the bias gradient.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, band, start: int):
-        # q: (B, H, R, d); k, v: (B, H, start + R, d); band: (B or 1, H, R, W)
-        first = max(0, start - band.size(-1) + 1)
-        mask = band_mask(band, start, start + q.size(-2))  # (B or 1, H, R, end - first)
-        out, logsumexp = _flash(q, k[:, :, first:], v[:, :, first:], attn_mask=mask)
-        if first > 0:
-            out_far, logsumexp_far = _flash(q, k[:, :, :first], v[:, :, :first])
-            total = torch.logaddexp(logsumexp, logsumexp_far)  # (B, H, R)
-            near_share, far_share = (logsumexp - total).exp()[..., None], (logsumexp_far - total).exp()[..., None]
-            out, logsumexp = (out.float() * near_share + out_far.float() * far_share).to(q.dtype), total
-        ctx.save_for_backward(q, k, v, band, out, logsumexp)
-        ctx.start = start
+    def forward(ctx, q, k, v, band):
+        # q, k, v: (B, H, L, d); band: (B or 1, H, L, W)
+        length, width = band.shape[-2:]
+        far = length - width  # rows i >= W see the far keys 0 .. i - W
+        scores = band_dots(q, k, width) / math.sqrt(q.size(-1)) + band  # (B, H, L, W)
+        first_rows = torch.arange(min(length, width - 1), device=q.device)[:, None]  # their bands start before key 0
+        scores[..., : width - 1, :].masked_fill_(
+            first_rows + torch.arange(width, device=q.device) < width - 1, -math.inf
+        )
+        logsumexp = scores.logsumexp(-1)  # (B, H, L)
+        if far > 0:
+            out_far, logsumexp_far = _causal_flash(q[:, :, width:], k[:, :, :far], v[:, :, :far])
+            logsumexp[..., width:] = torch.logaddexp(logsumexp[..., width:], logsumexp_far)
+        probs = scores.sub_(logsumexp[..., None]).exp_()  # the band's attention probabilities
+        out = band_matmul(probs, v)
+        if far > 0:
+            out[:, :, width:] += out_far.float() * (logsumexp_far - logsumexp[..., width:]).exp()[..., None]
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, logsumexp, probs)
+        ctx.band_shape, ctx.band_dtype = band.shape, band.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, band, out, logsumexp = ctx.saved_tensors
-        start, rows, width = ctx.start, q.size(-2), band.size(-1)
-        first = max(0, start - width + 1)
+        q, k, v, out, logsumexp, probs = ctx.saved_tensors
+        length, width = probs.shape[-2:]
+        far, scale = length - width, 1 / math.sqrt(q.size(-1))
         grad_out = grad_out.contiguous()
-        mask = band_mask(band, start, start + rows)
-        grad_q, grad_k, grad_v = _flash_backward(grad_out, q, k[:, :, first:], v[:, :, first:], out, logsumexp, mask)
-        if first > 0:
-            grad_q_far, grad_k_far, grad_v_far = _flash_backward(
-                grad_out, q, k[:, :, :first], v[:, :, :first], out, logsumexp, None
+        rowsum = (grad_out.float() * out.float()).sum(-1, keepdim=True)  # (B, H, L, 1)
+        grad_scores = probs * (band_dots(grad_out, v, width) - rowsum)  # dS on the band
+        grad_dots = grad_scores * scale  # of the band's q_i . k_j
+        grad_q = band_matmul(grad_dots, k)
+        grad_k = band_matmul_transposed(grad_dots, q)
+        grad_v = band_matmul_transposed(probs, grad_out)
+        if far > 0:
+            grad_q_far, grad_k_far, grad_v_far = _causal_flash_backward(
+                grad_out[:, :, width:],
+                q[:, :, width:],
+                k[:, :, :far],
+                v[:, :, :far],
+                out[:, :, width:],
+                logsumexp[..., width:],
             )
-            grad_q = grad_q + grad_q_far
-            grad_k, grad_v = torch.cat([grad_k_far, grad_k], dim=2), torch.cat([grad_v_far, grad_v], dim=2)
-        scores = band_dots(q, k, start, width) / math.sqrt(q.size(-1)) + band.float()  # (B, H, R, W)
-        probs = torch.exp(scores - logsumexp[..., None])
-        grad_probs = band_dots(grad_out, v, start, width) - (grad_out.float() * out.float()).sum(-1, keepdim=True)
-        row = torch.arange(start, start + rows, device=q.device)[:, None]
-        key = row - (width - 1) + torch.arange(width, device=q.device)  # (R, W): key j of each band entry
-        grad_band = (probs * grad_probs).masked_fill_(key < 0, 0.0)  # dS on the band
-        return grad_q, grad_k, grad_v, grad_band.sum_to_size(band.shape).to(band.dtype), None
+            grad_q[:, :, width:] += grad_q_far
+            grad_k[:, :, :far] += grad_k_far
+            grad_v[:, :, :far] += grad_v_far
+        grad_band = grad_scores.sum_to_size(ctx.band_shape).to(ctx.band_dtype)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), grad_band
 
 
-def _flash(q, k, v, attn_mask=None):
-    """The fused CPU flash kernel: (out, logsumexp), non-causal, with an optional additive mask."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=attn_mask)
+def _causal_flash(q, k, v):
+    """The fused causal CPU flash kernel: (out, logsumexp), what SDPA runs inside, with the
+    log-sum-exp that merging with the band needs."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
 
 
-def _flash_backward(grad_out, q, k, v, out, logsumexp, attn_mask):
+def _causal_flash_backward(grad_out, q, k, v, out, logsumexp):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, logsumexp, 0.0, False, attn_mask=attn_mask
+        grad_out, q, k, v, out, logsumexp, 0.0, True
     )
 
 
@@ -198,19 +248,16 @@ def causal_attention(q, k, v, pe: PositionalEncoding, layer: int) -> torch.Tenso
     if pe.key_only_bias and not pe.needs_attention_probs and fused_mask_with_causal(q.device.type):
         # (1, H, 1, L) mask on the fused causal kernel: O(L) memory at any length (ALiBi).
         return _sdpa_keep_mask(q, k, v, attn_mask=pe.score_bias(q, layer, 0, length), is_causal=True)
-    flash_band = q.device.type == "cpu" and not pe.needs_attention_probs and cpu_flash_with_mask()
+    flash_band = q.device.type == "cpu" and not pe.needs_attention_probs and cpu_flash()
     band = pe.band_bias(q, layer) if flash_band else None  # (B or 1, H, L, W)
-    if band is not None:  # masks of (rows, rows + W - 1): block size independent of L
-        rows = max(1, math.isqrt(SCORE_BLOCK_ELEMENTS // (batch * heads)))
-    else:  # masks of (rows, L)
-        rows = max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * length))
+    if band is not None:
+        with torch.autocast(q.device.type, enabled=False):  # the band products stay fp32 under bf16
+            return BandedAttention.apply(q, k, v, band)
+    rows = max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * length))  # masks of (rows, L)
     out = q.new_empty(batch, heads, length, v.size(-1))  # written block by block: see SCORE_BLOCK_ELEMENTS
     for start in range(0, length, rows):  # query blocks attend to keys [0, end)
         end = min(start + rows, length)
         q_block, k_seen, v_seen = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
-        if band is not None:
-            out[:, :, start:end] = BandedAttention.apply(q_block, k_seen, v_seen, band[:, :, start:end], start)
-            continue
         mask = pe.score_bias(q_block, layer, start, end)
         if pe.key_only_bias:  # the PE left the causal mask to us
             future = torch.ones(end - start, end, dtype=torch.bool, device=q.device).triu(start + 1)
