@@ -512,29 +512,6 @@ def test_biased_attention_gradients_match_naive_reference(fused, kind, length, b
         assert_close(g, e.float(), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("band_rows", [1, 4, 64])
-@pytest.mark.parametrize("length, width", [(1, 1), (6, 9), (37, 5), (40, 8)])
-def test_band_products_equal_dense_matrices(length, width, band_rows, monkeypatch):
-    """BandedAttention's band products against the (L, L) matrix the band stands for."""
-    monkeypatch.setattr(attention_module, "BAND_ROWS", band_rows)
-    gen = torch.Generator().manual_seed(length * width)
-    x, y = (torch.randn(2, 3, length, 4, generator=gen, dtype=torch.float64) for _ in range(2))
-    band = torch.randn(2, 3, length, width, generator=gen, dtype=torch.float64)
-    dense = torch.zeros(2, 3, length, length, dtype=torch.float64)  # dense[i, j] = band[i, w], j = i - W + 1 + w
-    expected_dots = torch.zeros(2, 3, length, width, dtype=torch.float64)  # keys before 0 give 0
-    for i in range(length):
-        for w in range(width):
-            j = i - width + 1 + w
-            if j >= 0:
-                dense[:, :, i, j] = band[:, :, i, w]
-                expected_dots[:, :, i, w] = (x[:, :, i] * y[:, :, j]).sum(-1)
-    assert_close(attention_module.band_dots(x, y, width).double(), expected_dots, atol=1e-5, rtol=1e-5)
-    assert_close(attention_module.band_matmul(band, y).double(), dense @ y, atol=1e-5, rtol=1e-5)
-    assert_close(
-        attention_module.band_matmul_transposed(band, x).double(), dense.transpose(-2, -1) @ x, atol=1e-5, rtol=1e-5
-    )
-
-
 @pytest.mark.parametrize("kind", ["t5", "shaw"])
 def test_banded_attention_under_bf16_autocast_scores_the_band_in_fp32(kind):
     """bf16 q, k, v under autocast stay close to the float64 reference on the same inputs.

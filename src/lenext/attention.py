@@ -25,13 +25,13 @@ flex_attention = None
 if torch.__version__ >= "2.6":
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-# Float elements of mask per query block on the explicit path. 16 MiB in fp32 keeps each block's mask below glibc's
-# mmap threshold (32 MiB), so the heap reuses it: a fresh mmap per mask cost more in page faults
-# than the attention itself (Shaw, B 8, L 512). The output is preallocated, not concatenated:
+# Float elements of mask per query block on the explicit path. 16 MiB in fp32 keeps each block's
+# mask below glibc's mmap threshold (32 MiB), so the heap reuses it: a fresh mmap per mask cost
+# more in page faults than the attention itself. The output is preallocated, not concatenated:
 # small block outputs kept between growing masks fragmented the heap (2.5 GB at 16k).
 SCORE_BLOCK_ELEMENTS = 2**22
 FLEX_BLOCK = 128  # FlexAttention's sparse block size (its default)
-BAND_ROWS = 64  # query rows per matmul of BandedAttention's band products
+BAND_ROWS = 64  # query rows per step of BandedAttention's band products
 
 
 @cache
@@ -70,60 +70,36 @@ def _sdpa_keep_mask(q, k, v, **kwargs) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
-def _band_steps(y: torch.Tensor, width: int):
-    """Yield (r, n, keys): query rows [r, r + n) in steps of BAND_ROWS, and the keys their bands span.
+def band_keys(y: torch.Tensor, start: int, rows: int, width: int) -> torch.Tensor:
+    """(B, H, rows + W - 1, d) fp32: the keys the bands of query rows [start, start + rows) span,
+    y's rows start - W + 1 .. start + rows - 1, with zeros for rows before 0."""
+    missing = max(0, width - 1 - start)
+    keys = y[..., start + missing - width + 1 : start + rows, :].float()
+    return F.pad(keys, (0, 0, missing, 0)) if missing else keys
 
-    keys: (B, H, n + W - 1, d) fp32, y's rows r - W + 1 .. r + n - 1, zeros for rows before 0.
+
+def band_steps(length: int):
+    """BandedAttention's steps: slices of BAND_ROWS query rows."""
+    for start in range(0, length, BAND_ROWS):
+        yield slice(start, min(start + BAND_ROWS, length))
+
+
+def band_buffer(q: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero fp32 scratch (B, H, n, n + W - 1) for ``write_band``, n = the rows of one step."""
+    rows = min(BAND_ROWS, q.size(-2))
+    return q.new_zeros(*q.shape[:2], rows, rows + width - 1, dtype=torch.float32)
+
+
+def write_band(buffer: torch.Tensor, band: torch.Tensor) -> torch.Tensor:
+    """The band (B, H, n, W) as a dense (B, H, n, n + W - 1) block, column c is key start - W + 1 + c.
+
+    Writes into the top-left corner of ``buffer``, which starts zero: off the band it stays zero,
+    so one buffer serves every step.
     """
-    length = y.size(-2)
-    for r in range(0, length, BAND_ROWS):
-        n = min(BAND_ROWS, length - r)
-        missing = max(0, width - 1 - r)  # band keys before position 0
-        keys = y[..., r + missing - width + 1 : r + n, :].float()
-        yield r, n, F.pad(keys, (0, 0, missing, 0)) if missing else keys
-
-
-def _dense_blocks(band: torch.Tensor):
-    """Yield (r, block): band rows [r, r + n) written along the diagonals of a zero
-    (n, n + W - 1) block, whose column c is key r - W + 1 + c. One buffer serves every step:
-    the entries off the band stay zero."""
-    length, width = band.shape[-2:]
-    rows = min(BAND_ROWS, length)
-    buffer = band.new_zeros(*band.shape[:-2], rows, rows + width - 1, dtype=torch.float32)
-    for r in range(0, length, BAND_ROWS):
-        n = min(BAND_ROWS, length - r)
-        block = buffer[..., :n, : n + width - 1]
-        diagonal_band(block, width).copy_(band[..., r : r + n, :])
-        yield r, block
-
-
-def band_dots(x: torch.Tensor, y: torch.Tensor, width: int) -> torch.Tensor:
-    """(B, H, L, W) fp32: x_i . y_j for the W keys j = i - W + 1 + w of each row i; keys j < 0 give 0.
-
-    x, y: (B, H, L, d). Each step scores BAND_ROWS rows against the keys their bands span with one
-    matmul, then reads the band off the diagonals of that (rows, rows + W - 1) block.
-    """
-    out = x.new_empty(*x.shape[:-1], width, dtype=torch.float32)
-    for r, n, keys in _band_steps(y, width):
-        out[..., r : r + n, :] = diagonal_band(x[..., r : r + n, :].float() @ keys.transpose(-2, -1), width)
-    return out
-
-
-def band_matmul(band: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """(B, H, L, d) fp32: the band as an (L, L) matrix times y; row i is sum_w band[i, w] y_{i - W + 1 + w}."""
-    out = y.new_empty(*band.shape[:-1], y.size(-1), dtype=torch.float32)
-    for (r, block), (_, n, keys) in zip(_dense_blocks(band), _band_steps(y, band.size(-1)), strict=True):
-        out[..., r : r + n, :] = block @ keys
-    return out
-
-
-def band_matmul_transposed(band: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """(B, H, L, d) fp32: the band's transpose times x; key j gets band[i, w] x_i wherever j = i - W + 1 + w."""
-    width = band.size(-1)
-    out = x.new_zeros(*band.shape[:-2], band.size(-2) + width - 1, x.size(-1), dtype=torch.float32)  # from key -W+1
-    for r, block in _dense_blocks(band):
-        out[..., r : r + block.size(-1), :] += block.transpose(-2, -1) @ x[..., r : r + block.size(-2), :].float()
-    return out[..., width - 1 :, :]
+    rows, width = band.shape[-2:]
+    block = buffer[..., :rows, : rows + width - 1]
+    diagonal_band(block, width).copy_(band)
+    return block
 
 
 class BandedAttention(torch.autograd.Function):
@@ -131,31 +107,36 @@ class BandedAttention(torch.autograd.Function):
 
     Row i's keys split in two. The far keys j <= i - W all carry bias 0: query rows W.. against
     key rows ..L-W-1 is a square causal problem, one call of the fused flash kernel with no mask.
-    The W band keys are scored directly, (B, H, L, W), with the bias added. The two merge by their
-    log-sum-exps. SDPA would run a mask that needs a gradient on its unfused math path (softmax
-    over (B, H, L, L) in memory, 3.5x slower here), so the backward is written out: the flash
-    kernel's own backward for the far keys (exact given the merged output and log-sum-exp), and
-    dS = P (dP - rowsum(dO * O)) on the band, which is also the bias gradient.
+    The W band keys are scored directly with the bias added, BAND_ROWS query rows per step, and the
+    two parts merge by their log-sum-exps. SDPA would run a mask that needs a gradient on its
+    unfused math path (softmax over (B, H, L, L) in memory, 3.5x slower here), so the backward is
+    written out: the flash kernel's own backward for the far keys (exact given the merged output
+    and log-sum-exp), and dS = P (dP - rowsum(dO * O)) on the band, which is also the bias gradient.
+    Each step keeps its (rows, W) and (rows, rows + W - 1) blocks in cache, rather than passing
+    over (B, H, L, W) tensors once per operation.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, band):
         # q, k, v: (B, H, L, d); band: (B or 1, H, L, W)
         length, width = band.shape[-2:]
-        far = length - width  # rows i >= W see the far keys 0 .. i - W
-        scores = band_dots(q, k, width) / math.sqrt(q.size(-1)) + band  # (B, H, L, W)
-        first_rows = torch.arange(min(length, width - 1), device=q.device)[:, None]  # their bands start before key 0
-        scores[..., : width - 1, :].masked_fill_(
-            first_rows + torch.arange(width, device=q.device) < width - 1, -math.inf
-        )
-        logsumexp = scores.logsumexp(-1)  # (B, H, L)
-        if far > 0:
-            out_far, logsumexp_far = _causal_flash(q[:, :, width:], k[:, :, :far], v[:, :, :far])
-            logsumexp[..., width:] = torch.logaddexp(logsumexp[..., width:], logsumexp_far)
-        probs = scores.sub_(logsumexp[..., None]).exp_()  # the band's attention probabilities
-        out = band_matmul(probs, v)
-        if far > 0:
-            out[:, :, width:] += out_far.float() * (logsumexp_far - logsumexp[..., width:]).exp()[..., None]
+        scale = 1 / math.sqrt(q.size(-1))
+        out_far, logsumexp_far = _far_keys(q, k, v, width)  # (B, H, L, d), (B, H, L)
+        out, logsumexp = torch.empty_like(out_far), torch.empty_like(logsumexp_far)
+        probs = logsumexp.new_empty(*logsumexp.shape, width)  # the band's attention probabilities
+        buffer = band_buffer(q, width)
+        for rows in band_steps(length):
+            start, n = rows.start, rows.stop - rows.start
+            dots = q[..., rows, :].float() @ band_keys(k, start, n, width).transpose(-2, -1)  # (B, H, n, n + W - 1)
+            scores = diagonal_band(dots, width) * scale + band[..., rows, :]  # (B, H, n, W)
+            if start < width - 1:  # band entries of keys before 0
+                row = torch.arange(start, rows.stop, device=q.device)[:, None]
+                scores.masked_fill_(row + torch.arange(width, device=q.device) < width - 1, -math.inf)
+            logsumexp[..., rows] = torch.logaddexp(scores.logsumexp(-1), logsumexp_far[..., rows])
+            torch.exp(scores - logsumexp[..., rows, None], out=probs[..., rows, :])
+            far_share = (logsumexp_far[..., rows] - logsumexp[..., rows]).exp()[..., None]
+            values = band_keys(v, start, n, width)
+            out[..., rows, :] = write_band(buffer, probs[..., rows, :]) @ values + out_far[..., rows, :] * far_share
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, logsumexp, probs)
         ctx.band_shape, ctx.band_dtype = band.shape, band.dtype
@@ -165,14 +146,27 @@ class BandedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, logsumexp, probs = ctx.saved_tensors
         length, width = probs.shape[-2:]
-        far, scale = length - width, 1 / math.sqrt(q.size(-1))
+        scale = 1 / math.sqrt(q.size(-1))
         grad_out = grad_out.contiguous()
-        rowsum = (grad_out.float() * out.float()).sum(-1, keepdim=True)  # (B, H, L, 1)
-        grad_scores = probs * (band_dots(grad_out, v, width) - rowsum)  # dS on the band
-        grad_dots = grad_scores * scale  # of the band's q_i . k_j
-        grad_q = band_matmul(grad_dots, k)
-        grad_k = band_matmul_transposed(grad_dots, q)
-        grad_v = band_matmul_transposed(probs, grad_out)
+        grad_q = q.new_empty(q.shape, dtype=torch.float32)
+        # Rows for keys -W + 1 .. L - 1: each step adds into the W - 1 keys before its rows too.
+        grad_k, grad_v = (q.new_zeros(*q.shape[:2], length + width - 1, q.size(-1), dtype=torch.float32) for _ in "kv")
+        grad_band = probs.new_empty(ctx.band_shape)
+        buffer = band_buffer(q, width)
+        for rows in band_steps(length):
+            start, n = rows.start, rows.stop - rows.start
+            spanned = slice(start, rows.stop + width - 1)  # in grad_k/grad_v's rows, which start at key -W + 1
+            d_out, band_probs = grad_out[..., rows, :].float(), probs[..., rows, :]
+            rowsum = (d_out * out[..., rows, :].float()).sum(-1, keepdim=True)  # (B, H, n, 1)
+            grad_probs = diagonal_band(d_out @ band_keys(v, start, n, width).transpose(-2, -1), width)
+            grad_scores = band_probs * (grad_probs - rowsum)  # dS on the band
+            grad_band[..., rows, :] = grad_scores.sum_to_size(*ctx.band_shape[:-2], n, width)
+            block = write_band(buffer, grad_scores * scale)  # d(q_i . k_j)
+            grad_q[..., rows, :] = block @ band_keys(k, start, n, width)
+            grad_k[..., spanned, :] += block.transpose(-2, -1) @ q[..., rows, :].float()
+            grad_v[..., spanned, :] += write_band(buffer, band_probs).transpose(-2, -1) @ d_out
+        grad_k, grad_v = grad_k[..., width - 1 :, :], grad_v[..., width - 1 :, :]
+        far = length - width
         if far > 0:
             grad_q_far, grad_k_far, grad_v_far = _causal_flash_backward(
                 grad_out[:, :, width:],
@@ -185,8 +179,17 @@ class BandedAttention(torch.autograd.Function):
             grad_q[:, :, width:] += grad_q_far
             grad_k[:, :, :far] += grad_k_far
             grad_v[:, :, :far] += grad_v_far
-        grad_band = grad_scores.sum_to_size(ctx.band_shape).to(ctx.band_dtype)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), grad_band
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), grad_band.to(ctx.band_dtype)
+
+
+def _far_keys(q, k, v, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of each row i over the keys j <= i - W alone: (out, logsumexp), fp32,
+    (B, H, L, d) and (B, H, L); rows i < W have no such keys (out 0, logsumexp -inf)."""
+    far = q.size(-2) - width
+    if far <= 0:
+        return q.new_zeros(v.shape, dtype=torch.float32), q.new_full(q.shape[:-1], -math.inf, dtype=torch.float32)
+    out, logsumexp = _causal_flash(q[:, :, width:], k[:, :, :far], v[:, :, :far])
+    return F.pad(out.float(), (0, 0, width, 0)), F.pad(logsumexp, (width, 0), value=-math.inf)
 
 
 def _causal_flash(q, k, v):
