@@ -148,37 +148,24 @@ class BandedAttention(torch.autograd.Function):
         length, width = probs.shape[-2:]
         scale = 1 / math.sqrt(q.size(-1))
         grad_out = grad_out.contiguous()
-        grad_q = q.new_empty(q.shape, dtype=torch.float32)
-        # Rows for keys -W + 1 .. L - 1: each step adds into the W - 1 keys before its rows too.
-        grad_k, grad_v = (q.new_zeros(*q.shape[:2], length + width - 1, q.size(-1), dtype=torch.float32) for _ in "kv")
+        # The far keys' gradients, to which each step adds its band's. grad_k/grad_v rows are keys
+        # -W + 1 .. L - 1: a step's band also reaches the W - 1 keys before its rows.
+        grad_q, grad_k, grad_v = _far_key_grads(grad_out, q, k, v, out, logsumexp, width)
         grad_band = probs.new_empty(ctx.band_shape)
         buffer = band_buffer(q, width)
         for rows in band_steps(length):
             start, n = rows.start, rows.stop - rows.start
-            spanned = slice(start, rows.stop + width - 1)  # in grad_k/grad_v's rows, which start at key -W + 1
+            spanned = slice(start, rows.stop + width - 1)  # the keys of the step's bands, in grad_k's rows
             d_out, band_probs = grad_out[..., rows, :].float(), probs[..., rows, :]
             rowsum = (d_out * out[..., rows, :].float()).sum(-1, keepdim=True)  # (B, H, n, 1)
             grad_probs = diagonal_band(d_out @ band_keys(v, start, n, width).transpose(-2, -1), width)
             grad_scores = band_probs * (grad_probs - rowsum)  # dS on the band
             grad_band[..., rows, :] = grad_scores.sum_to_size(*ctx.band_shape[:-2], n, width)
             block = write_band(buffer, grad_scores * scale)  # d(q_i . k_j)
-            grad_q[..., rows, :] = block @ band_keys(k, start, n, width)
+            grad_q[..., rows, :] += block @ band_keys(k, start, n, width)
             grad_k[..., spanned, :] += block.transpose(-2, -1) @ q[..., rows, :].float()
             grad_v[..., spanned, :] += write_band(buffer, band_probs).transpose(-2, -1) @ d_out
         grad_k, grad_v = grad_k[..., width - 1 :, :], grad_v[..., width - 1 :, :]
-        far = length - width
-        if far > 0:
-            grad_q_far, grad_k_far, grad_v_far = _causal_flash_backward(
-                grad_out[:, :, width:],
-                q[:, :, width:],
-                k[:, :, :far],
-                v[:, :, :far],
-                out[:, :, width:],
-                logsumexp[..., width:],
-            )
-            grad_q[:, :, width:] += grad_q_far
-            grad_k[:, :, :far] += grad_k_far
-            grad_v[:, :, :far] += grad_v_far
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), grad_band.to(ctx.band_dtype)
 
 
@@ -190,6 +177,25 @@ def _far_keys(q, k, v, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         return q.new_zeros(v.shape, dtype=torch.float32), q.new_full(q.shape[:-1], -math.inf, dtype=torch.float32)
     out, logsumexp = _causal_flash(q[:, :, width:], k[:, :, :far], v[:, :, :far])
     return F.pad(out.float(), (0, 0, width, 0)), F.pad(logsumexp, (width, 0), value=-math.inf)
+
+
+def _far_key_grads(grad_out, q, k, v, out, logsumexp, width: int) -> tuple[torch.Tensor, ...]:
+    """The far keys' part of (grad_q, grad_k, grad_v), fp32: grad_q (B, H, L, d) for the query
+    rows, grad_k and grad_v (B, H, L + W - 1, d) for keys -W + 1 .. L - 1 (zero but for 0 .. L - W - 1).
+
+    The flash backward is exact for a subset of keys given the merged output and log-sum-exp.
+    """
+    length = q.size(-2)
+    far = length - width
+    if far <= 0:
+        return q.new_zeros(q.shape, dtype=torch.float32), *(
+            q.new_zeros(*q.shape[:2], length + width - 1, q.size(-1), dtype=torch.float32) for _ in "kv"
+        )
+    grad_q, grad_k, grad_v = _causal_flash_backward(
+        grad_out[:, :, width:], q[:, :, width:], k[:, :, :far], v[:, :, :far], out[:, :, width:], logsumexp[..., width:]
+    )
+    key_rows = (0, 0, width - 1, width)  # padding: the W - 1 keys before 0, the last W keys
+    return F.pad(grad_q.float(), (0, 0, width, 0)), F.pad(grad_k.float(), key_rows), F.pad(grad_v.float(), key_rows)
 
 
 def _causal_flash(q, k, v):
