@@ -244,6 +244,9 @@ def bench_shaw(precision, length, reps, log, heads=8, head_dim=64, clip=16):
     def naive_path():
         return naive_shaw_attention(q, k, v, pe.key_table[0], clip)
 
+    def no_bias_path():  # the floor: the same attention without any bias
+        return causal_attention(q, k, v, pes.NoPE(shape), 0)
+
     def fwd_bwd(fn):
         for tensor in inputs:
             tensor.grad = None
@@ -252,23 +255,21 @@ def bench_shaw(precision, length, reps, log, heads=8, head_dim=64, clip=16):
             out = fn()
         out.float().sum().backward()
         elapsed = time.perf_counter() - start
-        return elapsed, out.detach().float(), [t.grad.detach().clone() for t in inputs]
+        return elapsed, out.detach().float(), [t.grad.detach().clone() for t in inputs if t.grad is not None]
 
     # Correctness check and warmup.
     _, out_lenext, grads_lenext = fwd_bwd(lenext_path)
     _, out_naive, grads_naive = fwd_bwd(naive_path)
     max_out_err = (out_lenext - out_naive).abs().max().item()
     max_grad_err = max((a - b).abs().max().item() for a, b in zip(grads_lenext, grads_naive, strict=True))
-    times = {"lenext": [], "naive": []}
+    paths = {"lenext": lenext_path, "naive": naive_path, "no_bias": no_bias_path}
+    fwd_bwd(no_bias_path)
+    times = {name: [] for name in paths}
     for rep in range(reps):  # interleaved
-        times["lenext"].append(fwd_bwd(lenext_path)[0])
-        times["naive"].append(fwd_bwd(naive_path)[0])
-        log(
-            f"  shaw rep {rep + 1}/{reps}: lenext {1000 * times['lenext'][-1]:.0f} ms, "
-            f"naive {1000 * times['naive'][-1]:.0f} ms"
-        )
-    lenext_ms = 1000 * statistics.median(times["lenext"])
-    naive_ms = 1000 * statistics.median(times["naive"])
+        for name, path in paths.items():
+            times[name].append(fwd_bwd(path)[0])
+        log(f"  shaw rep {rep + 1}/{reps}: " + ", ".join(f"{n} {1000 * t[-1]:.0f} ms" for n, t in times.items()))
+    lenext_ms, naive_ms, no_bias_ms = (1000 * statistics.median(times[name]) for name in paths)
     return {
         "length": length,
         "heads": heads,
@@ -276,6 +277,7 @@ def bench_shaw(precision, length, reps, log, heads=8, head_dim=64, clip=16):
         "k": clip,
         "lenext_ms": lenext_ms,
         "naive_ms": naive_ms,
+        "no_bias_ms": no_bias_ms,
         "speedup": naive_ms / lenext_ms,
         "max_out_err": max_out_err,
         "max_grad_err": max_grad_err,
@@ -367,8 +369,8 @@ def render(info, settings, training, forward, lengths, shaw, elapsed) -> str:
         f"vocab {SMALL['vocab_size']}), L={settings['train_length']}, batch {settings['train_batch']}, "
         "one step = forward `token_nll().mean()`, backward, AdamW step, zero_grad; same random batch for "
         f"every PE. {settings['warmup']} warmup steps per PE, then {settings['reps']} repetitions "
-        f"round-robin over the PEs of {settings['steps']} timed steps each. tokens/s: median over "
-        "repetitions; ratio: median over repetitions of (PE / nope in the same repetition), "
+        f"round-robin over the PEs of {settings['steps']} timed step{'s' if settings['steps'] > 1 else ''} each. "
+        "tokens/s: median over repetitions; ratio: median over repetitions of (PE / nope in the same repetition), "
         "with the min-max range.",
         "",
         "| PE | tokens/s | ratio vs nope | range | target | meets |",
@@ -415,7 +417,9 @@ def render(info, settings, training, forward, lengths, shaw, elapsed) -> str:
         f"k={shaw['k']}), forward+backward, median of {settings['shaw_reps']} interleaved runs: "
         f"lenext `causal_attention` with `ShawRelative` {shaw['lenext_ms']:.0f} ms vs naive "
         f"(L, L, d_head) einsum {shaw['naive_ms']:.0f} ms: **{shaw['speedup']:.1f}x speedup** "
-        f"(max |diff| output {shaw['max_out_err']:.1e}, gradients {shaw['max_grad_err']:.1e}).",
+        f"(max |diff| output {shaw['max_out_err']:.1e}, gradients {shaw['max_grad_err']:.1e}). "
+        f"The same attention without any bias (NoPE, SDPA `is_causal`) took {shaw['no_bias_ms']:.0f} ms "
+        "in the same runs: the floor for any biased path.",
         "",
     ]
     return "\n".join(lines)
