@@ -119,6 +119,9 @@ class BandedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, band):
         # q, k, v: (B, H, L, d); band: (B or 1, H, L, W)
+        # Contiguous once, so that each step's slices go to the batched matmuls without a copy
+        # (the decoder's q, k, v are strided views of one projection).
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         length, width = band.shape[-2:]
         scale = 1 / math.sqrt(q.size(-1))
         out_far, logsumexp_far = _far_keys(q, k, v, width)  # (B, H, L, d), (B, H, L)
