@@ -14,18 +14,18 @@ def test_unknown_pe_lists_the_available_ones(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "override,key",
+    "overrides,key",
     [
-        ("data.max_len=0", "data.max_len"),
-        ("optim.lr=-1e-3", "optim.lr"),
-        ("data.vocab_size=100", "data.vocab_size"),
-        ("model.n_heads=3", "model.n_heads"),
-        ("pe=shaw", "pe.k"),
+        (["data.max_len=0"], "data.max_len"),
+        (["optim.lr=-1e-3"], "optim.lr"),
+        (["data.vocab_size=100"], "data.vocab_size"),
+        (["model.n_heads=3"], "model.n_heads"),
+        (["pe=shaw", "pe.k=0"], "pe.k"),
+        (["pe=t5", "pe.max_distance=8"], "pe.max_distance"),
     ],
 )
-def test_invalid_values_fail_with_one_line_naming_the_key(tmp_path, override, key):
-    extra = ["pe.k=0"] if override == "pe=shaw" else []
-    result = run_train(tmp_path, override, *extra)
+def test_invalid_values_fail_with_one_line_naming_the_key(tmp_path, overrides, key):
+    result = run_train(tmp_path, *overrides)
     assert result.returncode == 1
     lines = [line for line in result.stderr.strip().splitlines() if line]
     assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], result.stderr

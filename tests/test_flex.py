@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-import lenext.attention as model_module
+import lenext.attention as attention_module
 from lenext.attention import causal_attention, causal_block_mask
 from lenext.pe import ALiBi, AttentionShape, NoPE, ShawRelative, T5Bias
 
-pytestmark = pytest.mark.skipif(model_module.flex_attention is None, reason="FlexAttention needs torch >= 2.6")
+pytestmark = pytest.mark.skipif(attention_module.flex_attention is None, reason="FlexAttention needs torch >= 2.6")
 
 BATCH, HEADS, HEAD_DIM, LAYERS = 2, 4, 16, 2
 SHAPE = AttentionShape(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=LAYERS, train_len=16)
@@ -30,7 +30,7 @@ def eager_flex(q, k, v, score_mod):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "called without torch.compile()": intended, this is the reference run
         try:
-            return model_module.flex_attention(
+            return attention_module.flex_attention(
                 q, k, v, score_mod=score_mod, block_mask=causal_block_mask(q.size(2), q.device)
             )
         except (RuntimeError, NotImplementedError) as error:  # a build whose CPU flex cannot run

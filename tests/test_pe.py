@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 import lenext.attention as attention_module
 from lenext.attention import causal_attention
-from lenext.errors import LengthNotSupported
+from lenext.errors import ConfigError, LengthNotSupported
 from lenext.model import Decoder
 from lenext.pe import (
     SCALINGS,
@@ -473,7 +473,7 @@ BIAS_KINDS = ("alibi", "t5", "t5_per_layer", "shaw", "shaw_value")
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
 def test_biased_attention_matches_naive_reference(fused, kind, length, grad, blocking, monkeypatch):
     """Every path (fused kernels or explicit blocks) at lengths below, near and beyond T5's band,
-    with and without autograd (a mask that needs grad cannot take SDPA's fused path)."""
+    with and without autograd (on the explicit path, a mask that needs grad runs SDPA's math path)."""
     if not fused:
         explicit_path(monkeypatch)
     use_blocking(monkeypatch, blocking, length)
@@ -637,6 +637,21 @@ def test_alibi_bias_is_minus_slope_times_distance_and_shift_invariant(shift):
         atol=1e-4,
         rtol=1e-6,
     )
+
+
+@pytest.mark.parametrize("num_buckets, max_distance", [(32, 16), (32, 8), (2, 1)])
+def test_t5_max_distance_within_the_exact_buckets_is_a_config_error(num_buckets, max_distance):
+    shape = AttentionShape(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=1, train_len=16)
+    with pytest.raises(ConfigError, match="pe.max_distance must exceed num_buckets // 2"):
+        T5Bias(shape, num_buckets=num_buckets, max_distance=max_distance)
+
+
+@pytest.mark.parametrize("num_buckets, max_distance", [(32, 17), (3, 2)])
+def test_t5_band_ends_where_the_last_bucket_begins(num_buckets, max_distance):
+    shape = AttentionShape(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=1, train_len=16)
+    width = T5Bias(shape, num_buckets=num_buckets, max_distance=max_distance).band_buckets.numel()
+    buckets = [t5_bucket_reference(n, num_buckets, max_distance) for n in range(width + 1)]
+    assert buckets[width] == num_buckets - 1 and buckets[width - 1] != num_buckets - 1
 
 
 @SHIFTS

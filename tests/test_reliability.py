@@ -115,7 +115,14 @@ def test_non_finite_loss_stops_with_the_step_named():
 
 PES = ["nope", "sinusoidal", "learned", "shaw", "t5", "rope", "rope_ntk", "alibi"]
 ROPES = {"rope", "rope_ntk"}
-PE_KEYS = {"pe.k": {"shaw"}, "pe.num_buckets": {"t5"}, "pe.scaling": ROPES, "pe.factor": ROPES, "pe.base": ROPES}
+PE_KEYS = {
+    "pe.k": {"shaw"},
+    "pe.num_buckets": {"t5"},
+    "pe.max_distance": {"t5"},
+    "pe.scaling": ROPES,
+    "pe.factor": ROPES,
+    "pe.base": ROPES,
+}
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -133,6 +140,7 @@ PE_KEYS = {"pe.k": {"shaw"}, "pe.num_buckets": {"t5"}, "pe.scaling": ROPES, "pe.
             "pe.k=3",
             "pe.num_buckets=1",
             "pe.num_buckets=4",
+            "pe.max_distance=16",
             "pe.scaling=yarn",
             "pe.scaling=bogus",
             "pe.factor=0.5",

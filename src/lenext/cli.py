@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lenext.errors import CheckpointError, ConfigError, LenextError
 from lenext.evaluate import ERROR_FILE, RESULTS_FILE, run_metadata, sweep, write_atomic, write_results
+from lenext.pe.bias import check_t5_buckets
 
 log = logging.getLogger("lenext")
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
@@ -74,6 +75,9 @@ def validate(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key, default="<absent>")
         if value != "<absent>" and not test(value):
             raise ConfigError(f"{key}={value!r} is invalid: it must be {expected}")
+    pe = cfg.get("pe")
+    if pe is not None and "num_buckets" in pe and "max_distance" in pe:
+        check_t5_buckets(pe.num_buckets, pe.max_distance)
     model = cfg.get("model")
     if model is not None and model.d_model % model.n_heads:
         raise ConfigError(f"model.n_heads={model.n_heads} must divide model.d_model={model.d_model}")

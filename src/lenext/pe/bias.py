@@ -55,6 +55,17 @@ def t5_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> to
     return torch.where(n < max_exact, n, far)
 
 
+def check_t5_buckets(num_buckets: int, max_distance: int) -> None:
+    """Raise ConfigError unless the buckets are well defined: the log buckets must span distances."""
+    if num_buckets < 2:
+        raise ConfigError(f"pe.num_buckets must be at least 2; got {num_buckets}")
+    if max_distance <= num_buckets // 2:
+        raise ConfigError(
+            f"pe.max_distance must exceed num_buckets // 2 = {num_buckets // 2}, the distances with a bucket "
+            f"of their own; got {max_distance}"
+        )
+
+
 class T5Bias(PositionalEncoding):
     """T5 relative bias: one learned scalar per (bucket, head), shared across layers by default."""
 
@@ -62,8 +73,7 @@ class T5Bias(PositionalEncoding):
 
     def __init__(self, shape: AttentionShape, num_buckets: int = 32, max_distance: int = 128, per_layer: bool = False):
         super().__init__(shape)
-        if num_buckets < 2:
-            raise ConfigError(f"pe.num_buckets must be at least 2; got {num_buckets}")
+        check_t5_buckets(num_buckets, max_distance)
         self.num_buckets, self.max_distance, self.per_layer = num_buckets, max_distance, per_layer
         self.table = nn.Parameter(torch.randn(shape.n_layers if per_layer else 1, num_buckets, shape.n_heads) * 0.02)
         self.register_buffer("buckets", torch.empty(0, dtype=torch.long), persistent=False)
@@ -108,7 +118,8 @@ class ShawRelative(PositionalEncoding):
 
     score(i, j) = (q_i . k_j + q_i . a^K_{clip(j-i, -k, k)}) / sqrt(d_h); optional a^V on values.
     Tables are per layer and shared across heads, as in the paper. The bias is q @ A^T (rows x 2k+1)
-    gathered by clipped offset: the (L, L, d_h) tensor of the naive form is never built.
+    gathered by clipped offset, or on CPU its band q @ (a^K_o - a^K_{-k})^T for the k nearest
+    offsets: the (L, L, d_h) tensor of the naive form is never built.
     """
 
     has_score_bias = True
@@ -126,14 +137,18 @@ class ShawRelative(PositionalEncoding):
     def _clipped_offsets(self, start, end, device):
         return relative_offsets(start, end, device).clamp(-self.k, self.k) + self.k  # (rows, end) in [0, 2k]
 
+    def _scores(self, q, vectors):
+        """(B, H, rows, n): q_i . a / sqrt(d_h) for each of the n vectors a (n, d_h)."""
+        return q @ vectors.t().to(q.dtype) / math.sqrt(self.shape.head_dim)
+
     def _by_offset(self, q, layer):
         """(B, H, rows, 2k+1): q_i . a^K_o / sqrt(d_h) for each clipped offset o + k."""
-        return q @ self.key_table[layer].t().to(q.dtype) / math.sqrt(self.shape.head_dim)
+        return self._scores(q, self.key_table[layer])
 
     def band_bias(self, q, layer):
         # Offsets j - i <= -k share a^K_{-k}: a per-row constant, so the band is offsets -k+1 .. 0.
         table = self.key_table[layer]  # (2k+1, d_h): row o + k holds a^K_o
-        return q @ (table[1 : self.k + 1] - table[0]).t().to(q.dtype) / math.sqrt(self.shape.head_dim)  # (B, H, R, k)
+        return self._scores(q, table[1 : self.k + 1] - table[0])  # (B, H, R, k)
 
     def score_mod(self, q, layer):
         if self.needs_attention_probs:
