@@ -34,12 +34,20 @@ import tempfile
 import time
 from pathlib import Path
 
+import lightning as L
 import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader
 
 from lenext import pe as pes
 from lenext.attention import causal_attention
+from lenext.cli import CONFIG_DIR, instantiate
+from lenext.data import StepShuffler, TrainWindows
 from lenext.errors import LengthNotSupported
+from lenext.hardware import default_precision, machine_description
 from lenext.model import Decoder
+from lenext.module import adamw_with_schedule
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,6 +62,7 @@ PE_FACTORIES = {
     "alibi": pes.ALiBi,
 }
 PE_NAMES = list(PE_FACTORIES)
+SECTIONS = ["training", "forward", "shaw", "lightning"]
 TARGETS = {"rope": 0.95, "alibi": 0.9, "t5": 0.8, "shaw": 0.7}  # training throughput vs nope
 
 SMALL = dict(vocab_size=8192, d_model=256, n_layers=6, n_heads=8)
@@ -285,6 +294,145 @@ def bench_shaw(precision, length, reps, log, heads=8, head_dim=64, clip=16):
 
 
 # --------------------------------------------------------------------------------------------
+# 4. The study recipe's training step: lenext's LightningModule under a lightning.Trainer vs a bare loop
+
+# The CPU study's size: 4 layers x 128, 4 heads, vocab 2048, L_train 64, batch 32, lr 3e-3.
+STUDY_LEN, STUDY_BATCH = 64, 32
+STUDY_TOKENS_PER_STEP = STUDY_LEN * STUDY_BATCH
+STUDY_OVERRIDES = [
+    "trainer=cpu",
+    "model.d_model=128",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "data.vocab_size=2048",
+    f"data.max_len={STUDY_LEN}",
+    f"data.batch_size={STUDY_BATCH}",
+    "optim.lr=3e-3",
+    "trainer.enable_progress_bar=false",
+]
+LIGHTNING_TARGET = 1.10  # Lightning's step time / the bare loop's
+STUDY_STREAM_TOKENS = 2**20  # the random training stream: 16k windows of 64, more than any run here takes
+
+
+def study_config(output_dir: str, precision: str, steps: int):
+    """train.py's composed config at the study size, training ``steps`` steps with no validation in between."""
+    overrides = [
+        f"paths.output_dir={output_dir}",
+        f"paths.root_dir={output_dir}",
+        *STUDY_OVERRIDES,
+        f"trainer.precision={precision}",
+        f"trainer.max_steps={steps}",
+        f"trainer.val_check_interval={steps}",
+    ]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def study_loader(cfg, steps: int) -> DataLoader:
+    """lenext's training windows and order (TrainWindows, StepShuffler) over a random token stream."""
+    generator = torch.Generator().manual_seed(SEED)
+    stream = torch.randint(0, cfg.data.vocab_size, (STUDY_STREAM_TOKENS,), dtype=torch.int32, generator=generator)
+    windows = TrainWindows(stream.numpy(), cfg.data.max_len)
+    order = StepShuffler(len(windows), SEED, steps * cfg.data.batch_size)
+    return DataLoader(windows, batch_size=cfg.data.batch_size, sampler=order, drop_last=True)
+
+
+def study_net(cfg) -> Decoder:
+    torch.manual_seed(SEED)
+    return instantiate(cfg.model, vocab_size=cfg.data.vocab_size, train_len=cfg.data.max_len, pe=instantiate(cfg.pe))
+
+
+class StepClock(L.Callback):
+    """The time at the end of every training step."""
+
+    def __init__(self):
+        self.ends = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.ends.append(time.perf_counter())
+
+
+def lightning_steps(cfg, module, loader) -> list[float]:
+    """Fit ``module`` with the trainer, callbacks and loggers train.py builds from ``cfg``; step end times."""
+    clock = StepClock()
+    callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [clock]
+    loggers = [instantiate(c) for c in cfg.logger.values()]
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=loader)
+    return clock.ends
+
+
+def bare_steps(cfg, net, loader) -> list[float]:
+    """The same training by hand: autocast, loss, backward, gradient clipping, AdamW and schedule steps."""
+    optim = cfg.optim
+    optimizer, scheduler = adamw_with_schedule(
+        net,
+        cfg.trainer.max_steps,
+        optim.lr,
+        optim.weight_decay,
+        tuple(optim.betas),
+        optim.warmup_steps,
+        optim.min_lr_ratio,
+    )
+    bf16 = str(cfg.trainer.precision).startswith("bf16")
+    ends = []
+    for batch in loader:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = net.token_nll(batch[:, :-1], batch[:, 1:]).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.trainer.gradient_clip_val)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        ends.append(time.perf_counter())
+    return ends
+
+
+def bench_lightning(reps, steps, log):
+    """Per-step wall time of Lightning and the bare loop at the machine's default precision, and of the bare loop
+    at the other precision; arms interleaved, each repetition a fresh fit of ``steps`` + 1 steps (the first
+    step, with the optimizer's lazy state, is not timed)."""
+    chosen = default_precision("cpu")
+    other = "32-true" if chosen.startswith("bf16") else "bf16-mixed"
+    arms = {"lightning": chosen, "bare": chosen, f"bare {other}": other}
+    with tempfile.TemporaryDirectory() as output_dir:
+        cfgs = {precision: study_config(output_dir, precision, steps + 1) for precision in (chosen, other)}
+        loader = study_loader(cfgs[chosen], steps + 1)
+        module = instantiate(cfgs[chosen].optim, _partial_=True, _convert_="all")(
+            net=study_net(cfgs[chosen]), run_config=OmegaConf.to_container(cfgs[chosen], resolve=True)
+        )
+        nets = {"bare": study_net(cfgs[chosen]), f"bare {other}": study_net(cfgs[other])}
+        for arm in nets.values():
+            arm.train()
+
+        def run(arm):
+            cfg = cfgs[arms[arm]]
+            ends = lightning_steps(cfg, module, loader) if arm == "lightning" else bare_steps(cfg, nets[arm], loader)
+            return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+        for arm in arms:  # warmup: oneDNN primitives, autocast, Lightning's first fit
+            run(arm)
+        times = {arm: [] for arm in arms}
+        for rep in range(reps):
+            order = list(arms)[rep % len(arms) :] + list(arms)[: rep % len(arms)]
+            for arm in order:
+                times[arm].append(run(arm))
+            log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{a} {1000 * t[-1]:.1f} ms" for a, t in times.items()))
+    lightning_vs_bare = [a / b for a, b in zip(times["lightning"], times["bare"], strict=True)]
+    other_vs_chosen = [a / b for a, b in zip(times[f"bare {other}"], times["bare"], strict=True)]
+    return {
+        "precision": chosen,
+        "other_precision": other,
+        "step_ms": {arm: 1000 * statistics.median(t) for arm, t in times.items()},
+        "lightning_vs_bare": statistics.median(lightning_vs_bare),
+        "lightning_vs_bare_range": [min(lightning_vs_bare), max(lightning_vs_bare)],
+        "other_vs_chosen": statistics.median(other_vs_chosen),
+        "other_vs_chosen_range": [min(other_vs_chosen), max(other_vs_chosen)],
+        "times": times,
+    }
+
+
+# --------------------------------------------------------------------------------------------
 # Contention: CPU time that other processes took while a section ran
 
 
@@ -321,21 +469,8 @@ class CpuMeter:
 
 
 def machine_info(precision: str) -> dict:
-    cpu = "unknown"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        match = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
-        cpu = match.group(1).strip() if match else cpu
-    flags = ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        match = re.search(r"^flags\s*:\s*(.+)$", f.read(), re.M)
-        if match:
-            wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-            flags = " ".join(flag for flag in match.group(1).split() if flag in wanted)
     return {
-        "cpu": cpu,
-        "cpu_flags": flags,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        **machine_description(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "precision": precision,
@@ -343,26 +478,33 @@ def machine_info(precision: str) -> dict:
     }
 
 
-def render(info, settings, training, forward, lengths, shaw, elapsed) -> str:
-    lines = ["# lenext benchmark", ""]
-    lines += [
-        f"- CPU: {info['cpu']} ({info['cores']} cores; torch threads {info['torch_threads']}; "
-        f"flags: {info['cpu_flags'] or 'n/a'})",
+def render_header(info, settings, elapsed) -> list[str]:
+    contention = settings["contention"]
+    return [
+        "# lenext benchmark",
+        "",
+        f"- CPU: {info['cpu']}, ISA {info['isa']} (native bf16: {'yes' if info['native_bf16'] else 'no'}; "
+        f"{info['cores']} cores; torch threads {info['torch_threads']})"
+        + (f"; GPU: {info['gpu']}" if info["gpu"] else ""),
         f"- torch {info['torch']}, Python {info['python']}",
-        f"- precision: {info['precision']}"
+        f"- precision of sections 1-3: {info['precision']}"
         + (" (torch.autocast('cpu', dtype=torch.bfloat16))" if info["precision"] == "bf16" else ""),
         f"- date: {info['date']}",
         f"- command: `{settings['command']}`",
         f"- total run time: {elapsed / 60:.1f} min",
         "- CPU taken by other processes while each section ran (cores busy on average, out of "
         f"{info['cores']}): "
-        + ", ".join(f"{k} {v['foreign_cores']:.2f}" for k, v in settings["contention"].items())
+        + ", ".join(f"{k} {v['foreign_cores']:.2f}" for k, v in contention.items())
         + (
             " -- **the machine was shared; absolute numbers are pessimistic and noisy**"
-            if max(v["foreign_cores"] for v in settings["contention"].values()) > 0.2
+            if max(v["foreign_cores"] for v in contention.values()) > 0.2
             else ""
         ),
-        "",
+    ]
+
+
+def render_training(settings, training) -> list[str]:
+    lines = [
         "## Training throughput",
         "",
         f"Small model ({SMALL['n_layers']} layers, d_model {SMALL['d_model']}, {SMALL['n_heads']} heads, "
@@ -385,8 +527,11 @@ def render(info, settings, training, forward, lengths, shaw, elapsed) -> str:
             f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f} | "
             f"{'' if target is None else f'>= {target}'} | {meets} |"
         )
-    lines += [
-        "",
+    return lines
+
+
+def render_forward(forward, lengths) -> list[str]:
+    lines = [
         "## Forward pass (whole model, eval, no_grad, batch 1)",
         "",
         "One `token_nll` forward (logits in chunks of 4096 tokens) per cell, each (PE, L) in a fresh process "
@@ -408,9 +553,11 @@ def render(info, settings, training, forward, lengths, shaw, elapsed) -> str:
                 cells.append(f"error: {result['reason'][:60]}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     methods = {r.get("peak_method") for r in forward.values() if r["status"] == "ok"}
-    lines += ["", f"Peak measured with: {', '.join(sorted(methods)) or 'n/a'}."]
-    lines += [
-        "",
+    return [*lines, "", f"Peak measured with: {', '.join(sorted(methods)) or 'n/a'}."]
+
+
+def render_shaw(settings, shaw) -> list[str]:
+    return [
         "## Shaw attention: lenext vs naive einsum",
         "",
         f"Attention alone at L={shaw['length']} (B=1, H={shaw['heads']}, d_head={shaw['head_dim']}, "
@@ -420,9 +567,55 @@ def render(info, settings, training, forward, lengths, shaw, elapsed) -> str:
         f"(max |diff| output {shaw['max_out_err']:.1e}, gradients {shaw['max_grad_err']:.1e}). "
         f"The same attention without any bias (NoPE, SDPA `is_causal`) took {shaw['no_bias_ms']:.0f} ms "
         "in the same runs: the floor for any biased path.",
-        "",
     ]
-    return "\n".join(lines)
+
+
+def render_lightning(info, settings, lightning) -> list[str]:
+    chosen, other = lightning["precision"], lightning["other_precision"]
+    step_ms = lightning["step_ms"]
+    low, high = lightning["lightning_vs_bare_range"]
+    other_low, other_high = lightning["other_vs_chosen_range"]
+    ratio = lightning["lightning_vs_bare"]
+    verdict = "met" if ratio <= LIGHTNING_TARGET else "**not met**"
+    return [
+        "## The study's training step: Lightning vs a bare PyTorch loop",
+        "",
+        f"The CPU study's recipe ({' '.join(STUDY_OVERRIDES)}; rope, gelu MLP, AdamW with warmup + cosine, "
+        "gradient clipping 1.0) on "
+        f"{info['cpu']} ({info['isa']}). **lightning**: lenext's `LanguageModel` fitted by a `lightning.Trainer` "
+        "built from `configs/trainer/cpu.yaml` with the default callbacks (checkpoints, learning-rate monitor) and "
+        "CSV logger, as `train.py` builds them; **bare**: the same model, optimizer parameter groups, schedule, "
+        "clipping and batches (lenext's `TrainWindows` + `StepShuffler` over random tokens) in a hand-written loop. "
+        f"Wall time per step, from the end of step 1 to the end of step {settings['lightning_steps'] + 1} of a fit; "
+        f"the arms interleaved over {settings['lightning_reps']} repetitions; medians, and ratios paired within a "
+        "repetition with their min-max range.",
+        "",
+        "| arm | precision | ms / step | tokens/s |",
+        "|---|---|---:|---:|",
+        *(
+            f"| {arm} | {chosen if arm in ('lightning', 'bare') else other} | {ms:.1f} | "
+            f"{STUDY_TOKENS_PER_STEP / ms * 1000:,.0f} |"
+            for arm, ms in step_ms.items()
+        ),
+        "",
+        f"- Lightning / bare at {chosen} (this machine's default precision): **{ratio:.3f}** "
+        f"({low:.2f}-{high:.2f}); target <= {LIGHTNING_TARGET}: {verdict}",
+        f"- bare loop, {other} / {chosen} step time: **{lightning['other_vs_chosen']:.2f}** "
+        f"({other_low:.2f}-{other_high:.2f})",
+    ]
+
+
+def render(info, settings, elapsed, training=None, forward=None, shaw=None, lightning=None) -> str:
+    sections = [render_header(info, settings, elapsed)]
+    if training is not None:
+        sections.append(render_training(settings, training))
+    if forward is not None:
+        sections.append(render_forward(forward, settings["lengths"]))
+    if shaw is not None:
+        sections.append(render_shaw(settings, shaw))
+    if lightning is not None:
+        sections.append(render_lightning(info, settings, lightning))
+    return "\n\n".join("\n".join(lines) for lines in sections) + "\n"
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -450,6 +643,14 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, help="timed training steps per PE per repetition")
     parser.add_argument("--warmup", type=int, help="warmup training steps per PE")
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], help="forward lengths")
+    parser.add_argument("--lightning-reps", type=int, help="repetitions of the Lightning vs bare loop comparison")
+    parser.add_argument("--lightning-steps", type=int, help="timed steps per arm per repetition there")
+    parser.add_argument(
+        "--sections",
+        type=lambda s: s.split(","),
+        default=SECTIONS,
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
+    )
     parser.add_argument("--_forward-worker", dest="forward_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -459,7 +660,15 @@ def main(argv=None) -> None:
 
     if args.quick:
         settings = dict(
-            train_length=TRAIN_LEN, train_batch=2, warmup=1, reps=2, steps=1, lengths=[512, 2048], shaw_reps=1
+            train_length=TRAIN_LEN,
+            train_batch=2,
+            warmup=1,
+            reps=2,
+            steps=1,
+            lengths=[512, 2048],
+            shaw_reps=1,
+            lightning_reps=1,
+            lightning_steps=3,
         )
     else:
         settings = dict(
@@ -470,8 +679,10 @@ def main(argv=None) -> None:
             steps=1,
             lengths=[512, 2048, 8192, 16384],
             shaw_reps=5,
+            lightning_reps=6,
+            lightning_steps=20,
         )
-    for key in ("reps", "steps", "warmup", "lengths"):
+    for key in ("reps", "steps", "warmup", "lengths", "lightning_reps", "lightning_steps"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     settings["command"] = " ".join([Path(sys.executable).name, *sys.argv])
@@ -484,13 +695,15 @@ def main(argv=None) -> None:
 
     info = machine_info(args.precision)
     log(
-        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.precision}, "
+        f"{info['cpu']} ({info['isa']}), {info['cores']} cores, torch {info['torch']}, {args.precision}, "
         f"settings {json.dumps({k: v for k, v in settings.items() if k != 'command'})}"
     )
 
     contention = settings["contention"] = {}
 
     def measured(section, fn, *fn_args, **fn_kwargs):
+        if section not in args.sections:
+            return None
         log(section)
         meter = CpuMeter()
         result = fn(*fn_args, **fn_kwargs)
@@ -514,8 +727,9 @@ def main(argv=None) -> None:
     )
     forward = measured("forward", bench_forward, args.precision, settings["lengths"], timeout=900, log=log)
     shaw = measured("shaw", bench_shaw, args.precision, 2048, settings["shaw_reps"], log)
+    lightning = measured("lightning", bench_lightning, settings["lightning_reps"], settings["lightning_steps"], log)
 
-    text = render(info, settings, training, forward, settings["lengths"], shaw, time.perf_counter() - started)
+    text = render(info, settings, time.perf_counter() - started, training, forward, shaw, lightning)
     write_atomic(out, text)
     print()
     print(text)

@@ -17,14 +17,14 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lenext.errors import CheckpointError, ConfigError, LenextError
 from lenext.evaluate import ERROR_FILE, RESULTS_FILE, run_metadata, sweep, write_atomic, write_results
+from lenext.hardware import default_precision
 from lenext.pe.bias import check_t5_buckets
 
 log = logging.getLogger("lenext")
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
-OmegaConf.register_new_resolver(
-    "auto_precision", lambda: "bf16-mixed" if torch.cuda.is_available() else "32-true", replace=True
-)
+# ${auto_precision:<accelerator>}: bf16-mixed on CUDA and on CPUs with native bf16, 32-true elsewhere.
+OmegaConf.register_new_resolver("auto_precision", default_precision, replace=True)
 # In run folder names: two sweeps started in the same second still get folders of their own.
 OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 # The launch folder, known before Hydra's own config (hydra:runtime.cwd is not, when a sweep folder resolves).

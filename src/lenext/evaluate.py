@@ -31,6 +31,7 @@ import torch
 from torchmetrics import MeanMetric, SumMetric
 
 from lenext.errors import ConfigError, LengthNotSupported
+from lenext.hardware import machine_description
 
 log = logging.getLogger("lenext")
 PROTOCOLS = ("nonoverlap", "sliding", "last_k")
@@ -307,6 +308,8 @@ def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -
         "versions": {p: version(p) for p in ("lenext", "torch", "lightning", "datasets", "tokenizers")},
         "python": platform.python_version(),
         "device": str(next(net.parameters()).device),
+        # This machine, with the precision the model was trained in: throughput and bf16 rounding depend on both.
+        "hardware": {**machine_description(), "training_precision": cfg.get("trainer", {}).get("precision")},
     }
 
 

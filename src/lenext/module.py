@@ -11,6 +11,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from lenext.errors import LenextError
+from lenext.hardware import warn_if_precision_is_slow
 from lenext.model import Decoder
 
 
@@ -52,6 +53,9 @@ class LanguageModel(L.LightningModule):
         self.val_nll = MeanMetric()
         self.train_seconds, self.train_tokens = 0.0, 0  # time inside training steps, for tokens/s
 
+    def on_fit_start(self) -> None:
+        warn_if_precision_is_slow(self.trainer.precision, self.device)
+
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self._step_started = time.perf_counter()
 
@@ -87,23 +91,41 @@ class LanguageModel(L.LightningModule):
         self.log("val/ppl", torch.exp(loss), prog_bar=True, sync_dist=False)
 
     def configure_optimizers(self):
-        # Decay only matrix weights of linear layers; norms, biases, embeddings and PE tables are exempt.
-        linear_weights = {id(m.weight) for m in self.net.modules() if isinstance(m, nn.Linear)}
-        decay = [p for p in self.net.parameters() if id(p) in linear_weights]
-        no_decay = [p for p in self.net.parameters() if id(p) not in linear_weights]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams.lr,
-            betas=tuple(self.hparams.betas),
-        )
         total = max(1, int(self.trainer.estimated_stepping_batches))
-        warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        hp = self.hparams
+        optimizer, scheduler = adamw_with_schedule(
+            self.net, total, hp.lr, hp.weight_decay, tuple(hp.betas), hp.warmup_steps, hp.min_lr_ratio
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def adamw_with_schedule(
+    net: nn.Module,
+    total_steps: int,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    warmup_steps: int,
+    min_lr_ratio: float,
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW and its per-step schedule: linear warmup, then cosine decay to ``min_lr_ratio * lr`` at ``total_steps``.
+
+    A function of its own so that scripts/bench.py's bare loop optimizes exactly as training does.
+    """
+    # Decay only matrix weights of linear layers; norms, biases, embeddings and PE tables are exempt.
+    linear_weights = {id(m.weight) for m in net.modules() if isinstance(m, nn.Linear)}
+    decay = [p for p in net.parameters() if id(p) in linear_weights]
+    no_decay = [p for p in net.parameters() if id(p) not in linear_weights]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=betas,
+    )
+
+    def schedule(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

@@ -1,0 +1,126 @@
+"""Precision from the hardware: the CPU's ISA decides bf16 vs fp32, and every results file names the machine."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from lenext import hardware
+from lenext.cli import train
+from tests.conftest import small_corpus_overrides
+
+ISA_NAMES = [name for name, _, _ in hardware.ISAS]  # best first
+
+
+@pytest.fixture
+def simulate(monkeypatch):
+    """simulate(isa, cuda=False): torch's probes report ``isa`` and every lesser ISA (None: none of them)."""
+
+    def _simulate(isa: str | None, cuda: bool = False):
+        supported = set(ISA_NAMES[ISA_NAMES.index(isa) :]) if isa else set()
+        for name, probe, _ in hardware.ISAS:
+            monkeypatch.setattr(torch.cpu, probe, lambda answer=name in supported: answer, raising=False)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+
+    return _simulate
+
+
+@pytest.mark.parametrize(
+    "isa,cuda,accelerator,expected",
+    [
+        ("AMX", False, "auto", "bf16-mixed"),
+        ("AVX512_BF16", False, "auto", "bf16-mixed"),
+        ("AVX512", False, "auto", "32-true"),
+        ("AVX2", False, "auto", "32-true"),
+        (None, False, "auto", "32-true"),
+        ("AVX2", True, "auto", "bf16-mixed"),  # the GPU trains
+        ("AVX2", True, "cpu", "32-true"),  # trainer=cpu on a GPU machine: the CPU decides
+        ("AVX512_BF16", True, "cpu", "bf16-mixed"),
+        ("AVX2", True, "gpu", "bf16-mixed"),
+    ],
+)
+def test_default_precision_follows_the_hardware(simulate, isa, cuda, accelerator, expected):
+    simulate(isa, cuda)
+    assert hardware.default_precision(accelerator) == expected
+
+
+@pytest.mark.parametrize(
+    "trainer,isa,cuda,expected",
+    [
+        ("default", "AVX512_BF16", False, "bf16-mixed"),
+        ("default", "AVX2", False, "32-true"),
+        ("default", "AVX2", True, "bf16-mixed"),
+        ("cpu", "AMX", False, "bf16-mixed"),
+        ("cpu", "AVX2", False, "32-true"),
+        ("cpu", "AVX2", True, "32-true"),
+        ("ddp_sim", "AMX", False, "32-true"),  # fixed: it only checks multi-process code paths
+    ],
+)
+def test_trainer_configs_resolve_precision_from_the_hardware(compose_train, simulate, trainer, isa, cuda, expected):
+    simulate(isa, cuda)
+    assert compose_train(f"trainer={trainer}").trainer.precision == expected
+
+
+def test_without_torch_probes_the_isa_comes_from_proc_cpuinfo(monkeypatch, tmp_path):
+    for _, probe, _ in hardware.ISAS:
+        monkeypatch.delattr(torch.cpu, probe, raising=False)
+    cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr(hardware, "CPUINFO", str(cpuinfo))
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n")
+    assert hardware.cpu_description() | {"cores": None, "torch_threads": None} == {
+        "cpu": "AMD EPYC 9R14",
+        "isa": "AVX512_BF16",
+        "native_bf16": True,
+        "cores": None,
+        "torch_threads": None,
+    }
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Intel Xeon\nflags\t\t: fpu sse avx2 avx512f amx_bf16 amx_tile\n")
+    assert hardware.cpu_isa() == "AMX" and hardware.default_precision("cpu") == "bf16-mixed"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 7B12\nflags\t\t: fpu sse avx2\n")
+    assert hardware.cpu_isa() == "AVX2" and hardware.default_precision("cpu") == "32-true"
+    cpuinfo.unlink()  # no /proc (macOS, Windows): platform's name, torch's capability string, fp32
+    description = hardware.cpu_description()
+    assert description["cpu"] and description["isa"] == torch.backends.cpu.get_cpu_capability()
+    assert not description["native_bf16"] and hardware.default_precision("cpu") == "32-true"
+
+
+@pytest.mark.parametrize(
+    "isa,precision,device,warns",
+    [
+        ("AVX2", "bf16-mixed", "cpu", True),
+        ("AVX512", "bf16-true", "cpu", True),
+        ("AVX2", "32-true", "cpu", False),
+        ("AVX512_BF16", "bf16-mixed", "cpu", False),
+        ("AMX", "bf16-mixed", "cpu", False),
+        ("AVX2", "bf16-mixed", "meta", False),  # not a CPU: the accelerator computes
+    ],
+)
+def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_cost(simulate, caplog, isa, precision, device, warns):
+    simulate(isa)
+    with caplog.at_level(logging.WARNING, logger="lenext"):
+        hardware.warn_if_precision_is_slow(precision, torch.device(device))
+    if warns:
+        (record,) = caplog.records
+        message = record.getMessage()
+        assert message.startswith(f"trainer.precision={precision} on a CPU without native bf16 ({isa})")
+        assert "17x slower than fp32" in message and message.endswith("use 32-true") and "\n" not in message
+    else:
+        assert not caplog.records
+
+
+def test_a_run_warns_about_emulated_bf16_and_its_results_name_the_machine(
+    compose_train, small_text_corpus, simulate, caplog, tmp_path
+):
+    simulate("AVX2")
+    cfg = compose_train(
+        *small_corpus_overrides(small_text_corpus, "trainer.max_steps=2", "eval.factors=[1]"),
+        "trainer.precision=bf16-mixed",
+    )
+    with caplog.at_level(logging.WARNING, logger="lenext"):
+        train(cfg)
+    assert [r.getMessage() for r in caplog.records if "without native bf16" in r.getMessage()]
+    machine = json.loads((tmp_path / "results.json").read_text())["meta"]["hardware"]
+    assert machine["isa"] == "AVX2" and machine["native_bf16"] is False
+    assert machine["training_precision"] == "bf16-mixed" and machine["gpu"] is None
+    assert machine["cpu"] and machine["cpu"] != "unknown" and machine["cores"] >= 1
