@@ -98,3 +98,107 @@ def test_report_command_line_defaults_to_a_report_folder(sweep_dir, capsys):
 def test_no_results_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="no complete results.json"):
         report([str(tmp_path)], str(tmp_path / "out"))
+
+
+def _seeded_sweep(folder, per_pe: dict[str, list[float]]):
+    """One run per (PE, seed) with perplexity per_pe[pe][seed] at length 64."""
+    job = 0
+    for pe, ppls in per_pe.items():
+        for seed, ppl in enumerate(ppls):
+            write_run(folder / str(job), pe, seed, {64: ppl})
+            job += 1
+    return folder
+
+
+def _table(folder):
+    from lenext.report import collect, find_runs, summarize
+
+    return summarize(collect(find_runs([str(folder)])[0]))[(64, "nonoverlap")]
+
+
+def test_significance_rule_separates_only_differences_beyond_two_std_with_consistent_sign(tmp_path):
+    from lenext.report import separable
+
+    sweep = tmp_path / "sweep"
+    table = _table(
+        _seeded_sweep(
+            sweep,
+            {
+                "alibi": [10.0, 11.0, 12.0],  # 11 ± 1
+                "t5": [14.5, 15.0, 15.5],  # 15 ± 0.5: 4 apart > 2 std -> separable from alibi
+                "nope": [11.5, 12.5, 13.5],  # 12.5 ± 1: within 2 std of alibi -> not separable
+                "rope": [30.0, 31.0, 11.5],  # 24.2 ± 11 : far in mean, but within 2 std
+            },
+        )
+    )
+    assert separable(table, "t5", "alibi", 64) is True
+    assert separable(table, "nope", "alibi", 64) is False
+    assert separable(table, "rope", "alibi", 64) is False
+    # 11.2 ± 2.7 vs 16.8 ± 0.5: more than 2 std apart, but seed 4's pair is ordered the other way.
+    flipped = _table(_seeded_sweep(tmp_path / "flip", {"alibi": [10, 10, 10, 10, 16], "shaw": [17, 17, 17, 17, 15.9]}))
+    assert abs(flipped.loc["shaw", (64, "mean")] - flipped.loc["alibi", (64, "mean")]) > 2 * 2.68
+    assert separable(flipped, "shaw", "alibi", 64) is False
+    assert separable(table, "alibi", "t5", 64) is True  # symmetric
+
+    markdown = report([str(sweep)], str(tmp_path / "out"))
+    lines = {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| ")}
+    assert "**11.00 ± 1.00**" in lines["alibi"]
+    assert "15.00 ± 0.50 |" in lines["t5"]
+    assert "12.50 ± 1.00 ~ |" in lines["nope"]
+    assert "~: not separable" in markdown
+    csv = pd.read_csv(tmp_path / "out" / "table.csv").set_index("pe")
+    assert csv.loc["t5", "separable_from_best"] == True  # noqa: E712 (read back from CSV as a bool)
+    assert csv.loc["nope", "separable_from_best"] == False  # noqa: E712
+    assert "t5 & 15.00 $\\pm$ 0.50 \\\\" in (tmp_path / "out" / "table.tex").read_text()
+    assert "12.50 $\\pm$ 1.00 $\\sim$" in (tmp_path / "out" / "table.tex").read_text()
+
+
+def test_paired_sign_needs_the_same_seeds_and_a_lone_seed_is_never_marked(tmp_path):
+    from lenext.report import separable
+
+    one_seed = _seeded_sweep(tmp_path / "one", {"alibi": [10.0], "nope": [10.1]})
+    assert separable(_table(one_seed), "nope", "alibi", 64) is None
+    markdown = report([str(one_seed)], str(tmp_path / "out"))
+    assert " ~" not in markdown and "One seed: no difference is tested" in markdown
+
+
+def test_per_position_bins_are_token_weighted_means_covering_every_position_once(tmp_path):
+    from lenext.report import binned_positions, find_runs, log_bins
+
+    for length in (1, 7, 64, 100, 2048):
+        bins = log_bins(length)
+        assert bins[0][0] == 0 and bins[-1][1] == length
+        assert all(
+            a_end == b_start and a_start < a_end for (a_start, a_end), (b_start, _) in zip(bins, bins[1:], strict=False)
+        )
+    assert log_bins(64)[:8] == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7), (7, 9)]
+
+    for seed, offset in enumerate((0.0, 1.0)):
+        run = tmp_path / str(seed)
+        write_run(run, "alibi", seed, {16: 5.0}, train_len=16)
+        # Positions 7 and 8 share the bin [7, 9): weights 1 and 3.
+        (run / "positions.csv").write_text(
+            "scaling,length,position,mean_nll,count\n"
+            + "".join(f",8,{p},9.0,1\n" for p in range(8))  # a shorter length: ignored
+            + "".join(f",16,{p},{p + offset},{1 + 2 * (p % 2)}\n" for p in range(16))
+        )
+    binned = binned_positions(find_runs([str(tmp_path)])[0]).set_index(["bin_start", "bin_end"])
+    assert list(binned.index) == log_bins(16)
+    seed0, seed1 = (7 * 3 + 8 * 1) / 4, (8 * 3 + 9 * 1) / 4  # counts: position 7 -> 3, position 8 -> 1
+    row = binned.loc[(7, 9)]
+    assert row.mean_nll == pytest.approx((seed0 + seed1) / 2)
+    assert row.std_nll == pytest.approx(abs(seed1 - seed0) / 2**0.5)
+    assert row.seeds == 2 and row.tokens == 8
+    report([str(tmp_path)], str(tmp_path / "out"))
+    written = pd.read_csv(tmp_path / "out" / "per_position.csv")
+    assert list(written.columns) == [
+        "train_len",
+        "pe",
+        "bin_start",
+        "bin_end",
+        "mean_nll",
+        "std_nll",
+        "seeds",
+        "tokens",
+    ]
+    assert written.tokens.sum() == 2 * sum(1 + 2 * (p % 2) for p in range(16))

@@ -172,3 +172,89 @@ def test_wandb_logs_offline_without_an_account_and_gets_the_results_table(
     assert list((tmp_path / "wandb").glob("offline-run-*"))
     key, columns, data = tables[0]
     assert key == "eval/results" and "ppl" in columns and len(data) == 2
+
+
+def test_sweep_grid_counts_the_jobs_of_presets_and_command_lines():
+    from lenext.progress import duration, sweep_grid
+
+    preset = {"seed": "0,1,2", "pe": "nope,sinusoidal,learned,shaw,t5,rope,alibi"}
+    assert sweep_grid(["experiment=reference"], preset) == (21, {"seed", "pe"})
+    assert sweep_grid(["pe=rope,alibi", "data.max_len=32,64", "model=tiny"], preset) == (
+        12,
+        {"seed", "pe", "data.max_len"},
+    )
+    assert sweep_grid(["seed=range(0,5)"], None) == (5, {"seed"})
+    assert [duration(s) for s in (12, 461, 7500)] == ["12s", "7m41s", "2h05m"]
+
+
+def test_a_study_says_after_each_job_how_many_are_done_and_how_long_the_rest_will_take(small_text_corpus, tmp_path):
+    sweep = tmp_path / "sweep"
+    common = [
+        "-m",
+        *small_corpus_overrides(small_text_corpus, "trainer.max_steps=2", "eval.factors=[1]", "eval.max_windows=4"),
+        f"paths.cache_dir={tmp_path / '.cache'}",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    first = run_train(tmp_path, *common, "pe=nope,alibi")
+    assert first.returncode == 0, first.stderr[-3000:]
+    lines = [line for line in first.stdout.splitlines() if line.startswith("study:")]
+    assert len(lines) == 2
+    assert lines[0].startswith("study: job 1 of 2 done (pe=nope, ") and lines[0].endswith(" left")
+    assert lines[1].startswith("study: job 2 of 2 done (pe=alibi, ") and lines[1].endswith("; the study is complete")
+
+    # Re-launched with one more PE: the two finished jobs are skipped, counted, and kept out of the estimate.
+    again = run_train(tmp_path, *common, "pe=nope,alibi,rope")
+    lines = [line for line in again.stdout.splitlines() if line.startswith("study:")]
+    assert lines[:2] == ["study: job 1 of 3 done (pe=nope, skipped)", "study: job 2 of 3 done (pe=alibi, skipped)"]
+    assert lines[2].startswith("study: job 3 of 3 done (pe=rope, ") and "skipped" not in lines[2]
+
+
+def test_validation_at_the_end_of_training_is_the_sweeps_nonoverlap_row_at_l_train(
+    compose_train, small_text_corpus, tmp_path
+):
+    cfg = compose_train(
+        *small_corpus_overrides(small_text_corpus, "trainer.max_steps=5", "eval.factors=[1,2]", "eval.max_windows=7")
+    )
+    metrics = train(cfg)
+    row = json.loads((tmp_path / "results.json").read_text())["rows"][0]
+    assert row["length"] == 32 and row["windows"] == 7
+    assert metrics["val/ppl"] == pytest.approx(row["ppl"], rel=1e-5)
+
+
+def test_extrapolation_small_preset_matches_the_published_study_and_trains(small_text_corpus, tmp_path):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=["experiment=extrapolation_small", f"paths.root_dir={tmp_path}"],
+            return_hydra_config=True,
+        )
+    model, data, optim = cfg.model, cfg.data, cfg.optim
+    assert (model.n_layers, model.d_model, model.n_heads, model.mlp_ratio, model.dropout) == (6, 384, 6, 4.0, 0.1)
+    assert (data.max_len, data.vocab_size, data.batch_size, cfg.trainer.max_steps) == (128, 8192, 128, 10000)
+    assert (optim.lr, optim.weight_decay, optim.warmup_steps, optim.min_lr_ratio) == (2e-4, 0.0, 0, 1.0)
+    assert cfg.trainer.gradient_clip_val == 1.0 and cfg.eval.protocol == "nonoverlap"
+    assert [int(f * data.max_len) for f in cfg.eval.factors] == [128, 256, 512, 1024, 2048]
+    assert set(cfg.hydra.sweeper.params.pe.split(",")) >= {"rope", "alibi"}
+
+    out = tmp_path / "run"
+    result = run_train(
+        tmp_path,
+        "experiment=extrapolation_small",
+        "hydra.mode=RUN",
+        "trainer=cpu",
+        "trainer.max_steps=2",
+        "model.d_model=48",  # the preset's shape, narrower: seconds on CPU
+        "data=text_files",
+        f"data.corpus.path={small_text_corpus}",
+        "data.corpus.holdout_every=4",
+        "data.vocab_size=512",
+        "data.max_len=16",
+        "data.batch_size=4",
+        "eval.factors=[1,2]",
+        "eval.max_windows=4",
+        f"paths.cache_dir={tmp_path / '.cache'}",
+        f"hydra.run.dir={out}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["model"]["n_layers"] == 6 and [r["status"] for r in results["rows"]] == ["ok", "ok"]

@@ -143,7 +143,8 @@ def build(cfg: DictConfig):
             if cfg.logger.wandb.group is None and hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN:
                 cfg.logger.wandb.group = os.path.basename(hydra_cfg.sweep.dir)  # one wandb group per sweep
     L.seed_everything(cfg.seed, workers=True)
-    datamodule = instantiate(cfg.data)
+    # Validation scores the windows of the sweep's nonoverlap row at L_train: the same measurement.
+    datamodule = instantiate(cfg.data, validation_max_windows=cfg.eval.max_windows)
     datamodule.load()
     net = instantiate(cfg.model, vocab_size=datamodule.vocab_size, train_len=cfg.data.max_len, pe=instantiate(cfg.pe))
     # run_config holds _target_ keys: passed after instantiation so Hydra does not build it.
@@ -196,9 +197,11 @@ def train(cfg: DictConfig) -> dict:
     log.info("model: %.2fM parameters, PE %s, L_train %d", n_params / 1e6, module.net.pe.describe(), cfg.data.max_len)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume_checkpoint(cfg))
     metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    limit = cfg.trainer.get("limit_val_batches", 1.0)
+    scored = "the windows of the nonoverlap row at 1x below" if limit == 1.0 else f"limit_val_batches={limit} of them"
     print(
         f"validation perplexity at L_train={cfg.data.max_len}: {metrics['val/ppl']:.2f} "
-        f"(loss {metrics['val/loss']:.4f}, pe={cfg.pe_name})"
+        f"(loss {metrics['val/loss']:.4f}, pe={cfg.pe_name}; {scored})"
     )
     if cfg.eval.enabled and not cfg.trainer.get("fast_dev_run"):
         tokens = trainer.global_step * cfg.data.batch_size * cfg.data.max_len * trainer.world_size
@@ -317,8 +320,8 @@ def evaluate_checkpoint(cfg: DictConfig) -> str:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 @one_line_errors
-def train_main(cfg: DictConfig) -> None:
-    train(cfg)
+def train_main(cfg: DictConfig) -> dict:
+    return train(cfg)  # the job's return value: the study progress line tells skipped jobs from trained ones
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="eval")

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lenext.errors import ConfigError, DataError
+from lenext.evaluate import cap_windows, windows_for
 
 SPLITS = ("train", "validation", "test")
 EOS = "<|endoftext|>"
@@ -238,22 +239,26 @@ class _RankSlice(Sampler[int]):
 
 
 class DocumentWindows(Dataset):
-    """Non-overlapping windows of ``length + 1`` tokens inside single documents.
+    """The windows of the ``nonoverlap`` protocol at ``length``, as token tensors of ``length + 1``.
 
     Window w of a document covers tokens [w L, w L + L]: consecutive windows share one token, so
     every token after the document's first is a target exactly once; a tail shorter than L is left out.
+    With ``max_windows``, the same evenly spread subset the length sweep scores: validation during
+    training and the sweep's nonoverlap row at L_train are one measurement.
     """
 
-    def __init__(self, documents: list[np.ndarray], length: int):
+    def __init__(self, documents: list[np.ndarray], length: int, max_windows: int | None = None):
         self.documents, self.length = documents, length
-        self.windows = [(d, w * length) for d, doc in enumerate(documents) for w in range((len(doc) - 1) // length)]
+        windows = windows_for("nonoverlap", [len(d) for d in documents], length)
+        self.windows = cap_windows(windows, max_windows)
 
     def __len__(self) -> int:
         return len(self.windows)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        d, start = self.windows[i]
-        return torch.from_numpy(self.documents[d][start : start + self.length + 1].astype(np.int64))
+        window = self.windows[i]
+        tokens = self.documents[window.document][window.start : window.start + self.length + 1]
+        return torch.from_numpy(tokens.astype(np.int64))
 
 
 class LMDataModule(L.LightningDataModule):
@@ -269,9 +274,10 @@ class LMDataModule(L.LightningDataModule):
         num_workers: int = 0,
         cache_dir: str = ".cache",
         seed: int = 0,
+        validation_max_windows: int | None = None,
     ):
         super().__init__()
-        self.seed = seed
+        self.seed, self.validation_max_windows = seed, validation_max_windows
         self.corpus, self.max_len, self.requested_vocab = corpus, max_len, vocab_size
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.num_workers, self.cache_dir = num_workers, cache_dir
@@ -359,7 +365,7 @@ class LMDataModule(L.LightningDataModule):
         return self.document_loader("test", self.max_len)
 
     def document_loader(self, split: str, length: int) -> DataLoader:
-        windows = DocumentWindows(self.splits[split], length)
+        windows = DocumentWindows(self.splits[split], length, self.validation_max_windows)
         if len(windows) == 0:
             raise DataError(f"no {split} document has {length + 1} tokens: use a shorter data.max_len")
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)

@@ -72,6 +72,13 @@ def windows_for(
     return windows
 
 
+def cap_windows(windows: list[Window], max_windows: int | None) -> list[Window]:
+    """At most ``max_windows`` of ``windows``, evenly spread (every k-th); all of them for null."""
+    if max_windows and len(windows) > max_windows:
+        return windows[:: math.ceil(len(windows) / max_windows)]
+    return windows
+
+
 class PeakMemory:
     """Peak extra memory (MB) of a block: CUDA's allocator peak, or sampled RSS on CPU."""
 
@@ -203,9 +210,8 @@ def sweep(net, documents: list[np.ndarray], train_len: int, eval_cfg, precision:
                     "k": k if protocol == "last_k" else None,
                     "windows": len(windows),
                 }
-                if eval_cfg.max_windows and len(windows) > eval_cfg.max_windows:
-                    windows = windows[:: math.ceil(len(windows) / eval_cfg.max_windows)]
-                    row["windows"] = len(windows)
+                windows = cap_windows(windows, eval_cfg.max_windows)
+                row["windows"] = len(windows)
                 if not windows:
                     longest = max(doc_lengths) - 1
                     needed = max(lengths) if protocol == "last_k" else length

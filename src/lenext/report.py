@@ -6,6 +6,15 @@ Reads every ``results.json`` below the given folders. A row of the table is a PE
 evaluated under another scaling gets its own row, e.g. ``rope (ntk)``); columns are L_eval;
 cells are mean +- std of perplexity over seeds, the best (lowest) of each column marked.
 One table per (L_train, protocol). Runs without a complete results file are listed, not dropped.
+
+Which orderings are real: two PEs are *separable* at a length when both have >= 2 seeds, their
+means differ by more than two standard deviations (|mean_a - mean_b| > 2 max(std_a, std_b), std
+over seeds) and, over the seeds both have (same seed = same initialization and training order),
+the paired differences all have the same sign. Cells not separable from their column's best are
+marked ``~``; with one seed nothing can be marked, and the table says so.
+
+Per-position curves (``per_position.png``/``.csv``) average the loss over log-spaced position bins
+(four per octave): a single position holds one token per window, far too few to read a curve from.
 """
 
 import argparse
@@ -13,13 +22,14 @@ import json
 import math
 import os
 import sys
-from collections import defaultdict
 
 import pandas as pd
 
 from lenext.evaluate import ERROR_FILE, POSITIONS_FILE, RESULTS_FILE, write_atomic
 
 PE_ORDER = ["nope", "sinusoidal", "learned", "shaw", "t5", "rope", "rope_ntk", "alibi"]
+BINS_PER_OCTAVE = 4
+NOT_SEPARABLE = "~"
 
 
 def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[str, str]]]:
@@ -91,19 +101,23 @@ def summarize(frame: pd.DataFrame) -> dict[tuple[int, str], pd.DataFrame]:
     for (train_len, protocol), group in frame.groupby(["train_len", "protocol"]):
         cells = {}
         for (pe, length), g in group.groupby(["pe", "length"]):
-            ok = g[g.status == "ok"].ppl.astype(float)
+            ok = g[g.status == "ok"]
+            ppl = ok.ppl.astype(float)
             cells[(pe, length)] = {
-                "mean": ok.mean() if len(ok) else math.nan,
-                "std": ok.std(ddof=1) if len(ok) > 1 else (0.0 if len(ok) else math.nan),
-                "n": len(ok),
-                "status": "ok" if len(ok) else g.status.iloc[0],
+                "mean": ppl.mean() if len(ppl) else math.nan,
+                "std": ppl.std(ddof=1) if len(ppl) > 1 else (0.0 if len(ppl) else math.nan),
+                "n": len(ppl),
+                "status": "ok" if len(ppl) else g.status.iloc[0],
+                "by_seed": dict(zip(ok.seed, ppl, strict=True)),
             }
         pes = sorted({pe for pe, _ in cells}, key=_order)
         lengths = sorted({length for _, length in cells})
-        table = pd.DataFrame(index=pes, columns=pd.MultiIndex.from_product([lengths, ["mean", "std", "n", "status"]]))
+        table = pd.DataFrame(
+            index=pes, columns=pd.MultiIndex.from_product([lengths, ["mean", "std", "n", "status", "by_seed"]])
+        )
         for (pe, length), cell in cells.items():
             for key, value in cell.items():
-                table.loc[pe, (length, key)] = value
+                table.at[pe, (length, key)] = value
         speed = group.groupby("pe").train_tokens_per_s.mean()
         memory = group.groupby("pe").peak_mem_mb.max()
         table[("train tok/s", "")] = [speed.get(pe) for pe in pes]
@@ -117,6 +131,25 @@ def _best(table: pd.DataFrame, length: int) -> str | None:
     return None if means.isna().all() else means.idxmin()
 
 
+def separable(table: pd.DataFrame, pe_a: str, pe_b: str, length: int) -> bool | None:
+    """Whether the table's PEs ``pe_a`` and ``pe_b`` differ at ``length`` beyond seed noise (the rule in
+    the module docstring); None when either has fewer than two seeds, so no claim can be tested."""
+    a, b = ({k: table.loc[pe, (length, k)] for k in ("mean", "std", "n", "by_seed")} for pe in (pe_a, pe_b))
+    if not all(isinstance(c["n"], int | float) and c["n"] >= 2 for c in (a, b)):
+        return None
+    apart = abs(a["mean"] - b["mean"]) > 2 * max(a["std"], b["std"])
+    paired = [a["by_seed"][seed] - b["by_seed"][seed] for seed in a["by_seed"].keys() & b["by_seed"].keys()]
+    same_sign = len(paired) < 2 or all(d > 0 for d in paired) or all(d < 0 for d in paired)
+    return bool(apart and same_sign)
+
+
+def _separable_from_best(table: pd.DataFrame, pe: str, length: int) -> bool | None:
+    best = _best(table, length)
+    if best is None or pe == best or table.loc[pe, (length, "status")] != "ok":
+        return None
+    return separable(table, pe, best, length)
+
+
 def _cell(table, pe, length, fmt) -> str:
     mean, std, n, status = (table.loc[pe, (length, k)] for k in ("mean", "std", "n", "status"))
     if not isinstance(status, str):
@@ -124,7 +157,13 @@ def _cell(table, pe, length, fmt) -> str:
     if status != "ok":
         return "n/a" if status == "not applicable" else "-"
     text = f"{mean:.2f}" + (f" {fmt['pm']} {std:.2f}" if n > 1 else "")
+    if _separable_from_best(table, pe, length) is False:
+        text += fmt["not_separable"]
     return fmt["bold"].format(text) if pe == _best(table, length) else text
+
+
+def _seeds(table: pd.DataFrame) -> int:
+    return int(pd.to_numeric(table.xs("n", axis=1, level=1).stack(), errors="coerce").max())
 
 
 def _number(value, digits=0) -> str:
@@ -135,16 +174,25 @@ def to_markdown(tables: dict) -> str:
     parts = []
     for (train_len, protocol), table in tables.items():
         lengths = [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
-        seeds = int(pd.to_numeric(table.xs("n", axis=1, level=1).stack(), errors="coerce").max())
+        seeds = _seeds(table)
         parts.append(
             f"### L_train = {train_len}, protocol `{protocol}` (perplexity, mean +- std over "
             f"{seeds} seed{'s' if seeds != 1 else ''}; best per column in bold)\n"
+        )
+        parts.append(
+            f"{NOT_SEPARABLE}: not separable from the column's best (means within 2 std, or paired differences over "
+            "seeds of both signs).\n"
+            if seeds > 1
+            else "One seed: no difference is tested for significance (that needs >= 2 seeds).\n"
         )
         head = ["PE", *[f"{n}" for n in lengths], "train tok/s", "eval peak MB"]
         parts.append("| " + " | ".join(head) + " |")
         parts.append("|" + "---|" * len(head))
         for pe in table.index:
-            cells = [_cell(table, pe, n, {"pm": "±", "bold": "**{}**"}) for n in lengths]
+            cells = [
+                _cell(table, pe, n, {"pm": "±", "bold": "**{}**", "not_separable": f" {NOT_SEPARABLE}"})
+                for n in lengths
+            ]
             extra = [_number(table.loc[pe, ("train tok/s", "")]), _number(table.loc[pe, ("eval peak MB", "")])]
             parts.append("| " + " | ".join([pe, *cells, *extra]) + " |")
         parts.append("")
@@ -163,7 +211,10 @@ def to_latex(tables: dict) -> str:
             "\\midrule",
         ]
         for pe in table.index:
-            cells = [_cell(table, pe, n, {"pm": "$\\pm$", "bold": "\\textbf{{{}}}"}) for n in lengths]
+            cells = [
+                _cell(table, pe, n, {"pm": "$\\pm$", "bold": "\\textbf{{{}}}", "not_separable": " $\\sim$"})
+                for n in lengths
+            ]
             parts.append(pe.replace("_", "\\_") + " & " + " & ".join(cells) + " \\\\")
         parts += ["\\bottomrule", "\\end{tabular}", ""]
     return "\n".join(parts)
@@ -185,6 +236,7 @@ def to_csv(frame: pd.DataFrame, tables: dict) -> str:
                         "length": length,
                         **{k: table.loc[pe, (length, k)] for k in ("mean", "std", "n", "status")},
                         "best": pe == best,
+                        "separable_from_best": _separable_from_best(table, pe, length),
                         "train_tokens_per_s": table.loc[pe, ("train tok/s", "")],
                         "eval_peak_mem_mb": table.loc[pe, ("eval peak MB", "")],
                     }
@@ -214,41 +266,71 @@ def plot_perplexity(tables: dict, path: str) -> None:
     _save_figure(fig, path)
 
 
-def plot_positions(runs: list[tuple[str, dict]], path: str) -> bool:
-    """Mean loss per position at the longest evaluated length, one line per PE (mean over seeds)."""
-    plt = _pyplot()
-    curves = defaultdict(list)
+def log_bins(length: int) -> list[tuple[int, int]]:
+    """[start, end) position bins covering 0..length-1, BINS_PER_OCTAVE per doubling of (position + 1)."""
+    octaves = math.log2(length)
+    edges = sorted({0, length} | {round(2 ** (k / BINS_PER_OCTAVE)) - 1 for k in range(int(octaves * BINS_PER_OCTAVE))})
+    edges = [e for e in edges if 0 <= e <= length]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def binned_positions(runs: list[tuple[str, dict]]) -> pd.DataFrame:
+    """Per (L_train, PE, bin) at each run's longest length: token-weighted mean loss per run, then mean and std
+    over seeds. Columns: train_len, pe, bin_start, bin_end, mean_nll, std_nll, seeds, tokens."""
+    per_run = []
     for run_dir, results in runs:
         file = os.path.join(run_dir, POSITIONS_FILE)
         if not os.path.exists(file):
             continue
         frame = pd.read_csv(file, keep_default_na=False)
         frame = frame[frame.length == frame.length.max()]
-        for scaling, g in frame.groupby("scaling"):
-            meta = results["meta"]
-            curves[(meta["train_len"], label(meta, scaling or None))].append(g.mean_nll.to_numpy())
-    if not curves:
-        return False
-    train_lens = sorted({t for t, _ in curves})
+        meta = results["meta"]
+        for scaling, curve in frame.groupby("scaling"):
+            curve = curve.sort_values("position")
+            loss, count = curve.mean_nll.to_numpy(), curve["count"].to_numpy()
+            for start, end in log_bins(len(curve)):
+                tokens = count[start:end].sum()
+                per_run.append(
+                    {
+                        "train_len": meta["train_len"],
+                        "pe": label(meta, scaling or None),
+                        "bin_start": start,
+                        "bin_end": end,
+                        "nll": (loss[start:end] * count[start:end]).sum() / tokens if tokens else math.nan,
+                        "tokens": tokens,
+                    }
+                )
+    if not per_run:
+        return pd.DataFrame()
+    grouped = pd.DataFrame(per_run).groupby(["train_len", "pe", "bin_start", "bin_end"])
+    binned = grouped.agg(
+        mean_nll=("nll", "mean"), std_nll=("nll", "std"), seeds=("nll", "count"), tokens=("tokens", "sum")
+    ).reset_index()
+    binned["std_nll"] = binned.std_nll.fillna(0.0)
+    return binned
+
+
+def plot_positions(binned: pd.DataFrame, path: str) -> None:
+    """Mean loss per log-spaced position bin at the longest evaluated length, one line per PE (mean over seeds)."""
+    plt = _pyplot()
+    train_lens = sorted(binned.train_len.unique())
     fig, axes = plt.subplots(1, len(train_lens), figsize=(7 * len(train_lens), 4.5), squeeze=False)
     for ax, train_len in zip(axes[0], train_lens, strict=True):
-        for (t, pe), series in sorted(curves.items(), key=lambda kv: _order(kv[0][1])):
-            if t != train_len:
-                continue
-            n = min(len(s) for s in series)
-            mean = pd.Series(sum(s[:n] for s in series) / len(series))
-            ax.plot(mean.rolling(max(1, train_len // 8), min_periods=1).mean(), label=pe, lw=1)
+        of_train_len = binned[binned.train_len == train_len]
+        for pe in sorted(of_train_len.pe.unique(), key=_order):
+            curve = of_train_len[of_train_len.pe == pe]
+            center = ((curve.bin_start + 1) * curve.bin_end) ** 0.5  # geometric middle, in 1-based positions
+            ax.plot(center, curve.mean_nll, marker="o", ms=3, lw=1, label=pe)
         ax.axvline(train_len, color="grey", ls="--", lw=1)
         ax.set(
             xscale="log",
-            xlabel="position in window",
-            ylabel="mean loss (nats, smoothed)",
+            xlabel="position in window (1-based; log-spaced bins, 4 per octave)",
+            ylabel="mean loss in bin (nats)",
             title=f"per-position loss, L_train = {train_len}",
         )
         ax.legend(fontsize=7)
     fig.tight_layout()
     _save_figure(fig, path)
-    return True
 
 
 def _pyplot():
@@ -267,7 +349,7 @@ def _save_figure(fig, path: str) -> None:
 
 
 def report(folders: list[str], out: str) -> str:
-    """Write table.{md,tex,csv}, ppl_vs_length.png, per_position.png into ``out``; return the Markdown."""
+    """Write table.{md,tex,csv}, ppl_vs_length.png, per_position.{png,csv} into ``out``; return the Markdown."""
     runs, incomplete = find_runs(folders)
     if not runs:
         raise SystemExit(
@@ -288,7 +370,10 @@ def report(folders: list[str], out: str) -> str:
     write_atomic(os.path.join(out, "table.tex"), to_latex(tables))
     write_atomic(os.path.join(out, "table.csv"), to_csv(frame, tables))
     plot_perplexity(tables, os.path.join(out, "ppl_vs_length.png"))
-    plot_positions(runs, os.path.join(out, "per_position.png"))
+    binned = binned_positions(runs)
+    if len(binned):
+        write_atomic(os.path.join(out, "per_position.csv"), binned.to_csv(index=False, float_format="%.6f"))
+        plot_positions(binned, os.path.join(out, "per_position.png"))
     return markdown
 
 
