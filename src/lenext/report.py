@@ -339,6 +339,8 @@ def _pyplot():
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
+    plt.rcParams["axes.prop_cycle"] = plt.cycler(color=plt.cm.tab20.colors)  # a study has more than 10 rows
+
     return plt
 
 
