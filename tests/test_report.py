@@ -100,66 +100,87 @@ def test_no_results_is_a_clear_error(tmp_path):
         report([str(tmp_path)], str(tmp_path / "out"))
 
 
-def _seeded_sweep(folder, per_pe: dict[str, list[float]]):
-    """One run per (PE, seed) with perplexity per_pe[pe][seed] at length 64."""
-    job = 0
+def _seeded_sweep(folder, per_pe: dict[str, list[float]], first_seed=0):
+    """One run per (PE, seed) with perplexity per_pe[pe][i] at length 64 for seed first_seed + i."""
+    job = len(os.listdir(folder)) if os.path.isdir(folder) else 0
     for pe, ppls in per_pe.items():
-        for seed, ppl in enumerate(ppls):
-            write_run(folder / str(job), pe, seed, {64: ppl})
+        for i, ppl in enumerate(ppls):
+            write_run(folder / str(job), pe, first_seed + i, {64: ppl})
             job += 1
     return folder
 
 
-def _table(folder):
-    from lenext.report import collect, find_runs, summarize
+def _frame(folder):
+    from lenext.report import collect, find_runs
 
-    return summarize(collect(find_runs([str(folder)])[0]))[(64, "nonoverlap")]
+    return collect(find_runs([str(folder)])[0])
 
 
 def test_significance_rule_separates_only_differences_beyond_two_std_with_consistent_sign(tmp_path):
-    from lenext.report import separable
+    from lenext.report import separable, summarize
 
     sweep = tmp_path / "sweep"
-    table = _table(
+    frame = _frame(
         _seeded_sweep(
             sweep,
             {
                 "alibi": [10.0, 11.0, 12.0],  # 11 ± 1
-                "t5": [14.5, 15.0, 15.5],  # 15 ± 0.5: 4 apart > 2 std -> separable from alibi
+                "t5": [13.5, 14.0, 14.5],  # 14 ± 0.5: 3 apart, more than 2 max(std) = 2 -> separable from alibi
+                "shaw": [12.0, 13.0, 14.0],  # 13 ± 1: exactly 2 std apart -> not separable (strictly more needed)
                 "nope": [11.5, 12.5, 13.5],  # 12.5 ± 1: within 2 std of alibi -> not separable
-                "rope": [30.0, 31.0, 11.5],  # 24.2 ± 11 : far in mean, but within 2 std
+                "rope": [30.0, 31.0, 11.5],  # 24.2 ± 11: far in mean, but within 2 std
             },
         )
     )
-    assert separable(table, "t5", "alibi", 64) is True
-    assert separable(table, "nope", "alibi", 64) is False
-    assert separable(table, "rope", "alibi", 64) is False
+    assert separable(frame, "t5", "alibi", 64, "nonoverlap", 64) is True
+    assert separable(frame, "alibi", "t5", 64, "nonoverlap", 64) is True  # symmetric
+    assert separable(frame, "shaw", "alibi", 64, "nonoverlap", 64) is False
+    assert separable(frame, "nope", "alibi", 64, "nonoverlap", 64) is False
+    assert separable(frame, "rope", "alibi", 64, "nonoverlap", 64) is False
+    assert separable(summarize(frame), "t5", "alibi", 64, "nonoverlap", 64) is True  # the tables work as well
+
     # 11.2 ± 2.7 vs 16.8 ± 0.5: more than 2 std apart, but seed 4's pair is ordered the other way.
-    flipped = _table(_seeded_sweep(tmp_path / "flip", {"alibi": [10, 10, 10, 10, 16], "shaw": [17, 17, 17, 17, 15.9]}))
-    assert abs(flipped.loc["shaw", (64, "mean")] - flipped.loc["alibi", (64, "mean")]) > 2 * 2.68
-    assert separable(flipped, "shaw", "alibi", 64) is False
-    assert separable(table, "alibi", "t5", 64) is True  # symmetric
+    flip = {"alibi": [10, 10, 10, 10, 16], "shaw": [17, 17, 17, 17, 15.9]}
+    flipped = _frame(_seeded_sweep(tmp_path / "flip", flip))
+    means = flipped.groupby("pe").ppl.mean()
+    assert abs(means["shaw"] - means["alibi"]) > 2 * 2.68
+    assert separable(flipped, "shaw", "alibi", 64, "nonoverlap", 64) is False
+    # The same values from different seeds: nothing to pair, so the means decide.
+    unpaired = tmp_path / "unpaired"
+    _seeded_sweep(unpaired, {"alibi": flip["alibi"]})
+    _seeded_sweep(unpaired, {"shaw": flip["shaw"]}, first_seed=5)
+    assert separable(_frame(unpaired), "shaw", "alibi", 64, "nonoverlap", 64) is True
 
     markdown = report([str(sweep)], str(tmp_path / "out"))
     lines = {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| ")}
     assert "**11.00 ± 1.00**" in lines["alibi"]
-    assert "15.00 ± 0.50 |" in lines["t5"]
-    assert "12.50 ± 1.00 ~ |" in lines["nope"]
-    assert "~: not separable" in markdown
+    assert "14.00 ± 0.50 |" in lines["t5"]
+    assert "13.00 ± 1.00 ~ |" in lines["shaw"] and "12.50 ± 1.00 ~ |" in lines["nope"]
+    assert "~: not separable" in markdown and "tested only when" not in markdown
     csv = pd.read_csv(tmp_path / "out" / "table.csv").set_index("pe")
     assert csv.loc["t5", "separable_from_best"] == True  # noqa: E712 (read back from CSV as a bool)
     assert csv.loc["nope", "separable_from_best"] == False  # noqa: E712
-    assert "t5 & 15.00 $\\pm$ 0.50 \\\\" in (tmp_path / "out" / "table.tex").read_text()
+    assert pd.isna(csv.loc["alibi", "separable_from_best"])  # the best is not compared with itself
+    assert "t5 & 14.00 $\\pm$ 0.50 \\\\" in (tmp_path / "out" / "table.tex").read_text()
     assert "12.50 $\\pm$ 1.00 $\\sim$" in (tmp_path / "out" / "table.tex").read_text()
 
 
-def test_paired_sign_needs_the_same_seeds_and_a_lone_seed_is_never_marked(tmp_path):
+def test_a_lone_seed_is_never_marked_and_the_table_says_why(tmp_path):
     from lenext.report import separable
 
     one_seed = _seeded_sweep(tmp_path / "one", {"alibi": [10.0], "nope": [10.1]})
-    assert separable(_table(one_seed), "nope", "alibi", 64) is None
+    assert separable(_frame(one_seed), "nope", "alibi", 64, "nonoverlap", 64) is None
     markdown = report([str(one_seed)], str(tmp_path / "out"))
-    assert " ~" not in markdown and "One seed: no difference is tested" in markdown
+    assert " ~" not in markdown and "over 1 seed;" in markdown and "One seed: no difference is tested" in markdown
+
+    mixed = _seeded_sweep(
+        tmp_path / "mixed", {"alibi": [10.0, 10.1, 10.2], "nope": [30.0], "t5": [10.15, 10.25, 10.35]}
+    )
+    assert separable(_frame(mixed), "nope", "alibi", 64, "nonoverlap", 64) is None
+    markdown = report([str(mixed)], str(tmp_path / "out_mixed"))
+    lines = {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| ")}
+    assert "over 1-3 seeds;" in markdown and "tested only when it and the best both have >= 2 seeds" in markdown
+    assert "| 30.00 |" in lines["nope"] and "10.25 ± 0.10 ~ |" in lines["t5"]
 
 
 def test_per_position_bins_are_token_weighted_means_covering_every_position_once(tmp_path):
@@ -176,11 +197,11 @@ def test_per_position_bins_are_token_weighted_means_covering_every_position_once
     for seed, offset in enumerate((0.0, 1.0)):
         run = tmp_path / str(seed)
         write_run(run, "alibi", seed, {16: 5.0}, train_len=16)
-        # Positions 7 and 8 share the bin [7, 9): weights 1 and 3.
+        # Positions 7 and 8 share the bin [7, 9): weights 3 and 1. Rows come in any order.
         (run / "positions.csv").write_text(
             "scaling,length,position,mean_nll,count\n"
             + "".join(f",8,{p},9.0,1\n" for p in range(8))  # a shorter length: ignored
-            + "".join(f",16,{p},{p + offset},{1 + 2 * (p % 2)}\n" for p in range(16))
+            + "".join(f",16,{p},{p + offset},{1 + 2 * (p % 2)}\n" for p in reversed(range(16)))
         )
     binned = binned_positions(find_runs([str(tmp_path)])[0]).set_index(["bin_start", "bin_end"])
     assert list(binned.index) == log_bins(16)

@@ -13,8 +13,11 @@ over seeds) and, over the seeds both have (same seed = same initialization and t
 the paired differences all have the same sign. Cells not separable from their column's best are
 marked ``~``; with one seed nothing can be marked, and the table says so.
 
-Per-position curves (``per_position.png``/``.csv``) average the loss over log-spaced position bins
-(four per octave): a single position holds one token per window, far too few to read a curve from.
+Per-position curves (``per_position.png``/``.csv``) use each run's longest evaluated length and average
+the loss over log-spaced position bins, because a single position holds only one token per window, far
+too few to read a curve from. Bin edges are round(2 ** (k / 4)) in 1-based positions (four bins per
+octave, duplicate integer edges dropped, so positions 1..7 get a bin each); a bin's loss is the mean
+of the positions' losses weighted by their token counts, then mean and std over seeds.
 """
 
 import argparse
@@ -131,9 +134,7 @@ def _best(table: pd.DataFrame, length: int) -> str | None:
     return None if means.isna().all() else means.idxmin()
 
 
-def separable(table: pd.DataFrame, pe_a: str, pe_b: str, length: int) -> bool | None:
-    """Whether the table's PEs ``pe_a`` and ``pe_b`` differ at ``length`` beyond seed noise (the rule in
-    the module docstring); None when either has fewer than two seeds, so no claim can be tested."""
+def _separable_in(table: pd.DataFrame, pe_a: str, pe_b: str, length: int) -> bool | None:
     a, b = ({k: table.loc[pe, (length, k)] for k in ("mean", "std", "n", "by_seed")} for pe in (pe_a, pe_b))
     if not all(isinstance(c["n"], int | float) and c["n"] >= 2 for c in (a, b)):
         return None
@@ -143,11 +144,23 @@ def separable(table: pd.DataFrame, pe_a: str, pe_b: str, length: int) -> bool | 
     return bool(apart and same_sign)
 
 
+def separable(
+    frame_or_tables: pd.DataFrame | dict, pe_a: str, pe_b: str, train_len: int, protocol: str, length: int
+) -> bool | None:
+    """Whether PEs ``pe_a`` and ``pe_b`` (row labels, e.g. ``rope (ntk)``) differ in perplexity at ``length``
+    beyond seed noise, by the rule in the module docstring; None when either has fewer than two seeds there,
+    so no claim can be tested. Takes the frame of ``collect`` or the tables of ``summarize``."""
+    if isinstance(frame_or_tables, pd.DataFrame):
+        frame = frame_or_tables
+        frame_or_tables = summarize(frame[(frame.train_len == train_len) & (frame.protocol == protocol)])
+    return _separable_in(frame_or_tables[(train_len, protocol)], pe_a, pe_b, length)
+
+
 def _separable_from_best(table: pd.DataFrame, pe: str, length: int) -> bool | None:
     best = _best(table, length)
     if best is None or pe == best or table.loc[pe, (length, "status")] != "ok":
         return None
-    return separable(table, pe, best, length)
+    return _separable_in(table, pe, best, length)
 
 
 def _cell(table, pe, length, fmt) -> str:
@@ -162,8 +175,11 @@ def _cell(table, pe, length, fmt) -> str:
     return fmt["bold"].format(text) if pe == _best(table, length) else text
 
 
-def _seeds(table: pd.DataFrame) -> int:
-    return int(pd.to_numeric(table.xs("n", axis=1, level=1).stack(), errors="coerce").max())
+def _seed_range(table: pd.DataFrame) -> tuple[int, int]:
+    """Fewest and most seeds behind a cell that has a perplexity."""
+    counts = pd.to_numeric(table.xs("n", axis=1, level=1).stack(), errors="coerce")
+    counts = counts[counts > 0]
+    return (int(counts.min()), int(counts.max())) if len(counts) else (0, 0)
 
 
 def _number(value, digits=0) -> str:
@@ -174,17 +190,21 @@ def to_markdown(tables: dict) -> str:
     parts = []
     for (train_len, protocol), table in tables.items():
         lengths = [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
-        seeds = _seeds(table)
+        fewest, most = _seed_range(table)
+        seeds = f"{most} seed{'s' if most != 1 else ''}" if fewest == most else f"{fewest}-{most} seeds"
         parts.append(
-            f"### L_train = {train_len}, protocol `{protocol}` (perplexity, mean +- std over "
-            f"{seeds} seed{'s' if seeds != 1 else ''}; best per column in bold)\n"
+            f"### L_train = {train_len}, protocol `{protocol}` (perplexity, mean +- std over {seeds}; "
+            "best per column in bold)\n"
         )
-        parts.append(
-            f"{NOT_SEPARABLE}: not separable from the column's best (means within 2 std, or paired differences over "
-            "seeds of both signs).\n"
-            if seeds > 1
-            else "One seed: no difference is tested for significance (that needs >= 2 seeds).\n"
-        )
+        if most < 2:
+            parts.append("One seed: no difference is tested for significance (that needs >= 2 seeds).\n")
+        else:
+            parts.append(
+                f"{NOT_SEPARABLE}: not separable from the column's best (means within 2 std, or paired differences "
+                "over seeds of both signs)."
+                + (" A cell is tested only when it and the best both have >= 2 seeds." if fewest < 2 else "")
+                + "\n"
+            )
         head = ["PE", *[f"{n}" for n in lengths], "train tok/s", "eval peak MB"]
         parts.append("| " + " | ".join(head) + " |")
         parts.append("|" + "---|" * len(head))
@@ -270,7 +290,6 @@ def log_bins(length: int) -> list[tuple[int, int]]:
     """[start, end) position bins covering 0..length-1, BINS_PER_OCTAVE per doubling of (position + 1)."""
     octaves = math.log2(length)
     edges = sorted({0, length} | {round(2 ** (k / BINS_PER_OCTAVE)) - 1 for k in range(int(octaves * BINS_PER_OCTAVE))})
-    edges = [e for e in edges if 0 <= e <= length]
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
@@ -286,17 +305,16 @@ def binned_positions(runs: list[tuple[str, dict]]) -> pd.DataFrame:
         frame = frame[frame.length == frame.length.max()]
         meta = results["meta"]
         for scaling, curve in frame.groupby("scaling"):
-            curve = curve.sort_values("position")
-            loss, count = curve.mean_nll.to_numpy(), curve["count"].to_numpy()
-            for start, end in log_bins(len(curve)):
-                tokens = count[start:end].sum()
+            for start, end in log_bins(int(curve.position.max()) + 1):
+                in_bin = curve[(curve.position >= start) & (curve.position < end)]
+                tokens = int(in_bin["count"].sum())
                 per_run.append(
                     {
                         "train_len": meta["train_len"],
                         "pe": label(meta, scaling or None),
                         "bin_start": start,
                         "bin_end": end,
-                        "nll": (loss[start:end] * count[start:end]).sum() / tokens if tokens else math.nan,
+                        "nll": (in_bin.mean_nll * in_bin["count"]).sum() / tokens if tokens else math.nan,
                         "tokens": tokens,
                     }
                 )
@@ -326,7 +344,7 @@ def plot_positions(binned: pd.DataFrame, path: str) -> None:
             xscale="log",
             xlabel="position in window (1-based; log-spaced bins, 4 per octave)",
             ylabel="mean loss in bin (nats)",
-            title=f"per-position loss, L_train = {train_len}",
+            title=f"per-position loss at each row's longest L_eval, L_train = {train_len}",
         )
         ax.legend(fontsize=7)
     fig.tight_layout()
