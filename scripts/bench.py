@@ -9,12 +9,18 @@ Measures, in one run:
    L = 512 .. 16384: wall time and peak extra memory (peak RSS minus RSS just before the forward),
    each (PE, L) in a fresh subprocess so peaks do not leak from one measurement into the next;
 3. Shaw attention at L=2048: forward+backward of lenext's gather path vs the naive
-   (L, L, d_head) einsum reference.
+   (L, L, d_head) einsum reference;
+4. the CPU study's training step (compact model, L=64, batch 32) under a real lightning.Trainer vs a
+   bare PyTorch loop doing the same training, at the machine's default precision, and the bare loop at
+   the other precision (bf16 autocast vs fp32); the arms interleaved.
+
+Every report names the CPU, its ISA and whether it computes bf16 natively (lenext.hardware).
 
 Usage:
-    .venv/bin/python scripts/bench.py                   # fp32, writes docs/bench.md (~7 min)
+    .venv/bin/python scripts/bench.py                   # fp32, writes docs/bench.md (~9 min)
     .venv/bin/python scripts/bench.py --precision bf16  # writes docs/bench-bf16.md
     .venv/bin/python scripts/bench.py --quick           # smoke test, ~1-2 min
+    .venv/bin/python scripts/bench.py --sections lightning --out docs/bench-lightning.md  # section 4 (~1.5 min)
 """
 
 import argparse

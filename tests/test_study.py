@@ -13,6 +13,7 @@ from lenext.cli import CONFIG_DIR, train
 from lenext.evaluate import evaluate_length, windows_for
 from lenext.model import Decoder
 from lenext.pe import ALiBi
+from lenext.progress import duration, sweep_grid
 from tests.conftest import run_train, small_corpus_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,6 +121,11 @@ def test_ddp_sim_trains_and_evaluates_like_one_process(small_text_corpus, tmp_pa
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     rows = json.loads((tmp_path / "ddp" / "results.json").read_text())["rows"]
     assert [r["status"] for r in rows] == ["ok", "ok"]
+    # Validation split its windows between the two ranks and scored each once: the sweep's 1x row, exactly.
+    at_l_train = rows[0]
+    assert (
+        f"over {at_l_train['windows']} windows (the sweep's nonoverlap 1x row): {at_l_train['ppl']:.2f}" in ddp.stdout
+    )
     assert (tmp_path / "ddp" / "checkpoints" / "last.ckpt").exists()
 
 
@@ -139,6 +145,10 @@ def test_submitit_local_launcher_runs_a_two_job_sweep(small_text_corpus, tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     names = sorted(json.loads((sweep / str(job) / "results.json").read_text())["meta"]["pe_name"] for job in (0, 1))
     assert names == ["alibi", "nope"]
+    # Each job runs in a process of its own: its log names the job's number in the sweep, not a count of one.
+    logs = "".join(log.read_text() for log in (sweep / ".submitit").rglob("*_log.out"))
+    lines = sorted(line.split(",")[0] for line in logs.splitlines() if line.startswith("study:"))
+    assert lines == ["study: job 1 of 2 done (pe=nope", "study: job 2 of 2 done (pe=alibi"]
 
 
 def test_a_failing_job_is_recorded_and_the_sweep_goes_on(small_text_corpus, tmp_path):
@@ -150,6 +160,8 @@ def test_a_failing_job_is_recorded_and_the_sweep_goes_on(small_text_corpus, tmp_
         set_root=False,
     )
     assert "error: data.max_len=0 is invalid" in result.stderr
+    # The failed job counts as done, and its seconds stay out of the estimate for the jobs left.
+    assert "study: job 1 of 2 done (data.max_len=0, failed)\n" in result.stdout
     (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
     assert "data.max_len=0 is invalid" in (sweep / "0" / "error.txt").read_text()
     assert json.loads((sweep / "1" / "results.json").read_text())["complete"]
@@ -175,8 +187,6 @@ def test_wandb_logs_offline_without_an_account_and_gets_the_results_table(
 
 
 def test_sweep_grid_counts_the_jobs_of_presets_and_command_lines():
-    from lenext.progress import duration, sweep_grid
-
     preset = {"seed": "0,1,2", "pe": "nope,sinusoidal,learned,shaw,t5,rope,alibi"}
     assert sweep_grid(["experiment=reference"], preset) == (21, {"seed", "pe"})
     assert sweep_grid(["pe=rope,alibi", "data.max_len=32,64", "model=tiny"], preset) == (
@@ -210,15 +220,27 @@ def test_a_study_says_after_each_job_how_many_are_done_and_how_long_the_rest_wil
 
 
 def test_validation_at_the_end_of_training_is_the_sweeps_nonoverlap_row_at_l_train(
-    compose_train, small_text_corpus, tmp_path
+    compose_train, small_text_corpus, tmp_path, capsys
 ):
-    cfg = compose_train(
-        *small_corpus_overrides(small_text_corpus, "trainer.max_steps=5", "eval.factors=[1,2]", "eval.max_windows=7")
-    )
-    metrics = train(cfg)
+    common = small_corpus_overrides(small_text_corpus, "trainer.max_steps=5", "eval.max_windows=7")
+    metrics = train(compose_train(*common, "eval.factors=[1,2]"))
     row = json.loads((tmp_path / "results.json").read_text())["rows"][0]
     assert row["length"] == 32 and row["windows"] == 7
     assert metrics["val/ppl"] == pytest.approx(row["ppl"], rel=1e-5)
+    assert (
+        "validation perplexity at L_train=32 over 7 windows (the sweep's nonoverlap 1x row): "
+        in capsys.readouterr().out
+    )
+
+    # Validation cut short (one batch of 4) or a sweep without the 1x row: the line says what it measured instead.
+    train(
+        compose_train(
+            *common, "trainer.limit_val_batches=1", "eval.enabled=false", f"paths.output_dir={tmp_path / 'a'}"
+        )
+    )
+    assert "over 4 of the 7 windows of the nonoverlap 1x row (cut short by" in capsys.readouterr().out
+    train(compose_train(*common, "eval.factors=[2]", f"paths.output_dir={tmp_path / 'b'}"))
+    assert "over 7 windows (those of a nonoverlap 1x row, which this sweep lacks)" in capsys.readouterr().out
 
 
 def test_extrapolation_small_preset_matches_the_published_study_and_trains(small_text_corpus, tmp_path):
@@ -228,13 +250,21 @@ def test_extrapolation_small_preset_matches_the_published_study_and_trains(small
             overrides=["experiment=extrapolation_small", f"paths.root_dir={tmp_path}"],
             return_hydra_config=True,
         )
+    # The published runs' settings (train.py and model.py at the commit that wrote their numbers), point by point.
     model, data, optim = cfg.model, cfg.data, cfg.optim
-    assert (model.n_layers, model.d_model, model.n_heads, model.mlp_ratio, model.dropout) == (6, 384, 6, 4.0, 0.1)
+    assert (model.n_layers, model.d_model, model.n_heads) == (6, 384, 6)
+    assert (model.mlp_ratio, model.dropout, model.tie_embeddings) == (2.0, 0.1, False)
     assert (data.max_len, data.vocab_size, data.batch_size, cfg.trainer.max_steps) == (128, 8192, 128, 10000)
-    assert (optim.lr, optim.weight_decay, optim.warmup_steps, optim.min_lr_ratio) == (2e-4, 0.0, 0, 1.0)
-    assert cfg.trainer.gradient_clip_val == 1.0 and cfg.eval.protocol == "nonoverlap"
+    assert (optim.lr, optim.weight_decay, list(optim.betas)) == (2e-4, 0.0, [0.9, 0.999])
+    assert (optim.warmup_steps, optim.min_lr_ratio, cfg.trainer.gradient_clip_val) == (0, 1.0, 1.0)
+    assert cfg.trainer.accelerator == "gpu" and cfg.eval.protocol == "nonoverlap" and cfg.eval.max_windows is None
     assert [int(f * data.max_len) for f in cfg.eval.factors] == [128, 256, 512, 1024, 2048]
-    assert set(cfg.hydra.sweeper.params.pe.split(",")) >= {"rope", "alibi"}
+    assert (
+        str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+        and cfg.hydra.sweep.dir == f"{tmp_path}/logs/studies/extrapolation_small"
+    )
+    assert sweep_grid([], cfg.hydra.sweeper.params) == (30, {"seed", "pe"})  # rotary and alibi, 15 runs each
+    assert cfg.hydra.sweeper.params.pe == "rope,alibi"
 
     out = tmp_path / "run"
     result = run_train(

@@ -16,7 +16,16 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lenext.errors import CheckpointError, ConfigError, LenextError
-from lenext.evaluate import ERROR_FILE, RESULTS_FILE, run_metadata, sweep, write_atomic, write_results
+from lenext.evaluate import (
+    ERROR_FILE,
+    RESULTS_FILE,
+    run_metadata,
+    sweep,
+    sweep_lengths,
+    sweep_protocols,
+    write_atomic,
+    write_results,
+)
 from lenext.hardware import default_precision
 from lenext.pe.bias import check_t5_buckets
 
@@ -29,6 +38,8 @@ OmegaConf.register_new_resolver("auto_precision", default_precision, replace=Tru
 OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 # The launch folder, known before Hydra's own config (hydra:runtime.cwd is not, when a sweep folder resolves).
 OmegaConf.register_new_resolver("cwd", os.getcwd, replace=True)
+# ${min:a,b}: e.g. T5's max_distance capped at L_train (configs/pe/t5.yaml says why).
+OmegaConf.register_new_resolver("min", min, replace=True)
 
 
 def _positive_int(v) -> bool:
@@ -197,11 +208,10 @@ def train(cfg: DictConfig) -> dict:
     log.info("model: %.2fM parameters, PE %s, L_train %d", n_params / 1e6, module.net.pe.describe(), cfg.data.max_len)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume_checkpoint(cfg))
     metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
-    limit = cfg.trainer.get("limit_val_batches", 1.0)
-    scored = "the windows of the nonoverlap row at 1x below" if limit == 1.0 else f"limit_val_batches={limit} of them"
+    measured = validation_scope(cfg, int(metrics["val/windows"]), len(datamodule.val_dataloader().dataset))
     print(
-        f"validation perplexity at L_train={cfg.data.max_len}: {metrics['val/ppl']:.2f} "
-        f"(loss {metrics['val/loss']:.4f}, pe={cfg.pe_name}; {scored})"
+        f"validation perplexity at L_train={cfg.data.max_len} over {measured}: {metrics['val/ppl']:.2f} "
+        f"(loss {metrics['val/loss']:.4f}, pe={cfg.pe_name})"
     )
     if cfg.eval.enabled and not cfg.trainer.get("fast_dev_run"):
         tokens = trainer.global_step * cfg.data.batch_size * cfg.data.max_len * trainer.world_size
@@ -219,6 +229,27 @@ def train(cfg: DictConfig) -> dict:
         )
         log_results_to_wandb(trainer, path)
     return metrics
+
+
+def validation_scope(cfg: DictConfig, scored: int, available: int) -> str:
+    """What the final validation measured, ``N windows (...)``: the sweep's nonoverlap 1x row, or what it lacks.
+
+    Validation scores the windows that row scores (same documents, same eval.max_windows thinning),
+    so the two perplexities agree unless validation was cut short or the sweep has no such row.
+    """
+    if scored < available:
+        return (
+            f"{scored} of the {available} windows of the nonoverlap 1x row "
+            "(cut short by trainer.limit_val_batches or fast_dev_run)"
+        )
+    in_sweep = (
+        cfg.eval.enabled
+        and not cfg.trainer.get("fast_dev_run")
+        and "nonoverlap" in sweep_protocols(cfg.eval)
+        and cfg.data.max_len in sweep_lengths(cfg.eval, cfg.data.max_len)
+    )
+    row = "the sweep's nonoverlap 1x row" if in_sweep else "those of a nonoverlap 1x row, which this sweep lacks"
+    return f"{scored} windows ({row})"
 
 
 def log_results_to_wandb(trainer, results_path: str) -> None:
@@ -326,5 +357,5 @@ def train_main(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="eval")
 @one_line_errors
-def eval_main(cfg: DictConfig) -> None:
-    evaluate_checkpoint(cfg)
+def eval_main(cfg: DictConfig) -> str:
+    return evaluate_checkpoint(cfg)  # the job's return value: None would read as a failed job in a study

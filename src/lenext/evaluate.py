@@ -183,10 +183,20 @@ def rope_variants(net, scalings: list[str] | None):
         pe.scaling, pe.factor = original
 
 
+def sweep_protocols(eval_cfg) -> list[str]:
+    """``eval.protocol`` as a list (one name or several)."""
+    return [eval_cfg.protocol] if isinstance(eval_cfg.protocol, str) else list(eval_cfg.protocol)
+
+
+def sweep_lengths(eval_cfg, train_len: int) -> list[int]:
+    """The evaluation lengths, ascending: ``eval.lengths``, or ``eval.factors`` x L_train."""
+    return sorted(set(eval_cfg.lengths or [int(f * train_len) for f in eval_cfg.factors]))
+
+
 def sweep(net, documents: list[np.ndarray], train_len: int, eval_cfg, precision: str = "32") -> tuple[list, list]:
     """Evaluate every (protocol, RoPE scaling, length). Returns (rows, per-position curve rows)."""
-    protocols = [eval_cfg.protocol] if isinstance(eval_cfg.protocol, str) else list(eval_cfg.protocol)
-    lengths = sorted(set(eval_cfg.lengths or [int(f * train_len) for f in eval_cfg.factors]))
+    protocols = sweep_protocols(eval_cfg)
+    lengths = sweep_lengths(eval_cfg, train_len)
     if not lengths or min(lengths) < 1:
         raise ConfigError(f"eval.lengths must be positive token counts; got {lengths}")
     stride = eval_cfg.stride or max(1, train_len // 2)

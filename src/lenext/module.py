@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from lightning.fabric.plugins.io import TorchCheckpointIO
 from torch import nn
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, SumMetric
 
 from lenext.errors import LenextError
 from lenext.hardware import warn_if_precision_is_slow
@@ -30,7 +30,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class LanguageModel(L.LightningModule):
-    """Trains a ``Decoder``; logs ``train/loss``, ``val/loss`` and ``val/ppl`` (at L_train).
+    """Trains a ``Decoder``; logs ``train/loss``, ``val/loss``, ``val/ppl`` (at L_train) and ``val/windows``.
 
     ``run_config`` is the resolved run configuration, kept in checkpoints so ``eval.py`` can rebuild
     the model without the original command line.
@@ -51,6 +51,7 @@ class LanguageModel(L.LightningModule):
         self.net = net
         # Weighted by token count, synchronised across DDP ranks: each token counts once.
         self.val_nll = MeanMetric()
+        self.val_windows = SumMetric()
         self.train_seconds, self.train_tokens = 0.0, 0  # time inside training steps, for tokens/s
 
     def on_fit_start(self) -> None:
@@ -80,15 +81,23 @@ class LanguageModel(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        # reset() gives each process state tensors of its own: ddp_spawn shares the module's CPU tensors
+        # between the processes it starts, metric states included, so ranks would add into each other's sums.
+        self.val_nll.reset()
+        self.val_windows.reset()
+
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         nll = self.token_nll(batch)
         self.val_nll.update(nll.mean(), weight=nll.numel())
+        self.val_windows.update(nll.size(0))
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_nll.compute()
-        self.val_nll.reset()
+        loss, windows = self.val_nll.compute(), self.val_windows.compute()
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", torch.exp(loss), prog_bar=True, sync_dist=False)
+        # What the perplexity covers, all ranks together (a logged metric reaches the caller under ddp_spawn too).
+        self.log("val/windows", windows, sync_dist=False)
 
     def configure_optimizers(self):
         total = max(1, int(self.trainer.estimated_stepping_batches))

@@ -1,14 +1,15 @@
 """Where a study stands: after each job of a multirun, `study: job n of N done (...); ~T left`.
 
 A Hydra callback (registered in configs/hydra/default.yaml). With the basic launcher every job runs
-in this process, so the callback sees the whole sweep: N is the size of the sweep's grid, and the
-time left is the mean wall time of the jobs that trained (skipped ones, whose results were already
-complete, take seconds and would make the estimate meaningless) times the jobs left. Launchers
-that run jobs elsewhere (submitit) call on_job_end in the job's own process, where only the job's
-number is known, and the line says just that.
+in the process that launched the sweep, so the callback sees the whole sweep: N is the size of the
+sweep's grid, and the time left is the mean wall time of the jobs that trained (skipped ones, whose
+results were already complete, take seconds, and failed ones stop at any point: either would make the
+estimate meaningless) times the jobs left. Launchers that run jobs elsewhere (submitit) hand each job
+a copy of this callback as it was at launch, so there the line gives only the job's own number.
 """
 
 import math
+import os
 import time
 from typing import Any
 
@@ -40,36 +41,50 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
+def job_outcome(job_return: JobReturn) -> str:
+    """``trained``, ``skipped`` (its results were complete already) or ``failed``."""
+    # A lenext error in a multirun is written to the job's error.txt and the job returns None.
+    if job_return.status != JobStatus.COMPLETED or job_return.return_value is None:
+        return "failed"
+    returned = job_return.return_value
+    return "skipped" if isinstance(returned, dict) and returned.get("skipped") else "trained"
+
+
 class StudyProgress(Callback):
     def __init__(self) -> None:
+        self.sweep_pid: int | None = None  # the process that launched the sweep; None in a single run
         self.total: int | None = None
         self.swept_keys: set[str] = set()
         self.done = 0
         self.trained_seconds: list[float] = []
+        self.started = time.monotonic()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.sweep_pid = os.getpid()
         self.total, self.swept_keys = sweep_grid(config.hydra.overrides.task, config.hydra.sweeper.get("params"))
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.started = time.monotonic()
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        if config.hydra.mode is None or str(config.hydra.mode) != "RunMode.MULTIRUN":
+        if self.sweep_pid is None:
             return
         seconds = time.monotonic() - self.started
-        returned = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
-        skipped = isinstance(returned, dict) and returned.get("skipped")
-        if not skipped:
-            self.trained_seconds.append(seconds)
-        self.done += 1
-        what = " ".join(o for o in job_return.overrides or [] if o.split("=")[0] in self.swept_keys or not self.total)
-        if self.total is None:  # a remote launcher: this process runs one job
-            print(f"study: job {config.hydra.job.num + 1} done ({what}, {duration(seconds)})", flush=True)
+        outcome = job_outcome(job_return)
+        swept = " ".join(o for o in job_return.overrides or [] if o.split("=")[0] in self.swept_keys)
+        took = duration(seconds) if outcome == "trained" else outcome
+        what = f"({swept}, {took})" if swept else f"({took})"
+        of_total = f" of {self.total}" if self.total else ""
+        if os.getpid() != self.sweep_pid:  # a remote launcher: the other jobs finish in other processes
+            print(f"study: job {config.hydra.job.num + 1}{of_total} done {what}", flush=True)
             return
-        line = f"study: job {self.done} of {self.total} done ({what}, {'skipped' if skipped else duration(seconds)})"
-        left = self.total - self.done
-        if left and self.trained_seconds:
-            line += f"; ~{duration(left * sum(self.trained_seconds) / len(self.trained_seconds))} left"
-        elif not left:
+        self.done += 1
+        if outcome == "trained":
+            self.trained_seconds.append(seconds)
+        line = f"study: job {self.done}{of_total} done {what}"
+        left = self.total - self.done if self.total else 0
+        if self.total and not left:
             line += "; the study is complete"
+        elif left and self.trained_seconds:
+            line += f"; ~{duration(left * sum(self.trained_seconds) / len(self.trained_seconds))} left"
         print(line, flush=True)

@@ -1,0 +1,54 @@
+"""scripts/bench.py's Lightning section compares like with like, and its report names the machine."""
+
+import importlib.util
+import logging
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from lenext import hardware
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_bare_loop_trains_exactly_as_the_lightning_trainer(bench, tmp_path):
+    """Same batches, parameter groups, schedule and clipping: after 3 steps both made the same updates (up to
+    the order in which the gradient norm sums the parameters), so the ratio times the same work.
+
+    Updates are compared, not weights: Adam's steps are ~1e-5 here, below the weights' own tolerance.
+    """
+    steps = 3
+    cfg = bench.study_config(str(tmp_path), "32-true", steps)
+    loader = bench.study_loader(cfg, steps)
+    module = bench.instantiate(cfg.optim, _partial_=True, _convert_="all")(
+        net=bench.study_net(cfg), run_config=OmegaConf.to_container(cfg, resolve=True)
+    )
+    bare = bench.study_net(cfg).train()
+    assert len(bench.lightning_steps(cfg, module, loader)) == len(bench.bare_steps(cfg, bare, loader)) == steps
+    trained, initial = dict(module.net.named_parameters()), dict(bench.study_net(cfg).named_parameters())
+    for name, parameter in bare.named_parameters():
+        update = parameter - initial[name]
+        assert update.abs().max() > 1e-6, f"{name} did not train"
+        torch.testing.assert_close(update, trained[name] - initial[name], rtol=1e-3, atol=1e-8, msg=name)
+
+
+def test_the_lightning_section_reports_both_ratios_with_the_cpu_and_isa(bench, tmp_path, caplog):
+    out = tmp_path / "bench.md"
+    with caplog.at_level(logging.ERROR):
+        bench.main(["--sections", "lightning", "--quick", "--lightning-steps", "2", "--out", str(out)])
+    text = out.read_text()
+    cpu = hardware.cpu_description()
+    assert f"- CPU: {cpu['cpu']}, ISA {cpu['isa']} (native bf16: {'yes' if cpu['native_bf16'] else 'no'};" in text
+    chosen = hardware.default_precision("cpu")
+    assert f"- Lightning / bare at {chosen} (this machine's default precision): **" in text
+    other = "32-true" if chosen == "bf16-mixed" else "bf16-mixed"
+    assert f"- bare loop, {other} / {chosen} step time: **" in text
+    assert "## Training throughput" not in text and "## Shaw attention" not in text  # only the section asked for
