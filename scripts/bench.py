@@ -26,7 +26,6 @@ Usage:
 import argparse
 import contextlib
 import datetime
-import functools
 import json
 import math
 import os
@@ -48,26 +47,18 @@ from torch.utils.data import DataLoader
 
 from lenext import pe as pes
 from lenext.attention import causal_attention
-from lenext.cli import CONFIG_DIR, instantiate
+from lenext.cli import CONFIG_DIR
 from lenext.data import StepShuffler, TrainWindows
 from lenext.errors import LengthNotSupported
+from lenext.files import write_atomic
 from lenext.hardware import default_precision, machine_description
 from lenext.model import Decoder
 from lenext.module import adamw_with_schedule
+from lenext.run import build_net, instantiate
 
 REPO = Path(__file__).resolve().parent.parent
 
-PE_FACTORIES = {
-    "nope": pes.NoPE,
-    "sinusoidal": pes.Sinusoidal,
-    "learned": pes.Learned,
-    "shaw": pes.ShawRelative,
-    "t5": pes.T5Bias,
-    "rope": pes.RoPE,
-    "rope_ntk": functools.partial(pes.RoPE, scaling="ntk"),
-    "alibi": pes.ALiBi,
-}
-PE_NAMES = list(PE_FACTORIES)
+PE_NAMES = sorted(p.stem for p in (REPO / "configs" / "pe").glob("*.yaml"))  # every PE, as train.py builds it
 SECTIONS = ["training", "forward", "shaw", "lightning"]
 TARGETS = {"rope": 0.95, "alibi": 0.9, "t5": 0.8, "shaw": 0.7}  # training throughput vs nope
 
@@ -85,7 +76,9 @@ def precision_context(precision: str):
 
 def build_model(name: str, train_len: int = TRAIN_LEN) -> Decoder:
     torch.manual_seed(SEED)
-    return Decoder(train_len=train_len, pe=PE_FACTORIES[name], **SMALL)
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        pe = compose("train", overrides=[f"pe={name}"]).pe
+    return Decoder(train_len=train_len, pe=instantiate(pe, "pe"), **SMALL)
 
 
 def random_batch(batch: int, length: int, seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,7 +304,7 @@ STUDY_OVERRIDES = [
     "data.vocab_size=2048",
     f"data.max_len={STUDY_LEN}",
     f"data.batch_size={STUDY_BATCH}",
-    "optim.lr=3e-3",
+    "module.lr=3e-3",
     "trainer.enable_progress_bar=false",
 ]
 LIGHTNING_TARGET = 1.10  # Lightning's step time / the bare loop's
@@ -343,7 +336,7 @@ def study_loader(cfg, steps: int) -> DataLoader:
 
 def study_net(cfg) -> Decoder:
     torch.manual_seed(SEED)
-    return instantiate(cfg.model, vocab_size=cfg.data.vocab_size, train_len=cfg.data.max_len, pe=instantiate(cfg.pe))
+    return build_net(cfg, cfg.data.vocab_size)
 
 
 class StepClock(L.Callback):
@@ -359,16 +352,16 @@ class StepClock(L.Callback):
 def lightning_steps(cfg, module, loader) -> list[float]:
     """Fit ``module`` with the trainer, callbacks and loggers train.py builds from ``cfg``; step end times."""
     clock = StepClock()
-    callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [clock]
-    loggers = [instantiate(c) for c in cfg.logger.values()]
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, enable_model_summary=False)
+    callbacks = [instantiate(c, f"callbacks.{name}") for name, c in cfg.callbacks.items()] + [clock]
+    loggers = [instantiate(c, f"logger.{name}") for name, c in cfg.logger.items()]
+    trainer = instantiate(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers)
     trainer.fit(module, train_dataloaders=loader)
     return clock.ends
 
 
 def bare_steps(cfg, net, loader) -> list[float]:
     """The same training by hand: autocast, loss, backward, gradient clipping, AdamW and schedule steps."""
-    optim = cfg.optim
+    optim = cfg.module
     optimizer, scheduler = adamw_with_schedule(
         net,
         cfg.trainer.max_steps,
@@ -402,7 +395,7 @@ def bench_lightning(reps, steps, log):
     with tempfile.TemporaryDirectory() as output_dir:
         cfgs = {precision: study_config(output_dir, precision, steps + 1) for precision in (chosen, other)}
         loader = study_loader(cfgs[chosen], steps + 1)
-        module = instantiate(cfgs[chosen].optim, _partial_=True, _convert_="all")(
+        module = instantiate(cfgs[chosen].module, "module", _partial_=True, _convert_="all")(
             net=study_net(cfgs[chosen]), run_config=OmegaConf.to_container(cfgs[chosen], resolve=True)
         )
         nets = {"bare": study_net(cfgs[chosen]), f"bare {other}": study_net(cfgs[other])}
@@ -620,22 +613,6 @@ def render(info, settings, elapsed, training=None, forward=None, shaw=None, ligh
     if lightning is not None:
         sections.append(render_lightning(info, settings, lightning))
     return "\n\n".join("\n".join(lines) for lines in sections) + "\n"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def main(argv=None) -> None:

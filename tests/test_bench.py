@@ -28,7 +28,7 @@ def test_the_bare_loop_trains_exactly_as_the_lightning_trainer(bench, tmp_path):
     steps = 3
     cfg = bench.study_config(str(tmp_path), "32-true", steps)
     loader = bench.study_loader(cfg, steps)
-    module = bench.instantiate(cfg.optim, _partial_=True, _convert_="all")(
+    module = bench.instantiate(cfg.module, "module", _partial_=True, _convert_="all")(
         net=bench.study_net(cfg), run_config=OmegaConf.to_container(cfg, resolve=True)
     )
     bare = bench.study_net(cfg).train()

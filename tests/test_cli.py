@@ -17,7 +17,7 @@ def test_unknown_pe_lists_the_available_ones(tmp_path):
     "overrides,key",
     [
         (["data.max_len=0"], "data.max_len"),
-        (["optim.lr=-1e-3"], "optim.lr"),
+        (["module.lr=-1e-3"], "module.lr"),
         (["data.vocab_size=100"], "data.vocab_size"),
         (["model.n_heads=3"], "model.n_heads"),
         (["pe=shaw", "pe.k=0"], "pe.k"),

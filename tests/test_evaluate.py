@@ -10,10 +10,10 @@ import torch
 from omegaconf import OmegaConf
 
 import lenext.attention
-from lenext.cli import evaluate_checkpoint, train
 from lenext.evaluate import evaluate_length, sweep, windows_for
 from lenext.model import Decoder
 from lenext.pe import ALiBi, Learned, RoPE, T5Bias
+from lenext.run import evaluate_checkpoint, train
 from tests.conftest import tiny_overrides
 
 DOC_LENGTHS = [1, 40, 97, 130, 64, 65]

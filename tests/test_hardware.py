@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lenext import hardware
-from lenext.cli import train
+from lenext.run import train
 from tests.conftest import small_corpus_overrides
 
 ISA_NAMES = [name for name, _, _ in hardware.ISAS]  # best first

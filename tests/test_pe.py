@@ -642,7 +642,7 @@ def test_alibi_bias_is_minus_slope_times_distance_and_shift_invariant(shift):
 @pytest.mark.parametrize("num_buckets, max_distance", [(32, 16), (32, 8), (2, 1)])
 def test_t5_max_distance_within_the_exact_buckets_is_a_config_error(num_buckets, max_distance):
     shape = AttentionShape(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=1, train_len=16)
-    with pytest.raises(ConfigError, match="pe.max_distance must exceed num_buckets // 2"):
+    with pytest.raises(ConfigError, match=r"pe.max_distance=\d+ is invalid: it must exceed pe.num_buckets // 2"):
         T5Bias(shape, num_buckets=num_buckets, max_distance=max_distance)
 
 
@@ -658,7 +658,7 @@ def test_t5_band_ends_where_the_last_bucket_begins(num_buckets, max_distance):
 @pytest.mark.parametrize("per_layer", [False, True])
 def test_t5_bias_shift_invariant_and_table_lookup(shift, per_layer):
     pe = make_bias_pe("t5_per_layer" if per_layer else "t5")
-    length = 150  # beyond max_distance 128 (and 40): the far buckets are covered too
+    length = 150  # beyond max_distance (at most 128; 40): the far buckets are covered too
     layer = 1
     bias = full_bias(pe, torch.zeros(1, HEADS, length + shift, HEAD_DIM), layer)[0]  # (H, L, L)
     mask = torch.ones(length, length, dtype=torch.bool).tril()
@@ -779,3 +779,15 @@ def test_denormals_flush_to_zero_in_every_thread():
     The tensor is large enough that every intra-op thread computes a part of it.
     """
     assert torch.full((2**22,), 1e-30).mul(1e-10).count_nonzero() == 0  # 1e-40 is denormal in fp32
+
+
+@pytest.mark.parametrize("train_len, expected", [(512, 128), (128, 128), (64, 64), (8, 17)])
+def test_t5_max_distance_defaults_to_128_capped_at_l_train(train_len, expected):
+    """Every bucket the default uses holds a distance below L_train, so training reaches it (at L_train 8 the
+    log buckets still need a distance past the 16 exact ones)."""
+    shape = AttentionShape(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=1, train_len=train_len)
+    pe = T5Bias(shape)
+    assert pe.max_distance == expected
+    if train_len > 16:
+        trained = t5_bucket(torch.arange(train_len), 32, pe.max_distance).unique()
+        assert trained.tolist() == list(range(32))

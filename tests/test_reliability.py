@@ -13,12 +13,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lenext.cli import build
 from lenext.errors import LenextError
-from lenext.evaluate import write_atomic
+from lenext.files import write_atomic
 from lenext.model import Decoder
 from lenext.module import AtomicCheckpointIO, LanguageModel
 from lenext.pe import NoPE
+from lenext.run import build
 from tests.conftest import small_corpus_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,7 +113,7 @@ def test_non_finite_loss_stops_with_the_step_named():
         module.training_step(torch.randint(0, 50, (2, 9)), 0)
 
 
-PES = ["nope", "sinusoidal", "learned", "shaw", "t5", "rope", "rope_ntk", "alibi"]
+PES = sorted(p.stem for p in (ROOT / "configs" / "pe").glob("*.yaml"))
 ROPES = {"rope", "rope_ntk"}
 PE_KEYS = {
     "pe.k": {"shaw"},
@@ -159,7 +159,7 @@ def test_random_configs_either_work_or_fail_with_a_lenext_error(
         f"model.d_model={d_model}",
         f"model.n_heads={n_heads}",
         f"data.vocab_size={vocab}",
-        f"optim.lr={lr}",
+        f"module.lr={lr}",
         f"eval.factors={factors}",
     )
     if pe_extra and pe in PE_KEYS[pe_extra.split("=")[0]]:
@@ -175,8 +175,8 @@ def test_random_configs_either_work_or_fail_with_a_lenext_error(
 
 
 def test_checkpoint_problems_are_named(tmp_path):
-    from lenext.cli import load_checkpoint
     from lenext.errors import CheckpointError
+    from lenext.run import load_checkpoint
 
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(str(tmp_path / "missing.ckpt"))
@@ -191,3 +191,13 @@ def test_checkpoint_problems_are_named(tmp_path):
     torch.save({"state_dict": {}}, other)
     with pytest.raises(CheckpointError, match="not a lenext checkpoint"):
         load_checkpoint(str(other))
+
+
+def test_an_interrupted_write_leaves_no_temporary_file_behind(tmp_path, monkeypatch):
+    from lenext.files import atomic_path
+
+    (tmp_path / "plot.png").write_text("old")
+    with pytest.raises(RuntimeError), atomic_path(tmp_path / "plot.png", suffix=".png") as tmp:
+        assert tmp.endswith(".png") and os.path.dirname(tmp) == str(tmp_path)  # same folder: the rename is atomic
+        raise RuntimeError("the writer failed half-way")
+    assert [p.name for p in tmp_path.iterdir()] == ["plot.png"] and (tmp_path / "plot.png").read_text() == "old"

@@ -6,7 +6,7 @@ import os
 import pandas as pd
 import pytest
 
-from lenext.report import main, report
+from lenext.report import collect, find_runs, main, report, summarize
 
 
 def write_run(folder, pe, seed, ppls, train_len=64, complete=True, scaling=None, extra_rows=()):
@@ -223,3 +223,12 @@ def test_per_position_bins_are_token_weighted_means_covering_every_position_once
         "tokens",
     ]
     assert written.tokens.sum() == 2 * sum(1 + 2 * (p % 2) for p in range(16))
+
+
+def test_rows_follow_the_order_the_sweep_listed_its_pes(tmp_path):
+    """Job folders are read in job order (2 before 10), and a PE's rows come where it first appears."""
+    names = ["sinusoidal", "alibi", "rope", "nope", "t5", "shaw", "learned", "rope_ntk", "fire", "kerple", "xpos"]
+    for job, name in enumerate(names):
+        write_run(tmp_path / str(job), name, 0, {64: 10.0 + job})
+    tables = summarize(collect(find_runs([str(tmp_path)])[0]))
+    assert list(tables[(64, "nonoverlap")].index) == names

@@ -9,11 +9,12 @@ import torch
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 
-from lenext.cli import CONFIG_DIR, train
+from lenext.cli import CONFIG_DIR
 from lenext.evaluate import evaluate_length, windows_for
 from lenext.model import Decoder
 from lenext.pe import ALiBi
 from lenext.progress import duration, sweep_grid
+from lenext.run import train
 from tests.conftest import run_train, small_corpus_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,6 +212,9 @@ def test_a_study_says_after_each_job_how_many_are_done_and_how_long_the_rest_wil
     assert len(lines) == 2
     assert lines[0].startswith("study: job 1 of 2 done (pe=nope, ") and lines[0].endswith(" left")
     assert lines[1].startswith("study: job 2 of 2 done (pe=alibi, ") and lines[1].endswith("; the study is complete")
+    # What a study prints is its own: no product tips, no model summary with a FLOPs column of zeros.
+    printed = first.stdout + first.stderr
+    assert "Tip:" not in printed and "FLOPs" not in printed and "study:" in printed
 
     # Re-launched with one more PE: the two finished jobs are skipped, counted, and kept out of the estimate.
     again = run_train(tmp_path, *common, "pe=nope,alibi,rope")
@@ -251,7 +255,7 @@ def test_extrapolation_small_preset_matches_the_published_study_and_trains(small
             return_hydra_config=True,
         )
     # The published runs' settings (train.py and model.py at the commit that wrote their numbers), point by point.
-    model, data, optim = cfg.model, cfg.data, cfg.optim
+    model, data, optim = cfg.model, cfg.data, cfg.module
     assert (model.n_layers, model.d_model, model.n_heads) == (6, 384, 6)
     assert (model.mlp_ratio, model.dropout, model.tie_embeddings) == (2.0, 0.1, False)
     assert (data.max_len, data.vocab_size, data.batch_size, cfg.trainer.max_steps) == (128, 8192, 128, 10000)

@@ -1,6 +1,6 @@
 """A short real training run learns: validation perplexity falls far below the uniform baseline."""
 
-from lenext.cli import train
+from lenext.run import train
 from tests.conftest import TEST_VOCAB, tiny_overrides
 
 
@@ -14,8 +14,8 @@ def test_short_training_beats_uniform_baseline_by_4x(compose_train, tmp_path):
             "trainer.val_check_interval=200",
             "trainer.limit_val_batches=40",
             "eval.enabled=false",
-            "optim.lr=3e-3",
-            "optim.warmup_steps=20",
+            "module.lr=3e-3",
+            "module.warmup_steps=20",
             "trainer.enable_progress_bar=false",
         )
     )

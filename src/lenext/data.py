@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from importlib import resources
+from typing import Annotated
 
 import lightning as L
 import numpy as np
@@ -21,9 +22,12 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lenext.errors import ConfigError, DataError
 from lenext.evaluate import cap_windows, windows_for
+from lenext.files import atomic_path
+from lenext.schema import NonNegativeInt, PositiveInt, Range
 
 SPLITS = ("train", "validation", "test")
 EOS = "<|endoftext|>"
+Digit = Annotated[int, Range(0, 9)]  # the last digit of a year
 
 
 def _digest(texts: Iterable[str]) -> str:
@@ -51,7 +55,7 @@ class Sotu(Corpus):
 
     name = "sotu"
 
-    def __init__(self, validation_digit: int = 5, test_digit: int = 0):
+    def __init__(self, validation_digit: Digit = 5, test_digit: Digit = 0):
         if validation_digit == test_digit:
             raise ConfigError("data.corpus.validation_digit and data.corpus.test_digit must differ")
         self.held_out = {"validation": validation_digit, "test": test_digit}
@@ -89,9 +93,7 @@ class TextFiles(Corpus):
     to test if n % holdout_every == holdout_every - 1, otherwise to train.
     """
 
-    def __init__(self, path: str, holdout_every: int = 10, text_field: str = "text"):
-        if holdout_every < 3:
-            raise ConfigError(f"data.corpus.holdout_every must be at least 3; got {holdout_every}")
+    def __init__(self, path: str, holdout_every: Annotated[int, Range(3)] = 10, text_field: str = "text"):
         self.path, self.holdout_every, self.text_field = path, holdout_every, text_field
         self.name = "text_files-" + _digest([os.path.abspath(path)])
 
@@ -267,14 +269,14 @@ class LMDataModule(L.LightningDataModule):
     def __init__(
         self,
         corpus: Corpus,
-        max_len: int = 128,
-        vocab_size: int = 8192,
-        batch_size: int = 16,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        max_len: PositiveInt = 128,  # L_train
+        vocab_size: Annotated[int, Range(256)] = 8192,  # byte-level BPE keeps all 256 bytes
+        batch_size: PositiveInt = 16,
+        eval_batch_size: PositiveInt | None = None,
+        num_workers: NonNegativeInt = 0,
         cache_dir: str = ".cache",
-        seed: int = 0,
-        validation_max_windows: int | None = None,
+        seed: NonNegativeInt = 0,
+        validation_max_windows: PositiveInt | None = None,
     ):
         super().__init__()
         self.seed, self.validation_max_windows = seed, validation_max_windows
@@ -314,10 +316,8 @@ class LMDataModule(L.LightningDataModule):
             self.tokenizer = Tokenizer.from_file(self.tokenizer_path)
         else:
             self.tokenizer = train_tokenizer(texts["train"], self.requested_vocab)
-            os.makedirs(os.path.dirname(self.tokenizer_path), exist_ok=True)
-            tmp = f"{self.tokenizer_path}.{os.getpid()}.tmp"
-            self.tokenizer.save(tmp)
-            os.replace(tmp, self.tokenizer_path)
+            with atomic_path(self.tokenizer_path) as tmp:
+                self.tokenizer.save(tmp)
         self.splits = {split: self._tokenize(split, docs, key) for split, docs in texts.items()}
 
     def _tokenize(self, split: str, docs: list[str], tokenizer_key: str) -> list[np.ndarray]:

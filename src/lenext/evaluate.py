@@ -25,16 +25,21 @@ import threading
 import time
 from dataclasses import dataclass
 from importlib import metadata
+from typing import Literal
 
 import numpy as np
 import torch
 from torchmetrics import MeanMetric, SumMetric
 
 from lenext.errors import ConfigError, LengthNotSupported
+from lenext.files import write_atomic
 from lenext.hardware import machine_description
+from lenext.pe.rope import SCALINGS
+from lenext.schema import PositiveFloat, PositiveInt
 
 log = logging.getLogger("lenext")
 PROTOCOLS = ("nonoverlap", "sliding", "last_k")
+Protocol = Literal[PROTOCOLS]
 RESULTS_FILE, POSITIONS_FILE, ERROR_FILE = "results.json", "positions.csv", "error.txt"
 
 
@@ -183,26 +188,48 @@ def rope_variants(net, scalings: list[str] | None):
         pe.scaling, pe.factor = original
 
 
-def sweep_protocols(eval_cfg) -> list[str]:
-    """``eval.protocol`` as a list (one name or several)."""
-    return [eval_cfg.protocol] if isinstance(eval_cfg.protocol, str) else list(eval_cfg.protocol)
+@dataclass(frozen=True)
+class EvalSettings:
+    """The keys of configs/eval/default.yaml, with their types and ranges (checked by lenext.schema)."""
+
+    enabled: bool
+    protocol: Protocol | list[Protocol]
+    lengths: list[PositiveInt] | None
+    factors: list[PositiveFloat] | None
+    stride: PositiveInt | None
+    last_k: PositiveInt | None
+    rope_scalings: list[Literal[SCALINGS]] | None
+    max_windows: PositiveInt | None
+    tokens_per_batch: PositiveInt
+    per_position: bool
 
 
-def sweep_lengths(eval_cfg, train_len: int) -> list[int]:
-    """The evaluation lengths, ascending: ``eval.lengths``, or ``eval.factors`` x L_train."""
-    return sorted(set(eval_cfg.lengths or [int(f * train_len) for f in eval_cfg.factors]))
+@dataclass(frozen=True)
+class SweepPlan:
+    protocols: list[str]
+    lengths: list[int]  # ascending
+    stride: int  # sliding: targets scored per window
+    k: int  # last_k: targets scored per block
+
+
+def sweep_plan(eval_cfg, train_len: int) -> SweepPlan:
+    """What ``sweep`` will evaluate; raises ConfigError for settings that only fail together."""
+    protocols = [eval_cfg.protocol] if isinstance(eval_cfg.protocol, str) else list(eval_cfg.protocol)
+    lengths = sorted(set(eval_cfg.lengths or [int(f * train_len) for f in eval_cfg.factors or []]))
+    if not lengths or min(lengths) < 1:
+        raise ConfigError(
+            f"eval.lengths={lengths} is invalid: give eval.lengths or eval.factors that make positive token counts"
+        )
+    k = eval_cfg.last_k or min(lengths)
+    if k > min(lengths):
+        raise ConfigError(f"eval.last_k={k} is invalid: it must be at most the shortest length, {min(lengths)}")
+    return SweepPlan(protocols, lengths, eval_cfg.stride or max(1, train_len // 2), k)
 
 
 def sweep(net, documents: list[np.ndarray], train_len: int, eval_cfg, precision: str = "32") -> tuple[list, list]:
     """Evaluate every (protocol, RoPE scaling, length). Returns (rows, per-position curve rows)."""
-    protocols = sweep_protocols(eval_cfg)
-    lengths = sweep_lengths(eval_cfg, train_len)
-    if not lengths or min(lengths) < 1:
-        raise ConfigError(f"eval.lengths must be positive token counts; got {lengths}")
-    stride = eval_cfg.stride or max(1, train_len // 2)
-    k = eval_cfg.last_k or min(lengths)
-    if k > min(lengths):
-        raise ConfigError(f"eval.last_k={k} must not exceed the shortest evaluation length {min(lengths)}")
+    plan = sweep_plan(eval_cfg, train_len)
+    protocols, lengths, stride, k = plan.protocols, plan.lengths, plan.stride, plan.k
     doc_lengths = [len(d) for d in documents]
     rows, curves = [], []
     net.eval()
@@ -327,16 +354,6 @@ def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -
         # This machine, with the precision the model was trained in: throughput and bf16 rounding depend on both.
         "hardware": {**machine_description(), "training_precision": cfg.get("trainer", {}).get("precision")},
     }
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Write via a temporary file and rename: readers see the old file or the new one, never half."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_results(output_dir: str, meta: dict, rows: list, curves: list) -> str:

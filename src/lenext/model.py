@@ -5,6 +5,7 @@ on q and k, ``score_bias`` inside the attention. The model never asks which PE i
 """
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from torch import nn
 from lenext.attention import causal_attention
 from lenext.errors import ConfigError
 from lenext.pe import AttentionShape, PositionalEncoding
+from lenext.schema import PositiveFloat, PositiveInt, Probability
 
 
 class SelfAttention(nn.Module):
@@ -70,19 +72,17 @@ class Decoder(nn.Module):
         vocab_size: int,
         train_len: int,
         pe: Callable[[AttentionShape], PositionalEncoding],
-        d_model: int = 256,
-        n_layers: int = 6,
-        n_heads: int = 8,
-        mlp: str = "gelu",
-        mlp_ratio: float = 4.0,
-        dropout: float = 0.0,
+        d_model: PositiveInt = 256,
+        n_layers: PositiveInt = 6,
+        n_heads: PositiveInt = 8,
+        mlp: Literal["gelu", "swiglu"] = "gelu",
+        mlp_ratio: PositiveFloat = 4.0,
+        dropout: Probability = 0.0,
         tie_embeddings: bool = False,
     ):
         super().__init__()
         if d_model % n_heads:
-            raise ConfigError(f"model.n_heads ({n_heads}) must divide model.d_model ({d_model})")
-        if mlp not in ("gelu", "swiglu"):
-            raise ConfigError(f"model.mlp must be 'gelu' or 'swiglu'; got {mlp!r}")
+            raise ConfigError(f"model.n_heads={n_heads} is invalid: it must divide model.d_model={d_model}")
         self.d_model = d_model
         self.pe = pe(AttentionShape(d_model, n_heads, n_layers, train_len))
         self.embedding = nn.Embedding(vocab_size, d_model)

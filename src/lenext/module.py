@@ -1,8 +1,8 @@
 """The LightningModule: next-token loss, perplexity metrics, AdamW with warmup + cosine decay."""
 
 import math
-import os
 import time
+from typing import Annotated
 
 import lightning as L
 import torch
@@ -11,8 +11,10 @@ from torch import nn
 from torchmetrics import MeanMetric, SumMetric
 
 from lenext.errors import LenextError
+from lenext.files import atomic_path
 from lenext.hardware import warn_if_precision_is_slow
 from lenext.model import Decoder
+from lenext.schema import NonNegativeFloat, NonNegativeInt, PositiveFloat, Probability, Range
 
 
 class NonFiniteLoss(LenextError):
@@ -24,9 +26,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     previous complete checkpoint (or none), never a truncated one."""
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
-        tmp = f"{path}.tmp"
-        super().save_checkpoint(checkpoint, tmp, storage_options)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
 
 
 class LanguageModel(L.LightningModule):
@@ -39,11 +40,11 @@ class LanguageModel(L.LightningModule):
     def __init__(
         self,
         net: Decoder,
-        lr: float = 1e-3,
-        weight_decay: float = 0.1,
-        betas: tuple[float, float] = (0.9, 0.95),
-        warmup_steps: int = 100,
-        min_lr_ratio: float = 0.1,
+        lr: PositiveFloat = 1e-3,
+        weight_decay: NonNegativeFloat = 0.1,
+        betas: tuple[Probability, Probability] = (0.9, 0.95),
+        warmup_steps: NonNegativeInt = 100,
+        min_lr_ratio: Annotated[float, Range(0, 1)] = 0.1,
         run_config: dict | None = None,
     ):
         super().__init__()
@@ -53,6 +54,14 @@ class LanguageModel(L.LightningModule):
         self.val_nll = MeanMetric()
         self.val_windows = SumMetric()
         self.train_seconds, self.train_tokens = 0.0, 0  # time inside training steps, for tokens/s
+
+    def tokens_trained(self) -> int:
+        """Training tokens so far, all ranks together (kept in checkpoints for eval.py's results)."""
+        data = self.hparams.run_config["data"]
+        return self.trainer.global_step * data["batch_size"] * data["max_len"] * self.trainer.world_size
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["tokens_trained"] = self.tokens_trained()
 
     def on_fit_start(self) -> None:
         warn_if_precision_is_slow(self.trainer.precision, self.device)
@@ -76,7 +85,7 @@ class LanguageModel(L.LightningModule):
         if not torch.isfinite(loss):
             raise NonFiniteLoss(
                 f"the training loss became {loss.item()} at step {self.global_step}; the run stopped and its "
-                "last good checkpoint is checkpoints/last.ckpt. Lower optim.lr or try trainer.precision=32-true"
+                "last good checkpoint is checkpoints/last.ckpt. Lower module.lr or try trainer.precision=32-true"
             )
         self.log("train/loss", loss, prog_bar=True)
         return loss

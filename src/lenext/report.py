@@ -28,9 +28,9 @@ import sys
 
 import pandas as pd
 
-from lenext.evaluate import ERROR_FILE, POSITIONS_FILE, RESULTS_FILE, write_atomic
+from lenext.evaluate import ERROR_FILE, POSITIONS_FILE, RESULTS_FILE
+from lenext.files import atomic_path, write_atomic
 
-PE_ORDER = ["nope", "sinusoidal", "learned", "shaw", "t5", "rope", "rope_ntk", "alibi"]
 BINS_PER_OCTAVE = 4
 NOT_SEPARABLE = "~"
 
@@ -42,7 +42,11 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
         if not os.path.isdir(folder):
             raise SystemExit(f"error: {folder!r} is not a folder: give a multirun folder or run folders")
         for root, dirs, files in os.walk(folder):
-            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ("checkpoints", "csv", "report"))
+            # Job folders in job order (2 before 10): rows and lines follow the order the sweep listed its PEs.
+            dirs[:] = sorted(
+                (d for d in dirs if not d.startswith(".") and d not in ("checkpoints", "csv", "report")),
+                key=lambda d: (not d.isdigit(), int(d) if d.isdigit() else 0, d),
+            )
             is_run = ".hydra" in os.listdir(root)
             if RESULTS_FILE in files:
                 try:
@@ -93,17 +97,12 @@ def collect(runs: list[tuple[str, dict]]) -> pd.DataFrame:
     return pd.DataFrame.from_records(records)
 
 
-def _order(pe: str) -> tuple:
-    base = pe.split(" ")[0]
-    return (PE_ORDER.index(base) if base in PE_ORDER else len(PE_ORDER), pe)
-
-
 def summarize(frame: pd.DataFrame) -> dict[tuple[int, str], pd.DataFrame]:
     """Per (L_train, protocol): a frame indexed by PE with columns (length, mean|std|n|status) + speed/memory."""
     tables = {}
     for (train_len, protocol), group in frame.groupby(["train_len", "protocol"]):
         cells = {}
-        for (pe, length), g in group.groupby(["pe", "length"]):
+        for (pe, length), g in group.groupby(["pe", "length"], sort=False):
             ok = g[g.status == "ok"]
             ppl = ok.ppl.astype(float)
             cells[(pe, length)] = {
@@ -113,7 +112,7 @@ def summarize(frame: pd.DataFrame) -> dict[tuple[int, str], pd.DataFrame]:
                 "status": "ok" if len(ppl) else g.status.iloc[0],
                 "by_seed": dict(zip(ok.seed, ppl, strict=True)),
             }
-        pes = sorted({pe for pe, _ in cells}, key=_order)
+        pes = list(dict.fromkeys(pe for pe, _ in cells))  # first seen first: the sweep's order
         lengths = sorted({length for _, length in cells})
         table = pd.DataFrame(
             index=pes, columns=pd.MultiIndex.from_product([lengths, ["mean", "std", "n", "status", "by_seed"]])
@@ -335,7 +334,7 @@ def plot_positions(binned: pd.DataFrame, path: str) -> None:
     fig, axes = plt.subplots(1, len(train_lens), figsize=(7 * len(train_lens), 4.5), squeeze=False)
     for ax, train_len in zip(axes[0], train_lens, strict=True):
         of_train_len = binned[binned.train_len == train_len]
-        for pe in sorted(of_train_len.pe.unique(), key=_order):
+        for pe in of_train_len.pe.unique():
             curve = of_train_len[of_train_len.pe == pe]
             center = ((curve.bin_start + 1) * curve.bin_end) ** 0.5  # geometric middle, in 1-based positions
             ax.plot(center, curve.mean_nll, marker="o", ms=3, lw=1, label=pe)
@@ -363,9 +362,8 @@ def _pyplot():
 
 
 def _save_figure(fig, path: str) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp.png"
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=120)
 
 
 def report(folders: list[str], out: str) -> str:

@@ -5,6 +5,7 @@ from torch import nn
 
 from lenext.errors import LengthNotSupported
 from lenext.pe.base import AttentionShape, PositionalEncoding
+from lenext.schema import PositiveInt
 
 
 def sinusoidal_table(length: int, dim: int) -> torch.Tensor:
@@ -35,7 +36,7 @@ class Sinusoidal(PositionalEncoding):
 class Learned(PositionalEncoding):
     """Learned APE (GPT-2, BERT): one trained vector per position below ``max_len``."""
 
-    def __init__(self, shape: AttentionShape, max_len: int | None = None):
+    def __init__(self, shape: AttentionShape, max_len: PositiveInt | None = None):
         super().__init__(shape)
         self.max_len = max_len or shape.train_len
         self.table = nn.Embedding(self.max_len, shape.d_model)

@@ -1,12 +1,14 @@
 """PEs that add a bias to the attention scores: ALiBi, T5 relative buckets, Shaw relative keys."""
 
 import math
+from typing import Annotated
 
 import torch
 from torch import nn
 
 from lenext.errors import ConfigError
 from lenext.pe.base import AttentionShape, PositionalEncoding, relative_offsets
+from lenext.schema import PositiveInt, Range
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
@@ -55,25 +57,28 @@ def t5_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> to
     return torch.where(n < max_exact, n, far)
 
 
-def check_t5_buckets(num_buckets: int, max_distance: int) -> None:
-    """Raise ConfigError unless the buckets are well defined: the log buckets must span distances."""
-    if num_buckets < 2:
-        raise ConfigError(f"pe.num_buckets must be at least 2; got {num_buckets}")
-    if max_distance <= num_buckets // 2:
-        raise ConfigError(
-            f"pe.max_distance must exceed num_buckets // 2 = {num_buckets // 2}, the distances with a bucket "
-            f"of their own; got {max_distance}"
-        )
-
-
 class T5Bias(PositionalEncoding):
     """T5 relative bias: one learned scalar per (bucket, head), shared across layers by default."""
 
     has_score_bias = True
 
-    def __init__(self, shape: AttentionShape, num_buckets: int = 32, max_distance: int = 128, per_layer: bool = False):
+    def __init__(
+        self,
+        shape: AttentionShape,
+        num_buckets: Annotated[int, Range(2)] = 32,
+        max_distance: PositiveInt | None = None,
+        per_layer: bool = False,
+    ):
         super().__init__(shape)
-        check_t5_buckets(num_buckets, max_distance)
+        # null: T5's 128, capped at L_train. A bucket holding only distances >= L_train never gets a
+        # gradient and keeps its initial ~0 at every longer length (measured: README, "Reference results").
+        # At least num_buckets // 2 + 1, so the log buckets exist even for a short L_train.
+        max_distance = max_distance or max(min(128, shape.train_len), num_buckets // 2 + 1)
+        if max_distance <= num_buckets // 2:  # the log buckets must span distances
+            raise ConfigError(
+                f"pe.max_distance={max_distance} is invalid: it must exceed pe.num_buckets // 2 = {num_buckets // 2}, "
+                "the distances with a bucket of their own"
+            )
         self.num_buckets, self.max_distance, self.per_layer = num_buckets, max_distance, per_layer
         self.table = nn.Parameter(torch.randn(shape.n_layers if per_layer else 1, num_buckets, shape.n_heads) * 0.02)
         self.register_buffer("buckets", torch.empty(0, dtype=torch.long), persistent=False)
@@ -124,10 +129,8 @@ class ShawRelative(PositionalEncoding):
 
     has_score_bias = True
 
-    def __init__(self, shape: AttentionShape, k: int = 16, value_term: bool = False):
+    def __init__(self, shape: AttentionShape, k: PositiveInt = 16, value_term: bool = False):
         super().__init__(shape)
-        if k < 1:
-            raise ConfigError(f"pe.k (Shaw clipping distance) must be at least 1; got {k}")
         self.k = k
         table_shape = (shape.n_layers, 2 * k + 1, shape.head_dim)
         self.key_table = nn.Parameter(torch.randn(table_shape) * 0.02)

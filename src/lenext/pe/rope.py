@@ -16,11 +16,13 @@ length L: identity at the training length, the method's own factor beyond it.
 """
 
 import math
+from typing import Annotated, Literal
 
 import torch
 
 from lenext.errors import ConfigError
 from lenext.pe.base import AttentionShape, PositionalEncoding
+from lenext.schema import PositiveFloat, Range
 
 SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn")
 
@@ -72,11 +74,11 @@ class RoPE(PositionalEncoding):
     def __init__(
         self,
         shape: AttentionShape,
-        base: float = 10000.0,
-        scaling: str = "none",
-        factor: float | None = None,
-        beta_fast: float = 32.0,
-        beta_slow: float = 1.0,
+        base: PositiveFloat = 10000.0,
+        scaling: Literal[SCALINGS] = "none",
+        factor: Annotated[float, Range(1)] | None = None,  # null: L / L_train at each length L (dynamic_ntk: max 1)
+        beta_fast: PositiveFloat = 32.0,
+        beta_slow: PositiveFloat = 1.0,
     ):
         super().__init__(shape)
         if shape.head_dim % 2:
@@ -84,8 +86,6 @@ class RoPE(PositionalEncoding):
                 f"RoPE rotates pairs of dimensions: the head dim model.d_model / model.n_heads = {shape.head_dim} "
                 "must be even"
             )
-        if scaling not in SCALINGS:
-            raise ConfigError(f"pe.scaling must be one of {', '.join(SCALINGS)}; got {scaling!r}")
         self.base, self.scaling, self.factor = base, scaling, factor
         self.beta_fast, self.beta_slow = beta_fast, beta_slow
         self.register_buffer("rotations", torch.empty(0, shape.head_dim // 2, dtype=torch.complex64), persistent=False)

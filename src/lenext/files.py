@@ -1,0 +1,39 @@
+"""Files written so that a reader, or a run killed mid-write, finds the previous file or the new one, never half.
+
+Every file lenext writes (checkpoints, tokenizers, results, report tables and plots, benchmarks) goes
+through ``atomic_path``: the writer fills a temporary file in the same folder, which then replaces the
+target in one rename.
+"""
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[str]:
+    """A temporary path next to ``path`` to write to; it replaces ``path`` if the block succeeds and is
+    removed if it fails. ``suffix`` ends the temporary name, for writers that pick a format from it (".png")."""
+    path = os.fspath(path)
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    # A unique name (not path + ".tmp"): two processes writing the same file never share a temporary.
+    descriptor, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=f".tmp{suffix}")
+    os.close(descriptor)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide results from the other users of a shared cluster
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """``text`` into ``path`` through ``atomic_path``, flushed to disk before the rename."""
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

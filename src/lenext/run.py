@@ -1,0 +1,326 @@
+"""A run's lifecycle: check the config, build the objects, train, evaluate, write the results.
+
+``train.py`` and ``eval.py`` (lenext.cli) call ``train`` and ``evaluate_checkpoint``. Both check
+every key (lenext.schema) and build everything they will use, evaluation plan included, before
+reading the corpus: a bad setting costs seconds, never a training run.
+"""
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import hydra
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from lenext import schema
+from lenext.errors import CheckpointError, ConfigError, LenextError
+from lenext.evaluate import RESULTS_FILE, EvalSettings, run_metadata, sweep, sweep_plan, write_results
+from lenext.pe.rope import SCALINGS
+from lenext.schema import Range
+
+log = logging.getLogger("lenext")
+
+
+class WithoutAdvertising(logging.Filter):
+    """Drops Lightning's "Tip: try installing <product>" lines, printed by every Trainer."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+# The logger Lightning's rank_zero_info writes to (lightning_utilities' `log`, as lightning.pytorch sets it).
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(WithoutAdvertising())
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The top-level keys of configs/train.yaml (its groups are declared by what they build)."""
+
+    task_name: str
+    seed: Annotated[int, Range(0, 2**32 - 1)]  # what Lightning's seed_everything accepts
+    ckpt_path: str | None
+    pe_name: str | None = None  # set by ``build``: the PE's config name labels results
+
+
+@dataclass(frozen=True)
+class Paths:
+    """configs/paths/default.yaml."""
+
+    root_dir: str
+    log_dir: str
+    cache_dir: str
+    output_dir: str
+
+
+@dataclass(frozen=True)
+class EvalEntrySettings:
+    """The top-level keys of configs/eval.yaml."""
+
+    task_name: str
+    ckpt: str
+    split: Literal["validation", "test"]
+    precision: Literal["32", "bf16", 32] | None
+
+
+@dataclass(frozen=True)
+class CheckpointPEOverrides:
+    """eval.yaml's ``pe``: evaluation-time RoPE settings; ``as_trained`` keeps the checkpoint's."""
+
+    scaling: Literal[("as_trained", *SCALINGS)]
+    factor: Literal["as_trained"] | Annotated[float, Range(1)] | None
+
+
+TRAIN_NODES = {"eval": EvalSettings, "paths": Paths}
+EVAL_NODES = {**TRAIN_NODES, "pe": CheckpointPEOverrides}
+
+
+def instantiate(node, key: str, **kwargs):
+    """hydra.utils.instantiate of config group ``key``, every error as one line.
+
+    lenext's own errors come out unwrapped; a library's refusal (Lightning's Trainer checks the
+    combination of its settings) is named with the group it came from.
+    """
+    try:
+        return hydra.utils.instantiate(node, **kwargs)
+    except InstantiationException as e:
+        cause = e.__cause__
+        while cause is not None and not isinstance(cause, LenextError) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, LenextError):
+            raise cause from None
+        reason = str(cause or e).strip().splitlines()[0] if str(cause or e).strip() else type(cause).__name__
+        raise ConfigError(f"{key} is invalid: {node.get('_target_')} refused it: {reason}") from e
+
+
+def hydra_config() -> HydraConfig | None:
+    return HydraConfig.get() if HydraConfig.initialized() else None
+
+
+def build_net(run: DictConfig, vocab_size: int):
+    """The Decoder of a run config: the one place a model is built (training, eval.py, pre-flight)."""
+    pe = instantiate(run.pe, "pe")
+    return instantiate(run.model, "model", vocab_size=vocab_size, train_len=run.data.max_len, pe=pe)
+
+
+def preflight(run: DictConfig, nodes: dict[str, type], settings: type) -> None:
+    """Everything a run will use, checked before any work: every key's type and range, the model
+    (relations between keys: heads and width, T5's buckets, RoPE's head size) and the evaluation plan."""
+    schema.check(run, settings, nodes)
+    build_net(run, run.data.vocab_size)  # milliseconds; the real one waits for the tokenizer's vocabulary
+    sweep_plan(run.eval, run.data.max_len)
+
+
+def build(cfg: DictConfig):
+    """Data module, LightningModule and Trainer for a composed training config, after ``preflight``."""
+    preflight(cfg, TRAIN_NODES, TrainSettings)
+    hydra_cfg = hydra_config()
+    with open_dict(cfg):
+        # The PE's config name (rope vs rope_ntk share a class) labels rows in reports.
+        cfg.pe_name = hydra_cfg.runtime.choices.get("pe") if hydra_cfg else cfg.pe._target_.rsplit(".", 1)[-1].lower()
+        if "wandb" in (cfg.get("logger") or {}):
+            cfg.logger.wandb.name = cfg.logger.wandb.name or f"{cfg.pe_name}-L{cfg.data.max_len}-seed{cfg.seed}"
+            if cfg.logger.wandb.group is None and hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN:
+                cfg.logger.wandb.group = os.path.basename(hydra_cfg.sweep.dir)  # one wandb group per sweep
+    # The Trainer first: Lightning checks its settings together (devices, precision, strategy) when built.
+    callbacks = [instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items()]
+    loggers = [instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items()]
+    trainer = instantiate(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False)
+    L.seed_everything(cfg.seed, workers=True)
+    # Validation scores the windows of the sweep's nonoverlap row at L_train: the same measurement.
+    datamodule = instantiate(cfg.data, "data", validation_max_windows=cfg.eval.max_windows)
+    datamodule.load()
+    net = build_net(cfg, datamodule.vocab_size)
+    # run_config holds _target_ keys: passed after instantiation so Hydra does not build it.
+    module = instantiate(cfg.module, "module", _partial_=True, _convert_="all")(
+        net=net, run_config=OmegaConf.to_container(cfg, resolve=True)
+    )
+    return datamodule, module, trainer
+
+
+def completed_results(output_dir: str) -> dict | None:
+    """The run's results if its results file is complete (a finished run a re-launched sweep skips)."""
+    try:
+        with open(os.path.join(output_dir, RESULTS_FILE)) as f:
+            results = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    return results if results.get("complete") else None
+
+
+def resume_checkpoint(cfg: DictConfig) -> str | None:
+    """``ckpt_path`` as given; ``last`` or null -> the run directory's last.ckpt when there is one."""
+    last = os.path.join(cfg.paths.output_dir, "checkpoints", "last.ckpt")
+    if cfg.ckpt_path not in (None, "last"):
+        load_checkpoint(cfg.ckpt_path)  # fail now, with a clear message, if it is unusable
+        return cfg.ckpt_path
+    if os.path.exists(last):
+        log.info("resuming from %s", last)
+        return last
+    if cfg.ckpt_path == "last":
+        raise CheckpointError(f"ckpt_path=last: there is no {last} yet; drop ckpt_path to start afresh")
+    return None
+
+
+def train(cfg: DictConfig) -> dict:
+    """Train, report validation perplexity at L_train, then sweep evaluation lengths. Returns the metrics.
+
+    A run whose output folder already holds a complete results file is skipped, and one with a
+    last.ckpt resumes from it: re-launching an interrupted sweep redoes only what did not finish.
+    """
+    done = completed_results(cfg.paths.output_dir)
+    if done:
+        first = done["rows"][0]
+        print(f"skipping {cfg.paths.output_dir}: its {RESULTS_FILE} is complete")
+        return {"val/ppl": first["ppl"], "val/loss": first["mean_nll"], "skipped": True}
+    datamodule, module, trainer = build(cfg)
+    n_params = sum(p.numel() for p in module.net.parameters())
+    log.info("model: %.2fM parameters, PE %s, L_train %d", n_params / 1e6, module.net.pe.describe(), cfg.data.max_len)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_checkpoint(cfg))
+    metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    measured = validation_scope(cfg, int(metrics["val/windows"]), len(datamodule.val_dataloader().dataset))
+    print(
+        f"validation perplexity at L_train={cfg.data.max_len} over {measured}: {metrics['val/ppl']:.2f} "
+        f"(loss {metrics['val/loss']:.4f}, pe={cfg.pe_name})"
+    )
+    if cfg.eval.enabled and not cfg.trainer.get("fast_dev_run"):
+        tokens = module.tokens_trained()
+        precision = "bf16" if str(trainer.precision).startswith("bf16") else "32"
+        speed = module.train_tokens / module.train_seconds * trainer.world_size if module.train_seconds else None
+        path = evaluate_and_write(
+            cfg,
+            module.net,
+            datamodule,
+            "validation",
+            tokens,
+            cfg.paths.output_dir,
+            precision,
+            {"train_tokens_per_s": speed},
+        )
+        log_results_to_wandb(trainer, path)
+    return metrics
+
+
+def validation_scope(cfg: DictConfig, scored: int, available: int) -> str:
+    """What the final validation measured, ``N windows (...)``: the sweep's nonoverlap 1x row, or what it lacks.
+
+    Validation scores the windows that row scores (same documents, same eval.max_windows thinning),
+    so the two perplexities agree unless validation was cut short or the sweep has no such row.
+    """
+    if scored < available:
+        return (
+            f"{scored} of the {available} windows of the nonoverlap 1x row "
+            "(cut short by trainer.limit_val_batches or fast_dev_run)"
+        )
+    plan = sweep_plan(cfg.eval, cfg.data.max_len)
+    in_sweep = (
+        cfg.eval.enabled
+        and not cfg.trainer.get("fast_dev_run")
+        and "nonoverlap" in plan.protocols
+        and cfg.data.max_len in plan.lengths
+    )
+    row = "the sweep's nonoverlap 1x row" if in_sweep else "those of a nonoverlap 1x row, which this sweep lacks"
+    return f"{scored} windows ({row})"
+
+
+def log_results_to_wandb(trainer, results_path: str) -> None:
+    """The evaluation rows as a wandb Table (key eval/results) when logging to wandb."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger) and results_path:
+            with open(results_path) as f:
+                rows = json.load(f)["rows"]
+            columns = list(rows[0])
+            logger.log_table(key="eval/results", columns=columns, data=[[r[c] for c in columns] for r in rows])
+
+
+def evaluate_and_write(
+    cfg: DictConfig,
+    net,
+    datamodule,
+    split: str,
+    tokens_trained,
+    output_dir: str,
+    precision: str,
+    extra_meta: dict | None = None,
+) -> str:
+    """Run the length sweep on ``split`` and write results.json (+ positions.csv) into ``output_dir``."""
+    rows, curves = sweep(net, datamodule.splits[split], cfg.data.max_len, cfg.eval, precision)
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank():
+        return ""
+    run_config = OmegaConf.to_container(cfg, resolve=True)
+    meta = {**run_metadata(run_config, net, datamodule, split, tokens_trained), **(extra_meta or {})}
+    path = write_results(output_dir, meta, rows, curves)
+    print(format_rows(rows))
+    print(f"results: {path}")
+    return path
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = [f"{'protocol':<10} {'scaling':<11} {'L_eval':>7} {'ppl':>10} {'tokens':>9} {'windows':>7}  status"]
+    for r in rows:
+        ppl = f"{r['ppl']:.3f}" if r["ppl"] is not None else "-"
+        lines.append(
+            f"{r['protocol']:<10} {r['scaling'] or '-':<11} {r['length']:>7} {ppl:>10} {r['tokens']:>9} "
+            f"{r['windows']:>7}  {r['status']}" + (f" ({r['reason']})" if r.get("reason") else "")
+        )
+    return "\n".join(lines)
+
+
+def load_checkpoint(path: str) -> dict:
+    """The checkpoint dict, or a CheckpointError that says what is wrong with the file."""
+    if not path or not os.path.isfile(path):
+        raise CheckpointError(
+            f"ckpt={path!r} does not exist: pass the path of a .ckpt file from a training run "
+            "(logs/train/runs/<time>/checkpoints/last.ckpt)"
+        )
+    try:
+        # Full unpickling, as Lightning does: Lightning checkpoints hold more than tensors. Load only your own runs.
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # truncated zip, pickle garbage, ...: all mean the file is not usable
+        raise CheckpointError(
+            f"ckpt={path!r} cannot be read ({type(e).__name__}): the file is truncated or "
+            "not a PyTorch checkpoint; use another checkpoint of the run"
+        ) from e
+    if not isinstance(checkpoint, dict) or "run_config" not in checkpoint.get("hyper_parameters", {}):
+        raise CheckpointError(f"ckpt={path!r} is not a lenext checkpoint (no run configuration inside)")
+    return checkpoint
+
+
+def evaluate_checkpoint(cfg: DictConfig) -> str:
+    """eval.py: rebuild the model from a checkpoint, apply eval-time PE overrides, sweep, write results."""
+    schema.check(cfg, EvalEntrySettings, EVAL_NODES)
+    checkpoint = load_checkpoint(cfg.ckpt)
+    run = OmegaConf.create(checkpoint["hyper_parameters"]["run_config"])
+    for key, value in cfg.pe.items():
+        if value != "as_trained":
+            if key not in run.pe:
+                raise ConfigError(f"pe.{key} does not apply to this checkpoint's PE ({run.pe._target_})")
+            run.pe[key] = value
+    run.eval, run.paths = cfg.eval, cfg.paths
+    # What evaluation uses of the run; the other keys belong to training and to the code that trained it.
+    preflight(OmegaConf.masked_copy(run, ["data", "model", "pe", "eval", "paths"]), TRAIN_NODES, None)
+    datamodule = instantiate(run.data, "data")
+    datamodule.load()
+    net = build_net(run, datamodule.vocab_size)
+    state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()}
+    net.load_state_dict(state)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision = cfg.precision or ("bf16" if device.type == "cuda" else "32")
+    return evaluate_and_write(
+        run,
+        net.to(device),
+        datamodule,
+        cfg.split,
+        checkpoint.get("tokens_trained"),  # absent from checkpoints written before it was kept
+        cfg.paths.output_dir,
+        precision,
+        {"checkpoint": os.path.abspath(cfg.ckpt)},
+    )

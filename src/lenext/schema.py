@@ -1,0 +1,215 @@
+"""Every config key's type and range, declared once, checked before any work.
+
+A group built by hydra.utils.instantiate declares its keys in the signature of its ``_target_``: the
+annotation is the type, and ``Annotated[int, Range(1)]`` adds a range (lenext's classes use the
+aliases below). Lightning's classes bring their own annotations; ``LIBRARY_RANGES`` adds the
+ranges of the keys lenext's configs set. A node without a target is declared by a dataclass
+(``eval`` by ``EvalSettings``; the top level by the entry point's settings class).
+
+``check`` walks a composed config and raises a ConfigError naming the first key that is missing,
+unknown, of the wrong type or out of range. Relations between keys (heads dividing the width, T5's
+buckets, last_k and the lengths) are checked by the objects that use them, built before any work.
+"""
+
+import dataclasses
+import datetime
+import inspect
+import pathlib
+import types
+import typing
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
+
+from hydra.utils import get_object
+from lightning.pytorch.accelerators import AcceleratorRegistry
+from lightning.pytorch.strategies import StrategyRegistry
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lenext.errors import ConfigError
+
+HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
+
+
+@dataclass(frozen=True)
+class Range:
+    """low <= value <= high (either bound optional; ``open_low`` / ``open_high`` make it strict)."""
+
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+
+    def holds(self, value) -> bool:
+        if self.low is not None and (value <= self.low if self.open_low else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.open_high else value <= self.high)
+
+    def __str__(self) -> str:
+        low, high = (str(int(b)) if float(b).is_integer() else f"{b:g}" for b in (self.low or 0, self.high or 0))
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.open_low else '['}{low}, {high}{')' if self.open_high else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.open_low else '>='} {low}"
+        return f"{'<' if self.open_high else '<='} {high}"
+
+
+PositiveInt = Annotated[int, Range(1)]
+NonNegativeInt = Annotated[int, Range(0)]
+PositiveFloat = Annotated[float, Range(0, open_low=True)]
+NonNegativeFloat = Annotated[float, Range(0)]
+Probability = Annotated[float, Range(0, 1, open_high=True)]  # dropout: 1 would drop everything
+Fraction = Annotated[float, Range(0, 1, open_low=True)]
+
+# Lightning checks these only when its objects are built, some as a traceback; lenext checks them first.
+LIBRARY_RANGES = {
+    "lightning.Trainer": {
+        "accelerator": Literal[("auto", "gpu", *sorted(AcceleratorRegistry.available_accelerators()))],
+        "strategy": Literal[("auto", *StrategyRegistry.available_strategies())],
+        "max_steps": PositiveInt,
+        "devices": PositiveInt | Literal["auto"] | list[NonNegativeInt],
+        "val_check_interval": PositiveInt | Fraction | None,
+        "limit_val_batches": PositiveInt | Fraction | None,
+        "gradient_clip_val": NonNegativeFloat | None,
+        "log_every_n_steps": PositiveInt | None,
+        "num_sanity_val_steps": Annotated[int, Range(-1)] | None,  # -1: all
+        "check_val_every_n_epoch": PositiveInt | None,
+    },
+    "lightning.pytorch.callbacks.ModelCheckpoint": {
+        "save_top_k": Annotated[int, Range(-1)],  # -1: every checkpoint
+        "every_n_train_steps": PositiveInt | None,
+        "mode": Literal["min", "max"],
+    },
+    "lightning.pytorch.callbacks.LearningRateMonitor": {"logging_interval": Literal["step", "epoch"] | None},
+    "lightning.pytorch.loggers.WandbLogger": {"group": str | None},  # passed on to wandb.init
+}
+
+
+def check(cfg: DictConfig, settings: type, declared: dict[str, type]) -> None:
+    """Raise ConfigError on the first bad key of ``cfg``; ``settings`` declares the top level's own keys,
+    ``declared`` the target-less nodes by their key (``{"eval": EvalSettings}``)."""
+    _check_node(cfg, "", settings, declared)
+
+
+def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]) -> None:
+    target = node.get("_target_") if "_target_" in node else None
+    if target is not None:
+        declarer = get_object(target)
+    parameters = _parameters(declarer) if declarer is not None else None
+    # A node's own values before its sub-nodes: `seed=-1` is named as itself, not as data.seed.
+    for key in sorted(node, key=lambda k: OmegaConf.is_config(node._get_node(k))):
+        if key in HYDRA_KEYS or key == "hydra":
+            continue
+        full = f"{path}.{key}" if path else str(key)
+        if OmegaConf.is_missing(node, key):
+            expected = f": it must be {describe(parameters[key])}" if parameters and key in parameters else ""
+            raise ConfigError(f"{full} is required{expected}; set it on the command line ({full}=...)")
+        try:
+            value = node[key]
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"{full} cannot be resolved: {str(e).splitlines()[0]}") from None
+        expected = LIBRARY_RANGES.get(target, {}).get(key) or (parameters or {}).get(key)
+        # Sub-nodes are checked on their own, unless the declarer types the key (a mapping it takes as a value).
+        if isinstance(value, DictConfig) and ("_target_" in value or full in declared or expected is None):
+            if parameters and "**" in parameters and "_target_" not in value:
+                continue  # a mapping passed on as a keyword the declarer does not name (e.g. to wandb.init)
+            _check_node(value, full, declared.get(full), declared)
+            continue
+        if isinstance(value, ListConfig) and any(isinstance(v, DictConfig) and "_target_" in v for v in value):
+            for i, item in enumerate(value):
+                _check_node(item, f"{full}[{i}]", None, declared)
+            continue
+        if parameters is None:
+            raise ConfigError(f"{full} is not a setting lenext knows; remove it")
+        if OmegaConf.is_interpolation(node, key):
+            continue  # a copy of another key (data.seed: ${seed}), checked where the user sets it
+        if expected is None:
+            if "**" in parameters:
+                continue  # passed on as a keyword the declarer does not name
+            known = ", ".join(sorted(k for k in parameters if k != "**"))
+            raise ConfigError(f"{full} is not a setting of {target or 'this config'}; the settings there: {known}")
+        if not conforms(value, expected):
+            shown = OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
+            raise ConfigError(f"{full}={shown!r} is invalid: it must be {describe(expected)}")
+
+
+def _parameters(declarer) -> dict[str, Any]:
+    """Name -> annotation of what ``declarer`` accepts; key ``**`` when it takes any keyword."""
+    function = declarer.__init__ if inspect.isclass(declarer) else declarer
+    try:
+        hints = typing.get_type_hints(function, include_extras=True)
+    except NameError:  # one annotation names a type not importable here (wandb's Run): take them as written
+        hints = {}
+    parameters = {}
+    for name, parameter in inspect.signature(declarer).parameters.items():
+        if parameter.kind == inspect.Parameter.VAR_KEYWORD:
+            parameters["**"] = Any
+        elif parameter.kind != inspect.Parameter.VAR_POSITIONAL:
+            written = parameter.annotation if parameter.annotation is not inspect.Parameter.empty else Any
+            parameters[name] = hints.get(name, written)
+    if dataclasses.is_dataclass(declarer):
+        parameters.update({f.name: hints.get(f.name, Any) for f in dataclasses.fields(declarer)})
+    return parameters
+
+
+def conforms(value, annotation) -> bool:
+    """Whether a config value is of ``annotation`` (the typing forms configs use), ranges included."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any or isinstance(annotation, typing.TypeVar | typing.ForwardRef | str):
+        return True
+    if origin is Annotated:
+        return conforms(value, args[0]) and all(r.holds(value) for r in args[1:] if isinstance(r, Range))
+    if origin is Union or origin is types.UnionType:
+        return any(conforms(value, a) for a in args)
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if annotation is type(None) or annotation is None:
+        return value is None
+    if origin in (list, tuple, Sequence, Iterable) or annotation in (list, tuple):
+        if not isinstance(value, ListConfig | list | tuple):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(conforms(v, a) for v, a in zip(value, args, strict=True))
+        return not args or all(conforms(v, args[0]) for v in value)
+    if origin is dict or annotation is dict:
+        return isinstance(value, DictConfig | dict)
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if annotation in (str, pathlib.Path):
+        return isinstance(value, str)
+    if annotation is datetime.timedelta:
+        return isinstance(value, DictConfig | dict)
+    if origin is Callable or annotation is Callable:
+        return isinstance(value, DictConfig) and "_target_" in value
+    if inspect.isclass(annotation):  # an object: given as a node with a target (checked on its own)
+        return isinstance(value, annotation) or (isinstance(value, DictConfig) and "_target_" in value)
+    return True
+
+
+def describe(annotation) -> str:
+    """What a value of ``annotation`` is, for the one-line error."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        ranges = " ".join(str(r) for r in args[1:] if isinstance(r, Range))
+        return f"{describe(args[0])} {ranges}".strip()
+    if origin is Union or origin is types.UnionType:
+        literals = [v for a in args if typing.get_origin(a) is Literal for v in typing.get_args(a)]
+        others = [describe(a) for a in args if typing.get_origin(a) is not Literal]
+        return " or ".join(dict.fromkeys(others + ([describe(Literal[tuple(literals)])] if literals else [])))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if annotation is type(None) or annotation is None:
+        return "null"
+    if origin in (list, tuple, Sequence, Iterable) or annotation in (list, tuple):
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return f"a list of {len(args)}: [{', '.join(describe(a) for a in args)}]"
+        return f"a list of ({describe(args[0])})" if args else "a list"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", pathlib.Path: "a path"}
+    if annotation in names:
+        return names[annotation]
+    return f"a {getattr(annotation, '__name__', str(annotation))} config node"

@@ -1,0 +1,138 @@
+"""Every key of every composed config: a wrong type or an out-of-range value is refused in one line that
+names the key, before anything is read or written."""
+
+import copy
+import os
+from typing import Annotated, Literal
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from lenext.cli import CONFIG_DIR
+from lenext.errors import ConfigError
+from lenext.run import TRAIN_NODES, TrainSettings, evaluate_checkpoint, preflight, train
+from lenext.schema import Range, conforms, describe
+
+# Every option of every group is composed at least once: all PEs, corpora, loggers, trainers, presets.
+CONFIGS = [
+    ["logger=[csv,tensorboard,wandb]"],
+    *[[f"pe={os.path.splitext(p)[0]}"] for p in sorted(os.listdir(os.path.join(CONFIG_DIR, "pe")))],
+    ["data=text_files", "data.corpus.path=/nowhere"],
+    ["data=wikitext103"],
+    ["data=pg19"],
+    ["trainer=ddp_sim"],
+    ["trainer=ddp"],
+    ["experiment=quick"],
+    ["experiment=extrapolation_small"],
+]
+
+
+# Keys whose every string is valid (names and paths): they get only the wrong type.
+FREE_TEXT = {"name", "project", "path", "text_field", "filename", "monitor", "version", "task_name"}
+FREE_TEXT |= {"root_dir", "log_dir", "cache_dir", "output_dir"}
+
+
+def leaves(node, prefix=""):
+    """Full keys of the values a user can set (not the targets)."""
+    for key in node:
+        if key in ("_target_", "_partial_", "hydra"):
+            continue
+        full = f"{prefix}.{key}" if prefix else str(key)
+        child = node._get_node(key)
+        if OmegaConf.is_dict(child):
+            yield from leaves(node[key], full)
+        elif not (OmegaConf.is_list(child) and any(OmegaConf.is_dict(item) for item in child)):
+            yield full, child
+
+
+def compose_with(config: str, overrides: list[str], tmp_path):
+    paths = [f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path}/out", f"paths.cache_dir={tmp_path}/cache"]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config, overrides=[*paths, *overrides])
+
+
+def wrong_values(node) -> list:
+    """A value of a type no key takes, and, for a number or a choice, one outside any range lenext accepts."""
+    value = node._value()
+    wrong = [{"not": ["a value"]}]
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        wrong.append(-2)  # below every range (even the ones where -1 means "all")
+    elif isinstance(value, str) and not OmegaConf.is_interpolation(node._get_parent(), node._key()):
+        if node._key() not in FREE_TEXT:
+            wrong.append("not-a-choice")
+    return wrong
+
+
+def assert_refused(check, key):
+    """``check`` raises a one-line ConfigError that begins with the key (preflight: nothing can be written)."""
+    with pytest.raises(ConfigError) as refused:
+        check()
+    message = str(refused.value)
+    assert (message.startswith(f"{key}=") or message.startswith(f"{key} ")) and "\n" not in message, message
+
+
+@pytest.mark.parametrize("overrides", CONFIGS, ids=lambda o: " ".join(o))
+def test_every_train_key_refuses_a_wrong_type_and_an_out_of_range_value(overrides, tmp_path):
+    checked, composed = 0, compose_with("train", overrides, tmp_path)
+    for key, node in leaves(composed):
+        if OmegaConf.is_interpolation(node._get_parent(), node._key()):
+            continue  # a copy of another key, refused where the user sets it
+        for wrong in wrong_values(node):
+            cfg = copy.deepcopy(composed)
+            OmegaConf.update(cfg, key, wrong, merge=False)
+            assert_refused(lambda: preflight(cfg, TRAIN_NODES, TrainSettings), key)  # noqa: B023 (called at once)
+            checked += 1
+    assert checked > 40
+
+
+def test_every_eval_key_refuses_a_wrong_value(tmp_path):
+    composed = compose_with("eval", ["ckpt=/no/such.ckpt"], tmp_path)
+    for key, node in leaves(composed):
+        if key == "ckpt" or OmegaConf.is_interpolation(node._get_parent(), node._key()):
+            continue  # ckpt is checked as a file (test_reliability)
+        for wrong in wrong_values(node):
+            cfg = copy.deepcopy(composed)
+            OmegaConf.update(cfg, key, wrong, merge=False)
+            assert_refused(lambda: evaluate_checkpoint(cfg), key)  # noqa: B023 (called at once)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("eval.protocol=slidng", "eval.protocol='slidng' is invalid: it must be a list of (one of 'nonoverlap'"),
+        ("eval.last_k=1000", "eval.last_k=1000 is invalid: it must be at most the shortest length, 128"),
+        ("eval.rope_scalings=[ntk,bogus]", "eval.rope_scalings=['ntk', 'bogus'] is invalid"),
+        ("seed=-1", "seed=-1 is invalid: it must be an integer in [0, 4294967295]"),
+        ("model.dropout=2", "model.dropout=2 is invalid: it must be a number in [0, 1)"),
+        ("+model.depth=3", "model.depth is not a setting of lenext.model.Decoder; the settings there: d_model"),
+        ("+foo=1", "foo is not a setting of this config; the settings there: ckpt_path, pe_name, seed, task_name"),
+        ("trainer.max_steps=0", "trainer.max_steps=0 is invalid: it must be an integer >= 1"),
+        ("data=text_files", "data.corpus.path is required: it must be a string; set it on the command line"),
+    ],
+)
+def test_the_reported_bad_settings_are_refused_with_what_they_must_be(override, message, tmp_path):
+    """train() runs the pre-flight before anything else: nothing is read, tokenized or written."""
+    with pytest.raises(ConfigError) as refused:
+        train(compose_with("train", [override], tmp_path))
+    assert str(refused.value).startswith(message)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+def test_eval_without_a_checkpoint_says_to_give_one(tmp_path):
+    with pytest.raises(ConfigError, match=r"^ckpt is required: it must be a string; set it on the command line"):
+        evaluate_checkpoint(compose_with("eval", [], tmp_path))
+
+
+def test_types_and_ranges_follow_the_annotations():
+    within = Annotated[float, Range(0, 1, open_high=True)]
+    assert conforms(0.0, within) and conforms(0, within) and not conforms(1.0, within) and not conforms(True, within)
+    assert conforms(3, int) and not conforms(3.0, int) and not conforms(True, int) and conforms(True, bool)
+    assert conforms(None, int | None) and not conforms("3", int | None)
+    assert conforms([0.9, 0.95], tuple[float, float]) and not conforms([0.9], tuple[float, float])
+    assert conforms(["ntk"], list[Literal["ntk", "yarn"]]) and not conforms(["ntk", "x"], list[Literal["ntk", "yarn"]])
+    assert not conforms(1, Literal["1"]) and not conforms(True, Literal[1])  # 1 == True, but not the same setting
+    assert describe(Annotated[int, Range(1)] | None) == "an integer >= 1 or null"
+    assert describe(Literal["a", "b"] | None) == "null or one of 'a', 'b'"
+    assert str(Range(0, 1, open_low=True)) == "in (0, 1]" and str(Range(high=2, open_high=True)) == "< 2"
