@@ -10,6 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 import lenext.attention
+import lenext.attention.band
 from lenext.evaluate import evaluate_length, sweep, windows_for
 from lenext.model import Decoder
 from lenext.pe import ALiBi, Learned, RoPE, T5Bias
@@ -103,7 +104,7 @@ def test_query_chunked_evaluation_equals_unchunked(pe, monkeypatch):
     whole = evaluate_length(net, docs, windows, 64, 256, per_position=True)
     # Blocks of 5 rows: BandedAttention's steps (T5), the explicit path's query blocks (Shaw with a^V,
     # and ALiBi once its fused kernel is taken away).
-    monkeypatch.setattr(lenext.attention, "BAND_ROWS", 5)
+    monkeypatch.setattr(lenext.attention.band, "BAND_ROWS", 5)
     monkeypatch.setattr(lenext.attention, "SCORE_BLOCK_ELEMENTS", 4 * 64 * 5)
     monkeypatch.setattr(lenext.attention, "fused_mask_with_causal", lambda device_type: False)
     chunked = evaluate_length(net, docs, windows, 64, 256, per_position=True)

@@ -13,6 +13,7 @@ import torch
 from torch.testing import assert_close
 
 import lenext.attention as attention_module
+import lenext.attention.band as band_module
 from lenext.attention import causal_attention
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.model import Decoder
@@ -443,7 +444,7 @@ def naive_biased_attention(q, k, v, pe, layer: int) -> torch.Tensor:
 
 
 BLOCKINGS = {  # (BandedAttention's BAND_ROWS, the explicit path's query rows per block) for L rows
-    "default": lambda length: (attention_module.BAND_ROWS, None),
+    "default": lambda length: (band_module.BAND_ROWS, None),
     "small": lambda length: (5, max(2, length // 3)),  # T5's band (W 113) spans many 5-row steps
     "single_row": lambda length: (1, 1),
 }
@@ -451,7 +452,7 @@ BLOCKINGS = {  # (BandedAttention's BAND_ROWS, the explicit path's query rows pe
 
 def use_blocking(monkeypatch, blocking: str, length: int, batch: int = BATCH) -> None:
     band_rows, query_rows = BLOCKINGS[blocking](length)
-    monkeypatch.setattr(attention_module, "BAND_ROWS", band_rows)
+    monkeypatch.setattr(band_module, "BAND_ROWS", band_rows)
     if query_rows is not None:
         monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", batch * HEADS * length * query_rows)
 

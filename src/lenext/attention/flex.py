@@ -1,0 +1,45 @@
+"""FlexAttention glue: the compiled kernel and the causal BlockMask (CUDA score_mod path)."""
+
+from functools import cache
+
+import torch
+
+# FlexAttention runs score-bias PEs on CUDA without any (L, L) tensor. torch 2.6 is the first
+# version whose backward reaches tensors a score_mod captures (the T5 table, Shaw's q . a^K).
+flex_attention = None
+if torch.__version__ >= "2.6":
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+FLEX_BLOCK = 128  # FlexAttention's sparse block size (its default)
+
+
+@cache
+def compiled_flex_attention():
+    """flex_attention compiled once, on first use: uncompiled it materializes all (L, L) scores."""
+    return torch.compile(flex_attention)
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@cache
+def causal_block_mask(length: int, device: torch.device) -> "BlockMask":
+    """The causal BlockMask, built from its block structure.
+
+    create_block_mask would evaluate ``causal`` at all L^2 positions (20 s / 10 GB at 32k on CPU).
+    Query block i sees key blocks 0..i-1 whole and its diagonal block i through ``causal``;
+    flex itself bounds rows and keys past ``length`` in the last block.
+    """
+    blocks = -(-length // FLEX_BLOCK)
+    index = torch.arange(blocks, dtype=torch.int32, device=device)
+    in_order = index.expand(blocks, blocks).contiguous()[None, None]  # (1, 1, n, n): every row lists 0..n-1
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks=torch.ones_like(index)[None, None],  # row i: one partial block,
+        kv_indices=in_order.transpose(-2, -1).contiguous(),  # block i
+        full_kv_num_blocks=index[None, None],  # and i full blocks,
+        full_kv_indices=in_order,  # blocks 0..i-1
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=causal,
+        seq_lengths=(length, length),
+    )
