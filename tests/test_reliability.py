@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lenext.errors import LenextError
-from lenext.files import write_atomic
+from lenext.files import atomic_path, write_atomic
 from lenext.model import Decoder
 from lenext.module import AtomicCheckpointIO, LanguageModel
 from lenext.pe import NoPE
@@ -92,6 +92,7 @@ def test_atomic_write_keeps_the_previous_file_when_interrupted(tmp_path, monkeyp
     with pytest.raises(KeyboardInterrupt):
         write_atomic(str(path), "new")
     assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # the temporary file removed
 
 
 def test_checkpoints_are_never_left_half_written(tmp_path, monkeypatch):
@@ -103,6 +104,7 @@ def test_checkpoints_are_never_left_half_written(tmp_path, monkeypatch):
         io.save_checkpoint({"state_dict": {"w": torch.zeros(2)}}, str(target))
     monkeypatch.undo()
     assert torch.load(target, weights_only=False)["state_dict"]["w"].tolist() == [1.0, 1.0]
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # the temporary file removed
 
 
 def test_non_finite_loss_stops_with_the_step_named():
@@ -166,7 +168,7 @@ def test_random_configs_either_work_or_fail_with_a_lenext_error(
         overrides.append(pe_extra)
     try:
         cfg = compose_train(*overrides)
-        datamodule, module, trainer = build(cfg)
+        datamodule, module, _, _ = build(cfg)
         tokens = torch.randint(0, datamodule.vocab_size, (2, cfg.data.max_len + 1))
         assert torch.isfinite(module.token_nll(tokens)).all()
         next(iter(datamodule.train_dataloader()))
@@ -193,9 +195,7 @@ def test_checkpoint_problems_are_named(tmp_path):
         load_checkpoint(str(other))
 
 
-def test_an_interrupted_write_leaves_no_temporary_file_behind(tmp_path, monkeypatch):
-    from lenext.files import atomic_path
-
+def test_an_interrupted_write_leaves_no_temporary_file_behind(tmp_path):
     (tmp_path / "plot.png").write_text("old")
     with pytest.raises(RuntimeError), atomic_path(tmp_path / "plot.png", suffix=".png") as tmp:
         assert tmp.endswith(".png") and os.path.dirname(tmp) == str(tmp_path)  # same folder: the rename is atomic

@@ -101,7 +101,10 @@ def test_every_eval_key_refuses_a_wrong_value(tmp_path):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("eval.protocol=slidng", "eval.protocol='slidng' is invalid: it must be a list of (one of 'nonoverlap'"),
+        (
+            "eval.protocol=slidng",
+            "eval.protocol='slidng' is invalid: it must be one of 'nonoverlap', 'sliding', 'last_k' or a list of",
+        ),
         ("eval.last_k=1000", "eval.last_k=1000 is invalid: it must be at most the shortest length, 128"),
         ("eval.rope_scalings=[ntk,bogus]", "eval.rope_scalings=['ntk', 'bogus'] is invalid"),
         ("seed=-1", "seed=-1 is invalid: it must be an integer in [0, 4294967295]"),
@@ -134,5 +137,5 @@ def test_types_and_ranges_follow_the_annotations():
     assert conforms(["ntk"], list[Literal["ntk", "yarn"]]) and not conforms(["ntk", "x"], list[Literal["ntk", "yarn"]])
     assert not conforms(1, Literal["1"]) and not conforms(True, Literal[1])  # 1 == True, but not the same setting
     assert describe(Annotated[int, Range(1)] | None) == "an integer >= 1 or null"
-    assert describe(Literal["a", "b"] | None) == "null or one of 'a', 'b'"
+    assert describe(Literal["a", "b"] | None) == "one of 'a', 'b' or null"
     assert str(Range(0, 1, open_low=True)) == "in (0, 1]" and str(Range(high=2, open_high=True)) == "< 2"

@@ -30,6 +30,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, tmp, storage_options)
 
 
+def tokens_trained(trainer: L.Trainer, data: dict) -> int:
+    """Training tokens after ``trainer.global_step`` optimizer steps, all ranks and accumulated batches together."""
+    per_step = data["batch_size"] * data["max_len"] * trainer.accumulate_grad_batches * trainer.world_size
+    return trainer.global_step * per_step
+
+
 class LanguageModel(L.LightningModule):
     """Trains a ``Decoder``; logs ``train/loss``, ``val/loss``, ``val/ppl`` (at L_train) and ``val/windows``.
 
@@ -55,13 +61,9 @@ class LanguageModel(L.LightningModule):
         self.val_windows = SumMetric()
         self.train_seconds, self.train_tokens = 0.0, 0  # time inside training steps, for tokens/s
 
-    def tokens_trained(self) -> int:
-        """Training tokens so far, all ranks together (kept in checkpoints for eval.py's results)."""
-        data = self.hparams.run_config["data"]
-        return self.trainer.global_step * data["batch_size"] * data["max_len"] * self.trainer.world_size
-
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["tokens_trained"] = self.tokens_trained()
+        if self.hparams.run_config:  # kept for eval.py's results files
+            checkpoint["tokens_trained"] = tokens_trained(self.trainer, self.hparams.run_config["data"])
 
     def on_fit_start(self) -> None:
         warn_if_precision_is_slow(self.trainer.precision, self.device)

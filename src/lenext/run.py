@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lenext import schema
 from lenext.errors import CheckpointError, ConfigError, LenextError
 from lenext.evaluate import RESULTS_FILE, EvalSettings, run_metadata, sweep, sweep_plan, write_results
+from lenext.module import tokens_trained
 from lenext.pe.rope import SCALINGS
 from lenext.schema import Range
 
@@ -118,7 +119,8 @@ def preflight(run: DictConfig, nodes: dict[str, type], settings: type) -> None:
 
 
 def build(cfg: DictConfig):
-    """Data module, LightningModule and Trainer for a composed training config, after ``preflight``."""
+    """Data module, LightningModule, Trainer and the checkpoint to resume from (or None) for a composed
+    training config, each setting checked (``preflight``, the checkpoint) before the corpus is read."""
     preflight(cfg, TRAIN_NODES, TrainSettings)
     hydra_cfg = hydra_config()
     with open_dict(cfg):
@@ -132,6 +134,7 @@ def build(cfg: DictConfig):
     callbacks = [instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items()]
     loggers = [instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items()]
     trainer = instantiate(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False)
+    resume_from = resume_checkpoint(cfg)
     L.seed_everything(cfg.seed, workers=True)
     # Validation scores the windows of the sweep's nonoverlap row at L_train: the same measurement.
     datamodule = instantiate(cfg.data, "data", validation_max_windows=cfg.eval.max_windows)
@@ -141,7 +144,7 @@ def build(cfg: DictConfig):
     module = instantiate(cfg.module, "module", _partial_=True, _convert_="all")(
         net=net, run_config=OmegaConf.to_container(cfg, resolve=True)
     )
-    return datamodule, module, trainer
+    return datamodule, module, trainer, resume_from
 
 
 def completed_results(output_dir: str) -> dict | None:
@@ -179,10 +182,10 @@ def train(cfg: DictConfig) -> dict:
         first = done["rows"][0]
         print(f"skipping {cfg.paths.output_dir}: its {RESULTS_FILE} is complete")
         return {"val/ppl": first["ppl"], "val/loss": first["mean_nll"], "skipped": True}
-    datamodule, module, trainer = build(cfg)
+    datamodule, module, trainer, resume_from = build(cfg)
     n_params = sum(p.numel() for p in module.net.parameters())
     log.info("model: %.2fM parameters, PE %s, L_train %d", n_params / 1e6, module.net.pe.describe(), cfg.data.max_len)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_checkpoint(cfg))
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
     metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     measured = validation_scope(cfg, int(metrics["val/windows"]), len(datamodule.val_dataloader().dataset))
     print(
@@ -190,7 +193,7 @@ def train(cfg: DictConfig) -> dict:
         f"(loss {metrics['val/loss']:.4f}, pe={cfg.pe_name})"
     )
     if cfg.eval.enabled and not cfg.trainer.get("fast_dev_run"):
-        tokens = module.tokens_trained()
+        tokens = tokens_trained(trainer, cfg.data)
         precision = "bf16" if str(trainer.precision).startswith("bf16") else "32"
         speed = module.train_tokens / module.train_seconds * trainer.world_size if module.train_seconds else None
         path = evaluate_and_write(

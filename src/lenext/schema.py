@@ -200,7 +200,7 @@ def describe(annotation) -> str:
     if origin is Union or origin is types.UnionType:
         literals = [v for a in args if typing.get_origin(a) is Literal for v in typing.get_args(a)]
         others = [describe(a) for a in args if typing.get_origin(a) is not Literal]
-        return " or ".join(dict.fromkeys(others + ([describe(Literal[tuple(literals)])] if literals else [])))
+        return " or ".join(dict.fromkeys(([describe(Literal[tuple(literals)])] if literals else []) + others))
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
     if annotation is type(None) or annotation is None:
