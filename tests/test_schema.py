@@ -81,7 +81,7 @@ def test_every_train_key_refuses_a_wrong_type_and_an_out_of_range_value(override
         for wrong in wrong_values(node):
             cfg = copy.deepcopy(composed)
             OmegaConf.update(cfg, key, wrong, merge=False)
-            assert_refused(lambda: preflight(cfg, TRAIN_NODES, TrainSettings), key)  # noqa: B023 (called at once)
+            assert_refused(lambda: preflight(cfg, TrainSettings, TRAIN_NODES), key)  # noqa: B023 (called at once)
             checked += 1
     assert checked > 40
 
@@ -110,7 +110,7 @@ def test_every_eval_key_refuses_a_wrong_value(tmp_path):
         ("seed=-1", "seed=-1 is invalid: it must be an integer in [0, 4294967295]"),
         ("model.dropout=2", "model.dropout=2 is invalid: it must be a number in [0, 1)"),
         ("+model.depth=3", "model.depth is not a setting of lenext.model.Decoder; the settings there: d_model"),
-        ("+foo=1", "foo is not a setting of this config; the settings there: ckpt_path, pe_name, seed, task_name"),
+        ("+foo=1", "foo is not a setting of this config; the settings there: ckpt_path, seed, task_name"),
         ("trainer.max_steps=0", "trainer.max_steps=0 is invalid: it must be an integer >= 1"),
         ("data=text_files", "data.corpus.path is required: it must be a string; set it on the command line"),
     ],
@@ -121,6 +121,45 @@ def test_the_reported_bad_settings_are_refused_with_what_they_must_be(override, 
         train(compose_with("train", [override], tmp_path))
     assert str(refused.value).startswith(message)
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["pe._target_=lenext.pe.NoSuchPE"], "pe._target_='lenext.pe.NoSuchPE' cannot be imported"),
+        # Every path to Lightning's Trainer gets the same ranges.
+        (["trainer._target_=lightning.pytorch.Trainer", "trainer.max_steps=0"], "trainer.max_steps=0 is invalid"),
+        # An interpolation is checked as resolved, and named with where it came from.
+        (
+            ["data.max_len=${oc.env:LENEXT_UNSET_VARIABLE,abc}"],
+            "data.max_len='abc' (from ${oc.env:LENEXT_UNSET_VARIABLE,abc}) is invalid: it must be an integer",
+        ),
+        # A copy's source is named as itself, not as the key that copies it (data.cache_dir: ${paths.cache_dir}).
+        (["paths.cache_dir=[1]"], "paths.cache_dir=[1] is invalid: it must be a string"),
+    ],
+)
+def test_targets_and_interpolations_are_checked_too(overrides, message, tmp_path):
+    with pytest.raises(ConfigError) as refused:
+        preflight(compose_with("train", overrides, tmp_path), TrainSettings, TRAIN_NODES)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "trainer.devices=-1",  # all devices
+        "trainer.devices='0,1'",
+        "trainer.val_check_interval='00:00:10:00'",  # a time, DD:HH:MM:SS
+        "trainer.val_check_interval={minutes:10}",
+        "trainer.limit_val_batches=0",  # no validation
+        "trainer.log_every_n_steps=0",
+        "callbacks.last_checkpoint.every_n_train_steps=0",
+    ],
+)
+def test_what_lightning_accepts_passes_the_preflight(override, tmp_path):
+    """Lightning's own meanings (-1 = all, 0 = off, a time) are not refused; what the combination
+    allows on this machine is for the Trainer to say when it is built."""
+    preflight(compose_with("train", [override], tmp_path), TrainSettings, TRAIN_NODES)
 
 
 def test_eval_without_a_checkpoint_says_to_give_one(tmp_path):

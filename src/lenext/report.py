@@ -303,7 +303,7 @@ def binned_positions(runs: list[tuple[str, dict]]) -> pd.DataFrame:
         frame = pd.read_csv(file, keep_default_na=False)
         frame = frame[frame.length == frame.length.max()]
         meta = results["meta"]
-        for scaling, curve in frame.groupby("scaling"):
+        for scaling, curve in frame.groupby("scaling", sort=False):
             for start, end in log_bins(int(curve.position.max()) + 1):
                 in_bin = curve[(curve.position >= start) & (curve.position < end)]
                 tokens = int(in_bin["count"].sum())
@@ -319,7 +319,7 @@ def binned_positions(runs: list[tuple[str, dict]]) -> pd.DataFrame:
                 )
     if not per_run:
         return pd.DataFrame()
-    grouped = pd.DataFrame(per_run).groupby(["train_len", "pe", "bin_start", "bin_end"])
+    grouped = pd.DataFrame(per_run).groupby(["train_len", "pe", "bin_start", "bin_end"], sort=False)  # sweep order
     binned = grouped.agg(
         mean_nll=("nll", "mean"), std_nll=("nll", "std"), seeds=("nll", "count"), tokens=("tokens", "sum")
     ).reset_index()

@@ -17,6 +17,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lenext import schema
@@ -47,7 +48,6 @@ class TrainSettings:
     task_name: str
     seed: Annotated[int, Range(0, 2**32 - 1)]  # what Lightning's seed_everything accepts
     ckpt_path: str | None
-    pe_name: str | None = None  # set by ``build``: the PE's config name labels results
 
 
 @dataclass(frozen=True)
@@ -61,32 +61,41 @@ class Paths:
 
 
 @dataclass(frozen=True)
-class EvalEntrySettings:
+class EvalScriptSettings:
     """The top-level keys of configs/eval.yaml."""
 
     task_name: str
     ckpt: str
-    split: Literal["validation", "test"]
+    split: Literal["validation", "test", "train"]
     precision: Literal["32", "bf16", 32] | None
 
 
-@dataclass(frozen=True)
-class CheckpointPEOverrides:
-    """eval.yaml's ``pe``: evaluation-time RoPE settings; ``as_trained`` keeps the checkpoint's."""
+def checkpoint_pe_overrides(
+    scaling: Literal[("as_trained", *SCALINGS)],
+    factor: Literal["as_trained"] | Annotated[float, Range(1)] | None,
+    **other_settings_of_the_pe,
+) -> None:
+    """Declares eval.yaml's ``pe`` node (never called): evaluation-time changes to the checkpoint's PE.
 
-    scaling: Literal[("as_trained", *SCALINGS)]
-    factor: Literal["as_trained"] | Annotated[float, Range(1)] | None
+    ``as_trained`` keeps the checkpoint's value. Any other setting of that PE may be added
+    (``+pe.base=20000``); it is checked against the PE's own declaration.
+    """
 
 
 TRAIN_NODES = {"eval": EvalSettings, "paths": Paths}
-EVAL_NODES = {**TRAIN_NODES, "pe": CheckpointPEOverrides}
+EVAL_NODES = {**TRAIN_NODES, "pe": checkpoint_pe_overrides}
+
+
+# How libraries refuse settings when their objects are built (Lightning's Trainer: MisconfigurationException).
+REFUSALS = (ValueError, TypeError, MisconfigurationException)
 
 
 def instantiate(node, key: str, **kwargs):
     """hydra.utils.instantiate of config group ``key``, every error as one line.
 
     lenext's own errors come out unwrapped; a library's refusal (Lightning's Trainer checks the
-    combination of its settings) is named with the group it came from.
+    combination of its settings) is named with the group it came from. Any other exception is a
+    bug, not a setting, and keeps its traceback.
     """
     try:
         return hydra.utils.instantiate(node, **kwargs)
@@ -96,6 +105,8 @@ def instantiate(node, key: str, **kwargs):
             cause = cause.__cause__
         if isinstance(cause, LenextError):
             raise cause from None
+        if cause is not None and not isinstance(cause, REFUSALS):
+            raise cause from e
         reason = str(cause or e).strip().splitlines()[0] if str(cause or e).strip() else type(cause).__name__
         raise ConfigError(f"{key} is invalid: {node.get('_target_')} refused it: {reason}") from e
 
@@ -110,7 +121,7 @@ def build_net(run: DictConfig, vocab_size: int):
     return instantiate(run.model, "model", vocab_size=vocab_size, train_len=run.data.max_len, pe=pe)
 
 
-def preflight(run: DictConfig, nodes: dict[str, type], settings: type) -> None:
+def preflight(run: DictConfig, settings: type | None, nodes: dict[str, type]) -> None:
     """Everything a run will use, checked before any work: every key's type and range, the model
     (relations between keys: heads and width, T5's buckets, RoPE's head size) and the evaluation plan."""
     schema.check(run, settings, nodes)
@@ -121,7 +132,7 @@ def preflight(run: DictConfig, nodes: dict[str, type], settings: type) -> None:
 def build(cfg: DictConfig):
     """Data module, LightningModule, Trainer and the checkpoint to resume from (or None) for a composed
     training config, each setting checked (``preflight``, the checkpoint) before the corpus is read."""
-    preflight(cfg, TRAIN_NODES, TrainSettings)
+    preflight(cfg, TrainSettings, TRAIN_NODES)
     hydra_cfg = hydra_config()
     with open_dict(cfg):
         # The PE's config name (rope vs rope_ntk share a class) labels rows in reports.
@@ -299,7 +310,7 @@ def load_checkpoint(path: str) -> dict:
 
 def evaluate_checkpoint(cfg: DictConfig) -> str:
     """eval.py: rebuild the model from a checkpoint, apply eval-time PE overrides, sweep, write results."""
-    schema.check(cfg, EvalEntrySettings, EVAL_NODES)
+    schema.check(cfg, EvalScriptSettings, EVAL_NODES)
     checkpoint = load_checkpoint(cfg.ckpt)
     run = OmegaConf.create(checkpoint["hyper_parameters"]["run_config"])
     for key, value in cfg.pe.items():
@@ -309,7 +320,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> str:
             run.pe[key] = value
     run.eval, run.paths = cfg.eval, cfg.paths
     # What evaluation uses of the run; the other keys belong to training and to the code that trained it.
-    preflight(OmegaConf.masked_copy(run, ["data", "model", "pe", "eval", "paths"]), TRAIN_NODES, None)
+    preflight(OmegaConf.masked_copy(run, ["data", "model", "pe", "eval", "paths"]), None, TRAIN_NODES)
     datamodule = instantiate(run.data, "data")
     datamodule.load()
     net = build_net(run, datamodule.vocab_size)

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
 from hydra.utils import get_object
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import AcceleratorRegistry
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import StrategyRegistry
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -62,40 +65,58 @@ NonNegativeFloat = Annotated[float, Range(0)]
 Probability = Annotated[float, Range(0, 1, open_high=True)]  # dropout: 1 would drop everything
 Fraction = Annotated[float, Range(0, 1, open_low=True)]
 
-# Lightning checks these only when its objects are built, some as a traceback; lenext checks them first.
+# Lightning checks these only when its objects are built, some as a traceback; lenext checks them
+# first. Keyed by class, so that every path to it (lightning.Trainer, lightning.pytorch.Trainer) is checked.
 LIBRARY_RANGES = {
-    "lightning.Trainer": {
+    Trainer: {
         "accelerator": Literal[("auto", "gpu", *sorted(AcceleratorRegistry.available_accelerators()))],
         "strategy": Literal[("auto", *StrategyRegistry.available_strategies())],
-        "max_steps": PositiveInt,
-        "devices": PositiveInt | Literal["auto"] | list[NonNegativeInt],
-        "val_check_interval": PositiveInt | Fraction | None,
-        "limit_val_batches": PositiveInt | Fraction | None,
+        "max_steps": PositiveInt,  # the learning-rate schedule needs the run's length
+        "devices": PositiveInt | Literal[-1] | str | list[NonNegativeInt],  # -1: all; "0,1": these
+        "val_check_interval": PositiveInt | Fraction | str | dict[str, int] | None,  # "DD:HH:MM:SS", {minutes: 30}
+        "limit_val_batches": NonNegativeInt | Annotated[float, Range(0, 1)] | None,  # 0: no validation
         "gradient_clip_val": NonNegativeFloat | None,
-        "log_every_n_steps": PositiveInt | None,
+        "log_every_n_steps": NonNegativeInt | None,
         "num_sanity_val_steps": Annotated[int, Range(-1)] | None,  # -1: all
         "check_val_every_n_epoch": PositiveInt | None,
     },
-    "lightning.pytorch.callbacks.ModelCheckpoint": {
+    ModelCheckpoint: {
         "save_top_k": Annotated[int, Range(-1)],  # -1: every checkpoint
-        "every_n_train_steps": PositiveInt | None,
+        "every_n_train_steps": NonNegativeInt | None,  # 0: not by steps
         "mode": Literal["min", "max"],
     },
-    "lightning.pytorch.callbacks.LearningRateMonitor": {"logging_interval": Literal["step", "epoch"] | None},
-    "lightning.pytorch.loggers.WandbLogger": {"group": str | None},  # passed on to wandb.init
+    LearningRateMonitor: {"logging_interval": Literal["step", "epoch"] | None},
+    WandbLogger: {"group": str | None},  # passed on to wandb.init
 }
 
 
-def check(cfg: DictConfig, settings: type, declared: dict[str, type]) -> None:
+def check(cfg: DictConfig, settings: type | None, declared: dict[str, type]) -> None:
     """Raise ConfigError on the first bad key of ``cfg``; ``settings`` declares the top level's own keys,
-    ``declared`` the target-less nodes by their key (``{"eval": EvalSettings}``)."""
-    _check_node(cfg, "", settings, declared)
+    ``declared`` the target-less nodes by their key (``{"eval": EvalSettings}``).
+
+    Interpolated values are checked as resolved, after every value set directly: a bad
+    ``paths.cache_dir`` is named as itself, not as the ``data.cache_dir`` that copies it.
+    """
+    copies = []
+    _check_node(cfg, "", settings, declared, copies)
+    for full, value, expected, source in copies:
+        _refuse_unless_conforms(full, value, expected, f" (from {source})")
 
 
-def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]) -> None:
+def _refuse_unless_conforms(full: str, value, expected, source: str = "") -> None:
+    if not conforms(value, expected):
+        shown = OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
+        raise ConfigError(f"{full}={shown!r}{source} is invalid: it must be {describe(expected)}")
+
+
+def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type], copies: list) -> None:
     target = node.get("_target_") if "_target_" in node else None
     if target is not None:
-        declarer = get_object(target)
+        try:
+            declarer = get_object(target)
+        except (ImportError, ValueError) as e:
+            where = f"{path}._target_" if path else "_target_"
+            raise ConfigError(f"{where}={target!r} cannot be imported ({str(e).splitlines()[0]})") from None
     parameters = _parameters(declarer) if declarer is not None else None
     # A node's own values before its sub-nodes: `seed=-1` is named as itself, not as data.seed.
     for key in sorted(node, key=lambda k: OmegaConf.is_config(node._get_node(k))):
@@ -109,29 +130,28 @@ def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]
             value = node[key]
         except OmegaConfBaseException as e:
             raise ConfigError(f"{full} cannot be resolved: {str(e).splitlines()[0]}") from None
-        expected = LIBRARY_RANGES.get(target, {}).get(key) or (parameters or {}).get(key)
+        expected = LIBRARY_RANGES.get(declarer, {}).get(key) or (parameters or {}).get(key)
         # Sub-nodes are checked on their own, unless the declarer types the key (a mapping it takes as a value).
         if isinstance(value, DictConfig) and ("_target_" in value or full in declared or expected is None):
             if parameters and "**" in parameters and "_target_" not in value:
                 continue  # a mapping passed on as a keyword the declarer does not name (e.g. to wandb.init)
-            _check_node(value, full, declared.get(full), declared)
+            _check_node(value, full, declared.get(full), declared, copies)
             continue
         if isinstance(value, ListConfig) and any(isinstance(v, DictConfig) and "_target_" in v for v in value):
             for i, item in enumerate(value):
-                _check_node(item, f"{full}[{i}]", None, declared)
+                _check_node(item, f"{full}[{i}]", None, declared, copies)
             continue
         if parameters is None:
             raise ConfigError(f"{full} is not a setting lenext knows; remove it")
-        if OmegaConf.is_interpolation(node, key):
-            continue  # a copy of another key (data.seed: ${seed}), checked where the user sets it
         if expected is None:
             if "**" in parameters:
                 continue  # passed on as a keyword the declarer does not name
             known = ", ".join(sorted(k for k in parameters if k != "**"))
             raise ConfigError(f"{full} is not a setting of {target or 'this config'}; the settings there: {known}")
-        if not conforms(value, expected):
-            shown = OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
-            raise ConfigError(f"{full}={shown!r} is invalid: it must be {describe(expected)}")
+        if OmegaConf.is_interpolation(node, key):
+            copies.append((full, value, expected, node._get_node(key)._value()))
+        else:
+            _refuse_unless_conforms(full, value, expected)
 
 
 def _parameters(declarer) -> dict[str, Any]:
@@ -173,7 +193,7 @@ def conforms(value, annotation) -> bool:
             return len(value) == len(args) and all(conforms(v, a) for v, a in zip(value, args, strict=True))
         return not args or all(conforms(v, args[0]) for v in value)
     if origin is dict or annotation is dict:
-        return isinstance(value, DictConfig | dict)
+        return isinstance(value, DictConfig | dict) and (not args or all(conforms(v, args[1]) for v in value.values()))
     if annotation is bool:
         return isinstance(value, bool)
     if annotation is int:
@@ -202,7 +222,7 @@ def describe(annotation) -> str:
         others = [describe(a) for a in args if typing.get_origin(a) is not Literal]
         return " or ".join(dict.fromkeys(([describe(Literal[tuple(literals)])] if literals else []) + others))
     if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
+        return ("one of " if len(args) > 1 else "") + ", ".join(repr(a) for a in args)
     if annotation is type(None) or annotation is None:
         return "null"
     if origin in (list, tuple, Sequence, Iterable) or annotation in (list, tuple):
