@@ -261,6 +261,26 @@ def test_yarn_matches_transformers(dim, base, factor):
         assert attention == pytest.approx(0.1 * math.log(factor) + 1.0, rel=1e-12)
 
 
+@ORACLE_GRID
+@BASES
+@FACTORS
+@pytest.mark.parametrize("low, high", [(1.0, 4.0), (2.0, 8.0)])
+def test_llama3_matches_transformers(dim, base, factor, low, high):
+    hf = hf_rope()
+    for train_len in TRAIN_LENS:
+        parameters = {
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": low,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": train_len,
+        }
+        expected, expected_attention = hf._compute_llama3_parameters(hf_config(dim, base, train_len, parameters))
+        got, attention = rope_frequencies(dim, base, "llama3", factor, 4 * train_len, train_len, 32.0, 1.0, low, high)
+        assert_close(got.float(), expected, rtol=1e-5, atol=0)
+        assert attention == expected_attention == 1.0
+
+
 def test_yarn_ramp_direction():
     """High-frequency dims keep the original frequency, low-frequency dims are interpolated (not inverted)."""
     none, _ = rope_frequencies(128, 10000.0, "none", 1.0, 2048, 2048)
@@ -278,7 +298,7 @@ def test_factor_one_is_identity(scaling, dim, base, train_len):
     assert attention == 1.0
 
 
-@pytest.mark.parametrize("scaling", ["linear", "ntk", "yarn", "dynamic_ntk"])
+@pytest.mark.parametrize("scaling", ["linear", "ntk", "yarn", "dynamic_ntk", "llama3"])
 def test_rope_factor_none_is_identity_at_train_len_and_scales_beyond(scaling):
     shape = AttentionShape(d_model=32, n_heads=2, n_layers=1, train_len=16)
     plain, scaled = RoPE(shape), RoPE(shape, scaling=scaling, factor=None)

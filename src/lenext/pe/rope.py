@@ -11,6 +11,10 @@ Scalings (DESIGN.md section 3), with s the factor and L_train the training lengt
   base' = base * (s*l/L_train - (s-1))^(d/(d-2)); s defaults to 1.
 - ``yarn`` (Peng et al. 2023): a per-dimension ramp between PI and no scaling
   (beta_fast 32, beta_slow 1) and q, k both scaled by 0.1 ln s + 1.
+- ``llama3`` (Meta 2024, Llama 3.1): by wavelength lambda_t = 2 pi / theta_t, with the original
+  context L_train: theta_t / s where lambda_t > L_train / low_freq_factor, theta_t where
+  lambda_t < L_train / high_freq_factor, and between them (1 - g) theta_t / s + g theta_t with
+  g = (L_train / lambda_t - low_freq_factor) / (high_freq_factor - low_freq_factor).
 With ``factor: null`` the static scalings use s = max(1, L / L_train) for a sequence of
 length L: identity at the training length, the method's own factor beyond it.
 """
@@ -24,7 +28,7 @@ from lenext.errors import ConfigError
 from lenext.pe.base import AttentionShape, PositionalEncoding
 from lenext.schema import PositiveFloat, Range
 
-SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn")
+SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
 
 
 def rope_frequencies(
@@ -36,6 +40,8 @@ def rope_frequencies(
     train_len: int,
     beta_fast: float = 32.0,
     beta_slow: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
 ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (dim/2,) in float64 and the attention factor applied to q and k."""
     exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
@@ -65,6 +71,11 @@ def rope_frequencies(
         inv_freq = extrapolation * (1 - ramp) + interpolation * ramp
         attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
         return inv_freq, attention_factor
+    if scaling == "llama3":
+        original = base**-exponents
+        in_train_len = train_len * original / (2 * math.pi)  # L_train / wavelength
+        keep = ((in_train_len - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0, 1)
+        return original / factor * (1 - keep) + original * keep, 1.0
     raise ConfigError(f"pe.scaling must be one of {', '.join(SCALINGS)}; got {scaling!r}")
 
 
@@ -79,8 +90,15 @@ class RoPE(PositionalEncoding):
         factor: Annotated[float, Range(1)] | None = None,  # null: L / L_train at each length L (dynamic_ntk: max 1)
         beta_fast: PositiveFloat = 32.0,
         beta_slow: PositiveFloat = 1.0,
+        low_freq_factor: PositiveFloat = 1.0,
+        high_freq_factor: PositiveFloat = 4.0,
     ):
         super().__init__(shape)
+        if high_freq_factor <= low_freq_factor:
+            raise ConfigError(
+                f"pe.high_freq_factor={high_freq_factor} is invalid: "
+                f"it must exceed pe.low_freq_factor={low_freq_factor}"
+            )
         if shape.head_dim % 2:
             raise ConfigError(
                 f"RoPE rotates pairs of dimensions: the head dim model.d_model / model.n_heads = {shape.head_dim} "
@@ -88,6 +106,7 @@ class RoPE(PositionalEncoding):
             )
         self.base, self.scaling, self.factor = base, scaling, factor
         self.beta_fast, self.beta_slow = beta_fast, beta_slow
+        self.low_freq_factor, self.high_freq_factor = low_freq_factor, high_freq_factor
         self.register_buffer("rotations", torch.empty(0, shape.head_dim // 2, dtype=torch.complex64), persistent=False)
         self._cache_key: tuple | None = None
 
@@ -111,11 +130,14 @@ class RoPE(PositionalEncoding):
             self.shape.train_len,
             self.beta_fast,
             self.beta_slow,
+            self.low_freq_factor,
+            self.high_freq_factor,
         )
 
     def _rotations(self, length: int, device: torch.device) -> torch.Tensor:
         """(length, d_head/2) complex64 table e^{i p theta_t}, built once per (length, scaling) in fp32+."""
-        key = (length, self.base, self.scaling, self.factor_for(length), self.beta_fast, self.beta_slow)
+        key = (length, self.base, self.scaling, self.factor_for(length))
+        key += (self.beta_fast, self.beta_slow, self.low_freq_factor, self.high_freq_factor)
         if key != self._cache_key or self.rotations.device != device:
             inv_freq, attention_factor = self.frequencies(length)
             angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
