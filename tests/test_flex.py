@@ -12,7 +12,7 @@ from torch.testing import assert_close
 
 import lenext.attention as attention_module
 from lenext.attention import causal_attention, causal_block_mask
-from lenext.pe import ALiBi, AttentionShape, NoPE, ShawRelative, T5Bias
+from lenext.pe import FIRE, KERPLE, ALiBi, AttentionShape, NoPE, ShawRelative, T5Bias
 
 pytestmark = pytest.mark.skipif(attention_module.flex_attention is None, reason="FlexAttention needs torch >= 2.6")
 
@@ -23,6 +23,8 @@ PES = {
     "t5": lambda: T5Bias(SHAPE),
     "t5_per_layer": lambda: T5Bias(SHAPE, num_buckets=16, max_distance=40, per_layer=True),
     "shaw": lambda: ShawRelative(SHAPE, k=3),
+    "kerple": lambda: KERPLE(SHAPE),
+    "kerple_power": lambda: KERPLE(SHAPE, kernel="power"),
 }
 
 
@@ -52,9 +54,10 @@ def test_score_mod_matches_causal_attention(kind, length):
 
 
 def test_pes_flex_cannot_express_return_no_score_mod():
-    """Without a score_mod the attention keeps its SDPA paths: no bias, and Shaw's a^V."""
+    """Without a score_mod the attention keeps its SDPA paths: no bias, Shaw's a^V, FIRE's MLP."""
     q = torch.randn(1, HEADS, 8, HEAD_DIM)
     assert NoPE(SHAPE).score_mod(q, 0) is None
+    assert FIRE(SHAPE).score_mod(q, 0) is None
     assert ShawRelative(SHAPE, k=3, value_term=True).score_mod(q, 0) is None
 
 

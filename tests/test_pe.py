@@ -18,6 +18,8 @@ from lenext.attention import causal_attention
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.model import Decoder
 from lenext.pe import (
+    FIRE,
+    KERPLE,
     SCALINGS,
     ALiBi,
     AttentionShape,
@@ -27,6 +29,7 @@ from lenext.pe import (
     ShawRelative,
     Sinusoidal,
     T5Bias,
+    XPos,
     alibi_slopes,
     rope_frequencies,
     sinusoidal_table,
@@ -47,6 +50,10 @@ PES = {
     "t5": T5Bias,
     "shaw": partial(ShawRelative, k=4),
     "shaw_value": partial(ShawRelative, k=4, value_term=True),
+    "kerple": KERPLE,
+    "kerple_power": partial(KERPLE, kernel="power"),
+    "fire": FIRE,
+    "xpos": XPos,
 }
 
 
@@ -281,6 +288,41 @@ def test_llama3_matches_transformers(dim, base, factor, low, high):
         assert attention == expected_attention == 1.0
 
 
+@pytest.mark.parametrize("length", [7, 64, 600])
+@pytest.mark.parametrize("scale_base", [512.0, 32.0])
+def test_xpos_matches_x_transformers(length, scale_base):
+    """x-transformers' RotaryEmbedding(use_xpos=True): q by scale^power, k by scale^-power (positions centred
+    on L // 2, as here), interleaved pairs as here."""
+    xt = pytest.importorskip("x_transformers.x_transformers")
+    head_dim, heads = 16, 2
+    pe = XPos(AttentionShape(d_model=heads * head_dim, n_heads=heads, n_layers=1, train_len=16), scale_base=scale_base)
+    rotary = xt.RotaryEmbedding(head_dim, use_xpos=True, scale_base=scale_base).double()  # float64 angles, as here
+    freqs, scale = rotary(torch.arange(length))
+    gen = torch.Generator().manual_seed(length)
+    q, k = (torch.randn(1, heads, length, head_dim, generator=gen) for _ in range(2))
+    for got, x, factor in zip(pe.rotate(q, k), (q, k), (scale, scale**-1), strict=True):
+        expected = xt.apply_rotary_pos_emb(x.double(), freqs, factor)
+        # fp32 here: errors relative to the largest entry (the decay factors reach ~1e4 at scale_base 32)
+        assert_close(got.double(), expected, atol=1e-6 * expected.abs().max().item(), rtol=1e-5)
+
+
+def test_xpos_scores_decay_with_distance_and_are_shift_invariant():
+    """q.k of one vector against itself is zeta^((n - m) / gamma) times RoPE's, for every pair: smaller farther back."""
+    head_dim = 8
+    pe = XPos(AttentionShape(d_model=head_dim, n_heads=1, n_layers=1, train_len=16), scale_base=8.0)
+    x = torch.randn(head_dim).expand(1, 1, 64, head_dim).contiguous()
+    q, k = pe.rotate(x, x)
+    scores = (q @ k.transpose(-2, -1))[0, 0]  # (64, 64)
+    zeta = (torch.arange(0, head_dim, 2) / head_dim + 0.4) / 1.4
+    pairs = x[0, 0, 0].view(-1, 2).square().sum(-1)  # |x_t|^2 per pair: RoPE's q.k at distance 0
+    for distance in (0, 1, 5, 40):
+        expected = (pairs * zeta ** (distance / 8.0)).sum()
+        diagonal = scores.diagonal(offset=-distance)  # rows n, keys n - distance: depends on the distance only
+        if distance == 0:
+            assert_close(diagonal, expected.expand_as(diagonal), atol=1e-4, rtol=1e-4)
+        assert_close(diagonal, diagonal[0].expand_as(diagonal), atol=1e-4, rtol=1e-4)
+
+
 def test_yarn_ramp_direction():
     """High-frequency dims keep the original frequency, low-frequency dims are interpolated (not inverted)."""
     none, _ = rope_frequencies(128, 10000.0, "none", 1.0, 2048, 2048)
@@ -424,6 +466,9 @@ def make_bias_pe(kind: str, n_layers: int = 2) -> torch.nn.Module:
         "t5_per_layer": lambda: T5Bias(shape, num_buckets=16, max_distance=40, per_layer=True),
         "shaw": lambda: ShawRelative(shape, k=3),
         "shaw_value": lambda: ShawRelative(shape, k=3, value_term=True),
+        "kerple": lambda: KERPLE(shape),
+        "kerple_power": lambda: KERPLE(shape, kernel="power"),
+        "fire": lambda: FIRE(shape, hidden=8, init_threshold=5.0),  # L_thr 5: rows past it are normalised
     }[kind]()
     torch.manual_seed(123)
     with torch.no_grad():
@@ -454,6 +499,19 @@ def naive_biased_attention(q, k, v, pe, layer: int) -> torch.Tensor:
         scores = scores + torch.einsum("bhid,ijd->bhij", q, a_key) / math.sqrt(head_dim)
         if pe.value_table is not None:
             value_offsets = pe.value_table.double()[layer][clipped]
+    elif isinstance(pe, KERPLE):  # Chi et al. 2022, r1, r2 clamped to [0.01, ...] (power: r2 <= 2)
+        r1 = pe.r1[layer].clamp(min=0.01).double()[:, None, None]  # clamped as stored (fp32), as the official code
+        r2 = pe.r2[layer].clamp(0.01, 2.0 if pe.kernel == "power" else None).double()[:, None, None]
+        distance = (i - j).clamp(min=0).double()
+        scores = scores + (-r1 * torch.log(1 + r2 * distance) if pe.kernel == "log" else -r1 * distance**r2)
+    elif isinstance(pe, FIRE):  # Li et al. 2023: f(psi(i - j) / psi(max(L_thr, i))), psi(x) = log(c x + 1)
+        fire = pe.layers[layer]
+        c, threshold = fire.c.double(), (fire.threshold_multiplier.double() * fire.init_threshold.double()).abs()
+        psi_distance = torch.log(c.abs() * (i - j).abs() + 1)
+        normalized = psi_distance / (torch.log(c.abs() * torch.clamp(i, min=threshold) + 1) + 1e-6)
+        first, last = fire.mlp[0], fire.mlp[2]
+        hidden = torch.relu(normalized[..., None] * first.weight.double()[:, 0] + first.bias.double())  # (L, L, hidden)
+        scores = scores + (hidden @ last.weight.double().t() + last.bias.double()).permute(2, 0, 1)
     else:
         raise AssertionError(type(pe))
     probs = scores.masked_fill(j > i, float("-inf")).softmax(-1)
@@ -484,7 +542,7 @@ def explicit_path(monkeypatch) -> None:
     monkeypatch.setattr(attention_module, "fused_mask_with_causal", lambda device_type: False)
 
 
-BIAS_KINDS = ("alibi", "t5", "t5_per_layer", "shaw", "shaw_value")
+BIAS_KINDS = ("alibi", "t5", "t5_per_layer", "shaw", "shaw_value", "kerple", "kerple_power", "fire")
 
 
 @pytest.mark.parametrize("blocking", BLOCKINGS)
@@ -511,7 +569,7 @@ def test_biased_attention_matches_naive_reference(fused, kind, length, grad, blo
 
 
 @pytest.mark.parametrize("length, blocking", [(20, "default"), (150, "default"), (150, "small"), (9, "single_row")])
-@pytest.mark.parametrize("kind", ["t5", "t5_per_layer", "shaw", "shaw_value"])
+@pytest.mark.parametrize("kind", ["t5", "t5_per_layer", "shaw", "shaw_value", "kerple", "kerple_power", "fire"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
 def test_biased_attention_gradients_match_naive_reference(fused, kind, length, blocking, monkeypatch):
     """Gradients through causal_attention (q, k, v and the learned tables) equal the naive reference's.
@@ -522,15 +580,42 @@ def test_biased_attention_gradients_match_naive_reference(fused, kind, length, b
         explicit_path(monkeypatch)
     use_blocking(monkeypatch, blocking, length, batch=1)
     pe = make_bias_pe(kind)
+    if isinstance(pe, KERPLE):  # where the official code's in-place clamp leaves them; below: what happens off it
+        with torch.no_grad():
+            pe.r1.clamp_(min=0.01), pe.r2.clamp_(0.01, 2.0 if pe.kernel == "power" else None)
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM, generator=gen, requires_grad=True) for _ in range(3))
     weight = torch.randn(1, HEADS, length, HEAD_DIM, generator=gen)
-    inputs = [q, k, v, *pe.parameters()]
+    used = pe.layers[1].parameters() if isinstance(pe, FIRE) else pe.parameters()  # FIRE: one module per layer
+    inputs = [q, k, v, *used]
     got = torch.autograd.grad((causal_attention(q, k, v, pe, layer=1) * weight).sum(), inputs)
     expected = torch.autograd.grad((naive_biased_attention(q, k, v, pe, layer=1) * weight).sum(), inputs)
     for g, e in zip(got, expected, strict=True):
         assert e.abs().sum() > 0
         assert_close(g, e.float(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["log", "power"])
+def test_kerple_projects_its_parameters_like_the_official_in_place_clamp(kernel):
+    """Values outside the kernel's domain act as the clamped value, with that value's gradient (the official
+    code clamps r1, r2 in place before each use, then differentiates there), so they can move back in."""
+    shape = AttentionShape(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=1, train_len=16)
+    outside, projected = KERPLE(shape, kernel=kernel), KERPLE(shape, kernel=kernel)
+    high = 2.0 if kernel == "power" else None
+    with torch.no_grad():
+        outside.r1.copy_(torch.tensor([-1.0, 0.0, 0.5, 3.0]))
+        outside.r2.copy_(torch.tensor([-0.5, 0.005, 1.5, 2.5]))
+        projected.r1.copy_(outside.r1.clamp(min=0.01))
+        projected.r2.copy_(outside.r2.clamp(0.01, high))
+    q, k, v = (torch.randn(1, HEADS, 24, HEAD_DIM, generator=torch.Generator().manual_seed(s)) for s in range(3))
+    outputs, grads = [], []
+    for pe in (outside, projected):
+        outputs.append(causal_attention(q, k, v, pe, layer=0))
+        grads.append(torch.autograd.grad(outputs[-1].square().sum(), [pe.r1, pe.r2]))
+    assert_close(outputs[0], outputs[1])
+    for got, expected in zip(*grads, strict=True):
+        assert_close(got, expected)
+        assert (got != 0).all()  # also where the stored value is outside the domain: it can move back
 
 
 @pytest.mark.parametrize("kind", ["t5", "shaw"])

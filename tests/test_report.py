@@ -8,8 +8,10 @@ import pytest
 
 from lenext.report import collect, find_runs, main, report, summarize
 
+HARDWARE = {"cpu": "AMD EPYC", "isa": "AVX512_BF16", "cores": 2, "gpu": None, "training_precision": "bf16-mixed"}
 
-def write_run(folder, pe, seed, ppls, train_len=64, complete=True, scaling=None, extra_rows=()):
+
+def write_run(folder, pe, seed, ppls, train_len=64, complete=True, scaling=None, extra_rows=(), hardware=None):
     os.makedirs(os.path.join(folder, ".hydra"), exist_ok=True)
     rows = [
         {
@@ -29,6 +31,7 @@ def write_run(folder, pe, seed, ppls, train_len=64, complete=True, scaling=None,
         "train_len": train_len,
         "seed": seed,
         "train_tokens_per_s": 1000.0 + seed,
+        "hardware": hardware or HARDWARE,
     }
     with open(os.path.join(folder, "results.json"), "w") as f:
         json.dump({"complete": complete, "meta": meta, "rows": rows + list(extra_rows)}, f)
@@ -232,3 +235,14 @@ def test_rows_follow_the_order_the_sweep_listed_its_pes(tmp_path):
         write_run(tmp_path / str(job), name, 0, {64: 10.0 + job})
     tables = summarize(collect(find_runs([str(tmp_path)])[0]))
     assert list(tables[(64, "nonoverlap")].index) == names
+
+
+def test_the_machines_the_runs_trained_on_are_named(sweep_dir, tmp_path):
+    assert "Trained on AMD EPYC (AVX512_BF16, 2 cores), bf16-mixed." in report([str(sweep_dir)], str(tmp_path / "one"))
+    other = {**HARDWARE, "cpu": "Intel Xeon", "isa": "AMX"}
+    write_run(sweep_dir / "20", "alibi", 3, {64: 20.0, 128: 19.0}, hardware=other)
+    markdown = report([str(sweep_dir)], str(tmp_path / "two"))
+    assert (
+        "Trained on 2 machines: AMD EPYC (AVX512_BF16, 2 cores), bf16-mixed (9 runs); "
+        "Intel Xeon (AMX, 2 cores), bf16-mixed (1 run). `train tok/s` averages over them"
+    ) in markdown

@@ -3,11 +3,16 @@
 from lenext.pe.absolute import Learned, Sinusoidal, sinusoidal_table
 from lenext.pe.base import AttentionShape, NoPE, PositionalEncoding
 from lenext.pe.bias import ALiBi, ShawRelative, T5Bias, alibi_slopes, t5_bucket
+from lenext.pe.fire import FIRE
+from lenext.pe.kerple import KERPLE
 from lenext.pe.rope import SCALINGS, RoPE, rope_frequencies
+from lenext.pe.xpos import XPos
 
 __all__ = [
     "ALiBi",
     "AttentionShape",
+    "FIRE",
+    "KERPLE",
     "Learned",
     "NoPE",
     "PositionalEncoding",
@@ -16,6 +21,7 @@ __all__ = [
     "ShawRelative",
     "Sinusoidal",
     "T5Bias",
+    "XPos",
     "alibi_slopes",
     "rope_frequencies",
     "sinusoidal_table",

@@ -1,0 +1,69 @@
+"""FIRE (Li et al. 2023, "Functional Interpolation for Relative Positions Improves Long Context Transformers").
+
+Score bias b(i, j) = f_theta(psi(i - j) / psi(max(L_thr, i))), psi(x) = log(c x + 1), for j <= i:
+the distance is normalised by the query's position once the query is past the threshold L_thr
+("progressive interpolation"), so the MLP's input stays in [0, 1] at any length. f_theta is an MLP
+1 -> ``hidden`` (ReLU) -> one output per head; c (init 0.1) and L_thr = |multiplier| * init_threshold
+(multiplier init 1) are learned, with eps 1e-6 in the denominator, as in the paper's reference code.
+One FIRE per attention layer (``per_layer``), as each layer owns one there. ``init_threshold: null``
+starts L_thr at L_train. The bias depends on i itself, not only on i - j: the attention takes its
+general path.
+"""
+
+import torch
+from torch import nn
+
+from lenext.pe.base import AttentionShape, PositionalEncoding
+from lenext.schema import PositiveFloat, PositiveInt
+
+EPS = 1e-6
+
+
+class FireBias(nn.Module):
+    """One layer's f_theta, c and threshold."""
+
+    def __init__(self, heads: int, hidden: int, init_c: float, init_threshold: float):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, heads))
+        self.c = nn.Parameter(torch.tensor(init_c))
+        self.register_buffer("init_threshold", torch.tensor(init_threshold))
+        self.threshold_multiplier = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """Query positions (R,), key positions (K,) -> (H, R, K) fp32 bias (defined for j <= i)."""
+        i, j = query_positions.float()[:, None], key_positions.float()[None, :]
+        threshold = (self.threshold_multiplier * self.init_threshold).abs()
+        distance = torch.log(torch.abs(self.c * (i - j)) + 1)
+        normaliser = torch.log(torch.abs(self.c * torch.maximum(i, threshold)) + 1) + EPS
+        with torch.autocast(i.device.type, enabled=False):  # a tiny MLP: fp32 whatever the model runs in
+            return self.mlp((distance / normaliser)[..., None]).permute(2, 0, 1)
+
+
+class FIRE(PositionalEncoding):
+    """Learned function of the progressively normalised log distance, one output per head."""
+
+    has_score_bias = True
+
+    def __init__(
+        self,
+        shape: AttentionShape,
+        hidden: PositiveInt = 32,
+        init_c: PositiveFloat = 0.1,
+        init_threshold: PositiveFloat | None = None,
+        per_layer: bool = True,
+    ):
+        super().__init__(shape)
+        threshold = float(init_threshold or shape.train_len)
+        self.layers = nn.ModuleList(
+            FireBias(shape.n_heads, hidden, init_c, threshold) for _ in range(shape.n_layers if per_layer else 1)
+        )
+
+    def score_bias(self, q, layer, start, end):
+        device = q.device
+        fire = self.layers[layer if len(self.layers) > 1 else 0]
+        bias = fire(torch.arange(start, end, device=device), torch.arange(end, device=device))
+        future = torch.ones(end - start, end, dtype=torch.bool, device=device).triu(start + 1)
+        return bias.masked_fill(future, float("-inf"))[None]  # (1, H, rows, end)
+
+    def describe(self) -> dict:
+        return {"name": "FIRE", "hidden": self.layers[0].mlp[0].out_features, "per_layer": len(self.layers) > 1}

@@ -1,0 +1,39 @@
+"""xPos (Sun et al. 2022, "A Length-Extrapolatable Transformer"): RoPE whose score decays with distance.
+
+After the rotation, pair t of the query at position n is scaled by zeta_t^(n / gamma) and of the key at
+position m by zeta_t^(-m / gamma), with zeta_t = (2t/d + 0.4) / 1.4 and gamma = ``scale_base`` (512),
+so the q.k product of pair t carries zeta_t^((n - m) / gamma) <= 1: farther keys weigh less.
+Positions are centred on L // 2 before the powers (as x-transformers does): the products are unchanged,
+and the largest factor at 16k tokens stays ~1e8 instead of ~1e17, well inside fp32.
+Trained without a scaling; evaluation may still apply RoPE's scalings to the rotation (``eval.rope_scalings``).
+"""
+
+import torch
+
+from lenext.pe.base import AttentionShape
+from lenext.pe.rope import RoPE, _rotate
+from lenext.schema import PositiveFloat
+
+
+class XPos(RoPE):
+    """RoPE with the xPos decay: q scaled by zeta^(n/gamma), k by zeta^(-m/gamma), per rotated pair."""
+
+    def __init__(self, shape: AttentionShape, base: PositiveFloat = 10000.0, scale_base: PositiveFloat = 512.0):
+        super().__init__(shape, base=base)
+        self.scale_base = scale_base
+        pairs = torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim
+        self.register_buffer("zeta", (pairs + 0.4) / 1.4, persistent=False)  # (d_head/2,)
+
+    def decay(self, length: int, device: torch.device) -> torch.Tensor:
+        """(length, d_head/2) float64 zeta_t^((n - length // 2) / gamma): the query's factor, 1 / it the key's."""
+        centred = torch.arange(length, dtype=torch.float64, device=self.zeta.device) - length // 2
+        return (self.zeta[None, :] ** (centred[:, None] / self.scale_base)).to(device)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        length = q.size(-2)
+        rotations = self._rotations(length, q.device)  # (L, d_head/2) complex64
+        decay = self.decay(length, q.device)
+        return _rotate(q, rotations * decay.float()), _rotate(k, rotations / decay.float())
+
+    def describe(self) -> dict:
+        return {**super().describe(), "name": "xPos", "scale_base": self.scale_base}
