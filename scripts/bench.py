@@ -97,6 +97,7 @@ def train_step(net, optimizer, tokens, targets, precision):
         loss = net.token_nll(tokens, targets).mean()
     loss.backward()
     optimizer.step()
+    net.pe.project_()
     optimizer.zero_grad(set_to_none=True)
     return loss.item()
 
@@ -380,6 +381,7 @@ def bare_steps(cfg, net, loader) -> list[float]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.trainer.gradient_clip_val)
         optimizer.step()
+        net.pe.project_()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         ends.append(time.perf_counter())

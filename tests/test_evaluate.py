@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 import lenext.attention
 import lenext.attention.band
+from lenext.errors import ConfigError
 from lenext.evaluate import evaluate_length, sweep, windows_for
 from lenext.model import Decoder
 from lenext.pe import ALiBi, Learned, RoPE, T5Bias
@@ -185,6 +186,42 @@ def test_checkpoint_evaluation_matches_training_validation_and_writes_documented
     none_at_train_len = next(r for r in rows if r["scaling"] == "none" and r["length"] == 32)
     assert none_at_train_len["ppl"] == pytest.approx(metrics["val/ppl"], rel=1e-5)
     assert [(r["scaling"], r["length"]) for r in rows] == [("none", 32), ("none", 64), ("ntk", 32), ("ntk", 64)]
+
+    # Any setting of the checkpoint's PE can change at evaluation, on any split...
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "base", ckpt, "eval.lengths=[64]", "+pe.base=40000"))
+    base = json.loads((tmp_path / "base" / "results.json").read_text())
+    assert base["meta"]["pe"]["base"] == 40000 and base["rows"][0]["ppl"] != rows[1]["ppl"]
+    evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "fit", ckpt, "eval.lengths=[32]", "split=train"))
+    assert json.loads((tmp_path / "fit" / "results.json").read_text())["meta"]["split"] == "train"
+    # ... but not one the checkpoint's PE lacks, and nothing is read or written for it.
+    with pytest.raises(ConfigError, match=r"^pe.k does not apply to this checkpoint's PE"):
+        evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "bad", ckpt, "+pe.k=4"))
+    assert not (tmp_path / "bad").exists()
+
+
+def test_an_override_that_changes_the_pes_weights_is_refused_before_the_corpus_loads(
+    compose_train, small_text_corpus, tmp_path
+):
+    cfg = compose_train(
+        *tiny_overrides(
+            "pe=t5",
+            "data=text_files",
+            f"data.corpus.path={small_text_corpus}",
+            "data.corpus.holdout_every=4",
+            "data.vocab_size=512",
+            "data.max_len=32",
+            "trainer.max_steps=2",
+            "trainer.val_check_interval=2",
+            "trainer.enable_progress_bar=false",
+            "eval.enabled=false",
+        )
+    )
+    train(cfg)
+    eval_config = compose_eval(tmp_path, tmp_path / "eval", tmp_path / "checkpoints" / "last.ckpt", "+pe.num_buckets=8")
+    with pytest.raises(ConfigError, match=r"^pe.num_buckets: the checkpoint's weights do not fit the PE built with it"):
+        evaluate_checkpoint(eval_config)
+    assert not (tmp_path / "eval").exists()
 
 
 def compose_eval(tmp_path, output_dir, ckpt, *overrides):

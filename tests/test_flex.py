@@ -47,6 +47,7 @@ def test_score_mod_matches_causal_attention(kind, length):
     with torch.no_grad():
         for param in pe.parameters():
             param.normal_(std=0.5)  # large enough that a wrong bucket/offset changes the output
+        pe.project_()
         q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM) for _ in range(3))
         for layer in range(LAYERS):
             got = eager_flex(q, k, v, pe.score_mod(q, layer))

@@ -64,6 +64,7 @@ def tiny_decoder(pe, seed: int = 0) -> Decoder:
     with torch.no_grad():
         for param in net.pe.parameters():
             param.normal_(std=0.5)
+    net.pe.project_()  # as after an optimizer step: KERPLE's r1, r2 back in their domain
     return net.eval()
 
 
@@ -306,21 +307,32 @@ def test_xpos_matches_x_transformers(length, scale_base):
         assert_close(got.double(), expected, atol=1e-6 * expected.abs().max().item(), rtol=1e-5)
 
 
-def test_xpos_scores_decay_with_distance_and_are_shift_invariant():
-    """q.k of one vector against itself is zeta^((n - m) / gamma) times RoPE's, for every pair: smaller farther back."""
-    head_dim = 8
-    pe = XPos(AttentionShape(d_model=head_dim, n_heads=1, n_layers=1, train_len=16), scale_base=8.0)
-    x = torch.randn(head_dim).expand(1, 1, 64, head_dim).contiguous()
+@pytest.mark.parametrize("pair", [0, 3])
+def test_xpos_scores_decay_with_distance_and_are_shift_invariant(pair):
+    """A vector whose only nonzero pair is t, against itself: q_n . k_m = |x_t|^2 cos((n - m) theta_t)
+    zeta_t^((n - m) / gamma) (Sun et al. 2022), for every n, m: a function of n - m that decays with it."""
+    head_dim, gamma = 8, 8.0
+    pe = XPos(AttentionShape(d_model=head_dim, n_heads=1, n_layers=1, train_len=16), scale_base=gamma)
+    x = torch.zeros(1, 1, 64, head_dim)
+    x[..., 2 * pair : 2 * pair + 2] = torch.tensor([0.6, -0.8])  # |x_t| = 1
     q, k = pe.rotate(x, x)
-    scores = (q @ k.transpose(-2, -1))[0, 0]  # (64, 64)
-    zeta = (torch.arange(0, head_dim, 2) / head_dim + 0.4) / 1.4
-    pairs = x[0, 0, 0].view(-1, 2).square().sum(-1)  # |x_t|^2 per pair: RoPE's q.k at distance 0
-    for distance in (0, 1, 5, 40):
-        expected = (pairs * zeta ** (distance / 8.0)).sum()
-        diagonal = scores.diagonal(offset=-distance)  # rows n, keys n - distance: depends on the distance only
-        if distance == 0:
-            assert_close(diagonal, expected.expand_as(diagonal), atol=1e-4, rtol=1e-4)
-        assert_close(diagonal, diagonal[0].expand_as(diagonal), atol=1e-4, rtol=1e-4)
+    scores = (q @ k.transpose(-2, -1))[0, 0].double()  # (64, 64)
+    distance = (torch.arange(64)[:, None] - torch.arange(64)[None, :]).double()
+    theta = 10000.0 ** (-2 * pair / head_dim)
+    zeta = (2 * pair / head_dim + 0.4) / 1.4
+    assert_close(scores, torch.cos(distance * theta) * zeta ** (distance / gamma), atol=1e-5, rtol=1e-5)
+
+
+def test_xpos_refuses_lengths_whose_scores_overflow_fp32():
+    pe = XPos(AttentionShape(d_model=8, n_heads=1, n_layers=1, train_len=16), scale_base=4.0)
+    assert pe.max_length == 255  # 2 * 4 * 40 / ln(3.5)
+    x = torch.randn(1, 1, pe.max_length, 8)
+    q, k = pe.rotate(x, x)
+    future = torch.ones(pe.max_length, pe.max_length, dtype=torch.bool).triu(1)
+    scores = (q @ k.transpose(-2, -1)).masked_fill(future, float("-inf"))  # the explicit paths' masked scores
+    assert torch.isfinite(scores.softmax(-1)).all()
+    with pytest.raises(LengthNotSupported, match="at most 255 tokens"):
+        pe.rotate(torch.randn(1, 1, 256, 8), torch.randn(1, 1, 256, 8))
 
 
 def test_yarn_ramp_direction():
@@ -474,6 +486,7 @@ def make_bias_pe(kind: str, n_layers: int = 2) -> torch.nn.Module:
     with torch.no_grad():
         for param in pe.parameters():
             param.normal_(std=0.5)  # large enough that a wrong bucket/offset changes the output
+    pe.project_()
     return pe
 
 
@@ -580,9 +593,6 @@ def test_biased_attention_gradients_match_naive_reference(fused, kind, length, b
         explicit_path(monkeypatch)
     use_blocking(monkeypatch, blocking, length, batch=1)
     pe = make_bias_pe(kind)
-    if isinstance(pe, KERPLE):  # where the official code's in-place clamp leaves them; below: what happens off it
-        with torch.no_grad():
-            pe.r1.clamp_(min=0.01), pe.r2.clamp_(0.01, 2.0 if pe.kernel == "power" else None)
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM, generator=gen, requires_grad=True) for _ in range(3))
     weight = torch.randn(1, HEADS, length, HEAD_DIM, generator=gen)
@@ -595,27 +605,48 @@ def test_biased_attention_gradients_match_naive_reference(fused, kind, length, b
         assert_close(g, e.float(), atol=1e-5, rtol=1e-4)
 
 
+def test_fire_bias_is_the_same_when_its_mlp_runs_in_row_chunks(monkeypatch):
+    import lenext.pe.fire as fire_module
+
+    pe = make_bias_pe("fire")
+    whole = pe.layers[1](torch.arange(30), torch.arange(40))
+    monkeypatch.setattr(fire_module, "HIDDEN_ELEMENTS", 3 * 40 * 8)  # 3 rows per chunk, the last one partial
+    assert_close(pe.layers[1](torch.arange(30), torch.arange(40)), whole, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kernel", ["log", "power"])
-def test_kerple_projects_its_parameters_like_the_official_in_place_clamp(kernel):
-    """Values outside the kernel's domain act as the clamped value, with that value's gradient (the official
-    code clamps r1, r2 in place before each use, then differentiates there), so they can move back in."""
+def test_kerple_training_keeps_r1_r2_where_the_official_in_place_clamp_does(kernel):
+    """Three SGD steps large enough to push r1, r2 out of their domain: projecting after each step (lenext)
+    gives the parameters the official code has after its clamp before each use, step for step."""
     shape = AttentionShape(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=1, train_len=16)
-    outside, projected = KERPLE(shape, kernel=kernel), KERPLE(shape, kernel=kernel)
+    torch.manual_seed(0)
+    pe = KERPLE(shape, kernel=kernel)
+    r1, r2 = pe.r1.detach().clone().requires_grad_(), pe.r2.detach().clone().requires_grad_()
     high = 2.0 if kernel == "power" else None
-    with torch.no_grad():
-        outside.r1.copy_(torch.tensor([-1.0, 0.0, 0.5, 3.0]))
-        outside.r2.copy_(torch.tensor([-0.5, 0.005, 1.5, 2.5]))
-        projected.r1.copy_(outside.r1.clamp(min=0.01))
-        projected.r2.copy_(outside.r2.clamp(0.01, high))
     q, k, v = (torch.randn(1, HEADS, 24, HEAD_DIM, generator=torch.Generator().manual_seed(s)) for s in range(3))
-    outputs, grads = [], []
-    for pe in (outside, projected):
-        outputs.append(causal_attention(q, k, v, pe, layer=0))
-        grads.append(torch.autograd.grad(outputs[-1].square().sum(), [pe.r1, pe.r2]))
-    assert_close(outputs[0], outputs[1])
-    for got, expected in zip(*grads, strict=True):
-        assert_close(got, expected)
-        assert (got != 0).all()  # also where the stored value is outside the domain: it can move back
+    i, j = torch.arange(24)[:, None], torch.arange(24)[None, :]
+    distance = (i - j).clamp(min=0).float()
+    for _ in range(3):
+        with torch.no_grad():  # the official code: clamp the stored values in place, then use them
+            r1.clamp_(min=0.01), r2.clamp_(0.01, high)
+        a, b = r1[0][:, None, None], r2[0][:, None, None]
+        bias = -a * torch.log(1 + b * distance) if kernel == "log" else -a * distance**b
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(HEAD_DIM) + bias).masked_fill(j > i, float("-inf"))
+        official = scores.softmax(-1) @ v
+        ours = causal_attention(q, k, v, pe, layer=0)
+        assert_close(ours, official, atol=1e-5, rtol=1e-5)
+        for params, out in (((r1, r2), official), ((pe.r1, pe.r2), ours)):
+            grads = torch.autograd.grad(out.square().sum() * 1e2, params)  # steps that leave the domain
+            with torch.no_grad():
+                for param, grad in zip(params, grads, strict=True):
+                    param -= grad
+        pe.project_()
+        assert (pe.r1 >= 0.01).all() and (pe.r2 >= 0.01).all() and (high is None or (pe.r2 <= high).all())
+    with torch.no_grad():
+        r1.clamp_(min=0.01), r2.clamp_(0.01, high)
+    assert_close(pe.r1.detach(), r1, atol=1e-5, rtol=1e-4)
+    assert_close(pe.r2.detach(), r2, atol=1e-5, rtol=1e-4)
+    assert (pe.r1 == 0.01).any() or (pe.r2 == 0.01).any() or (pe.r2 == 2.0).any()  # the floor was reached
 
 
 @pytest.mark.parametrize("kind", ["t5", "shaw"])

@@ -136,6 +136,8 @@ def test_the_reported_bad_settings_are_refused_with_what_they_must_be(override, 
         ),
         # A copy's source is named as itself, not as the key that copies it (data.cache_dir: ${paths.cache_dir}).
         (["paths.cache_dir=[1]"], "paths.cache_dir=[1] is invalid: it must be a string"),
+        # Every run ends with a validation at L_train: Lightning's 0 (none) would fail only after training.
+        (["trainer.limit_val_batches=0"], "trainer.limit_val_batches=0 is invalid: it must be an integer >= 1"),
     ],
 )
 def test_targets_and_interpolations_are_checked_too(overrides, message, tmp_path):
@@ -151,7 +153,7 @@ def test_targets_and_interpolations_are_checked_too(overrides, message, tmp_path
         "trainer.devices='0,1'",
         "trainer.val_check_interval='00:00:10:00'",  # a time, DD:HH:MM:SS
         "trainer.val_check_interval={minutes:10}",
-        "trainer.limit_val_batches=0",  # no validation
+        "trainer.val_check_interval={hours:0.5}",
         "trainer.log_every_n_steps=0",
         "callbacks.last_checkpoint.every_n_train_steps=0",
     ],

@@ -24,3 +24,12 @@ def test_short_training_beats_uniform_baseline_by_4x(compose_train, tmp_path):
     assert metrics["val/ppl"] < TEST_VOCAB / 4
     assert (tmp_path / "checkpoints" / "last.ckpt").exists() and (tmp_path / "checkpoints" / "best.ckpt").exists()
     assert (tmp_path / "csv" / "metrics.csv").read_text().count("train/loss") == 1
+
+
+def test_tokens_trained_counts_every_rank_and_accumulated_batch():
+    from types import SimpleNamespace
+
+    from lenext.module import tokens_trained
+
+    trainer = SimpleNamespace(global_step=10, accumulate_grad_batches=4, world_size=2)
+    assert tokens_trained(trainer, {"batch_size": 8, "max_len": 64}) == 10 * 8 * 64 * 4 * 2

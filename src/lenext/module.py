@@ -72,6 +72,7 @@ class LanguageModel(L.LightningModule):
         self._step_started = time.perf_counter()
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.net.pe.project_()  # after the optimizer step: learned PE parameters back in their domain
         self.train_seconds += time.perf_counter() - self._step_started
         self.train_tokens += batch[:, 1:].numel()
 

@@ -98,27 +98,26 @@ def collect(runs: list[tuple[str, dict]]) -> pd.DataFrame:
 
 
 def machines(runs: list[tuple[str, dict]]) -> dict[str, int]:
-    """Each machine the runs were trained on (``meta.hardware``), with its number of runs, first seen first."""
+    """The machine each results file was made on (``meta.hardware``: where train.py trained and evaluated,
+    or where eval.py evaluated), with its number of runs, first seen first; files without it are left out."""
     counts: dict[str, int] = {}
     for _, results in runs:
         hw = results["meta"].get("hardware")
-        if not hw:
-            name = "not recorded"
-        else:
+        if hw:
             device = hw.get("gpu") or f"{hw['cpu']} ({hw['isa']}, {hw['cores']} cores)"
             name = f"{device}, {hw.get('training_precision')}"
-        counts[name] = counts.get(name, 0) + 1
+            counts[name] = counts.get(name, 0) + 1
     return counts
 
 
 def hardware_note(counts: dict[str, int]) -> str:
-    """One line under the tables: where the runs trained, and whether their speeds can be compared."""
-    if len(counts) == 1:
-        return f"Trained on {next(iter(counts))}."
+    """One line under the tables: where the runs were made, and whether their speeds can be compared."""
+    if len(counts) <= 1:
+        return f"Runs made on {next(iter(counts))}.\n" if counts else ""
     listed = "; ".join(f"{name} ({n} run{'s' if n != 1 else ''})" for name, n in counts.items())
     return (
-        f"Trained on {len(counts)} machines: {listed}. `train tok/s` averages over them: it is not a speed "
-        "comparison between PEs (`make bench` is)."
+        f"Runs made on {len(counts)} machines: {listed}. `train tok/s` averages over them: it is not a speed "
+        "comparison between PEs (`make bench` is).\n"
     )
 
 
@@ -401,7 +400,7 @@ def report(folders: list[str], out: str) -> str:
         )
     frame = collect(runs)
     tables = summarize(frame)
-    markdown = to_markdown(tables) + "\n" + hardware_note(machines(runs)) + "\n"
+    markdown = to_markdown(tables) + "\n" + hardware_note(machines(runs))
     if incomplete:
         markdown += (
             "\nIncomplete or failed runs (not in the table):\n\n"

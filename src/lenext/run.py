@@ -105,7 +105,8 @@ def instantiate(node, key: str, **kwargs):
             cause = cause.__cause__
         if isinstance(cause, LenextError):
             raise cause from None
-        if cause is not None and not isinstance(cause, REFUSALS):
+        # A library refuses settings with these; from lenext's own classes they are bugs (they raise ConfigError).
+        if cause is not None and (not isinstance(cause, REFUSALS) or str(node.get("_target_")).startswith("lenext.")):
             raise cause from e
         reason = str(cause or e).strip().splitlines()[0] if str(cause or e).strip() else type(cause).__name__
         raise ConfigError(f"{key} is invalid: {node.get('_target_')} refused it: {reason}") from e
@@ -321,11 +322,18 @@ def evaluate_checkpoint(cfg: DictConfig) -> str:
     run.eval, run.paths = cfg.eval, cfg.paths
     # What evaluation uses of the run; the other keys belong to training and to the code that trained it.
     preflight(OmegaConf.masked_copy(run, ["data", "model", "pe", "eval", "paths"]), None, TRAIN_NODES)
+    state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()}
+    net = build_net(run, state["embedding.weight"].size(0))
+    try:
+        net.load_state_dict(state)
+    except RuntimeError as e:  # an override that changes the PE's parameters (per_layer, hidden, num_buckets)
+        changed = ", ".join(f"pe.{k}" for k, v in cfg.pe.items() if v != "as_trained") or "the PE settings"
+        raise ConfigError(
+            f"{changed}: the checkpoint's weights do not fit the PE built with it ({str(e).splitlines()[-1].strip()}); "
+            "only settings that keep the PE's parameter shapes can change at evaluation"
+        ) from None
     datamodule = instantiate(run.data, "data")
     datamodule.load()
-    net = build_net(run, datamodule.vocab_size)
-    state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()}
-    net.load_state_dict(state)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = cfg.precision or ("bf16" if device.type == "cuda" else "32")
     return evaluate_and_write(

@@ -73,8 +73,9 @@ LIBRARY_RANGES = {
         "strategy": Literal[("auto", *StrategyRegistry.available_strategies())],
         "max_steps": PositiveInt,  # the learning-rate schedule needs the run's length
         "devices": PositiveInt | Literal[-1] | str | list[NonNegativeInt],  # -1: all; "0,1": these
-        "val_check_interval": PositiveInt | Fraction | str | dict[str, int] | None,  # "DD:HH:MM:SS", {minutes: 30}
-        "limit_val_batches": NonNegativeInt | Annotated[float, Range(0, 1)] | None,  # 0: no validation
+        "val_check_interval": PositiveInt | Fraction | str | dict[str, float] | None,  # "DD:HH:MM:SS", {minutes: 30}
+        # Not 0: every run ends with a validation at L_train, reported next to the sweep.
+        "limit_val_batches": PositiveInt | Fraction | None,
         "gradient_clip_val": NonNegativeFloat | None,
         "log_every_n_steps": NonNegativeInt | None,
         "num_sanity_val_steps": Annotated[int, Range(-1)] | None,  # -1: all

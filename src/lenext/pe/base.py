@@ -87,6 +87,10 @@ class PositionalEncoding(nn.Module):
         """Extra attention output from the probabilities (B, H, rows, end) -> (B, H, rows, d_head)."""
         raise NotImplementedError
 
+    def project_(self) -> None:
+        """Bring learned parameters back into their domain, after every optimizer step (a projection:
+        KERPLE's r1, r2 >= 0.01). Nothing for most PEs."""
+
     def describe(self) -> dict:
         """Parameters that identify this PE in results files."""
         return {"name": type(self).__name__}

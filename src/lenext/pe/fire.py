@@ -13,10 +13,11 @@ general path.
 import torch
 from torch import nn
 
-from lenext.pe.base import AttentionShape, PositionalEncoding
+from lenext.pe.base import AttentionShape, PositionalEncoding, relative_offsets
 from lenext.schema import PositiveFloat, PositiveInt
 
 EPS = 1e-6
+HIDDEN_ELEMENTS = 2**22  # floats of MLP activations per chunk of query rows (16 MiB, as the attention's blocks)
 
 
 class FireBias(nn.Module):
@@ -30,7 +31,16 @@ class FireBias(nn.Module):
         self.threshold_multiplier = nn.Parameter(torch.tensor(1.0))
 
     def forward(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-        """Query positions (R,), key positions (K,) -> (H, R, K) fp32 bias (defined for j <= i)."""
+        """Query positions (R,), key positions (K,) -> (H, R, K) fp32 bias (defined for j <= i).
+
+        The MLP's hidden activations are (rows, K, hidden): rows are taken in chunks so that they stay
+        within the attention's per-block budget at any length.
+        """
+        rows = max(1, HIDDEN_ELEMENTS // (key_positions.numel() * self.mlp[0].out_features))
+        starts = range(0, len(query_positions), rows)
+        return torch.cat([self._bias(query_positions[r : r + rows], key_positions) for r in starts], dim=1)
+
+    def _bias(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         i, j = query_positions.float()[:, None], key_positions.float()[None, :]
         threshold = (self.threshold_multiplier * self.init_threshold).abs()
         distance = torch.log(torch.abs(self.c * (i - j)) + 1)
@@ -59,11 +69,9 @@ class FIRE(PositionalEncoding):
         )
 
     def score_bias(self, q, layer, start, end):
-        device = q.device
         fire = self.layers[layer if len(self.layers) > 1 else 0]
-        bias = fire(torch.arange(start, end, device=device), torch.arange(end, device=device))
-        future = torch.ones(end - start, end, dtype=torch.bool, device=device).triu(start + 1)
-        return bias.masked_fill(future, float("-inf"))[None]  # (1, H, rows, end)
+        bias = fire(torch.arange(start, end, device=q.device), torch.arange(end, device=q.device))
+        return bias.masked_fill(relative_offsets(start, end, q.device) > 0, float("-inf"))[None]  # (1, H, rows, end)
 
     def describe(self) -> dict:
         return {"name": "FIRE", "hidden": self.layers[0].mlp[0].out_features, "per_layer": len(self.layers) > 1}

@@ -5,9 +5,9 @@ A learned conditionally positive definite kernel of the distance |i - j| as the 
 - ``power``: -r1_h |i - j|^r2_h, with 0 < r2_h <= 2
 r1_h, r2_h are learned per layer (each attention layer of the official gpt-neox code owns its
 kernel), initialised uniformly as there (log: r1 ~ U(0, 2), r2 ~ U(0, 1); power: r1 ~ U(0, 1),
-r2 ~ U(0, 2)) and kept in the kernel's domain by clamping to [0.01, ...] as there. The official code
-clamps the stored value in place; here the forward uses the clamped value and passes the gradient
-straight through, the same projection without an in-place write inside the autograd graph.
+r2 ~ U(0, 2)) and projected into the kernel's domain (clamped in place to [0.01, ...], power r2 <= 2)
+at initialisation and after every optimizer step: the official code clamps in place before every
+use, which puts the same values in every forward.
 Unlike ALiBi's, the bias is not linear in j and not constant beyond any band: the attention takes its
 general path (query blocks, never an (L, L) tensor at once) on CPU and a score_mod on CUDA.
 """
@@ -22,17 +22,9 @@ from lenext.pe.base import AttentionShape, PositionalEncoding, relative_offsets
 FLOOR = 1e-2  # the official code's lower bound for r1 and r2
 
 
-def clamped(parameter: torch.Tensor, low: float, high: float | None = None) -> torch.Tensor:
-    """``parameter`` clamped to [low, high] in value, with the identity's gradient (a projection)."""
-    return parameter + (parameter.clamp(low, high) - parameter).detach()
-
-
-def kerple_bias(distance: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, kernel: str) -> torch.Tensor:
-    """distance (...) >= 0, r1 and r2 (H,) already in their domain -> (H, ...) bias."""
-    r1, r2 = (r.view(-1, *[1] * distance.dim()) for r in (r1, r2))
-    if kernel == "log":
-        return -r1 * torch.log1p(r2 * distance)
-    return -r1 * distance.pow(r2)
+def kerple_kernel(distance, r1, r2, kernel: str):
+    """-r1 log(1 + r2 d) or -r1 d^r2 for distances d >= 0; broadcasts (tensors, or a score_mod's scalars)."""
+    return -r1 * torch.log1p(r2 * distance) if kernel == "log" else -r1 * distance.pow(r2)
 
 
 class KERPLE(PositionalEncoding):
@@ -47,26 +39,30 @@ class KERPLE(PositionalEncoding):
         scale_r1, scale_r2 = (2.0, 1.0) if kernel == "log" else (1.0, 2.0)
         self.r1 = nn.Parameter(torch.rand(tables, shape.n_heads) * scale_r1)
         self.r2 = nn.Parameter(torch.rand(tables, shape.n_heads) * scale_r2)
+        self.project_()
+
+    def project_(self) -> None:
+        with torch.no_grad():
+            self.r1.clamp_(min=FLOOR)
+            self.r2.clamp_(min=FLOOR, max=2.0 if self.kernel == "power" else None)
 
     def kernel_parameters(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's (r1, r2), each (H,) fp32, in the kernel's domain."""
+        """This layer's (r1, r2), each (H,) fp32."""
         index = layer if self.per_layer else 0
-        r1 = clamped(self.r1[index].float(), FLOOR)
-        r2 = clamped(self.r2[index].float(), FLOOR, 2.0 if self.kernel == "power" else None)
-        return r1, r2
+        return self.r1[index].float(), self.r2[index].float()
 
     def score_bias(self, q, layer, start, end):
         offsets = relative_offsets(start, end, q.device)  # (rows, end): j - i
-        bias = kerple_bias((-offsets).clamp(min=0).float(), *self.kernel_parameters(layer), self.kernel)
+        r1, r2 = (r[:, None, None] for r in self.kernel_parameters(layer))
+        bias = kerple_kernel((-offsets).clamp(min=0).float(), r1, r2, self.kernel)  # (H, rows, end)
         return bias.masked_fill(offsets > 0, float("-inf"))[None]  # (1, H, rows, end)
 
     def score_mod(self, q, layer):
         r1, r2 = self.kernel_parameters(layer)
-        log_kernel = self.kernel == "log"
+        kernel = self.kernel
 
         def kerple(score, b, h, q_idx, kv_idx):
-            distance = (q_idx - kv_idx).abs().float()
-            return score - r1[h] * (torch.log1p(r2[h] * distance) if log_kernel else distance.pow(r2[h]))
+            return score + kerple_kernel((q_idx - kv_idx).abs().float(), r1[h], r2[h], kernel)
 
         return kerple
 

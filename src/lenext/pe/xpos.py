@@ -4,15 +4,23 @@ After the rotation, pair t of the query at position n is scaled by zeta_t^(n / g
 position m by zeta_t^(-m / gamma), with zeta_t = (2t/d + 0.4) / 1.4 and gamma = ``scale_base`` (512),
 so the q.k product of pair t carries zeta_t^((n - m) / gamma) <= 1: farther keys weigh less.
 Positions are centred on L // 2 before the powers (as x-transformers does): the products are unchanged,
-and the largest factor at 16k tokens stays ~1e8 instead of ~1e17, well inside fp32.
+and the largest factor is zeta_0^(-L / (2 gamma)) = 3.5^(L / (2 gamma)) instead of its square. Scores of
+a query and a key both far from the centre (including masked future ones) multiply two such factors:
+beyond e^40 each they overflow fp32, so longer sequences are refused as not applicable
+(``max_length``: 32.7k tokens at gamma 512).
 Trained without a scaling; evaluation may still apply RoPE's scalings to the rotation (``eval.rope_scalings``).
 """
 
+import math
+
 import torch
 
+from lenext.errors import LengthNotSupported
 from lenext.pe.base import AttentionShape
 from lenext.pe.rope import RoPE, _rotate
 from lenext.schema import PositiveFloat
+
+LARGEST_LOG_FACTOR = 40.0  # e^40 per q or k: products of two stay below fp32's e^88
 
 
 class XPos(RoPE):
@@ -24,6 +32,11 @@ class XPos(RoPE):
         pairs = torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim
         self.register_buffer("zeta", (pairs + 0.4) / 1.4, persistent=False)  # (d_head/2,)
 
+    @property
+    def max_length(self) -> int:
+        """The longest sequence whose decay factors fp32 scores hold (see the module docstring)."""
+        return math.floor(2 * self.scale_base * LARGEST_LOG_FACTOR / -math.log(self.zeta[0].item()))
+
     def decay(self, length: int, device: torch.device) -> torch.Tensor:
         """(length, d_head/2) float64 zeta_t^((n - length // 2) / gamma): the query's factor, 1 / it the key's."""
         centred = torch.arange(length, dtype=torch.float64, device=self.zeta.device) - length // 2
@@ -31,6 +44,11 @@ class XPos(RoPE):
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         length = q.size(-2)
+        if length > self.max_length:
+            raise LengthNotSupported(
+                f"xPos with scale_base {self.scale_base:g} serves at most {self.max_length} tokens: its decay "
+                f"factors at {length} overflow fp32 scores (raise pe.scale_base for longer sequences)"
+            )
         rotations = self._rotations(length, q.device)  # (L, d_head/2) complex64
         decay = self.decay(length, q.device)
         return _rotate(q, rotations * decay.float()), _rotate(k, rotations / decay.float())
