@@ -189,9 +189,9 @@ def test_checkpoint_evaluation_matches_training_validation_and_writes_documented
 
     # Any setting of the checkpoint's PE can change at evaluation, on any split...
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
-    evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "base", ckpt, "eval.lengths=[64]", "+pe.base=40000"))
+    evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "base", ckpt, "eval.lengths=[64]", "+pe.base=2"))
     base = json.loads((tmp_path / "base" / "results.json").read_text())
-    assert base["meta"]["pe"]["base"] == 40000 and base["rows"][0]["ppl"] != rows[1]["ppl"]
+    assert base["meta"]["pe"]["base"] == 2 and base["rows"][0]["ppl"] != rows[1]["ppl"]
     evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "fit", ckpt, "eval.lengths=[32]", "split=train"))
     assert json.loads((tmp_path / "fit" / "results.json").read_text())["meta"]["split"] == "train"
     # ... but not one the checkpoint's PE lacks, and nothing is read or written for it.
