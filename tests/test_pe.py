@@ -605,6 +605,16 @@ def test_biased_attention_gradients_match_naive_reference(fused, kind, length, b
         assert_close(g, e.float(), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("threshold", [1000.0, 20.0, 0.5])  # every row before L_thr, some, none
+def test_fire_rows_before_the_threshold_take_the_per_distance_table_exactly(threshold):
+    torch.manual_seed(0)
+    fire = FIRE(AttentionShape(d_model=16, n_heads=4, n_layers=1, train_len=16), init_threshold=threshold).layers[0]
+    i, j = torch.arange(40), torch.arange(40)
+    every_pair = fire._by_pair(i, j, (fire.threshold_multiplier * fire.init_threshold).abs())
+    causal = j[None, :] <= i[:, None]
+    assert_close(fire(i, j)[:, causal], every_pair[:, causal], atol=1e-6, rtol=1e-6)
+
+
 def test_fire_bias_is_the_same_when_its_mlp_runs_in_row_chunks(monkeypatch):
     import lenext.pe.fire as fire_module
 

@@ -31,22 +31,37 @@ class FireBias(nn.Module):
         self.threshold_multiplier = nn.Parameter(torch.tensor(1.0))
 
     def forward(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-        """Query positions (R,), key positions (K,) -> (H, R, K) fp32 bias (defined for j <= i).
+        """Increasing query positions (R,), key positions (K,) -> (H, R, K) fp32 bias (defined for j <= i).
 
-        The MLP's hidden activations are (rows, K, hidden): rows are taken in chunks so that they stay
-        within the attention's per-block budget at any length.
+        Rows before L_thr have the normaliser psi(L_thr): their bias is a function of i - j alone, so
+        the MLP runs once per distance and is gathered (all of training when L_thr >= L_train).
+        Later rows run it per (i, j), in chunks of rows that keep its hidden activations
+        (rows, K, hidden) within the attention's per-block budget at any length.
         """
-        rows = max(1, HIDDEN_ELEMENTS // (key_positions.numel() * self.mlp[0].out_features))
-        starts = range(0, len(query_positions), rows)
-        return torch.cat([self._bias(query_positions[r : r + rows], key_positions) for r in starts], dim=1)
-
-    def _bias(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-        i, j = query_positions.float()[:, None], key_positions.float()[None, :]
         threshold = (self.threshold_multiplier * self.init_threshold).abs()
-        distance = torch.log(torch.abs(self.c * (i - j)) + 1)
-        normaliser = torch.log(torch.abs(self.c * torch.maximum(i, threshold)) + 1) + EPS
-        with torch.autocast(i.device.type, enabled=False):  # a tiny MLP: fp32 whatever the model runs in
-            return self.mlp((distance / normaliser)[..., None]).permute(2, 0, 1)
+        below = int((query_positions < threshold).sum())  # a prefix: positions increase
+        parts = [self._by_distance(query_positions[:below], key_positions, threshold)] if below else []
+        rows = max(1, HIDDEN_ELEMENTS // (key_positions.numel() * self.mlp[0].out_features))
+        starts = range(below, len(query_positions), rows)
+        parts += [self._by_pair(query_positions[r : r + rows], key_positions, threshold) for r in starts]
+        return torch.cat(parts, dim=1)
+
+    def _psi(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.abs(self.c * x) + 1)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """(...) normalised distances -> (H, ...) biases."""
+        with torch.autocast(x.device.type, enabled=False):  # a tiny MLP: fp32 whatever the model runs in
+            return self.mlp(x[..., None]).movedim(-1, 0)
+
+    def _by_distance(self, query_positions, key_positions, threshold) -> torch.Tensor:
+        distance = (query_positions[:, None] - key_positions[None, :]).clamp(min=0)  # future keys: masked later
+        by_distance = self._psi(torch.arange(int(distance.max()) + 1, device=distance.device).float())
+        return self._mlp(by_distance / (self._psi(threshold) + EPS))[:, distance]
+
+    def _by_pair(self, query_positions, key_positions, threshold) -> torch.Tensor:
+        i, j = query_positions.float()[:, None], key_positions.float()[None, :]
+        return self._mlp(self._psi(i - j) / (self._psi(torch.maximum(i, threshold)) + EPS))
 
 
 class FIRE(PositionalEncoding):
