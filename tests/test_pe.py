@@ -323,6 +323,19 @@ def test_xpos_scores_decay_with_distance_and_are_shift_invariant(pair):
     assert_close(scores, torch.cos(distance * theta) * zeta ** (distance / gamma), atol=1e-5, rtol=1e-5)
 
 
+def test_xpos_tables_follow_the_length_and_an_evaluation_time_scaling():
+    """Its q and k tables are cached: switching length or RoPE scaling (as eval.rope_scalings does) rebuilds them."""
+    shape = AttentionShape(d_model=16, n_heads=2, n_layers=1, train_len=16)
+    used, x = XPos(shape), torch.randn(1, 2, 40, 8)
+    used.rotate(x[:, :, :20], x[:, :, :20])  # a cache for another length
+    used.scaling, used.factor = "linear", 4.0
+    fresh = XPos(shape)
+    fresh.scaling, fresh.factor = "linear", 4.0
+    for got, expected in zip(used.rotate(x, x), fresh.rotate(x, x), strict=True):
+        assert_close(got, expected, rtol=0, atol=0)
+    assert not torch.allclose(used.rotate(x, x)[0], XPos(shape).rotate(x, x)[0])
+
+
 def test_xpos_refuses_lengths_whose_scores_overflow_fp32():
     pe = XPos(AttentionShape(d_model=8, n_heads=1, n_layers=1, train_len=16), scale_base=4.0)
     assert pe.max_length == 255  # 2 * 4 * 40 / ln(3.5)

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+from collections import Counter
 
 import pandas as pd
 
@@ -100,14 +101,12 @@ def collect(runs: list[tuple[str, dict]]) -> pd.DataFrame:
 def machines(runs: list[tuple[str, dict]]) -> dict[str, int]:
     """The machine each results file was made on (``meta.hardware``: where train.py trained and evaluated,
     or where eval.py evaluated), with its number of runs, first seen first; files without it are left out."""
-    counts: dict[str, int] = {}
-    for _, results in runs:
-        hw = results["meta"].get("hardware")
-        if hw:
-            device = hw.get("gpu") or f"{hw['cpu']} ({hw['isa']}, {hw['cores']} cores)"
-            name = f"{device}, {hw.get('training_precision')}"
-            counts[name] = counts.get(name, 0) + 1
-    return counts
+    hardware = [results["meta"]["hardware"] for _, results in runs if results["meta"].get("hardware")]
+    return Counter(f"{_device(hw)}, {hw.get('training_precision')}" for hw in hardware)
+
+
+def _device(hw: dict) -> str:
+    return hw.get("gpu") or f"{hw['cpu']} ({hw['isa']}, {hw['cores']} cores)"
 
 
 def hardware_note(counts: dict[str, int]) -> str:

@@ -31,6 +31,7 @@ class XPos(RoPE):
         self.scale_base = scale_base
         pairs = torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim
         self.register_buffer("zeta", (pairs + 0.4) / 1.4, persistent=False)  # (d_head/2,)
+        self._tables_key: tuple | None = None  # RoPE's rotation table the q and k tables were built from
 
     @property
     def max_length(self) -> int:
@@ -49,9 +50,12 @@ class XPos(RoPE):
                 f"xPos with scale_base {self.scale_base:g} serves at most {self.max_length} tokens: its decay "
                 f"factors at {length} overflow fp32 scores (raise pe.scale_base for longer sequences)"
             )
-        rotations = self._rotations(length, q.device)  # (L, d_head/2) complex64
-        decay = self.decay(length, q.device)
-        return _rotate(q, rotations * decay.float()), _rotate(k, rotations / decay.float())
+        rotations = self._rotations(length, q.device)  # (L, d_head/2) complex64, cached by RoPE
+        if self._tables_key != (self._cache_key, q.device):  # once per length and scaling, not per layer
+            decay = self.decay(length, q.device).float()
+            self._query_table, self._key_table = rotations * decay, rotations / decay
+            self._tables_key = (self._cache_key, q.device)
+        return _rotate(q, self._query_table), _rotate(k, self._key_table)
 
     def describe(self) -> dict:
         return {**super().describe(), "name": "xPos", "scale_base": self.scale_base}
