@@ -346,6 +346,10 @@ def test_xpos_refuses_lengths_whose_scores_overflow_fp32():
     assert torch.isfinite(scores.softmax(-1)).all()
     with pytest.raises(LengthNotSupported, match="at most 255 tokens"):
         pe.rotate(torch.randn(1, 1, 256, 8), torch.randn(1, 1, 256, 8))
+    # Training at such a length is refused when the model is built (the pre-flight), not at the first step.
+    refused = r"^pe.scale_base=4 is invalid: .* at most 255 tokens, fewer than data.max_len=512; it must be at least 9"
+    with pytest.raises(ConfigError, match=refused):
+        XPos(AttentionShape(d_model=8, n_heads=1, n_layers=1, train_len=512), scale_base=4.0)
 
 
 def test_yarn_ramp_direction():

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from lenext.errors import LengthNotSupported
+from lenext.errors import ConfigError, LengthNotSupported
 from lenext.pe.base import AttentionShape
 from lenext.pe.rope import RoPE, _rotate
 from lenext.schema import PositiveFloat
@@ -32,6 +32,12 @@ class XPos(RoPE):
         pairs = torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim
         self.register_buffer("zeta", (pairs + 0.4) / 1.4, persistent=False)  # (d_head/2,)
         self._tables_key: tuple | None = None  # RoPE's rotation table the q and k tables were built from
+        if self.max_length < shape.train_len:
+            raise ConfigError(
+                f"pe.scale_base={scale_base:g} is invalid: xPos then serves at most {self.max_length} tokens, "
+                f"fewer than data.max_len={shape.train_len}; it must be at least "
+                f"{math.ceil(shape.train_len * -math.log(self.zeta[0].item()) / (2 * LARGEST_LOG_FACTOR))}"
+            )
 
     @property
     def max_length(self) -> int:
