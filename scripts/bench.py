@@ -427,6 +427,7 @@ def bench_lightning(reps, steps, log, compiled=True):
             for arm in order:
                 times[arm].append(run(arm))
             log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{a} {1000 * t[-1]:.1f} ms" for a, t in times.items()))
+
     def paired(arm, baseline):
         ratios = [a / b for a, b in zip(times[arm], times[baseline], strict=True)]
         return statistics.median(ratios), [min(ratios), max(ratios)]

@@ -69,15 +69,17 @@ def test_train_windows_are_consecutive_slices_with_shifted_targets():
 def test_document_windows_stay_inside_one_document_and_score_each_token_once():
     docs = [np.arange(0, 21, dtype=np.int32), np.arange(100, 105, dtype=np.int32), np.arange(200, 217, dtype=np.int32)]
     windows = DocumentWindows(docs, 4)
-    targets = [tuple(w[1:].tolist()) for w in (windows[i] for i in range(len(windows)))]
+    targets = [tuple(windows[i]["tokens"][1:].tolist()) for i in range(len(windows))]
     # doc 0: 20 targets -> 5 windows; doc 1: 4 targets -> 1 window; doc 2: 16 targets -> 4 windows
     assert len(windows) == 10
     flat = [t for window in targets for t in window]
     assert len(flat) == len(set(flat))  # each target token once
     assert set(flat) == set(range(1, 21)) | set(range(101, 105)) | set(range(201, 217))
     for i in range(len(windows)):
-        window = windows[i].tolist()
+        window = windows[i]["tokens"].tolist()
         assert len({v // 100 for v in window}) == 1  # never crosses a document
+        document, start = windows[i]["window"].tolist()  # its identity: the document and first token
+        assert window == docs[document][start : start + 5].tolist()
 
 
 def test_text_files_corpus_reads_txt_and_jsonl_and_holds_out_round_robin(tmp_path):

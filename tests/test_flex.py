@@ -13,6 +13,8 @@ from torch.testing import assert_close
 import lenext.attention as attention_module
 from lenext.attention import causal_attention, causal_block_mask
 from lenext.pe import FIRE, KERPLE, ALiBi, AttentionShape, NoPE, ShawRelative, T5Bias
+from lenext.pe.base import sequential_positions
+from lenext.positions import generator, randomized_positions
 
 pytestmark = pytest.mark.skipif(attention_module.flex_attention is None, reason="FlexAttention needs torch >= 2.6")
 
@@ -39,10 +41,18 @@ def eager_flex(q, k, v, score_mod):
             pytest.skip(f"flex_attention fails on CPU here: {error}")
 
 
+POSITIONS = {
+    "sequential": lambda length: sequential_positions(length),
+    "randomized": lambda length: randomized_positions(BATCH, length, 3 * length, generator(length)),
+    "randomized_shared": lambda length: randomized_positions(1, length, 3 * length, generator(length)),
+}
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
 @pytest.mark.parametrize("length", [64, 200])  # one block; two, the last one partial
 @pytest.mark.parametrize("kind", list(PES))
-def test_score_mod_matches_causal_attention(kind, length):
-    pe = PES[kind]()
+def test_score_mod_matches_causal_attention(kind, length, positions):
+    pe, positions = PES[kind](), POSITIONS[positions](length)
     torch.manual_seed(length)
     with torch.no_grad():
         for param in pe.parameters():
@@ -50,16 +60,18 @@ def test_score_mod_matches_causal_attention(kind, length):
         pe.project_()
         q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM) for _ in range(3))
         for layer in range(LAYERS):
-            got = eager_flex(q, k, v, pe.score_mod(q, layer))
-            assert_close(got, causal_attention(q, k, v, pe, layer), atol=1e-5, rtol=1e-5)
+            got = eager_flex(q, k, v, pe.score_mod(q, positions, layer))
+            assert_close(got, causal_attention(q, k, v, pe, positions, layer), atol=1e-5, rtol=1e-5)
 
 
 def test_pes_flex_cannot_express_return_no_score_mod():
-    """Without a score_mod the attention keeps its SDPA paths: no bias, Shaw's a^V, FIRE's MLP."""
-    q = torch.randn(1, HEADS, 8, HEAD_DIM)
-    assert NoPE(SHAPE).score_mod(q, 0) is None
-    assert FIRE(SHAPE).score_mod(q, 0) is None
-    assert ShawRelative(SHAPE, k=3, value_term=True).score_mod(q, 0) is None
+    """Without a score_mod the attention keeps its SDPA paths: no bias, FIRE's MLP. Shaw's a^V is a value
+    term, which sends the attention to its explicit path before it asks for a score_mod."""
+    q, positions = torch.randn(1, HEADS, 8, HEAD_DIM), sequential_positions(8)
+    assert NoPE(SHAPE).score_mod(q, positions, 0) is None
+    assert FIRE(SHAPE).score_mod(q, positions, 0) is None
+    assert ShawRelative(SHAPE, k=3, value_term=True).value_term(positions, 0) is not None
+    assert ShawRelative(SHAPE, k=3).value_term(positions, 0) is None
 
 
 @pytest.mark.parametrize("length", [1, 128, 300, 4096])

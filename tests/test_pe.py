@@ -35,8 +35,20 @@ from lenext.pe import (
     sinusoidal_table,
     t5_bucket,
 )
+from lenext.pe.base import sequential_positions
+from lenext.positions import generator, pose_positions, randomized_positions
 
 VOCAB, TRAIN_LEN = 97, 16
+
+
+def rotate(pe, q, k, positions=None):
+    """pe.rotate at positions 0..L-1 unless others are given."""
+    return pe.rotate(q, k, sequential_positions(q.size(-2)) if positions is None else positions)
+
+
+def embed(pe, x, positions=None):
+    return pe.embed(x, sequential_positions(x.size(1)) if positions is None else positions)
+
 
 # Every PE the decoder can hold, with settings that exercise the interesting paths
 # (Shaw clipped below the sequence length, YaRN with a real factor).
@@ -97,7 +109,7 @@ def test_sinusoidal_module_adds_the_table_and_grows_its_cache():
     pe = Sinusoidal(AttentionShape(d_model=8, n_heads=2, n_layers=1, train_len=4))
     for length in (5, 20, 3):  # grow, then shrink: the cached table must still be sliced right
         x = torch.randn(2, length, 8)
-        assert_close(pe.embed(x), x + sinusoidal_table(length, 8))
+        assert_close(embed(pe, x), x + sinusoidal_table(length, 8))
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,7 +122,7 @@ def rope_at(pe: RoPE, q: torch.Tensor, m: int, k: torch.Tensor, n: int, length: 
     dim = q.numel()
     qs, ks = torch.zeros(1, 1, length, dim), torch.zeros(1, 1, length, dim)
     qs[0, 0, m], ks[0, 0, n] = q, k
-    qr, kr = pe.rotate(qs, ks)
+    qr, kr = rotate(pe, qs, ks)
     return qr[0, 0, m].double() @ kr[0, 0, n].double()
 
 
@@ -120,7 +132,7 @@ def test_rope_worked_example():
     q, k = torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([0.5, 0.6, 0.7, 0.8])
     qs, ks = torch.zeros(1, 1, 6, 4), torch.zeros(1, 1, 6, 4)
     qs[0, 0, 2], ks[0, 0, 5] = q, k
-    qr, kr = pe.rotate(qs, ks)
+    qr, kr = rotate(pe, qs, ks)
     assert_close(qr[0, 0, 2], torch.tensor([-0.2235, 0.0077, 0.2919, 0.4059]), atol=2e-4, rtol=0)
     dot = (qr[0, 0, 2] @ kr[0, 0, 5]).item()
     assert dot == pytest.approx(0.368307, abs=2e-5)
@@ -149,9 +161,9 @@ def test_rope_rotate_matches_explicit_rotation(scaling, factor):
     pe = RoPE(shape, scaling=scaling, factor=factor)
     for length in (8, 40):
         q, k = torch.randn(2, 2, length, 16), torch.randn(2, 2, length, 16)
-        s = pe.factor_for(length)
+        s = pe.scaling_factor(length)
         inv_freq, attention = rope_frequencies(16, 10000.0, scaling, s, length, 8)
-        qr, kr = pe.rotate(q, k)
+        qr, kr = rotate(pe, q, k)
         assert_close(qr.double(), rope_reference(q, inv_freq, attention), atol=2e-5, rtol=1e-5)
         assert_close(kr.double(), rope_reference(k, inv_freq, attention), atol=2e-5, rtol=1e-5)
 
@@ -301,7 +313,7 @@ def test_xpos_matches_x_transformers(length, scale_base):
     freqs, scale = rotary(torch.arange(length))
     gen = torch.Generator().manual_seed(length)
     q, k = (torch.randn(1, heads, length, head_dim, generator=gen) for _ in range(2))
-    for got, x, factor in zip(pe.rotate(q, k), (q, k), (scale, scale**-1), strict=True):
+    for got, x, factor in zip(rotate(pe, q, k), (q, k), (scale, scale**-1), strict=True):
         expected = xt.apply_rotary_pos_emb(x.double(), freqs, factor)
         # fp32 here: errors relative to the largest entry (the decay factors reach ~1e4 at scale_base 32)
         assert_close(got.double(), expected, atol=1e-6 * expected.abs().max().item(), rtol=1e-5)
@@ -315,7 +327,7 @@ def test_xpos_scores_decay_with_distance_and_are_shift_invariant(pair):
     pe = XPos(AttentionShape(d_model=head_dim, n_heads=1, n_layers=1, train_len=16), scale_base=gamma)
     x = torch.zeros(1, 1, 64, head_dim)
     x[..., 2 * pair : 2 * pair + 2] = torch.tensor([0.6, -0.8])  # |x_t| = 1
-    q, k = pe.rotate(x, x)
+    q, k = rotate(pe, x, x)
     scores = (q @ k.transpose(-2, -1))[0, 0].double()  # (64, 64)
     distance = (torch.arange(64)[:, None] - torch.arange(64)[None, :]).double()
     theta = 10000.0 ** (-2 * pair / head_dim)
@@ -327,27 +339,30 @@ def test_xpos_tables_follow_the_length_and_an_evaluation_time_scaling():
     """Its q and k tables are cached: switching length or RoPE scaling (as eval.rope_scalings does) rebuilds them."""
     shape = AttentionShape(d_model=16, n_heads=2, n_layers=1, train_len=16)
     used, x = XPos(shape), torch.randn(1, 2, 40, 8)
-    used.rotate(x[:, :, :20], x[:, :, :20])  # a cache for another length
+    rotate(used, x[:, :, :20], x[:, :, :20])  # a cache for another length
     used.scaling, used.factor = "linear", 4.0
     fresh = XPos(shape)
     fresh.scaling, fresh.factor = "linear", 4.0
-    for got, expected in zip(used.rotate(x, x), fresh.rotate(x, x), strict=True):
+    for got, expected in zip(rotate(used, x, x), rotate(fresh, x, x), strict=True):
         assert_close(got, expected, rtol=0, atol=0)
-    assert not torch.allclose(used.rotate(x, x)[0], XPos(shape).rotate(x, x)[0])
+    assert not torch.allclose(rotate(used, x, x)[0], rotate(XPos(shape), x, x)[0])
 
 
 def test_xpos_refuses_lengths_whose_scores_overflow_fp32():
     pe = XPos(AttentionShape(d_model=8, n_heads=1, n_layers=1, train_len=16), scale_base=4.0)
     assert pe.max_length == 255  # 2 * 4 * 40 / ln(3.5)
     x = torch.randn(1, 1, pe.max_length, 8)
-    q, k = pe.rotate(x, x)
+    q, k = rotate(pe, x, x)
     future = torch.ones(pe.max_length, pe.max_length, dtype=torch.bool).triu(1)
     scores = (q @ k.transpose(-2, -1)).masked_fill(future, float("-inf"))  # the explicit paths' masked scores
     assert torch.isfinite(scores.softmax(-1)).all()
-    with pytest.raises(LengthNotSupported, match="at most 255 tokens"):
-        pe.rotate(torch.randn(1, 1, 256, 8), torch.randn(1, 1, 256, 8))
+    with pytest.raises(LengthNotSupported, match="at most 255 positions"):
+        rotate(pe, torch.randn(1, 1, 256, 8), torch.randn(1, 1, 256, 8))
     # Training at such a length is refused when the model is built (the pre-flight), not at the first step.
-    refused = r"^pe.scale_base=4 is invalid: .* at most 255 tokens, fewer than data.max_len=512; it must be at least 9"
+    refused = (
+        r"^pe.scale_base=4 is invalid: .* at most 255 positions, "
+        r"fewer than the 512 training uses; it must be at least 9"
+    )
     with pytest.raises(ConfigError, match=refused):
         XPos(AttentionShape(d_model=8, n_heads=1, n_layers=1, train_len=512), scale_base=4.0)
 
@@ -374,26 +389,26 @@ def test_rope_factor_none_is_identity_at_train_len_and_scales_beyond(scaling):
     shape = AttentionShape(d_model=32, n_heads=2, n_layers=1, train_len=16)
     plain, scaled = RoPE(shape), RoPE(shape, scaling=scaling, factor=None)
     q, k = torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16)
-    for got, expected in zip(scaled.rotate(q, k), plain.rotate(q, k), strict=True):
+    for got, expected in zip(rotate(scaled, q, k), rotate(plain, q, k), strict=True):
         assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
     long = 4 * 16
     if scaling == "dynamic_ntk":  # dynamic NTK grows its base with the length itself; s defaults to 1
-        assert scaled.factor_for(long) == 1.0
-        assert scaled.factor_for(16) == 1.0
+        assert scaled.scaling_factor(long) == 1.0
+        assert scaled.scaling_factor(16) == 1.0
     else:
-        assert scaled.factor_for(long) == 4.0
-        assert scaled.factor_for(16) == 1.0
-        assert scaled.factor_for(8) == 1.0  # never compresses below the training length
-    expected_freq, expected_attention = rope_frequencies(16, 10000.0, scaling, scaled.factor_for(long), long, 16)
+        assert scaled.scaling_factor(long) == 4.0
+        assert scaled.scaling_factor(16) == 1.0
+        assert scaled.scaling_factor(8) == 1.0  # never compresses below the training length
+    expected_freq, expected_attention = rope_frequencies(16, 10000.0, scaling, scaled.scaling_factor(long), long, 16)
     freq, attention = scaled.frequencies(long)
     assert_close(freq, expected_freq, rtol=0, atol=0)
     assert attention == expected_attention
     # ... and the rotation at that length really differs from the unscaled one.
     q, k = torch.randn(1, 2, long, 16), torch.randn(1, 2, long, 16)
-    assert not torch.allclose(scaled.rotate(q, k)[0], plain.rotate(q, k)[0], atol=1e-3)
+    assert not torch.allclose(rotate(scaled, q, k)[0], rotate(plain, q, k)[0], atol=1e-3)
     assert_close(
-        scaled.rotate(q, k)[0].double(), rope_reference(q, expected_freq, expected_attention), atol=2e-5, rtol=1e-5
+        rotate(scaled, q, k)[0].double(), rope_reference(q, expected_freq, expected_attention), atol=2e-5, rtol=1e-5
     )
 
 
@@ -402,13 +417,13 @@ def test_rope_cache_follows_length_and_overrides():
     shape = AttentionShape(d_model=16, n_heads=1, n_layers=1, train_len=8)
     pe = RoPE(shape)
     q = torch.randn(1, 1, 32, 16)
-    pe.rotate(q, q)
+    rotate(pe, q, q)
     pe.scaling, pe.factor = "linear", 4.0  # eval-time override, as `pe.scaling=... pe.factor=...` does
     inv_freq, _ = rope_frequencies(16, 10000.0, "linear", 4.0, 32, 8)
-    assert_close(pe.rotate(q, q)[0].double(), rope_reference(q, inv_freq, 1.0), atol=2e-5, rtol=1e-5)
+    assert_close(rotate(pe, q, q)[0].double(), rope_reference(q, inv_freq, 1.0), atol=2e-5, rtol=1e-5)
     inv_freq, _ = rope_frequencies(16, 10000.0, "linear", 4.0, 10, 8)
     assert_close(
-        pe.rotate(q[:, :, :10], q[:, :, :10])[0].double(),
+        rotate(pe, q[:, :, :10], q[:, :, :10])[0].double(),
         rope_reference(q[:, :, :10], inv_freq, 1.0),
         atol=2e-5,
         rtol=1e-5,
@@ -507,12 +522,13 @@ def make_bias_pe(kind: str, n_layers: int = 2) -> torch.nn.Module:
     return pe
 
 
-def naive_biased_attention(q, k, v, pe, layer: int) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + bias(i, j) + causal -inf) v (+ Shaw's a^V), float64, bias built per (i, j)."""
+def naive_biased_attention(q, k, v, pe, layer: int, positions=None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + bias(p_i, p_j) + causal -inf) v (+ Shaw's a^V), float64, bias built per (i, j)
+    from the tokens' positions p (B or 1, L), 0..L-1 by default; the causal mask is by index."""
     q, k, v = q.double(), k.double(), v.double()
     length, head_dim = q.size(-2), q.size(-1)
-    i = torch.arange(length)[:, None]
-    j = torch.arange(length)[None, :]
+    positions = torch.arange(length)[None] if positions is None else positions
+    i, j = positions[:, None, :, None], positions[:, None, None, :]  # (B or 1, 1, L, 1), (B or 1, 1, 1, L)
     scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
     value_offsets = None
     if isinstance(pe, ALiBi):
@@ -520,15 +536,16 @@ def naive_biased_attention(q, k, v, pe, layer: int) -> torch.Tensor:
         scores = scores - slopes[:, None, None] * (i - j)
     elif isinstance(pe, T5Bias):
         table = pe.table.double()[layer if pe.per_layer else 0]  # (buckets, H)
-        by_distance = torch.tensor([t5_bucket_reference(n, pe.num_buckets, pe.max_distance) for n in range(length)])
-        buckets = by_distance[(i - j).clamp(min=0)]  # (L, L); j > i is masked below
-        scores = scores + table[buckets].permute(2, 0, 1)  # (H, L, L)
+        far = int(positions.max()) + 1
+        by_distance = torch.tensor([t5_bucket_reference(n, pe.num_buckets, pe.max_distance) for n in range(far)])
+        buckets = by_distance[(i - j)[:, 0].clamp(min=0)]  # (B or 1, L, L); j > i is masked below
+        scores = scores + table[buckets].permute(0, 3, 1, 2)  # (B or 1, H, L, L)
     elif isinstance(pe, ShawRelative):
-        clipped = (j - i).clamp(-pe.k, pe.k) + pe.k  # (L, L)
-        a_key = pe.key_table.double()[layer][clipped]  # (L, L, d): the tensor the model never builds
-        scores = scores + torch.einsum("bhid,ijd->bhij", q, a_key) / math.sqrt(head_dim)
+        clipped = (j - i)[:, 0].clamp(-pe.k, pe.k) + pe.k  # (B or 1, L, L)
+        a_key = pe.key_table.double()[layer][clipped]  # (B or 1, L, L, d): the tensor the model never builds
+        scores = scores + torch.einsum("bhid,bijd->bhij", q, a_key.expand(q.size(0), -1, -1, -1)) / math.sqrt(head_dim)
         if pe.value_table is not None:
-            value_offsets = pe.value_table.double()[layer][clipped]
+            value_offsets = pe.value_table.double()[layer][clipped].expand(q.size(0), -1, -1, -1)
     elif isinstance(pe, KERPLE):  # Chi et al. 2022, r1, r2 clamped to [0.01, ...] (power: r2 <= 2)
         r1 = pe.r1[layer].clamp(min=0.01).double()[:, None, None]  # clamped as stored (fp32), as the official code
         r2 = pe.r2[layer].clamp(0.01, 2.0 if pe.kernel == "power" else None).double()[:, None, None]
@@ -538,16 +555,17 @@ def naive_biased_attention(q, k, v, pe, layer: int) -> torch.Tensor:
         fire = pe.layers[layer]
         c, threshold = fire.c.double(), (fire.threshold_multiplier.double() * fire.init_threshold.double()).abs()
         psi_distance = torch.log(c.abs() * (i - j).abs() + 1)
-        normalized = psi_distance / (torch.log(c.abs() * torch.clamp(i, min=threshold) + 1) + 1e-6)
+        normalized = psi_distance / (torch.log(c.abs() * torch.clamp(i, min=threshold) + 1) + 1e-6)  # (B|1, 1, L, L)
         first, last = fire.mlp[0], fire.mlp[2]
-        hidden = torch.relu(normalized[..., None] * first.weight.double()[:, 0] + first.bias.double())  # (L, L, hidden)
-        scores = scores + (hidden @ last.weight.double().t() + last.bias.double()).permute(2, 0, 1)
+        hidden = torch.relu(normalized[..., None] * first.weight.double()[:, 0] + first.bias.double())  # (.., hidden)
+        scores = scores + (hidden @ last.weight.double().t() + last.bias.double())[:, 0].permute(0, 3, 1, 2)
     else:
         raise AssertionError(type(pe))
-    probs = scores.masked_fill(j > i, float("-inf")).softmax(-1)
+    future = torch.arange(length)[None, :] > torch.arange(length)[:, None]
+    probs = scores.masked_fill(future, float("-inf")).softmax(-1)
     out = probs @ v
     if value_offsets is not None:
-        out = out + torch.einsum("bhij,ijd->bhid", probs, value_offsets)
+        out = out + torch.einsum("bhij,bijd->bhid", probs, value_offsets)
     return out
 
 
@@ -591,7 +609,7 @@ def test_biased_attention_matches_naive_reference(fused, kind, length, grad, blo
     q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen) for _ in range(3))
     layer = 1
     with torch.set_grad_enabled(grad):
-        got = causal_attention(q, k, v, pe, layer=layer)
+        got = causal_attention(q, k, v, pe, sequential_positions(q.size(-2)), layer=layer)
     assert got.dtype == torch.float32 and got.shape == q.shape
     with torch.no_grad():
         expected = naive_biased_attention(q, k, v, pe, layer)
@@ -615,11 +633,51 @@ def test_biased_attention_gradients_match_naive_reference(fused, kind, length, b
     weight = torch.randn(1, HEADS, length, HEAD_DIM, generator=gen)
     used = pe.layers[1].parameters() if isinstance(pe, FIRE) else pe.parameters()  # FIRE: one module per layer
     inputs = [q, k, v, *used]
-    got = torch.autograd.grad((causal_attention(q, k, v, pe, layer=1) * weight).sum(), inputs)
+    out = causal_attention(q, k, v, pe, sequential_positions(length), layer=1)
+    got = torch.autograd.grad((out * weight).sum(), inputs)
     expected = torch.autograd.grad((naive_biased_attention(q, k, v, pe, layer=1) * weight).sum(), inputs)
     for g, e in zip(got, expected, strict=True):
         assert e.abs().sum() > 0
         assert_close(g, e.float(), atol=1e-5, rtol=1e-4)
+
+
+DRAWN = {  # positions (B or 1, L) other than 0..L-1, as randomized positions and PoSE give them
+    "randomized": lambda batch, length: randomized_positions(batch, length, 4 * length, generator(length)),
+    "randomized_shared": lambda batch, length: randomized_positions(1, length, 4 * length, generator(length)),
+    "pose": lambda batch, length: pose_positions(batch, length, 8 * length, 3, generator(length)),
+}
+
+
+@pytest.mark.parametrize("drawn", DRAWN)
+@pytest.mark.parametrize("blocking", ["default", "small"])
+@pytest.mark.parametrize("length", [7, 150])
+@pytest.mark.parametrize("kind", BIAS_KINDS)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+def test_biased_attention_at_drawn_positions_matches_naive_reference(fused, kind, length, blocking, drawn, monkeypatch):
+    """Every path stays exact at increasing positions with gaps: ALiBi's key bias for any positions, T5's and
+    Shaw's bands because keys W indices back are W positions back; outputs and gradients."""
+    if not fused:
+        explicit_path(monkeypatch)
+    use_blocking(monkeypatch, blocking, length)
+    pe = make_bias_pe(kind)
+    positions = DRAWN[drawn](BATCH, length)
+    gen = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen, requires_grad=True) for _ in range(3))
+    weight = torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen)
+    used = list(pe.layers[1].parameters() if isinstance(pe, FIRE) else pe.parameters())
+    got = causal_attention(q, k, v, pe, positions, layer=1)
+    expected = naive_biased_attention(q, k, v, pe, 1, positions)
+    # ALiBi's fp32 key bias is anchored at the last key: over PoSE's span of 1200 positions its values reach
+    # 600, whose fp32 spacing (6e-5) is the bias error of the first rows' keys.
+    tolerance = 1e-4 if kind == "alibi" else 1e-5
+    assert_close(got.double(), expected, atol=tolerance, rtol=1e-5)
+    # ... and the positions matter: at 0..L-1 the output is another one.
+    assert not torch.allclose(got, causal_attention(q, k, v, pe, sequential_positions(length), layer=1), atol=1e-4)
+    inputs = [q, k, v, *used]
+    got_grads = torch.autograd.grad((got * weight).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected * weight).sum(), inputs)
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        assert_close(g, e.float(), atol=tolerance, rtol=1e-4)
 
 
 @pytest.mark.parametrize("threshold", [1000.0, 20.0, 0.5])  # every row before L_thr, some, none
@@ -660,7 +718,7 @@ def test_kerple_training_keeps_r1_r2_where_the_official_in_place_clamp_does(kern
         bias = -a * torch.log(1 + b * distance) if kernel == "log" else -a * distance**b
         scores = (q @ k.transpose(-2, -1) / math.sqrt(HEAD_DIM) + bias).masked_fill(j > i, float("-inf"))
         official = scores.softmax(-1) @ v
-        ours = causal_attention(q, k, v, pe, layer=0)
+        ours = causal_attention(q, k, v, pe, sequential_positions(q.size(-2)), layer=0)
         assert_close(ours, official, atol=1e-5, rtol=1e-5)
         for params, out in (((r1, r2), official), ((pe.r1, pe.r2), ours)):
             grads = torch.autograd.grad(out.square().sum() * 1e2, params)  # steps that leave the domain
@@ -687,7 +745,7 @@ def test_banded_attention_under_bf16_autocast_scores_the_band_in_fp32(kind):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, HEADS, 600, HEAD_DIM, generator=gen).mul(2).bfloat16() for _ in range(3))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = causal_attention(q, k, v, pe, layer=1)
+        got = causal_attention(q, k, v, pe, sequential_positions(q.size(-2)), layer=1)
     assert got.dtype == torch.bfloat16
     assert (got.double() - naive_biased_attention(q, k, v, pe, layer=1)).abs().max() < 0.035
 
@@ -708,7 +766,7 @@ def test_alibi_under_bf16_autocast_keeps_long_offsets(monkeypatch):
             explicit_path(monkeypatch)
             monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", HEADS * length * 512)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            got = causal_attention(q, k, v, pe, layer=0)
+            got = causal_attention(q, k, v, pe, sequential_positions(q.size(-2)), layer=0)
         assert (got.double() - expected).abs().max() < 0.06
 
 
@@ -749,10 +807,10 @@ def test_shaw_matches_naive_formula(length, clip, value_term):
     values = vd[..., None, :, :] + (rel_v if value_term else 0)
     expected = (probs[..., None] * values).sum(-2)
     with torch.no_grad():
-        got = causal_attention(q, k, v, pe, layer=layer)
+        got = causal_attention(q, k, v, pe, sequential_positions(q.size(-2)), layer=layer)
     assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
     with torch.enable_grad():
-        got = causal_attention(q, k, v, pe, layer=layer)
+        got = causal_attention(q, k, v, pe, sequential_positions(q.size(-2)), layer=layer)
     assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -769,18 +827,19 @@ def test_rope_scores_shift_invariant(shift, scaling, factor):
     pe = RoPE(AttentionShape(d_model=32, n_heads=2, n_layers=1, train_len=8), scaling=scaling, factor=factor)
     length = 24
     q, k = torch.randn(1, 2, length, 16), torch.randn(1, 2, length, 16)
-    qr, kr = pe.rotate(q, k)
+    qr, kr = rotate(pe, q, k)
     pad = torch.randn(1, 2, shift, 16)
-    qs, ks = pe.rotate(torch.cat([pad, q], 2), torch.cat([pad, k], 2))
+    qs, ks = rotate(pe, torch.cat([pad, q], 2), torch.cat([pad, k], 2))
     base_scores = qr.double() @ kr.double().transpose(-2, -1)
     shifted = qs[:, :, shift:].double() @ ks[:, :, shift:].double().transpose(-2, -1)
     assert_close(shifted, base_scores, atol=5e-5, rtol=1e-5)
 
 
 def full_bias(pe, q: torch.Tensor, layer: int = 0) -> torch.Tensor:
-    """score_bias for all rows, broadcast to (B, H, L, L)."""
+    """The masked bias of the explicit path for all rows, broadcast to (B, H, L, L)."""
     length = q.size(-2)
-    return pe.score_bias(q, layer, 0, length).expand(q.size(0), q.size(1), length, length)
+    bias = attention_module.explicit_bias(pe, q, sequential_positions(length), layer)(0, length)
+    return bias.expand(q.size(0), q.size(1), length, length)
 
 
 @SHIFTS
@@ -813,7 +872,7 @@ def test_t5_max_distance_within_the_exact_buckets_is_a_config_error(num_buckets,
 @pytest.mark.parametrize("num_buckets, max_distance", [(32, 17), (3, 2)])
 def test_t5_band_ends_where_the_last_bucket_begins(num_buckets, max_distance):
     shape = AttentionShape(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=1, train_len=16)
-    width = T5Bias(shape, num_buckets=num_buckets, max_distance=max_distance).band_buckets.numel()
+    width = T5Bias(shape, num_buckets=num_buckets, max_distance=max_distance).band_width
     buckets = [t5_bucket_reference(n, num_buckets, max_distance) for n in range(width + 1)]
     assert buckets[width] == num_buckets - 1 and buckets[width - 1] != num_buckets - 1
 
@@ -847,16 +906,17 @@ def test_shaw_bias_shift_invariant(shift, clip):
     assert_close(shifted[..., mask], bias[..., mask], atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["alibi", "t5", "shaw"])
+@pytest.mark.parametrize("kind", ["alibi", "t5", "shaw", "kerple", "fire"])
 def test_bias_rows_of_a_block_equal_rows_of_the_full_bias(kind):
-    """score_bias(q_block, start, end) must equal rows [start, end) of the full bias (keys [0, end))."""
+    """The explicit path's mask of query rows [start, end) must equal those rows of the full bias (keys [0, end))."""
     pe = make_bias_pe(kind)
     length = 40
     q = torch.randn(1, HEADS, length, HEAD_DIM)
     full = full_bias(pe, q, 1).detach()
+    blocks = attention_module.explicit_bias(pe, q, sequential_positions(length), 1)
     i = torch.arange(length)[:, None]
     for start, end in [(0, 5), (5, 17), (17, 40), (39, 40)]:
-        block = pe.score_bias(q[:, :, start:end], 1, start, end).detach()
+        block = blocks(start, end).detach()
         block = block.expand(1, HEADS, end - start, end)
         causal = torch.arange(end)[None, :] <= i[start:end]
         reference = full[:, :, start:end, :end]
@@ -921,7 +981,7 @@ def test_learned_max_len_is_configurable():
 def test_learned_adds_its_table():
     pe = Learned(AttentionShape(d_model=8, n_heads=2, n_layers=1, train_len=6))
     x = torch.randn(3, 5, 8)
-    assert_close(pe.embed(x), x + pe.table.weight[:5].detach())
+    assert_close(embed(pe, x), x + pe.table.weight[:5].detach())
 
 
 @pytest.mark.parametrize("name", PES)

@@ -241,7 +241,7 @@ class _RankSlice(Sampler[int]):
 
 
 class DocumentWindows(Dataset):
-    """The windows of the ``nonoverlap`` protocol at ``length``, as token tensors of ``length + 1``.
+    """The windows of the ``nonoverlap`` protocol at ``length``, as token tensors of ``length + 1`` and their identity.
 
     Window w of a document covers tokens [w L, w L + L]: consecutive windows share one token, so
     every token after the document's first is a target exactly once; a tail shorter than L is left out.
@@ -257,10 +257,14 @@ class DocumentWindows(Dataset):
     def __len__(self) -> int:
         return len(self.windows)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
+    def __getitem__(self, i: int) -> dict:
+        """``tokens`` (L + 1,) and ``window`` (document, first token), which identifies the window."""
         window = self.windows[i]
         tokens = self.documents[window.document][window.start : window.start + self.length + 1]
-        return torch.from_numpy(tokens.astype(np.int64))
+        return {
+            "tokens": torch.from_numpy(tokens.astype(np.int64)),
+            "window": torch.tensor([window.document, window.start]),
+        }
 
 
 class LMDataModule(L.LightningDataModule):

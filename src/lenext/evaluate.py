@@ -35,6 +35,7 @@ from lenext.errors import ConfigError, LengthNotSupported
 from lenext.files import write_atomic
 from lenext.hardware import machine_description
 from lenext.pe.rope import SCALINGS
+from lenext.positions import PositionScheme, position_scheme, window_positions
 from lenext.schema import PositiveFloat, PositiveInt
 
 log = logging.getLogger("lenext")
@@ -135,8 +136,11 @@ def evaluate_length(
     tokens_per_batch: int,
     per_position: bool,
     precision: str = "32",
+    positions: PositionScheme | None = None,
+    seed: int = 0,
 ) -> dict:
-    """Mean NLL over the scored targets of ``windows``; DDP ranks split windows, each token counted once."""
+    """Mean NLL over the scored targets of ``windows`` (at the positions ``positions`` draws for each, seeded by
+    the run's ``seed``; 0..L-1 by default); DDP ranks split windows, each token counted once."""
     device = next(net.parameters()).device
     rank, world = _distributed()
     nll_mean, tokens = MeanMetric().to(device), SumMetric().to(device)
@@ -149,8 +153,9 @@ def evaluate_length(
         group = mine[b : b + batch]
         ids = torch.from_numpy(np.stack([documents[w.document][w.start : w.start + length + 1] for w in group]))
         ids = ids.to(device=device, dtype=torch.long)
+        drawn = window_positions(positions or PositionScheme(), length, seed, [(w.document, w.start) for w in group])
         with autocast:
-            nll = net.token_nll(ids[:, :-1], ids[:, 1:]).double()  # (B, L)
+            nll = net.token_nll(ids[:, :-1], ids[:, 1:], None if drawn is None else drawn.to(device)).double()  # (B, L)
         scored = (
             torch.arange(length, device=device)[None, :]
             >= torch.tensor([w.score_from for w in group], device=device)[:, None]
@@ -170,24 +175,6 @@ def evaluate_length(
     return {"mean_nll": mean_nll, "tokens": n_tokens, "curve": curve, "curve_counts": position_count.tolist()}
 
 
-def rope_variants(net, scalings: list[str] | None):
-    """Yield (scaling name or None, net) for each RoPE scaling asked for; the PE is switched in place."""
-    pe = net.pe
-    if not scalings:
-        yield getattr(pe, "scaling", None), net
-        return
-    if not hasattr(pe, "scaling"):  # a sweep over all PEs sets it once; only RoPE has scalings
-        yield None, net
-        return
-    original = (pe.scaling, pe.factor)
-    try:
-        for scaling in scalings:
-            pe.scaling, pe.factor = scaling, (original[1] if scaling == original[0] else None)
-            yield scaling, net
-    finally:
-        pe.scaling, pe.factor = original
-
-
 @dataclass(frozen=True)
 class EvalSettings:
     """The keys of configs/eval/default.yaml, with their types and ranges (checked by lenext.schema)."""
@@ -202,6 +189,7 @@ class EvalSettings:
     max_windows: PositiveInt | None
     tokens_per_batch: PositiveInt
     per_position: bool
+    positions: Literal["as_trained", "sequential"] = "as_trained"
 
 
 @dataclass(frozen=True)
@@ -212,7 +200,12 @@ class SweepPlan:
     k: int  # last_k: targets scored per block
 
 
-def sweep_plan(eval_cfg, train_len: int) -> SweepPlan:
+def evaluation_positions(eval_cfg, scheme: PositionScheme) -> PositionScheme:
+    """The positions the sweep evaluates with: the run's scheme's own (as_trained), or 0..L-1."""
+    return scheme if eval_cfg.get("positions", "as_trained") == "as_trained" else PositionScheme()
+
+
+def sweep_plan(eval_cfg, train_len: int, scheme: PositionScheme | None = None) -> SweepPlan:
     """What ``sweep`` will evaluate; raises ConfigError for settings that only fail together."""
     protocols = [eval_cfg.protocol] if isinstance(eval_cfg.protocol, str) else list(eval_cfg.protocol)
     lengths = sorted(set(eval_cfg.lengths or [int(f * train_len) for f in eval_cfg.factors or []]))
@@ -223,96 +216,95 @@ def sweep_plan(eval_cfg, train_len: int) -> SweepPlan:
     k = eval_cfg.last_k or min(lengths)
     if k > min(lengths):
         raise ConfigError(f"eval.last_k={k} is invalid: it must be at most the shortest length, {min(lengths)}")
+    evaluation_positions(eval_cfg, scheme or PositionScheme()).check_evaluation_length(max(lengths))
     return SweepPlan(protocols, lengths, eval_cfg.stride or max(1, train_len // 2), k)
 
 
-def sweep(net, documents: list[np.ndarray], train_len: int, eval_cfg, precision: str = "32") -> tuple[list, list]:
-    """Evaluate every (protocol, RoPE scaling, length). Returns (rows, per-position curve rows)."""
-    plan = sweep_plan(eval_cfg, train_len)
-    protocols, lengths, stride, k = plan.protocols, plan.lengths, plan.stride, plan.k
+def sweep(
+    net,
+    documents: list[np.ndarray],
+    train_len: int,
+    eval_cfg,
+    precision: str = "32",
+    scheme: PositionScheme | None = None,
+    seed: int = 0,
+) -> tuple[list, list]:
+    """Evaluate every (evaluation-time variant of the PE, protocol, length), at the positions of the run's
+    ``scheme`` (seeded by its ``seed``) or 0..L-1 (eval.positions). Returns (rows, per-position curve rows)."""
+    plan = sweep_plan(eval_cfg, train_len, scheme)
+    positions = evaluation_positions(eval_cfg, scheme or PositionScheme())
     doc_lengths = [len(d) for d in documents]
+    device = next(net.parameters()).device
     rows, curves = [], []
     net.eval()
-    for scaling, model in rope_variants(net, eval_cfg.rope_scalings):
-        for protocol in protocols:
-            for length in lengths:
-                windows = windows_for(protocol, doc_lengths, length, stride=stride, k=k, block=max(lengths))
-                row = {
-                    "protocol": protocol,
-                    "scaling": scaling,
-                    "length": length,
-                    "length_factor": length / train_len,
-                    "rope_factor": model.pe.factor_for(length) if scaling else None,
-                    "stride": stride if protocol == "sliding" else None,
-                    "k": k if protocol == "last_k" else None,
-                    "windows": len(windows),
-                }
-                windows = cap_windows(windows, eval_cfg.max_windows)
-                row["windows"] = len(windows)
-                if not windows:
-                    longest = max(doc_lengths) - 1
-                    needed = max(lengths) if protocol == "last_k" else length
-                    rows.append(
-                        {
-                            **row,
-                            "status": "no windows",
-                            "ppl": None,
-                            "mean_nll": None,
-                            "tokens": 0,
-                            "reason": f"needs documents of {needed} targets; the longest has {longest}",
-                        }
+    for scaling in net.pe.variants(eval_cfg.rope_scalings):
+        with net.pe.variant(scaling):
+            for protocol in plan.protocols:
+                for length in plan.lengths:
+                    windows = windows_for(
+                        protocol, doc_lengths, length, stride=plan.stride, k=plan.k, block=max(plan.lengths)
                     )
-                    continue
-                started = time.perf_counter()
-                try:
-                    device = next(model.parameters()).device
-                    with PeakMemory(device) as memory:
-                        result = evaluate_length(
-                            model,
-                            documents,
-                            windows,
-                            length,
-                            eval_cfg.tokens_per_batch,
-                            eval_cfg.per_position and protocol == "nonoverlap",
-                            precision,
-                        )
-                except LengthNotSupported as e:
-                    rows.append(
-                        {
-                            **row,
-                            "status": "not applicable",
-                            "ppl": None,
-                            "mean_nll": None,
-                            "tokens": 0,
-                            "reason": str(e),
-                        }
-                    )
-                    continue
-                rows.append(
-                    {
-                        **row,
-                        "status": "ok",
-                        "ppl": math.exp(result["mean_nll"]),
-                        "mean_nll": result["mean_nll"],
-                        "tokens": result["tokens"],
-                        "seconds": round(time.perf_counter() - started, 3),
-                        "peak_mem_mb": round(memory.peak_mb, 1),
-                        "reason": None,
+                    row = {
+                        "protocol": protocol,
+                        "scaling": scaling,
+                        "length": length,
+                        "length_factor": length / train_len,
+                        "rope_factor": net.pe.scaling_factor(length) if scaling else None,
+                        "stride": plan.stride if protocol == "sliding" else None,
+                        "k": plan.k if protocol == "last_k" else None,
+                        "windows": len(windows),
                     }
-                )
-                log.info(
-                    "%s %s L=%d: ppl %.3f over %d tokens",
-                    protocol,
-                    scaling or "",
-                    length,
-                    rows[-1]["ppl"],
-                    result["tokens"],
-                )
-                if result["curve"] is not None:
-                    curves += [
-                        (scaling, length, p, v, int(c))
-                        for p, (v, c) in enumerate(zip(result["curve"], result["curve_counts"], strict=True))
-                    ]
+                    windows = cap_windows(windows, eval_cfg.max_windows)
+                    row["windows"] = len(windows)
+                    unmeasured = {"ppl": None, "mean_nll": None, "tokens": 0}
+                    if not windows:
+                        needed = max(plan.lengths) if protocol == "last_k" else length
+                        reason = f"needs documents of {needed} targets; the longest has {max(doc_lengths) - 1}"
+                        rows.append({**row, "status": "no windows", **unmeasured, "reason": reason})
+                        continue
+                    started = time.perf_counter()
+                    try:
+                        with PeakMemory(device) as memory:
+                            result = evaluate_length(
+                                net,
+                                documents,
+                                windows,
+                                length,
+                                eval_cfg.tokens_per_batch,
+                                eval_cfg.per_position and protocol == "nonoverlap",
+                                precision,
+                                positions,
+                                seed,
+                            )
+                    except LengthNotSupported as e:
+                        rows.append({**row, "status": "not applicable", **unmeasured, "reason": str(e)})
+                        continue
+                    rows.append(
+                        {
+                            **row,
+                            "status": "ok",
+                            "ppl": math.exp(result["mean_nll"]),
+                            "mean_nll": result["mean_nll"],
+                            "tokens": result["tokens"],
+                            "seconds": round(time.perf_counter() - started, 3),
+                            "peak_mem_mb": round(memory.peak_mb, 1),
+                            "reason": None,
+                        }
+                    )
+                    log.info(
+                        "%s %s L=%d: ppl %.3f over %d tokens",
+                        protocol,
+                        scaling or "",
+                        length,
+                        rows[-1]["ppl"],
+                        result["tokens"],
+                    )
+                    if result["curve"] is not None:
+                        counts = result["curve_counts"]
+                        curves += [
+                            (scaling, length, p, v, int(c))
+                            for p, (v, c) in enumerate(zip(result["curve"], counts, strict=True))
+                        ]
     return rows, curves
 
 
@@ -334,9 +326,16 @@ def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -
         )
     except (OSError, subprocess.SubprocessError):
         commit = None
+    scheme = position_scheme(cfg.get("train"), cfg["data"]["max_len"])
     return {
         "pe_name": cfg.get("pe_name"),
         "pe": net.pe.describe(),
+        # The positions of training (reaching 0..reach-1) and of this evaluation (lenext.positions).
+        "positions": {
+            "train": scheme.name,
+            "reach": scheme.reach,
+            "eval": evaluation_positions(cfg["eval"], scheme).evaluated_at,
+        },
         "pe_config": cfg["pe"],
         "model": {k: v for k, v in cfg["model"].items() if not k.startswith("_")},
         "train_len": cfg["data"]["max_len"],

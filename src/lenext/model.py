@@ -1,7 +1,8 @@
 """A small pre-norm decoder-only transformer whose only knowledge of position is its PE.
 
 The PE (``lenext.pe``) plugs in at three sites: ``embed`` after the token embedding, ``rotate``
-on q and k, ``score_bias`` inside the attention. The model never asks which PE it holds.
+on q and k, and its score bias inside the attention, each given the tokens' positions (0..L-1 unless
+training draws others). The model never asks which PE it holds.
 """
 
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from torch import nn
 from lenext.attention import causal_attention
 from lenext.errors import ConfigError
 from lenext.pe import AttentionShape, PositionalEncoding
+from lenext.pe.base import sequential_positions
 from lenext.schema import PositiveFloat, PositiveInt, Probability
 
 
@@ -26,11 +28,11 @@ class SelfAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.pe = [pe]  # in a list: the decoder owns the PE's parameters, blocks only use it
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, L, dh)
-        q, k = self.pe[0].rotate(q, k)
-        y = causal_attention(q, k, v, self.pe[0], self.layer)  # (B, H, L, dh)
+        q, k = self.pe[0].rotate(q, k, positions)
+        y = causal_attention(q, k, v, self.pe[0], positions, self.layer)  # (B, H, L, dh)
         return self.dropout(self.out(y.transpose(1, 2).reshape(batch, length, width)))
 
 
@@ -59,8 +61,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.LayerNorm(d_model)
         self.mlp = MLP(d_model, mlp_hidden, mlp, dropout)
 
-    def forward(self, x):
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x, positions):
+        x = x + self.attn(self.attn_norm(x), positions)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -72,6 +74,7 @@ class Decoder(nn.Module):
         vocab_size: int,
         train_len: int,
         pe: Callable[[AttentionShape], PositionalEncoding],
+        max_position: PositiveInt | None = None,
         d_model: PositiveInt = 256,
         n_layers: PositiveInt = 6,
         n_heads: PositiveInt = 8,
@@ -84,7 +87,7 @@ class Decoder(nn.Module):
         if d_model % n_heads:
             raise ConfigError(f"model.n_heads={n_heads} is invalid: it must divide model.d_model={d_model}")
         self.d_model = d_model
-        self.pe = pe(AttentionShape(d_model, n_heads, n_layers, train_len))
+        self.pe = pe(AttentionShape(d_model, n_heads, n_layers, train_len, max_position))
         self.embedding = nn.Embedding(vocab_size, d_model)
         self.dropout = nn.Dropout(dropout)
         hidden = int(mlp_ratio * d_model * (2 / 3 if mlp == "swiglu" else 1))  # same parameter count either way
@@ -102,11 +105,14 @@ class Decoder(nn.Module):
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=0.02)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, L) at positions (B or 1, L), strictly increasing; None: 0..L-1."""
+        if positions is None:
+            positions = sequential_positions(tokens.size(1), tokens.device)
         x = self.embedding(tokens)  # (B, L, d)
-        x = self.dropout(self.pe.embed(x))
+        x = self.dropout(self.pe.embed(x, positions))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, positions)
         return self.norm(x)  # (B, L, d)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -115,12 +121,18 @@ class Decoder(nn.Module):
         # Tied weights (T5): scale by d^-0.5, else each token's own embedding would score ~d at init.
         return (hidden * self.d_model**-0.5) @ self.embedding.weight.t().to(hidden.dtype)  # (B, L, V)
 
-    def token_nll(self, tokens: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
+    def token_nll(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        chunk_tokens: int = 4096,
+    ) -> torch.Tensor:
         """Per-token negative log-likelihood (B, L) in fp32, with logits for ``chunk_tokens`` tokens at a time.
 
         Full logits of a batch of long windows x a large vocabulary would cost gigabytes.
         """
-        hidden = self(tokens)
+        hidden = self(tokens, positions)
         span = max(1, chunk_tokens // tokens.size(0))  # positions per chunk
         return torch.cat(
             [

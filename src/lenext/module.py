@@ -14,6 +14,7 @@ from lenext.errors import LenextError
 from lenext.files import atomic_path
 from lenext.hardware import warn_if_precision_is_slow
 from lenext.model import Decoder
+from lenext.positions import PositionScheme, training_positions, window_positions
 from lenext.schema import NonNegativeFloat, NonNegativeInt, PositiveFloat, Probability, Range
 
 
@@ -39,6 +40,9 @@ def tokens_trained(trainer: L.Trainer, data: dict) -> int:
 class LanguageModel(L.LightningModule):
     """Trains a ``Decoder``; logs ``train/loss``, ``val/loss``, ``val/ppl`` (at L_train) and ``val/windows``.
 
+    Training batches are (B, L+1) token windows; validation batches are dicts of ``tokens`` and
+    ``window`` (document, first token), which seeds the window's positions under randomized positions.
+
     ``run_config`` is the resolved run configuration, kept in checkpoints so ``eval.py`` can rebuild
     the model without the original command line.
     """
@@ -51,11 +55,14 @@ class LanguageModel(L.LightningModule):
         betas: tuple[Probability, Probability] = (0.9, 0.95),
         warmup_steps: NonNegativeInt = 100,
         min_lr_ratio: Annotated[float, Range(0, 1)] = 0.1,
+        positions: PositionScheme | None = None,
+        seed: int = 0,
         run_config: dict | None = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["net"])
+        self.save_hyperparameters(ignore=["net", "positions"])
         self.net = net
+        self.positions = positions or PositionScheme()  # the run's train.positions; seed: what draws them
         # Weighted by token count, synchronised across DDP ranks: each token counts once.
         self.val_nll = MeanMetric()
         self.val_windows = SumMetric()
@@ -76,15 +83,27 @@ class LanguageModel(L.LightningModule):
         self.train_seconds += time.perf_counter() - self._step_started
         self.train_tokens += batch[:, 1:].numel()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.net.logits(self.net(tokens))
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.net.logits(self.net(tokens, positions))
 
-    def token_nll(self, batch: torch.Tensor) -> torch.Tensor:
-        """batch: (B, L+1) token windows -> (B, L) NLL of each next token."""
-        return self.net.token_nll(batch[:, :-1], batch[:, 1:])
+    def token_nll(self, batch: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """batch: (B, L+1) token windows (at ``positions`` (B, L), or 0..L-1) -> (B, L) NLL of each next token."""
+        if positions is not None:
+            positions = positions.to(batch.device)
+        return self.net.token_nll(batch[:, :-1], batch[:, 1:], positions)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self.token_nll(batch).mean()
+        micro = batch_idx % self.trainer.accumulate_grad_batches  # the micro-batch within the optimizer step
+        positions = training_positions(
+            self.positions,
+            batch.size(0),
+            batch.size(1) - 1,
+            self.hparams.seed,
+            self.global_rank,
+            self.global_step,
+            micro,
+        )
+        loss = self.token_nll(batch, positions).mean()
         if not torch.isfinite(loss):
             raise NonFiniteLoss(
                 f"the training loss became {loss.item()} at step {self.global_step}; the run stopped and its "
@@ -99,8 +118,10 @@ class LanguageModel(L.LightningModule):
         self.val_nll.reset()
         self.val_windows.reset()
 
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        nll = self.token_nll(batch)
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        tokens = batch["tokens"]
+        windows = [tuple(w) for w in batch["window"].tolist()]
+        nll = self.token_nll(tokens, window_positions(self.positions, tokens.size(1) - 1, self.hparams.seed, windows))
         self.val_nll.update(nll.mean(), weight=nll.numel())
         self.val_windows.update(nll.size(0))
 

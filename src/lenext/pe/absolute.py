@@ -26,30 +26,34 @@ class Sinusoidal(PositionalEncoding):
         # Non-persistent: rebuilt for the longest length seen, so checkpoints stay length-free.
         self.register_buffer("table", torch.empty(0, shape.d_model), persistent=False)
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
-        length = x.size(1)
-        if self.table.size(0) < length:
-            self.table = sinusoidal_table(length, self.shape.d_model).to(x.device)
-        return x + self.table[:length].to(x.dtype)
+    def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        needed = int(positions.max()) + 1
+        if self.table.size(0) < needed:
+            self.table = sinusoidal_table(needed, self.shape.d_model).to(x.device)
+        return x + self.table[positions].to(x.dtype)  # (B or 1, L, d) broadcast over the batch
 
 
 class Learned(PositionalEncoding):
-    """Learned APE (GPT-2, BERT): one trained vector per position below ``max_len``."""
+    """Learned APE (GPT-2, BERT): one trained vector per position below ``max_len``.
+
+    ``max_len: null``: the positions training reaches (L_train; N under randomized positions, the
+    target length under PoSE), so that every row of the table is trained.
+    """
 
     def __init__(self, shape: AttentionShape, max_len: PositiveInt | None = None):
         super().__init__(shape)
-        self.max_len = max_len or shape.train_len
+        self.max_len = max_len or shape.trained_positions
         self.table = nn.Embedding(self.max_len, shape.d_model)
         nn.init.normal_(self.table.weight, std=0.02)
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
-        length = x.size(1)
-        if length > self.max_len:
+    def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        last = int(positions.max())
+        if last >= self.max_len:
             raise LengthNotSupported(
                 f"learned positional embeddings exist for positions 0..{self.max_len - 1}; "
-                f"a sequence of {length} tokens needs positions it never trained"
+                f"a sequence reaching position {last} needs positions it never trained"
             )
-        return x + self.table.weight[:length].to(x.dtype)
+        return x + self.table(positions).to(x.dtype)
 
     def describe(self) -> dict:
         return {"name": "Learned", "max_len": self.max_len}

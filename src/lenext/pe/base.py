@@ -1,21 +1,32 @@
 """The positional-encoding interface (DESIGN.md section 2).
 
-A PE acts at up to three sites of the decoder, and implements only the ones it needs:
+Every site receives ``positions``: (B or 1, L) strictly increasing integer positions of the tokens,
+0..L-1 unless training draws others (randomized positions, PoSE: ``lenext.positions``). A PE acts at
+up to three sites of the decoder, and implements only the ones it needs:
 
-- ``embed(x)``: added to the token embeddings (sinusoidal, learned);
-- ``rotate(q, k)``: applied to queries and keys (RoPE and its scalings);
-- ``score_bias(q, layer, start, end)``: added to the attention scores (ALiBi, T5, Shaw), and its
-  FlexAttention form ``score_mod(q, layer)`` where the attention runs FlexAttention (CUDA).
+- ``embed(x, positions)``: added to the token embeddings (sinusoidal, learned);
+- ``rotate(q, k, positions)``: applied to queries and keys (RoPE, its scalings, xPos);
+- the attention scores, through the forms of a score bias below. Each returns None when the PE
+  has no such form; the attention (``lenext.attention``) picks its path from the forms present
+  and owns every mask:
+  - ``key_bias``: a bias of the key alone, up to a per-row constant (ALiBi);
+  - ``band_bias``: a bias that is constant along each row beyond W keys back (T5, Shaw);
+  - ``pair_bias``: any bias(i, j) of the two positions (KERPLE, FIRE);
+  - ``score_mod``: the bias as a FlexAttention score_mod, for CUDA;
+  - ``value_term``: an extra attention output computed from the probabilities (Shaw's a^V).
 
-The decoder calls all three everywhere and never looks at which PE it holds.
+The decoder calls every site for every PE and never looks at which PE it holds.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+PairBias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+ValueTerm = Callable[[torch.Tensor, int, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -25,67 +36,86 @@ class AttentionShape:
     d_model: int
     n_heads: int
     n_layers: int
-    train_len: int  # L_train: learned APE size, and the reference length for RoPE scaling
+    train_len: int  # L_train: the reference length of RoPE's scalings, T5's default max_distance
+    max_position: int | None = None  # positions training reaches (randomized, PoSE); None: L_train
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def trained_positions(self) -> int:
+        """Positions 0..trained_positions-1 occur in training: the learned APE's default table size."""
+        return self.max_position or self.train_len
+
+
+def sequential_positions(length: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(1, L): positions 0..L-1, what every sequence gets unless training draws others."""
+    return torch.arange(length, device=device)[None]
+
 
 class PositionalEncoding(nn.Module):
     """Base class, and on its own the NoPE control: the causal mask is the only positional signal."""
-
-    has_score_bias = False  # True: the attention must add ``score_bias``; False: plain causal SDPA
-    key_only_bias = False  # True: ``score_bias`` is (1, H, 1, end) and the attention adds the causal mask
-    needs_attention_probs = False  # True: ``value_term`` needs the softmax probabilities (Shaw's a^V)
 
     def __init__(self, shape: AttentionShape):
         super().__init__()
         self.shape = shape
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
+    def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: (B, L, d_model) token embeddings -> same shape with position information."""
         return x
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k: (B, H, L, d_head), positions 0..L-1 -> rotated q, k."""
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k: (B, H, L, d_head) -> rotated q, k."""
         return q, k
 
-    def score_bias(self, q: torch.Tensor, layer: int, start: int, end: int) -> torch.Tensor:
-        """Additive bias for query rows [start, end) against keys [0, end), in units of scaled scores.
+    def key_bias(self, positions: torch.Tensor, layer: int) -> torch.Tensor | None:
+        """(B or 1, H, 1, K) fp32 bias of each key j, for a bias(i, j) = key_bias[j] + c_i (c_i: any per-row
+        constant, which softmax ignores), over the keys ``positions`` (B or 1, K) holds."""
+        return None
 
-        q: (B, H, end - start, d_head). Returns either a key-only (1, H, 1, end) bias (with
-        ``key_only_bias``; the attention adds the causal mask, on SDPA's fused kernel when it can)
-        or a (B or 1, H, end - start, end) bias that already holds -inf at every j > i, so the
-        attention uses it as the mask as it is. By default, the mask ``band_bias`` stands for.
-        """
-        mask = band_mask(self.band_bias(q, layer), start, end)
-        return F.pad(mask, (end - mask.size(-1), 0))  # keys before the band: bias 0
-
-    def band_bias(self, q: torch.Tensor, layer: int) -> torch.Tensor | None:
+    def band_bias(self, q: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor | None:
         """The bias as a band, for PEs whose bias is constant along each row beyond W keys back.
 
-        q: (B, H, R, d_head), query rows i. Returns (B or 1, H, R, W) (an expanded view where it is
-        the same for every row): entry w is
-        bias(i, j) - bias(i, far) for key j = i - W + 1 + w (w = W - 1 is the diagonal), where
-        bias(i, far) is the row's value at every j <= i - W. Softmax ignores a per-row constant, so
-        the band alone is the exact bias, and attention can score it without (L, L) work.
-        None (the default): the PE has no such form.
+        q: (B, H, L, d_head) and their positions (B or 1, L). Returns (B or 1, H, L, W): entry w
+        of row i is bias(i, j) - bias(i, far) for the key j = i - W + 1 + w (w = W - 1 is the
+        diagonal; entries of keys before 0 are ignored), where bias(i, far) is the row's value at
+        every key W or more indices back. Softmax ignores a per-row constant, so the band alone is
+        the exact bias, and attention can score it without (L, L) work.
         """
         return None
 
-    def score_mod(self, q: torch.Tensor, layer: int) -> Callable | None:
-        """``score_bias`` over the whole sequence as a FlexAttention score_mod, or None if there is none.
+    def pair_bias(self, layer: int) -> PairBias | None:
+        """The general form: ``(query_positions (B or 1, R), key_positions (B or 1, K)) -> (B or 1, H, R, K)``
+        fp32 bias(i, j), used for j <= i only (values at j > i must be finite; the attention masks them)."""
+        return None
 
-        q: (B, H, L, d_head). Returns ``(score, b, h, q_idx, kv_idx) -> score + bias``; flex applies
-        the causal mask after it, so it may return anything (but must index in bounds) for kv_idx > q_idx.
-        None (the default) sends the attention to its SDPA paths, as for PEs flex cannot express.
+    def score_mod(self, q: torch.Tensor, positions: torch.Tensor, layer: int) -> Callable | None:
+        """The whole score bias as a FlexAttention score_mod ``(score, b, h, q_idx, kv_idx) -> score + bias``.
+
+        q: (B, H, L, d_head), positions (B or 1, L) (index them with b only when B > 1). Flex
+        applies the causal mask after it, so it may return anything (in bounds) for kv_idx > q_idx.
         """
         return None
 
-    def value_term(self, probs: torch.Tensor, layer: int, start: int, end: int) -> torch.Tensor:
-        """Extra attention output from the probabilities (B, H, rows, end) -> (B, H, rows, d_head)."""
-        raise NotImplementedError
+    def value_term(self, positions: torch.Tensor, layer: int) -> ValueTerm | None:
+        """``(probs (B, H, R, K), start, end) -> (B, H, R, d_head)``: extra attention output for query
+        rows [start, end) from their probabilities over keys [0, end) (Shaw's a^V)."""
+        return None
+
+    def variants(self, asked: list[str] | None) -> list[str | None]:
+        """The evaluation-time variants a sweep evaluates when ``asked`` for these (eval.rope_scalings:
+        RoPE's scalings); [None], the PE as trained, for a PE that has none."""
+        return [None]
+
+    @contextmanager
+    def variant(self, name: str | None) -> Iterator[None]:
+        """Inside the block the PE is the named variant (switched in place, restored after)."""
+        yield
+
+    def scaling_factor(self, length: int) -> float | None:
+        """The factor by which the PE rescales positions for a sequence of ``length`` tokens, if it does."""
+        return None
 
     def project_(self) -> None:
         """Bring learned parameters back into their domain, after every optimizer step (a projection:
@@ -100,31 +130,17 @@ class NoPE(PositionalEncoding):
     """No positional encoding (Kazemnejad et al. 2023): the control row of every study."""
 
 
-def relative_offsets(start: int, end: int, device: torch.device) -> torch.Tensor:
-    """(end - start, end) matrix of j - i for query rows i in [start, end) and keys j in [0, end)."""
-    i = torch.arange(start, end, device=device)
-    j = torch.arange(end, device=device)
-    return j[None, :] - i[:, None]
+def position_differences(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """(B or 1, R, K): i - j for query positions (B or 1, R) and key positions (B or 1, K)."""
+    return query_positions[..., :, None] - key_positions[..., None, :]
 
 
-def diagonal_band(matrix: torch.Tensor, width: int) -> torch.Tensor:
-    """The view (..., n, W) of a contiguous (..., n, n + W - 1) matrix whose row r is matrix[r, r : r + W]."""
-    *lead_strides, row_stride, _ = matrix.stride()
-    return matrix.as_strided((*matrix.shape[:-1], width), (*lead_strides, row_stride + 1, 1))
+def band_distances(positions: torch.Tensor, width: int) -> torch.Tensor:
+    """(B or 1, L, W) i - j for each query i and the W keys j = i - W + 1 .. i of its band.
 
-
-def band_mask(band: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """The fp32 mask a band (B or 1, H, R, W) stands for, for query rows [start, end).
-
-    Covers keys [first, end), first = max(0, start - W + 1): (B or 1, H, end - start, end - first).
-    Row i = start + r holds the band on keys i - W + 1 .. i and -inf on future keys. The keys
-    before ``first`` are W or more back from every row of the block: their bias is 0.
-    Built as one (rows, rows + W - 1) pattern with the band written along its diagonals, so its
-    size does not depend on ``start``.
+    Keys before the first are given the positions before positions[0] (those of 0..L-1 extended
+    backwards), so sequential positions give the same row everywhere; the attention ignores them.
     """
-    rows, width = end - start, band.size(-1)
-    future = torch.ones(rows, rows + width - 1, dtype=torch.bool, device=band.device).triu(width)
-    # column c: key start - W + 1 + c. One pattern, copied out: 3-7x faster than zeros + masked_fill
-    padded = torch.where(future, float("-inf"), 0.0).expand(*band.shape[:-2], -1, -1).contiguous()
-    diagonal_band(padded, width).copy_(band)
-    return padded[..., max(0, width - 1 - start) :]  # drop the columns of keys before 0
+    before = positions[:, :1] - torch.arange(width - 1, 0, -1, device=positions.device)
+    keys = torch.cat([before, positions], dim=1).unfold(1, width, 1)  # (B or 1, L, W)
+    return positions[..., None] - keys

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lenext.errors import ConfigError
-from lenext.pe.base import AttentionShape, PositionalEncoding, relative_offsets
+from lenext.pe.base import AttentionShape, PositionalEncoding, band_distances, position_differences
 from lenext.schema import PositiveInt, Range
 
 
@@ -25,25 +25,23 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 class ALiBi(PositionalEncoding):
     """Attention with linear biases: scores += -m_h (i - j), not scaled by 1/sqrt(d)."""
 
-    has_score_bias = True
-    key_only_bias = True
-
     def __init__(self, shape: AttentionShape):
         super().__init__(shape)
         self.register_buffer("slopes", alibi_slopes(shape.n_heads), persistent=False)
 
-    def score_bias(self, q, layer, start, end):
-        # -m (i - j) = m (j - (end-1)) - m (i - (end-1)): the second term is constant along a row
-        # and softmax ignores it, so a key-only (1, H, 1, end) bias is exact and keeps SDPA fused.
-        # Anchoring at end-1 keeps the values of the keys that matter small, so fp32 stays exact.
-        keys = torch.arange(end, device=q.device, dtype=torch.float32) - (end - 1)
-        return (self.slopes[:, None] * keys)[None, :, None, :]  # (1, H, 1, end), fp32 even under bf16
+    def key_bias(self, positions, layer):
+        # -m (i - j) = m (j - last) - m (i - last): the second term is constant along a row and
+        # softmax ignores it, so a key bias is exact (for any positions) and keeps SDPA fused.
+        # Anchoring at the last key keeps the values of the keys that matter small, so fp32 stays exact.
+        keys = (positions - positions[:, -1:]).float()  # (B or 1, K)
+        return self.slopes[None, :, None, None] * keys[:, None, None, :]  # (B or 1, H, 1, K), fp32 under bf16
 
-    def score_mod(self, q, layer):
+    def score_mod(self, q, positions, layer):
         slopes = self.slopes  # fp32; flex adds it to fp32 scores, so -m (i - j) is exact as written
+        positions = positions.expand(q.size(0), -1)
 
         def alibi(score, b, h, q_idx, kv_idx):
-            return score - slopes[h] * (q_idx - kv_idx)
+            return score - slopes[h] * (positions[b, q_idx] - positions[b, kv_idx])
 
         return alibi
 
@@ -58,9 +56,11 @@ def t5_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> to
 
 
 class T5Bias(PositionalEncoding):
-    """T5 relative bias: one learned scalar per (bucket, head), shared across layers by default."""
+    """T5 relative bias: one learned scalar per (bucket, head), shared across layers by default.
 
-    has_score_bias = True
+    Its band: keys W or more indices back are W or more positions back (positions increase), all
+    in the last bucket, so the W nearest keys carry the whole bias.
+    """
 
     def __init__(
         self,
@@ -82,11 +82,12 @@ class T5Bias(PositionalEncoding):
         self.num_buckets, self.max_distance, self.per_layer = num_buckets, max_distance, per_layer
         self.table = nn.Parameter(torch.randn(shape.n_layers if per_layer else 1, num_buckets, shape.n_heads) * 0.02)
         self.register_buffer("buckets", torch.empty(0, dtype=torch.long), persistent=False)
-        # Buckets of the distances W-1 .. 0 before the last bucket, which holds every distance >= W.
+        # Buckets of the distances 0 .. W, where W, the band's width, is the first distance of the last bucket.
         in_last = t5_bucket(torch.arange(max_distance + 1), num_buckets, max_distance) == num_buckets - 1
-        width = int(in_last.nonzero()[0])
-        band_buckets = t5_bucket(torch.arange(width - 1, -1, -1), num_buckets, max_distance)
-        self.register_buffer("band_buckets", band_buckets, persistent=False)
+        self.band_width = width = int(in_last.nonzero()[0])
+        self.register_buffer(
+            "band_buckets", t5_bucket(torch.arange(width + 1), num_buckets, max_distance), persistent=False
+        )
 
     def _by_distance(self, layer, end, device):
         """(end, H): the bias of each distance i - j in 0..end-1."""
@@ -94,18 +95,23 @@ class T5Bias(PositionalEncoding):
             self.buckets = t5_bucket(torch.arange(end, device=device), self.num_buckets, self.max_distance)
         return self.table[layer if self.per_layer else 0][self.buckets[:end]]
 
-    def band_bias(self, q, layer):
+    def band_bias(self, q, positions, layer):
         table = self.table[layer if self.per_layer else 0]  # (buckets, H)
-        band = (table[self.band_buckets] - table[-1]).t()  # (H, W): the same for every row
-        return band[None, :, None, :].expand(-1, -1, q.size(-2), -1)  # (1, H, R, W)
+        width = self.band_width
+        by_distance = table[self.band_buckets] - table[-1]  # (W + 1, H): distance W and beyond: 0
+        distances = band_distances(positions, width)  # (B or 1, L, W)
+        if (distances == distances[:, -1:]).all():  # every row alike (0..L-1): one row, broadcast
+            return by_distance[distances[:, -1]].transpose(-2, -1)[:, :, None, :].expand(-1, -1, q.size(-2), -1)
+        return by_distance[distances.clamp(max=width)].permute(0, 3, 1, 2)  # (B or 1, H, L, W)
 
-    def score_mod(self, q, layer):
+    def score_mod(self, q, positions, layer):
         # Looked up per distance, not per bucket: the backward scatters gradients into this (L, H)
         # tensor with atomic adds, and far fewer of them collide than on the (buckets, H) table.
-        by_distance = self._by_distance(layer, q.size(2), q.device)
+        by_distance = self._by_distance(layer, int(positions.max()) + 1, q.device)
+        positions = positions.expand(q.size(0), -1)
 
-        def t5(score, b, h, q_idx, kv_idx):
-            return score + by_distance[(q_idx - kv_idx).clamp(min=0), h]  # clamp: j > i (masked) stays in bounds
+        def t5(score, b, h, q_idx, kv_idx):  # clamp: j > i (masked) stays in bounds
+            return score + by_distance[(positions[b, q_idx] - positions[b, kv_idx]).clamp(min=0), h]
 
         return t5
 
@@ -122,12 +128,11 @@ class ShawRelative(PositionalEncoding):
     """Relative position representations (Shaw et al. 2018) with clipping distance k.
 
     score(i, j) = (q_i . k_j + q_i . a^K_{clip(j-i, -k, k)}) / sqrt(d_h); optional a^V on values.
-    Tables are per layer and shared across heads, as in the paper. The bias is q @ A^T (rows x 2k+1)
-    gathered by clipped offset, or on CPU its band q @ (a^K_o - a^K_{-k})^T for the k nearest
-    offsets: the (L, L, d_h) tensor of the naive form is never built.
+    Tables are per layer and shared across heads, as in the paper. The bias is a band: keys k or
+    more indices back are k or more positions back (positions increase), all clipped to a^K_{-k}.
+    It is q @ A^T for the k + 1 offsets -k..0, gathered by clipped offset: the (L, L, d_h) tensor
+    of the naive form is never built.
     """
-
-    has_score_bias = True
 
     def __init__(self, shape: AttentionShape, k: PositiveInt = 16, value_term: bool = False):
         super().__init__(shape)
@@ -135,38 +140,42 @@ class ShawRelative(PositionalEncoding):
         table_shape = (shape.n_layers, 2 * k + 1, shape.head_dim)
         self.key_table = nn.Parameter(torch.randn(table_shape) * 0.02)
         self.value_table = nn.Parameter(torch.randn(table_shape) * 0.02) if value_term else None
-        self.needs_attention_probs = value_term
-
-    def _clipped_offsets(self, start, end, device):
-        return relative_offsets(start, end, device).clamp(-self.k, self.k) + self.k  # (rows, end) in [0, 2k]
 
     def _scores(self, q, vectors):
         """(B, H, rows, n): q_i . a / sqrt(d_h) for each of the n vectors a (n, d_h)."""
         return q @ vectors.t().to(q.dtype) / math.sqrt(self.shape.head_dim)
 
-    def _by_offset(self, q, layer):
-        """(B, H, rows, 2k+1): q_i . a^K_o / sqrt(d_h) for each clipped offset o + k."""
-        return self._scores(q, self.key_table[layer])
+    def _clipped(self, differences):
+        """Row o + k of a table, for o = clip(j - i, -k, k) given the differences i - j."""
+        return self.k - differences.clamp(-self.k, self.k)
 
-    def band_bias(self, q, layer):
-        # Offsets j - i <= -k share a^K_{-k}: a per-row constant, so the band is offsets -k+1 .. 0.
-        table = self.key_table[layer]  # (2k+1, d_h): row o + k holds a^K_o
-        return self._scores(q, table[1 : self.k + 1] - table[0])  # (B, H, R, k)
+    def band_bias(self, q, positions, layer):
+        by_offset = self._scores(q, self.key_table[layer][: self.k + 1])  # (B, H, L, k + 1): offsets -k..0
+        index = self._clipped(band_distances(positions, self.k))[:, None]  # (B or 1, 1, L, k) in [0, k]
+        band = by_offset.gather(-1, index.expand(*by_offset.shape[:-1], -1))
+        return band - by_offset[..., :1]  # relative to a^K_{-k}, the bias of every key k or more back
 
-    def score_mod(self, q, layer):
-        if self.needs_attention_probs:
-            return None  # flex cannot add a^V: the attention keeps its explicit path
-        by_offset, k = self._by_offset(q, layer), self.k
+    def score_mod(self, q, positions, layer):
+        by_offset, k = self._scores(q, self.key_table[layer]), self.k  # (B, H, L, 2k + 1)
+        positions = positions.expand(q.size(0), -1)
 
         def shaw(score, b, h, q_idx, kv_idx):
-            return score + by_offset[b, h, q_idx, (kv_idx - q_idx).clamp(-k, k) + k]
+            return score + by_offset[b, h, q_idx, (positions[b, kv_idx] - positions[b, q_idx]).clamp(-k, k) + k]
 
         return shaw
 
-    def value_term(self, probs, layer, start, end):
-        index = self._clipped_offsets(start, end, probs.device).expand_as(probs)
-        mass = probs.new_zeros(*probs.shape[:-1], 2 * self.k + 1).scatter_add_(-1, index, probs)
-        return mass @ self.value_table[layer].to(probs.dtype)  # (B, H, rows, d_head)
+    def value_term(self, positions, layer):
+        if self.value_table is None:
+            return None
+        table = self.value_table[layer]
+
+        def shaw_values(probs, start, end):
+            index = self._clipped(position_differences(positions[:, start:end], positions[:, :end]))
+            index = index[:, None].expand_as(probs)  # (B, H, rows, end)
+            mass = probs.new_zeros(*probs.shape[:-1], 2 * self.k + 1).scatter_add_(-1, index, probs)
+            return mass @ table.to(probs.dtype)  # (B, H, rows, d_head)
+
+        return shaw_values
 
     def describe(self) -> dict:
         return {"name": "ShawRelative", "k": self.k, "value_term": self.value_table is not None}

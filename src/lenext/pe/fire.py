@@ -6,14 +6,13 @@ the distance is normalised by the query's position once the query is past the th
 1 -> ``hidden`` (ReLU) -> one output per head; c (init 0.1) and L_thr = |multiplier| * init_threshold
 (multiplier init 1) are learned, with eps 1e-6 in the denominator, as in the paper's reference code.
 One FIRE per attention layer (``per_layer``), as each layer owns one there. ``init_threshold: null``
-starts L_thr at L_train. The bias depends on i itself, not only on i - j: the attention takes its
-general path.
+starts L_thr at L_train. The bias depends on i itself, not only on i - j: a pair bias, scored in query blocks.
 """
 
 import torch
 from torch import nn
 
-from lenext.pe.base import AttentionShape, PositionalEncoding, relative_offsets
+from lenext.pe.base import AttentionShape, PositionalEncoding
 from lenext.schema import PositiveFloat, PositiveInt
 
 EPS = 1e-6
@@ -67,8 +66,6 @@ class FireBias(nn.Module):
 class FIRE(PositionalEncoding):
     """Learned function of the progressively normalised log distance, one output per head."""
 
-    has_score_bias = True
-
     def __init__(
         self,
         shape: AttentionShape,
@@ -83,10 +80,15 @@ class FIRE(PositionalEncoding):
             FireBias(shape.n_heads, hidden, init_c, threshold) for _ in range(shape.n_layers if per_layer else 1)
         )
 
-    def score_bias(self, q, layer, start, end):
+    def pair_bias(self, layer):
         fire = self.layers[layer if len(self.layers) > 1 else 0]
-        bias = fire(torch.arange(start, end, device=q.device), torch.arange(end, device=q.device))
-        return bias.masked_fill(relative_offsets(start, end, q.device) > 0, float("-inf"))[None]  # (1, H, rows, end)
+
+        def bias(query_positions, key_positions):  # one sequence's positions at a time: (B or 1, H, R, K)
+            sequences = max(query_positions.size(0), key_positions.size(0))
+            rows, keys = query_positions.expand(sequences, -1), key_positions.expand(sequences, -1)
+            return torch.stack([fire(i, j) for i, j in zip(rows, keys, strict=True)])
+
+        return bias
 
     def describe(self) -> dict:
         return {"name": "FIRE", "hidden": self.layers[0].mlp[0].out_features, "per_layer": len(self.layers) > 1}

@@ -8,8 +8,8 @@ kernel), initialised uniformly as there (log: r1 ~ U(0, 2), r2 ~ U(0, 1); power:
 r2 ~ U(0, 2)) and projected into the kernel's domain (clamped in place to [0.01, ...], power r2 <= 2)
 at initialisation and after every optimizer step: the official code clamps in place before every
 use, which puts the same values in every forward.
-Unlike ALiBi's, the bias is not linear in j and not constant beyond any band: the attention takes its
-general path (query blocks, never an (L, L) tensor at once) on CPU and a score_mod on CUDA.
+Unlike ALiBi's, the bias is not linear in j and not constant beyond any band: a pair bias, which the
+attention scores in query blocks (never an (L, L) tensor at once) on CPU and as a score_mod on CUDA.
 """
 
 from typing import Literal
@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lenext.pe.base import AttentionShape, PositionalEncoding, relative_offsets
+from lenext.pe.base import AttentionShape, PositionalEncoding, position_differences
 
 FLOOR = 1e-2  # the official code's lower bound for r1 and r2
 
@@ -29,8 +29,6 @@ def kerple_kernel(distance, r1, r2, kernel: str):
 
 class KERPLE(PositionalEncoding):
     """Kernelized relative bias: -r1 log(1 + r2 |i - j|) or -r1 |i - j|^r2, learned per head and layer."""
-
-    has_score_bias = True
 
     def __init__(self, shape: AttentionShape, kernel: Literal["log", "power"] = "log", per_layer: bool = True):
         super().__init__(shape)
@@ -51,18 +49,22 @@ class KERPLE(PositionalEncoding):
         index = layer if self.per_layer else 0
         return self.r1[index].float(), self.r2[index].float()
 
-    def score_bias(self, q, layer, start, end):
-        offsets = relative_offsets(start, end, q.device)  # (rows, end): j - i
-        r1, r2 = (r[:, None, None] for r in self.kernel_parameters(layer))
-        bias = kerple_kernel((-offsets).clamp(min=0).float(), r1, r2, self.kernel)  # (H, rows, end)
-        return bias.masked_fill(offsets > 0, float("-inf"))[None]  # (1, H, rows, end)
+    def pair_bias(self, layer):
+        r1, r2 = (r[:, None, None] for r in self.kernel_parameters(layer))  # (H, 1, 1)
 
-    def score_mod(self, q, layer):
+        def kerple(query_positions, key_positions):
+            distance = position_differences(query_positions, key_positions).clamp(min=0).float()[:, None]
+            return kerple_kernel(distance, r1, r2, self.kernel)  # (B or 1, H, R, K)
+
+        return kerple
+
+    def score_mod(self, q, positions, layer):
         r1, r2 = self.kernel_parameters(layer)
-        kernel = self.kernel
+        kernel, positions = self.kernel, positions.expand(q.size(0), -1)
 
         def kerple(score, b, h, q_idx, kv_idx):
-            return score + kerple_kernel((q_idx - kv_idx).abs().float(), r1[h], r2[h], kernel)
+            distance = (positions[b, q_idx] - positions[b, kv_idx]).abs().float()
+            return score + kerple_kernel(distance, r1[h], r2[h], kernel)
 
         return kerple
 

@@ -15,11 +15,13 @@ Scalings (DESIGN.md section 3), with s the factor and L_train the training lengt
   context L_train: theta_t / s where lambda_t > L_train / low_freq_factor, theta_t where
   lambda_t < L_train / high_freq_factor, and between them (1 - g) theta_t / s + g theta_t with
   g = (L_train / lambda_t - low_freq_factor) / (high_freq_factor - low_freq_factor).
-With ``factor: null`` the static scalings use s = max(1, L / L_train) for a sequence of
-length L: identity at the training length, the method's own factor beyond it.
+With ``factor: null`` the static scalings use s = max(1, L / L_train) for a sequence whose
+positions span L (0..L-1 unless training drew others): identity at the training length, the
+method's own factor beyond it.
 """
 
 import math
+from contextlib import contextmanager
 from typing import Annotated, Literal
 
 import torch
@@ -110,8 +112,8 @@ class RoPE(PositionalEncoding):
         self.register_buffer("rotations", torch.empty(0, shape.head_dim // 2, dtype=torch.complex64), persistent=False)
         self._cache_key: tuple | None = None
 
-    def factor_for(self, length: int) -> float:
-        """The scaling factor s used for a sequence of ``length`` tokens."""
+    def scaling_factor(self, length: int) -> float:
+        """The scaling factor s used for a sequence whose positions span ``length``."""
         if self.scaling == "none":
             return 1.0
         if self.factor is not None:
@@ -125,7 +127,7 @@ class RoPE(PositionalEncoding):
             self.shape.head_dim,
             self.base,
             self.scaling,
-            self.factor_for(length),
+            self.scaling_factor(length),
             length,
             self.shape.train_len,
             self.beta_fast,
@@ -135,8 +137,9 @@ class RoPE(PositionalEncoding):
         )
 
     def _rotations(self, length: int, device: torch.device) -> torch.Tensor:
-        """(length, d_head/2) complex64 table e^{i p theta_t}, built once per (length, scaling) in fp32+."""
-        key = (length, self.base, self.scaling, self.factor_for(length))
+        """(length, d_head/2) complex64 table e^{i p theta_t} of positions p < length, built once per
+        (length, scaling) in float64."""
+        key = (length, self.base, self.scaling, self.scaling_factor(length))
         key += (self.beta_fast, self.beta_slow, self.low_freq_factor, self.high_freq_factor)
         if key != self._cache_key or self.rotations.device != device:
             inv_freq, attention_factor = self.frequencies(length)
@@ -146,9 +149,23 @@ class RoPE(PositionalEncoding):
             self._cache_key = key
         return self.rotations
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rotations = self._rotations(q.size(-2), q.device)  # (L, d_head/2)
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rotations = self._rotations(int(positions.max()) + 1, q.device)[positions][:, None]  # (B or 1, 1, L, d_head/2)
         return _rotate(q, rotations), _rotate(k, rotations)
+
+    def variants(self, asked: list[str] | None) -> list[str | None]:
+        return list(asked or [self.scaling])
+
+    @contextmanager
+    def variant(self, name: str | None):
+        """RoPE under the scaling ``name``: with its trained factor if it is the trained scaling,
+        else with factor null (L / L_train at each length)."""
+        trained = (self.scaling, self.factor)
+        self.scaling, self.factor = name, (trained[1] if name == trained[0] else None)
+        try:
+            yield
+        finally:
+            self.scaling, self.factor = trained
 
     def describe(self) -> dict:
         return {"name": "RoPE", "base": self.base, "scaling": self.scaling, "factor": self.factor}

@@ -32,11 +32,11 @@ class XPos(RoPE):
         pairs = torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim
         self.register_buffer("zeta", (pairs + 0.4) / 1.4, persistent=False)  # (d_head/2,)
         self._tables_key: tuple | None = None  # RoPE's rotation table the q and k tables were built from
-        if self.max_length < shape.train_len:
+        if self.max_length < shape.trained_positions:
             raise ConfigError(
-                f"pe.scale_base={scale_base:g} is invalid: xPos then serves at most {self.max_length} tokens, "
-                f"fewer than data.max_len={shape.train_len}; it must be at least "
-                f"{math.ceil(shape.train_len * -math.log(self.zeta[0].item()) / (2 * LARGEST_LOG_FACTOR))}"
+                f"pe.scale_base={scale_base:g} is invalid: xPos then serves at most {self.max_length} positions, "
+                f"fewer than the {shape.trained_positions} training uses; it must be at least "
+                f"{math.ceil(shape.trained_positions * -math.log(self.zeta[0].item()) / (2 * LARGEST_LOG_FACTOR))}"
             )
 
     @property
@@ -45,23 +45,25 @@ class XPos(RoPE):
         return math.floor(2 * self.scale_base * LARGEST_LOG_FACTOR / -math.log(self.zeta[0].item()))
 
     def decay(self, length: int, device: torch.device) -> torch.Tensor:
-        """(length, d_head/2) float64 zeta_t^((n - length // 2) / gamma): the query's factor, 1 / it the key's."""
+        """(length, d_head/2) float64 zeta_t^((n - length // 2) / gamma) of positions n < length: the query's
+        factor, 1 / it the key's."""
         centred = torch.arange(length, dtype=torch.float64, device=self.zeta.device) - length // 2
         return (self.zeta[None, :] ** (centred[:, None] / self.scale_base)).to(device)
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        length = q.size(-2)
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        length = int(positions.max()) + 1  # the span of the positions, what the centring and the bound are about
         if length > self.max_length:
             raise LengthNotSupported(
-                f"xPos with scale_base {self.scale_base:g} serves at most {self.max_length} tokens: its decay "
-                f"factors at {length} overflow fp32 scores (raise pe.scale_base for longer sequences)"
+                f"xPos with scale_base {self.scale_base:g} serves at most {self.max_length} positions: its decay "
+                f"factors at position {length - 1} overflow fp32 scores (raise pe.scale_base for longer sequences)"
             )
         rotations = self._rotations(length, q.device)  # (L, d_head/2) complex64, cached by RoPE
         if self._tables_key != (self._cache_key, q.device):  # once per length and scaling, not per layer
             decay = self.decay(length, q.device).float()
             self._query_table, self._key_table = rotations * decay, rotations / decay
             self._tables_key = (self._cache_key, q.device)
-        return _rotate(q, self._query_table), _rotate(k, self._key_table)
+        query_table, key_table = (table[positions][:, None] for table in (self._query_table, self._key_table))
+        return _rotate(q, query_table), _rotate(k, key_table)  # tables (B or 1, 1, L, d_head/2)
 
     def describe(self) -> dict:
         return {**super().describe(), "name": "xPos", "scale_base": self.scale_base}
