@@ -3,8 +3,9 @@
 Measures, in one run:
 
 1. training throughput (tokens/s) at L=512, batch 8, one AdamW step per iteration, for every PE on
-   the same model size and the same random batch; the PEs are interleaved round-robin across
-   repetitions and the median is taken, so the ratios vs NoPE are measured side by side;
+   the same model size and the same random batch, and for RoPE at randomized and PoSE positions
+   drawn every step; the rows are interleaved round-robin across repetitions and the median is
+   taken, so the ratios vs NoPE are measured side by side; and the time a draw of positions takes;
 2. one forward pass of the whole model (eval, no_grad, batch 1, chunked-logit NLL) at
    L = 512 .. 16384: wall time and peak extra memory (peak RSS minus RSS just before the forward),
    each (PE, L) in a fresh subprocess so peaks do not leak from one measurement into the next;
@@ -55,11 +56,18 @@ from lenext.files import write_atomic
 from lenext.hardware import default_precision, machine_description
 from lenext.model import Decoder
 from lenext.module import adamw_with_schedule
+from lenext.positions import PoSE, PositionScheme, Randomized, training_positions
 from lenext.run import build_net, instantiate
 
 REPO = Path(__file__).resolve().parent.parent
 
-PE_NAMES = sorted(p.stem for p in (REPO / "configs" / "pe").glob("*.yaml"))  # every PE, as train.py builds it
+# Every PE, as train.py builds it; the rows that only set train.positions (rope_randomized) are the schemes below.
+PE_NAMES = sorted(p.stem for p in (REPO / "configs" / "pe").glob("*.yaml") if not p.stem.endswith("_randomized"))
+SCHEMES = {  # RoPE trained at drawn positions, each drawn anew every step: "<pe>+<scheme>" rows
+    "rope+randomized": lambda: Randomized(32 * TRAIN_LEN, TRAIN_LEN),
+    "rope+pose": lambda: PoSE(32 * TRAIN_LEN, 2, TRAIN_LEN),
+}
+SAMPLING_TARGET = 0.02  # drawing positions: at most this share of a training step
 SECTIONS = ["training", "forward", "shaw", "lightning"]
 TARGETS = {"rope": 0.95, "alibi": 0.9, "t5": 0.8, "shaw": 0.7, "xpos": 0.9, "kerple": 0.8, "fire": 0.6}  # vs nope
 
@@ -92,9 +100,9 @@ def random_batch(batch: int, length: int, seed: int = SEED) -> tuple[torch.Tenso
 # 1. Training throughput
 
 
-def train_step(net, optimizer, tokens, targets, precision):
+def train_step(net, optimizer, tokens, targets, precision, positions=None):
     with precision_context(precision):
-        loss = net.token_nll(tokens, targets).mean()
+        loss = net.token_nll(tokens, targets, positions).mean()
     loss.backward()
     optimizer.step()
     net.pe.project_()
@@ -102,29 +110,41 @@ def train_step(net, optimizer, tokens, targets, precision):
     return loss.item()
 
 
+def training_rows() -> list[str]:
+    return PE_NAMES + list(SCHEMES)
+
+
 def bench_training(precision, length, batch, warmup, steps, reps, log):
     tokens, targets = random_batch(batch, length)
-    setups = {}
-    for name in PE_NAMES:
-        net = build_model(name).train()
+    setups, rows = {}, training_rows()
+    for name in rows:
+        pe_name, _, scheme = name.partition("+")
+        net = build_model(pe_name).train()
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
+        setups[name] = (net, optimizer, SCHEMES[name]() if scheme else PositionScheme(), [0])
+
+    def run(name, n):
+        net, optimizer, scheme, step = setups[name]
+        for _ in range(n):  # positions drawn as training draws them, every step anew
+            positions = training_positions(scheme, batch, length, SEED, 0, step[0], 0)
+            loss = train_step(net, optimizer, tokens, targets, precision, positions)
+            step[0] += 1
+        return loss
+
+    for name in rows:
         start = time.perf_counter()
-        for _ in range(warmup):
-            loss = train_step(net, optimizer, tokens, targets, precision)
-        log(f"  warmup {name:<10} {warmup} steps, {time.perf_counter() - start:6.1f} s, loss {loss:.3f}")
-        setups[name] = (net, optimizer)
-    rates = {name: [] for name in PE_NAMES}
+        loss = run(name, warmup)
+        log(f"  warmup {name:<15} {warmup} steps, {time.perf_counter() - start:6.1f} s, loss {loss:.3f}")
+    rates = {name: [] for name in rows}
     for rep in range(reps):
-        order = PE_NAMES[rep % len(PE_NAMES) :] + PE_NAMES[: rep % len(PE_NAMES)]  # rotate the start
+        order = rows[rep % len(rows) :] + rows[: rep % len(rows)]  # rotate the start
         for name in order:
-            net, optimizer = setups[name]
             start = time.perf_counter()
-            for _ in range(steps):
-                train_step(net, optimizer, tokens, targets, precision)
+            run(name, steps)
             rates[name].append(steps * batch * length / (time.perf_counter() - start))
-        log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{n} {rates[n][-1]:.0f}" for n in PE_NAMES))
-    results = {}
-    for name in PE_NAMES:
+        log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{n} {rates[n][-1]:.0f}" for n in rows))
+    results = {"sampling_ms": sampling_ms(batch, length)}
+    for name in rows:
         # Ratio: median over repetitions of (this PE / nope in the same repetition), i.e. paired.
         paired = [r / n for r, n in zip(rates[name], rates["nope"], strict=True)]
         results[name] = {
@@ -135,6 +155,19 @@ def bench_training(precision, length, batch, warmup, steps, reps, log):
             "rates": rates[name],
         }
     return results
+
+
+def sampling_ms(batch: int, length: int, draws: int = 50) -> dict[str, float]:
+    """Milliseconds one training batch's positions take to draw, per scheme (median of ``draws``)."""
+    times = {}
+    for name, scheme in SCHEMES.items():
+        drawn = []
+        for step in range(draws):
+            start = time.perf_counter()
+            training_positions(scheme(), batch, length, SEED, 0, step, 0)
+            drawn.append((time.perf_counter() - start) * 1e3)
+        times[name] = statistics.median(drawn)
+    return times
 
 
 # --------------------------------------------------------------------------------------------
@@ -532,7 +565,7 @@ def render_training(settings, training) -> list[str]:
         "| PE | tokens/s | ratio vs nope | range | target | meets |",
         "|---|---:|---:|---|---:|---|",
     ]
-    for name in PE_NAMES:
+    for name in training_rows():
         row = training[name]
         target = TARGETS.get(name)
         meets = "" if target is None else ("yes" if row["ratio"] >= target else "**no**")
@@ -541,6 +574,18 @@ def render_training(settings, training) -> list[str]:
             f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f} | "
             f"{'' if target is None else f'>= {target}'} | {meets} |"
         )
+    rope_step_ms = settings["train_batch"] * settings["train_length"] / training["rope"]["tokens_per_s"] * 1e3
+    lines += [
+        "",
+        f"`rope+<scheme>`: RoPE at positions drawn every step as training draws them (`train.positions`, "
+        f"N = L_t = {32 * TRAIN_LEN}). Drawing one batch's positions (median of 50 draws) against a RoPE step "
+        f"({rope_step_ms:.0f} ms), target < {SAMPLING_TARGET:.0%}:",
+        "",
+    ]
+    for name, ms in training["sampling_ms"].items():
+        share = ms / rope_step_ms
+        verdict = "meets" if share < SAMPLING_TARGET else "**misses**"
+        lines.append(f"- {name}: {ms:.2f} ms, {share:.2%} of a step ({verdict})")
     return lines
 
 

@@ -16,7 +16,7 @@ from lenext.evaluate import evaluate_length, sweep, windows_for
 from lenext.model import Decoder
 from lenext.pe import ALiBi, Learned, RoPE, T5Bias
 from lenext.run import evaluate_checkpoint, train
-from tests.conftest import tiny_overrides
+from tests.conftest import small_corpus_overrides, tiny_overrides
 
 DOC_LENGTHS = [1, 40, 97, 130, 64, 65]
 
@@ -224,6 +224,55 @@ def test_an_override_that_changes_the_pes_weights_is_refused_before_the_corpus_l
     with pytest.raises(ConfigError, match=r"^pe.num_buckets: the checkpoint's weights do not fit the PE built with it"):
         evaluate_checkpoint(eval_config)
     assert not (tmp_path / "eval").exists()
+
+
+@pytest.mark.parametrize("scheme", ["randomized", "pose"])
+def test_training_at_drawn_positions_is_reproducible_and_evaluates_as_its_scheme_says(
+    scheme, compose_train, small_text_corpus, tmp_path
+):
+    """Two runs draw the same positions (same seed); validation scores each window at the positions the sweep's
+    1x row gives it; results record the scheme; eval.py evaluates as trained or, asked to, at 0..L-1."""
+    overrides = small_corpus_overrides(
+        small_text_corpus,
+        "pe=rope",
+        f"train.positions={scheme}",
+        "train.max_position=256",
+        "train.target_len=256",
+        "trainer.max_steps=6",
+        "eval.factors=[1,2]",
+        "eval.max_windows=7",
+    )
+    runs = []
+    for run in ("a", "b"):
+        metrics = train(compose_train(*overrides, f"paths.output_dir={tmp_path / run}"))
+        runs.append(json.loads((tmp_path / run / "results.json").read_text()))
+    assert [r["ppl"] for r in runs[0]["rows"]] == [r["ppl"] for r in runs[1]["rows"]]
+    assert metrics["val/ppl"] == pytest.approx(runs[1]["rows"][0]["ppl"], rel=1e-5)
+    evaluated = "randomized" if scheme == "randomized" else "sequential"  # PoSE prepares the model for 0..L-1
+    assert runs[0]["meta"]["positions"] == {"train": scheme, "reach": 256, "eval": evaluated}
+
+    ckpt = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    trained_in = "bf16" if runs[0]["meta"]["hardware"]["training_precision"].startswith("bf16") else "32"
+    evaluate_checkpoint(
+        compose_eval(
+            tmp_path,
+            tmp_path / "as_trained",
+            ckpt,
+            "eval.lengths=[32,64]",
+            "eval.max_windows=7",
+            f"precision={trained_in}",
+        )
+    )
+    as_trained = json.loads((tmp_path / "as_trained" / "results.json").read_text())
+    assert [r["ppl"] for r in as_trained["rows"]] == [r["ppl"] for r in runs[0]["rows"]]
+    evaluate_checkpoint(
+        compose_eval(tmp_path, tmp_path / "plain", ckpt, "eval.lengths=[64]", "eval.positions=sequential")
+    )
+    assert json.loads((tmp_path / "plain" / "results.json").read_text())["meta"]["positions"]["eval"] == "sequential"
+    if scheme == "randomized":  # positions drawn from [0, 256) cannot cover 512 tokens: refused before any work
+        with pytest.raises(ConfigError, match=r"^train.max_position=256 is invalid for this evaluation"):
+            evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "long", ckpt, "eval.lengths=[512]"))
+        assert not (tmp_path / "long").exists()
 
 
 def compose_eval(tmp_path, output_dir, ckpt, *overrides):

@@ -23,8 +23,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(
     "preset,model,max_len,pes",
     [
-        ("quick", 128, 64, "nope,sinusoidal,rope,alibi"),
-        ("reference", 128, 64, "nope,sinusoidal,learned,shaw,t5,rope,alibi"),
+        ("quick", 128, 64, "nope,sinusoidal,rope,alibi,kerple,fire,xpos,rope_randomized,nope_randomized"),
+        (
+            "reference",
+            128,
+            64,
+            "nope,sinusoidal,learned,shaw,t5,rope,alibi,kerple,fire,xpos,rope_randomized,nope_randomized",
+        ),
         ("paper", 256, 512, "nope,sinusoidal,learned,shaw,t5,rope,alibi"),
     ],
 )

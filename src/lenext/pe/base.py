@@ -105,7 +105,8 @@ class PositionalEncoding(nn.Module):
 
     def variants(self, asked: list[str] | None) -> list[str | None]:
         """The evaluation-time variants a sweep evaluates when ``asked`` for these (eval.rope_scalings:
-        RoPE's scalings); [None], the PE as trained, for a PE that has none."""
+        RoPE's scalings); [None], the PE as trained, for a PE that has none (a sweep over PEs asks every
+        PE for the same variants)."""
         return [None]
 
     @contextmanager
