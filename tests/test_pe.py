@@ -412,6 +412,21 @@ def test_rope_factor_none_is_identity_at_train_len_and_scales_beyond(scaling):
     )
 
 
+@pytest.mark.parametrize("scaling", ["linear", "ntk", "yarn", "llama3"])
+def test_rope_scalings_refer_to_the_positions_training_reached(scaling):
+    """Trained at positions up to N (randomized positions, PoSE), RoPE's scalings are the identity up to N and
+    scale by span / N beyond it: positions below N were trained, not extrapolated."""
+    shape = AttentionShape(d_model=32, n_heads=2, n_layers=1, train_len=16, max_position=256)
+    scaled, plain = RoPE(shape, scaling=scaling), RoPE(shape)
+    assert scaled.scaling_factor(256) == 1.0 and scaled.scaling_factor(1024) == 4.0
+    positions = randomized_positions(2, 16, 256, generator(0))
+    q, k = torch.randn(2, 2, 16, 16), torch.randn(2, 2, 16, 16)
+    for got, expected in zip(rotate(scaled, q, k, positions), rotate(plain, q, k, positions), strict=True):
+        assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    far = positions * 4  # spanning ~1024: scaled now
+    assert not torch.allclose(rotate(scaled, q, k, far)[0], rotate(plain, q, k, far)[0], atol=1e-3)
+
+
 def test_rope_cache_follows_length_and_overrides():
     """Rotations are cached per (length, scaling): switching scaling or factor at eval must take effect."""
     shape = AttentionShape(d_model=16, n_heads=1, n_layers=1, train_len=8)
@@ -947,9 +962,9 @@ def test_decoder_is_causal(name):
 
 
 @pytest.mark.parametrize("name", PES)
-def test_decoder_serves_eight_times_train_len(name):
+def test_decoder_serves_thirty_two_times_train_len(name):
     net = tiny_decoder(PES[name])
-    long = tokens(8 * TRAIN_LEN)
+    long = tokens(32 * TRAIN_LEN)
     with torch.no_grad():
         if name == "learned":
             with pytest.raises(LengthNotSupported):
@@ -959,9 +974,9 @@ def test_decoder_serves_eight_times_train_len(name):
             assert torch.isfinite(net(long[:, :TRAIN_LEN])).all()  # exactly max_len works
             return
         hidden = net(long)
-        assert hidden.shape == (2, 8 * TRAIN_LEN, 32)
+        assert hidden.shape == (2, 32 * TRAIN_LEN, 32)
         assert torch.isfinite(net.logits(hidden)).all()
-        # Caches grown for 128 tokens must not change what a short input sees.
+        # Caches grown for 512 tokens must not change what a short input sees.
         short = long[:, :TRAIN_LEN]
         fresh = tiny_decoder(PES[name])
         assert_close(net(short), fresh(short), atol=1e-5, rtol=1e-5)

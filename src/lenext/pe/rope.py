@@ -17,7 +17,9 @@ Scalings (DESIGN.md section 3), with s the factor and L_train the training lengt
   g = (L_train / lambda_t - low_freq_factor) / (high_freq_factor - low_freq_factor).
 With ``factor: null`` the static scalings use s = max(1, L / L_train) for a sequence whose
 positions span L (0..L-1 unless training drew others): identity at the training length, the
-method's own factor beyond it.
+method's own factor beyond it. L_train here is the span of positions training reached: the
+training length, or N under randomized positions and the target length under PoSE, which
+already cover the positions up to them.
 """
 
 import math
@@ -120,7 +122,7 @@ class RoPE(PositionalEncoding):
             return float(self.factor)
         if self.scaling == "dynamic_ntk":
             return 1.0
-        return max(1.0, length / self.shape.train_len)
+        return max(1.0, length / self.shape.trained_positions)
 
     def frequencies(self, length: int) -> tuple[torch.Tensor, float]:
         return rope_frequencies(
@@ -129,7 +131,7 @@ class RoPE(PositionalEncoding):
             self.scaling,
             self.scaling_factor(length),
             length,
-            self.shape.train_len,
+            self.shape.trained_positions,
             self.beta_fast,
             self.beta_slow,
             self.low_freq_factor,
