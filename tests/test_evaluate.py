@@ -196,6 +196,16 @@ def test_checkpoint_evaluation_matches_training_validation_and_writes_documented
     assert base["meta"]["pe"]["base"] == 2 and base["rows"][0]["status"] == "ok"
     evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "fit", ckpt, "eval.lengths=[32]", "split=train"))
     assert json.loads((tmp_path / "fit" / "results.json").read_text())["meta"]["split"] == "train"
+    # A checkpoint from before the `train` node (positions) existed evaluates at 0..L-1.
+    old = torch.load(ckpt, map_location="cpu", weights_only=False)
+    del old["hyper_parameters"]["run_config"]["train"]
+    torch.save(old, tmp_path / "old.ckpt")
+    evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "old", tmp_path / "old.ckpt", "eval.lengths=[64]"))
+    old_results = json.loads((tmp_path / "old" / "results.json").read_text())
+    assert old_results["meta"]["positions"] == {"train": "sequential", "reach": None, "eval": "sequential"}
+    evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "new", ckpt, "eval.lengths=[64]"))
+    new_rows = json.loads((tmp_path / "new" / "results.json").read_text())["rows"]
+    assert [r["mean_nll"] for r in old_results["rows"]] == [r["mean_nll"] for r in new_rows]
     # ... but not one the checkpoint's PE lacks, and nothing is read or written for it.
     with pytest.raises(ConfigError, match=r"^pe.k does not apply to this checkpoint's PE"):
         evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "bad", ckpt, "+pe.k=4"))

@@ -599,8 +599,8 @@ def use_blocking(monkeypatch, blocking: str, length: int, batch: int = BATCH) ->
 
 
 def explicit_path(monkeypatch) -> None:
-    """What runs without the fused kernels (older torch, other devices): score_bias as SDPA's mask,
-    in query blocks, with the causal mask added to ALiBi's key-only bias."""
+    """What runs without the fused kernels (older torch, other devices): the bias as SDPA's mask, in query
+    blocks, from whichever form the PE gives (key, band or pair), with the causal mask added."""
     monkeypatch.setattr(attention_module, "cpu_flash", lambda: False)
     monkeypatch.setattr(attention_module, "fused_mask_with_causal", lambda device_type: False)
 
@@ -850,10 +850,16 @@ def test_rope_scores_shift_invariant(shift, scaling, factor):
     assert_close(shifted, base_scores, atol=5e-5, rtol=1e-5)
 
 
+def explicit_bias(pe, q, positions, layer):
+    """The explicit path's masks of query blocks for this PE."""
+    has_key_bias = pe.key_bias(positions, layer) is not None
+    return attention_module.explicit_bias(pe, q, positions, layer, has_key_bias)
+
+
 def full_bias(pe, q: torch.Tensor, layer: int = 0) -> torch.Tensor:
     """The masked bias of the explicit path for all rows, broadcast to (B, H, L, L)."""
     length = q.size(-2)
-    bias = attention_module.explicit_bias(pe, q, sequential_positions(length), layer)(0, length)
+    bias = explicit_bias(pe, q, sequential_positions(length), layer)(0, length)
     return bias.expand(q.size(0), q.size(1), length, length)
 
 
@@ -928,7 +934,7 @@ def test_bias_rows_of_a_block_equal_rows_of_the_full_bias(kind):
     length = 40
     q = torch.randn(1, HEADS, length, HEAD_DIM)
     full = full_bias(pe, q, 1).detach()
-    blocks = attention_module.explicit_bias(pe, q, sequential_positions(length), 1)
+    blocks = explicit_bias(pe, q, sequential_positions(length), 1)
     i = torch.arange(length)[:, None]
     for start, end in [(0, 5), (5, 17), (17, 40), (39, 40)]:
         block = blocks(start, end).detach()

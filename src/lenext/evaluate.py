@@ -136,10 +136,10 @@ def evaluate_length(
     tokens_per_batch: int,
     per_position: bool,
     precision: str = "32",
-    positions: PositionScheme | None = None,
+    scheme: PositionScheme | None = None,
     seed: int = 0,
 ) -> dict:
-    """Mean NLL over the scored targets of ``windows`` (at the positions ``positions`` draws for each, seeded by
+    """Mean NLL over the scored targets of ``windows`` (at the positions ``scheme`` draws for each, seeded by
     the run's ``seed``; 0..L-1 by default); DDP ranks split windows, each token counted once."""
     device = next(net.parameters()).device
     rank, world = _distributed()
@@ -153,7 +153,7 @@ def evaluate_length(
         group = mine[b : b + batch]
         ids = torch.from_numpy(np.stack([documents[w.document][w.start : w.start + length + 1] for w in group]))
         ids = ids.to(device=device, dtype=torch.long)
-        drawn = window_positions(positions or PositionScheme(), length, seed, [(w.document, w.start) for w in group])
+        drawn = window_positions(scheme or PositionScheme(), length, seed, [(w.document, w.start) for w in group])
         with autocast:
             nll = net.token_nll(ids[:, :-1], ids[:, 1:], None if drawn is None else drawn.to(device)).double()  # (B, L)
         scored = (
@@ -232,12 +232,12 @@ def sweep(
     """Evaluate every (evaluation-time variant of the PE, protocol, length), at the positions of the run's
     ``scheme`` (seeded by its ``seed``) or 0..L-1 (eval.positions). Returns (rows, per-position curve rows)."""
     plan = sweep_plan(eval_cfg, train_len, scheme)
-    positions = evaluation_positions(eval_cfg, scheme or PositionScheme())
+    evaluated_at = evaluation_positions(eval_cfg, scheme or PositionScheme())
     doc_lengths = [len(d) for d in documents]
     device = next(net.parameters()).device
     rows, curves = [], []
     net.eval()
-    for scaling in net.pe.variants(eval_cfg.rope_scalings):
+    for scaling in net.pe.variants(eval_cfg.rope_scalings, evaluated_at.evaluation_span(max(plan.lengths))):
         with net.pe.variant(scaling):
             for protocol in plan.protocols:
                 for length in plan.lengths:
@@ -273,7 +273,7 @@ def sweep(
                                 eval_cfg.tokens_per_batch,
                                 eval_cfg.per_position and protocol == "nonoverlap",
                                 precision,
-                                positions,
+                                evaluated_at,
                                 seed,
                             )
                     except LengthNotSupported as e:

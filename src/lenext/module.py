@@ -55,14 +55,14 @@ class LanguageModel(L.LightningModule):
         betas: tuple[Probability, Probability] = (0.9, 0.95),
         warmup_steps: NonNegativeInt = 100,
         min_lr_ratio: Annotated[float, Range(0, 1)] = 0.1,
-        positions: PositionScheme | None = None,
+        scheme: PositionScheme | None = None,
         seed: int = 0,
         run_config: dict | None = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["net", "positions"])
+        self.save_hyperparameters(ignore=["net", "scheme"])
         self.net = net
-        self.positions = positions or PositionScheme()  # the run's train.positions; seed: what draws them
+        self.scheme = scheme or PositionScheme()  # the run's train.positions; seed: what draws them
         # Weighted by token count, synchronised across DDP ranks: each token counts once.
         self.val_nll = MeanMetric()
         self.val_windows = SumMetric()
@@ -87,7 +87,7 @@ class LanguageModel(L.LightningModule):
         return self.net.logits(self.net(tokens, positions))
 
     def token_nll(self, batch: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """batch: (B, L+1) token windows (at ``positions`` (B, L), or 0..L-1) -> (B, L) NLL of each next token."""
+        """batch: (B, L+1) token windows (at ``positions`` (B or 1, L), or 0..L-1) -> (B, L) NLL of each next token."""
         if positions is not None:
             positions = positions.to(batch.device)
         return self.net.token_nll(batch[:, :-1], batch[:, 1:], positions)
@@ -95,7 +95,7 @@ class LanguageModel(L.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         micro = batch_idx % self.trainer.accumulate_grad_batches  # the micro-batch within the optimizer step
         positions = training_positions(
-            self.positions,
+            self.scheme,
             batch.size(0),
             batch.size(1) - 1,
             self.hparams.seed,
@@ -121,7 +121,7 @@ class LanguageModel(L.LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         tokens = batch["tokens"]
         windows = [tuple(w) for w in batch["window"].tolist()]
-        nll = self.token_nll(tokens, window_positions(self.positions, tokens.size(1) - 1, self.hparams.seed, windows))
+        nll = self.token_nll(tokens, window_positions(self.scheme, tokens.size(1) - 1, self.hparams.seed, windows))
         self.val_nll.update(nll.mean(), weight=nll.numel())
         self.val_windows.update(nll.size(0))
 

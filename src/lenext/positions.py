@@ -81,6 +81,10 @@ class PositionScheme:
     def check_evaluation_length(self, length: int) -> None:
         """Raises ConfigError if windows of ``length`` tokens cannot be evaluated with these positions."""
 
+    def evaluation_span(self, length: int) -> int:
+        """The most positions ``evaluation`` spans for windows of ``length`` tokens (0..span-1)."""
+        return length
+
 
 class Randomized(PositionScheme):
     name = evaluated_at = "randomized"
@@ -96,6 +100,9 @@ class Randomized(PositionScheme):
         return randomized_positions(batch, length, self.reach, gen)
 
     evaluation = training  # as the paper evaluates
+
+    def evaluation_span(self, length):
+        return self.reach
 
     def check_evaluation_length(self, length):
         if length > self.reach:
@@ -135,8 +142,9 @@ def window_positions(scheme: PositionScheme, length: int, seed: int, windows: li
     Each window's draw depends on the window alone, so validation during training and the sweep's
     row at L_train score one window with the same positions however they batch it.
     """
-    rows = [scheme.evaluation(1, length, generator(seed, EVALUATION, length, *window)) for window in windows]
-    return None if rows[0] is None else torch.cat(rows)
+    if scheme.evaluated_at == "sequential":
+        return None
+    return torch.cat([scheme.evaluation(1, length, generator(seed, EVALUATION, length, *window)) for window in windows])
 
 
 def position_scheme(settings: dict | None, train_len: int) -> PositionScheme:

@@ -31,6 +31,7 @@ import pandas as pd
 
 from lenext.evaluate import ERROR_FILE, POSITIONS_FILE, RESULTS_FILE
 from lenext.files import atomic_path, write_atomic
+from lenext.positions import SCHEMES
 
 BINS_PER_OCTAVE = 4
 NOT_SEPARABLE = "~"
@@ -70,11 +71,13 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
 
 def label(meta: dict, scaling: str | None) -> str:
     """Row label: the PE's config name, ``_scheme`` when trained at drawn positions (``rope_randomized``, as the
-    config of that row is named), the variant when evaluation changed it (``rope (ntk)``), and evaluation
-    positions other than the scheme's own."""
+    config of that row is named; from the positions the run used, whatever its config name says), the
+    variant when evaluation changed it (``rope (ntk)``), and evaluation positions other than the scheme's own."""
     name = meta.get("pe_name") or meta["pe"]["name"].lower()
     positions = meta.get("positions") or {"train": "sequential", "eval": "sequential"}
-    if positions["train"] != "sequential" and not name.endswith(f"_{positions['train']}"):
+    for scheme in SCHEMES:  # a row's config name (rope_randomized): the scheme the run used is added below
+        name = name.removesuffix(f"_{scheme}")
+    if positions["train"] != "sequential":
         name += f"_{positions['train']}"
     trained = meta["pe"].get("scaling")
     name = name if scaling in (None, trained) else f"{name} ({scaling})"

@@ -162,7 +162,7 @@ def build(cfg: DictConfig):
     net = build_net(cfg, datamodule.vocab_size)
     # run_config holds _target_ keys: passed after instantiation so Hydra does not build it.
     module = instantiate(cfg.module, "module", _partial_=True, _convert_="all")(
-        net=net, positions=positions_of(cfg), seed=cfg.seed, run_config=OmegaConf.to_container(cfg, resolve=True)
+        net=net, scheme=positions_of(cfg), seed=cfg.seed, run_config=OmegaConf.to_container(cfg, resolve=True)
     )
     return datamodule, module, trainer, resume_from
 

@@ -80,13 +80,15 @@ def causal_attention(q, k, v, pe: PositionalEncoding, positions: torch.Tensor, l
         if band is not None:
             with torch.autocast(q.device.type, enabled=False):  # the band products stay fp32 under bf16
                 return BandedAttention.apply(q, k, v, band)
-    bias = explicit_bias(pe, q, positions, layer)
+    bias = explicit_bias(pe, q, positions, layer, key is not None)
     if bias is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return _blocked_attention(q, k, v, bias, value_term)
 
 
-def explicit_bias(pe: PositionalEncoding, q, positions, layer: int) -> Callable[[int, int], torch.Tensor] | None:
+def explicit_bias(
+    pe: PositionalEncoding, q, positions, layer: int, has_key_bias: bool
+) -> Callable[[int, int], torch.Tensor] | None:
     """The PE's score bias as masks of query blocks, for the explicit path; None if it has no bias.
 
     Returns ``(start, end) -> (B or 1, H, end - start, end)`` fp32: the bias of query rows
@@ -101,17 +103,15 @@ def explicit_bias(pe: PositionalEncoding, q, positions, layer: int) -> Callable[
 
         return from_band
     pair = pe.pair_bias(layer)
-    if pair is None and pe.key_bias(positions, layer) is not None:
-
-        def pair(query_positions, key_positions):  # recomputed per block: anchored at its last key, fp32 stays exact
-            return pe.key_bias(key_positions, layer)
-
-    if pair is None:
+    if pair is None and not has_key_bias:
         return None
 
     def from_pairs(start: int, end: int) -> torch.Tensor:
+        keys = positions[:, :end]
+        # A key bias is recomputed per block, anchored at its last key: the values that matter stay small.
+        bias = pair(positions[:, start:end], keys) if pair is not None else pe.key_bias(keys, layer)
         future = torch.ones(end - start, end, dtype=torch.bool, device=q.device).triu(start + 1)
-        return torch.where(future, float("-inf"), pair(positions[:, start:end], positions[:, :end]))
+        return torch.where(future, float("-inf"), bias)
 
     return from_pairs
 

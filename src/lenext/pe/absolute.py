@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from lenext.errors import LengthNotSupported
+from lenext.errors import ConfigError, LengthNotSupported
 from lenext.pe.base import AttentionShape, PositionalEncoding
 from lenext.schema import PositiveInt
 
@@ -43,6 +43,11 @@ class Learned(PositionalEncoding):
     def __init__(self, shape: AttentionShape, max_len: PositiveInt | None = None):
         super().__init__(shape)
         self.max_len = max_len or shape.trained_positions
+        if self.max_len < shape.trained_positions:
+            raise ConfigError(
+                f"pe.max_len={self.max_len} is invalid: training reaches positions up to "
+                f"{shape.trained_positions - 1}; it must be at least {shape.trained_positions} (or null)"
+            )
         self.table = nn.Embedding(self.max_len, shape.d_model)
         nn.init.normal_(self.table.weight, std=0.02)
 

@@ -12,7 +12,8 @@ up to three sites of the decoder, and implements only the ones it needs:
   - ``key_bias``: a bias of the key alone, up to a per-row constant (ALiBi);
   - ``band_bias``: a bias that is constant along each row beyond W keys back (T5, Shaw);
   - ``pair_bias``: any bias(i, j) of the two positions (KERPLE, FIRE);
-  - ``score_mod``: the bias as a FlexAttention score_mod, for CUDA;
+  - ``score_mod``: one of the biases above as a FlexAttention score_mod, for CUDA (never alone:
+    elsewhere the attention runs the other form);
   - ``value_term``: an extra attention output computed from the probabilities (Shaw's a^V).
 
 The decoder calls every site for every PE and never looks at which PE it holds.
@@ -36,7 +37,7 @@ class AttentionShape:
     d_model: int
     n_heads: int
     n_layers: int
-    train_len: int  # L_train: the reference length of RoPE's scalings, T5's default max_distance
+    train_len: int  # L_train: T5's default max_distance, FIRE's initial threshold
     max_position: int | None = None  # positions training reaches (randomized, PoSE); None: L_train
 
     @property
@@ -103,10 +104,11 @@ class PositionalEncoding(nn.Module):
         rows [start, end) from their probabilities over keys [0, end) (Shaw's a^V)."""
         return None
 
-    def variants(self, asked: list[str] | None) -> list[str | None]:
+    def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:
         """The evaluation-time variants a sweep evaluates when ``asked`` for these (eval.rope_scalings:
-        RoPE's scalings); [None], the PE as trained, for a PE that has none (a sweep over PEs asks every
-        PE for the same variants)."""
+        RoPE's scalings), for positions spanning at most ``longest``: only those that differ from the PE as
+        trained there, which comes first. [None], the PE as trained, for a PE that has none (a sweep over
+        PEs asks every PE for the same variants)."""
         return [None]
 
     @contextmanager
@@ -115,7 +117,7 @@ class PositionalEncoding(nn.Module):
         yield
 
     def scaling_factor(self, length: int) -> float | None:
-        """The factor by which the PE rescales positions for a sequence of ``length`` tokens, if it does."""
+        """The factor by which the PE rescales positions for a sequence whose positions span ``length``, if it does."""
         return None
 
     def project_(self) -> None:

@@ -152,10 +152,15 @@ class RoPE(PositionalEncoding):
         return self.rotations
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rotations = self._rotations(int(positions.max()) + 1, q.device)[positions][:, None]  # (B or 1, 1, L, d_head/2)
+        # At least every position training reached: the scalings are the identity within them, so one table
+        # serves drawn positions, whose span changes every step.
+        span = max(int(positions.max()) + 1, self.shape.trained_positions)
+        rotations = self._rotations(span, q.device)[positions][:, None]  # (B or 1, 1, L, d_head/2)
         return _rotate(q, rotations), _rotate(k, rotations)
 
-    def variants(self, asked: list[str] | None) -> list[str | None]:
+    def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:
+        if longest <= self.shape.trained_positions:  # every scaling is the identity within the trained span
+            return [self.scaling]
         return list(asked or [self.scaling])
 
     @contextmanager

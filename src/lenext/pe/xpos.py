@@ -57,7 +57,7 @@ class XPos(RoPE):
                 f"xPos with scale_base {self.scale_base:g} serves at most {self.max_length} positions: its decay "
                 f"factors at position {length - 1} overflow fp32 scores (raise pe.scale_base for longer sequences)"
             )
-        rotations = self._rotations(length, q.device)  # (L, d_head/2) complex64, cached by RoPE
+        rotations = self._rotations(length, q.device)  # (span, d_head/2) complex64, cached by RoPE
         if self._tables_key != (self._cache_key, q.device):  # once per length and scaling, not per layer
             decay = self.decay(length, q.device).float()
             self._query_table, self._key_table = rotations * decay, rotations / decay
