@@ -409,8 +409,9 @@ def bare_steps(cfg, net, loader) -> list[float]:
     bf16 = str(cfg.trainer.precision).startswith("bf16")
     ends = []
     for batch in loader:
+        tokens = batch["tokens"]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = net.token_nll(batch[:, :-1], batch[:, 1:]).mean()
+            loss = net.token_nll(tokens[:, :-1], tokens[:, 1:]).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.trainer.gradient_clip_val)
         optimizer.step()

@@ -63,7 +63,7 @@ def test_train_windows_are_consecutive_slices_with_shifted_targets():
     stream = np.arange(100, dtype=np.int32)
     windows = TrainWindows(stream, 8)
     assert len(windows) == 12  # (100 - 1) // 8
-    assert windows[0].tolist() == list(range(9)) and windows[11].tolist() == list(range(88, 97))
+    assert windows[0]["tokens"].tolist() == list(range(9)) and windows[11]["tokens"].tolist() == list(range(88, 97))
 
 
 def test_document_windows_stay_inside_one_document_and_score_each_token_once():

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 import lenext.attention
 import lenext.attention.band
 from lenext.errors import ConfigError
-from lenext.evaluate import evaluate_length, sweep, windows_for
+from lenext.evaluate import TextEvaluation, evaluate_length, sweep, windows_for
 from lenext.model import Decoder
 from lenext.pe import ALiBi, Learned, RoPE, T5Bias
 from lenext.run import evaluate_checkpoint, train
@@ -80,7 +80,7 @@ def eval_cfg(**overrides):
 @pytest.mark.parametrize("protocol", ["nonoverlap", "sliding", "last_k"])
 def test_perplexity_equals_exp_mean_nll_of_a_plain_per_window_loop(protocol):
     net, docs = tiny_net(), random_documents()
-    rows, _ = sweep(net, docs, 16, eval_cfg(protocol=protocol, stride=5, last_k=8))
+    rows, _ = sweep(net, TextEvaluation(docs), 16, eval_cfg(protocol=protocol, stride=5, last_k=8))
     for row in rows:
         length = row["length"]
         windows = windows_for(protocol, [len(d) for d in docs], length, stride=5, k=8, block=64)
@@ -122,7 +122,7 @@ def test_per_position_curve_averages_the_windows():
 
 
 def test_learned_beyond_max_len_is_not_applicable_and_the_sweep_goes_on():
-    rows, _ = sweep(tiny_net(Learned), random_documents(), 16, eval_cfg(factors=[1, 2, 4, 16]))
+    rows, _ = sweep(tiny_net(Learned), TextEvaluation(random_documents()), 16, eval_cfg(factors=[1, 2, 4, 16]))
     by_length = {r["length"]: r for r in rows}
     assert by_length[16]["status"] == "ok" and by_length[16]["ppl"] > 1
     for length in (32, 64):
@@ -134,7 +134,9 @@ def test_learned_beyond_max_len_is_not_applicable_and_the_sweep_goes_on():
 
 def test_rope_scalings_give_one_row_each_with_the_factor_used():
     net = tiny_net(RoPE)
-    rows, _ = sweep(net, random_documents(), 16, eval_cfg(rope_scalings=["none", "linear", "ntk", "yarn"]))
+    rows, _ = sweep(
+        net, TextEvaluation(random_documents()), 16, eval_cfg(rope_scalings=["none", "linear", "ntk", "yarn"])
+    )
     assert [(r["scaling"], r["length"]) for r in rows] == [
         (s, n) for s in ("none", "linear", "ntk", "yarn") for n in (16, 32, 64)
     ]

@@ -6,7 +6,7 @@ import os
 import pandas as pd
 import pytest
 
-from lenext.report import collect, find_runs, main, report, summarize
+from lenext.report import TableKey, collect, find_runs, main, report, summarize
 
 HARDWARE = {"cpu": "AMD EPYC", "isa": "AVX512_BF16", "cores": 2, "gpu": None, "training_precision": "bf16-mixed"}
 
@@ -145,7 +145,7 @@ def test_significance_rule_separates_only_differences_beyond_two_std_with_consis
     # 11.2 ± 2.7 vs 16.8 ± 0.5: more than 2 std apart, but seed 4's pair is ordered the other way.
     flip = {"alibi": [10, 10, 10, 10, 16], "shaw": [17, 17, 17, 17, 15.9]}
     flipped = _frame(_seeded_sweep(tmp_path / "flip", flip))
-    means = flipped.groupby("pe").ppl.mean()
+    means = flipped.groupby("pe").value.mean()
     assert abs(means["shaw"] - means["alibi"]) > 2 * 2.68
     assert separable(flipped, "shaw", "alibi", 64, "nonoverlap", 64) is False
     # The same values from different seeds: nothing to pair, so the means decide.
@@ -234,7 +234,7 @@ def test_rows_follow_the_order_the_sweep_listed_its_pes(tmp_path):
     for job, name in enumerate(names):
         write_run(tmp_path / str(job), name, 0, {64: 10.0 + job})
     tables = summarize(collect(find_runs([str(tmp_path)])[0]))
-    assert list(tables[(64, "nonoverlap")].index) == names
+    assert list(tables[TableKey(64, "nonoverlap")].index) == names
 
 
 def test_the_machines_the_runs_were_made_on_are_named(sweep_dir, tmp_path):

@@ -103,7 +103,8 @@ def test_every_eval_key_refuses_a_wrong_value(tmp_path):
     [
         (
             "eval.protocol=slidng",
-            "eval.protocol='slidng' is invalid: it must be one of 'nonoverlap', 'sliding', 'last_k' or a list of",
+            "eval.protocol='slidng' is invalid: it must be one of 'nonoverlap', 'sliding', 'last_k', 'accuracy' or a "
+            "list of",
         ),
         ("eval.last_k=1000", "eval.last_k=1000 is invalid: it must be at most the shortest length, 128"),
         ("eval.rope_scalings=[ntk,bogus]", "eval.rope_scalings=['ntk', 'bogus'] is invalid"),

@@ -249,7 +249,7 @@ def test_validation_at_the_end_of_training_is_the_sweeps_nonoverlap_row_at_l_tra
     )
     assert "over 4 of the 7 windows of the nonoverlap 1x row (cut short by" in capsys.readouterr().out
     train(compose_train(*common, "eval.factors=[2]", f"paths.output_dir={tmp_path / 'b'}"))
-    assert "over 7 windows (those of a nonoverlap 1x row, which this sweep lacks)" in capsys.readouterr().out
+    assert "over 7 windows (those of the nonoverlap 1x row, which this sweep lacks)" in capsys.readouterr().out
 
 
 def test_extrapolation_small_preset_matches_the_published_study_and_trains(small_text_corpus, tmp_path):

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lenext.errors import ConfigError, DataError
-from lenext.evaluate import cap_windows, windows_for
+from lenext.evaluate import PROTOCOLS, TextEvaluation, cap_windows, windows_for
 from lenext.files import atomic_path
 from lenext.schema import NonNegativeInt, PositiveInt, Range
 
@@ -193,8 +193,8 @@ class TrainWindows(Dataset):
     def __len__(self) -> int:
         return max(0, (len(self.stream) - 1) // self.length)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.from_numpy(self.stream[i * self.length : (i + 1) * self.length + 1].astype(np.int64))
+    def __getitem__(self, i: int) -> dict:
+        return {"tokens": torch.from_numpy(self.stream[i * self.length : (i + 1) * self.length + 1].astype(np.int64))}
 
 
 class StepShuffler(Sampler[int]):
@@ -240,6 +240,18 @@ class _RankSlice(Sampler[int]):
                 batch = []
 
 
+def step_loader(samples: Dataset, batch_size: int, seed: int, trainer, num_workers: int) -> DataLoader:
+    """Training batches in the order ``StepShuffler`` fixes, each rank its slice of every global batch, resumed
+    at the trainer's step; ``trainer.max_steps`` steps (or one pass over ``samples`` when unset)."""
+    steps = trainer.max_steps if trainer and trainer.max_steps > 0 else len(samples) // batch_size
+    world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
+    per_step = batch_size * world
+    done = (lambda: trainer.global_step * per_step) if trainer else (lambda: 0)
+    sampler = StepShuffler(len(samples), seed, steps * per_step, start=done)
+    indices = _RankSlice(sampler, batch_size, world, rank)
+    return DataLoader(samples, batch_size=batch_size, sampler=indices, num_workers=num_workers, drop_last=True)
+
+
 class DocumentWindows(Dataset):
     """The windows of the ``nonoverlap`` protocol at ``length``, as token tensors of ``length + 1`` and their identity.
 
@@ -270,6 +282,8 @@ class DocumentWindows(Dataset):
 class LMDataModule(L.LightningDataModule):
     """Tokenizer + tokenized splits (both cached on disk) + training and validation windows."""
 
+    protocols = PROTOCOLS
+
     def __init__(
         self,
         corpus: Corpus,
@@ -293,6 +307,16 @@ class LMDataModule(L.LightningDataModule):
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
+
+    @property
+    def name(self) -> str:
+        return self.corpus.name
+
+    def check_length(self, length: int, key: str) -> None:
+        """Any length: one that no document fills gets a "no windows" row in the sweep, saying why."""
+
+    def evaluation(self, split: str) -> TextEvaluation:
+        return TextEvaluation(self.splits[split])
 
     @property
     def tokenizer_id(self) -> str:
@@ -350,17 +374,7 @@ class LMDataModule(L.LightningDataModule):
                 f"the training split has {len(windows)} windows of data.max_len + 1 = {self.max_len + 1} tokens, "
                 f"fewer than data.batch_size={self.batch_size}: use a shorter data.max_len or a larger corpus"
             )
-        trainer = self.trainer
-        steps = trainer.max_steps if trainer and trainer.max_steps > 0 else len(windows) // self.batch_size
-        world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
-        per_step = self.batch_size * world
-        done = (lambda: trainer.global_step * per_step) if trainer else (lambda: 0)
-        sampler = StepShuffler(len(windows), self.seed, steps * per_step, start=done)
-        # Each rank takes its own slice of every global batch.
-        indices = _RankSlice(sampler, self.batch_size, world, rank)
-        return DataLoader(
-            windows, batch_size=self.batch_size, sampler=indices, num_workers=self.num_workers, drop_last=True
-        )
+        return step_loader(windows, self.batch_size, self.seed, self.trainer, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return self.document_loader("validation", self.max_len)

@@ -23,13 +23,14 @@ import resource
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Literal
 
 import numpy as np
 import torch
-from torchmetrics import MeanMetric, SumMetric
+from torchmetrics import MeanMetric, MetricCollection, SumMetric
+from torchmetrics.classification import MulticlassAccuracy, MulticlassExactMatch
 
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.files import write_atomic
@@ -40,8 +41,10 @@ from lenext.schema import PositiveFloat, PositiveInt
 
 log = logging.getLogger("lenext")
 PROTOCOLS = ("nonoverlap", "sliding", "last_k")
-Protocol = Literal[PROTOCOLS]
+ACCURACY = "accuracy"  # the probes' protocol (lenext.synthetic): answers only, exact-match and per-token accuracy
+Protocol = Literal[(*PROTOCOLS, ACCURACY)]
 RESULTS_FILE, POSITIONS_FILE, ERROR_FILE = "results.json", "positions.csv", "error.txt"
+SHOWN = ("ppl", "exact_match", "token_accuracy")  # the metrics a sweep logs per row
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ class PeakMemory:
             self.peak_mb = max(self._peak, self._rss_mb()) - self._base
 
 
-def _distributed() -> tuple[int, int]:
+def distributed() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
@@ -142,7 +145,7 @@ def evaluate_length(
     """Mean NLL over the scored targets of ``windows`` (at the positions ``scheme`` draws for each, seeded by
     the run's ``seed``; 0..L-1 by default); DDP ranks split windows, each token counted once."""
     device = next(net.parameters()).device
-    rank, world = _distributed()
+    rank, world = distributed()
     nll_mean, tokens = MeanMetric().to(device), SumMetric().to(device)
     position_sum = torch.zeros(length, dtype=torch.float64, device=device)
     position_count = torch.zeros(length, dtype=torch.float64, device=device)
@@ -175,12 +178,143 @@ def evaluate_length(
     return {"mean_nll": mean_nll, "tokens": n_tokens, "curve": curve, "curve_counts": position_count.tolist()}
 
 
+def scored_targets(net, batch: dict, positions: torch.Tensor | None = None, predictions: bool = False):
+    """NLL of the scored targets of ``batch`` at ``positions`` (B or 1, L; None: 0..L-1): every target of a text
+    window, (B, L); a probe's answers alone (those its ``answer`` labels (B, L) do not mark -1), flattened in order
+    (S,). With ``predictions``, (nll, the most likely tokens, the targets), each of that shape. Training, validation
+    and the probes' sweep all score through here."""
+    tokens = batch["tokens"]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if positions is not None:
+        positions = positions.to(tokens.device)
+    scored = net.token_nll(inputs, targets, positions, predictions=predictions)
+    nll, predicted = scored if predictions else (scored, None)
+    if "answer" in batch:
+        answers = batch["answer"] >= 0
+        nll, targets = nll[answers], targets[answers]
+        predicted = predicted[answers] if predictions else None
+    return (nll, predicted, targets) if predictions else nll
+
+
+def answers_per_sample(answer: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(answers of each sample (B,), tokens per answer) from a batch's ``answer`` labels (B, L): at one evaluation
+    length every answer of a task is equally long, so the scored targets reshape to (answers, answer length)."""
+    per_sample = answer.max(dim=1).values + 1
+    return per_sample, int((answer >= 0).sum()) // int(per_sample.sum())
+
+
+def answer_metrics(vocab_size: int) -> MetricCollection:
+    """Exact match of whole answers and per-token accuracy; updated with (predicted, target), (answers, length) each."""
+    return MetricCollection(
+        {
+            "exact_match": MulticlassExactMatch(num_classes=vocab_size),
+            "token_accuracy": MulticlassAccuracy(num_classes=vocab_size, average="micro"),
+        }
+    )
+
+
+@torch.no_grad()
+def measure_answers(
+    net,
+    batches,
+    length: int,
+    precision: str = "32",
+    scheme: PositionScheme | None = None,
+    seed: int = 0,
+    depth_buckets: int | None = None,
+) -> "Measured":
+    """``answer_metrics``, the NLL of the answer tokens and the answers counted, over ``batches`` of probe samples
+    of ``length`` inputs (dicts of ``tokens``, ``answer``, ``window`` and ``depth``); with ``depth_buckets``,
+    the same per bucket of depth (rows of the breakdown, each with its bucket's lower edge)."""
+    device = next(net.parameters()).device
+    vocab_size = net.embedding.num_embeddings
+
+    def metrics() -> dict:
+        return {
+            "answers": answer_metrics(vocab_size).to(device),
+            "mean_nll": MeanMetric().to(device),
+            "count": SumMetric().to(device),
+        }
+
+    overall = metrics()
+    by_depth = {b: metrics() for b in range(depth_buckets or 0)}
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision.startswith("bf16"))
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        windows = [tuple(w) for w in batch["window"].tolist()]
+        drawn = window_positions(scheme or PositionScheme(), length, seed, windows)
+        with autocast:
+            scored = scored_targets(net, batch, drawn, predictions=True)
+        per_sample, span = answers_per_sample(batch["answer"])
+        nll, got, want = (t.view(-1, span) for t in scored)  # (answers, answer length)
+        groups = [(overall, slice(None))]
+        if depth_buckets:
+            bucket = (batch["depth"] * depth_buckets).long().clamp(max=depth_buckets - 1)
+            bucket = bucket.repeat_interleave(per_sample)  # (answers,)
+            groups += [(by_depth[b], bucket == b) for b in bucket.unique().tolist()]
+        for group, rows in groups:
+            group["answers"].update(got[rows], want[rows])
+            group["mean_nll"].update(nll[rows].double().mean(), weight=nll[rows].numel())
+            group["count"].update(got[rows].size(0))
+
+    def computed(group: dict) -> dict:
+        answers, mean_nll = int(group["count"].compute().item()), group["mean_nll"].compute().item()
+        accuracy = {name: value.item() for name, value in group["answers"].compute().items()}
+        return {
+            **accuracy,
+            "ppl": math.exp(mean_nll),
+            "mean_nll": mean_nll,
+            "answers": answers,
+            "tokens": answers * span,
+        }
+
+    breakdown = [
+        {"depth": b / depth_buckets, **computed(group)} for b, group in by_depth.items() if group["count"].update_count
+    ]
+    return Measured(computed(overall), breakdown=breakdown)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a protocol measured at one length: the row's metrics, its per-position curve (or None), and
+    rows of a breakdown (passkey: one per depth bucket, each with its ``depth``)."""
+
+    metrics: dict
+    curve: list | None = None
+    curve_counts: list | None = None
+    breakdown: list = field(default_factory=list)
+
+
+class TextEvaluation:
+    """The sweep's view of held-out documents: perplexity under the protocols of the module docstring."""
+
+    protocols = PROTOCOLS
+
+    def __init__(self, documents: list[np.ndarray]):
+        self.documents, self.lengths = documents, [len(d) for d in documents]
+
+    def windows(self, protocol: str, length: int, plan: "SweepPlan") -> list[Window]:
+        return windows_for(protocol, self.lengths, length, stride=plan.stride, k=plan.k, block=max(plan.lengths))
+
+    def missing(self, protocol: str, length: int, plan: "SweepPlan") -> str:
+        needed = max(plan.lengths) if protocol == "last_k" else length
+        return f"needs documents of {needed} targets; the longest has {max(self.lengths) - 1}"
+
+    def measure(self, net, windows, length, eval_cfg, protocol, precision, scheme, seed) -> Measured:
+        per_position = eval_cfg.per_position and protocol == "nonoverlap"
+        result = evaluate_length(
+            net, self.documents, windows, length, eval_cfg.tokens_per_batch, per_position, precision, scheme, seed
+        )
+        metrics = {"ppl": math.exp(result["mean_nll"]), "mean_nll": result["mean_nll"], "tokens": result["tokens"]}
+        return Measured(metrics, result["curve"], result["curve_counts"])
+
+
 @dataclass(frozen=True)
 class EvalSettings:
     """The keys of configs/eval/default.yaml, with their types and ranges (checked by lenext.schema)."""
 
     enabled: bool
-    protocol: Protocol | list[Protocol]
+    protocol: Protocol | list[Protocol] | None  # None: the data's first protocol
     lengths: list[PositiveInt] | None
     factors: list[PositiveFloat] | None
     stride: PositiveInt | None
@@ -205,9 +339,16 @@ def evaluation_positions(eval_cfg, scheme: PositionScheme) -> PositionScheme:
     return scheme if eval_cfg.get("positions", "as_trained") == "as_trained" else PositionScheme()
 
 
-def sweep_plan(eval_cfg, train_len: int, scheme: PositionScheme | None = None) -> SweepPlan:
-    """What ``sweep`` will evaluate; raises ConfigError for settings that only fail together."""
-    protocols = [eval_cfg.protocol] if isinstance(eval_cfg.protocol, str) else list(eval_cfg.protocol)
+def sweep_plan(eval_cfg, train_len: int, scheme: PositionScheme | None = None, protocols=PROTOCOLS) -> SweepPlan:
+    """What ``sweep`` will evaluate, given the ``protocols`` the data has (null eval.protocol: its first);
+    raises ConfigError for settings that only fail together."""
+    asked = eval_cfg.protocol or protocols[0]
+    plan_protocols = [asked] if isinstance(asked, str) else list(asked)
+    for protocol in plan_protocols:
+        if protocol not in protocols:
+            raise ConfigError(
+                f"eval.protocol={protocol} does not apply to this data: it must be among {', '.join(protocols)}"
+            )
     lengths = sorted(set(eval_cfg.lengths or [int(f * train_len) for f in eval_cfg.factors or []]))
     if not lengths or min(lengths) < 1:
         raise ConfigError(
@@ -217,23 +358,23 @@ def sweep_plan(eval_cfg, train_len: int, scheme: PositionScheme | None = None) -
     if k > min(lengths):
         raise ConfigError(f"eval.last_k={k} is invalid: it must be at most the shortest length, {min(lengths)}")
     evaluation_positions(eval_cfg, scheme or PositionScheme()).check_evaluation_length(max(lengths))
-    return SweepPlan(protocols, lengths, eval_cfg.stride or max(1, train_len // 2), k)
+    return SweepPlan(plan_protocols, lengths, eval_cfg.stride or max(1, train_len // 2), k)
 
 
 def sweep(
     net,
-    documents: list[np.ndarray],
+    evaluation,
     train_len: int,
     eval_cfg,
     precision: str = "32",
     scheme: PositionScheme | None = None,
     seed: int = 0,
 ) -> tuple[list, list]:
-    """Evaluate every (evaluation-time variant of the PE, protocol, length), at the positions of the run's
-    ``scheme`` (seeded by its ``seed``) or 0..L-1 (eval.positions). Returns (rows, per-position curve rows)."""
-    plan = sweep_plan(eval_cfg, train_len, scheme)
+    """Evaluate every (evaluation-time variant of the PE, protocol, length) on ``evaluation`` (the data's
+    ``TextEvaluation`` or probe), at the positions of the run's ``scheme`` (seeded by its ``seed``) or
+    0..L-1 (eval.positions). Returns (rows, per-position curve rows)."""
+    plan = sweep_plan(eval_cfg, train_len, scheme, evaluation.protocols)
     evaluated_at = evaluation_positions(eval_cfg, scheme or PositionScheme())
-    doc_lengths = [len(d) for d in documents]
     device = next(net.parameters()).device
     rows, curves = [], []
     net.eval()
@@ -241,9 +382,7 @@ def sweep(
         with net.pe.variant(scaling):
             for protocol in plan.protocols:
                 for length in plan.lengths:
-                    windows = windows_for(
-                        protocol, doc_lengths, length, stride=plan.stride, k=plan.k, block=max(plan.lengths)
-                    )
+                    windows = evaluation.windows(protocol, length, plan)
                     row = {
                         "protocol": protocol,
                         "scaling": scaling,
@@ -258,52 +397,37 @@ def sweep(
                     row["windows"] = len(windows)
                     unmeasured = {"ppl": None, "mean_nll": None, "tokens": 0}
                     if not windows:
-                        needed = max(plan.lengths) if protocol == "last_k" else length
-                        reason = f"needs documents of {needed} targets; the longest has {max(doc_lengths) - 1}"
+                        reason = evaluation.missing(protocol, length, plan)
                         rows.append({**row, "status": "no windows", **unmeasured, "reason": reason})
                         continue
                     started = time.perf_counter()
                     try:
                         with PeakMemory(device) as memory:
-                            result = evaluate_length(
-                                net,
-                                documents,
-                                windows,
-                                length,
-                                eval_cfg.tokens_per_batch,
-                                eval_cfg.per_position and protocol == "nonoverlap",
-                                precision,
-                                evaluated_at,
-                                seed,
+                            measured = evaluation.measure(
+                                net, windows, length, eval_cfg, protocol, precision, evaluated_at, seed
                             )
                     except LengthNotSupported as e:
                         rows.append({**row, "status": "not applicable", **unmeasured, "reason": str(e)})
                         continue
-                    rows.append(
-                        {
-                            **row,
-                            "status": "ok",
-                            "ppl": math.exp(result["mean_nll"]),
-                            "mean_nll": result["mean_nll"],
-                            "tokens": result["tokens"],
-                            "seconds": round(time.perf_counter() - started, 3),
-                            "peak_mem_mb": round(memory.peak_mb, 1),
-                            "reason": None,
-                        }
-                    )
+                    measured_row = {
+                        **row,
+                        "status": "ok",
+                        **measured.metrics,
+                        "seconds": round(time.perf_counter() - started, 3),
+                        "peak_mem_mb": round(memory.peak_mb, 1),
+                        "reason": None,
+                    }
+                    rows += [measured_row] + [
+                        {**row, "status": "ok", **part, "reason": None} for part in measured.breakdown
+                    ]
+                    shown = ", ".join(f"{k} {measured.metrics[k]:.3f}" for k in SHOWN if k in measured.metrics)
                     log.info(
-                        "%s %s L=%d: ppl %.3f over %d tokens",
-                        protocol,
-                        scaling or "",
-                        length,
-                        rows[-1]["ppl"],
-                        result["tokens"],
+                        "%s %s L=%d: %s over %d tokens", protocol, scaling or "", length, shown, measured_row["tokens"]
                     )
-                    if result["curve"] is not None:
-                        counts = result["curve_counts"]
+                    if measured.curve is not None:
                         curves += [
                             (scaling, length, p, v, int(c))
-                            for p, (v, c) in enumerate(zip(result["curve"], counts, strict=True))
+                            for p, (v, c) in enumerate(zip(measured.curve, measured.curve_counts, strict=True))
                         ]
     return rows, curves
 
@@ -340,7 +464,8 @@ def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -
         "model": {k: v for k, v in cfg["model"].items() if not k.startswith("_")},
         "train_len": cfg["data"]["max_len"],
         "seed": cfg["seed"],
-        "corpus": data.corpus.name,
+        "corpus": data.name,
+        "task": cfg["data"].get("task"),  # a probe's task (lenext.synthetic); None for text
         "split": split,
         "tokenizer": data.tokenizer_id,
         "vocab_size": data.vocab_size,

@@ -127,21 +127,20 @@ class Decoder(nn.Module):
         targets: torch.Tensor,
         positions: torch.Tensor | None = None,
         chunk_tokens: int = 4096,
-    ) -> torch.Tensor:
-        """Per-token negative log-likelihood (B, L) in fp32, with logits for ``chunk_tokens`` tokens at a time.
+        predictions: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Per-token negative log-likelihood (B, L) in fp32, with logits for ``chunk_tokens`` tokens at a time;
+        with ``predictions``, also the most likely token at each position (B, L).
 
         Full logits of a batch of long windows x a large vocabulary would cost gigabytes.
         """
         hidden = self(tokens, positions)
         span = max(1, chunk_tokens // tokens.size(0))  # positions per chunk
-        return torch.cat(
-            [
-                F.cross_entropy(
-                    self.logits(hidden[:, s : s + span]).float().flatten(0, 1),
-                    targets[:, s : s + span].flatten(),
-                    reduction="none",
-                ).view(targets.size(0), -1)
-                for s in range(0, tokens.size(1), span)
-            ],
-            dim=1,
-        )
+        nll, predicted = [], []
+        for s in range(0, tokens.size(1), span):
+            logits = self.logits(hidden[:, s : s + span]).float()  # (B, span, V)
+            nll.append(F.cross_entropy(logits.transpose(1, 2), targets[:, s : s + span], reduction="none"))
+            if predictions:
+                predicted.append(logits.argmax(-1))
+        nll = torch.cat(nll, dim=1)
+        return (nll, torch.cat(predicted, dim=1)) if predictions else nll

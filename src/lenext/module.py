@@ -11,6 +11,7 @@ from torch import nn
 from torchmetrics import MeanMetric, SumMetric
 
 from lenext.errors import LenextError
+from lenext.evaluate import answer_metrics, answers_per_sample, scored_targets
 from lenext.files import atomic_path
 from lenext.hardware import warn_if_precision_is_slow
 from lenext.model import Decoder
@@ -40,8 +41,11 @@ def tokens_trained(trainer: L.Trainer, data: dict) -> int:
 class LanguageModel(L.LightningModule):
     """Trains a ``Decoder``; logs ``train/loss``, ``val/loss``, ``val/ppl`` (at L_train) and ``val/windows``.
 
-    Training batches are (B, L+1) token windows; validation batches are dicts of ``tokens`` and
-    ``window`` (document, first token), which seeds the window's positions under randomized positions.
+    Batches are dicts: ``tokens`` (B, L+1) windows (inputs + shifted targets); for a probe
+    (lenext.synthetic), ``answer`` (B, L): the answer each target belongs to, -1 for targets neither scored
+    nor trained on;
+    in validation, ``window`` (document or sample, first token), which seeds the window's positions
+    under randomized positions. Probes also log ``val/exact_match`` and ``val/token_accuracy``.
 
     ``run_config`` is the resolved run configuration, kept in checkpoints so ``eval.py`` can rebuild
     the model without the original command line.
@@ -66,6 +70,7 @@ class LanguageModel(L.LightningModule):
         # Weighted by token count, synchronised across DDP ranks: each token counts once.
         self.val_nll = MeanMetric()
         self.val_windows = SumMetric()
+        self.val_answers = answer_metrics(net.embedding.num_embeddings)  # probes: exact match, token accuracy
         self.train_seconds, self.train_tokens = 0.0, 0  # time inside training steps, for tokens/s
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -81,29 +86,24 @@ class LanguageModel(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.net.pe.project_()  # after the optimizer step: learned PE parameters back in their domain
         self.train_seconds += time.perf_counter() - self._step_started
-        self.train_tokens += batch[:, 1:].numel()
+        self.train_tokens += batch["tokens"][:, 1:].numel()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.net.logits(self.net(tokens, positions))
 
-    def token_nll(self, batch: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """batch: (B, L+1) token windows (at ``positions`` (B or 1, L), or 0..L-1) -> (B, L) NLL of each next token."""
-        if positions is not None:
-            positions = positions.to(batch.device)
-        return self.net.token_nll(batch[:, :-1], batch[:, 1:], positions)
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         micro = batch_idx % self.trainer.accumulate_grad_batches  # the micro-batch within the optimizer step
+        tokens = batch["tokens"]
         positions = training_positions(
             self.scheme,
-            batch.size(0),
-            batch.size(1) - 1,
+            tokens.size(0),
+            tokens.size(1) - 1,
             self.hparams.seed,
             self.global_rank,
             self.global_step,
             micro,
         )
-        loss = self.token_nll(batch, positions).mean()
+        loss = scored_targets(self.net, batch, positions).mean()
         if not torch.isfinite(loss):
             raise NonFiniteLoss(
                 f"the training loss became {loss.item()} at step {self.global_step}; the run stopped and its "
@@ -115,15 +115,21 @@ class LanguageModel(L.LightningModule):
     def on_validation_epoch_start(self) -> None:
         # reset() gives each process state tensors of its own: ddp_spawn shares the module's CPU tensors
         # between the processes it starts, metric states included, so ranks would add into each other's sums.
-        self.val_nll.reset()
-        self.val_windows.reset()
+        for metric in (self.val_nll, self.val_windows, self.val_answers):
+            metric.reset()
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         tokens = batch["tokens"]
         windows = [tuple(w) for w in batch["window"].tolist()]
-        nll = self.token_nll(tokens, window_positions(self.scheme, tokens.size(1) - 1, self.hparams.seed, windows))
+        positions = window_positions(self.scheme, tokens.size(1) - 1, self.hparams.seed, windows)
+        if "answer" in batch:  # a probe: its answers alone, as the sweep's accuracy rows score them
+            nll, predicted, targets = scored_targets(self.net, batch, positions, predictions=True)
+            _, span = answers_per_sample(batch["answer"])
+            self.val_answers.update(predicted.view(-1, span), targets.view(-1, span))
+        else:
+            nll = scored_targets(self.net, batch, positions)
         self.val_nll.update(nll.mean(), weight=nll.numel())
-        self.val_windows.update(nll.size(0))
+        self.val_windows.update(tokens.size(0))
 
     def on_validation_epoch_end(self) -> None:
         loss, windows = self.val_nll.compute(), self.val_windows.compute()
@@ -131,6 +137,10 @@ class LanguageModel(L.LightningModule):
         self.log("val/ppl", torch.exp(loss), prog_bar=True, sync_dist=False)
         # What the perplexity covers, all ranks together (a logged metric reaches the caller under ddp_spawn too).
         self.log("val/windows", windows, sync_dist=False)
+        if self.val_answers["exact_match"].update_count:
+            self.log_dict(
+                {f"val/{k}": v for k, v in self.val_answers.compute().items()}, prog_bar=True, sync_dist=False
+            )
 
     def configure_optimizers(self):
         total = max(1, int(self.trainer.estimated_stepping_batches))

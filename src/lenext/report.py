@@ -26,15 +26,31 @@ import math
 import os
 import sys
 from collections import Counter
+from typing import NamedTuple
 
 import pandas as pd
 
-from lenext.evaluate import ERROR_FILE, POSITIONS_FILE, RESULTS_FILE
+from lenext.evaluate import ACCURACY, ERROR_FILE, POSITIONS_FILE, RESULTS_FILE
 from lenext.files import atomic_path, write_atomic
 from lenext.positions import SCHEMES
 
 BINS_PER_OCTAVE = 4
 NOT_SEPARABLE = "~"
+
+
+class Metric(NamedTuple):
+    name: str
+    scale: float  # shown as value x scale
+    digits: int
+    higher_is_better: bool
+
+
+METRICS = {
+    "ppl": Metric("perplexity", 1, 2, False),
+    "exact_match": Metric("exact-match accuracy %", 100, 1, True),
+    "token_accuracy": Metric("per-token accuracy %", 100, 1, True),
+}
+ACCURACIES = ("exact_match", "token_accuracy")  # the metrics of a probe's rows
 
 
 def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[str, str]]]:
@@ -87,25 +103,32 @@ def label(meta: dict, scaling: str | None) -> str:
 
 
 def collect(runs: list[tuple[str, dict]]) -> pd.DataFrame:
-    """One record per (run, row) with status ok or not applicable."""
+    """One record per (run, row, metric) with status ok or not applicable: ``ppl`` for text, ``exact_match`` and
+    ``token_accuracy`` for a probe's rows (``task`` names the probe; "" for text). Depth rows are left to
+    ``passkey_depths``."""
     records = []
     for run_dir, results in runs:
         meta = results["meta"]
         for row in results["rows"]:
-            records.append(
-                {
-                    "run": run_dir,
-                    "pe": label(meta, row["scaling"]),
-                    "train_len": meta["train_len"],
-                    "seed": meta["seed"],
-                    "protocol": row["protocol"],
-                    "length": row["length"],
-                    "ppl": row["ppl"],
-                    "status": row["status"],
-                    "peak_mem_mb": row.get("peak_mem_mb"),
-                    "train_tokens_per_s": meta.get("train_tokens_per_s"),
-                }
-            )
+            if row.get("depth") is not None:
+                continue
+            for metric in ACCURACIES if row["protocol"] == ACCURACY else ("ppl",):
+                records.append(
+                    {
+                        "run": run_dir,
+                        "pe": label(meta, row["scaling"]),
+                        "task": meta.get("task") or "",
+                        "train_len": meta["train_len"],
+                        "seed": meta["seed"],
+                        "protocol": row["protocol"],
+                        "metric": metric,
+                        "length": row["length"],
+                        "value": row.get(metric),
+                        "status": row["status"],
+                        "peak_mem_mb": row.get("peak_mem_mb"),
+                        "train_tokens_per_s": meta.get("train_tokens_per_s"),
+                    }
+                )
     return pd.DataFrame.from_records(records)
 
 
@@ -131,20 +154,30 @@ def hardware_note(counts: dict[str, int]) -> str:
     )
 
 
-def summarize(frame: pd.DataFrame) -> dict[tuple[int, str], pd.DataFrame]:
-    """Per (L_train, protocol): a frame indexed by PE with columns (length, mean|std|n|status) + speed/memory."""
+class TableKey(NamedTuple):
+    """What one table holds: a metric of one protocol at one L_train (and, for probes, one task)."""
+
+    train_len: int
+    protocol: str
+    metric: str = "ppl"
+    task: str = ""
+
+
+def summarize(frame: pd.DataFrame) -> dict[TableKey, pd.DataFrame]:
+    """Per ``TableKey``: a frame indexed by PE with columns (length, mean|std|n|status|by_seed) + speed/memory."""
     tables = {}
-    for (train_len, protocol), group in frame.groupby(["train_len", "protocol"]):
+    # Text ("" task) before probes; then by L_train, protocol, metric.
+    for (task, train_len, protocol, metric), group in frame.groupby(["task", "train_len", "protocol", "metric"]):
         cells = {}
         for (pe, length), g in group.groupby(["pe", "length"], sort=False):
             ok = g[g.status == "ok"]
-            ppl = ok.ppl.astype(float)
+            values = ok.value.astype(float)
             cells[(pe, length)] = {
-                "mean": ppl.mean() if len(ppl) else math.nan,
-                "std": ppl.std(ddof=1) if len(ppl) > 1 else (0.0 if len(ppl) else math.nan),
-                "n": len(ppl),
-                "status": "ok" if len(ppl) else g.status.iloc[0],
-                "by_seed": dict(zip(ok.seed, ppl, strict=True)),
+                "mean": values.mean() if len(values) else math.nan,
+                "std": values.std(ddof=1) if len(values) > 1 else (0.0 if len(values) else math.nan),
+                "n": len(values),
+                "status": "ok" if len(values) else g.status.iloc[0],
+                "by_seed": dict(zip(ok.seed, values, strict=True)),
             }
         pes = list(dict.fromkeys(pe for pe, _ in cells))  # first seen first: the sweep's order
         lengths = sorted({length for _, length in cells})
@@ -158,13 +191,16 @@ def summarize(frame: pd.DataFrame) -> dict[tuple[int, str], pd.DataFrame]:
         memory = group.groupby("pe").peak_mem_mb.max()
         table[("train tok/s", "")] = [speed.get(pe) for pe in pes]
         table[("eval peak MB", "")] = [memory.get(pe) for pe in pes]
-        tables[(train_len, protocol)] = table
+        table.attrs["metric"] = metric
+        tables[TableKey(int(train_len), protocol, metric, task)] = table
     return tables
 
 
 def _best(table: pd.DataFrame, length: int) -> str | None:
     means = pd.to_numeric(table[(length, "mean")], errors="coerce")
-    return None if means.isna().all() else means.idxmin()
+    if means.isna().all():
+        return None
+    return means.idxmax() if METRICS[table.attrs["metric"]].higher_is_better else means.idxmin()
 
 
 def _separable_in(table: pd.DataFrame, pe_a: str, pe_b: str, length: int) -> bool | None:
@@ -178,15 +214,23 @@ def _separable_in(table: pd.DataFrame, pe_a: str, pe_b: str, length: int) -> boo
 
 
 def separable(
-    frame_or_tables: pd.DataFrame | dict, pe_a: str, pe_b: str, train_len: int, protocol: str, length: int
+    frame_or_tables: pd.DataFrame | dict,
+    pe_a: str,
+    pe_b: str,
+    train_len: int,
+    protocol: str,
+    length: int,
+    metric: str = "ppl",
+    task: str = "",
 ) -> bool | None:
-    """Whether PEs ``pe_a`` and ``pe_b`` (row labels, e.g. ``rope (ntk)``) differ in perplexity at ``length``
+    """Whether PEs ``pe_a`` and ``pe_b`` (row labels, e.g. ``rope (ntk)``) differ in ``metric`` at ``length``
     beyond seed noise, by the rule in the module docstring; None when either has fewer than two seeds there,
     so no claim can be tested. Takes the frame of ``collect`` or the tables of ``summarize``."""
+    key = TableKey(train_len, protocol, metric, task)
     if isinstance(frame_or_tables, pd.DataFrame):
         frame = frame_or_tables
         frame_or_tables = summarize(frame[(frame.train_len == train_len) & (frame.protocol == protocol)])
-    return _separable_in(frame_or_tables[(train_len, protocol)], pe_a, pe_b, length)
+    return _separable_in(frame_or_tables[key], pe_a, pe_b, length)
 
 
 def _separable_from_best(table: pd.DataFrame, pe: str, length: int) -> bool | None:
@@ -202,14 +246,16 @@ def _cell(table, pe, length, fmt) -> str:
         return ""
     if status != "ok":
         return "n/a" if status == "not applicable" else "-"
-    text = f"{mean:.2f}" + (f" {fmt['pm']} {std:.2f}" if n > 1 else "")
+    metric = METRICS[table.attrs["metric"]]
+    mean, std = mean * metric.scale, std * metric.scale
+    text = f"{mean:.{metric.digits}f}" + (f" {fmt['pm']} {std:.{metric.digits}f}" if n > 1 else "")
     if _separable_from_best(table, pe, length) is False:
         text += fmt["not_separable"]
     return fmt["bold"].format(text) if pe == _best(table, length) else text
 
 
 def _seed_range(table: pd.DataFrame) -> tuple[int, int]:
-    """Fewest and most seeds behind a cell that has a perplexity."""
+    """Fewest and most seeds behind a cell that has a value."""
     counts = pd.to_numeric(table.xs("n", axis=1, level=1).stack(), errors="coerce")
     counts = counts[counts > 0]
     return (int(counts.min()), int(counts.max())) if len(counts) else (0, 0)
@@ -221,13 +267,12 @@ def _number(value, digits=0) -> str:
 
 def to_markdown(tables: dict) -> str:
     parts = []
-    for (train_len, protocol), table in tables.items():
+    for key, table in tables.items():
         lengths = [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
         fewest, most = _seed_range(table)
         seeds = f"{most} seed{'s' if most != 1 else ''}" if fewest == most else f"{fewest}-{most} seeds"
         parts.append(
-            f"### L_train = {train_len}, protocol `{protocol}` (perplexity, mean +- std over {seeds}; "
-            "best per column in bold)\n"
+            f"### {title(key)} ({METRICS[key.metric].name}, mean +- std over {seeds}; best per column in bold)\n"
         )
         if most < 2:
             parts.append("One seed: no difference is tested for significance (that needs >= 2 seeds).\n")
@@ -252,12 +297,17 @@ def to_markdown(tables: dict) -> str:
     return "\n".join(parts)
 
 
+def title(key: TableKey) -> str:
+    """``L_train = 64, protocol `nonoverlap```; a probe's table starts with its task."""
+    return (f"{key.task}, " if key.task else "") + f"L_train = {key.train_len}, protocol `{key.protocol}`"
+
+
 def to_latex(tables: dict) -> str:
     parts = []
-    for (train_len, protocol), table in tables.items():
+    for key, table in tables.items():
         lengths = [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
         parts += [
-            f"% L_train = {train_len}, protocol {protocol}",
+            f"% {title(key).replace('`', '')}" + (f", {METRICS[key.metric].name}" if key.task else ""),
             "\\begin{tabular}{l" + "r" * len(lengths) + "}",
             "\\toprule",
             "PE & " + " & ".join(str(n) for n in lengths) + " \\\\",
@@ -275,7 +325,7 @@ def to_latex(tables: dict) -> str:
 
 def to_csv(frame: pd.DataFrame, tables: dict) -> str:
     rows = []
-    for (train_len, protocol), table in tables.items():
+    for key, table in tables.items():
         for length in [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]:
             best = _best(table, length)
             for pe in table.index:
@@ -283,8 +333,10 @@ def to_csv(frame: pd.DataFrame, tables: dict) -> str:
                     continue
                 rows.append(
                     {
-                        "train_len": train_len,
-                        "protocol": protocol,
+                        "task": key.task,
+                        "train_len": key.train_len,
+                        "protocol": key.protocol,
+                        "metric": key.metric,
                         "pe": pe,
                         "length": length,
                         **{k: table.loc[pe, (length, k)] for k in ("mean", "std", "n", "status")},
@@ -297,23 +349,27 @@ def to_csv(frame: pd.DataFrame, tables: dict) -> str:
     return pd.DataFrame(rows).to_csv(index=False)
 
 
-def plot_perplexity(tables: dict, path: str) -> None:
+def plot_lengths(tables: dict, path: str) -> None:
+    """One panel per table: the metric against L_eval, mean +- std over seeds, a line per PE."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(tables), figsize=(6 * len(tables), 4.5), squeeze=False)
-    for ax, ((train_len, protocol), table) in zip(axes[0], tables.items(), strict=True):
+    for ax, (key, table) in zip(axes[0], tables.items(), strict=True):
+        metric = METRICS[key.metric]
         lengths = [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
         for pe in table.index:
             mean = pd.to_numeric(pd.Series([table.loc[pe, (n, "mean")] for n in lengths]), errors="coerce")
             std = pd.to_numeric(pd.Series([table.loc[pe, (n, "std")] for n in lengths]), errors="coerce").fillna(0)
-            ax.errorbar(lengths, mean, yerr=std, marker="o", ms=3, capsize=2, label=pe)
-        ax.axvline(train_len, color="grey", ls="--", lw=1)
+            ax.errorbar(lengths, mean * metric.scale, yerr=std * metric.scale, marker="o", ms=3, capsize=2, label=pe)
+        ax.axvline(key.train_len, color="grey", ls="--", lw=1)
         ax.set(
             xscale="log",
-            yscale="log",
+            yscale="linear" if metric.higher_is_better else "log",
             xlabel="L_eval (tokens)",
-            ylabel="perplexity",
-            title=f"L_train = {train_len}, {protocol}",
+            ylabel=metric.name,
+            title=title(key).replace("protocol ", "").replace("`", ""),
         )
+        if metric.higher_is_better:
+            ax.set_ylim(-2, 102)
         ax.legend(fontsize=7)
     fig.tight_layout()
     _save_figure(fig, path)
@@ -401,7 +457,8 @@ def _save_figure(fig, path: str) -> None:
 
 
 def report(folders: list[str], out: str) -> str:
-    """Write table.{md,tex,csv}, ppl_vs_length.png, per_position.{png,csv} into ``out``; return the Markdown."""
+    """Write table.{md,tex,csv}, ppl_vs_length.png / accuracy_vs_length.png (text / probes), per_position.{png,csv}
+    and, for passkey, passkey_depth.{png,csv} into ``out``; return the Markdown."""
     runs, incomplete = find_runs(folders)
     if not runs:
         raise SystemExit(
@@ -421,12 +478,67 @@ def report(folders: list[str], out: str) -> str:
     write_atomic(os.path.join(out, "table.md"), markdown)
     write_atomic(os.path.join(out, "table.tex"), to_latex(tables))
     write_atomic(os.path.join(out, "table.csv"), to_csv(frame, tables))
-    plot_perplexity(tables, os.path.join(out, "ppl_vs_length.png"))
+    for name, metrics in (("ppl_vs_length.png", ("ppl",)), ("accuracy_vs_length.png", ACCURACIES)):
+        chosen = {key: table for key, table in tables.items() if key.metric in metrics}
+        if chosen:
+            plot_lengths(chosen, os.path.join(out, name))
     binned = binned_positions(runs)
     if len(binned):
         write_atomic(os.path.join(out, "per_position.csv"), binned.to_csv(index=False, float_format="%.6f"))
         plot_positions(binned, os.path.join(out, "per_position.png"))
+    depths = passkey_depths(runs)
+    if len(depths):
+        write_atomic(os.path.join(out, "passkey_depth.csv"), depths.to_csv(index=False, float_format="%.4f"))
+        plot_depths(depths, os.path.join(out, "passkey_depth.png"))
     return markdown
+
+
+def passkey_depths(runs: list[tuple[str, dict]]) -> pd.DataFrame:
+    """Passkey's exact match per (L_train, PE, depth bucket, L_eval), mean and std over seeds. Columns: train_len,
+    pe, depth (the bucket's lower edge), length, mean, std, seeds, answers."""
+    records = [
+        {
+            "train_len": results["meta"]["train_len"],
+            "pe": label(results["meta"], row["scaling"]),
+            "depth": row["depth"],
+            "length": row["length"],
+            "exact_match": row["exact_match"],
+            "answers": row["answers"],
+        }
+        for _, results in runs
+        for row in results["rows"]
+        if row.get("depth") is not None
+    ]
+    if not records:
+        return pd.DataFrame()
+    grouped = pd.DataFrame(records).groupby(["train_len", "pe", "depth", "length"], sort=False)
+    depths = grouped.agg(
+        mean=("exact_match", "mean"),
+        std=("exact_match", "std"),
+        seeds=("exact_match", "count"),
+        answers=("answers", "sum"),
+    ).reset_index()
+    depths["std"] = depths["std"].fillna(0.0)
+    return depths
+
+
+def plot_depths(depths: pd.DataFrame, path: str) -> None:
+    """Passkey's depth x length grid: exact match (mean over seeds) per cell, one panel per (L_train, PE)."""
+    plt = _pyplot()
+    panels = list(depths.groupby(["train_len", "pe"], sort=False))
+    columns = min(4, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.2 * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.axis("off")
+    for ax, ((train_len, pe), grid) in zip(axes.flat, panels, strict=False):
+        grid = grid.pivot(index="depth", columns="length", values="mean").sort_index(ascending=False)
+        image = ax.imshow(100 * grid.to_numpy(), vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(grid.columns)), [str(n) for n in grid.columns], fontsize=7)
+        ax.set_yticks(range(len(grid.index)), [f"{d:.1f}" for d in grid.index], fontsize=7)
+        ax.set(xlabel="L_eval", ylabel="passkey depth (from)", title=f"{pe}, L_train = {train_len}")
+    fig.colorbar(image, ax=axes, label="exact match %", shrink=0.8)
+    _save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,8 +21,9 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lenext import schema
+from lenext.attention.flex import fresh_compile_state
 from lenext.errors import CheckpointError, ConfigError, LenextError
-from lenext.evaluate import RESULTS_FILE, EvalSettings, run_metadata, sweep, sweep_plan, write_results
+from lenext.evaluate import PROTOCOLS, RESULTS_FILE, EvalSettings, run_metadata, sweep, sweep_plan, write_results
 from lenext.module import tokens_trained
 from lenext.pe.rope import SCALINGS
 from lenext.positions import PositionScheme, TrainPositions, position_scheme
@@ -134,8 +135,12 @@ def preflight(run: DictConfig, settings: type | None, nodes: dict[str, type]) ->
     """Everything a run will use, checked before any work: every key's type and range, the model
     (relations between keys: heads and width, T5's buckets, RoPE's head size) and the evaluation plan."""
     schema.check(run, settings, nodes)
-    build_net(run, run.data.vocab_size)  # milliseconds; the real one waits for the tokenizer's vocabulary
-    sweep_plan(run.eval, run.data.max_len, positions_of(run))
+    data = instantiate(run.data, "data")  # reads nothing yet: a corpus is read by load()
+    build_net(run, 256)  # milliseconds, any vocabulary; the real one waits for the tokenizer's
+    plan = sweep_plan(run.eval, run.data.max_len, positions_of(run), data.protocols)
+    data.check_length(
+        min(plan.lengths), "min(eval.lengths)" if run.eval.lengths else "min(eval.factors) x data.max_len"
+    )
 
 
 def build(cfg: DictConfig):
@@ -155,6 +160,7 @@ def build(cfg: DictConfig):
     loggers = [instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items()]
     trainer = instantiate(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False)
     resume_from = resume_checkpoint(cfg)
+    fresh_compile_state()  # each run of a multirun compiles its own flex kernels
     L.seed_everything(cfg.seed, workers=True)
     # Validation scores the windows of the sweep's nonoverlap row at L_train: the same measurement.
     datamodule = instantiate(cfg.data, "data", validation_max_windows=cfg.eval.max_windows)
@@ -207,10 +213,13 @@ def train(cfg: DictConfig) -> dict:
     log.info("model: %.2fM parameters, PE %s, L_train %d", n_params / 1e6, module.net.pe.describe(), cfg.data.max_len)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
     metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
-    measured = validation_scope(cfg, int(metrics["val/windows"]), len(datamodule.val_dataloader().dataset))
+    measured = validation_scope(
+        cfg, int(metrics["val/windows"]), len(datamodule.val_dataloader().dataset), datamodule.protocols
+    )
+    accuracy = f", exact match {metrics['val/exact_match']:.3f}" if "val/exact_match" in metrics else ""
     print(
         f"validation perplexity at L_train={cfg.data.max_len} over {measured}: {metrics['val/ppl']:.2f} "
-        f"(loss {metrics['val/loss']:.4f}, pe={cfg.pe_name})"
+        f"(loss {metrics['val/loss']:.4f}{accuracy}, pe={cfg.pe_name})"
     )
     if cfg.eval.enabled and not cfg.trainer.get("fast_dev_run"):
         tokens = tokens_trained(trainer, cfg.data)
@@ -230,25 +239,27 @@ def train(cfg: DictConfig) -> dict:
     return metrics
 
 
-def validation_scope(cfg: DictConfig, scored: int, available: int) -> str:
-    """What the final validation measured, ``N windows (...)``: the sweep's nonoverlap 1x row, or what it lacks.
+def validation_scope(cfg: DictConfig, scored: int, available: int, protocols=PROTOCOLS) -> str:
+    """What the final validation measured, ``N windows (...)``: the sweep's 1x row of the data's first protocol
+    (``nonoverlap`` for text, ``accuracy`` for a probe), or what it lacks.
 
-    Validation scores the windows that row scores (same documents, same eval.max_windows thinning),
-    so the two perplexities agree unless validation was cut short or the sweep has no such row.
+    Validation scores the windows that row scores (same documents or samples, same eval.max_windows
+    thinning), so the two agree unless validation was cut short or the sweep has no such row.
     """
+    measured = protocols[0]
     if scored < available:
         return (
-            f"{scored} of the {available} windows of the nonoverlap 1x row "
+            f"{scored} of the {available} windows of the {measured} 1x row "
             "(cut short by trainer.limit_val_batches or fast_dev_run)"
         )
-    plan = sweep_plan(cfg.eval, cfg.data.max_len)
+    plan = sweep_plan(cfg.eval, cfg.data.max_len, protocols=protocols)
     in_sweep = (
         cfg.eval.enabled
         and not cfg.trainer.get("fast_dev_run")
-        and "nonoverlap" in plan.protocols
+        and measured in plan.protocols
         and cfg.data.max_len in plan.lengths
     )
-    row = "the sweep's nonoverlap 1x row" if in_sweep else "those of a nonoverlap 1x row, which this sweep lacks"
+    row = f"the sweep's {measured} 1x row" if in_sweep else f"those of the {measured} 1x row, which this sweep lacks"
     return f"{scored} windows ({row})"
 
 
@@ -276,7 +287,7 @@ def evaluate_and_write(
 ) -> str:
     """Run the length sweep on ``split`` and write results.json (+ positions.csv) into ``output_dir``."""
     rows, curves = sweep(
-        net, datamodule.splits[split], cfg.data.max_len, cfg.eval, precision, positions_of(cfg), cfg.seed
+        net, datamodule.evaluation(split), cfg.data.max_len, cfg.eval, precision, positions_of(cfg), cfg.seed
     )
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank():
         return ""
@@ -289,9 +300,16 @@ def evaluate_and_write(
 
 
 def format_rows(rows: list[dict]) -> str:
-    lines = [f"{'protocol':<10} {'scaling':<11} {'L_eval':>7} {'ppl':>10} {'tokens':>9} {'windows':>7}  status"]
+    """The rows as a console table; a probe's rows with their exact-match accuracy (and depth, for passkey)."""
+    probe = any("exact_match" in r for r in rows)
+    extra = f" {'exact':>6} {'depth':>5}" if probe else ""
+    lines = [f"{'protocol':<10} {'scaling':<11} {'L_eval':>7} {'ppl':>10}{extra} {'tokens':>9} {'windows':>7}  status"]
     for r in rows:
         ppl = f"{r['ppl']:.3f}" if r["ppl"] is not None else "-"
+        if probe:
+            exact = f"{r['exact_match']:.3f}" if r.get("exact_match") is not None else "-"
+            depth = f"{r['depth']:.1f}" if r.get("depth") is not None else "-"
+            ppl += f" {exact:>6} {depth:>5}"
         lines.append(
             f"{r['protocol']:<10} {r['scaling'] or '-':<11} {r['length']:>7} {ppl:>10} {r['tokens']:>9} "
             f"{r['windows']:>7}  {r['status']}" + (f" ({r['reason']})" if r.get("reason") else "")

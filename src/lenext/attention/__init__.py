@@ -53,9 +53,16 @@ def _sdpa_keep_mask(q, k, v, **kwargs) -> torch.Tensor:
 
     Autocast (and a cast to q's dtype) would round the mask to bf16, whose 8-bit mantissa loses
     ALiBi's key offsets m * (j - anchor) beyond 256 positions: logit errors of order 1 at long lengths.
-    SDPA accepts an fp32 mask with bf16 q, k, v.
+    SDPA accepts an fp32 mask with bf16 q, k, v on CPU, and on CUDA with is_causal (torch 2.11). Without
+    is_causal, CUDA's kernel refuses a mask of another dtype than q ("invalid dtype for bias": the explicit
+    path's query blocks under bf16, FIRE's at every step); then the block runs in the mask's dtype, q, k, v
+    cast to it and the output cast back, rather than rounding the mask (seen on an H100, torch 2.11).
     """
     with torch.autocast(q.device.type, enabled=False):
+        mask = kwargs.get("attn_mask")
+        if q.is_cuda and not kwargs.get("is_causal") and mask is not None and mask.dtype != q.dtype:
+            dtype = mask.dtype
+            return F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), **kwargs).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 

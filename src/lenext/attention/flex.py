@@ -13,6 +13,17 @@ if torch.__version__ >= "2.6":
 FLEX_BLOCK = 128  # FlexAttention's sparse block size (its default)
 
 
+def fresh_compile_state() -> None:
+    """Forget what earlier runs in this process compiled: a Hydra multirun runs its jobs in one process.
+
+    torch.compile keeps one cache for flex_attention across every PE a process trains, with a recompile
+    limit (8) after which flex runs uncompiled (all (L, L) scores materialised), and its automatic-dynamic
+    state turns captured values that differ from an earlier PE's into symbolic ones.
+    """
+    if flex_attention is not None:
+        torch._dynamo.reset()
+
+
 @cache
 def compiled_flex_attention():
     """flex_attention compiled once, on first use: uncompiled it materializes all (L, L) scores."""

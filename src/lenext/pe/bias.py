@@ -156,11 +156,15 @@ class ShawRelative(PositionalEncoding):
         return band - by_offset[..., :1]  # relative to a^K_{-k}, the bias of every key k or more back
 
     def score_mod(self, q, positions, layer):
-        by_offset, k = self._scores(q, self.key_table[layer]), self.k  # (B, H, L, 2k + 1)
+        by_offset = self._scores(q, self.key_table[layer])  # (B, H, L, 2k + 1)
         positions = positions.expand(q.size(0), -1)
+        # k as a captured tensor, not a Python int: compiled flex turns a captured int that differs from an earlier
+        # compile's (another Shaw's k; another PE's closure in a multirun) into a symbolic scalar, and the lowering
+        # of flex's training graph fails on it (torch 2.11: "'ShapeAsConstantBuffer' object has no attribute 'dtype'").
+        k = torch.tensor(self.k, device=q.device)
 
         def shaw(score, b, h, q_idx, kv_idx):
-            return score + by_offset[b, h, q_idx, (positions[b, kv_idx] - positions[b, q_idx]).clamp(-k, k) + k]
+            return score + by_offset[b, h, q_idx, torch.clamp(positions[b, kv_idx] - positions[b, q_idx], -k, k) + k]
 
         return shaw
 

@@ -1,0 +1,300 @@
+"""Synthetic length-generalization probes: copy, associative recall and passkey, generated from a seed.
+
+Perplexity says how well a model predicts text, not whether it can *use* a token far back; these
+tasks ask exactly that, and score only the answers (README, "Probes"). A sequence of n = L + 1
+tokens (L inputs and their shifted targets) is written over one small vocabulary:
+
+    PAD BOS SEP KEY FILL | S symbols | S values        (vocabulary 5 + 2 S)
+
+- ``copy``: ``BOS s_1..s_m SEP s_1..s_m`` (+ one PAD when n is odd), m = (n - 2) // 2 symbols drawn
+  uniformly; one answer, the copied s_1..s_m.
+- ``recall`` (multi-query associative recall, Arora et al. 2023): ``BOS k_1 v_1 .. k_P v_P``, FILL up
+  to the queries, then every key once in random order, each followed by its value; P = ``pairs``
+  distinct keys from the symbols, values from the values. P answers of one token: the queried values.
+- ``passkey`` (as in the YaRN repository): ``BOS FILL.. KEY d_1..d_D FILL.. SEP d_1..d_D`` with D =
+  ``digits`` digits (the first 10 symbols); the passkey's depth, the share of the filler before it,
+  is uniform in [0, 1]. One answer, the D digits after SEP; accuracy is also reported by depth.
+
+Each target t (predicting token t + 1 from tokens 0..t) is labelled with the answer it belongs to
+(0, 1, ...), or -1 when it is not scored; an answer's targets are consecutive. Training
+sequences have lengths drawn uniformly from [shortest the task allows, L_train + 1] and PAD after
+them (never scored, and after every answer, so causality keeps it out of every prediction); an
+evaluation length gets sequences of exactly that length. Every sequence is a function of its seed:
+training sample i of a run of seed s is drawn from (TRAIN, s, i), evaluation sample i at length L
+of a split from (split, L, i): no evaluation sample shares a seed with a training sample.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lenext.data import step_loader
+from lenext.errors import ConfigError
+from lenext.evaluate import Measured, cap_windows, distributed, measure_answers
+from lenext.positions import generator
+from lenext.schema import NonNegativeInt, PositiveInt
+
+PAD, BOS, SEP, KEY, FILL = range(5)
+SPECIALS = 5
+TASKS = ("copy", "recall", "passkey")
+TRAIN = 0
+SPLIT_STREAMS = {"train": 3, "validation": 1, "test": 2}  # evaluation on the train split: a stream of its own
+DEPTH_BUCKETS = 5  # passkey accuracy by depth: [0, 0.2), [0.2, 0.4), ..., [0.8, 1]
+
+
+@dataclass(frozen=True)
+class Sample:
+    tokens: torch.Tensor  # (n,)
+    answer: torch.Tensor  # (n - 1,): the answer each target belongs to, -1 for targets not scored
+    depth: float  # passkey: the share of the filler before the passkey; NaN for other tasks
+
+
+def label_answers(n: int, starts: torch.Tensor, length: int) -> torch.Tensor:
+    """(n - 1,) target labels: answer a covers targets starts[a] .. starts[a] + length - 1; the rest -1."""
+    answer = torch.full((n - 1,), -1)
+    for a, start in enumerate(starts.tolist()):
+        answer[start : start + length] = a
+    return answer
+
+
+class Task:
+    """A probe: ``sample(n, gen)`` writes a sequence of n tokens and names its answers."""
+
+    name: str
+
+    def __init__(self, symbols: int, pairs: int, digits: int):
+        self.symbols, self.pairs, self.digits = symbols, pairs, digits
+
+    @property
+    def vocab_size(self) -> int:
+        return SPECIALS + 2 * self.symbols
+
+    def shortest(self) -> int:
+        """The fewest tokens a sequence of this task has."""
+        raise NotImplementedError
+
+    def sample(self, n: int, gen: torch.Generator) -> Sample:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """The task and the settings it uses, in data.* keys."""
+        raise NotImplementedError
+
+    def symbols_of(self, count: int, gen: torch.Generator) -> torch.Tensor:
+        return SPECIALS + torch.randint(self.symbols, (count,), generator=gen)
+
+
+class Copy(Task):
+    name = "copy"
+
+    def shortest(self) -> int:
+        return 4  # BOS s SEP s
+
+    def sample(self, n: int, gen: torch.Generator) -> Sample:
+        m = (n - 2) // 2
+        string = self.symbols_of(m, gen)
+        tail = torch.full((n - 2 - 2 * m,), PAD)
+        tokens = torch.cat([torch.tensor([BOS]), string, torch.tensor([SEP]), string, tail])
+        return Sample(tokens, label_answers(n, torch.tensor([m + 1]), m), math.nan)  # targets of tokens m+2..2m+1
+
+    def describe(self) -> str:
+        return f"copy (data.symbols={self.symbols})"
+
+
+class Recall(Task):
+    name = "recall"
+
+    def shortest(self) -> int:
+        return 1 + 4 * self.pairs  # BOS, the pairs, the queries
+
+    def sample(self, n: int, gen: torch.Generator) -> Sample:
+        p = self.pairs
+        keys = SPECIALS + torch.randperm(self.symbols, generator=gen)[:p]
+        values = SPECIALS + self.symbols + torch.randint(self.symbols, (p,), generator=gen)
+        order = torch.randint(p, (p,), generator=gen)  # with replacement: no answer follows from the earlier ones
+        filler = n - self.shortest()
+        tokens = torch.cat(
+            [
+                torch.tensor([BOS]),
+                torch.stack([keys, values], 1).flatten(),
+                torch.full((filler,), FILL),
+                torch.stack([keys[order], values[order]], 1).flatten(),
+            ]
+        )
+        first_query = 1 + 2 * p + filler
+        return Sample(tokens, label_answers(n, first_query + 2 * torch.arange(p), 1), math.nan)  # at each query
+
+    def describe(self) -> str:
+        return f"recall (data.pairs={self.pairs}, data.symbols={self.symbols})"
+
+
+class Passkey(Task):
+    name = "passkey"
+
+    def shortest(self) -> int:
+        return 3 + 2 * self.digits  # BOS KEY digits SEP digits
+
+    def sample(self, n: int, gen: torch.Generator) -> Sample:
+        filler = n - self.shortest()
+        before = int(torch.randint(filler + 1, (1,), generator=gen))
+        digits = SPECIALS + torch.randint(10, (self.digits,), generator=gen)
+        tokens = torch.cat(
+            [
+                torch.tensor([BOS]),
+                torch.full((before,), FILL),
+                torch.tensor([KEY]),
+                digits,
+                torch.full((filler - before,), FILL),
+                torch.tensor([SEP]),
+                digits,
+            ]
+        )
+        answer = label_answers(n, torch.tensor([n - 1 - self.digits]), self.digits)
+        return Sample(tokens, answer, before / filler if filler else 0.0)
+
+    def describe(self) -> str:
+        return f"passkey (data.digits={self.digits})"
+
+
+TASK_CLASSES = {task.name: task for task in (Copy, Recall, Passkey)}
+
+
+class TrainSamples(Dataset):
+    """Training sample i: a sequence of a length drawn from [the task's shortest, length], PAD after it."""
+
+    def __init__(self, task: Task, length: int, seed: int, size: int):
+        self.task, self.length, self.seed, self.size = task, length, seed, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> dict:
+        gen = generator(TRAIN, self.seed, i)
+        n = int(torch.randint(self.task.shortest(), self.length + 1, (1,), generator=gen))
+        sample = self.task.sample(n, gen)
+        tokens = torch.cat([sample.tokens, torch.full((self.length - n,), PAD)])
+        return {"tokens": tokens, "answer": torch.cat([sample.answer, torch.full((self.length - n,), -1)])}
+
+
+class EvaluationSamples(Dataset):
+    """Sample i of a split at ``length`` (exactly ``length`` tokens), with its identity for drawn positions."""
+
+    def __init__(self, task: Task, split: str, length: int, indices: list[int]):
+        self.task, self.stream, self.length, self.indices = task, SPLIT_STREAMS[split], length, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict:
+        index = self.indices[i]
+        sample = self.task.sample(self.length, generator(self.stream, self.length, index))
+        return {
+            "tokens": sample.tokens,
+            "answer": sample.answer,
+            "depth": torch.tensor(sample.depth),
+            "window": torch.tensor([index, 0]),
+        }
+
+
+class TaskEvaluation:
+    """The sweep's view of a probe: ``accuracy`` rows (answers only) at every evaluation length."""
+
+    protocols = ("accuracy",)
+
+    def __init__(self, task: Task, split: str, samples: int):
+        self.task, self.split, self.samples = task, split, samples
+
+    def windows(self, protocol: str, length: int, plan) -> list[int]:
+        return list(range(self.samples))
+
+    def missing(self, protocol: str, length: int, plan) -> str:
+        return "no samples"
+
+    def measure(self, net, windows: list[int], length: int, eval_cfg, protocol, precision, scheme, seed) -> Measured:
+        rank, world = distributed()  # each rank its share of the samples; the metrics add them up
+        samples = EvaluationSamples(self.task, self.split, length + 1, windows[rank::world])
+        by_depth = DEPTH_BUCKETS if self.task.name == "passkey" else None
+        batches = DataLoader(samples, batch_size=max(1, eval_cfg.tokens_per_batch // length))
+        return measure_answers(net, batches, length, precision, scheme, seed, by_depth)
+
+
+class SyntheticDataModule(L.LightningDataModule):
+    """A probe's training stream and evaluation samples (module docstring), generated on the fly, no files."""
+
+    protocols = TaskEvaluation.protocols
+
+    def __init__(
+        self,
+        task: Literal[TASKS] = "recall",
+        max_len: PositiveInt = 64,  # L_train: the longest training sequence, in input tokens
+        symbols: PositiveInt = 16,  # symbols (and, for recall, values) to draw from
+        pairs: PositiveInt = 4,  # recall: key-value pairs per sequence
+        digits: PositiveInt = 5,  # passkey: digits of the passkey
+        batch_size: PositiveInt = 32,
+        eval_batch_size: PositiveInt | None = None,
+        eval_samples: PositiveInt = 128,  # sequences per evaluation length (and for validation)
+        train_samples: PositiveInt = 2**20,  # an epoch: training draws new sequences, never repeats within it
+        num_workers: NonNegativeInt = 0,
+        seed: NonNegativeInt = 0,
+        validation_max_windows: PositiveInt | None = None,
+    ):
+        super().__init__()
+        if task == "recall" and pairs > symbols:
+            raise ConfigError(
+                f"data.pairs={pairs} is invalid: recall's keys are distinct, so at most data.symbols={symbols}"
+            )
+        if task == "passkey" and symbols < 10:
+            raise ConfigError(f"data.symbols={symbols} is invalid: passkey's digits are the first 10 symbols, so >= 10")
+        self.task = TASK_CLASSES[task](symbols, pairs, digits)
+        self.max_len, self.batch_size, self.eval_batch_size = max_len, batch_size, eval_batch_size or batch_size
+        self.eval_samples, self.train_samples = eval_samples, train_samples
+        self.num_workers, self.seed, self.validation_max_windows = num_workers, seed, validation_max_windows
+        self.check_length(max_len, "data.max_len")
+
+    tokenizer_id = None  # no tokenizer: the task writes token ids
+
+    @property
+    def name(self) -> str:
+        return f"synthetic-{self.task.name}"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.task.vocab_size
+
+    def check_length(self, length: int, key: str) -> None:
+        """A ConfigError unless sequences of ``length`` inputs (length + 1 tokens) fit the task."""
+        if length + 1 < self.task.shortest():
+            raise ConfigError(
+                f"{key}={length} is too short for {self.task.describe()}: a sequence needs "
+                f"{self.task.shortest()} tokens, so {key} >= {self.task.shortest() - 1}"
+            )
+
+    def load(self) -> None:
+        """Nothing to read: every sequence is generated from its seed."""
+
+    def evaluation(self, split: str) -> TaskEvaluation:
+        return TaskEvaluation(self.task, split, self.eval_samples)
+
+    def train_dataloader(self) -> DataLoader:
+        samples = TrainSamples(self.task, self.max_len + 1, self.seed, self.train_samples)
+        return step_loader(samples, self.batch_size, self.seed, self.trainer, self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("validation")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    def _loader(self, split: str) -> DataLoader:
+        """The sweep's samples at L_train: validation during training is the sweep's 1x row."""
+        indices = cap_windows(list(range(self.eval_samples)), self.validation_max_windows)
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        return DataLoader(
+            EvaluationSamples(self.task, split, self.max_len + 1, indices[rank::world]),
+            batch_size=self.eval_batch_size,
+            num_workers=self.num_workers,
+        )

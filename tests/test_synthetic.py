@@ -1,0 +1,193 @@
+"""The probes (lenext.synthetic): generators, what is scored, the accuracy metrics, bad input, learnability."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lenext.errors import ConfigError
+from lenext.evaluate import measure_answers, scored_targets
+from lenext.positions import generator
+from lenext.synthetic import (
+    BOS,
+    FILL,
+    KEY,
+    PAD,
+    SEP,
+    SPECIALS,
+    SPLIT_STREAMS,
+    TASK_CLASSES,
+    TRAIN,
+    EvaluationSamples,
+    SyntheticDataModule,
+    TrainSamples,
+)
+
+LENGTHS = [9, 10, 17, 33, 64, 257]  # sequence tokens n = L + 1; odd and even
+
+
+def task(name: str, symbols=16, pairs=4, digits=5):
+    return TASK_CLASSES[name](symbols, pairs, digits)
+
+
+def solve(name: str, prefix: list[int]) -> int:
+    """The next token after ``prefix``, by the task's rule, from the prefix alone (causal, as the model must)."""
+    last = len(prefix) - 1
+    if name == "copy":  # s_1..s_m SEP s_1..: the token m + 1 places back, m + 1 = the distance from BOS to SEP
+        return prefix[last + 1 - prefix.index(SEP)]
+    if name == "recall":  # the value after the earlier occurrence of the queried key
+        return prefix[prefix.index(prefix[last]) + 1]
+    if name == "passkey":  # digit j after SEP is digit j after KEY
+        return prefix[prefix.index(KEY) + 1 + last - prefix.index(SEP)]
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("name", TASK_CLASSES)
+def test_every_answer_follows_by_rule_from_the_tokens_before_it(name, n):
+    probe = task(name)
+    if n < probe.shortest():
+        pytest.skip("shorter than the task")
+    for i in range(20):
+        sample = probe.sample(n, generator(SPLIT_STREAMS["test"], n, i))
+        tokens, answer = sample.tokens.tolist(), sample.answer
+        assert len(tokens) == n and answer.shape == (n - 1,) and tokens[0] == BOS
+        scored = (answer >= 0).nonzero().flatten().tolist()
+        assert scored, "every sample has an answer"
+        for t in scored:  # target t predicts token t + 1 from tokens 0..t
+            assert solve(name, tokens[: t + 1]) == tokens[t + 1]
+
+
+@pytest.mark.parametrize("n", [17, 64, 65])
+def test_the_scored_targets_are_exactly_the_answers_each_task_defines(n):
+    gen = generator(0, n)
+    copy = task("copy").sample(n, gen)
+    m = (n - 2) // 2
+    assert copy.answer.tolist() == [-1] * (m + 1) + [0] * m + [-1] * (n - 2 - 2 * m)  # the copied half
+    assert copy.tokens[m + 1] == SEP and (copy.tokens[n - 1] == PAD) == (n % 2 == 1)
+
+    recall = task("recall", pairs=4).sample(n, gen)
+    first_query = n - 8
+    labels = [-1] * (n - 1)
+    for j in range(4):
+        labels[first_query + 2 * j] = j  # predicted at each queried key: its value
+    assert recall.answer.tolist() == labels
+    values = recall.tokens[[t + 1 for t in range(n - 1) if labels[t] >= 0]]
+    assert ((values >= SPECIALS + 16) & (values < SPECIALS + 32)).all()
+    assert (recall.tokens[9:first_query] == FILL).all()
+
+    passkey = task("passkey", digits=5).sample(n, gen)
+    assert passkey.answer.tolist() == [-1] * (n - 6) + [0] * 5  # the 5 digits after SEP
+    assert passkey.tokens[n - 6] == SEP and 0 <= passkey.depth <= 1
+
+
+def test_passkey_depth_is_the_share_of_filler_before_the_key():
+    probe = task("passkey", digits=3)
+    depths = []
+    for i in range(200):
+        sample = probe.sample(50, generator(9, i))
+        before = sample.tokens.tolist().index(KEY) - 1
+        filler = 50 - probe.shortest()
+        assert sample.depth == pytest.approx(before / filler)
+        depths.append(sample.depth)
+    assert min(depths) < 0.1 and max(depths) > 0.9  # uniform over [0, 1]
+
+
+def test_samples_are_seeded_and_training_never_shares_a_seed_with_evaluation():
+    probe = task("recall")
+    a, b = (EvaluationSamples(probe, "validation", 33, list(range(8))) for _ in range(2))
+    assert all(torch.equal(a[i]["tokens"], b[i]["tokens"]) for i in range(8))
+    test = EvaluationSamples(probe, "test", 33, list(range(8)))
+    assert not any(torch.equal(a[i]["tokens"], test[i]["tokens"]) for i in range(8))
+    train = TrainSamples(probe, 33, seed=0, size=4096)
+    assert torch.equal(train[5]["tokens"], TrainSamples(probe, 33, seed=0, size=4096)[5]["tokens"])
+    assert not torch.equal(train[5]["tokens"], TrainSamples(probe, 33, seed=1, size=4096)[5]["tokens"])
+    # The streams are disjoint by construction, and no drawn sequence of one appears in the other.
+    assert TRAIN not in SPLIT_STREAMS.values() and len(set(SPLIT_STREAMS.values())) == len(SPLIT_STREAMS)
+    trained = {tuple(train[i]["tokens"].tolist()) for i in range(4096)}
+    for split in ("validation", "test"):
+        evaluated = EvaluationSamples(probe, split, 33, list(range(256)))
+        assert not trained & {tuple(evaluated[i]["tokens"].tolist()) for i in range(256)}
+
+
+def test_training_samples_cover_every_length_up_to_l_train_and_pad_after_the_answers():
+    train = TrainSamples(task("recall", pairs=4), 33, seed=0, size=1000)
+    lengths = set()
+    for i in range(1000):
+        tokens, answer = train[i]["tokens"], train[i]["answer"]
+        assert tokens.shape == (33,) and answer.shape == (32,)
+        n = int((tokens != PAD).sum())  # recall writes no PAD of its own
+        assert (tokens[n:] == PAD).all() and (answer[n - 1 :] == -1).all()  # nothing after the sequence is scored
+        lengths.add(n)
+    assert lengths == set(range(17, 34))  # every length from the shortest recall sequence to L_train + 1
+
+
+class Oracle(nn.Module):
+    """A 'model' that predicts the target at every position except ``wrong`` ones, with NLL = position."""
+
+    def __init__(self, vocab: int, wrong: set[int]):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, 1)
+        self.wrong = wrong
+
+    def token_nll(self, tokens, targets, positions=None, predictions=False):
+        nll = torch.arange(targets.size(1), dtype=torch.float).expand(targets.shape)
+        predicted = targets.clone()
+        for t in self.wrong:
+            predicted[:, t] = PAD  # PAD is never an answer
+        return (nll, predicted) if predictions else nll
+
+
+def test_measure_answers_counts_whole_answers_tokens_and_their_nll():
+    probe = task("recall", pairs=4)
+    n = 40
+    samples = EvaluationSamples(probe, "test", n, list(range(6)))
+    first_query = n - 8
+    oracle = Oracle(probe.vocab_size, wrong={first_query + 2, 5})  # the second answer; target 5 is not scored
+    measured = measure_answers(oracle, DataLoader(samples, batch_size=4), n - 1)
+    assert measured.metrics["exact_match"] == pytest.approx(3 / 4)
+    assert measured.metrics["token_accuracy"] == pytest.approx(3 / 4)
+    assert measured.metrics["answers"] == 24 and measured.metrics["tokens"] == 24
+    expected_nll = sum(first_query + 2 * j for j in range(4)) / 4  # the NLL at the answer targets alone
+    assert measured.metrics["mean_nll"] == pytest.approx(expected_nll)
+    assert measured.metrics["ppl"] == pytest.approx(math.exp(expected_nll))
+
+    copy = task("copy")
+    samples = EvaluationSamples(copy, "test", 21, list(range(4)))  # m = 9 copied symbols
+    one_wrong = measure_answers(Oracle(copy.vocab_size, wrong={15}), DataLoader(samples, batch_size=4), 20)
+    assert one_wrong.metrics["exact_match"] == 0.0  # one token of the copy wrong: the answer is wrong
+    assert one_wrong.metrics["token_accuracy"] == pytest.approx(8 / 9)
+
+
+def test_passkey_breakdown_by_depth_adds_up_to_the_whole():
+    probe = task("passkey", digits=2)
+    samples = EvaluationSamples(probe, "test", 30, list(range(40)))
+    measured = measure_answers(Oracle(probe.vocab_size, set()), DataLoader(samples, batch_size=16), 29, depth_buckets=5)
+    assert sum(part["answers"] for part in measured.breakdown) == measured.metrics["answers"] == 40
+    assert {part["depth"] for part in measured.breakdown} <= {0.0, 0.2, 0.4, 0.6, 0.8}
+    assert all(part["exact_match"] == 1.0 for part in measured.breakdown)
+
+
+def test_scored_targets_of_a_probe_are_its_answers_alone():
+    probe = task("passkey", digits=3)
+    samples = EvaluationSamples(probe, "test", 20, list(range(2)))
+    batch = next(iter(DataLoader(samples, batch_size=2)))
+    nll, predicted, targets = scored_targets(Oracle(probe.vocab_size, set()), batch, predictions=True)
+    assert nll.tolist() == [16.0, 17.0, 18.0] * 2  # the NLL the oracle gives targets 16..18
+    assert torch.equal(targets, batch["tokens"][:, 17:].flatten())
+
+
+@pytest.mark.parametrize(
+    "settings,key",
+    [
+        ({"task": "recall", "max_len": 15, "pairs": 4}, "data.max_len=15 is too short for recall"),
+        ({"task": "passkey", "max_len": 10, "digits": 5}, "data.max_len=10 is too short for passkey"),
+        ({"task": "recall", "pairs": 20, "symbols": 16}, "data.pairs=20 is invalid"),
+        ({"task": "passkey", "symbols": 8}, "data.symbols=8 is invalid"),
+    ],
+)
+def test_settings_the_task_cannot_meet_are_refused_with_the_key(settings, key):
+    with pytest.raises(ConfigError, match=key):
+        SyntheticDataModule(**settings)
