@@ -1,5 +1,6 @@
 """The probes (lenext.synthetic): generators, what is scored, the accuracy metrics, bad input, learnability."""
 
+import json
 import math
 
 import pytest
@@ -10,6 +11,8 @@ from torch.utils.data import DataLoader
 from lenext.errors import ConfigError
 from lenext.evaluate import measure_answers, scored_targets
 from lenext.positions import generator
+from lenext.report import report
+from lenext.run import evaluate_checkpoint, train
 from lenext.synthetic import (
     BOS,
     FILL,
@@ -24,6 +27,7 @@ from lenext.synthetic import (
     SyntheticDataModule,
     TrainSamples,
 )
+from tests.test_evaluate import compose_eval
 
 LENGTHS = [9, 10, 17, 33, 64, 257]  # sequence tokens n = L + 1; odd and even
 
@@ -191,3 +195,52 @@ def test_scored_targets_of_a_probe_are_its_answers_alone():
 def test_settings_the_task_cannot_meet_are_refused_with_the_key(settings, key):
     with pytest.raises(ConfigError, match=key):
         SyntheticDataModule(**settings)
+
+
+def test_a_probe_trains_evaluates_from_its_checkpoint_and_reports(compose_train, tmp_path):
+    """train.py on data=synthetic: validation is the sweep's accuracy 1x row, eval.py reproduces the rows from the
+    checkpoint, and the report writes accuracy tables, the accuracy plot and passkey's depth x length grid."""
+    cfg = compose_train(
+        "data=synthetic",
+        "data.task=passkey",
+        "data.digits=3",
+        "data.max_len=16",
+        "data.batch_size=8",
+        "data.eval_samples=16",
+        "model=tiny",
+        "trainer=cpu",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=4",
+        "trainer.enable_progress_bar=false",
+        "eval.factors=[1,4]",
+    )
+    metrics = train(cfg)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["meta"]["task"] == "passkey" and results["meta"]["corpus"] == "synthetic-passkey"
+    rows = [r for r in results["rows"] if r.get("depth") is None]
+    assert [(r["protocol"], r["length"], r["answers"], r["tokens"]) for r in rows] == [
+        ("accuracy", 16, 16, 48),
+        ("accuracy", 64, 16, 48),
+    ]
+    assert rows[0]["exact_match"] == pytest.approx(metrics["val/exact_match"])
+    assert rows[0]["token_accuracy"] == pytest.approx(metrics["val/token_accuracy"])
+    assert rows[0]["ppl"] == pytest.approx(metrics["val/ppl"], rel=1e-5)
+    for length in (16, 64):
+        parts = [r for r in results["rows"] if r.get("depth") is not None and r["length"] == length]
+        assert sum(r["answers"] for r in parts) == 16
+        assert sum(r["exact_match"] * r["answers"] for r in parts) == pytest.approx(
+            next(r["exact_match"] for r in rows if r["length"] == length) * 16
+        )
+
+    evaluate_checkpoint(
+        compose_eval(tmp_path, tmp_path / "eval", tmp_path / "checkpoints" / "last.ckpt", "eval.factors=[1,4]")
+    )
+    again = json.loads((tmp_path / "eval" / "results.json").read_text())["rows"]
+    assert [r["exact_match"] for r in again] == [r["exact_match"] for r in results["rows"]]
+
+    markdown = report([str(tmp_path / "eval")], str(tmp_path / "report"))
+    assert "### passkey, L_train = 16, protocol `accuracy` (exact-match accuracy %, mean +- std over 1 seed" in markdown
+    assert "### passkey, L_train = 16, protocol `accuracy` (per-token accuracy %" in markdown
+    written = {p.name for p in (tmp_path / "report").iterdir()}
+    assert {"accuracy_vs_length.png", "passkey_depth.png", "passkey_depth.csv", "table.csv"} <= written
+    assert "ppl_vs_length.png" not in written  # no perplexity table, no perplexity plot
