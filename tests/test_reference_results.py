@@ -1,4 +1,4 @@
-"""The committed reference study: its tables are exactly what the report tool makes of its committed runs."""
+"""The committed studies: their tables are exactly what the report tool makes of their committed runs."""
 
 from pathlib import Path
 
@@ -6,12 +6,15 @@ import pytest
 
 from lenext.report import report
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
-@pytest.mark.skipif(not (RESULTS / "runs").is_dir(), reason="no committed reference study")
-def test_committed_tables_are_recomputed_from_the_committed_results_files(tmp_path):
-    report([str(RESULTS / "runs")], str(tmp_path))
+@pytest.mark.parametrize("study", ["results", "probes"])  # the reference study; the probes study
+def test_committed_tables_are_recomputed_from_the_committed_results_files(study, tmp_path):
+    folder = DOCS / study
+    if not (folder / "runs").is_dir():
+        pytest.skip(f"no committed {study} study")
+    report([str(folder / "runs")], str(tmp_path))
     for name in ("table.md", "table.csv", "table.tex"):
-        committed = (RESULTS / name).read_text().replace(str(RESULTS / "runs"), "<runs>")
-        assert (tmp_path / name).read_text().replace(str(RESULTS / "runs"), "<runs>") == committed, name
+        committed = (folder / name).read_text().replace(str(folder / "runs"), "<runs>")
+        assert (tmp_path / name).read_text().replace(str(folder / "runs"), "<runs>") == committed, name

@@ -25,6 +25,8 @@ CONFIGS = [
     ["trainer=ddp"],
     ["experiment=quick"],
     ["experiment=extrapolation_small"],
+    ["data=synthetic"],
+    ["experiment=probes"],
 ]
 
 

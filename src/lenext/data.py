@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lenext.errors import ConfigError, DataError
-from lenext.evaluate import PROTOCOLS, TextEvaluation, cap_windows, windows_for
+from lenext.evaluate import TextEvaluation, cap_windows, windows_for
 from lenext.files import atomic_path
 from lenext.schema import NonNegativeInt, PositiveInt, Range
 
@@ -282,7 +282,7 @@ class DocumentWindows(Dataset):
 class LMDataModule(L.LightningDataModule):
     """Tokenizer + tokenized splits (both cached on disk) + training and validation windows."""
 
-    protocols = PROTOCOLS
+    protocols = TextEvaluation.protocols
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""Perplexity beyond L_train under named protocols (DESIGN.md section 5) -> one results file per run.
+"""Perplexity beyond L_train under named protocols (DESIGN.md section 5), or a probe's accuracy -> one results file.
 
 A protocol turns the held-out documents and an evaluation length L into windows of L + 1 tokens
 (inputs + shifted targets) and says which targets of each window are scored:
@@ -11,7 +11,8 @@ A protocol turns the held-out documents and an evaluation length L into windows 
   ``k`` targets of each block are scored, with the L tokens before them as context. The scored
   (document, position) set is identical at every L, so lengths compare like for like.
 Windows never cross a document and are never padded: a length no document can fill gives 0
-windows and says why.
+windows and says why. The probes (lenext.synthetic) have one protocol of their own, ``accuracy``:
+their answers alone, scored by ``measure_answers``. The sweep asks the data which it has.
 """
 
 import json
@@ -187,12 +188,12 @@ def scored_targets(net, batch: dict, positions: torch.Tensor | None = None, pred
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     if positions is not None:
         positions = positions.to(tokens.device)
-    scored = net.token_nll(inputs, targets, positions, predictions=predictions)
-    nll, predicted = scored if predictions else (scored, None)
+    per_target = net.token_nll(inputs, targets, positions, predictions=predictions)
+    nll, predicted = per_target if predictions else (per_target, None)
     if "answer" in batch:
-        answers = batch["answer"] >= 0
-        nll, targets = nll[answers], targets[answers]
-        predicted = predicted[answers] if predictions else None
+        scored = batch["answer"] >= 0
+        nll, targets = nll[scored], targets[scored]
+        predicted = predicted[scored] if predictions else None
     return (nll, predicted, targets) if predictions else nll
 
 
@@ -225,15 +226,16 @@ def measure_answers(
 ) -> "Measured":
     """``answer_metrics``, the NLL of the answer tokens and the answers counted, over ``batches`` of probe samples
     of ``length`` inputs (dicts of ``tokens``, ``answer``, ``window`` and ``depth``); with ``depth_buckets``,
-    the same per bucket of depth (rows of the breakdown, each with its bucket's lower edge)."""
+    the same per bucket of depth (rows of the breakdown, each with its bucket's lower edge). Under DDP each rank
+    passes its own samples and every metric adds up all ranks'."""
     device = next(net.parameters()).device
     vocab_size = net.embedding.num_embeddings
 
     def metrics() -> dict:
         return {
-            "answers": answer_metrics(vocab_size).to(device),
+            "accuracy": answer_metrics(vocab_size).to(device),
             "mean_nll": MeanMetric().to(device),
-            "count": SumMetric().to(device),
+            **{count: SumMetric().to(device) for count in ("answers", "tokens", "windows")},
         }
 
     overall = metrics()
@@ -247,30 +249,28 @@ def measure_answers(
             scored = scored_targets(net, batch, drawn, predictions=True)
         per_sample, span = answers_per_sample(batch["answer"])
         nll, got, want = (t.view(-1, span) for t in scored)  # (answers, answer length)
-        groups = [(overall, slice(None))]
+        sample_of_answer = torch.arange(len(per_sample), device=device).repeat_interleave(per_sample)
+        groups = [(overall, torch.ones(len(per_sample), dtype=torch.bool, device=device))]
         if depth_buckets:
-            bucket = (batch["depth"] * depth_buckets).long().clamp(max=depth_buckets - 1)
-            bucket = bucket.repeat_interleave(per_sample)  # (answers,)
+            bucket = (batch["depth"] * depth_buckets).long().clamp(max=depth_buckets - 1)  # (B,)
             groups += [(by_depth[b], bucket == b) for b in bucket.unique().tolist()]
-        for group, rows in groups:
-            group["answers"].update(got[rows], want[rows])
+        for group, samples in groups:
+            rows = samples[sample_of_answer]  # the answers of those samples
+            group["accuracy"].update(got[rows], want[rows])
             group["mean_nll"].update(nll[rows].double().mean(), weight=nll[rows].numel())
-            group["count"].update(got[rows].size(0))
+            group["answers"].update(rows.sum())
+            group["tokens"].update(nll[rows].numel())
+            group["windows"].update(samples.sum())
 
     def computed(group: dict) -> dict:
-        answers, mean_nll = int(group["count"].compute().item()), group["mean_nll"].compute().item()
-        accuracy = {name: value.item() for name, value in group["answers"].compute().items()}
-        return {
-            **accuracy,
-            "ppl": math.exp(mean_nll),
-            "mean_nll": mean_nll,
-            "answers": answers,
-            "tokens": answers * span,
-        }
+        counts = {count: int(group[count].compute().item()) for count in ("answers", "tokens", "windows")}
+        if not counts["answers"]:  # a depth bucket no sample fell in, on any rank
+            return {}
+        mean_nll = group["mean_nll"].compute().item()
+        accuracy = {name: value.item() for name, value in group["accuracy"].compute().items()}
+        return {**accuracy, "ppl": math.exp(mean_nll), "mean_nll": mean_nll, **counts}
 
-    breakdown = [
-        {"depth": b / depth_buckets, **computed(group)} for b, group in by_depth.items() if group["count"].update_count
-    ]
+    breakdown = [{"depth": b / depth_buckets, **row} for b, group in by_depth.items() if (row := computed(group))]
     return Measured(computed(overall), breakdown=breakdown)
 
 
@@ -339,11 +339,13 @@ def evaluation_positions(eval_cfg, scheme: PositionScheme) -> PositionScheme:
     return scheme if eval_cfg.get("positions", "as_trained") == "as_trained" else PositionScheme()
 
 
-def sweep_plan(eval_cfg, train_len: int, scheme: PositionScheme | None = None, protocols=PROTOCOLS) -> SweepPlan:
+def sweep_plan(eval_cfg, train_len: int, scheme: PositionScheme | None, protocols: tuple[str, ...]) -> SweepPlan:
     """What ``sweep`` will evaluate, given the ``protocols`` the data has (null eval.protocol: its first);
     raises ConfigError for settings that only fail together."""
-    asked = eval_cfg.protocol or protocols[0]
+    asked = protocols[0] if eval_cfg.protocol is None else eval_cfg.protocol
     plan_protocols = [asked] if isinstance(asked, str) else list(asked)
+    if not plan_protocols:
+        raise ConfigError(f"eval.protocol=[] is invalid: give at least one of {', '.join(protocols)}")
     for protocol in plan_protocols:
         if protocol not in protocols:
             raise ConfigError(

@@ -137,7 +137,8 @@ class LanguageModel(L.LightningModule):
         self.log("val/ppl", torch.exp(loss), prog_bar=True, sync_dist=False)
         # What the perplexity covers, all ranks together (a logged metric reaches the caller under ddp_spawn too).
         self.log("val/windows", windows, sync_dist=False)
-        if self.val_answers["exact_match"].update_count:
+        # A probe's accuracy, when any rank scored answers (compute() syncs: every rank must call it, or none).
+        if self.trainer.strategy.reduce_boolean_decision(bool(self.val_answers["exact_match"].update_count), all=False):
             self.log_dict(
                 {f"val/{k}": v for k, v in self.val_answers.compute().items()}, prog_bar=True, sync_dist=False
             )

@@ -4,8 +4,10 @@
 
 Reads every ``results.json`` below the given folders. A row of the table is a PE (RoPE
 evaluated under another scaling gets its own row, e.g. ``rope (ntk)``); columns are L_eval;
-cells are mean +- std of perplexity over seeds, the best (lowest) of each column marked.
-One table per (L_train, protocol). Runs without a complete results file are listed, not dropped.
+cells are mean +- std over seeds, the best of each column marked (lowest perplexity; highest
+accuracy; none when several share it). One table per (L_train, protocol) for text, and per
+(task, L_train, metric) for the probes' ``accuracy`` rows (exact match, per-token accuracy).
+Runs without a complete results file are listed, not dropped.
 
 Which orderings are real: two PEs are *separable* at a length when both have >= 2 seeds, their
 means differ by more than two standard deviations (|mean_a - mean_b| > 2 max(std_a, std_b), std
@@ -197,10 +199,14 @@ def summarize(frame: pd.DataFrame) -> dict[TableKey, pd.DataFrame]:
 
 
 def _best(table: pd.DataFrame, length: int) -> str | None:
+    """The PE with the column's best mean; None when no cell has a value or several share the best (accuracies
+    often tie at 0% or 100%)."""
     means = pd.to_numeric(table[(length, "mean")], errors="coerce")
     if means.isna().all():
         return None
-    return means.idxmax() if METRICS[table.attrs["metric"]].higher_is_better else means.idxmin()
+    best = means.max() if METRICS[table.attrs["metric"]].higher_is_better else means.min()
+    leaders = means.index[means == best]
+    return leaders[0] if len(leaders) == 1 else None
 
 
 def _separable_in(table: pd.DataFrame, pe_a: str, pe_b: str, length: int) -> bool | None:
@@ -366,7 +372,7 @@ def plot_lengths(tables: dict, path: str) -> None:
             yscale="linear" if metric.higher_is_better else "log",
             xlabel="L_eval (tokens)",
             ylabel=metric.name,
-            title=title(key).replace("protocol ", "").replace("`", ""),
+            title=f"L_train = {key.train_len}, " + (f"{key.task}, {metric.name}" if key.task else key.protocol),
         )
         if metric.higher_is_better:
             ax.set_ylim(-2, 102)
@@ -528,7 +534,7 @@ def plot_depths(depths: pd.DataFrame, path: str) -> None:
     panels = list(depths.groupby(["train_len", "pe"], sort=False))
     columns = min(4, len(panels))
     rows = -(-len(panels) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.4 * rows), squeeze=False, layout="constrained")
     for ax in axes.flat[len(panels) :]:
         ax.axis("off")
     for ax, ((train_len, pe), grid) in zip(axes.flat, panels, strict=False):

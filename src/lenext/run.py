@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lenext import schema
 from lenext.attention.flex import fresh_compile_state
 from lenext.errors import CheckpointError, ConfigError, LenextError
-from lenext.evaluate import PROTOCOLS, RESULTS_FILE, EvalSettings, run_metadata, sweep, sweep_plan, write_results
+from lenext.evaluate import RESULTS_FILE, EvalSettings, run_metadata, sweep, sweep_plan, write_results
 from lenext.module import tokens_trained
 from lenext.pe.rope import SCALINGS
 from lenext.positions import PositionScheme, TrainPositions, position_scheme
@@ -239,7 +239,7 @@ def train(cfg: DictConfig) -> dict:
     return metrics
 
 
-def validation_scope(cfg: DictConfig, scored: int, available: int, protocols=PROTOCOLS) -> str:
+def validation_scope(cfg: DictConfig, scored: int, available: int, protocols: tuple[str, ...]) -> str:
     """What the final validation measured, ``N windows (...)``: the sweep's 1x row of the data's first protocol
     (``nonoverlap`` for text, ``accuracy`` for a probe), or what it lacks.
 
@@ -252,7 +252,7 @@ def validation_scope(cfg: DictConfig, scored: int, available: int, protocols=PRO
             f"{scored} of the {available} windows of the {measured} 1x row "
             "(cut short by trainer.limit_val_batches or fast_dev_run)"
         )
-    plan = sweep_plan(cfg.eval, cfg.data.max_len, protocols=protocols)
+    plan = sweep_plan(cfg.eval, cfg.data.max_len, None, protocols)
     in_sweep = (
         cfg.eval.enabled
         and not cfg.trainer.get("fast_dev_run")
@@ -271,8 +271,8 @@ def log_results_to_wandb(trainer, results_path: str) -> None:
         if isinstance(logger, WandbLogger) and results_path:
             with open(results_path) as f:
                 rows = json.load(f)["rows"]
-            columns = list(rows[0])
-            logger.log_table(key="eval/results", columns=columns, data=[[r[c] for c in columns] for r in rows])
+            columns = list(dict.fromkeys(key for row in rows for key in row))  # passkey's depth rows add `depth`
+            logger.log_table(key="eval/results", columns=columns, data=[[r.get(c) for c in columns] for r in rows])
 
 
 def evaluate_and_write(
@@ -302,17 +302,17 @@ def evaluate_and_write(
 def format_rows(rows: list[dict]) -> str:
     """The rows as a console table; a probe's rows with their exact-match accuracy (and depth, for passkey)."""
     probe = any("exact_match" in r for r in rows)
+
+    def number(value, digits: int = 3) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
     extra = f" {'exact':>6} {'depth':>5}" if probe else ""
     lines = [f"{'protocol':<10} {'scaling':<11} {'L_eval':>7} {'ppl':>10}{extra} {'tokens':>9} {'windows':>7}  status"]
     for r in rows:
-        ppl = f"{r['ppl']:.3f}" if r["ppl"] is not None else "-"
-        if probe:
-            exact = f"{r['exact_match']:.3f}" if r.get("exact_match") is not None else "-"
-            depth = f"{r['depth']:.1f}" if r.get("depth") is not None else "-"
-            ppl += f" {exact:>6} {depth:>5}"
+        extra = f" {number(r.get('exact_match')):>6} {number(r.get('depth'), 1):>5}" if probe else ""
         lines.append(
-            f"{r['protocol']:<10} {r['scaling'] or '-':<11} {r['length']:>7} {ppl:>10} {r['tokens']:>9} "
-            f"{r['windows']:>7}  {r['status']}" + (f" ({r['reason']})" if r.get("reason") else "")
+            f"{r['protocol']:<10} {r['scaling'] or '-':<11} {r['length']:>7} {number(r['ppl']):>10}{extra} "
+            f"{r['tokens']:>9} {r['windows']:>7}  {r['status']}" + (f" ({r['reason']})" if r.get("reason") else "")
         )
     return "\n".join(lines)
 

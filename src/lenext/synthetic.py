@@ -9,8 +9,10 @@ tokens (L inputs and their shifted targets) is written over one small vocabulary
 - ``copy``: ``BOS s_1..s_m SEP s_1..s_m`` (+ one PAD when n is odd), m = (n - 2) // 2 symbols drawn
   uniformly; one answer, the copied s_1..s_m.
 - ``recall`` (multi-query associative recall, Arora et al. 2023): ``BOS k_1 v_1 .. k_P v_P``, FILL up
-  to the queries, then every key once in random order, each followed by its value; P = ``pairs``
-  distinct keys from the symbols, values from the values. P answers of one token: the queried values.
+  to the queries, then every key once in random order, each followed by its value, as in Zoology's
+  MQAR; P = ``pairs`` distinct keys from the symbols, values from the values. P answers of one token:
+  the queried values. (Queries drawn with replacement would let a repeated key copy the answer of its
+  earlier query a few tokens back, which no longer measures retrieval from far back.)
 - ``passkey`` (as in the YaRN repository): ``BOS FILL.. KEY d_1..d_D FILL.. SEP d_1..d_D`` with D =
   ``digits`` digits (the first 10 symbols); the passkey's depth, the share of the filler before it,
   is uniform in [0, 1]. One answer, the D digits after SEP; accuracy is also reported by depth.
@@ -20,8 +22,8 @@ Each target t (predicting token t + 1 from tokens 0..t) is labelled with the ans
 sequences have lengths drawn uniformly from [shortest the task allows, L_train + 1] and PAD after
 them (never scored, and after every answer, so causality keeps it out of every prediction); an
 evaluation length gets sequences of exactly that length. Every sequence is a function of its seed:
-training sample i of a run of seed s is drawn from (TRAIN, s, i), evaluation sample i at length L
-of a split from (split, L, i): no evaluation sample shares a seed with a training sample.
+training sample i of a run of seed s is drawn from (TRAIN, s, i), evaluation sample i of n tokens of
+a split from (the split's stream, n, i): no evaluation sample shares a seed with a training sample.
 """
 
 import math
@@ -34,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lenext.data import step_loader
 from lenext.errors import ConfigError
-from lenext.evaluate import Measured, cap_windows, distributed, measure_answers
+from lenext.evaluate import ACCURACY, Measured, cap_windows, distributed, measure_answers
 from lenext.positions import generator
 from lenext.schema import NonNegativeInt, PositiveInt
 
@@ -115,7 +117,7 @@ class Recall(Task):
         p = self.pairs
         keys = SPECIALS + torch.randperm(self.symbols, generator=gen)[:p]
         values = SPECIALS + self.symbols + torch.randint(self.symbols, (p,), generator=gen)
-        order = torch.randint(p, (p,), generator=gen)  # with replacement: no answer follows from the earlier ones
+        order = torch.randperm(p, generator=gen)
         filler = n - self.shortest()
         tokens = torch.cat(
             [
@@ -181,17 +183,17 @@ class TrainSamples(Dataset):
 
 
 class EvaluationSamples(Dataset):
-    """Sample i of a split at ``length`` (exactly ``length`` tokens), with its identity for drawn positions."""
+    """Sample i of a split with exactly ``n`` tokens (n - 1 inputs), with its identity for drawn positions."""
 
-    def __init__(self, task: Task, split: str, length: int, indices: list[int]):
-        self.task, self.stream, self.length, self.indices = task, SPLIT_STREAMS[split], length, indices
+    def __init__(self, task: Task, split: str, n: int, indices: list[int]):
+        self.task, self.stream, self.n, self.indices = task, SPLIT_STREAMS[split], n, indices
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def __getitem__(self, i: int) -> dict:
         index = self.indices[i]
-        sample = self.task.sample(self.length, generator(self.stream, self.length, index))
+        sample = self.task.sample(self.n, generator(self.stream, self.n, index))
         return {
             "tokens": sample.tokens,
             "answer": sample.answer,
@@ -203,7 +205,7 @@ class EvaluationSamples(Dataset):
 class TaskEvaluation:
     """The sweep's view of a probe: ``accuracy`` rows (answers only) at every evaluation length."""
 
-    protocols = ("accuracy",)
+    protocols = (ACCURACY,)
 
     def __init__(self, task: Task, split: str, samples: int):
         self.task, self.split, self.samples = task, split, samples
@@ -293,8 +295,11 @@ class SyntheticDataModule(L.LightningDataModule):
         """The sweep's samples at L_train: validation during training is the sweep's 1x row."""
         indices = cap_windows(list(range(self.eval_samples)), self.validation_max_windows)
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        samples = EvaluationSamples(self.task, split, self.max_len + 1, indices)
+        # Under DDP each rank scores its own samples; the metrics count each once.
         return DataLoader(
-            EvaluationSamples(self.task, split, self.max_len + 1, indices[rank::world]),
+            samples,
             batch_size=self.eval_batch_size,
+            sampler=range(rank, len(samples), world),
             num_workers=self.num_workers,
         )

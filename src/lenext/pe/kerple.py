@@ -61,7 +61,7 @@ class KERPLE(PositionalEncoding):
     def score_mod(self, q, positions, layer):
         # Looked up per distance, as T5's bias: the kernel of every distance 0..max(positions) is computed here,
         # differentiably, so flex's backward scatters each score's gradient into this (N, H) table instead of
-        # adding all L^2 of them atomically into the H values of r1 and r2 (measured on an H100: 3-4x slower
+        # adding all L^2 of them atomically into the H values of r1 and r2 (measured on an H100: 2.9-4.3x slower
         # than the explicit path, and r1/r2 gradients ~1e-4 off in relative terms at L 4096). The table's speed on a
         # GPU is not measured yet; on CPU flex_attention (eager) matches the explicit path (tests/test_flex.py).
         r1, r2 = self.kernel_parameters(layer)
