@@ -115,7 +115,7 @@ def test_non_finite_loss_stops_with_the_step_named():
     with torch.no_grad():
         module.net.embedding.weight.fill_(float("nan"))
     with pytest.raises(LenextError, match="at step 0.*last good checkpoint"):
-        module.training_step(torch.randint(0, 50, (2, 9)), 0)
+        module.training_step({"tokens": torch.randint(0, 50, (2, 9))}, 0)
 
 
 PES = sorted(p.stem for p in (ROOT / "configs" / "pe").glob("*.yaml"))

@@ -24,6 +24,7 @@ import resource
 import subprocess
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Literal
@@ -263,7 +264,9 @@ def measure_answers(
             group["windows"].update(samples.sum())
 
     def computed(group: dict) -> dict:
-        counts = {count: int(group[count].compute().item()) for count in ("answers", "tokens", "windows")}
+        with warnings.catch_warnings():  # a bucket this rank has no sample of: its counts are 0, as they should be
+            warnings.filterwarnings("ignore", message=".*called before the ``update`` method")
+            counts = {count: int(group[count].compute().item()) for count in ("answers", "tokens", "windows")}
         if not counts["answers"]:  # a depth bucket no sample fell in, on any rank
             return {}
         mean_nll = group["mean_nll"].compute().item()
