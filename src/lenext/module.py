@@ -42,10 +42,9 @@ class LanguageModel(L.LightningModule):
     """Trains a ``Decoder``; logs ``train/loss``, ``val/loss``, ``val/ppl`` (at L_train) and ``val/windows``.
 
     Batches are dicts: ``tokens`` (B, L+1) windows (inputs + shifted targets); for a probe
-    (lenext.synthetic), ``answer`` (B, L): the answer each target belongs to, -1 for targets neither scored
-    nor trained on;
-    in validation, ``window`` (document or sample, first token), which seeds the window's positions
-    under randomized positions. Probes also log ``val/exact_match`` and ``val/token_accuracy``.
+    (lenext.synthetic), ``answer`` (B, L), the answer each target belongs to (-1: neither scored nor
+    trained on); in validation, ``window`` (document or sample, first token), which seeds the window's
+    positions under randomized positions. Probes also log ``val/exact_match`` and ``val/token_accuracy``.
 
     ``run_config`` is the resolved run configuration, kept in checkpoints so ``eval.py`` can rebuild
     the model without the original command line.
