@@ -15,7 +15,6 @@ The PE gives biases; every mask (causal, the band's) is built here.
 The kernels live beside it: ``band`` (BandedAttention, CPU), ``flex`` (FlexAttention, CUDA).
 """
 
-import math
 from collections.abc import Callable
 from functools import cache
 
@@ -53,16 +52,9 @@ def _sdpa_keep_mask(q, k, v, **kwargs) -> torch.Tensor:
 
     Autocast (and a cast to q's dtype) would round the mask to bf16, whose 8-bit mantissa loses
     ALiBi's key offsets m * (j - anchor) beyond 256 positions: logit errors of order 1 at long lengths.
-    SDPA accepts an fp32 mask with bf16 q, k, v on CPU, and on CUDA with is_causal (torch 2.11). Without
-    is_causal, CUDA's kernel refuses a mask of another dtype than q ("invalid dtype for bias": the explicit
-    path's query blocks under bf16, FIRE's at every step); then the block runs in the mask's dtype, q, k, v
-    cast to it and the output cast back, rather than rounding the mask (seen on an H100, torch 2.11).
+    SDPA accepts an fp32 mask with bf16 q, k, v together with is_causal on CPU and on CUDA (torch 2.11).
     """
     with torch.autocast(q.device.type, enabled=False):
-        mask = kwargs.get("attn_mask")
-        if q.is_cuda and not kwargs.get("is_causal") and mask is not None and mask.dtype != q.dtype:
-            dtype = mask.dtype
-            return F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), **kwargs).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
@@ -124,18 +116,20 @@ def explicit_bias(
 
 
 def _blocked_attention(q, k, v, bias: Callable[[int, int], torch.Tensor], value_term: ValueTerm | None) -> torch.Tensor:
-    """Explicit scores, one block of query rows at a time against the keys it sees."""
+    """Explicit scores, one block of query rows at a time against the keys it sees.
+
+    Written out rather than SDPA with the block's mask: a mask that needs a gradient sends SDPA to its
+    math path, which rescales q and k and checks for fully masked rows (1.4x slower per KERPLE layer at
+    L 512, CPU); and the scores stay fp32 under bf16 (q k^T in bf16, then the fp32 bias), as the mask needs.
+    """
     batch, heads, length, head_dim = q.shape
     rows = max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * length))  # masks of (rows, L)
     out = q.new_empty(batch, heads, length, v.size(-1))  # written block by block: see SCORE_BLOCK_ELEMENTS
     for start in range(0, length, rows):  # query blocks attend to keys [0, end)
         end = min(start + rows, length)
         q_block, k_seen, v_seen = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
-        mask = bias(start, end)
-        if value_term is not None:
-            scores = (q_block @ k_seen.transpose(-2, -1)).float() / math.sqrt(head_dim) + mask
-            probs = scores.softmax(-1).to(q.dtype)  # (B, H, rows, end)
-            out[:, :, start:end] = probs @ v_seen + value_term(probs, start, end)
-        else:
-            out[:, :, start:end] = _sdpa_keep_mask(q_block, k_seen, v_seen, attn_mask=mask)
+        scores = (q_block @ k_seen.transpose(-2, -1)).float().mul_(head_dim**-0.5).add_(bias(start, end))
+        probs = scores.softmax(-1).to(v.dtype)  # (B, H, rows, end)
+        block = probs @ v_seen
+        out[:, :, start:end] = block if value_term is None else block + value_term(probs, start, end)
     return out
