@@ -56,6 +56,7 @@ from lenext.files import write_atomic
 from lenext.hardware import default_precision, machine_description
 from lenext.model import Decoder
 from lenext.module import adamw_with_schedule
+from lenext.pe.base import sequential_positions
 from lenext.positions import PoSE, PositionScheme, Randomized, training_positions
 from lenext.run import build_net, instantiate
 
@@ -281,14 +282,16 @@ def bench_shaw(precision, length, reps, log, heads=8, head_dim=64, clip=16):
     q, k, v = (torch.randn(1, heads, length, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
     inputs = [q, k, v, pe.key_table]
 
+    positions = sequential_positions(length)
+
     def lenext_path():
-        return causal_attention(q, k, v, pe, 0)
+        return causal_attention(q, k, v, pe, positions, 0)
 
     def naive_path():
         return naive_shaw_attention(q, k, v, pe.key_table[0], clip)
 
     def no_bias_path():  # the floor: the same attention without any bias
-        return causal_attention(q, k, v, pes.NoPE(shape), 0)
+        return causal_attention(q, k, v, pes.NoPE(shape), positions, 0)
 
     def fwd_bwd(fn):
         for tensor in inputs:

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 import lenext.attention
 import lenext.attention.band
+import lenext.evaluate
 from lenext.errors import ConfigError
 from lenext.evaluate import TextEvaluation, evaluate_length, sweep, windows_for
 from lenext.model import Decoder
@@ -148,7 +149,7 @@ def test_rope_scalings_give_one_row_each_with_the_factor_used():
 
 
 def test_checkpoint_evaluation_matches_training_validation_and_writes_documented_results(
-    compose_train, small_text_corpus, tmp_path
+    compose_train, small_text_corpus, tmp_path, monkeypatch
 ):
     cfg = compose_train(
         *tiny_overrides(
@@ -164,12 +165,15 @@ def test_checkpoint_evaluation_matches_training_validation_and_writes_documented
             "eval.factors=[1,4]",
         )
     )
+    # A commit made while the run trains must not be named: meta.git_commit is the code the process loaded.
+    monkeypatch.setattr(lenext.evaluate.subprocess, "run", lambda *a, **k: pytest.fail("HEAD asked after import"))
     metrics = train(cfg)
     results = json.loads((tmp_path / "results.json").read_text())
     assert (
         results["complete"] and results["meta"]["train_len"] == 32 and results["meta"]["tokens_trained"] == 20 * 4 * 32
     )
     assert {"pe", "seed", "corpus", "tokenizer", "git_commit", "versions"} <= set(results["meta"])
+    assert results["meta"]["git_commit"] == lenext.evaluate.CODE_COMMIT
     first = results["rows"][0]
     assert (first["length"], first["status"]) == (32, "ok")
     assert first["ppl"] == pytest.approx(metrics["val/ppl"], rel=1e-5)

@@ -437,6 +437,24 @@ def sweep(
     return rows, curves
 
 
+def _code_commit() -> str | None:
+    """The git commit checked out, if lenext runs from a clone."""
+    try:
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=os.path.dirname(__file__)
+            ).stdout.strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# Read once, when the code is imported: the commit of the code this process runs. A sweep can outlive
+# several commits; HEAD when a results file is written would name code the run never loaded.
+CODE_COMMIT = _code_commit()
+
+
 def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -> dict:
     """Everything needed to identify and reproduce a results file."""
 
@@ -446,15 +464,6 @@ def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -
         except metadata.PackageNotFoundError:
             return None
 
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=os.path.dirname(__file__)
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        commit = None
     scheme = position_scheme(cfg.get("train"), cfg["data"]["max_len"])
     return {
         "pe_name": cfg.get("pe_name"),
@@ -476,7 +485,7 @@ def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -
         "vocab_size": data.vocab_size,
         "parameters": sum(p.numel() for p in net.parameters()),
         "tokens_trained": tokens_trained,
-        "git_commit": commit,
+        "git_commit": CODE_COMMIT,
         "versions": {p: version(p) for p in ("lenext", "torch", "lightning", "datasets", "tokenizers")},
         "python": platform.python_version(),
         "device": str(next(net.parameters()).device),

@@ -234,7 +234,7 @@ class SyntheticDataModule(L.LightningDataModule):
         task: Literal[TASKS] = "recall",
         max_len: PositiveInt = 64,  # L_train: the longest training sequence, in input tokens
         symbols: PositiveInt = 16,  # symbols (and, for recall, values) to draw from
-        pairs: PositiveInt = 4,  # recall: key-value pairs per sequence
+        pairs: PositiveInt = 8,  # recall: key-value pairs per sequence
         digits: PositiveInt = 5,  # passkey: digits of the passkey
         batch_size: PositiveInt = 32,
         eval_batch_size: PositiveInt | None = None,

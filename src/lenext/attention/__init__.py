@@ -118,9 +118,10 @@ def explicit_bias(
 def _blocked_attention(q, k, v, bias: Callable[[int, int], torch.Tensor], value_term: ValueTerm | None) -> torch.Tensor:
     """Explicit scores, one block of query rows at a time against the keys it sees.
 
-    Written out rather than SDPA with the block's mask: a mask that needs a gradient sends SDPA to its
-    math path, which rescales q and k and checks for fully masked rows (1.4x slower per KERPLE layer at
-    L 512, CPU); and the scores stay fp32 under bf16 (q k^T in bf16, then the fp32 bias), as the mask needs.
+    A mask that needs no gradient (evaluation) goes to SDPA's fused CPU kernel, which takes it in fp32 with bf16
+    q, k, v. One that does (training KERPLE, FIRE) would send SDPA to its math path, which rescales q and k and
+    checks for fully masked rows (1.4x slower per KERPLE layer at L 512); then, and on CUDA (whose kernel refuses
+    an fp32 mask without is_causal), the scores are written out: q k^T in the model's dtype, then fp32 with the bias.
     """
     batch, heads, length, head_dim = q.shape
     rows = max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * length))  # masks of (rows, L)
@@ -128,8 +129,12 @@ def _blocked_attention(q, k, v, bias: Callable[[int, int], torch.Tensor], value_
     for start in range(0, length, rows):  # query blocks attend to keys [0, end)
         end = min(start + rows, length)
         q_block, k_seen, v_seen = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
-        scores = (q_block @ k_seen.transpose(-2, -1)).float().mul_(head_dim**-0.5).add_(bias(start, end))
-        probs = scores.softmax(-1).to(v.dtype)  # (B, H, rows, end)
-        block = probs @ v_seen
-        out[:, :, start:end] = block if value_term is None else block + value_term(probs, start, end)
+        mask = bias(start, end)
+        if value_term is None and not mask.requires_grad and q.device.type == "cpu":
+            out[:, :, start:end] = _sdpa_keep_mask(q_block, k_seen, v_seen, attn_mask=mask)
+        else:
+            scores = (q_block @ k_seen.transpose(-2, -1)).float().mul_(head_dim**-0.5).add_(mask)
+            probs = scores.softmax(-1).to(v.dtype)  # (B, H, rows, end)
+            block = probs @ v_seen
+            out[:, :, start:end] = block if value_term is None else block + value_term(probs, start, end)
     return out
