@@ -460,6 +460,7 @@ def _pyplot():
 def _save_figure(fig, path: str) -> None:
     with atomic_path(path, suffix=".png") as tmp:
         fig.savefig(tmp, dpi=120)
+    _pyplot().close(fig)  # pyplot keeps every figure until it is closed
 
 
 def report(folders: list[str], out: str) -> str:
