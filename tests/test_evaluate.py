@@ -166,7 +166,7 @@ def test_checkpoint_evaluation_matches_training_validation_and_writes_documented
         )
     )
     # A commit made while the run trains must not be named: meta.git_commit is the code the process loaded.
-    monkeypatch.setattr(lenext.evaluate.subprocess, "run", lambda *a, **k: pytest.fail("HEAD asked after import"))
+    monkeypatch.setattr(lenext.evaluate, "_code_commit", lambda: pytest.fail("HEAD asked after import"))
     metrics = train(cfg)
     results = json.loads((tmp_path / "results.json").read_text())
     assert (

@@ -438,16 +438,17 @@ def sweep(
 
 
 def _code_commit() -> str | None:
-    """The git commit checked out, if lenext runs from a clone."""
+    """The git commit checked out, "-dirty" appended if tracked files differ from it; None outside a clone."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=os.path.dirname(__file__))
+        return done.stdout.strip()
+
     try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=os.path.dirname(__file__)
-            ).stdout.strip()
-            or None
-        )
+        commit, changed = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
+    return f"{commit}-dirty" if commit and changed else commit or None
 
 
 # Read once, when the code is imported: the commit of the code this process runs. A sweep can outlive
