@@ -599,8 +599,8 @@ def use_blocking(monkeypatch, blocking: str, length: int, batch: int = BATCH) ->
 
 
 def explicit_path(monkeypatch) -> None:
-    """What runs without the fused kernels (older torch, other devices): the bias as SDPA's mask, in query
-    blocks, from whichever form the PE gives (key, band or pair), with the causal mask added."""
+    """What runs without the fused kernels (older torch, other devices): the bias in query blocks, from whichever
+    form the PE gives (key, band or pair), with the causal mask added."""
     monkeypatch.setattr(attention_module, "cpu_flash", lambda: False)
     monkeypatch.setattr(attention_module, "fused_mask_with_causal", lambda device_type: False)
 
@@ -615,7 +615,8 @@ BIAS_KINDS = ("alibi", "t5", "t5_per_layer", "shaw", "shaw_value", "kerple", "ke
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
 def test_biased_attention_matches_naive_reference(fused, kind, length, grad, blocking, monkeypatch):
     """Every path (fused kernels or explicit blocks) at lengths below, near and beyond T5's band,
-    with and without autograd (on the explicit path, a mask that needs grad runs SDPA's math path)."""
+    with and without autograd (on the explicit path, a mask that needs grad gets its scores written out, one that
+    does not goes to SDPA)."""
     if not fused:
         explicit_path(monkeypatch)
     use_blocking(monkeypatch, blocking, length)

@@ -52,7 +52,8 @@ def _sdpa_keep_mask(q, k, v, **kwargs) -> torch.Tensor:
 
     Autocast (and a cast to q's dtype) would round the mask to bf16, whose 8-bit mantissa loses
     ALiBi's key offsets m * (j - anchor) beyond 256 positions: logit errors of order 1 at long lengths.
-    SDPA accepts an fp32 mask with bf16 q, k, v together with is_causal on CPU and on CUDA (torch 2.11).
+    SDPA accepts an fp32 mask with bf16 q, k, v on CPU (with or without is_causal) and on CUDA only with is_causal
+    (torch 2.11).
     """
     with torch.autocast(q.device.type, enabled=False):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
