@@ -291,23 +291,23 @@ def test_the_probes_preset_is_a_checked_multirun_over_tasks_pes_and_seeds(compos
     assert params["probe"] == "copy,passkey,recall" and params["seed"] == "0,1,2"
     assert sweep_grid([], params)[0] == 3 * 3 * len(params["pe"].split(","))
     assert cfg.model.d_model == 64
-    budgets = {"copy": (800, 0.1), "passkey": (800, 0.1), "recall": (3000, 1.0)}  # (steps, min_lr_ratio)
-    for probe, budget in budgets.items():  # every job's settings pass the pre-flight checks
+    recipes = {"copy": (32, 800, 0.1), "passkey": (32, 800, 0.1), "recall": (40, 4000, 1.0)}  # L_train, steps, decay
+    for probe, recipe in recipes.items():  # every job's settings pass the pre-flight checks
         job = compose_train("experiment=probes", f"probe={probe}")
         preflight(job, TrainSettings, TRAIN_NODES)
         assert job.data._target_ == "lenext.synthetic.SyntheticDataModule" and job.data.task == probe
-        assert (job.trainer.max_steps, job.module.min_lr_ratio) == budget and job.data.max_len == 32
+        assert (job.data.max_len, job.trainer.max_steps, job.module.min_lr_ratio) == recipe
+        assert job.trainer.precision == "32-true"  # one precision on every machine
 
 
 def test_the_tiny_model_learns_recall_at_l_train_with_its_recipe(compose_train):
-    """Recall is learnable: the preset's recipe (experiment=probes probe=recall: 8 pairs, 3000 steps at a constant
-    lr 3e-3) takes RoPE past the elimination plateau to >= 90% exact match at L_train 32 (~1 min on 2 CPU cores).
-    The induction circuit forms late (steps 1800-2800 over 5 seeds in a bare loop), so this is the slowest test."""
+    """Recall is learnable: the preset's recipe (experiment=probes probe=recall: 8 pairs, L_train 40, 4000 steps at a
+    constant lr 3e-3) takes RoPE past the elimination plateau to >= 90% exact match at L_train (~2 min on 2 CPU
+    cores). The induction circuit forms late and at a seed-dependent step, so this is the slowest test."""
     cfg = compose_train(
-        "experiment=probes",
+        "experiment=probes",  # fp32, L_train 32, batches of 64, lr 3e-3
         "probe=recall",
         "pe=rope",
-        "trainer.precision=32-true",  # one precision on every machine (the default follows the CPU)
         "eval.enabled=false",
     )
     metrics = train(cfg)
@@ -315,23 +315,15 @@ def test_the_tiny_model_learns_recall_at_l_train_with_its_recipe(compose_train):
 
 
 def test_the_tiny_model_learns_passkey_at_l_train_in_a_short_cpu_run(compose_train):
-    """The probe is learnable: 400 steps (~15 s on 2 CPU cores) take the tiny model to >= 90% exact match at L_train
-    (100% with seeds 0-3 in a bare loop)."""
+    """The probe is learnable: half its recipe's steps at half its L_train (400 at 16; ~6 s on 2 CPU cores) take
+    the tiny model to >= 90% exact match at L_train (100% with seeds 0-3 in a bare loop)."""
     cfg = compose_train(
-        "data=synthetic",
-        "data.task=passkey",
-        "data.digits=2",
-        "data.max_len=16",
-        "data.batch_size=64",
-        "model=tiny",
+        "experiment=probes",
+        "probe=passkey",
         "pe=rope",
-        "trainer=cpu",
-        "trainer.precision=32-true",  # one precision on every machine (the default follows the CPU)
+        "data.max_len=16",
         "trainer.max_steps=400",
         "trainer.val_check_interval=400",
-        "trainer.enable_progress_bar=false",
-        "module.lr=3e-3",
-        "module.warmup_steps=50",
         "eval.enabled=false",
     )
     metrics = train(cfg)
