@@ -149,7 +149,7 @@ def test_rope_scalings_give_one_row_each_with_the_factor_used():
 
 
 def test_checkpoint_evaluation_matches_training_validation_and_writes_documented_results(
-    compose_train, small_text_corpus, tmp_path, monkeypatch
+    compose_train, small_text_corpus, tmp_path
 ):
     cfg = compose_train(
         *tiny_overrides(
@@ -166,14 +166,15 @@ def test_checkpoint_evaluation_matches_training_validation_and_writes_documented
         )
     )
     # A commit made while the run trains must not be named: meta.git_commit is the code the process loaded.
-    monkeypatch.setattr(lenext.evaluate, "_code_commit", lambda: pytest.fail("HEAD asked after import"))
+    lenext.evaluate.code_commit.cache_clear()
     metrics = train(cfg)
     results = json.loads((tmp_path / "results.json").read_text())
     assert (
         results["complete"] and results["meta"]["train_len"] == 32 and results["meta"]["tokens_trained"] == 20 * 4 * 32
     )
     assert {"pe", "seed", "corpus", "tokenizer", "git_commit", "versions"} <= set(results["meta"])
-    assert results["meta"]["git_commit"] == lenext.evaluate.CODE_COMMIT
+    assert results["meta"]["git_commit"] == lenext.evaluate.code_commit()
+    assert lenext.evaluate.code_commit.cache_info().misses == 1  # asked once, before training
     first = results["rows"][0]
     assert (first["length"], first["status"]) == (32, "ok")
     assert first["ppl"] == pytest.approx(metrics["val/ppl"], rel=1e-5)

@@ -26,6 +26,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
+from functools import cache
 from importlib import metadata
 from typing import Literal
 
@@ -437,8 +438,12 @@ def sweep(
     return rows, curves
 
 
-def _code_commit() -> str | None:
-    """The git commit checked out, "-dirty" appended if tracked files differ from it; None outside a clone."""
+@cache
+def code_commit() -> str | None:
+    """The git commit checked out, "-dirty" appended if tracked files differ from it; None outside a clone.
+
+    Read once per process: ``run.build`` asks before training, so a sweep that outlives several commits names the
+    code it loaded, not HEAD when a results file is written."""
 
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=os.path.dirname(__file__))
@@ -449,11 +454,6 @@ def _code_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{commit}-dirty" if commit and changed else commit or None
-
-
-# Read once, when the code is imported: the commit of the code this process runs. A sweep can outlive
-# several commits; HEAD when a results file is written would name code the run never loaded.
-CODE_COMMIT = _code_commit()
 
 
 def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -> dict:
@@ -486,7 +486,7 @@ def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -
         "vocab_size": data.vocab_size,
         "parameters": sum(p.numel() for p in net.parameters()),
         "tokens_trained": tokens_trained,
-        "git_commit": CODE_COMMIT,
+        "git_commit": code_commit(),
         "versions": {p: version(p) for p in ("lenext", "torch", "lightning", "datasets", "tokenizers")},
         "python": platform.python_version(),
         "device": str(next(net.parameters()).device),

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lenext import schema
 from lenext.attention.flex import fresh_compile_state
 from lenext.errors import CheckpointError, ConfigError, LenextError
-from lenext.evaluate import RESULTS_FILE, EvalSettings, run_metadata, sweep, sweep_plan, write_results
+from lenext.evaluate import RESULTS_FILE, EvalSettings, code_commit, run_metadata, sweep, sweep_plan, write_results
 from lenext.module import tokens_trained
 from lenext.pe.rope import SCALINGS
 from lenext.positions import PositionScheme, TrainPositions, position_scheme
@@ -147,6 +147,7 @@ def build(cfg: DictConfig):
     """Data module, LightningModule, Trainer and the checkpoint to resume from (or None) for a composed
     training config, each setting checked (``preflight``, the checkpoint) before the corpus is read."""
     preflight(cfg, TrainSettings, TRAIN_NODES)
+    code_commit()  # the code this process loaded, read before a long run
     hydra_cfg = hydra_config()
     with open_dict(cfg):
         # The PE's config name (rope vs rope_ntk share a class) labels rows in reports.
