@@ -27,6 +27,7 @@ a split from (the split's stream, n, i): no evaluation sample shares a seed with
 """
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,16 +56,20 @@ class Sample:
     depth: float  # passkey: the share of the filler before the passkey; NaN for other tasks
 
 
-def label_answers(n: int, starts: torch.Tensor, length: int) -> torch.Tensor:
+def label_answers(n: int, starts: Iterable[int], length: int) -> torch.Tensor:
     """(n - 1,) target labels: answer a covers targets starts[a] .. starts[a] + length - 1; the rest -1."""
-    answer = torch.full((n - 1,), -1)
-    for a, start in enumerate(starts.tolist()):
-        answer[start : start + length] = a
-    return answer
+    answer = [-1] * (n - 1)
+    for a, start in enumerate(starts):
+        answer[start : start + length] = [a] * length
+    return torch.tensor(answer)
 
 
 class Task:
-    """A probe: ``sample(n, gen)`` writes a sequence of n tokens and names its answers."""
+    """A probe: ``sample(n, gen)`` writes a sequence of n tokens and names its answers.
+
+    The random draws are torch's (the generator fixes them); the sequence is then written as a Python
+    list, since a training batch is dozens of short sequences and torch's per-call cost would dominate.
+    """
 
     name: str
 
@@ -86,8 +91,8 @@ class Task:
         """The task and the settings it uses, in data.* keys."""
         raise NotImplementedError
 
-    def symbols_of(self, count: int, gen: torch.Generator) -> torch.Tensor:
-        return SPECIALS + torch.randint(self.symbols, (count,), generator=gen)
+    def symbols_of(self, count: int, gen: torch.Generator) -> list[int]:
+        return (SPECIALS + torch.randint(self.symbols, (count,), generator=gen)).tolist()
 
 
 class Copy(Task):
@@ -99,9 +104,8 @@ class Copy(Task):
     def sample(self, n: int, gen: torch.Generator) -> Sample:
         m = (n - 2) // 2
         string = self.symbols_of(m, gen)
-        tail = torch.full((n - 2 - 2 * m,), PAD)
-        tokens = torch.cat([torch.tensor([BOS]), string, torch.tensor([SEP]), string, tail])
-        return Sample(tokens, label_answers(n, torch.tensor([m + 1]), m), math.nan)  # targets of tokens m+2..2m+1
+        tokens = [BOS, *string, SEP, *string] + [PAD] * (n - 2 - 2 * m)
+        return Sample(torch.tensor(tokens), label_answers(n, [m + 1], m), math.nan)  # targets of tokens m+2..2m+1
 
     def describe(self) -> str:
         return f"copy (data.symbols={self.symbols})"
@@ -115,20 +119,15 @@ class Recall(Task):
 
     def sample(self, n: int, gen: torch.Generator) -> Sample:
         p = self.pairs
-        keys = SPECIALS + torch.randperm(self.symbols, generator=gen)[:p]
-        values = SPECIALS + self.symbols + torch.randint(self.symbols, (p,), generator=gen)
-        order = torch.randperm(p, generator=gen)
+        keys = (SPECIALS + torch.randperm(self.symbols, generator=gen)[:p]).tolist()
+        values = (SPECIALS + self.symbols + torch.randint(self.symbols, (p,), generator=gen)).tolist()
+        order = torch.randperm(p, generator=gen).tolist()
         filler = n - self.shortest()
-        tokens = torch.cat(
-            [
-                torch.tensor([BOS]),
-                torch.stack([keys, values], 1).flatten(),
-                torch.full((filler,), FILL),
-                torch.stack([keys[order], values[order]], 1).flatten(),
-            ]
-        )
+        pairs = [token for k in range(p) for token in (keys[k], values[k])]
+        queries = [token for k in order for token in (keys[k], values[k])]
+        tokens = [BOS, *pairs] + [FILL] * filler + queries
         first_query = 1 + 2 * p + filler
-        return Sample(tokens, label_answers(n, first_query + 2 * torch.arange(p), 1), math.nan)  # at each query
+        return Sample(torch.tensor(tokens), label_answers(n, range(first_query, n - 1, 2), 1), math.nan)  # each query
 
     def describe(self) -> str:
         return f"recall (data.pairs={self.pairs}, data.symbols={self.symbols})"
@@ -143,20 +142,10 @@ class Passkey(Task):
     def sample(self, n: int, gen: torch.Generator) -> Sample:
         filler = n - self.shortest()
         before = int(torch.randint(filler + 1, (1,), generator=gen))
-        digits = SPECIALS + torch.randint(10, (self.digits,), generator=gen)
-        tokens = torch.cat(
-            [
-                torch.tensor([BOS]),
-                torch.full((before,), FILL),
-                torch.tensor([KEY]),
-                digits,
-                torch.full((filler - before,), FILL),
-                torch.tensor([SEP]),
-                digits,
-            ]
-        )
-        answer = label_answers(n, torch.tensor([n - 1 - self.digits]), self.digits)
-        return Sample(tokens, answer, before / filler if filler else 0.0)
+        digits = (SPECIALS + torch.randint(10, (self.digits,), generator=gen)).tolist()
+        tokens = [BOS] + [FILL] * before + [KEY, *digits] + [FILL] * (filler - before) + [SEP, *digits]
+        answer = label_answers(n, [n - 1 - self.digits], self.digits)
+        return Sample(torch.tensor(tokens), answer, before / filler if filler else 0.0)
 
     def describe(self) -> str:
         return f"passkey (data.digits={self.digits})"
@@ -178,8 +167,10 @@ class TrainSamples(Dataset):
         gen = generator(TRAIN, self.seed, i)
         n = int(torch.randint(self.task.shortest(), self.length + 1, (1,), generator=gen))
         sample = self.task.sample(n, gen)
-        tokens = torch.cat([sample.tokens, torch.full((self.length - n,), PAD)])
-        return {"tokens": tokens, "answer": torch.cat([sample.answer, torch.full((self.length - n,), -1)])}
+        return {
+            "tokens": torch.nn.functional.pad(sample.tokens, (0, self.length - n), value=PAD),
+            "answer": torch.nn.functional.pad(sample.answer, (0, self.length - n), value=-1),
+        }
 
 
 class EvaluationSamples(Dataset):
