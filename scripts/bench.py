@@ -54,7 +54,7 @@ from lenext.data import StepShuffler, TrainWindows
 from lenext.errors import LengthNotSupported
 from lenext.files import write_atomic
 from lenext.hardware import default_precision, machine_description
-from lenext.model import Decoder
+from lenext.model import LOGIT_CHUNK_TOKENS, Decoder
 from lenext.module import adamw_with_schedule
 from lenext.pe.base import sequential_positions
 from lenext.positions import PoSE, PositionScheme, Randomized, training_positions
@@ -597,8 +597,8 @@ def render_forward(forward, lengths) -> list[str]:
     lines = [
         "## Forward pass (whole model, eval, no_grad, batch 1)",
         "",
-        "One `token_nll` forward (logits in chunks of 4096 tokens) per cell, each (PE, L) in a fresh process "
-        "after a warmup forward at L=64. Cell: wall ms / peak extra MB (peak RSS during the forward "
+        f"One `token_nll` forward (logits in chunks of {LOGIT_CHUNK_TOKENS} tokens) per cell, each (PE, L) in a fresh "
+        "process after a warmup forward at L=64. Cell: wall ms / peak extra MB (peak RSS during the forward "
         "minus RSS just before it). Time: min of 3 runs for L <= 2048, a single run above.",
         "",
         "| PE | " + " | ".join(f"L={length}" for length in lengths) + " |",

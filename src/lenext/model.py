@@ -18,6 +18,10 @@ from lenext.pe import AttentionShape, PositionalEncoding
 from lenext.pe.base import sequential_positions
 from lenext.schema import PositiveFloat, PositiveInt, Probability
 
+# Logits of this many tokens at a time, then their log-softmax: the small model's 16k-token forward took
+# 410-500 MB extra (NoPE) with 4096 and 244 MB with 2048 (Intel Xeon, AMX), under the 0.5 GB bound.
+LOGIT_CHUNK_TOKENS = 2048
+
 
 class SelfAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, pe: PositionalEncoding, layer: int, dropout: float):
@@ -126,14 +130,13 @@ class Decoder(nn.Module):
         tokens: torch.Tensor,
         targets: torch.Tensor,
         positions: torch.Tensor | None = None,
-        chunk_tokens: int = 2048,
+        chunk_tokens: int = LOGIT_CHUNK_TOKENS,
         predictions: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Per-token negative log-likelihood (B, L) in fp32, with logits for ``chunk_tokens`` tokens at a time;
         with ``predictions``, also the most likely token at each position (B, L).
 
-        Full logits of a batch of long windows x a large vocabulary would cost gigabytes; 4096 tokens at a time
-        (the logits, then their log-softmax) took NoPE's 16k-token forward of the small model to ~0.5 GB extra.
+        Full logits of a batch of long windows x a large vocabulary would cost gigabytes (``LOGIT_CHUNK_TOKENS``).
         """
         hidden = self(tokens, positions)
         span = max(1, chunk_tokens // tokens.size(0))  # positions per chunk
