@@ -53,7 +53,7 @@ from lenext.cli import CONFIG_DIR
 from lenext.data import StepShuffler, TrainWindows
 from lenext.errors import LengthNotSupported
 from lenext.files import write_atomic
-from lenext.hardware import default_precision, machine_description, reuse_freed_memory
+from lenext.hardware import default_precision, machine_description
 from lenext.model import LOGIT_CHUNK_TOKENS, Decoder
 from lenext.module import adamw_with_schedule
 from lenext.pe.base import sequential_positions
@@ -767,29 +767,27 @@ def main(argv=None) -> None:
         )
         return result
 
-    with reuse_freed_memory():  # as train.py trains (lenext.hardware); evaluation's forwards run without it
-        training = measured(
-            "training",
-            bench_training,
-            args.precision,
-            settings["train_length"],
-            settings["train_batch"],
-            settings["warmup"],
-            settings["steps"],
-            settings["reps"],
-            log,
-        )
+    training = measured(
+        "training",
+        bench_training,
+        args.precision,
+        settings["train_length"],
+        settings["train_batch"],
+        settings["warmup"],
+        settings["steps"],
+        settings["reps"],
+        log,
+    )
     forward = measured("forward", bench_forward, args.precision, settings["lengths"], timeout=900, log=log)
     shaw = measured("shaw", bench_shaw, args.precision, 2048, settings["shaw_reps"], log)
-    with reuse_freed_memory():
-        lightning = measured(
-            "lightning",
-            bench_lightning,
-            settings["lightning_reps"],
-            settings["lightning_steps"],
-            log,
-            compiled=not args.quick,  # compiling takes minutes: not in a smoke test
-        )
+    lightning = measured(
+        "lightning",
+        bench_lightning,
+        settings["lightning_reps"],
+        settings["lightning_steps"],
+        log,
+        compiled=not args.quick,  # compiling takes minutes: not in a smoke test
+    )
 
     text = render(info, settings, time.perf_counter() - started, training, forward, shaw, lightning)
     write_atomic(out, text)

@@ -2,9 +2,6 @@
 
 import json
 import logging
-import platform
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -127,42 +124,3 @@ def test_a_run_warns_about_emulated_bf16_and_its_results_name_the_machine(
     assert machine["isa"] == "AVX2" and machine["native_bf16"] is False
     assert machine["training_precision"] == "bf16-mixed" and machine["gpu"] is None
     assert machine["cpu"] and machine["cpu"] != "unknown" and machine["cores"] >= 1
-
-
-REALLOCATIONS = """
-import resource, torch
-from lenext.hardware import reuse_freed_memory
-torch.set_num_threads(1)  # nothing else allocated between the tensors
-
-
-def page_faults_of_reallocations():
-    for _ in range(10):  # the heap settles: each tensor's aligned request is a little larger than a freed chunk
-        torch.ones(2**24)  # 64 MiB, freed at once
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(5):
-        torch.ones(2**24)  # the same size again, as the next training step's activations
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-
-def resident_pages():
-    return int(open("/proc/self/statm").read().split()[1])
-
-
-default = page_faults_of_reallocations()
-with reuse_freed_memory():
-    reused = page_faults_of_reallocations()
-    held = resident_pages()
-print(default, reused, held - resident_pages())
-"""
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc setting")
-def test_training_reuses_freed_memory_and_gives_it_back_after():
-    """glibc unmaps a freed 64 MiB tensor and maps the next one afresh (every page faults in again); inside
-    reuse_freed_memory() the next one reuses the freed pages, and on exit the freed memory leaves the process."""
-    done = subprocess.run([sys.executable, "-c", REALLOCATIONS], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    default, reused, given_back = (int(n) for n in done.stdout.split())
-    assert default >= 5 * 32, default  # every page of every tensor: 16384 of 4 KiB, or 32 huge pages of 2 MiB
-    assert reused < default / 5, (reused, default)  # not even the pages of one tensor
-    assert given_back > 2**26 // 4096, given_back  # more than a tensor's 64 MiB of pages left the process

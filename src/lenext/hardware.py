@@ -6,12 +6,10 @@ emulated and autocast was ~17x slower than fp32 (AMD EPYC with AVX2 only: 60 vs 
 layers x 128, L=64, batch 32). Every throughput figure is therefore recorded with the CPU and ISA.
 """
 
-import ctypes
 import logging
 import os
 import platform
 import re
-from contextlib import contextmanager
 
 import torch
 
@@ -28,9 +26,6 @@ ISAS = (
 )
 NATIVE_BF16_ISAS = ("AMX", "AVX512_BF16")
 BF16_EMULATION_SLOWDOWN = 17  # fp32 / bf16-autocast throughput measured on an AVX2-only CPU (see above)
-# glibc's mallopt parameters (malloc.h) and their defaults
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_MAX = 128 * 1024, 65536
 
 
 def _cpuinfo_field(name: str) -> str | None:
@@ -98,30 +93,3 @@ def warn_if_precision_is_slow(precision: str, device: torch.device) -> None:
             isa,
             BF16_EMULATION_SLOWDOWN,
         )
-
-
-@contextmanager
-def reuse_freed_memory():
-    """Training: glibc keeps freed memory in the process for the next tensor instead of giving it back.
-
-    By default glibc maps every allocation above its mmap threshold (at most 32 MiB) afresh and unmaps it when
-    freed, and trims the heap's top: each step of a CPU training run faults its large activations (the logits,
-    KERPLE's and FIRE's score blocks) in again. Measured on an Intel Xeon (AMX), small model, L 512, batch 8,
-    fp32: a NoPE step 1.42 -> 1.21 s, KERPLE 1.60 -> 1.39 s, and steps no longer swing from one repetition to
-    the next (``make bench``). The cost: the heap fragments and keeps its peak, 30-50% more peak memory in
-    training (NoPE 0.85 -> 1.26 GB, KERPLE 1.28 -> 1.69 GB), too much for evaluation's 16k-token forwards
-    (0.8-0.9 GB extra instead of < 0.5 GB). On exit mmap and trimming are allowed again and the free memory
-    goes back to the system (malloc_trim). Nothing changes where the C library is not glibc.
-    """
-    if platform.libc_ver()[0] != "glibc":
-        yield
-        return
-    libc = ctypes.CDLL(None)  # the C library this process runs on
-    libc.mallopt(M_MMAP_MAX, 0)
-    libc.mallopt(M_TRIM_THRESHOLD, 2**30)
-    try:
-        yield
-    finally:
-        libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
-        libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
-        libc.malloc_trim(0)

@@ -24,7 +24,6 @@ from lenext import schema
 from lenext.attention.flex import fresh_compile_state
 from lenext.errors import CheckpointError, ConfigError, LenextError
 from lenext.evaluate import RESULTS_FILE, EvalSettings, code_commit, run_metadata, sweep, sweep_plan, write_results
-from lenext.hardware import reuse_freed_memory
 from lenext.module import tokens_trained
 from lenext.pe.rope import SCALINGS
 from lenext.positions import PositionScheme, TrainPositions, position_scheme
@@ -213,8 +212,7 @@ def train(cfg: DictConfig) -> dict:
     datamodule, module, trainer, resume_from = build(cfg)
     n_params = sum(p.numel() for p in module.net.parameters())
     log.info("model: %.2fM parameters, PE %s, L_train %d", n_params / 1e6, module.net.pe.describe(), cfg.data.max_len)
-    with reuse_freed_memory():
-        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
     metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     measured = validation_scope(
         cfg, int(metrics["val/windows"]), len(datamodule.val_dataloader().dataset), datamodule.protocols
