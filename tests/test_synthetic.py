@@ -113,6 +113,21 @@ def test_samples_are_seeded_and_training_never_shares_a_seed_with_evaluation():
         assert not trained & {tuple(evaluated[i]["tokens"].tolist()) for i in range(256)}
 
 
+def test_a_seed_gives_the_sequences_the_committed_studies_were_trained_on():
+    """The probes' streams are part of their results (docs/probes): a change to how sequences are drawn must be
+    a deliberate one. Training sample 7 of seed 0 at L_train 40, as the committed study drew it."""
+    recall = TrainSamples(task("recall", symbols=16, pairs=8), 41, seed=0, size=2**20)[7]
+    assert recall["tokens"].tolist() == (
+        [1, 16, 29, 5, 32, 12, 31, 11, 32, 15, 36, 13, 28, 18, 32, 17, 33, 4, 4, 4, 4]  # BOS, the pairs, FILL
+        + [16, 29, 12, 31, 17, 33, 15, 36, 5, 32, 13, 28, 11, 32, 18, 32]  # the queries and their values
+        + [0, 0, 0, 0]  # PAD
+    )
+    assert recall["answer"].tolist() == [-1] * 21 + [a for k in range(8) for a in (k, -1)] + [-1] * 3
+    passkey = TrainSamples(task("passkey", symbols=16, digits=2), 41, seed=0, size=2**20)[7]
+    assert passkey["tokens"].tolist() == [1, 3, 10, 12, 2, 10, 12] + [0] * 34  # BOS KEY d d SEP d d, PAD
+    assert passkey["answer"].tolist() == [-1] * 4 + [0, 0] + [-1] * 34
+
+
 def test_training_samples_cover_every_length_up_to_l_train_and_pad_after_the_answers():
     train = TrainSamples(task("recall", pairs=4), 33, seed=0, size=1000)
     lengths = set()
