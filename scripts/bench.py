@@ -53,8 +53,8 @@ from lenext.cli import CONFIG_DIR
 from lenext.data import StepShuffler, TrainWindows
 from lenext.errors import LengthNotSupported
 from lenext.files import write_atomic
-from lenext.hardware import default_precision, machine_description
-from lenext.model import LOGIT_CHUNK_TOKENS, Decoder
+from lenext.hardware import default_precision, keep_freed_memory, machine_description
+from lenext.model import LOGIT_CHUNK_ELEMENTS, Decoder
 from lenext.module import adamw_with_schedule
 from lenext.pe.base import sequential_positions
 from lenext.positions import PoSE, PositionScheme, Randomized, training_positions
@@ -448,6 +448,10 @@ def bench_lightning(reps, steps, log, compiled=True):
         if compiled:
             nets[COMPILED] = study_net(cfgs[chosen])
             nets[COMPILED].compile()  # in place: token_nll's self(tokens) runs the compiled forward
+            # RoPE's table lookup breaks the graph after the q, k, v views of the projection. Regenerating those
+            # views by replaying their view functions failed in torch 2.13 with a garbage shape (invalid shape
+            # dimension -4516727135665732952), only when the heap reused freed memory; as_strided does not replay.
+            torch._functorch.config.view_replay_for_aliased_outputs = False
         for arm in nets.values():
             arm.train()
 
@@ -538,6 +542,7 @@ def render_header(info, settings, elapsed) -> list[str]:
         f"{info['cores']} cores; torch threads {info['torch_threads']})"
         + (f"; GPU: {info['gpu']}" if info["gpu"] else ""),
         f"- torch {info['torch']}, Python {info['python']}",
+        "- memory: glibc keeps freed memory for the next step (`lenext.hardware.keep_freed_memory`), as train.py",
         f"- precision of sections 1-3: {info['precision']}"
         + (" (torch.autocast('cpu', dtype=torch.bfloat16))" if info["precision"] == "bf16" else ""),
         f"- date: {info['date']}",
@@ -597,9 +602,10 @@ def render_forward(forward, lengths) -> list[str]:
     lines = [
         "## Forward pass (whole model, eval, no_grad, batch 1)",
         "",
-        f"One `token_nll` forward (logits in chunks of {LOGIT_CHUNK_TOKENS} tokens) per cell, each (PE, L) in a fresh "
-        "process after a warmup forward at L=64. Cell: wall ms / peak extra MB (peak RSS during the forward "
-        "minus RSS just before it). Time: min of 3 runs for L <= 2048, a single run above.",
+        f"One `token_nll` forward (logits in chunks of {LOGIT_CHUNK_ELEMENTS // SMALL['vocab_size']} tokens) per "
+        "cell, each (PE, L) in a fresh process after a warmup forward at L=64. Cell: wall ms / peak extra MB "
+        "(peak RSS during the forward minus RSS just before it). Time: min of 3 runs for L <= 2048, a single run "
+        "above.",
         "",
         "| PE | " + " | ".join(f"L={length}" for length in lengths) + " |",
         "|---|" + "---:|" * len(lengths),
@@ -706,6 +712,7 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--_forward-worker", dest="forward_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as train.py and eval.py run
 
     if args.forward_worker:
         print(json.dumps(forward_worker(json.loads(args.forward_worker))))

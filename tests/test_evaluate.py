@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 import lenext.attention
 import lenext.attention.band
 import lenext.evaluate
+import lenext.model
 from lenext.errors import ConfigError
 from lenext.evaluate import TextEvaluation, evaluate_length, sweep, windows_for
 from lenext.model import Decoder
@@ -95,6 +96,21 @@ def test_perplexity_equals_exp_mean_nll_of_a_plain_per_window_loop(protocol):
                 count += length - w.score_from
         assert row["tokens"] == count and row["status"] == "ok"
         assert row["ppl"] == pytest.approx(math.exp(total / count), rel=1e-5)
+
+
+@pytest.mark.parametrize("chunk_elements", [50 * 3 * 7, 50 * 3 * 5, 2**22])  # 7 positions a chunk, 5 (uneven), 1 chunk
+def test_token_nll_in_logit_chunks_equals_a_whole_log_softmax_with_its_gradients(chunk_elements, monkeypatch):
+    monkeypatch.setattr(lenext.model, "LOGIT_CHUNK_ELEMENTS", chunk_elements)  # of a batch of 3, vocabulary 50
+    net = tiny_net()
+    tokens, targets = torch.randint(0, 50, (2, 3, 21)).unbind()
+    nll, predicted = net.token_nll(tokens, targets, predictions=True)
+    (grad,) = torch.autograd.grad(nll.sum(), net.head.weight)
+    logp = torch.log_softmax(net.logits(net(tokens)).double(), -1)  # reference: every logit at once, float64
+    expected = -logp.gather(-1, targets[..., None])[..., 0]
+    (expected_grad,) = torch.autograd.grad(expected.sum(), net.head.weight)
+    torch.testing.assert_close(nll, expected.float())
+    torch.testing.assert_close(grad, expected_grad.float())
+    assert torch.equal(predicted, logp.argmax(-1))
 
 
 @pytest.mark.parametrize(

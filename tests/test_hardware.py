@@ -2,6 +2,9 @@
 
 import json
 import logging
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -124,3 +127,52 @@ def test_a_run_warns_about_emulated_bf16_and_its_results_name_the_machine(
     assert machine["isa"] == "AVX2" and machine["native_bf16"] is False
     assert machine["training_precision"] == "bf16-mixed" and machine["gpu"] is None
     assert machine["cpu"] and machine["cpu"] != "unknown" and machine["cores"] >= 1
+
+
+STEPS_OF_ACTIVATIONS = """
+import resource, sys, torch
+from lenext.hardware import keep_freed_memory
+torch.set_num_threads(1)  # nothing else allocates between the tensors
+if sys.argv[1] == "keep":
+    keep_freed_memory()
+
+
+def step():  # what a training step does to the heap: 8 activations of 16 MiB alive at once, then all freed
+    activations = [torch.ones(2**22) for _ in range(8)]
+    del activations
+
+
+def resident_pages():
+    return int(open("/proc/self/statm").read().split()[1])
+
+
+for _ in range(3):  # glibc's adaptive threshold settles (by default the first 16 MiB tensors are mapped apart)
+    step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    step()
+faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
+large = torch.ones(2**26)  # 256 MiB: more than the heap holds free, and above the pinned mmap threshold
+held = resident_pages()
+del large
+print(faults, held - resident_pages())
+"""
+
+
+def page_faults_per_step_and_pages_given_back(mode: str) -> tuple[float, int]:
+    done = subprocess.run([sys.executable, "-c", STEPS_OF_ACTIVATIONS, mode], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    faults, given_back = done.stdout.split()
+    return float(faults), int(given_back)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc setting")
+def test_kept_memory_serves_the_next_step_without_page_faults_and_large_tensors_still_go_back():
+    """By default glibc gives the freed top of its heap back after each step, and the next step faults its
+    activations in again (each 4 KiB page, or each 2 MiB huge page); with keep_freed_memory() it reuses them.
+    A large tensor that the kept memory cannot hold is still mapped apart and given back when freed."""
+    default, _ = page_faults_per_step_and_pages_given_back("default")
+    kept, given_back = page_faults_per_step_and_pages_given_back("keep")
+    assert default >= 8 * 8, default  # at least every huge page of the 128 MiB
+    assert kept < default / 10, (kept, default)
+    assert given_back >= 2**28 // 4096, given_back  # the 256 MiB left the process

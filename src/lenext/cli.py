@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from lenext.errors import LenextError
 from lenext.evaluate import ERROR_FILE
 from lenext.files import write_atomic
-from lenext.hardware import default_precision
+from lenext.hardware import default_precision, keep_freed_memory
 from lenext.run import evaluate_checkpoint, hydra_config, train
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
@@ -52,10 +52,12 @@ def one_line_errors(main: Callable) -> Callable:
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 @one_line_errors
 def train_main(cfg: DictConfig) -> dict:
+    keep_freed_memory()
     return train(cfg)  # the job's return value: the study progress line tells skipped jobs from trained ones
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="eval")
 @one_line_errors
 def eval_main(cfg: DictConfig) -> str:
+    keep_freed_memory()
     return evaluate_checkpoint(cfg)  # the job's return value: None would read as a failed job in a study

@@ -18,9 +18,10 @@ from lenext.pe import AttentionShape, PositionalEncoding
 from lenext.pe.base import sequential_positions
 from lenext.schema import PositiveFloat, PositiveInt, Probability
 
-# Logits of this many tokens at a time, then their log-softmax: the small model's 16k-token forward took
-# 410-500 MB extra (NoPE) with 4096 and 244 MB with 2048 (Intel Xeon, AMX), under the 0.5 GB bound.
-LOGIT_CHUNK_TOKENS = 2048
+# Logits of at most this many floats at a time (16 MiB in fp32), then their log-softmax. Below glibc's mmap
+# threshold (32 MiB) the heap reuses each chunk's memory: chunks of 2048 tokens x vocab 8192 (64 MiB) were mapped
+# afresh and faulted in each time, which made the loss of the small model's training step 2-3x slower (Intel Xeon).
+LOGIT_CHUNK_ELEMENTS = 2**22
 
 
 class SelfAttention(nn.Module):
@@ -90,7 +91,7 @@ class Decoder(nn.Module):
         super().__init__()
         if d_model % n_heads:
             raise ConfigError(f"model.n_heads={n_heads} is invalid: it must divide model.d_model={d_model}")
-        self.d_model = d_model
+        self.d_model, self.vocab_size = d_model, vocab_size
         self.pe = pe(AttentionShape(d_model, n_heads, n_layers, train_len, max_position))
         self.embedding = nn.Embedding(vocab_size, d_model)
         self.dropout = nn.Dropout(dropout)
@@ -130,21 +131,24 @@ class Decoder(nn.Module):
         tokens: torch.Tensor,
         targets: torch.Tensor,
         positions: torch.Tensor | None = None,
-        chunk_tokens: int = LOGIT_CHUNK_TOKENS,
         predictions: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Per-token negative log-likelihood (B, L) in fp32, with logits for ``chunk_tokens`` tokens at a time;
-        with ``predictions``, also the most likely token at each position (B, L).
+        """Per-token negative log-likelihood (B, L) in fp32; with ``predictions``, also the most likely token at
+        each position (B, L).
 
-        Full logits of a batch of long windows x a large vocabulary would cost gigabytes (``LOGIT_CHUNK_TOKENS``).
+        The logits are made ``LOGIT_CHUNK_ELEMENTS`` at a time: all of a batch of long windows x a large vocabulary
+        would cost gigabytes.
         """
         hidden = self(tokens, positions)
-        span = max(1, chunk_tokens // tokens.size(0))  # positions per chunk
-        nll, predicted = [], []
+        span = max(1, LOGIT_CHUNK_ELEMENTS // (self.vocab_size * tokens.size(0)))  # positions per chunk
+        # Written chunk by chunk: small chunk outputs kept between the large logits fragmented the heap.
+        nll = hidden.new_empty(targets.shape, dtype=torch.float32)
+        predicted = torch.empty_like(targets) if predictions else None
         for s in range(0, tokens.size(1), span):
             logits = self.logits(hidden[:, s : s + span]).float()  # (B, span, V)
-            nll.append(F.cross_entropy(logits.transpose(1, 2), targets[:, s : s + span], reduction="none"))
+            # Rows of (B * span, V): a (B, V, span) view would make log_softmax copy and stride (3x slower).
+            chunk_nll = F.cross_entropy(logits.flatten(0, 1), targets[:, s : s + span].flatten(), reduction="none")
+            nll[:, s : s + span] = chunk_nll.view(logits.shape[:2])
             if predictions:
-                predicted.append(logits.argmax(-1))
-        nll = torch.cat(nll, dim=1)
-        return (nll, torch.cat(predicted, dim=1)) if predictions else nll
+                predicted[:, s : s + span] = logits.argmax(-1)
+        return (nll, predicted) if predictions else nll
