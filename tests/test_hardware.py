@@ -176,3 +176,25 @@ def test_kept_memory_serves_the_next_step_without_page_faults_and_large_tensors_
     assert default >= 8 * 8, default  # at least every huge page of the 128 MiB
     assert kept < default / 10, (kept, default)
     assert given_back >= 2**28 // 4096, given_back  # the 256 MiB left the process
+
+
+EVALUATION_AFTER_TRAINING = """
+import torch
+from lenext.evaluate import PeakMemory
+from lenext.hardware import keep_freed_memory
+torch.set_num_threads(1)
+keep_freed_memory()
+activations = [torch.ones(2**22) for _ in range(8)]  # training: 128 MiB, freed and kept by the process
+del activations
+with PeakMemory(torch.device("cpu")) as memory:
+    activations = [torch.ones(2**22) for _ in range(8)]  # evaluation needs as much again
+    del activations
+print(memory.peak_mb)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc setting")
+def test_evaluation_peak_memory_counts_what_it_needs_though_training_memory_was_kept():
+    done = subprocess.run([sys.executable, "-c", EVALUATION_AFTER_TRAINING], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout) >= 120, done.stdout  # of the 128 MiB; reusing the kept memory would show ~0

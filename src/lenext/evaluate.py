@@ -37,7 +37,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassExactMatch
 
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.files import write_atomic
-from lenext.hardware import machine_description
+from lenext.hardware import machine_description, release_freed_memory
 from lenext.pe.rope import SCALINGS
 from lenext.positions import PositionScheme, position_scheme, window_positions
 from lenext.schema import PositiveFloat, PositiveInt
@@ -107,6 +107,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device) / 2**20
         else:
+            release_freed_memory()  # else the evaluation reuses what training freed and kept, unseen by RSS
             self._base, self._stop = self._rss_mb(), threading.Event()
             self._peak = self._base
 

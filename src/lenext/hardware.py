@@ -101,21 +101,32 @@ def warn_if_precision_is_slow(precision: str, device: torch.device) -> None:
         )
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """The C library this process runs on, if it is glibc (whose malloc the functions below tune)."""
+    return ctypes.CDLL(None) if platform.libc_ver()[0] == "glibc" else None
+
+
 def keep_freed_memory() -> None:
     """Have glibc keep the memory a training step frees for the next step, instead of giving it back at once.
 
     By default glibc returns the top of its heap to the system as soon as more than 64 MiB of it is free (twice
     its adaptive mmap threshold), and a training step frees most of what its forward allocated: every step then
-    faulted its activations in again, page by page. This made KERPLE's step (small model, L 512, batch 8, fp32,
-    Intel Xeon) 1.32 s instead of 1.05 s, 0.69 of NoPE's instead of 0.86 (``make bench``). A request of 32 MiB
-    or more that the free heap cannot serve is still mapped apart and given back when freed: with mmap off
-    altogether the heap fragmented, and a 16k-token forward took 0.8-0.9 GB extra instead of < 0.5 GB. Nothing
-    changes where the C library is not glibc. Called by ``train.py``, ``eval.py`` and the benchmark before any
-    work.
+    faulted its activations in again, page by page. KERPLE's step (small model, L 512, batch 8, fp32, Intel Xeon)
+    took 1.26 s instead of 1.11 s (README "Performance"). A request of 32 MiB or more that the free heap cannot
+    serve is still mapped apart and given back when freed: with mmap off altogether the heap fragmented, and a
+    16k-token forward took 0.8-0.9 GB extra instead of < 0.5 GB. Nothing changes where the C library is not
+    glibc. Called by ``train.py``, ``eval.py`` and the benchmark before any work.
     """
-    if platform.libc_ver()[0] != "glibc":
-        return
-    libc = ctypes.CDLL(None)  # the C library this process runs on
-    # Setting either turns off glibc's adaptive thresholds: the mmap threshold is pinned where they would end.
-    libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-    libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    libc = _glibc()
+    if libc is not None:
+        # Setting either turns off glibc's adaptive thresholds: the mmap threshold is pinned where they would end.
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+
+
+def release_freed_memory() -> None:
+    """Give the free memory glibc keeps back to the system now: before a block whose peak memory is measured as
+    resident memory, so that the peak counts what the block needs, not only what it could not reuse."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
