@@ -448,16 +448,18 @@ def bench_lightning(reps, steps, log, compiled=True):
         if compiled:
             nets[COMPILED] = study_net(cfgs[chosen])
             nets[COMPILED].compile()  # in place: token_nll's self(tokens) runs the compiled forward
-            # RoPE's table lookup breaks the graph after the q, k, v views of the projection. Regenerating those
-            # views by replaying their view functions failed in torch 2.13 with a garbage shape (invalid shape
-            # dimension -4516727135665732952), only when the heap reused freed memory; as_strided does not replay.
-            torch._functorch.config.view_replay_for_aliased_outputs = False
         for arm in nets.values():
             arm.train()
 
         def run(arm):
             cfg = cfgs[arms[arm]]
-            ends = lightning_steps(cfg, module, loader) if arm == "lightning" else bare_steps(cfg, nets[arm], loader)
+            # Compiled, RoPE's table lookup breaks the graph after the q, k, v views of the projection. Regenerating
+            # those views by replaying their view functions failed in torch 2.13 with a garbage shape
+            # (docs/bench-memory); the as_strided regeneration runs. Eager arms do not read the setting.
+            with torch._functorch.config.patch(view_replay_for_aliased_outputs=False):
+                ends = (
+                    lightning_steps(cfg, module, loader) if arm == "lightning" else bare_steps(cfg, nets[arm], loader)
+                )
             return (ends[-1] - ends[0]) / (len(ends) - 1)
 
         for arm in arms:  # warmup: oneDNN primitives, autocast, Lightning's first fit
@@ -542,7 +544,12 @@ def render_header(info, settings, elapsed) -> list[str]:
         f"{info['cores']} cores; torch threads {info['torch_threads']})"
         + (f"; GPU: {info['gpu']}" if info["gpu"] else ""),
         f"- torch {info['torch']}, Python {info['python']}",
-        "- memory: glibc keeps freed memory for the next step (`lenext.hardware.keep_freed_memory`), as train.py",
+        "- memory: "
+        + (
+            "glibc keeps freed memory for the next step (`lenext.hardware.keep_freed_memory`), as train.py does"
+            if settings["keeps_freed_memory"]
+            else "the C library's default (`lenext.hardware.keep_freed_memory` did not apply here)"
+        ),
         f"- precision of sections 1-3: {info['precision']}"
         + (" (torch.autocast('cpu', dtype=torch.bfloat16))" if info["precision"] == "bf16" else ""),
         f"- date: {info['date']}",
@@ -602,8 +609,8 @@ def render_forward(forward, lengths) -> list[str]:
     lines = [
         "## Forward pass (whole model, eval, no_grad, batch 1)",
         "",
-        f"One `token_nll` forward (logits in chunks of {LOGIT_CHUNK_ELEMENTS // SMALL['vocab_size']} tokens) per "
-        "cell, each (PE, L) in a fresh process after a warmup forward at L=64. Cell: wall ms / peak extra MB "
+        f"One `token_nll` forward (logits in chunks of {LOGIT_CHUNK_ELEMENTS['cpu'] // SMALL['vocab_size']} tokens) "
+        "per cell, each (PE, L) in a fresh process after a warmup forward at L=64. Cell: wall ms / peak extra MB "
         "(peak RSS during the forward minus RSS just before it). Time: min of 3 runs for L <= 2048, a single run "
         "above.",
         "",
@@ -712,7 +719,7 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--_forward-worker", dest="forward_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    keep_freed_memory()  # as train.py and eval.py run
+    keeps_freed_memory = keep_freed_memory()  # as train.py and eval.py run
 
     if args.forward_worker:
         print(json.dumps(forward_worker(json.loads(args.forward_worker))))
@@ -746,6 +753,7 @@ def main(argv=None) -> None:
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     settings["command"] = " ".join([Path(sys.executable).name, *sys.argv])
+    settings["keeps_freed_memory"] = keeps_freed_memory
     out = args.out or REPO / ("docs/bench-bf16.md" if args.precision == "bf16" else "docs/bench.md")
 
     started = time.perf_counter()

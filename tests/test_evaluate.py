@@ -100,7 +100,7 @@ def test_perplexity_equals_exp_mean_nll_of_a_plain_per_window_loop(protocol):
 
 @pytest.mark.parametrize("chunk_elements", [50 * 3 * 7, 50 * 3 * 5, 2**22])  # 7 positions a chunk, 5 (uneven), 1 chunk
 def test_token_nll_in_logit_chunks_equals_a_whole_log_softmax_with_its_gradients(chunk_elements, monkeypatch):
-    monkeypatch.setattr(lenext.model, "LOGIT_CHUNK_ELEMENTS", chunk_elements)  # of a batch of 3, vocabulary 50
+    monkeypatch.setitem(lenext.model.LOGIT_CHUNK_ELEMENTS, "cpu", chunk_elements)  # of a batch of 3, vocabulary 50
     net = tiny_net()
     tokens, targets = torch.randint(0, 50, (2, 3, 21)).unbind()
     nll, predicted = net.token_nll(tokens, targets, predictions=True)

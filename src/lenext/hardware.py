@@ -1,4 +1,5 @@
-"""The machine a run trains on: its CPU model and instruction set, and the training precision they call for.
+"""The machine a run trains on: its CPU model and instruction set, the training precision they call for, and how
+the C library's malloc should hold memory between training steps.
 
 Precision is a hardware question on CPU. With native bf16 (AMX tiles or AVX512_BF16) oneDNN runs
 bf16 matmuls in hardware and autocast is faster than fp32; without it every bf16 operation is
@@ -106,22 +107,25 @@ def _glibc() -> ctypes.CDLL | None:
     return ctypes.CDLL(None) if platform.libc_ver()[0] == "glibc" else None
 
 
-def keep_freed_memory() -> None:
-    """Have glibc keep the memory a training step frees for the next step, instead of giving it back at once.
+def keep_freed_memory() -> bool:
+    """Have glibc keep the memory a training step frees for the next step, instead of giving it back at once;
+    whether it now does.
 
-    By default glibc returns the top of its heap to the system as soon as more than 64 MiB of it is free (twice
-    its adaptive mmap threshold), and a training step frees most of what its forward allocated: every step then
-    faulted its activations in again, page by page. KERPLE's step (small model, L 512, batch 8, fp32, Intel Xeon)
-    took 1.26 s instead of 1.11 s (README "Performance"). A request of 32 MiB or more that the free heap cannot
-    serve is still mapped apart and given back when freed: with mmap off altogether the heap fragmented, and a
-    16k-token forward took 0.8-0.9 GB extra instead of < 0.5 GB. Nothing changes where the C library is not
-    glibc. Called by ``train.py``, ``eval.py`` and the benchmark before any work.
+    By default glibc returns the top of its heap to the system once more than twice its mmap threshold is free
+    there (64 MiB once that threshold has adapted up to its 32 MiB ceiling), and a training step frees most of what
+    its forward allocated: every step then faulted its activations in again, page by page (KERPLE's step, small
+    model, L 512, batch 8, fp32, Intel Xeon: 1.26 s instead of 1.11 s; README "Performance"). A request of 32 MiB
+    or more that the free heap cannot serve is still mapped apart and given back when freed: with mmap off
+    altogether the heap fragmented, and a 16k-token forward took 0.8-0.9 GB extra instead of < 0.5 GB. False
+    where the C library is not glibc or refuses a setting. Called by ``train.py``, ``eval.py`` and the benchmark
+    before any work; the worker processes of ``ddp_spawn`` (``trainer=ddp_sim``) run without it.
     """
     libc = _glibc()
-    if libc is not None:
-        # Setting either turns off glibc's adaptive thresholds: the mmap threshold is pinned where they would end.
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    # Setting either turns off glibc's adaptive thresholds: the mmap threshold is pinned where they would end.
+    return libc is not None and all(
+        libc.mallopt(parameter, value) == 1
+        for parameter, value in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    )
 
 
 def release_freed_memory() -> None:
