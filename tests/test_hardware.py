@@ -131,11 +131,10 @@ def test_a_run_warns_about_emulated_bf16_and_its_results_name_the_machine(
 
 
 STEPS_OF_ACTIVATIONS = """
-import resource, sys, torch
+import resource, torch
 from lenext.hardware import keep_freed_memory
 torch.set_num_threads(1)  # every tensor in the main thread's heap, the one glibc trims
-if sys.argv[1] == "keep":
-    assert keep_freed_memory()
+assert keep_freed_memory()  # glibc accepted both settings
 
 
 def step():  # what a training step does to the heap: 8 activations of 16 MiB alive at once, then all freed
@@ -147,7 +146,7 @@ def resident_bytes():
     return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
 
 
-for _ in range(3):  # glibc's adaptive threshold settles (by default the first 16 MiB tensors are mapped apart)
+for _ in range(3):  # the heap settles: torch's aligned requests are a little larger than the chunks freed
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(5):
@@ -160,25 +159,24 @@ print(faults, held - resident_bytes())
 """
 
 
-def run_in_plain_glibc(script: str, *args: str) -> list[str]:
+def run_in_plain_glibc(script: str) -> list[str]:
     """stdout of ``script`` in a fresh Python on the system's glibc malloc, with its default settings."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES") and not k.startswith("MALLOC_")
     }
-    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     return done.stdout.split()
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc setting")
 def test_kept_memory_serves_the_next_step_without_page_faults_and_large_tensors_still_go_back():
-    """By default glibc gives the freed top of its heap back after each step, and the next step faults its
-    activations in again (each 4 KiB page, or each 2 MiB huge page); with keep_freed_memory() it reuses them.
-    A large tensor that the kept memory cannot hold is still mapped apart and given back when freed."""
-    default = float(run_in_plain_glibc(STEPS_OF_ACTIVATIONS, "default")[0])
-    kept, given_back = (float(n) for n in run_in_plain_glibc(STEPS_OF_ACTIVATIONS, "keep"))
-    assert default >= 8 * 8, default  # at least every huge page of the 128 MiB: the setting has something to do
-    assert kept < default / 10, (kept, default)
+    """With keep_freed_memory() glibc accepts both settings and the next step reuses the memory the last one freed:
+    no page faults. By default glibc may give that memory back after each step (on the development machine the
+    next step then faulted 819 pages in; whether it does depends on what sits above the freed memory in the heap),
+    so the default is not asserted. A large tensor that the kept memory cannot hold is still given back."""
+    kept, given_back = (float(n) for n in run_in_plain_glibc(STEPS_OF_ACTIVATIONS))
+    assert kept < 8, kept  # not even one 16 MiB activation's huge pages
     assert given_back >= 2**28, given_back  # the 256 MiB left the process
 
 
