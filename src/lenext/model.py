@@ -143,14 +143,14 @@ class Decoder(nn.Module):
         hidden = self(tokens, positions)
         budget = LOGIT_CHUNK_ELEMENTS.get(hidden.device.type, LOGIT_CHUNK_ELEMENTS["cpu"])
         span = max(1, budget // (self.vocab_size * tokens.size(0)))  # positions per chunk
-        # Written chunk by chunk: chunk outputs kept between the logits fragmented the heap (NoPE's 16k-token
-        # forward on CPU: 577 MB extra with a list of chunks, 289 MB so).
+        # Written chunk by chunk: chunk outputs kept between the logits fragmented the heap (16k-token forwards on
+        # CPU: up to 633 MB extra with a list of chunks, at most 403 MB so; docs/bench-memory).
         nll = hidden.new_empty(targets.shape, dtype=torch.float32)
         predicted = torch.empty_like(targets) if predictions else None
         for s in range(0, tokens.size(1), span):
             logits = self.logits(hidden[:, s : s + span]).float()  # (B, span, V)
             # Rows of (B * span, V): on a (B, V, span) view log_softmax copied the logits and reduced along a strided
-            # dimension (one 2048 x 8192 chunk, forward + backward: 209 ms vs 64 ms on CPU).
+            # dimension (one 2048 x 8192 chunk, forward + backward: 213 ms vs 64 ms on CPU).
             chunk_nll = F.cross_entropy(logits.flatten(0, 1), targets[:, s : s + span].flatten(), reduction="none")
             nll[:, s : s + span] = chunk_nll.view(logits.shape[:2])
             if predictions:
