@@ -39,17 +39,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import resources
 from pathlib import Path
 
 import lightning as L
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from lenext import pe as pes
 from lenext.attention import causal_attention
-from lenext.cli import CONFIG_DIR
+from lenext.cli import CONFIG_PACKAGE
 from lenext.data import StepShuffler, TrainWindows
 from lenext.errors import LengthNotSupported
 from lenext.files import write_atomic
@@ -63,7 +64,8 @@ from lenext.run import build_net, instantiate
 REPO = Path(__file__).resolve().parent.parent
 
 # Every PE, as train.py builds it; the rows that only set train.positions (rope_randomized) are the schemes below.
-PE_NAMES = sorted(p.stem for p in (REPO / "configs" / "pe").glob("*.yaml") if not p.stem.endswith("_randomized"))
+PE_CONFIGS = Path(str(resources.files(CONFIG_PACKAGE))) / "pe"
+PE_NAMES = sorted(p.stem for p in PE_CONFIGS.glob("*.yaml") if not p.stem.endswith("_randomized"))
 SCHEMES = {  # RoPE trained at drawn positions, each drawn anew every step: "<pe>+<scheme>" rows
     "rope+randomized": lambda: Randomized(32 * TRAIN_LEN, TRAIN_LEN),
     "rope+pose": lambda: PoSE(32 * TRAIN_LEN, 2, TRAIN_LEN),
@@ -86,7 +88,7 @@ def precision_context(precision: str):
 
 def build_model(name: str, train_len: int = TRAIN_LEN) -> Decoder:
     torch.manual_seed(SEED)
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
         pe = compose("train", overrides=[f"pe={name}"]).pe
     return Decoder(train_len=train_len, pe=instantiate(pe, "pe"), **SMALL)
 
@@ -359,7 +361,7 @@ def study_config(output_dir: str, precision: str, steps: int):
         f"trainer.max_steps={steps}",
         f"trainer.val_check_interval={steps}",
     ]
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
         return compose("train", overrides=overrides)
 
 
@@ -659,9 +661,10 @@ def render_lightning(info, settings, lightning) -> list[str]:
         f"The CPU study's recipe ({' '.join(STUDY_OVERRIDES)}; rope, gelu MLP, AdamW with warmup + cosine, "
         "gradient clipping 1.0) on "
         f"{info['cpu']} ({info['isa']}). **lightning**: lenext's `LanguageModel` fitted by a `lightning.Trainer` "
-        "built from `configs/trainer/cpu.yaml` with the default callbacks (checkpoints, learning-rate monitor) and "
-        "CSV logger, as `train.py` builds them; **bare**: the same model, optimizer parameter groups, schedule, "
-        "clipping and batches (lenext's `TrainWindows` + `StepShuffler` over random tokens) in a hand-written loop. "
+        "built from `src/lenext/configs/trainer/cpu.yaml` with the default callbacks (checkpoints, learning-rate "
+        "monitor) and CSV logger, as `train.py` builds them; **bare**: the same model, optimizer parameter groups, "
+        "schedule, clipping and batches (lenext's `TrainWindows` + `StepShuffler` over random tokens) in a "
+        "hand-written loop. "
         f"Wall time per step, from the end of step 1 to the end of step {settings['lightning_steps'] + 1} of a fit; "
         f"the arms interleaved over {settings['lightning_reps']} repetitions; medians, and ratios paired within a "
         "repetition with their min-max range.",

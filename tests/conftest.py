@@ -3,15 +3,17 @@
 import os
 import subprocess
 import sys
+from importlib import resources
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 
-from lenext.cli import CONFIG_DIR
+from lenext.cli import CONFIG_PACKAGE
 from lenext.data import LMDataModule, Sotu
 
 TEST_VOCAB = 512
+CONFIG_FOLDER = Path(str(resources.files(CONFIG_PACKAGE)))  # the package's configs, as files
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +35,7 @@ def compose_train(tmp_path, cache_dir):
 
     def _compose(*overrides: str):
         paths = [f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path}", f"paths.cache_dir={cache_dir}"]
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
             return compose("train", overrides=[*paths, *overrides])
 
     return _compose

@@ -1,8 +1,12 @@
 """The command line as a user types it: bad input ends in one clear line, before any work."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from tests.conftest import run_train
+from tests.conftest import ROOT, run_train
 
 
 def test_unknown_pe_lists_the_available_ones(tmp_path):
@@ -22,6 +26,8 @@ def test_unknown_pe_lists_the_available_ones(tmp_path):
         (["model.n_heads=3"], "model.n_heads"),
         (["pe=shaw", "pe.k=0"], "pe.k"),
         (["pe=t5", "pe.max_distance=8"], "pe.max_distance"),
+        (["module.lr=nan"], "module.lr"),
+        (["trainer.precision=16-mixed"], "trainer.precision"),
     ],
 )
 def test_invalid_values_fail_with_one_line_naming_the_key(tmp_path, overrides, key):
@@ -38,3 +44,18 @@ def test_hub_corpus_offline_points_to_text_files(tmp_path):
     assert result.returncode == 1
     assert "data=text_files" in result.stderr and "offline" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_eval_takes_the_precision_names_training_takes_and_refuses_others(tmp_path):
+    """32-true, 32, bf16-mixed, bf16 (tests/test_evaluate.py evaluates in each); any other is one line, before the
+    checkpoint is read."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), f"ckpt={tmp_path / 'none.ckpt'}", "precision=16-mixed"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LENEXT_ROOT": str(tmp_path)},
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        "error: precision='16-mixed' is invalid: it must be one of '32-true', '32', 32, 'bf16-mixed', 'bf16' or null"
+    )

@@ -1,19 +1,16 @@
 """Every config composes and builds; every PE trains in fast_dev_run through the real entry point."""
 
-from pathlib import Path
-
 import hydra
 import pytest
 from omegaconf import OmegaConf
 
 import lenext.pe
-from lenext.cli import CONFIG_DIR
 from lenext.pe import PositionalEncoding
 from lenext.run import train
-from tests.conftest import tiny_overrides
+from tests.conftest import CONFIG_FOLDER, tiny_overrides
 
 GROUPS = {
-    g: sorted(p.stem for p in (Path(CONFIG_DIR) / g).glob("*.yaml"))
+    g: sorted(p.stem for p in (CONFIG_FOLDER / g).glob("*.yaml"))
     for g in ("pe", "data", "model", "trainer", "logger", "callbacks", "module")
 }
 ALL_PES = GROUPS["pe"]

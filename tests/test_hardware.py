@@ -93,7 +93,7 @@ def test_without_torch_probes_the_isa_comes_from_proc_cpuinfo(monkeypatch, tmp_p
     "isa,precision,device,warns",
     [
         ("AVX2", "bf16-mixed", "cpu", True),
-        ("AVX512", "bf16-true", "cpu", True),
+        ("AVX512", "bf16", "cpu", True),
         ("AVX2", "32-true", "cpu", False),
         ("AVX512_BF16", "bf16-mixed", "cpu", False),
         ("AMX", "bf16-mixed", "cpu", False),

@@ -21,7 +21,7 @@ from lenext.model import Decoder
 from lenext.module import AtomicCheckpointIO, LanguageModel
 from lenext.pe import NoPE
 from lenext.run import build
-from tests.conftest import small_corpus_overrides
+from tests.conftest import CONFIG_FOLDER, small_corpus_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,8 +45,11 @@ def _train_command(run_dir, corpus, cache, *extra):
     ]
 
 
-def test_a_run_killed_with_sigkill_resumes_to_the_same_final_loss(small_text_corpus, tmp_path):
+def test_a_run_killed_or_terminated_resumes_to_the_same_final_loss(small_text_corpus, tmp_path):
+    """SIGKILL: the same command resumes from the last periodic checkpoint. SIGTERM (a cluster's pre-emption):
+    the run saves where it stopped, says so in one line and exits 143, and the same command resumes it."""
     cache, env = tmp_path / "cache", {**os.environ, "LENEXT_ROOT": str(tmp_path)}
+    env.pop("HYDRA_FULL_ERROR", None)
     straight = subprocess.run(
         _train_command(tmp_path / "straight", small_text_corpus, cache),
         env=env,
@@ -56,31 +59,43 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_final_loss(small_text_cor
     )
     assert straight.returncode == 0, straight.stderr[-2000:]
 
-    killed_dir = tmp_path / "killed"
-    process = subprocess.Popen(
-        _train_command(killed_dir, small_text_corpus, cache),
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    last = killed_dir / "checkpoints" / "last.ckpt"
-    deadline = time.time() + 300
-    while not last.exists() and process.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    step_at_kill = torch.load(last, map_location="cpu", weights_only=False)["global_step"]
-    assert 0 < step_at_kill < 300 and not (killed_dir / "results.json").exists()
-
-    resumed = subprocess.run(
-        _train_command(killed_dir, small_text_corpus, cache), env=env, capture_output=True, text=True, timeout=600
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resuming from" in resumed.stdout + resumed.stderr
+    stopped = {}
+    for name, sent in (("killed", signal.SIGKILL), ("terminated", signal.SIGTERM)):
+        run_dir = tmp_path / name
+        process = subprocess.Popen(
+            _train_command(run_dir, small_text_corpus, cache),
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        last = run_dir / "checkpoints" / "last.ckpt"
+        deadline = time.time() + 300
+        while not last.exists() and process.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        process.send_signal(sent)
+        stopped[name] = (process.wait(), process.stderr.read())
+        step_at_stop = torch.load(last, map_location="cpu", weights_only=False)["global_step"]
+        assert 0 < step_at_stop < 300 and not (run_dir / "results.json").exists()
+        if sent == signal.SIGTERM:
+            status, stderr = stopped[name]
+            errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+            assert status == 143 and "Traceback" not in stderr, stderr[-3000:]
+            assert errors == [
+                f"error: training stopped by SIGTERM at step {step_at_stop} of 300; {last} holds it there: "
+                "run the same command to resume"
+            ]
+        resumed = subprocess.run(
+            _train_command(run_dir, small_text_corpus, cache), env=env, capture_output=True, text=True, timeout=600
+        )
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert "resuming from" in resumed.stdout + resumed.stderr
+    assert stopped["killed"][0] == -signal.SIGKILL
     final = [
-        json.loads((d / "results.json").read_text())["rows"][0]["mean_nll"] for d in (tmp_path / "straight", killed_dir)
+        json.loads((tmp_path / d / "results.json").read_text())["rows"][0]["mean_nll"]
+        for d in ("straight", "killed", "terminated")
     ]
-    assert final[1] == pytest.approx(final[0], abs=1e-6)
+    assert final[1] == pytest.approx(final[0], abs=1e-6) and final[2] == pytest.approx(final[0], abs=1e-6)
 
 
 def test_atomic_write_keeps_the_previous_file_when_interrupted(tmp_path, monkeypatch):
@@ -118,7 +133,7 @@ def test_non_finite_loss_stops_with_the_step_named():
         module.training_step({"tokens": torch.randint(0, 50, (2, 9))}, 0)
 
 
-PES = sorted(p.stem for p in (ROOT / "configs" / "pe").glob("*.yaml"))
+PES = sorted(p.stem for p in (CONFIG_FOLDER / "pe").glob("*.yaml"))
 ROPES = {"rope", "rope_ntk"}
 PE_KEYS = {
     "pe.k": {"shaw"},
@@ -190,7 +205,7 @@ def test_checkpoint_problems_are_named(tmp_path):
     assert load_checkpoint(str(good))["hyper_parameters"]["run_config"] == {"seed": 0}
     truncated = tmp_path / "truncated.ckpt"
     truncated.write_bytes(good.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match="truncated or not a PyTorch checkpoint"):
+    with pytest.raises(CheckpointError, match=r"truncated \(a run killed .*\) or not a PyTorch checkpoint; use"):
         load_checkpoint(str(truncated))
     other = tmp_path / "other.ckpt"
     torch.save({"state_dict": {}}, other)

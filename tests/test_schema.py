@@ -6,18 +6,19 @@ import os
 from typing import Annotated, Literal
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from lenext.cli import CONFIG_DIR
+from lenext.cli import CONFIG_PACKAGE
 from lenext.errors import ConfigError
 from lenext.run import TRAIN_NODES, TrainSettings, evaluate_checkpoint, preflight, train
 from lenext.schema import Range, conforms, describe
+from tests.conftest import CONFIG_FOLDER
 
 # Every option of every group is composed at least once: all PEs, corpora, loggers, trainers, presets.
 CONFIGS = [
     ["logger=[csv,tensorboard,wandb]"],
-    *[[f"pe={os.path.splitext(p)[0]}"] for p in sorted(os.listdir(os.path.join(CONFIG_DIR, "pe")))],
+    *[[f"pe={os.path.splitext(p)[0]}"] for p in sorted(os.listdir(CONFIG_FOLDER / "pe"))],
     ["data=text_files", "data.corpus.path=/nowhere"],
     ["data=wikitext103"],
     ["data=pg19"],
@@ -50,7 +51,7 @@ def leaves(node, prefix=""):
 
 def compose_with(config: str, overrides: list[str], tmp_path):
     paths = [f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path}/out", f"paths.cache_dir={tmp_path}/cache"]
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
         return compose(config, overrides=[*paths, *overrides])
 
 
@@ -111,7 +112,7 @@ def test_every_eval_key_refuses_a_wrong_value(tmp_path):
         ("eval.last_k=1000", "eval.last_k=1000 is invalid: it must be at most the shortest length, 128"),
         ("eval.rope_scalings=[ntk,bogus]", "eval.rope_scalings=['ntk', 'bogus'] is invalid"),
         ("seed=-1", "seed=-1 is invalid: it must be an integer in [0, 4294967295]"),
-        ("model.dropout=2", "model.dropout=2 is invalid: it must be a number in [0, 1)"),
+        ("model.dropout=2", "model.dropout=2 is invalid: it must be a finite number in [0, 1)"),
         ("+model.depth=3", "model.depth is not a setting of lenext.model.Decoder; the settings there: d_model"),
         ("+foo=1", "foo is not a setting of this config; the settings there: ckpt_path, seed, task_name"),
         ("trainer.max_steps=0", "trainer.max_steps=0 is invalid: it must be an integer >= 1"),

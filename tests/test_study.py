@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 
-from lenext.cli import CONFIG_DIR
+from lenext.cli import CONFIG_PACKAGE
 from lenext.evaluate import evaluate_length, windows_for
 from lenext.model import Decoder
 from lenext.pe import ALiBi
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
     ],
 )
 def test_experiment_presets_compose_into_multiruns(preset, model, max_len, pes, tmp_path):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
         cfg = compose(
             "train", overrides=[f"experiment={preset}", f"paths.root_dir={tmp_path}"], return_hydra_config=True
         )
@@ -253,7 +253,7 @@ def test_validation_at_the_end_of_training_is_the_sweeps_nonoverlap_row_at_l_tra
 
 
 def test_extrapolation_small_preset_matches_the_published_study_and_trains(small_text_corpus, tmp_path):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
         cfg = compose(
             "train",
             overrides=["experiment=extrapolation_small", f"paths.root_dir={tmp_path}"],

@@ -294,13 +294,13 @@ def test_a_probe_trains_evaluates_from_its_checkpoint_and_reports(compose_train,
 
 
 def test_the_probes_preset_is_a_checked_multirun_over_tasks_pes_and_seeds(compose_train, tmp_path):
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
 
-    from lenext.cli import CONFIG_DIR
+    from lenext.cli import CONFIG_PACKAGE
     from lenext.progress import sweep_grid
     from lenext.run import TRAIN_NODES, TrainSettings, preflight
 
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
         cfg = compose("train", overrides=["experiment=probes", f"paths.root_dir={tmp_path}"], return_hydra_config=True)
     params = dict(cfg.hydra.sweeper.params)
     assert params["probe"] == "copy,passkey,recall" and params["seed"] == "0,1,2"

@@ -1,4 +1,9 @@
-"""Hydra entry points behind ``train.py`` and ``eval.py``: configs in, one line out on bad input."""
+"""Hydra entry points: ``lenext-train`` / ``lenext-eval`` (console scripts) and the ``train.py`` / ``eval.py`` shims at
+the repository root call these. Configs in, one line out on bad input.
+
+The configs ship inside the package (``lenext/configs``), so an installed lenext runs from any folder; a user adds
+a config folder of their own with ``hydra.searchpath=[file:///path/to/configs]``.
+"""
 
 import functools
 import os
@@ -15,7 +20,7 @@ from lenext.files import write_atomic
 from lenext.hardware import default_precision, keep_freed_memory
 from lenext.run import evaluate_checkpoint, hydra_config, train
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+CONFIG_PACKAGE = "lenext.configs"
 
 # ${auto_precision:<accelerator>}: bf16-mixed on CUDA and on CPUs with native bf16, 32-true elsewhere.
 OmegaConf.register_new_resolver("auto_precision", default_precision, replace=True)
@@ -26,10 +31,11 @@ OmegaConf.register_new_resolver("cwd", os.getcwd, replace=True)
 
 
 def one_line_errors(main: Callable) -> Callable:
-    """Print a LenextError as one line and exit 1; HYDRA_FULL_ERROR=1 keeps the traceback.
+    """Print a LenextError as one line and exit with its status (1, or 143 for a run SIGTERM stopped);
+    HYDRA_FULL_ERROR=1 keeps the traceback.
 
-    In a multirun the failed job writes its message to error.txt in its folder and the sweep
-    goes on; the report lists the job as failed.
+    In a multirun the failed job writes its message to error.txt in its folder and the sweep goes on (the report
+    lists the job as failed), unless the error ends the sweep (SIGTERM: the machine is going away).
     """
 
     @functools.wraps(main)
@@ -41,22 +47,22 @@ def one_line_errors(main: Callable) -> Callable:
                 raise
             print(f"error: {e}", file=sys.stderr)
             hydra_cfg = hydra_config()
-            if hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN:
+            if hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN and not e.ends_sweep:
                 write_atomic(os.path.join(hydra_cfg.runtime.output_dir, ERROR_FILE), f"{e}\n")
                 return None
-            sys.exit(1)
+            sys.exit(e.exit_status)
 
     return wrapper
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+@hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_PACKAGE}", config_name="train")
 @one_line_errors
 def train_main(cfg: DictConfig) -> dict:
     keep_freed_memory()
     return train(cfg)  # the job's return value: the study progress line tells skipped jobs from trained ones
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="eval")
+@hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_PACKAGE}", config_name="eval")
 @one_line_errors
 def eval_main(cfg: DictConfig) -> str:
     keep_freed_memory()

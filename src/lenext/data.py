@@ -11,7 +11,7 @@ import glob
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from importlib import resources
 from typing import Annotated
 
@@ -90,7 +90,11 @@ class TextFiles(Corpus):
     """Local ``.txt`` files (one document each) and ``.jsonl`` files (one document per line's ``text``).
 
     Sorted by path; document n goes to validation if n % holdout_every == holdout_every - 2,
-    to test if n % holdout_every == holdout_every - 1, otherwise to train.
+    to test if n % holdout_every == holdout_every - 1, otherwise to train. Blank documents and blank
+    lines are left out. Anything else that is not a document is refused, naming the file and line, before
+    any work: a file that is not UTF-8, a line that is not a JSON object, a record without a string
+    ``text_field``, a file that cannot be opened (a dangling link). Skipping it would change the corpus
+    without saying so.
     """
 
     def __init__(self, path: str, holdout_every: Annotated[int, Range(3)] = 10, text_field: str = "text"):
@@ -104,12 +108,36 @@ class TextFiles(Corpus):
             raise DataError(f"no .txt or .jsonl files at data.corpus.path={self.path!r}: give a folder or glob")
         docs = []
         for file in files:
-            with open(file, encoding="utf-8") as f:
-                if file.endswith(".txt"):
-                    docs.append(f.read())
-                else:
-                    docs.extend(json.loads(line)[self.text_field] for line in f if line.strip())
+            docs.extend([_read_text(file)] if file.endswith(".txt") else self._records(file))
         return [d for d in docs if d.strip()]
+
+    def _records(self, file: str) -> Iterator[str]:
+        """The ``text_field`` of each non-blank line of a .jsonl file."""
+        # split("\n"), not splitlines(): JSON strings may hold U+2028 and other characters splitlines() breaks at
+        for number, line in enumerate(_read_text(file).split("\n"), start=1):
+            if not line.strip():
+                continue
+            where = f"data.corpus.path: {file}, line {number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where} is not JSON ({e.msg}, column {e.colno}): fix or remove the line") from None
+            problem = self._record_problem(record)
+            if problem:
+                raise DataError(
+                    f"{where}: {problem}; each line must be an object whose {self.text_field!r} is a string "
+                    "(data.corpus.text_field names the field): fix or remove the line"
+                )
+            yield record[self.text_field]
+
+    def _record_problem(self, record) -> str | None:
+        if not isinstance(record, dict):
+            return f"it is a JSON {type(record).__name__}, not an object"
+        if self.text_field not in record:
+            return f"it has no {self.text_field!r} field"
+        if not isinstance(record[self.text_field], str):
+            return f"its {self.text_field!r} is {json.dumps(record[self.text_field])}"
+        return None
 
     def documents(self, split: str) -> list[str]:
         n = self.holdout_every
@@ -117,6 +145,25 @@ class TextFiles(Corpus):
         return [
             d for i, d in enumerate(self._all_documents()) if (i % n == wanted if wanted is not None else i % n < n - 2)
         ]
+
+
+def _read_text(file: str) -> str:
+    """A corpus file's text, or a DataError naming the file and what is wrong with it."""
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        dangling = os.path.islink(file) and not os.path.exists(file)
+        target = f" (a link to {os.readlink(file)!r}, which does not exist)" if dangling else ""
+        raise DataError(f"data.corpus.path: {file} cannot be read{target}: {e.strerror}; fix or remove it") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(
+            f"data.corpus.path: {file}, line {line} is not UTF-8 text (byte {e.start}: {e.reason}); "
+            "convert the file to UTF-8 (iconv -t UTF-8) or remove it"
+        ) from None
 
 
 class HubCorpus(Corpus):

@@ -4,9 +4,18 @@ The command-line entry points print these as one line (no traceback) and exit no
 anything else is a bug and keeps its traceback.
 """
 
+import signal
+
 
 class LenextError(Exception):
-    """Base class: a problem with the user's input, not with lenext."""
+    """Base class: a problem with the user's input, not with lenext.
+
+    The command exits with ``exit_status``. In a multirun the failed job is recorded and the sweep goes on,
+    unless the error ``ends_sweep``.
+    """
+
+    exit_status = 1
+    ends_sweep = False
 
 
 class ConfigError(LenextError):
@@ -26,3 +35,14 @@ class LengthNotSupported(LenextError):
 
     Evaluation records such a length as "not applicable" instead of failing the sweep.
     """
+
+
+class Stopped(LenextError):
+    """Training was stopped from outside (SIGTERM: a cluster's pre-emption, scancel) and saved where it stopped.
+
+    The exit status says so (128 + SIGTERM, as a shell reports a process the signal ended), and a sweep stops
+    with it: the same command resumes the run, and the sweep from it.
+    """
+
+    exit_status = 128 + signal.SIGTERM
+    ends_sweep = True

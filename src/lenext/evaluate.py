@@ -37,7 +37,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassExactMatch
 
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.files import write_atomic
-from lenext.hardware import machine_description, release_freed_memory
+from lenext.hardware import machine_description, precision_autocast, release_freed_memory
 from lenext.pe.rope import SCALINGS
 from lenext.positions import PositionScheme, position_scheme, window_positions
 from lenext.schema import PositiveFloat, PositiveInt
@@ -142,7 +142,7 @@ def evaluate_length(
     length: int,
     tokens_per_batch: int,
     per_position: bool,
-    precision: str = "32",
+    precision: str = "32-true",
     scheme: PositionScheme | None = None,
     seed: int = 0,
 ) -> dict:
@@ -155,7 +155,7 @@ def evaluate_length(
     position_count = torch.zeros(length, dtype=torch.float64, device=device)
     batch = max(1, tokens_per_batch // length)
     mine = windows[rank::world]
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision.startswith("bf16"))
+    autocast = precision_autocast(device, precision)
     for b in range(0, len(mine), batch):
         group = mine[b : b + batch]
         ids = torch.from_numpy(np.stack([documents[w.document][w.start : w.start + length + 1] for w in group]))
@@ -222,7 +222,7 @@ def measure_answers(
     net,
     batches,
     length: int,
-    precision: str = "32",
+    precision: str = "32-true",
     scheme: PositionScheme | None = None,
     seed: int = 0,
     depth_buckets: int | None = None,
@@ -243,7 +243,7 @@ def measure_answers(
 
     overall = metrics()
     by_depth = {b: metrics() for b in range(depth_buckets or 0)}
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision.startswith("bf16"))
+    autocast = precision_autocast(device, precision)
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         windows = [tuple(w) for w in batch["window"].tolist()]
@@ -373,7 +373,7 @@ def sweep(
     evaluation,
     train_len: int,
     eval_cfg,
-    precision: str = "32",
+    precision: str = "32-true",
     scheme: PositionScheme | None = None,
     seed: int = 0,
 ) -> tuple[list, list]:
@@ -441,16 +441,21 @@ def sweep(
 
 @cache
 def code_commit() -> str | None:
-    """The git commit checked out, "-dirty" appended if tracked files differ from it; None outside a clone.
+    """The git commit checked out, "-dirty" appended if tracked files differ from it; None unless this code runs
+    from a clone's ``src/lenext`` (an installed copy inside some repository, e.g. a .venv in a checkout, is not it).
 
     Read once per process: ``run.build`` asks before training, so a sweep that outlives several commits names the
     code it loaded, not HEAD when a results file is written."""
+    package = os.path.dirname(os.path.abspath(__file__))
 
     def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=os.path.dirname(__file__))
+        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=package)
         return done.stdout.strip()
 
     try:
+        top = git("rev-parse", "--show-toplevel")
+        if not top or os.path.realpath(os.path.join(top, "src", "lenext")) != os.path.realpath(package):
+            return None
         commit, changed = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None

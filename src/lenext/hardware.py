@@ -12,6 +12,7 @@ import logging
 import os
 import platform
 import re
+from typing import Literal
 
 import torch
 
@@ -28,6 +29,17 @@ ISAS = (
 )
 NATIVE_BF16_ISAS = ("AMX", "AVX512_BF16")
 BF16_EMULATION_SLOWDOWN = 17  # fp32 / bf16-autocast throughput measured on an AVX2-only CPU (see above)
+
+# The precisions lenext trains and evaluates in, under each name Lightning accepts for them: fp32, or bf16 autocast
+# with fp32 weights. ``trainer.precision`` and eval.py's ``precision`` take the same names and mean the same.
+PRECISION_NAMES = {
+    "32-true": "32-true",
+    "32": "32-true",
+    32: "32-true",
+    "bf16-mixed": "bf16-mixed",
+    "bf16": "bf16-mixed",
+}
+Precision = Literal[tuple(PRECISION_NAMES)]
 
 # glibc's mallopt parameters (malloc.h), and the values keep_freed_memory sets
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -87,9 +99,22 @@ def default_precision(accelerator: str = "auto") -> str:
     return "32-true"
 
 
+def canonical_precision(precision: str | int) -> str:
+    """``32-true`` or ``bf16-mixed`` for any name of them in ``PRECISION_NAMES`` (Lightning's own canonical names)."""
+    try:
+        return PRECISION_NAMES[precision]
+    except KeyError:
+        raise ValueError(f"precision {precision!r} is not one of {list(PRECISION_NAMES)}") from None
+
+
+def precision_autocast(device: torch.device, precision: str | int) -> torch.autocast:
+    """The autocast context of ``precision`` on ``device``: bf16 for ``bf16-mixed`` and its aliases, off for fp32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=canonical_precision(precision) == "bf16-mixed")
+
+
 def warn_if_precision_is_slow(precision: str, device: torch.device) -> None:
     """One warning when bf16 was asked for on a CPU that can only emulate it."""
-    if device.type != "cpu" or not str(precision).startswith("bf16"):
+    if device.type != "cpu" or canonical_precision(precision) != "bf16-mixed":
         return
     isa = cpu_isa()
     if isa not in NATIVE_BF16_ISAS:

@@ -1,12 +1,14 @@
 """The LightningModule: next-token loss, perplexity metrics, AdamW with warmup + cosine decay."""
 
 import math
+import os
 import time
 from typing import Annotated
 
 import lightning as L
 import torch
 from lightning.fabric.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torchmetrics import MeanMetric, SumMetric
 
@@ -24,12 +26,30 @@ class NonFiniteLoss(LenextError):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Checkpoints written via a temporary file and a rename: a run killed while saving leaves the
-    previous complete checkpoint (or none), never a truncated one."""
+    """Checkpoints written once, into a temporary file next to the target, then renamed: a run killed while
+    saving leaves the previous complete checkpoint (or none), never a truncated one. Lightning's own save
+    stages the whole checkpoint in $TMPDIR first (fsspec's transaction), which a small /tmp on a cluster node
+    cannot hold; loading stays Lightning's."""
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
-        with atomic_path(path) as tmp:
-            super().save_checkpoint(checkpoint, tmp, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options (got {storage_options!r})")
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class CheckpointOnSigterm(L.Callback):
+    """On SIGTERM (a cluster's pre-emption, scancel), ``<dirpath>/last.ckpt`` where training stopped: Lightning stops
+    the loop at a step boundary, so the same command resumes the run from there, as from any last.ckpt."""
+
+    def __init__(self, dirpath: str):
+        self.dirpath = dirpath
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):
+            trainer.save_checkpoint(os.path.join(self.dirpath, "last.ckpt"))
 
 
 def tokens_trained(trainer: L.Trainer, data: dict) -> int:

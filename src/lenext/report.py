@@ -1,6 +1,6 @@
 """Results files -> paper-style tables (Markdown, LaTeX, CSV) and plots (PNG).
 
-    python -m lenext.report <multirun dir or run dirs ...> [--out DIR]
+    lenext-report <multirun dir or run dirs ...> [--out DIR]      (or: python -m lenext.report ...)
 
 Reads every ``results.json`` below the given folders. A row of the table is a PE (RoPE
 evaluated under another scaling gets its own row, e.g. ``rope (ntk)``); columns are L_eval;
@@ -27,6 +27,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from collections import Counter
 from typing import NamedTuple
 
@@ -75,7 +76,10 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
                 except (OSError, json.JSONDecodeError) as e:
                     incomplete.append((root, f"unreadable {RESULTS_FILE} ({type(e).__name__})"))
                     continue
-                if results.get("complete"):
+                problem = not_lenext_results(results)
+                if problem:
+                    incomplete.append((root, f"{RESULTS_FILE} is not lenext's ({problem})"))
+                elif results.get("complete"):
                     complete.append((root, results))
                 else:
                     incomplete.append((root, f"{RESULTS_FILE} not marked complete"))
@@ -85,6 +89,23 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
             elif is_run and not any(d.isdigit() for d in dirs):
                 incomplete.append((root, f"no {RESULTS_FILE}: failed, interrupted or still running"))
     return complete, incomplete
+
+
+def not_lenext_results(results) -> str | None:
+    """What a parsed results file lacks of the layout lenext writes (evaluate.write_results), or None."""
+    if not isinstance(results, dict) or not isinstance(results.get("meta"), dict):
+        return "no meta object"
+    if not isinstance(results.get("rows"), list) or not all(isinstance(row, dict) for row in results["rows"]):
+        return "no list of rows"
+    missing = [f"meta.{key}" for key in ("train_len", "seed") if key not in results["meta"]]
+    missing += [] if isinstance(results["meta"].get("pe"), dict) else ["meta.pe"]
+    missing += [
+        f"rows[{i}].{key}"
+        for i, row in enumerate(results["rows"])
+        for key in ("protocol", "scaling", "length", "status")
+        if key not in row
+    ][:1]
+    return f"no {', '.join(missing)}" if missing else None
 
 
 def label(meta: dict, scaling: str | None) -> str:
@@ -468,9 +489,14 @@ def report(folders: list[str], out: str) -> str:
     and, for passkey, passkey_depth.{png,csv} into ``out``; return the Markdown."""
     runs, incomplete = find_runs(folders)
     if not runs:
+        first = f"; {incomplete[0][0]}: {incomplete[0][1]}" if incomplete else ""
         raise SystemExit(
             f"error: no complete {RESULTS_FILE} under {', '.join(folders)}"
-            + (f" ({len(incomplete)} incomplete runs)" if incomplete else "")
+            + (
+                f" ({len(incomplete)} incomplete runs{first}{', ...' if len(incomplete) > 1 else ''})"
+                if incomplete
+                else ""
+            )
         )
     frame = collect(runs)
     tables = summarize(frame)
@@ -548,13 +574,35 @@ def plot_depths(depths: pd.DataFrame, path: str) -> None:
     _save_figure(fig, path)
 
 
+def unwritable(out: str) -> str | None:
+    """Why tables and plots cannot be written into the folder ``out`` (which need not exist yet), or None."""
+    folder = out
+    while not os.path.exists(folder):  # the nearest existing folder: where ``out`` would be created
+        folder = os.path.dirname(os.path.abspath(folder))
+    if not os.path.isdir(folder):
+        return f"{folder} is a file, not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return f"{folder}: {e.strerror or type(e).__name__}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lenext.report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="lenext-report", description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", help="multirun folder(s) or run folders holding results.json")
     parser.add_argument("--out", help="where to write tables and plots (default: <first folder>/report)")
     args = parser.parse_args(argv)
     out = args.out or os.path.join(args.folders[0], "report")
-    print(report(args.folders, out))
+    problem = unwritable(out)
+    if problem:
+        raise SystemExit(f"error: --out={out!r} cannot hold the report ({problem}): give a folder you can write to")
+    try:
+        markdown = report(args.folders, out)
+    except OSError as e:  # the disk filled, a folder vanished: each file already written is whole (atomic writes)
+        raise SystemExit(f"error: the report could not be written to {out!r}: {e}") from None
+    print(markdown)
     print(f"tables and plots: {out}", file=sys.stderr)
 
 

@@ -18,12 +18,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lenext import schema
 from lenext.attention.flex import fresh_compile_state
-from lenext.errors import CheckpointError, ConfigError, LenextError
+from lenext.errors import CheckpointError, ConfigError, LenextError, Stopped
 from lenext.evaluate import RESULTS_FILE, EvalSettings, code_commit, run_metadata, sweep, sweep_plan, write_results
+from lenext.hardware import Precision, canonical_precision
 from lenext.module import tokens_trained
 from lenext.pe.rope import SCALINGS
 from lenext.positions import PositionScheme, TrainPositions, position_scheme
@@ -69,7 +71,7 @@ class EvalScriptSettings:
     task_name: str
     ckpt: str
     split: Literal["validation", "test", "train"]
-    precision: Literal["32", "bf16", 32] | None
+    precision: Precision | None  # null: bf16-mixed on a GPU, 32-true on CPU
 
 
 def checkpoint_pe_overrides(
@@ -131,12 +133,15 @@ def build_net(run: DictConfig, vocab_size: int):
     return instantiate(run.model, "model", vocab_size=vocab_size, train_len=train_len, max_position=reach, pe=pe)
 
 
-def preflight(run: DictConfig, settings: type | None, nodes: dict[str, type]) -> None:
+def preflight(run: DictConfig, settings: type | None, nodes: dict[str, type], sweeps: bool = True) -> None:
     """Everything a run will use, checked before any work: every key's type and range, the model
-    (relations between keys: heads and width, T5's buckets, RoPE's head size) and the evaluation plan."""
+    (relations between keys: heads and width, T5's buckets, RoPE's head size) and, when the run ``sweeps``
+    lengths, the evaluation plan."""
     schema.check(run, settings, nodes)
     data = instantiate(run.data, "data")  # reads nothing yet: a corpus is read by load()
     build_net(run, 256)  # milliseconds, any vocabulary; the real one waits for the tokenizer's
+    if not sweeps:
+        return
     plan = sweep_plan(run.eval, run.data.max_len, positions_of(run), data.protocols)
     data.check_length(
         min(plan.lengths), "min(eval.lengths)" if run.eval.lengths else "min(eval.factors) x data.max_len"
@@ -146,7 +151,7 @@ def preflight(run: DictConfig, settings: type | None, nodes: dict[str, type]) ->
 def build(cfg: DictConfig):
     """Data module, LightningModule, Trainer and the checkpoint to resume from (or None) for a composed
     training config, each setting checked (``preflight``, the checkpoint) before the corpus is read."""
-    preflight(cfg, TrainSettings, TRAIN_NODES)
+    preflight(cfg, TrainSettings, TRAIN_NODES, sweeps=cfg.eval.enabled)
     code_commit()  # the code this process loaded, read before a long run
     hydra_cfg = hydra_config()
     with open_dict(cfg):
@@ -174,28 +179,97 @@ def build(cfg: DictConfig):
     return datamodule, module, trainer, resume_from
 
 
-def completed_results(output_dir: str) -> dict | None:
-    """The run's results if its results file is complete (a finished run a re-launched sweep skips)."""
+# What makes a run the run it is: resuming it, or skipping it as finished, under other values would mix two runs.
+RUN_IDENTITY = (
+    "model",
+    "pe",
+    "train",
+    "module",
+    "seed",
+    "data.corpus",
+    "data.max_len",
+    "data.vocab_size",
+    "data.batch_size",
+)
+
+
+def run_identity(cfg: DictConfig) -> dict:
+    """The ``RUN_IDENTITY`` keys of a run config, resolved, flattened to dotted keys."""
+    identity = {}
+
+    def flatten(key: str, value) -> None:
+        if isinstance(value, dict):
+            for name, item in value.items():
+                flatten(f"{key}.{name}", item)
+        else:
+            identity[key] = value
+
+    for key in RUN_IDENTITY:
+        node = OmegaConf.select(cfg, key, default=None)
+        flatten(key, OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node)
+    return identity
+
+
+def refuse_other_settings(stored: dict, cfg: DictConfig, what: str) -> None:
+    """A ConfigError naming the settings where ``stored`` (the ``run_identity`` of the run ``what`` belongs to) and
+    this command differ."""
+    here = run_identity(cfg)
+    differing = [key for key in dict.fromkeys([*stored, *here]) if stored.get(key) != here.get(key)]
+    if differing:
+        shown = "; ".join(f"{k}={stored.get(k)!r} there, {here.get(k)!r} here" for k in differing[:3])
+        more = f" (and {len(differing) - 3} more)" if len(differing) > 3 else ""
+        raise ConfigError(
+            f"{what} belongs to a run with other settings than this command: {shown}{more}. Repeat the run's own "
+            "settings, or give this run another folder (hydra.run.dir=..., or hydra.sweep.dir=... for a sweep)"
+        )
+
+
+def completed_results(cfg: DictConfig) -> dict | None:
+    """The run's results if its results file is complete (a finished run a re-launched sweep skips); a
+    ConfigError if that run had other settings than this command."""
+    path = os.path.join(cfg.paths.output_dir, RESULTS_FILE)
     try:
-        with open(os.path.join(output_dir, RESULTS_FILE)) as f:
+        with open(path) as f:
             results = json.load(f)
     except (OSError, json.JSONDecodeError):
         return None
-    return results if results.get("complete") else None
+    if not isinstance(results, dict) or not results.get("complete"):
+        return None
+    if "identity" in results.get("meta", {}):  # results written before it was kept are taken as they are
+        refuse_other_settings(results["meta"]["identity"], cfg, path)
+    return results
 
 
 def resume_checkpoint(cfg: DictConfig) -> str | None:
-    """``ckpt_path`` as given; ``last`` or null -> the run directory's last.ckpt when there is one."""
-    last = os.path.join(cfg.paths.output_dir, "checkpoints", "last.ckpt")
+    """``ckpt_path`` as given; ``last`` or null -> the run directory's last.ckpt when there is one. Either is read
+    first: an unreadable file, or one from a run with other settings, is refused before any work."""
+    checkpoints = os.path.join(cfg.paths.output_dir, "checkpoints")
+    last = os.path.join(checkpoints, "last.ckpt")
     if cfg.ckpt_path not in (None, "last"):
-        load_checkpoint(cfg.ckpt_path)  # fail now, with a clear message, if it is unusable
-        return cfg.ckpt_path
-    if os.path.exists(last):
-        log.info("resuming from %s", last)
-        return last
-    if cfg.ckpt_path == "last":
+        path, key = cfg.ckpt_path, "ckpt_path"
+    elif os.path.exists(last):
+        path, key = last, None
+    elif cfg.ckpt_path == "last":
         raise CheckpointError(f"ckpt_path=last: there is no {last} yet; drop ckpt_path to start afresh")
-    return None
+    else:
+        return None
+    try:
+        checkpoint = load_checkpoint(path, key)
+    except CheckpointError as e:
+        if key:
+            raise
+        others = sorted(f for f in os.listdir(checkpoints) if f.endswith(".ckpt") and f != "last.ckpt")
+        alternatives = (
+            f"resume from another of its checkpoints (ckpt_path={os.path.join(checkpoints, others[0])}), "
+            if others
+            else ""
+        )
+        raise CheckpointError(
+            f"{e}. This run's folder cannot resume from it: {alternatives}or delete it to train the run afresh"
+        ) from None
+    refuse_other_settings(run_identity(OmegaConf.create(checkpoint["hyper_parameters"]["run_config"])), cfg, path)
+    log.info("resuming from %s", path)
+    return path
 
 
 def train(cfg: DictConfig) -> dict:
@@ -204,7 +278,7 @@ def train(cfg: DictConfig) -> dict:
     A run whose output folder already holds a complete results file is skipped, and one with a
     last.ckpt resumes from it: re-launching an interrupted sweep redoes only what did not finish.
     """
-    done = completed_results(cfg.paths.output_dir)
+    done = completed_results(cfg)
     if done:
         first = done["rows"][0]
         print(f"skipping {cfg.paths.output_dir}: its {RESULTS_FILE} is complete")
@@ -212,8 +286,15 @@ def train(cfg: DictConfig) -> dict:
     datamodule, module, trainer, resume_from = build(cfg)
     n_params = sum(p.numel() for p in module.net.parameters())
     log.info("model: %.2fM parameters, PE %s, L_train %d", n_params / 1e6, module.net.pe.describe(), cfg.data.max_len)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
-    metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+        metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    except SIGTERMException:  # saved by lenext.module.CheckpointOnSigterm
+        raise Stopped(
+            f"training stopped by SIGTERM at step {trainer.global_step} of {trainer.max_steps}; "
+            f"{os.path.join(cfg.paths.output_dir, 'checkpoints', 'last.ckpt')} holds it there: "
+            "run the same command to resume"
+        ) from None
     measured = validation_scope(
         cfg, int(metrics["val/windows"]), len(datamodule.val_dataloader().dataset), datamodule.protocols
     )
@@ -224,7 +305,7 @@ def train(cfg: DictConfig) -> dict:
     )
     if cfg.eval.enabled and not cfg.trainer.get("fast_dev_run"):
         tokens = tokens_trained(trainer, cfg.data)
-        precision = "bf16" if str(trainer.precision).startswith("bf16") else "32"
+        precision = canonical_precision(trainer.precision)
         speed = module.train_tokens / module.train_seconds * trainer.world_size if module.train_seconds else None
         path = evaluate_and_write(
             cfg,
@@ -293,7 +374,11 @@ def evaluate_and_write(
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank():
         return ""
     run_config = OmegaConf.to_container(cfg, resolve=True)
-    meta = {**run_metadata(run_config, net, datamodule, split, tokens_trained), **(extra_meta or {})}
+    meta = {
+        **run_metadata(run_config, net, datamodule, split, tokens_trained),
+        "identity": run_identity(cfg),  # what a re-launch into this folder must repeat to skip it as finished
+        **(extra_meta or {}),
+    }
     path = write_results(output_dir, meta, rows, curves)
     print(format_rows(rows))
     print(f"results: {path}")
@@ -318,11 +403,12 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def load_checkpoint(path: str) -> dict:
-    """The checkpoint dict, or a CheckpointError that says what is wrong with the file."""
+def load_checkpoint(path: str, key: str | None = "ckpt") -> dict:
+    """The checkpoint dict, or a CheckpointError that says what is wrong with the file (named as ``key``=path)."""
+    named = f"{key}={path!r}" if key else path
     if not path or not os.path.isfile(path):
         raise CheckpointError(
-            f"ckpt={path!r} does not exist: pass the path of a .ckpt file from a training run "
+            f"{named} does not exist: pass the path of a .ckpt file from a training run "
             "(logs/train/runs/<time>/checkpoints/last.ckpt)"
         )
     try:
@@ -330,11 +416,11 @@ def load_checkpoint(path: str) -> dict:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # truncated zip, pickle garbage, ...: all mean the file is not usable
         raise CheckpointError(
-            f"ckpt={path!r} cannot be read ({type(e).__name__}): the file is truncated or "
-            "not a PyTorch checkpoint; use another checkpoint of the run"
+            f"{named} cannot be read ({type(e).__name__}): the file is truncated (a run killed or a disk filled "
+            "while it was written) or not a PyTorch checkpoint" + ("; use another checkpoint of the run" if key else "")
         ) from e
     if not isinstance(checkpoint, dict) or "run_config" not in checkpoint.get("hyper_parameters", {}):
-        raise CheckpointError(f"ckpt={path!r} is not a lenext checkpoint (no run configuration inside)")
+        raise CheckpointError(f"{named} is not a lenext checkpoint (no run configuration inside)")
     return checkpoint
 
 
@@ -365,7 +451,8 @@ def evaluate_checkpoint(cfg: DictConfig) -> str:
     datamodule = instantiate(run.data, "data")
     datamodule.load()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    precision = cfg.precision or ("bf16" if device.type == "cuda" else "32")
+    fallback = "bf16-mixed" if device.type == "cuda" else "32-true"  # fp32 on CPU: exact, whatever the ISA
+    precision = canonical_precision(fallback if cfg.precision is None else cfg.precision)
     return evaluate_and_write(
         run,
         net.to(device),

@@ -14,6 +14,7 @@ buckets, last_k and the lengths) are checked by the objects that use them, built
 import dataclasses
 import datetime
 import inspect
+import math
 import pathlib
 import types
 import typing
@@ -31,6 +32,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lenext.errors import ConfigError
+from lenext.hardware import Precision
 
 HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
 
@@ -72,6 +74,7 @@ LIBRARY_RANGES = {
         "accelerator": Literal[("auto", "gpu", *sorted(AcceleratorRegistry.available_accelerators()))],
         "strategy": Literal[("auto", *StrategyRegistry.available_strategies())],
         "max_steps": PositiveInt,  # the learning-rate schedule needs the run's length
+        "precision": Precision,  # fp32 or bf16 autocast: what evaluation (eval.py's precision) can reproduce
         "devices": PositiveInt | Literal[-1] | str | list[NonNegativeInt],  # -1: all; "0,1": these
         "val_check_interval": PositiveInt | Fraction | str | dict[str, float] | None,  # "DD:HH:MM:SS", {minutes: 30}
         # Not 0: every run ends with a validation at L_train, reported next to the sweep.
@@ -199,8 +202,8 @@ def conforms(value, annotation) -> bool:
         return isinstance(value, bool)
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
+    if annotation is float:  # finite: NaN passes every range comparison, and no setting means infinity
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     if annotation in (str, pathlib.Path):
         return isinstance(value, str)
     if annotation is datetime.timedelta:
@@ -230,7 +233,13 @@ def describe(annotation) -> str:
         if origin is tuple and args and args[-1] is not Ellipsis:
             return f"a list of {len(args)}: [{', '.join(describe(a) for a in args)}]"
         return f"a list of ({describe(args[0])})" if args else "a list"
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", pathlib.Path: "a path"}
+    names = {
+        bool: "true or false",
+        int: "an integer",
+        float: "a finite number",
+        str: "a string",
+        pathlib.Path: "a path",
+    }
     if annotation in names:
         return names[annotation]
     return f"a {getattr(annotation, '__name__', str(annotation))} config node"

@@ -1,0 +1,240 @@
+"""Faults a user or a cluster brings: each answered in one line naming the file, key or process, before any work,
+with a non-zero exit status and nothing half-written or written twice."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+from lenext.data import TextFiles
+from lenext.errors import CheckpointError, ConfigError, DataError
+from lenext.lock import LOCK_FILE, FolderInUse, hold_folder
+from lenext.module import AtomicCheckpointIO
+from lenext.report import main as report_main
+from lenext.report import unwritable
+from lenext.run import TRAIN_NODES, TrainSettings, build, preflight, train
+from tests.conftest import ROOT, small_corpus_overrides
+from tests.test_report import write_run
+
+GOOD = "A document long enough to be one. " * 20
+
+
+@pytest.mark.parametrize(
+    "name,content,expected",
+    [
+        ("latin1.txt", "caf\xe9 au lait\n".encode("latin-1"), r"latin1.txt, line 1 is not UTF-8 text \(byte 3"),
+        ("bad.jsonl", b'{"text": "fine"}\n{"text": "cut off', r"bad.jsonl, line 2 is not JSON"),
+        ("bad.jsonl", b'{"text": "fine"}\nnot json at all\n', r"bad.jsonl, line 2 is not JSON"),
+        ("bad.jsonl", b'{"text": "fine"}\n\n{"body": "x"}\n', r"bad.jsonl, line 3: it has no 'text' field"),
+        ("bad.jsonl", b'{"text": null}\n', r"bad.jsonl, line 1: its 'text' is null"),
+        ("bad.jsonl", b'{"text": 7}\n', r"bad.jsonl, line 1: its 'text' is 7"),
+        ("bad.jsonl", b'["text"]\n', r"bad.jsonl, line 1: it is a JSON list, not an object"),
+        ("bad.jsonl", '{"text": "caf\xe9"}\n'.encode("latin-1"), r"bad.jsonl, line 1 is not UTF-8 text"),
+    ],
+)
+def test_a_corpus_file_that_is_not_documents_is_named_with_its_line(tmp_path, name, content, expected):
+    (tmp_path / "a.txt").write_text(GOOD)
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataError, match=r"^data.corpus.path: .*" + expected):
+        TextFiles(str(tmp_path)).documents("train")
+
+
+def test_a_dangling_link_in_a_corpus_folder_is_named(tmp_path):
+    (tmp_path / "a.txt").write_text(GOOD)
+    os.symlink(tmp_path / "gone.txt", tmp_path / "b.txt")
+    with pytest.raises(DataError, match=r"b.txt cannot be read \(a link to '.*gone.txt', which does not exist\)"):
+        TextFiles(str(tmp_path)).documents("train")
+
+
+def test_json_lines_keep_characters_that_split_lines_elsewhere(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "one\u2028two"}, ensure_ascii=False) + "\n\n")
+    assert TextFiles(str(tmp_path), holdout_every=3).documents("train") == ["one\u2028two"]
+
+
+def test_a_bad_corpus_stops_the_command_before_training(tmp_path, small_text_corpus):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in small_text_corpus.iterdir():
+        (corpus / f.name).write_bytes(f.read_bytes())
+    (corpus / "notes.jsonl").write_text('{"text": "fine"}\n{"text": null}\n')
+    result = run_command(tmp_path, *small_corpus_overrides(corpus, f"hydra.run.dir={tmp_path / 'run'}"))
+    assert result.returncode == 1
+    assert one_line(result).startswith(f"error: data.corpus.path: {corpus / 'notes.jsonl'}, line 2: its 'text' is null")
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / ".cache").exists()
+
+
+def test_resuming_under_another_model_shape_names_the_settings(compose_train, small_text_corpus, tmp_path):
+    overrides = small_corpus_overrides(small_text_corpus, "trainer.max_steps=2", "eval.factors=[1]")
+    train(compose_train(*overrides, "callbacks.last_checkpoint.every_n_train_steps=1"))
+    wider = compose_train(*overrides, "model.d_model=128")
+    with pytest.raises(
+        ConfigError, match=r"last.ckpt belongs to a run with other settings.*model.d_model=64 there, 128 here"
+    ):
+        build(wider)
+    # The finished run's results: a re-launch with other settings is not skipped as if it were this run
+    with pytest.raises(ConfigError, match=r"results.json belongs to a run with other settings.*model.d_model"):
+        train(wider)
+
+
+def test_a_truncated_last_checkpoint_is_named_with_what_to_do(compose_train, small_text_corpus, tmp_path):
+    overrides = small_corpus_overrides(small_text_corpus, "trainer.max_steps=2", "eval.enabled=false")
+    train(compose_train(*overrides))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[:1000])  # a disk filled mid-write
+    with pytest.raises(CheckpointError, match=rf"^{last} cannot be read .*truncated.*or delete it to train the run"):
+        build(compose_train(*overrides))
+
+
+def test_checkpoints_are_written_next_to_their_target_only(tmp_path, monkeypatch):
+    full = tmp_path / "tmp_is_full"
+    full.write_text("")  # a file: anything staged in the temporary folder fails
+    monkeypatch.setattr(tempfile, "tempdir", str(full))
+    monkeypatch.setenv("TMPDIR", str(full))
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(3)}}, str(tmp_path / "ckpt" / "last.ckpt"))
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["state_dict"]["w"].tolist() == [1.0] * 3
+    assert os.listdir(tmp_path / "ckpt") == ["last.ckpt"]
+
+
+def test_settings_that_need_no_evaluation_are_not_refused_for_it(compose_train, small_text_corpus):
+    overrides = small_corpus_overrides(
+        small_text_corpus, "pe=rope", "train.positions=randomized", "train.max_position=64", "eval.factors=[1,4]"
+    )
+    with pytest.raises(ConfigError, match=r"^train.max_position=64 is invalid for this evaluation"):
+        preflight(compose_train(*overrides), TrainSettings, TRAIN_NODES, sweeps=True)
+    cfg = compose_train(*overrides, "eval.enabled=false")
+    preflight(cfg, TrainSettings, TRAIN_NODES, sweeps=cfg.eval.enabled)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_numbers_are_refused(compose_train, value):
+    with pytest.raises(ConfigError, match=rf"^module.lr={value} is invalid: it must be a finite number > 0$"):
+        preflight(compose_train(f"module.lr={value}"), TrainSettings, TRAIN_NODES)
+
+
+def test_a_folder_is_held_by_one_process(tmp_path):
+    hold_folder(str(tmp_path))
+    holder = subprocess.run(
+        [sys.executable, "-c", f"from lenext.lock import hold_folder; hold_folder({str(tmp_path)!r})"],
+        capture_output=True,
+        text=True,
+    )
+    assert holder.returncode != 0 and "FolderInUse" in holder.stderr
+    assert f"lenext process {os.getpid()}" in (tmp_path / LOCK_FILE).read_text()
+    with pytest.raises(FolderInUse):  # the same process, a second time: one holder per folder
+        hold_folder(str(tmp_path))
+
+
+def test_a_run_launched_twice_into_one_folder_refuses_the_second(tmp_path, small_text_corpus):
+    run_dir = tmp_path / "run"
+    command = small_corpus_overrides(
+        small_text_corpus, "trainer.max_steps=300", "eval.factors=[1]", f"hydra.run.dir={run_dir}"
+    )
+    first = start_command(tmp_path, *command)
+    lock = run_dir / LOCK_FILE
+    while not (lock.exists() and lock.read_text()) and first.poll() is None:
+        time.sleep(0.05)
+    second = run_command(tmp_path, *command)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert second.returncode == 1
+    assert one_line(second) == (
+        f"error: {run_dir} is in use by {lock.read_text().strip()}: wait for it to end, or start this one in another "
+        "folder (hydra.run.dir=... for a run, hydra.sweep.dir=... for a sweep)"
+    )
+    assert f"process {first.pid} " in one_line(second)
+
+
+def test_a_sweep_launched_twice_into_one_folder_refuses_the_second(tmp_path, small_text_corpus):
+    sweep = tmp_path / "sweep"
+    command = [
+        "-m",
+        *small_corpus_overrides(
+            small_text_corpus, "seed=0,1", "trainer.max_steps=300", "eval.factors=[1]", f"hydra.sweep.dir={sweep}"
+        ),
+    ]
+    first = start_command(tmp_path, *command)
+    while not (sweep / "0" / ".hydra").exists() and first.poll() is None:
+        time.sleep(0.05)
+    second = run_command(tmp_path, *command)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert second.returncode == 1 and one_line(second).startswith(f"error: {sweep} is in use by lenext process")
+    assert not (sweep / "0" / "error.txt").exists() and not (sweep / "1").exists()
+
+
+def test_report_skips_another_tools_results_and_says_so(tmp_path, capsys):
+    write_run(tmp_path / "0", "alibi", 0, {64: 20.0})
+    os.makedirs(tmp_path / "1" / ".hydra")
+    (tmp_path / "1" / "results.json").write_text(json.dumps({"complete": True, "accuracy": 0.93}))
+    report_main([str(tmp_path)])
+    assert f"`{tmp_path / '1'}`: results.json is not lenext's (no meta object)" in capsys.readouterr().out
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: no complete results.json under .* \(1 incomplete runs; .*1: results.json is not lenext's",
+    ):
+        report_main([str(tmp_path / "1")])
+
+
+def test_report_refuses_an_output_it_cannot_write_before_reading_runs(tmp_path, monkeypatch):
+    write_run(tmp_path / "0", "alibi", 0, {64: 20.0})
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(SystemExit, match=r"^error: --out=.*taken/report' cannot hold the report \(.*taken is a file"):
+        report_main([str(tmp_path), "--out", str(tmp_path / "taken" / "report")])
+    with pytest.raises(SystemExit, match=r"cannot hold the report \(.*taken is a file, not a folder\)"):
+        report_main([str(tmp_path), "--out", str(tmp_path / "taken")])
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", denied)  # a read-only folder, whoever runs the test
+    assert unwritable(str(tmp_path / "new" / "report")) == f"{tmp_path}: Permission denied"
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_report_refuses_a_read_only_output_folder(tmp_path):
+    write_run(tmp_path / "0", "alibi", 0, {64: 20.0})
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    with pytest.raises(SystemExit, match=r"cannot hold the report \(.*Permission denied\)"):
+        report_main([str(tmp_path), "--out", str(locked)])
+
+
+def run_command(cwd, *overrides, script="train.py"):
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=cwd,
+        env=command_environment(cwd),
+    )
+
+
+def start_command(cwd, *overrides):
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *overrides],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=cwd,
+        env=command_environment(cwd),
+    )
+
+
+def command_environment(root) -> dict:
+    environment = {**os.environ, "LENEXT_ROOT": str(root), "PYTHONUNBUFFERED": "1"}
+    environment.pop("HYDRA_FULL_ERROR", None)
+    return environment
+
+
+def one_line(result) -> str:
+    """The command's one error line: no traceback (Lightning's notices, before the corpus is read, may precede it)."""
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return errors[0]
