@@ -6,6 +6,7 @@ causal mask still holds, the drawn positions do reach the PE). Models are tiny: 
 seconds on two CPU cores.
 """
 
+import json
 from functools import partial
 
 import pytest
@@ -27,6 +28,8 @@ from lenext.positions import (
     training_positions,
     window_positions,
 )
+from lenext.run import train
+from tests.conftest import small_corpus_overrides
 
 VOCAB, TRAIN_LEN = 97, 16
 MAX_POSITION = 64  # N of the drawn positions at the model level: 4 x L_train
@@ -415,3 +418,14 @@ def test_randomized_positions_reach_rope():
         swapped = net(x, positions.flip(0))  # the rows' draws exchanged
     assert (at_drawn - at_sequential).abs().amax(dim=(1, 2)).min() > 1e-2  # per sequence: see above
     assert not torch.allclose(swapped, at_drawn, atol=1e-3)
+
+
+def test_nope_trained_at_randomized_positions_is_nope_exactly(compose_train, small_text_corpus, tmp_path):
+    """Without a PE positions change nothing, and they are drawn from a generator of their own: initialization,
+    data order and dropout stay the sequential run's, so every result is identical (why studies skip the row)."""
+    rows = {}
+    for row in ("nope", "nope_randomized"):
+        overrides = small_corpus_overrides(small_text_corpus, f"pe={row}", "trainer.max_steps=4", "eval.factors=[1,2]")
+        train(compose_train(*overrides, f"paths.output_dir={tmp_path / row}", "model.dropout=0.1"))
+        rows[row] = json.loads((tmp_path / row / "results.json").read_text())["rows"]
+    assert [r["mean_nll"] for r in rows["nope"]] == [r["mean_nll"] for r in rows["nope_randomized"]]

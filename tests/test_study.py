@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(
     "preset,model,max_len,pes",
     [
-        ("quick", 128, 64, "nope,sinusoidal,rope,alibi,kerple,fire,xpos,rope_randomized,nope_randomized"),
+        ("quick", 128, 64, "nope,sinusoidal,rope,alibi,kerple,fire,xpos,rope_randomized"),
         (
             "reference",
             128,
