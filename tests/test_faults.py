@@ -14,7 +14,7 @@ import torch
 
 from lenext.data import TextFiles
 from lenext.errors import CheckpointError, ConfigError, DataError
-from lenext.lock import LOCK_FILE, FolderInUse, hold_folder
+from lenext.lock import LOCK_FILE, FolderInUse, hold_folder, release_folder
 from lenext.module import AtomicCheckpointIO
 from lenext.report import main as report_main
 from lenext.report import unwritable
@@ -36,6 +36,9 @@ GOOD = "A document long enough to be one. " * 20
         ("bad.jsonl", b'{"text": 7}\n', r"bad.jsonl, line 1: its 'text' is 7"),
         ("bad.jsonl", b'["text"]\n', r"bad.jsonl, line 1: it is a JSON list, not an object"),
         ("bad.jsonl", '{"text": "caf\xe9"}\n'.encode("latin-1"), r"bad.jsonl, line 1 is not UTF-8 text"),
+        ("bad.jsonl", b'{"text": "\\ud83d x"}\n', r"bad.jsonl, line 1: its 'text' holds '\\ud83d' at character 0"),
+        ("bad.jsonl", b"[" * 100_000 + b"\n", r"bad.jsonl, line 1 (is not|cannot be read as) JSON"),
+        ("bad.jsonl", b'{"text": ' + b"9" * 5000 + b"}\n", r"bad.jsonl, line 1 cannot be read as JSON"),
     ],
 )
 def test_a_corpus_file_that_is_not_documents_is_named_with_its_line(tmp_path, name, content, expected):
@@ -50,6 +53,13 @@ def test_a_dangling_link_in_a_corpus_folder_is_named(tmp_path):
     os.symlink(tmp_path / "gone.txt", tmp_path / "b.txt")
     with pytest.raises(DataError, match=r"b.txt cannot be read \(a link to '.*gone.txt', which does not exist\)"):
         TextFiles(str(tmp_path)).documents("train")
+
+
+def test_a_file_reached_twice_through_links_is_read_once(tmp_path):
+    (tmp_path / "a.txt").write_text(GOOD)
+    os.symlink(tmp_path / "a.txt", tmp_path / "b.txt")
+    os.symlink(tmp_path, tmp_path / "loop")  # a link to a folder above the file
+    assert TextFiles(str(tmp_path), holdout_every=3).documents("train") == [GOOD]
 
 
 def test_json_lines_keep_characters_that_split_lines_elsewhere(tmp_path):
@@ -80,6 +90,28 @@ def test_resuming_under_another_model_shape_names_the_settings(compose_train, sm
     # The finished run's results: a re-launch with other settings is not skipped as if it were this run
     with pytest.raises(ConfigError, match=r"results.json belongs to a run with other settings.*model.d_model"):
         train(wider)
+
+
+def test_a_finished_run_is_skipped_only_under_its_own_budget_and_evaluation(compose_train, small_text_corpus, tmp_path):
+    overrides = small_corpus_overrides(small_text_corpus, "trainer.max_steps=3", "eval.factors=[1]")
+    train(compose_train(*overrides))
+    assert train(compose_train(*overrides))["skipped"]
+    for changed, key in (("trainer.max_steps=4", "trainer.max_steps=3 there, 4 here"), ("eval.factors=[1,2]", "eval")):
+        with pytest.raises(ConfigError, match=rf"results.json belongs to a run with other settings.*{key}"):
+            train(compose_train(*overrides, changed))
+    (tmp_path / "results.json").unlink()  # unfinished: resumable with a longer budget, not a shorter one
+    with pytest.raises(ConfigError, match=r"^trainer.max_steps=2 is invalid for this run: .*last.ckpt is at step 3"):
+        build(compose_train(*overrides, "trainer.max_steps=2"))
+
+
+@pytest.mark.parametrize(
+    "written",
+    ['{"complete": true}', '{"complete": true, "meta": null}', '{"complete": true, "meta": {}, "rows": []}', "[]", ""],
+)
+def test_a_run_folder_holding_another_tools_results_is_refused(compose_train, tmp_path, written):
+    (tmp_path / "results.json").write_text(written)
+    with pytest.raises(ConfigError, match=r"results.json (is not a lenext results file|cannot be read as a results)"):
+        train(compose_train())
 
 
 def test_a_truncated_last_checkpoint_is_named_with_what_to_do(compose_train, small_text_corpus, tmp_path):
@@ -118,7 +150,7 @@ def test_non_finite_numbers_are_refused(compose_train, value):
 
 
 def test_a_folder_is_held_by_one_process(tmp_path):
-    hold_folder(str(tmp_path))
+    assert hold_folder(str(tmp_path)) and not hold_folder(str(tmp_path))  # held once, however often asked
     holder = subprocess.run(
         [sys.executable, "-c", f"from lenext.lock import hold_folder; hold_folder({str(tmp_path)!r})"],
         capture_output=True,
@@ -126,8 +158,13 @@ def test_a_folder_is_held_by_one_process(tmp_path):
     )
     assert holder.returncode != 0 and "FolderInUse" in holder.stderr
     assert f"lenext process {os.getpid()}" in (tmp_path / LOCK_FILE).read_text()
-    with pytest.raises(FolderInUse):  # the same process, a second time: one holder per folder
-        hold_folder(str(tmp_path))
+    release_folder(str(tmp_path))
+    subprocess.run(
+        [sys.executable, "-c", f"from lenext.lock import hold_folder; hold_folder({str(tmp_path)!r})"], check=True
+    )
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FolderInUse, match=r"file/run cannot hold this run \(.*\): give a folder you can write to"):
+        hold_folder(str(tmp_path / "file" / "run"))
 
 
 def test_a_run_launched_twice_into_one_folder_refuses_the_second(tmp_path, small_text_corpus):
@@ -179,6 +216,30 @@ def test_report_skips_another_tools_results_and_says_so(tmp_path, capsys):
         match=r"^error: no complete results.json under .* \(1 incomplete runs; .*1: results.json is not lenext's",
     ):
         report_main([str(tmp_path / "1")])
+
+
+@pytest.mark.parametrize(
+    "change,problem",
+    [
+        (lambda r: r["meta"].pop("pe_name") and r["meta"]["pe"].pop("name"), "meta.pe.name"),
+        (lambda r: r.update(rows=[]), "no rows"),
+        (lambda r: r["rows"][0].update(ppl="x"), "rows[0].ppl"),
+        (lambda r: r["meta"].update(train_len="abc"), "meta.train_len"),
+        (lambda r: r["meta"].update(hardware="a CPU"), "meta.hardware"),
+        (lambda r: r["meta"].update(positions="sequential"), "meta.positions"),
+    ],
+)
+def test_report_lists_a_results_file_it_cannot_read_as_lenexts(tmp_path, capsys, change, problem):
+    write_run(tmp_path / "0", "alibi", 0, {64: 20.0})
+    write_run(tmp_path / "1", "rope", 0, {64: 21.0})
+    results = json.loads((tmp_path / "1" / "results.json").read_text())
+    change(results)
+    (tmp_path / "1" / "results.json").write_text(json.dumps(results))
+    (tmp_path / "2" / ".hydra").mkdir(parents=True)
+    (tmp_path / "2" / "error.txt").write_bytes(b"caf\xe9")  # not UTF-8 either
+    report_main([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert f"results.json is not lenext's ({problem}" in out and "| alibi |" in out and "failed: caf" in out
 
 
 def test_report_refuses_an_output_it_cannot_write_before_reading_runs(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import hydra
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from lenext.errors import LenextError
+from lenext.errors import LenextError, print_one_line
 from lenext.evaluate import ERROR_FILE
 from lenext.files import write_atomic
 from lenext.hardware import default_precision, keep_freed_memory
@@ -43,9 +43,7 @@ def one_line_errors(main: Callable) -> Callable:
         try:
             return main(cfg)
         except LenextError as e:
-            if os.environ.get("HYDRA_FULL_ERROR") == "1":
-                raise
-            print(f"error: {e}", file=sys.stderr)
+            print_one_line(e)
             hydra_cfg = hydra_config()
             if hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN and not e.ends_sweep:
                 write_atomic(os.path.join(hydra_cfg.runtime.output_dir, ERROR_FILE), f"{e}\n")

@@ -7,6 +7,7 @@ up to 32x L_train out of single documents.
 """
 
 import csv
+import functools
 import glob
 import hashlib
 import json
@@ -101,14 +102,20 @@ class TextFiles(Corpus):
         self.path, self.holdout_every, self.text_field = path, holdout_every, text_field
         self.name = "text_files-" + _digest([os.path.abspath(path)])
 
+    @functools.cached_property
     def _all_documents(self) -> list[str]:
         pattern = os.path.join(self.path, "**", "*") if os.path.isdir(self.path) else self.path
         files = sorted(f for f in glob.glob(pattern, recursive=True) if f.endswith((".txt", ".jsonl")))
         if not files:
             raise DataError(f"no .txt or .jsonl files at data.corpus.path={self.path!r}: give a folder or glob")
-        docs = []
+        # One path per file: glob follows links, so a link to a file, or to a folder above it, would repeat it
+        # (in every split). A dangling link resolves to a path of its own, and is named when read.
+        seen, docs = set(), []
         for file in files:
-            docs.extend([_read_text(file)] if file.endswith(".txt") else self._records(file))
+            real = os.path.realpath(file)  # resolved step by step: a path through a looping link resolves too
+            if real not in seen:
+                seen.add(real)
+                docs.extend([_read_text(file)] if file.endswith(".txt") else self._records(file))
         return [d for d in docs if d.strip()]
 
     def _records(self, file: str) -> Iterator[str]:
@@ -122,6 +129,8 @@ class TextFiles(Corpus):
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where} is not JSON ({e.msg}, column {e.colno}): fix or remove the line") from None
+            except (ValueError, RecursionError) as e:  # a number of thousands of digits, nesting beyond the stack
+                raise DataError(f"{where} cannot be read as JSON ({e}): fix or remove the line") from None
             problem = self._record_problem(record)
             if problem:
                 raise DataError(
@@ -135,15 +144,20 @@ class TextFiles(Corpus):
             return f"it is a JSON {type(record).__name__}, not an object"
         if self.text_field not in record:
             return f"it has no {self.text_field!r} field"
-        if not isinstance(record[self.text_field], str):
-            return f"its {self.text_field!r} is {json.dumps(record[self.text_field])}"
+        text = record[self.text_field]
+        if not isinstance(text, str):
+            return f"its {self.text_field!r} is {json.dumps(text)}"
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # an escaped lone surrogate (\ud83d): JSON, but not text
+            return f"its {self.text_field!r} holds {text[e.start]!r} at character {e.start}, which is not a character"
         return None
 
     def documents(self, split: str) -> list[str]:
         n = self.holdout_every
         wanted = {"validation": n - 2, "test": n - 1}.get(split)
         return [
-            d for i, d in enumerate(self._all_documents()) if (i % n == wanted if wanted is not None else i % n < n - 2)
+            d for i, d in enumerate(self._all_documents) if (i % n == wanted if wanted is not None else i % n < n - 2)
         ]
 
 

@@ -4,7 +4,9 @@ The command-line entry points print these as one line (no traceback) and exit no
 anything else is a bug and keeps its traceback.
 """
 
+import os
 import signal
+import sys
 
 
 class LenextError(Exception):
@@ -16,6 +18,14 @@ class LenextError(Exception):
 
     exit_status = 1
     ends_sweep = False
+
+
+def print_one_line(error: LenextError) -> None:
+    """``error: <message>`` on stderr, the way every entry point reports a LenextError; with HYDRA_FULL_ERROR=1 the
+    error is raised instead, traceback and all."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise error
+    print(f"error: {error}", file=sys.stderr)
 
 
 class ConfigError(LenextError):

@@ -37,7 +37,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassExactMatch
 
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.files import write_atomic
-from lenext.hardware import machine_description, precision_autocast, release_freed_memory
+from lenext.hardware import PRECISION_NAMES, machine_description, precision_autocast, release_freed_memory
 from lenext.pe.rope import SCALINGS
 from lenext.positions import PositionScheme, position_scheme, window_positions
 from lenext.schema import PositiveFloat, PositiveInt
@@ -472,6 +472,7 @@ def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -
             return None
 
     scheme = position_scheme(cfg.get("train"), cfg["data"]["max_len"])
+    trained_in = cfg.get("trainer", {}).get("precision")
     return {
         "pe_name": cfg.get("pe_name"),
         "pe": net.pe.describe(),
@@ -497,8 +498,45 @@ def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -
         "python": platform.python_version(),
         "device": str(next(net.parameters()).device),
         # This machine, with the precision the model was trained in: throughput and bf16 rounding depend on both.
-        "hardware": {**machine_description(), "training_precision": cfg.get("trainer", {}).get("precision")},
+        "hardware": {**machine_description(), "training_precision": PRECISION_NAMES.get(trained_in, trained_in)},
     }
+
+
+METRICS_READ = ("ppl", "exact_match", "token_accuracy")  # the row values reports read
+
+
+def not_lenext_results(results) -> str | None:
+    """What a parsed results file lacks of the layout ``write_results`` gives it (another tool's file, a hand-edited
+    one), or None. Checked for what readers use: the run's identity and each row's."""
+    if not isinstance(results, dict) or not isinstance(results.get("meta"), dict):
+        return "no meta object"
+    meta, rows = results["meta"], results.get("rows")
+    if not isinstance(rows, list) or not rows or not all(isinstance(row, dict) for row in rows):
+        return "no rows"
+    fields = {
+        "meta.train_len": (meta.get("train_len"), int),
+        "meta.seed": (meta.get("seed"), int),
+        "meta.pe": (meta.get("pe"), dict),
+        "meta.pe_name": (meta.get("pe_name"), (str, type(None))),
+        "meta.pe.name": ((meta.get("pe") or {}).get("name") if isinstance(meta.get("pe"), dict) else None, str),
+        "meta.positions": (meta.get("positions"), (dict, type(None))),
+        "meta.hardware": (meta.get("hardware"), (dict, type(None))),
+    }
+    if meta.get("pe_name"):  # the row label; meta.pe.name is its fallback
+        del fields["meta.pe.name"]
+    for i, row in enumerate(rows):
+        fields |= {
+            f"rows[{i}].protocol": (row.get("protocol"), str),
+            f"rows[{i}].status": (row.get("status"), str),
+            f"rows[{i}].length": (row.get("length"), int),
+            f"rows[{i}].scaling": (row.get("scaling"), (str, type(None))),
+            **{
+                f"rows[{i}].{m}": (row.get(m), (int, float, type(None)))
+                for m in ("ppl", "exact_match", "token_accuracy")
+            },
+        }
+    wrong = [key for key, (value, kind) in fields.items() if not isinstance(value, kind) or isinstance(value, bool)]
+    return f"{wrong[0]} is missing or of another type" if wrong else None
 
 
 def write_results(output_dir: str, meta: dict, rows: list, curves: list) -> str:

@@ -2,13 +2,15 @@
 
 Two processes in one folder would both "succeed": checkpoints with ``-v1`` twins, metric rows written twice.
 ``FolderLock`` (a Hydra callback, configs/hydra/default.yaml) takes an exclusive ``flock`` on
-``<folder>/.lenext.lock`` before Hydra writes anything there: the run folder of a single run, the sweep folder
-of a multirun (the process that launches it: with the submitit launcher, the one that waits for the jobs). The
-kernel drops the lock when the process ends, however it ends, so a killed run never leaves a stale lock.
+``<folder>/.lenext.lock`` before Hydra writes anything there: the run folder of a single run; the sweep folder of
+a multirun, held by the process that launches it (with the submitit launcher, the one that waits for the jobs);
+and each job's folder while the job runs, wherever it runs. The kernel drops a lock when its process ends, however
+it ends, so a killed run leaves no stale lock. Worker processes of a run (DDP ranks, nodes) do not lock.
 """
 
 import datetime
 import fcntl
+import logging
 import os
 import socket
 import sys
@@ -17,20 +19,31 @@ from typing import Any, TextIO
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from lenext.errors import LenextError
+from lenext.errors import LenextError, print_one_line
+
+log = logging.getLogger("lenext")
 
 LOCK_FILE = ".lenext.lock"
-_held: list[TextIO] = []  # open lock files: the locks last as long as the process
+_held: dict[str, TextIO] = {}  # folder (real path) -> its open lock file: the lock lasts while the file is open
 
 
 class FolderInUse(LenextError):
-    """Another process holds the folder's lock."""
+    """Another process holds the folder's lock, or the folder cannot be made."""
 
 
-def hold_folder(folder: str) -> None:
-    """Lock ``folder`` for this process, or raise FolderInUse naming the process that holds it."""
-    os.makedirs(folder, exist_ok=True)
-    lock = open(os.path.join(folder, LOCK_FILE), "a+")  # not closed: held until the process ends
+def hold_folder(folder: str) -> bool:
+    """Lock ``folder`` for this process (False if it holds it already, or the file system cannot lock), or raise
+    FolderInUse naming the process that holds it."""
+    key = os.path.realpath(folder)
+    if key in _held:
+        return False
+    try:
+        os.makedirs(folder, exist_ok=True)
+        lock = open(os.path.join(folder, LOCK_FILE), "a+")  # not closed: the lock lasts while it is open
+    except OSError as e:
+        raise FolderInUse(
+            f"{folder} cannot hold this run ({e.strerror or type(e).__name__}): give a folder you can write to"
+        ) from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -41,34 +54,58 @@ def hold_folder(folder: str) -> None:
             f"{folder} is in use by {holder}: wait for it to end, or start this one in another folder "
             "(hydra.run.dir=... for a run, hydra.sweep.dir=... for a sweep)"
         ) from None
+    except OSError as e:  # a file system without locks (some network mounts): run, saying what is not guarded
+        lock.close()
+        log.warning("%s cannot be locked (%s): nothing stops a second process from using it", folder, e.strerror)
+        return False
     lock.seek(0)
     lock.truncate()
     started = datetime.datetime.now().isoformat(timespec="seconds")
     lock.write(f"lenext process {os.getpid()} on {socket.gethostname()} (started {started})\n")
     lock.flush()
-    _held.append(lock)
+    _held[key] = lock
+    return True
+
+
+def release_folder(folder: str) -> None:
+    lock = _held.pop(os.path.realpath(folder), None)
+    if lock is not None:
+        lock.close()
 
 
 def launched_by_another_process() -> bool:
-    """Whether this process is a worker another lenext process started for the same run (DDP ranks, nodes)."""
-    return any(os.environ.get(rank, "0") != "0" for rank in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"))
+    """Whether this process is a worker another process started for the same run (DDP ranks, nodes, srun tasks)."""
+    ranks = ["RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"]
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:  # srun starts one task per rank
+        ranks.append("SLURM_PROCID")
+    return any(os.environ.get(rank, "0") != "0" for rank in ranks)
 
 
 class FolderLock(Callback):
+    def __init__(self) -> None:
+        self.job_folder: str | None = None  # the job folder this process locked for the job that runs now
+
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._hold(config.hydra.run.dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._hold(config.hydra.sweep.dir)
 
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        folder = config.hydra.runtime.output_dir
+        self.job_folder = folder if self._hold(folder) else None
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if self.job_folder:
+            release_folder(self.job_folder)
+            self.job_folder = None
+
     @staticmethod
-    def _hold(folder: str) -> None:
+    def _hold(folder: str) -> bool:
         if launched_by_another_process():
-            return
+            return False
         try:
-            hold_folder(folder)
+            return hold_folder(folder)
         except FolderInUse as e:
-            if os.environ.get("HYDRA_FULL_ERROR") == "1":
-                raise
-            print(f"error: {e}", file=sys.stderr)
+            print_one_line(e)
             sys.exit(e.exit_status)

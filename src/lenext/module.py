@@ -48,7 +48,8 @@ class CheckpointOnSigterm(L.Callback):
         self.dirpath = dirpath
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, SIGTERMException):
+        # During fit only: a SIGTERM in the final validation leaves the last.ckpt training ended with.
+        if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":
             trainer.save_checkpoint(os.path.join(self.dirpath, "last.ckpt"))
 
 

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from lenext.evaluate import ACCURACY, ERROR_FILE, POSITIONS_FILE, RESULTS_FILE
+from lenext.evaluate import ACCURACY, ERROR_FILE, POSITIONS_FILE, RESULTS_FILE, not_lenext_results
 from lenext.files import atomic_path, write_atomic
 from lenext.positions import SCHEMES
 
@@ -71,9 +71,9 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
             is_run = ".hydra" in os.listdir(root)
             if RESULTS_FILE in files:
                 try:
-                    with open(os.path.join(root, RESULTS_FILE)) as f:
+                    with open(os.path.join(root, RESULTS_FILE), encoding="utf-8") as f:
                         results = json.load(f)
-                except (OSError, json.JSONDecodeError) as e:
+                except (OSError, ValueError, RecursionError) as e:  # ValueError: not UTF-8, not JSON
                     incomplete.append((root, f"unreadable {RESULTS_FILE} ({type(e).__name__})"))
                     continue
                 problem = not_lenext_results(results)
@@ -84,28 +84,11 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
                 else:
                     incomplete.append((root, f"{RESULTS_FILE} not marked complete"))
             elif ERROR_FILE in files:
-                with open(os.path.join(root, ERROR_FILE)) as f:
+                with open(os.path.join(root, ERROR_FILE), encoding="utf-8", errors="replace") as f:
                     incomplete.append((root, f"failed: {f.read().strip()}"))
             elif is_run and not any(d.isdigit() for d in dirs):
                 incomplete.append((root, f"no {RESULTS_FILE}: failed, interrupted or still running"))
     return complete, incomplete
-
-
-def not_lenext_results(results) -> str | None:
-    """What a parsed results file lacks of the layout lenext writes (evaluate.write_results), or None."""
-    if not isinstance(results, dict) or not isinstance(results.get("meta"), dict):
-        return "no meta object"
-    if not isinstance(results.get("rows"), list) or not all(isinstance(row, dict) for row in results["rows"]):
-        return "no list of rows"
-    missing = [f"meta.{key}" for key in ("train_len", "seed") if key not in results["meta"]]
-    missing += [] if isinstance(results["meta"].get("pe"), dict) else ["meta.pe"]
-    missing += [
-        f"rows[{i}].{key}"
-        for i, row in enumerate(results["rows"])
-        for key in ("protocol", "scaling", "length", "status")
-        if key not in row
-    ][:1]
-    return f"no {', '.join(missing)}" if missing else None
 
 
 def label(meta: dict, scaling: str | None) -> str:

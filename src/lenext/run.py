@@ -24,7 +24,16 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lenext import schema
 from lenext.attention.flex import fresh_compile_state
 from lenext.errors import CheckpointError, ConfigError, LenextError, Stopped
-from lenext.evaluate import RESULTS_FILE, EvalSettings, code_commit, run_metadata, sweep, sweep_plan, write_results
+from lenext.evaluate import (
+    RESULTS_FILE,
+    EvalSettings,
+    code_commit,
+    not_lenext_results,
+    run_metadata,
+    sweep,
+    sweep_plan,
+    write_results,
+)
 from lenext.hardware import Precision, canonical_precision
 from lenext.module import tokens_trained
 from lenext.pe.rope import SCALINGS
@@ -179,64 +188,68 @@ def build(cfg: DictConfig):
     return datamodule, module, trainer, resume_from
 
 
-# What makes a run the run it is: resuming it, or skipping it as finished, under other values would mix two runs.
-RUN_IDENTITY = (
-    "model",
-    "pe",
-    "train",
-    "module",
-    "seed",
-    "data.corpus",
-    "data.max_len",
-    "data.vocab_size",
-    "data.batch_size",
-)
+# What makes a run the run it is: resuming it under other values would mix two runs (the trainer's may change:
+# a longer max_steps continues a run). Under the data key, what only changes how it is read is left out.
+RUN_IDENTITY = ("model", "pe", "train", "module", "seed", "data")
+NOT_IDENTITY = ("data.num_workers", "data.eval_batch_size", "data.cache_dir")
+# A finished run is skipped only if it is what this command would make: its budget and evaluation included.
+FINISHED_IDENTITY = (*RUN_IDENTITY, "trainer.max_steps", "trainer.accumulate_grad_batches", "eval")
 
 
-def run_identity(cfg: DictConfig) -> dict:
-    """The ``RUN_IDENTITY`` keys of a run config, resolved, flattened to dotted keys."""
+def run_identity(cfg: DictConfig, keys: tuple[str, ...] = RUN_IDENTITY) -> dict:
+    """The ``keys`` of a run config, resolved, flattened to dotted keys (``NOT_IDENTITY`` left out)."""
     identity = {}
 
     def flatten(key: str, value) -> None:
         if isinstance(value, dict):
             for name, item in value.items():
                 flatten(f"{key}.{name}", item)
-        else:
+        elif not key.startswith(NOT_IDENTITY):
             identity[key] = value
 
-    for key in RUN_IDENTITY:
+    for key in keys:
         node = OmegaConf.select(cfg, key, default=None)
         flatten(key, OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node)
     return identity
 
 
-def refuse_other_settings(stored: dict, cfg: DictConfig, what: str) -> None:
+def refuse_other_settings(stored: dict, cfg: DictConfig, what: str, remedy: str) -> None:
     """A ConfigError naming the settings where ``stored`` (the ``run_identity`` of the run ``what`` belongs to) and
-    this command differ."""
-    here = run_identity(cfg)
-    differing = [key for key in dict.fromkeys([*stored, *here]) if stored.get(key) != here.get(key)]
+    this command differ. Keys ``stored`` lacks (written before they existed) are not compared."""
+    here = run_identity(cfg, tuple(dict.fromkeys(key.split(".")[0] for key in stored)) or RUN_IDENTITY)
+    differing = [key for key in stored if key in here and stored[key] != here[key]]
     if differing:
         shown = "; ".join(f"{k}={stored.get(k)!r} there, {here.get(k)!r} here" for k in differing[:3])
         more = f" (and {len(differing) - 3} more)" if len(differing) > 3 else ""
-        raise ConfigError(
-            f"{what} belongs to a run with other settings than this command: {shown}{more}. Repeat the run's own "
-            "settings, or give this run another folder (hydra.run.dir=..., or hydra.sweep.dir=... for a sweep)"
-        )
+        raise ConfigError(f"{what} belongs to a run with other settings than this command: {shown}{more}. {remedy}")
+
+
+ANOTHER_FOLDER = (
+    "Repeat the run's own settings, or give this run another folder (hydra.run.dir=..., or hydra.sweep.dir=... "
+    "for a sweep)"
+)
 
 
 def completed_results(cfg: DictConfig) -> dict | None:
     """The run's results if its results file is complete (a finished run a re-launched sweep skips); a
-    ConfigError if that run had other settings than this command."""
+    ConfigError if the file is not lenext's or that run had other settings than this command."""
     path = os.path.join(cfg.paths.output_dir, RESULTS_FILE)
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             results = json.load(f)
-    except (OSError, json.JSONDecodeError):
+    except FileNotFoundError:
         return None
-    if not isinstance(results, dict) or not results.get("complete"):
+    except (OSError, ValueError, RecursionError) as e:  # written atomically: not lenext's, or not a file
+        raise ConfigError(
+            f"{path} cannot be read as a results file ({type(e).__name__}): move it away, or use another folder"
+        ) from None
+    problem = not_lenext_results(results)
+    if problem:
+        raise ConfigError(f"{path} is not a lenext results file ({problem}): move it away, or use another folder")
+    if not results.get("complete"):
         return None
-    if "identity" in results.get("meta", {}):  # results written before it was kept are taken as they are
-        refuse_other_settings(results["meta"]["identity"], cfg, path)
+    if isinstance(results["meta"].get("identity"), dict):  # results written before it was kept are taken as they are
+        refuse_other_settings(results["meta"]["identity"], cfg, path, ANOTHER_FOLDER)
     return results
 
 
@@ -267,7 +280,14 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
         raise CheckpointError(
             f"{e}. This run's folder cannot resume from it: {alternatives}or delete it to train the run afresh"
         ) from None
-    refuse_other_settings(run_identity(OmegaConf.create(checkpoint["hyper_parameters"]["run_config"])), cfg, path)
+    remedy = ANOTHER_FOLDER if key is None else "Repeat the settings it was trained with, or resume from another"
+    stored = OmegaConf.create(checkpoint["hyper_parameters"]["run_config"])
+    refuse_other_settings(run_identity(stored), cfg, f"{key}={path}" if key else path, remedy)
+    if cfg.trainer.max_steps < checkpoint.get("global_step", 0):
+        raise ConfigError(
+            f"trainer.max_steps={cfg.trainer.max_steps} is invalid for this run: {path} is at step "
+            f"{checkpoint['global_step']} already; it must be at least that"
+        )
     log.info("resuming from %s", path)
     return path
 
@@ -288,8 +308,12 @@ def train(cfg: DictConfig) -> dict:
     log.info("model: %.2fM parameters, PE %s, L_train %d", n_params / 1e6, module.net.pe.describe(), cfg.data.max_len)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+        if trainer.received_sigterm:  # at the last step, after which the loop raises nothing: last.ckpt is the end
+            raise SIGTERMException
         metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
-    except SIGTERMException:  # saved by lenext.module.CheckpointOnSigterm
+        if trainer.received_sigterm:
+            raise SIGTERMException
+    except SIGTERMException:  # saved by lenext.module.CheckpointOnSigterm, or at the end of training
         raise Stopped(
             f"training stopped by SIGTERM at step {trainer.global_step} of {trainer.max_steps}; "
             f"{os.path.join(cfg.paths.output_dir, 'checkpoints', 'last.ckpt')} holds it there: "
@@ -334,13 +358,10 @@ def validation_scope(cfg: DictConfig, scored: int, available: int, protocols: tu
             f"{scored} of the {available} windows of the {measured} 1x row "
             "(cut short by trainer.limit_val_batches or fast_dev_run)"
         )
-    plan = sweep_plan(cfg.eval, cfg.data.max_len, None, protocols)
-    in_sweep = (
-        cfg.eval.enabled
-        and not cfg.trainer.get("fast_dev_run")
-        and measured in plan.protocols
-        and cfg.data.max_len in plan.lengths
-    )
+    in_sweep = False
+    if cfg.eval.enabled and not cfg.trainer.get("fast_dev_run"):  # planned (and checked) only when there is a sweep
+        plan = sweep_plan(cfg.eval, cfg.data.max_len, None, protocols)
+        in_sweep = measured in plan.protocols and cfg.data.max_len in plan.lengths
     row = f"the sweep's {measured} 1x row" if in_sweep else f"those of the {measured} 1x row, which this sweep lacks"
     return f"{scored} windows ({row})"
 
@@ -376,7 +397,8 @@ def evaluate_and_write(
     run_config = OmegaConf.to_container(cfg, resolve=True)
     meta = {
         **run_metadata(run_config, net, datamodule, split, tokens_trained),
-        "identity": run_identity(cfg),  # what a re-launch into this folder must repeat to skip it as finished
+        "precision": precision,  # of this evaluation (training's: meta.hardware.training_precision)
+        "identity": run_identity(cfg, FINISHED_IDENTITY),  # what a re-launch into this folder must repeat to skip it
         **(extra_meta or {}),
     }
     path = write_results(output_dir, meta, rows, curves)
