@@ -99,6 +99,14 @@ def test_a_finished_run_is_skipped_only_under_its_own_budget_and_evaluation(comp
     for changed, key in (("trainer.max_steps=4", "trainer.max_steps=3 there, 4 here"), ("eval.factors=[1,2]", "eval")):
         with pytest.raises(ConfigError, match=rf"results.json belongs to a run with other settings.*{key}"):
             train(compose_train(*overrides, changed))
+    # Results from before meta.identity: what their meta says of the run (its PE, model, seed, steps) is compared
+    results = json.loads((tmp_path / "results.json").read_text())
+    del results["meta"]["identity"]
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    assert train(compose_train(*overrides))["skipped"]
+    for changed, key in (("trainer.max_steps=4", "trainer.max_steps=3 there, 4 here"), ("pe=alibi", "pe._target_")):
+        with pytest.raises(ConfigError, match=rf"results.json belongs to a run with other settings.*{key}"):
+            train(compose_train(*overrides, changed))
     (tmp_path / "results.json").unlink()  # unfinished: resumable with a longer budget, not a shorter one
     with pytest.raises(ConfigError, match=r"^trainer.max_steps=2 is invalid for this run: .*last.ckpt is at step 3"):
         build(compose_train(*overrides, "trainer.max_steps=2"))

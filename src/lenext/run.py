@@ -248,9 +248,26 @@ def completed_results(cfg: DictConfig) -> dict | None:
         raise ConfigError(f"{path} is not a lenext results file ({problem}): move it away, or use another folder")
     if not results.get("complete"):
         return None
-    if isinstance(results["meta"].get("identity"), dict):  # results written before it was kept are taken as they are
-        refuse_other_settings(results["meta"]["identity"], cfg, path, ANOTHER_FOLDER)
+    meta = results["meta"]
+    stored = meta["identity"] if isinstance(meta.get("identity"), dict) else implied_identity(meta, cfg)
+    refuse_other_settings(stored, cfg, path, ANOTHER_FOLDER)
     return results
+
+
+def implied_identity(meta: dict, cfg: DictConfig) -> dict:
+    """What a results file from before ``meta.identity`` says of its run: PE, model, seed, L_train and, from the
+    tokens it trained, its steps (with this command's batch, on one device)."""
+    implied = {
+        "pe": meta.get("pe_config") or {},
+        "model": meta.get("model") or {},
+        "data": {"max_len": meta["train_len"]},
+    }
+    identity = run_identity(OmegaConf.create({**implied, "seed": meta["seed"]}), ("pe", "model", "seed", "data"))
+    trainer, data = cfg.trainer, cfg.data
+    if isinstance(meta.get("tokens_trained"), int) and trainer.get("devices") == 1:
+        per_step = data.batch_size * data.max_len * (trainer.get("accumulate_grad_batches") or 1)
+        identity["trainer.max_steps"] = meta["tokens_trained"] // per_step
+    return identity
 
 
 def resume_checkpoint(cfg: DictConfig) -> str | None:
