@@ -18,7 +18,7 @@ from lenext.lock import LOCK_FILE, FolderInUse, hold_folder, release_folder
 from lenext.module import AtomicCheckpointIO
 from lenext.report import main as report_main
 from lenext.report import unwritable
-from lenext.run import TRAIN_NODES, TrainSettings, build, preflight, train
+from lenext.run import TRAIN_NODES, TrainSettings, build, preflight, refuse_other_settings, train
 from tests.conftest import ROOT, small_corpus_overrides
 from tests.test_report import write_run
 
@@ -99,17 +99,48 @@ def test_a_finished_run_is_skipped_only_under_its_own_budget_and_evaluation(comp
     for changed, key in (("trainer.max_steps=4", "trainer.max_steps=3 there, 4 here"), ("eval.factors=[1,2]", "eval")):
         with pytest.raises(ConfigError, match=rf"results.json belongs to a run with other settings.*{key}"):
             train(compose_train(*overrides, changed))
-    # Results from before meta.identity: what their meta says of the run (its PE, model, seed, steps) is compared
+    # Results from before meta.identity, or from when it held fewer keys: what their meta says of the run (its PE,
+    # model, seed, positions, steps) is compared too
     results = json.loads((tmp_path / "results.json").read_text())
-    del results["meta"]["identity"]
-    (tmp_path / "results.json").write_text(json.dumps(results))
-    assert train(compose_train(*overrides))["skipped"]
-    for changed, key in (("trainer.max_steps=4", "trainer.max_steps=3 there, 4 here"), ("pe=alibi", "pe._target_")):
-        with pytest.raises(ConfigError, match=rf"results.json belongs to a run with other settings.*{key}"):
-            train(compose_train(*overrides, changed))
+    for kept in ({}, {k: v for k, v in results["meta"]["identity"].items() if k.startswith("model.")}):
+        results["meta"]["identity"] = kept
+        (tmp_path / "results.json").write_text(json.dumps(results))
+        assert train(compose_train(*overrides))["skipped"]
+        for changed, key in (
+            ("trainer.max_steps=4", "trainer.max_steps=3 there, 4 here"),
+            ("pe=alibi", "pe._target_"),
+            ("train.positions=randomized", "train.positions='sequential' there"),
+        ):
+            with pytest.raises(ConfigError, match=rf"results.json belongs to a run with other settings.*{key}"):
+                train(compose_train(*overrides, changed))
+    with pytest.raises(ConfigError, match=r"To train a finished run further .* delete its results.json"):
+        train(compose_train(*overrides, "trainer.max_steps=4"))
     (tmp_path / "results.json").unlink()  # unfinished: resumable with a longer budget, not a shorter one
     with pytest.raises(ConfigError, match=r"^trainer.max_steps=2 is invalid for this run: .*last.ckpt is at step 3"):
         build(compose_train(*overrides, "trainer.max_steps=2"))
+
+
+def test_a_default_this_command_leaves_null_is_not_compared(compose_train):
+    """Older runs stored some defaults resolved (T5's max_distance); null here means the same default."""
+    cfg = compose_train("pe=t5")
+    refuse_other_settings({"pe.max_distance": 64, "pe.num_buckets": 32}, cfg, "old.ckpt", "")
+    with pytest.raises(ConfigError, match=r"pe.num_buckets=16 there, 32 here"):
+        refuse_other_settings({"pe.max_distance": 64, "pe.num_buckets": 16}, cfg, "old.ckpt", "")
+
+
+def test_a_sweep_relaunched_with_other_settings_stops_at_its_first_job(tmp_path, small_text_corpus):
+    sweep = tmp_path / "sweep"
+    command = [
+        "-m",
+        *small_corpus_overrides(small_text_corpus, "seed=0,1", "eval.factors=[1]", f"hydra.sweep.dir={sweep}"),
+    ]
+    assert run_command(tmp_path, *command, "trainer.max_steps=3").returncode == 0
+    written = (sweep / "1" / "results.json").stat().st_mtime_ns
+    again = run_command(tmp_path, *command, "trainer.max_steps=4")
+    assert again.returncode == 1
+    assert one_line(again).startswith(f"error: {sweep / '0' / 'results.json'} belongs to a run with other settings")
+    assert "trainer.max_steps=3 there, 4 here" in one_line(again)
+    assert not (sweep / "0" / "error.txt").exists() and (sweep / "1" / "results.json").stat().st_mtime_ns == written
 
 
 @pytest.mark.parametrize(

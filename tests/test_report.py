@@ -247,3 +247,13 @@ def test_the_machines_the_runs_were_made_on_are_named(sweep_dir, tmp_path):
         "Runs made on 2 machines: AMD EPYC (AVX512_BF16, 2 cores), bf16-mixed (9 runs); "
         "Intel Xeon (AMX, 2 cores), bf16-mixed (1 run). `train tok/s` averages over them"
     ) in markdown
+
+
+def test_a_job_whose_latest_attempt_failed_is_listed_as_failed(tmp_path, capsys):
+    write_run(tmp_path / "0", "alibi", 0, {64: 20.0})
+    write_run(tmp_path / "1", "rope", 0, {64: 21.0})
+    (tmp_path / "1" / "error.txt").write_text("data.max_len=0 is invalid\n")
+    os.utime(tmp_path / "1" / "results.json", (1, 1))  # the results are older than the error
+    main([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| alibi |" in out and "| rope |" not in out and "failed: data.max_len=0 is invalid" in out

@@ -166,6 +166,8 @@ def test_a_failing_job_is_recorded_and_the_sweep_goes_on(small_text_corpus, tmp_
         set_root=False,
     )
     assert "error: data.max_len=0 is invalid" in result.stderr
+    # The sweep went on, then says how many failed and exits 1: a script must not take it as complete.
+    assert result.returncode == 1 and "study: 1 of 2 jobs failed; each one's error.txt says why" in result.stderr
     # The failed job counts as done, and its seconds stay out of the estimate for the jobs left.
     assert "study: job 1 of 2 done (data.max_len=0, failed)\n" in result.stdout
     (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()

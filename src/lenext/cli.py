@@ -5,6 +5,7 @@ The configs ship inside the package (``lenext/configs``), so an installed lenext
 a config folder of their own with ``hydra.searchpath=[file:///path/to/configs]``.
 """
 
+import contextlib
 import functools
 import os
 import sys
@@ -35,16 +36,20 @@ def one_line_errors(main: Callable) -> Callable:
     HYDRA_FULL_ERROR=1 keeps the traceback.
 
     In a multirun the failed job writes its message to error.txt in its folder and the sweep goes on (the report
-    lists the job as failed), unless the error ends the sweep (SIGTERM: the machine is going away).
+    lists the job as failed; the sweep exits 1 at its end: lenext.progress), unless the error ends the sweep
+    (SIGTERM: the machine is going away; a sweep folder that holds other runs).
     """
 
     @functools.wraps(main)
     def wrapper(cfg: DictConfig):
+        hydra_cfg = hydra_config()
+        if hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN:  # this attempt's outcome replaces an earlier failure's
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(hydra_cfg.runtime.output_dir, ERROR_FILE))
         try:
             return main(cfg)
         except LenextError as e:
             print_one_line(e)
-            hydra_cfg = hydra_config()
             if hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN and not e.ends_sweep:
                 write_atomic(os.path.join(hydra_cfg.runtime.output_dir, ERROR_FILE), f"{e}\n")
                 return None

@@ -502,7 +502,7 @@ def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -
     }
 
 
-METRICS_READ = ("ppl", "exact_match", "token_accuracy")  # the row values reports read
+METRICS_READ = ("ppl", "mean_nll", "exact_match", "token_accuracy")  # the row values reports and skips read
 
 
 def not_lenext_results(results) -> str | None:

@@ -58,11 +58,17 @@ def hold_folder(folder: str) -> bool:
         lock.close()
         log.warning("%s cannot be locked (%s): nothing stops a second process from using it", folder, e.strerror)
         return False
-    lock.seek(0)
-    lock.truncate()
     started = datetime.datetime.now().isoformat(timespec="seconds")
-    lock.write(f"lenext process {os.getpid()} on {socket.gethostname()} (started {started})\n")
-    lock.flush()
+    try:  # who holds it, for the message a second process prints
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"lenext process {os.getpid()} on {socket.gethostname()} (started {started})\n")
+        lock.flush()
+    except OSError as e:
+        lock.close()
+        raise FolderInUse(
+            f"{folder} cannot hold this run ({e.strerror or type(e).__name__}): free space there"
+        ) from None
     _held[key] = lock
     return True
 
@@ -76,7 +82,7 @@ def release_folder(folder: str) -> None:
 def launched_by_another_process() -> bool:
     """Whether this process is a worker another process started for the same run (DDP ranks, nodes, srun tasks)."""
     ranks = ["RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"]
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:  # srun starts one task per rank
+    if os.environ.get("SLURM_NTASKS", "1").strip() not in ("", "1"):  # srun starts one task per rank
         ranks.append("SLURM_PROCID")
     return any(os.environ.get(rank, "0") != "0" for rank in ranks)
 

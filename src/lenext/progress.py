@@ -10,6 +10,7 @@ a copy of this callback as it was at launch, so there the line gives only the jo
 
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -56,6 +57,7 @@ class StudyProgress(Callback):
         self.total: int | None = None
         self.swept_keys: set[str] = set()
         self.done = 0
+        self.failed = 0
         self.trained_seconds: list[float] = []
         self.started = time.monotonic()
 
@@ -79,6 +81,7 @@ class StudyProgress(Callback):
             print(f"study: job {config.hydra.job.num + 1}{of_total} done {what}", flush=True)
             return
         self.done += 1
+        self.failed += outcome == "failed"
         if outcome == "trained":
             self.trained_seconds.append(seconds)
         line = f"study: job {self.done}{of_total} done {what}"
@@ -88,3 +91,9 @@ class StudyProgress(Callback):
         elif left and self.trained_seconds:
             line += f"; ~{duration(left * sum(self.trained_seconds) / len(self.trained_seconds))} left"
         print(line, flush=True)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """A sweep with failed jobs exits 1, so that a script (make study) does not go on as if it were complete."""
+        if self.failed and self.sweep_pid == os.getpid():
+            print(f"study: {self.failed} of {self.done} jobs failed; each one's error.txt says why", file=sys.stderr)
+            sys.exit(1)

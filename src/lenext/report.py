@@ -69,7 +69,13 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
                 key=lambda d: (not d.isdigit(), int(d) if d.isdigit() else 0, d),
             )
             is_run = ".hydra" in os.listdir(root)
-            if RESULTS_FILE in files:
+            if ERROR_FILE in files and (
+                RESULTS_FILE not in files
+                or os.path.getmtime(os.path.join(root, ERROR_FILE)) > os.path.getmtime(os.path.join(root, RESULTS_FILE))
+            ):  # the latest attempt failed, whatever an earlier one left
+                with open(os.path.join(root, ERROR_FILE), encoding="utf-8", errors="replace") as f:
+                    incomplete.append((root, f"failed: {f.read().strip()}"))
+            elif RESULTS_FILE in files:
                 try:
                     with open(os.path.join(root, RESULTS_FILE), encoding="utf-8") as f:
                         results = json.load(f)
@@ -83,9 +89,6 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
                     complete.append((root, results))
                 else:
                     incomplete.append((root, f"{RESULTS_FILE} not marked complete"))
-            elif ERROR_FILE in files:
-                with open(os.path.join(root, ERROR_FILE), encoding="utf-8", errors="replace") as f:
-                    incomplete.append((root, f"failed: {f.read().strip()}"))
             elif is_run and not any(d.isdigit() for d in dirs):
                 incomplete.append((root, f"no {RESULTS_FILE}: failed, interrupted or still running"))
     return complete, incomplete

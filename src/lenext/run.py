@@ -189,44 +189,66 @@ def build(cfg: DictConfig):
 
 
 # What makes a run the run it is: resuming it under other values would mix two runs (the trainer's may change:
-# a longer max_steps continues a run). Under the data key, what only changes how it is read is left out.
+# a longer max_steps continues a run). Left out: what only changes how data is read or how much memory a step takes.
 RUN_IDENTITY = ("model", "pe", "train", "module", "seed", "data")
-NOT_IDENTITY = ("data.num_workers", "data.eval_batch_size", "data.cache_dir")
+NOT_IDENTITY = ("data.num_workers", "data.eval_batch_size", "data.cache_dir", "eval.tokens_per_batch")
+EVALUATION_ONLY = ("data.eval_samples",)  # a probe's evaluation samples: a resume may change them, a skip may not
 # A finished run is skipped only if it is what this command would make: its budget and evaluation included.
 FINISHED_IDENTITY = (*RUN_IDENTITY, "trainer.max_steps", "trainer.accumulate_grad_batches", "eval")
 
 
-def run_identity(cfg: DictConfig, keys: tuple[str, ...] = RUN_IDENTITY) -> dict:
-    """The ``keys`` of a run config, resolved, flattened to dotted keys (``NOT_IDENTITY`` left out)."""
-    identity = {}
+def flat_settings(settings: dict, ignore: tuple[str, ...] = NOT_IDENTITY) -> dict:
+    """Nested settings as dotted keys (``{"model": {"d_model": 64}}`` -> ``{"model.d_model": 64}``), ``ignore`` left
+    out."""
+    flat = {}
 
-    def flatten(key: str, value) -> None:
+    def visit(key: str, value) -> None:
         if isinstance(value, dict):
             for name, item in value.items():
-                flatten(f"{key}.{name}", item)
-        elif not key.startswith(NOT_IDENTITY):
-            identity[key] = value
+                visit(f"{key}.{name}" if key else str(name), item)
+        elif not key.startswith(ignore):
+            flat[key] = value
 
-    for key in keys:
-        node = OmegaConf.select(cfg, key, default=None)
-        flatten(key, OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node)
-    return identity
+    visit("", settings)
+    return flat
+
+
+def run_identity(cfg: DictConfig, keys: tuple[str, ...] = RUN_IDENTITY, ignore: tuple[str, ...] = NOT_IDENTITY):
+    """The ``keys`` of a run config, resolved, as dotted keys."""
+    nodes = {key: OmegaConf.select(cfg, key, default=None) for key in keys}
+    return flat_settings(
+        {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in nodes.items()}, ignore
+    )
 
 
 def refuse_other_settings(stored: dict, cfg: DictConfig, what: str, remedy: str) -> None:
-    """A ConfigError naming the settings where ``stored`` (the ``run_identity`` of the run ``what`` belongs to) and
-    this command differ. Keys ``stored`` lacks (written before they existed) are not compared."""
-    here = run_identity(cfg, tuple(dict.fromkeys(key.split(".")[0] for key in stored)) or RUN_IDENTITY)
-    differing = [key for key in stored if key in here and stored[key] != here[key]]
+    """A RunFolderMismatch naming the settings where ``stored`` (the identity of the run ``what`` belongs to) and this
+    command differ. Not compared: keys ``stored`` lacks (written before they existed), and keys this command leaves
+    null (a default the code resolves, which older runs stored resolved: T5's max_distance)."""
+    here = run_identity(cfg, tuple(dict.fromkeys(key.split(".")[0] for key in stored)) or RUN_IDENTITY, ())
+    differing = [k for k in stored if k in here and here[k] is not None and stored[k] != here[k]]
     if differing:
-        shown = "; ".join(f"{k}={stored.get(k)!r} there, {here.get(k)!r} here" for k in differing[:3])
+        shown = "; ".join(f"{k}={stored[k]!r} there, {here[k]!r} here" for k in differing[:3])
         more = f" (and {len(differing) - 3} more)" if len(differing) > 3 else ""
-        raise ConfigError(f"{what} belongs to a run with other settings than this command: {shown}{more}. {remedy}")
+        raise RunFolderMismatch(
+            f"{what} belongs to a run with other settings than this command: {shown}{more}. {remedy}"
+        )
+
+
+class RunFolderMismatch(ConfigError):
+    """The run folder holds another run: every job of a sweep re-launched into it would meet the same, so the sweep
+    stops at the first (instead of reporting the old runs as this sweep's)."""
+
+    ends_sweep = True
 
 
 ANOTHER_FOLDER = (
     "Repeat the run's own settings, or give this run another folder (hydra.run.dir=..., or hydra.sweep.dir=... "
     "for a sweep)"
+)
+FINISHED_ELSEWHERE = (
+    f"{ANOTHER_FOLDER}. To train a finished run further (a larger trainer.max_steps), delete its results.json: "
+    "it resumes from checkpoints/last.ckpt"
 )
 
 
@@ -240,33 +262,33 @@ def completed_results(cfg: DictConfig) -> dict | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, RecursionError) as e:  # written atomically: not lenext's, or not a file
-        raise ConfigError(
+        raise RunFolderMismatch(
             f"{path} cannot be read as a results file ({type(e).__name__}): move it away, or use another folder"
         ) from None
     problem = not_lenext_results(results)
     if problem:
-        raise ConfigError(f"{path} is not a lenext results file ({problem}): move it away, or use another folder")
+        raise RunFolderMismatch(f"{path} is not a lenext results file ({problem}): move it away, or use another folder")
     if not results.get("complete"):
         return None
     meta = results["meta"]
-    stored = meta["identity"] if isinstance(meta.get("identity"), dict) else implied_identity(meta, cfg)
-    refuse_other_settings(stored, cfg, path, ANOTHER_FOLDER)
+    # What the file says of its run; meta.identity, where kept, says more (and earlier versions of it less).
+    stored = implied_identity(meta, cfg) | (meta["identity"] if isinstance(meta.get("identity"), dict) else {})
+    refuse_other_settings(stored, cfg, path, FINISHED_ELSEWHERE)
     return results
 
 
 def implied_identity(meta: dict, cfg: DictConfig) -> dict:
-    """What a results file from before ``meta.identity`` says of its run: PE, model, seed, L_train and, from the
-    tokens it trained, its steps (with this command's batch, on one device)."""
-    implied = {
-        "pe": meta.get("pe_config") or {},
-        "model": meta.get("model") or {},
-        "data": {"max_len": meta["train_len"]},
-    }
-    identity = run_identity(OmegaConf.create({**implied, "seed": meta["seed"]}), ("pe", "model", "seed", "data"))
+    """What any lenext results file says of its run: PE, model, seed, L_train, positions and, from the tokens it
+    trained, its steps (with this command's batch, on one device)."""
+    identity = flat_settings({"pe": meta.get("pe_config") or {}, "model": meta.get("model") or {}})
+    identity |= {"seed": meta["seed"], "data.max_len": meta["train_len"]}
+    if isinstance(meta.get("positions"), dict) and "train" in meta["positions"]:
+        identity["train.positions"] = meta["positions"]["train"]
     trainer, data = cfg.trainer, cfg.data
     if isinstance(meta.get("tokens_trained"), int) and trainer.get("devices") == 1:
         per_step = data.batch_size * data.max_len * (trainer.get("accumulate_grad_batches") or 1)
-        identity["trainer.max_steps"] = meta["tokens_trained"] // per_step
+        steps = meta["tokens_trained"] / per_step
+        identity["trainer.max_steps"] = int(steps) if steps.is_integer() else f"{meta['tokens_trained']} tokens"
     return identity
 
 
@@ -298,8 +320,9 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
             f"{e}. This run's folder cannot resume from it: {alternatives}or delete it to train the run afresh"
         ) from None
     remedy = ANOTHER_FOLDER if key is None else "Repeat the settings it was trained with, or resume from another"
-    stored = OmegaConf.create(checkpoint["hyper_parameters"]["run_config"])
-    refuse_other_settings(run_identity(stored), cfg, f"{key}={path}" if key else path, remedy)
+    trained = OmegaConf.create(checkpoint["hyper_parameters"]["run_config"])
+    stored = run_identity(trained, ignore=NOT_IDENTITY + EVALUATION_ONLY)
+    refuse_other_settings(stored, cfg, f"{key}={path}" if key else path, remedy)
     if cfg.trainer.max_steps < checkpoint.get("global_step", 0):
         raise ConfigError(
             f"trainer.max_steps={cfg.trainer.max_steps} is invalid for this run: {path} is at step "
