@@ -475,7 +475,8 @@ def load_checkpoint(path: str, key: str | None = "ckpt") -> dict:
         )
     try:
         # Full unpickling, as Lightning does: Lightning checkpoints hold more than tensors. Load only your own runs.
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        # Memory-mapped: a resume reads it here for its settings and Lightning reads it again, so no second copy.
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as e:  # truncated zip, pickle garbage, ...: all mean the file is not usable
         raise CheckpointError(
             f"{named} cannot be read ({type(e).__name__}): the file is truncated (a run killed or a disk filled "
