@@ -45,7 +45,6 @@ from pathlib import Path
 import lightning as L
 import torch
 from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from lenext import pe as pes
@@ -59,7 +58,7 @@ from lenext.model import LOGIT_CHUNK_ELEMENTS, Decoder
 from lenext.module import adamw_with_schedule
 from lenext.pe.base import sequential_positions
 from lenext.positions import PoSE, PositionScheme, Randomized, training_positions
-from lenext.run import build_net, instantiate
+from lenext.run import build_net, config_pe_name, instantiate, resolve
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -376,7 +375,7 @@ def study_loader(cfg, steps: int) -> DataLoader:
 
 def study_net(cfg) -> Decoder:
     torch.manual_seed(SEED)
-    return build_net(cfg, cfg.data.vocab_size)
+    return build_net(resolve(cfg, config_pe_name(cfg), sweeps=False), cfg.data.vocab_size)
 
 
 class StepClock(L.Callback):
@@ -444,7 +443,7 @@ def bench_lightning(reps, steps, log, compiled=True):
         cfgs = {precision: study_config(output_dir, precision, steps + 1) for precision in (chosen, other)}
         loader = study_loader(cfgs[chosen], steps + 1)
         module = instantiate(cfgs[chosen].module, "module", _partial_=True, _convert_="all")(
-            net=study_net(cfgs[chosen]), run_config=OmegaConf.to_container(cfgs[chosen], resolve=True)
+            net=study_net(cfgs[chosen])
         )
         nets = {"bare": study_net(cfgs[chosen]), f"bare {other}": study_net(cfgs[other])}
         if compiled:

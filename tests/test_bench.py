@@ -5,7 +5,6 @@ import logging
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from lenext import hardware
 from tests.conftest import ROOT
@@ -28,9 +27,7 @@ def test_the_bare_loop_trains_exactly_as_the_lightning_trainer(bench, tmp_path):
     steps = 3
     cfg = bench.study_config(str(tmp_path), "32-true", steps)
     loader = bench.study_loader(cfg, steps)
-    module = bench.instantiate(cfg.module, "module", _partial_=True, _convert_="all")(
-        net=bench.study_net(cfg), run_config=OmegaConf.to_container(cfg, resolve=True)
-    )
+    module = bench.instantiate(cfg.module, "module", _partial_=True, _convert_="all")(net=bench.study_net(cfg))
     bare = bench.study_net(cfg).train()
     assert len(bench.lightning_steps(cfg, module, loader)) == len(bench.bare_steps(cfg, bare, loader)) == steps
     trained, initial = dict(module.net.named_parameters()), dict(bench.study_net(cfg).named_parameters())

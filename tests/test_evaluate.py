@@ -14,7 +14,7 @@ import lenext.attention.band
 import lenext.evaluate
 import lenext.model
 from lenext.errors import ConfigError
-from lenext.evaluate import TextEvaluation, evaluate_length, sweep, windows_for
+from lenext.evaluate import TextEvaluation, evaluate_length, sweep, sweep_plan, windows_for
 from lenext.model import Decoder
 from lenext.pe import ALiBi, Learned, RoPE, T5Bias
 from lenext.run import evaluate_checkpoint, train
@@ -79,10 +79,15 @@ def eval_cfg(**overrides):
     return OmegaConf.create({**base, **overrides})
 
 
+def sweep_of(net, evaluation, train_len, settings):
+    """``sweep`` of a run trained at ``train_len`` with the eval ``settings``, planned as a run plans it."""
+    return sweep(net, evaluation, sweep_plan(settings, train_len, None, evaluation.protocols), settings)
+
+
 @pytest.mark.parametrize("protocol", ["nonoverlap", "sliding", "last_k"])
 def test_perplexity_equals_exp_mean_nll_of_a_plain_per_window_loop(protocol):
     net, docs = tiny_net(), random_documents()
-    rows, _ = sweep(net, TextEvaluation(docs), 16, eval_cfg(protocol=protocol, stride=5, last_k=8))
+    rows, _ = sweep_of(net, TextEvaluation(docs), 16, eval_cfg(protocol=protocol, stride=5, last_k=8))
     for row in rows:
         length = row["length"]
         windows = windows_for(protocol, [len(d) for d in docs], length, stride=5, k=8, block=64)
@@ -139,7 +144,7 @@ def test_per_position_curve_averages_the_windows():
 
 
 def test_learned_beyond_max_len_is_not_applicable_and_the_sweep_goes_on():
-    rows, _ = sweep(tiny_net(Learned), TextEvaluation(random_documents()), 16, eval_cfg(factors=[1, 2, 4, 16]))
+    rows, _ = sweep_of(tiny_net(Learned), TextEvaluation(random_documents()), 16, eval_cfg(factors=[1, 2, 4, 16]))
     by_length = {r["length"]: r for r in rows}
     assert by_length[16]["status"] == "ok" and by_length[16]["ppl"] > 1
     for length in (32, 64):
@@ -151,7 +156,7 @@ def test_learned_beyond_max_len_is_not_applicable_and_the_sweep_goes_on():
 
 def test_rope_scalings_give_one_row_each_with_the_factor_used():
     net = tiny_net(RoPE)
-    rows, _ = sweep(
+    rows, _ = sweep_of(
         net, TextEvaluation(random_documents()), 16, eval_cfg(rope_scalings=["none", "linear", "ntk", "yarn"])
     )
     assert [(r["scaling"], r["length"]) for r in rows] == [
@@ -219,9 +224,11 @@ def test_checkpoint_evaluation_matches_training_validation_and_writes_documented
     assert base["meta"]["pe"]["base"] == 2 and base["rows"][0]["status"] == "ok"
     evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "fit", ckpt, "eval.lengths=[32]", "split=train"))
     assert json.loads((tmp_path / "fit" / "results.json").read_text())["meta"]["split"] == "train"
-    # A checkpoint from before the `train` node (positions) existed evaluates at 0..L-1.
+    # A checkpoint from before the `train` node (positions) and the stored RunSpec existed evaluates at 0..L-1.
     old = torch.load(ckpt, map_location="cpu", weights_only=False)
-    del old["hyper_parameters"]["run_config"]["train"]
+    config = old["hyper_parameters"].pop("run")["config"]
+    del config["train"], config["init_from"], config["pe"]["original_len"]
+    old["hyper_parameters"]["run_config"] = config
     torch.save(old, tmp_path / "old.ckpt")
     evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "old", tmp_path / "old.ckpt", "eval.lengths=[64]"))
     old_results = json.loads((tmp_path / "old" / "results.json").read_text())

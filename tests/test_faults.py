@@ -18,7 +18,7 @@ from lenext.lock import LOCK_FILE, FolderInUse, hold_folder, release_folder
 from lenext.module import AtomicCheckpointIO
 from lenext.report import main as report_main
 from lenext.report import unwritable
-from lenext.run import TRAIN_NODES, TrainSettings, build, preflight, refuse_other_settings, train
+from lenext.run import TRAIN_NODES, TrainSettings, preflight, refuse_other_settings, resolve_training, train
 from tests.conftest import ROOT, small_corpus_overrides
 from tests.test_report import write_run
 
@@ -86,7 +86,7 @@ def test_resuming_under_another_model_shape_names_the_settings(compose_train, sm
     with pytest.raises(
         ConfigError, match=r"last.ckpt belongs to a run with other settings.*model.d_model=64 there, 128 here"
     ):
-        build(wider)
+        resolve_training(wider)
     # The finished run's results: a re-launch with other settings is not skipped as if it were this run
     with pytest.raises(ConfigError, match=r"results.json belongs to a run with other settings.*model.d_model"):
         train(wider)
@@ -117,7 +117,7 @@ def test_a_finished_run_is_skipped_only_under_its_own_budget_and_evaluation(comp
         train(compose_train(*overrides, "trainer.max_steps=4"))
     (tmp_path / "results.json").unlink()  # unfinished: resumable with a longer budget, not a shorter one
     with pytest.raises(ConfigError, match=r"^trainer.max_steps=2 is invalid for this run: .*last.ckpt is at step 3"):
-        build(compose_train(*overrides, "trainer.max_steps=2"))
+        resolve_training(compose_train(*overrides, "trainer.max_steps=2"))
 
 
 def test_a_default_this_command_leaves_null_is_not_compared(compose_train):
@@ -159,7 +159,7 @@ def test_a_truncated_last_checkpoint_is_named_with_what_to_do(compose_train, sma
     last = tmp_path / "checkpoints" / "last.ckpt"
     last.write_bytes(last.read_bytes()[:1000])  # a disk filled mid-write
     with pytest.raises(CheckpointError, match=rf"^{last} cannot be read .*truncated.*or delete it to train the run"):
-        build(compose_train(*overrides))
+        resolve_training(compose_train(*overrides))
 
 
 def test_checkpoints_are_written_next_to_their_target_only(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ from lenext.files import atomic_path, write_atomic
 from lenext.model import Decoder
 from lenext.module import AtomicCheckpointIO, LanguageModel
 from lenext.pe import NoPE
-from lenext.run import build
+from lenext.run import TRAIN_NODES, TrainSettings, build, preflight
 from tests.conftest import CONFIG_FOLDER, small_corpus_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,7 +187,7 @@ def test_random_configs_either_work_or_fail_with_a_lenext_error(
         overrides.append(pe_extra)
     try:
         cfg = compose_train(*overrides)
-        datamodule, module, _, _ = build(cfg)
+        datamodule, module, _ = build(cfg, preflight(cfg, TrainSettings, TRAIN_NODES))
         tokens = torch.randint(0, datamodule.vocab_size, (2, cfg.data.max_len + 1))
         assert torch.isfinite(scored_targets(module.net, {"tokens": tokens})).all()
         next(iter(datamodule.train_dataloader()))

@@ -130,7 +130,7 @@ def test_ddp_sim_trains_and_evaluates_like_one_process(small_text_corpus, tmp_pa
     # Validation split its windows between the two ranks and scored each once: the sweep's 1x row, exactly.
     at_l_train = rows[0]
     assert (
-        f"over {at_l_train['windows']} windows (the sweep's nonoverlap 1x row): {at_l_train['ppl']:.2f}" in ddp.stdout
+        f"over {at_l_train['windows']} windows (the sweep's nonoverlap row at L_train): {at_l_train['ppl']:.2f}" in ddp.stdout
     )
     assert (tmp_path / "ddp" / "checkpoints" / "last.ckpt").exists()
 
@@ -239,7 +239,7 @@ def test_validation_at_the_end_of_training_is_the_sweeps_nonoverlap_row_at_l_tra
     assert row["length"] == 32 and row["windows"] == 7
     assert metrics["val/ppl"] == pytest.approx(row["ppl"], rel=1e-5)
     assert (
-        "validation perplexity at L_train=32 over 7 windows (the sweep's nonoverlap 1x row): "
+        "validation perplexity at L_train=32 over 7 windows (the sweep's nonoverlap row at L_train): "
         in capsys.readouterr().out
     )
 
@@ -249,9 +249,9 @@ def test_validation_at_the_end_of_training_is_the_sweeps_nonoverlap_row_at_l_tra
             *common, "trainer.limit_val_batches=1", "eval.enabled=false", f"paths.output_dir={tmp_path / 'a'}"
         )
     )
-    assert "over 4 of the 7 windows of the nonoverlap 1x row (cut short by" in capsys.readouterr().out
+    assert "over 4 of the 7 windows of the nonoverlap row at L_train (cut short by" in capsys.readouterr().out
     train(compose_train(*common, "eval.factors=[2]", f"paths.output_dir={tmp_path / 'b'}"))
-    assert "over 7 windows (those of the nonoverlap 1x row, which this sweep lacks)" in capsys.readouterr().out
+    assert "over 7 windows (those of the nonoverlap row at L_train, which this sweep lacks)" in capsys.readouterr().out
 
 
 def test_extrapolation_small_preset_matches_the_published_study_and_trains(small_text_corpus, tmp_path):

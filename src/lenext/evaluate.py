@@ -15,6 +15,7 @@ windows and says why. The probes (lenext.synthetic) have one protocol of their o
 their answers alone, scored by ``measure_answers``. The sweep asks the data which it has.
 """
 
+import dataclasses
 import json
 import logging
 import math
@@ -39,7 +40,7 @@ from lenext.errors import ConfigError, LengthNotSupported
 from lenext.files import write_atomic
 from lenext.hardware import PRECISION_NAMES, machine_description, precision_autocast, release_freed_memory
 from lenext.pe.rope import SCALINGS
-from lenext.positions import PositionScheme, position_scheme, window_positions
+from lenext.positions import PositionScheme, window_positions
 from lenext.schema import PositiveFloat, PositiveInt
 
 log = logging.getLogger("lenext")
@@ -337,16 +338,18 @@ class SweepPlan:
     lengths: list[int]  # ascending
     stride: int  # sliding: targets scored per window
     k: int  # last_k: targets scored per block
+    base_len: int  # L_train of the run's first stage: rows' length_factor = length / base_len
 
 
 def evaluation_positions(eval_cfg, scheme: PositionScheme) -> PositionScheme:
     """The positions the sweep evaluates with: the run's scheme's own (as_trained), or 0..L-1."""
-    return scheme if eval_cfg.get("positions", "as_trained") == "as_trained" else PositionScheme()
+    return scheme if getattr(eval_cfg, "positions", "as_trained") == "as_trained" else PositionScheme()
 
 
-def sweep_plan(eval_cfg, train_len: int, scheme: PositionScheme | None, protocols: tuple[str, ...]) -> SweepPlan:
-    """What ``sweep`` will evaluate, given the ``protocols`` the data has (null eval.protocol: its first);
-    raises ConfigError for settings that only fail together."""
+def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols: tuple[str, ...]) -> SweepPlan:
+    """What ``sweep`` will evaluate, given the ``protocols`` the data has (null eval.protocol: its first), with
+    eval.factors multiplying ``base_len`` (the L_train of the run's first stage, so a second stage is evaluated
+    at the lengths its base was); raises ConfigError for settings that only fail together."""
     asked = protocols[0] if eval_cfg.protocol is None else eval_cfg.protocol
     plan_protocols = [asked] if isinstance(asked, str) else list(asked)
     if not plan_protocols:
@@ -356,7 +359,7 @@ def sweep_plan(eval_cfg, train_len: int, scheme: PositionScheme | None, protocol
             raise ConfigError(
                 f"eval.protocol={protocol} does not apply to this data: it must be among {', '.join(protocols)}"
             )
-    lengths = sorted(set(eval_cfg.lengths or [int(f * train_len) for f in eval_cfg.factors or []]))
+    lengths = sorted(set(eval_cfg.lengths or [int(f * base_len) for f in eval_cfg.factors or []]))
     if not lengths or min(lengths) < 1:
         raise ConfigError(
             f"eval.lengths={lengths} is invalid: give eval.lengths or eval.factors that make positive token counts"
@@ -365,22 +368,21 @@ def sweep_plan(eval_cfg, train_len: int, scheme: PositionScheme | None, protocol
     if k > min(lengths):
         raise ConfigError(f"eval.last_k={k} is invalid: it must be at most the shortest length, {min(lengths)}")
     evaluation_positions(eval_cfg, scheme or PositionScheme()).check_evaluation_length(max(lengths))
-    return SweepPlan(plan_protocols, lengths, eval_cfg.stride or max(1, train_len // 2), k)
+    return SweepPlan(plan_protocols, lengths, eval_cfg.stride or max(1, base_len // 2), k, base_len)
 
 
 def sweep(
     net,
     evaluation,
-    train_len: int,
+    plan: SweepPlan,
     eval_cfg,
     precision: str = "32-true",
     scheme: PositionScheme | None = None,
     seed: int = 0,
 ) -> tuple[list, list]:
-    """Evaluate every (evaluation-time variant of the PE, protocol, length) on ``evaluation`` (the data's
-    ``TextEvaluation`` or probe), at the positions of the run's ``scheme`` (seeded by its ``seed``) or
+    """Evaluate every (evaluation-time variant of the PE, protocol, length) of ``plan`` on ``evaluation`` (the
+    data's ``TextEvaluation`` or probe), at the positions of the run's ``scheme`` (seeded by its ``seed``) or
     0..L-1 (eval.positions). Returns (rows, per-position curve rows)."""
-    plan = sweep_plan(eval_cfg, train_len, scheme, evaluation.protocols)
     evaluated_at = evaluation_positions(eval_cfg, scheme or PositionScheme())
     device = next(net.parameters()).device
     rows, curves = [], []
@@ -394,7 +396,7 @@ def sweep(
                         "protocol": protocol,
                         "scaling": scaling,
                         "length": length,
-                        "length_factor": length / train_len,
+                        "length_factor": length / plan.base_len,
                         "rope_factor": net.pe.scaling_factor(length) if scaling else None,
                         "stride": plan.stride if protocol == "sliding" else None,
                         "k": plan.k if protocol == "last_k" else None,
@@ -462,8 +464,9 @@ def code_commit() -> str | None:
     return f"{commit}-dirty" if commit and changed else commit or None
 
 
-def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -> dict:
-    """Everything needed to identify and reproduce a results file."""
+def run_metadata(spec, net, data, split: str, tokens_trained: int | None) -> dict:
+    """Everything needed to identify and reproduce a results file: the run (``lenext.spec.RunSpec``) whole, and
+    the fields readers use at the top."""
 
     def version(package: str) -> str | None:
         try:
@@ -471,35 +474,47 @@ def run_metadata(cfg: dict, net, data, split: str, tokens_trained: int | None) -
         except metadata.PackageNotFoundError:
             return None
 
-    scheme = position_scheme(cfg.get("train"), cfg["data"]["max_len"])
-    trained_in = cfg.get("trainer", {}).get("precision")
+    scheme, config = spec.scheme, spec.config
     return {
-        "pe_name": cfg.get("pe_name"),
+        "row": spec.row,
+        "pe_name": spec.pe_name,
         "pe": net.pe.describe(),
         # The positions of training (reaching 0..reach-1) and of this evaluation (lenext.positions).
         "positions": {
             "train": scheme.name,
             "reach": scheme.reach,
-            "eval": evaluation_positions(cfg["eval"], scheme).evaluated_at,
+            "eval": evaluation_positions(spec.eval, scheme).evaluated_at,
         },
-        "pe_config": cfg["pe"],
-        "model": {k: v for k, v in cfg["model"].items() if not k.startswith("_")},
-        "train_len": cfg["data"]["max_len"],
-        "seed": cfg["seed"],
+        "pe_config": config["pe"],
+        "model": {k: v for k, v in config["model"].items() if not k.startswith("_")},
+        "train_len": spec.train_len,
+        "base_len": spec.base_len,
+        "seed": spec.seed,
         "corpus": data.name,
-        "task": cfg["data"].get("task"),  # a probe's task (lenext.synthetic); None for text
+        "task": config["data"].get("task"),  # a probe's task (lenext.synthetic); None for text
         "split": split,
         "tokenizer": data.tokenizer_id,
         "vocab_size": data.vocab_size,
         "parameters": sum(p.numel() for p in net.parameters()),
-        "tokens_trained": tokens_trained,
+        "tokens_trained": tokens_trained,  # this stage's; the lineage has its bases'
+        "start": spec.start,
+        "lineage": [
+            {k: v for k, v in dataclasses.asdict(stage).items() if k != "config"} for stage in spec.lineage
+        ],  # the bases' configs: meta.run.lineage
         "git_commit": code_commit(),
         "versions": {p: version(p) for p in ("lenext", "torch", "lightning", "datasets", "tokenizers")},
         "python": platform.python_version(),
         "device": str(next(net.parameters()).device),
         # This machine, with the precision the model was trained in: throughput and bf16 rounding depend on both.
-        "hardware": {**machine_description(), "training_precision": PRECISION_NAMES.get(trained_in, trained_in)},
+        "hardware": {**machine_description(), "training_precision": training_precision(spec)},
+        "run": spec.stored(),
     }
+
+
+def training_precision(spec) -> str | None:
+    """The precision the checkpoint was trained in (canonical); an evaluation's spec keeps it in its config."""
+    trained_in = (spec.config.get("trainer") or {}).get("precision")
+    return PRECISION_NAMES.get(trained_in, trained_in)
 
 
 METRICS_READ = ("ppl", "mean_nll", "exact_match", "token_accuracy")  # the row values reports and skips read

@@ -67,8 +67,8 @@ class LanguageModel(L.LightningModule):
     trained on); in validation, ``window`` (document or sample, first token), which seeds the window's
     positions under randomized positions. Probes also log ``val/exact_match`` and ``val/token_accuracy``.
 
-    ``run_config`` is the resolved run configuration, kept in checkpoints so ``eval.py`` can rebuild
-    the model without the original command line.
+    ``run`` is the resolved run (``lenext.spec.RunSpec.stored()``), kept in checkpoints so ``eval.py`` and a
+    second stage (``init_from``) rebuild the model without the original command line.
     """
 
     def __init__(
@@ -81,7 +81,7 @@ class LanguageModel(L.LightningModule):
         min_lr_ratio: Annotated[float, Range(0, 1)] = 0.1,
         scheme: PositionScheme | None = None,
         seed: int = 0,
-        run_config: dict | None = None,
+        run: dict | None = None,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["net", "scheme"])
@@ -94,8 +94,8 @@ class LanguageModel(L.LightningModule):
         self.train_seconds, self.train_tokens = 0.0, 0  # time inside training steps, for tokens/s
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        if self.hparams.run_config:  # kept for eval.py's results files
-            checkpoint["tokens_trained"] = tokens_trained(self.trainer, self.hparams.run_config["data"])
+        if self.hparams.run:  # kept for eval.py's results files and a later stage's lineage
+            checkpoint["tokens_trained"] = tokens_trained(self.trainer, self.hparams.run["config"]["data"])
 
     def on_fit_start(self) -> None:
         warn_if_precision_is_slow(self.trainer.precision, self.device)

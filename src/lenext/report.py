@@ -35,7 +35,7 @@ import pandas as pd
 
 from lenext.evaluate import ACCURACY, ERROR_FILE, POSITIONS_FILE, RESULTS_FILE, not_lenext_results
 from lenext.files import atomic_path, write_atomic
-from lenext.positions import SCHEMES
+from lenext.spec import first_stage_row
 
 BINS_PER_OCTAVE = 4
 NOT_SEPARABLE = "~"
@@ -95,20 +95,21 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
 
 
 def label(meta: dict, scaling: str | None) -> str:
-    """Row label: the PE's config name, ``_scheme`` when trained at drawn positions (``rope_randomized``, as the
-    config of that row is named; from the positions the run used, whatever its config name says), the
-    variant when evaluation changed it (``rope (ntk)``), and evaluation positions other than the scheme's own."""
-    name = meta.get("pe_name") or meta["pe"]["name"].lower()
+    """Row label: the run's row (``meta.row``, lenext.spec: the PE's config name, ``_scheme`` when trained at
+    drawn positions, ``<base row> -> <method>@<length>`` for a second stage), the variant when evaluation changed
+    it (``rope (ntk)``), and evaluation positions other than the scheme's own."""
     positions = meta.get("positions") or {"train": "sequential", "eval": "sequential"}
-    for scheme in SCHEMES:  # a row's config name (rope_randomized): the scheme the run used is added below
-        name = name.removesuffix(f"_{scheme}")
-    if positions["train"] != "sequential":
-        name += f"_{positions['train']}"
+    name = meta.get("row") or first_stage_row(meta.get("pe_name") or meta["pe"]["name"].lower(), positions["train"])
     trained = meta["pe"].get("scaling")
     name = name if scaling in (None, trained) else f"{name} ({scaling})"
     if positions["train"] == "randomized" and positions["eval"] == "sequential":
         name += " (eval at 0..L-1)"
     return name
+
+
+def table_len(meta: dict) -> int:
+    """The L_train a run's rows are tabled under: its first stage's (a second stage sits beside its base)."""
+    return meta.get("base_len") or meta["train_len"]
 
 
 def collect(runs: list[tuple[str, dict]]) -> pd.DataFrame:
@@ -127,7 +128,7 @@ def collect(runs: list[tuple[str, dict]]) -> pd.DataFrame:
                         "run": run_dir,
                         "pe": label(meta, row["scaling"]),
                         "task": meta.get("task") or "",
-                        "train_len": meta["train_len"],
+                        "train_len": table_len(meta),
                         "seed": meta["seed"],
                         "protocol": row["protocol"],
                         "metric": metric,
@@ -412,7 +413,7 @@ def binned_positions(runs: list[tuple[str, dict]]) -> pd.DataFrame:
                 tokens = int(in_bin["count"].sum())
                 per_run.append(
                     {
-                        "train_len": meta["train_len"],
+                        "train_len": table_len(meta),
                         "pe": label(meta, scaling or None),
                         "bin_start": start,
                         "bin_end": end,
@@ -517,7 +518,7 @@ def passkey_depths(runs: list[tuple[str, dict]]) -> pd.DataFrame:
     pe, depth (the bucket's lower edge), length, mean, std, seeds, answers."""
     records = [
         {
-            "train_len": results["meta"]["train_len"],
+            "train_len": table_len(results["meta"]),
             "pe": label(results["meta"], row["scaling"]),
             "depth": row["depth"],
             "length": row["length"],

@@ -5,6 +5,7 @@ every key (lenext.schema) and build everything they will use, evaluation plan in
 reading the corpus: a bad setting costs seconds, never a training run.
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
+from hydra.utils import get_object
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -27,6 +29,7 @@ from lenext.errors import CheckpointError, ConfigError, LenextError, Stopped
 from lenext.evaluate import (
     RESULTS_FILE,
     EvalSettings,
+    SweepPlan,
     code_commit,
     not_lenext_results,
     run_metadata,
@@ -34,11 +37,12 @@ from lenext.evaluate import (
     sweep_plan,
     write_results,
 )
-from lenext.hardware import Precision, canonical_precision
+from lenext.hardware import PRECISION_NAMES, Precision, canonical_precision
 from lenext.module import tokens_trained
 from lenext.pe.rope import SCALINGS
-from lenext.positions import PositionScheme, TrainPositions, position_scheme
+from lenext.positions import TrainPositions, position_scheme
 from lenext.schema import Range
+from lenext.spec import RunSpec, Stage, first_stage_row, later_stage_row
 
 log = logging.getLogger("lenext")
 
@@ -61,6 +65,7 @@ class TrainSettings:
     task_name: str
     seed: Annotated[int, Range(0, 2**32 - 1)]  # what Lightning's seed_everything accepts
     ckpt_path: str | None
+    init_from: str | None = None  # a second stage: the base checkpoint whose weights it starts from
 
 
 @dataclass(frozen=True)
@@ -129,68 +134,241 @@ def hydra_config() -> HydraConfig | None:
     return HydraConfig.get() if HydraConfig.initialized() else None
 
 
-def positions_of(run: DictConfig) -> PositionScheme:
-    """The run's ``train`` positions (checkpoints from before the key: sequential)."""
-    settings = run.get("train")
-    return position_scheme(OmegaConf.to_container(settings) if settings else None, run.data.max_len)
+def config_pe_name(cfg: DictConfig) -> str:
+    """The PE's config name (``pe=rope_ntk``; rope and rope_ntk share a class), or its class's for a config
+    composed without Hydra's runtime."""
+    hydra_cfg = hydra_config()
+    chosen = hydra_cfg.runtime.choices.get("pe") if hydra_cfg else None
+    return chosen or cfg.get("pe_name") or str(cfg.pe._target_).rsplit(".", 1)[-1].lower()
 
 
-def build_net(run: DictConfig, vocab_size: int):
-    """The Decoder of a run config: the one place a model is built (training, eval.py, pre-flight)."""
-    pe = instantiate(run.pe, "pe")
-    train_len, reach = run.data.max_len, positions_of(run).reach
-    return instantiate(run.model, "model", vocab_size=vocab_size, train_len=train_len, max_position=reach, pe=pe)
-
-
-def preflight(run: DictConfig, settings: type | None, nodes: dict[str, type], sweeps: bool = True) -> None:
-    """Everything a run will use, checked before any work: every key's type and range, the model
-    (relations between keys: heads and width, T5's buckets, RoPE's head size) and, when the run ``sweeps``
-    lengths, the evaluation plan."""
-    schema.check(run, settings, nodes)
-    data = instantiate(run.data, "data")  # reads nothing yet: a corpus is read by load()
-    build_net(run, 256)  # milliseconds, any vocabulary; the real one waits for the tokenizer's
-    if not sweeps:
-        return
-    plan = sweep_plan(run.eval, run.data.max_len, positions_of(run), data.protocols)
-    data.check_length(
-        min(plan.lengths), "min(eval.lengths)" if run.eval.lengths else "min(eval.factors) x data.max_len"
+def build_decoder(pe: dict, model: dict, train_len: int, reach: int, vocab_size: int):
+    """A Decoder of PE and model nodes, trained at ``train_len`` with positions reaching ``reach``."""
+    return instantiate(
+        model, "model", vocab_size=vocab_size, train_len=train_len, max_position=reach, pe=instantiate(pe, "pe")
     )
 
 
-def build(cfg: DictConfig):
-    """Data module, LightningModule, Trainer and the checkpoint to resume from (or None) for a composed
-    training config, each setting checked (``preflight``, the checkpoint) before the corpus is read."""
-    preflight(cfg, TrainSettings, TRAIN_NODES, sweeps=cfg.eval.enabled)
+def build_net(spec: RunSpec, vocab_size: int):
+    """The Decoder of a run: the one place a model is built (training, eval.py, benchmarks)."""
+    return build_decoder(spec.config["pe"], spec.config["model"], spec.train_len, spec.reach, vocab_size)
+
+
+def resolved_pe(pe: dict, model: dict, train_len: int, reach: int) -> dict:
+    """The PE node with every hyperparameter resolved (``PositionalEncoding.hyperparameters``), read from the
+    model built with it: milliseconds, and the model's own checks (heads and width, T5's buckets, RoPE's head
+    size) run on the way."""
+    built = build_decoder(pe, model, train_len, reach, 256).pe
+    return {"_target_": pe["_target_"], "_partial_": True, **built.hyperparameters()}
+
+
+def resolved_positions(cfg: DictConfig) -> TrainPositions:
+    """The run's ``train`` node (absent from configs before it existed: sequential), its nulls filled in."""
+    settings = TrainPositions(**(OmegaConf.to_container(cfg.train, resolve=True) if "train" in cfg else {}))
+    scheme = position_scheme(dataclasses.asdict(settings), cfg.data.max_len)
+    if settings.positions == "randomized":
+        return dataclasses.replace(settings, max_position=scheme.reach)
+    if settings.positions == "pose":
+        return dataclasses.replace(settings, target_len=scheme.reach)
+    return settings
+
+
+def evaluation_plan(eval_settings: EvalSettings, base_len: int, scheme, data) -> SweepPlan:
+    """What the sweep will evaluate on ``data``'s protocols, each length checked against the data."""
+    plan = sweep_plan(eval_settings, base_len, scheme, data.protocols)
+    factors_of = "data.max_len" if base_len == data.max_len else f"L_train of the first stage ({base_len})"
+    data.check_length(
+        min(plan.lengths), "min(eval.lengths)" if eval_settings.lengths else f"min(eval.factors) x {factors_of}"
+    )
+    return plan
+
+
+def resolve(cfg: DictConfig, pe_name: str, sweeps: bool = True, precision: str | None = None) -> RunSpec:
+    """The RunSpec of a config ``schema.check`` passed: the PE's hyperparameters resolved, the positions, the
+    evaluation plan (when the run ``sweeps``), its lineage and row. Settings that only fail together, and a base
+    checkpoint (``init_from``) that cannot serve this stage, raise a one-line error here, before any work."""
+    positions = resolved_positions(cfg)
+    scheme = position_scheme(dataclasses.asdict(positions), cfg.data.max_len)
+    reach = scheme.reach or cfg.data.max_len
+    config = OmegaConf.to_container(cfg, resolve=True)
+    base, stage = read_base(cfg.init_from) if cfg.get("init_from") else (None, None)
+    pe = stage_pe(config, base, stage, scheme, "init_from") if base else config["pe"]
+    try:
+        config["pe"] = resolved_pe(pe, config["model"], cfg.data.max_len, reach)
+    except ConfigError as e:
+        if not base:
+            raise
+        raise ConfigError(f"{e}; a second stage keeps the PE settings of init_from={stage.checkpoint}") from None
+    if base:
+        fits_weights(config, stage, reach)
+    data = instantiate(cfg.data, "data")  # reads nothing yet: a corpus is read by load()
+    base_len = base.base_len if base else cfg.data.max_len
+    eval_settings = EvalSettings(**OmegaConf.to_container(cfg.eval, resolve=True))
+    plan = evaluation_plan(eval_settings, base_len, scheme, data) if sweeps else None
+    row = later_stage_row(base.row, config["pe"], scheme.name, reach) if base else first_stage_row(pe_name, scheme.name)
+    return RunSpec(
+        config=config,
+        pe_name=pe_name,
+        row=row,
+        seed=cfg.seed,
+        train_len=cfg.data.max_len,
+        base_len=base_len,
+        positions=positions,
+        eval=eval_settings,
+        plan=plan,
+        precision=precision,
+        start="init_from" if base else "scratch",
+        checkpoint=stage.checkpoint if base else None,
+        lineage=(*base.lineage, stage) if base else (),
+    )
+
+
+def preflight(cfg: DictConfig, settings: type | None, nodes: dict[str, type], sweeps: bool = True) -> RunSpec:
+    """Everything a run will use, checked before any work: every key's type and range (``schema.check``), then
+    the settings that only fail together, while resolving the run (``resolve``)."""
+    schema.check(cfg, settings, nodes)
+    return resolve(cfg, config_pe_name(cfg), sweeps)
+
+
+# Data settings a second stage may change: the others fix the vocabulary (tokenizer) or the task.
+STAGE_DATA_SETTINGS = (
+    "max_len",
+    "batch_size",
+    "eval_batch_size",
+    "num_workers",
+    "cache_dir",
+    "seed",
+    "eval_samples",
+    "train_samples",
+)
+STAGE_MODEL_SETTINGS = ("dropout",)  # the model's other settings fix its weights' shapes
+
+
+def read_base(path: str) -> tuple[RunSpec, Stage]:
+    """The RunSpec of a base checkpoint (``init_from``) and the stage it is, refused in one line if unreadable."""
+    checkpoint = load_checkpoint(path, "init_from")
+    base = stored_spec(checkpoint)
+    steps, tokens = checkpoint.get("global_step", 0), checkpoint.get("tokens_trained")
+    return base, base.as_stage(os.path.abspath(path), steps, tokens)
+
+
+def stage_pe(config: dict, base: RunSpec, stage: Stage, scheme, key: str) -> dict:
+    """The PE node of a second stage from ``base``: the base's resolved PE, with this command's values of the PE's
+    ``STAGE_SETTINGS`` (RoPE's scaling). Refuses, in one line, what the base's weights cannot serve: a shorter
+    length, another model, vocabulary or PE, another value of any other PE setting."""
+    where = f"{key}={stage.checkpoint}"
+    if config["data"]["max_len"] < base.train_len:
+        raise ConfigError(
+            f"data.max_len={config['data']['max_len']} is invalid for a second stage: {where} was trained at "
+            f"data.max_len={base.train_len}; it must be at least that (a second stage extends the context; for PoSE, "
+            "train at the base's length with train.positions=pose train.target_len=L')"
+        )
+    for group, free in (("model", STAGE_MODEL_SETTINGS), ("data", STAGE_DATA_SETTINGS)):
+        here, theirs = flat_settings(config[group], ()), flat_settings(base.config[group], ())
+        for name in sorted(set(here) | set(theirs)):
+            if name.split(".")[0] not in free and here.get(name) != theirs.get(name):
+                raise ConfigError(
+                    f"{group}.{name}={here.get(name)!r} is invalid for a second stage: {where} was trained with "
+                    f"{group}.{name}={theirs.get(name)!r}; a second stage trains the base's model on the base's "
+                    f"vocabulary: repeat the base's {group} settings"
+                )
+    pe, theirs = config["pe"], base.config["pe"]
+    if pe["_target_"] != theirs["_target_"]:
+        if pe.get("scaling", "none") != "none" and "scaling" not in theirs:
+            raise ConfigError(
+                f"pe.scaling={pe['scaling']} is invalid for a second stage from {where}: its PE ({theirs['_target_']}) "
+                f"has no rotation to scale; fine-tune it directly with its own PE (pe={base.pe_name})"
+            )
+        raise ConfigError(
+            f"pe={pe['_target_']} is invalid for a second stage: {where} was trained with {theirs['_target_']}; "
+            f"a second stage trains the base's PE (pe={base.pe_name})"
+        )
+    changeable = get_object(theirs["_target_"]).STAGE_SETTINGS
+    merged = dict(theirs)
+    for name, value in pe.items():
+        if name in changeable:
+            merged[name] = value
+        elif name not in schema.HYDRA_KEYS and value is not None and value != theirs.get(name):
+            may = ", ".join(f"pe.{k}" for k in changeable) or "none of them"
+            raise ConfigError(
+                f"pe.{name}={value!r} is invalid for a second stage: {where} was trained with pe.{name}="
+                f"{theirs.get(name)!r}, which its weights keep; leave it out (a second stage may change {may})"
+            )
+    return merged
+
+
+def fits_weights(config: dict, stage: Stage, reach: int) -> None:
+    """Refuses, before any work, a second stage whose model the base's weights do not fit exactly."""
+    state = net_state(load_checkpoint(stage.checkpoint, "init_from"))
+    vocab_size = state["embedding.weight"].size(0)
+    net = build_decoder(config["pe"], config["model"], config["data"]["max_len"], reach, vocab_size)
+    try:
+        net.load_state_dict(state)
+    except RuntimeError as e:
+        raise CheckpointError(
+            f"init_from={stage.checkpoint}: its weights do not fit this stage's model "
+            f"({str(e).splitlines()[-1].strip()}); repeat the base's model and PE settings"
+        ) from None
+
+
+def net_state(checkpoint: dict) -> dict:
+    """The Decoder's weights in a checkpoint of the LightningModule."""
+    return {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()}
+
+
+def stored_spec(checkpoint: dict) -> RunSpec:
+    """The RunSpec a checkpoint holds; for one written before lenext kept it, resolved from its run config."""
+    hyper = checkpoint["hyper_parameters"]
+    if "run" in hyper:
+        return RunSpec.from_stored(hyper["run"])
+    config = OmegaConf.create(hyper["run_config"])
+    precision = (config.get("trainer") or {}).get("precision")
+    return resolve(
+        config,
+        config.get("pe_name") or config.pe._target_.rsplit(".", 1)[-1].lower(),
+        sweeps=False,
+        precision=canonical_precision(precision) if precision in PRECISION_NAMES else None,
+    )
+
+
+def build(cfg: DictConfig, spec: RunSpec):
+    """Data module, LightningModule and Trainer of a resolved run; the corpus is read here, after every check."""
     code_commit()  # the code this process loaded, read before a long run
     hydra_cfg = hydra_config()
-    with open_dict(cfg):
-        # The PE's config name (rope vs rope_ntk share a class) labels rows in reports.
-        cfg.pe_name = hydra_cfg.runtime.choices.get("pe") if hydra_cfg else cfg.pe._target_.rsplit(".", 1)[-1].lower()
-        if "wandb" in (cfg.get("logger") or {}):
-            cfg.logger.wandb.name = cfg.logger.wandb.name or f"{cfg.pe_name}-L{cfg.data.max_len}-seed{cfg.seed}"
+    if "wandb" in (cfg.get("logger") or {}):
+        with open_dict(cfg):
+            cfg.logger.wandb.name = cfg.logger.wandb.name or f"{spec.row}-L{spec.train_len}-seed{spec.seed}"
             if cfg.logger.wandb.group is None and hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN:
                 cfg.logger.wandb.group = os.path.basename(hydra_cfg.sweep.dir)  # one wandb group per sweep
     # The Trainer first: Lightning checks its settings together (devices, precision, strategy) when built.
     callbacks = [instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items()]
     loggers = [instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items()]
     trainer = instantiate(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False)
-    resume_from = resume_checkpoint(cfg)
     fresh_compile_state()  # each run of a multirun compiles its own flex kernels
-    L.seed_everything(cfg.seed, workers=True)
+    L.seed_everything(spec.seed, workers=True)
     # Validation scores the windows of the sweep's nonoverlap row at L_train: the same measurement.
-    datamodule = instantiate(cfg.data, "data", validation_max_windows=cfg.eval.max_windows)
+    datamodule = instantiate(cfg.data, "data", validation_max_windows=spec.eval.max_windows)
     datamodule.load()
-    net = build_net(cfg, datamodule.vocab_size)
-    # run_config holds _target_ keys: passed after instantiation so Hydra does not build it.
+    net = build_net(spec, datamodule.vocab_size)
+    if spec.start == "init_from":  # the base's weights only: optimizer, step and schedule start afresh
+        net.load_state_dict(net_state(load_checkpoint(spec.checkpoint, "init_from")))
     module = instantiate(cfg.module, "module", _partial_=True, _convert_="all")(
-        net=net, scheme=positions_of(cfg), seed=cfg.seed, run_config=OmegaConf.to_container(cfg, resolve=True)
+        net=net, scheme=spec.scheme, seed=spec.seed, run=spec.stored()
     )
-    return datamodule, module, trainer, resume_from
+    return datamodule, module, trainer
+
+
+def resolve_training(cfg: DictConfig) -> RunSpec:
+    """The RunSpec of ``train.py``'s config (checked by ``schema.check``), with how it starts: resuming this run's
+    checkpoint, from a base checkpoint (``init_from``), or from scratch."""
+    spec = resolve(cfg, config_pe_name(cfg), cfg.eval.enabled, canonical_precision(cfg.trainer.precision))
+    resumed = resume_checkpoint(cfg)
+    return dataclasses.replace(spec, start="resume", checkpoint=resumed) if resumed else spec
 
 
 # What makes a run the run it is: resuming it under other values would mix two runs (the trainer's may change:
 # a longer max_steps continues a run). Left out: what only changes how data is read or how much memory a step takes.
-RUN_IDENTITY = ("model", "pe", "train", "module", "seed", "data")
+RUN_IDENTITY = ("model", "pe", "train", "module", "seed", "data", "init_from")
 NOT_IDENTITY = ("data.num_workers", "data.eval_batch_size", "data.cache_dir", "eval.tokens_per_batch")
 EVALUATION_ONLY = ("data.eval_samples",)  # a probe's evaluation samples: a resume may change them, a skip may not
 # A finished run is skipped only if it is what this command would make: its budget and evaluation included.
@@ -320,7 +498,7 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
             f"{e}. This run's folder cannot resume from it: {alternatives}or delete it to train the run afresh"
         ) from None
     remedy = ANOTHER_FOLDER if key is None else "Repeat the settings it was trained with, or resume from another"
-    trained = OmegaConf.create(checkpoint["hyper_parameters"]["run_config"])
+    trained = OmegaConf.create(stored_spec(checkpoint).config)
     stored = run_identity(trained, ignore=NOT_IDENTITY + EVALUATION_ONLY)
     refuse_other_settings(stored, cfg, f"{key}={path}" if key else path, remedy)
     if cfg.trainer.max_steps < checkpoint.get("global_step", 0):
@@ -338,16 +516,23 @@ def train(cfg: DictConfig) -> dict:
     A run whose output folder already holds a complete results file is skipped, and one with a
     last.ckpt resumes from it: re-launching an interrupted sweep redoes only what did not finish.
     """
+    schema.check(cfg, TrainSettings, TRAIN_NODES)
+    if cfg.init_from:  # identities compare it, and a later working folder must not change which file it is
+        cfg.init_from = os.path.abspath(os.path.expanduser(cfg.init_from))
     done = completed_results(cfg)
     if done:
         first = done["rows"][0]
         print(f"skipping {cfg.paths.output_dir}: its {RESULTS_FILE} is complete")
         return {"val/ppl": first["ppl"], "val/loss": first["mean_nll"], "skipped": True}
-    datamodule, module, trainer, resume_from = build(cfg)
+    spec = resolve_training(cfg)
+    identity = run_identity(cfg, FINISHED_IDENTITY)  # what a re-launch into this folder must repeat to skip it
+    datamodule, module, trainer = build(cfg, spec)
     n_params = sum(p.numel() for p in module.net.parameters())
-    log.info("model: %.2fM parameters, PE %s, L_train %d", n_params / 1e6, module.net.pe.describe(), cfg.data.max_len)
+    log.info("model: %.2fM parameters, PE %s, L_train %d", n_params / 1e6, module.net.pe.describe(), spec.train_len)
+    if spec.start == "init_from":
+        log.info("second stage of %s: its weights, a fresh optimizer and schedule", spec.checkpoint)
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=spec.checkpoint if spec.start == "resume" else None)
         if trainer.received_sigterm:  # at the last step, after which the loop raises nothing: last.ckpt is the end
             raise SIGTERMException
         metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
@@ -360,34 +545,32 @@ def train(cfg: DictConfig) -> dict:
             "run the same command to resume"
         ) from None
     measured = validation_scope(
-        cfg, int(metrics["val/windows"]), len(datamodule.val_dataloader().dataset), datamodule.protocols
+        spec, int(metrics["val/windows"]), len(datamodule.val_dataloader().dataset), datamodule.protocols
     )
     accuracy = f", exact match {metrics['val/exact_match']:.3f}" if "val/exact_match" in metrics else ""
     print(
-        f"validation perplexity at L_train={cfg.data.max_len} over {measured}: {metrics['val/ppl']:.2f} "
-        f"(loss {metrics['val/loss']:.4f}{accuracy}, pe={cfg.pe_name})"
+        f"validation perplexity at L_train={spec.train_len} over {measured}: {metrics['val/ppl']:.2f} "
+        f"(loss {metrics['val/loss']:.4f}{accuracy}, row {spec.row})"
     )
-    if cfg.eval.enabled and not cfg.trainer.get("fast_dev_run"):
-        tokens = tokens_trained(trainer, cfg.data)
-        precision = canonical_precision(trainer.precision)
+    if spec.plan and not cfg.trainer.get("fast_dev_run"):
         speed = module.train_tokens / module.train_seconds * trainer.world_size if module.train_seconds else None
         path = evaluate_and_write(
-            cfg,
+            spec,
             module.net,
             datamodule,
             "validation",
-            tokens,
+            tokens_trained(trainer, cfg.data),
             cfg.paths.output_dir,
-            precision,
-            {"train_tokens_per_s": speed},
+            canonical_precision(trainer.precision),
+            {"identity": identity, "train_tokens_per_s": speed},
         )
         log_results_to_wandb(trainer, path)
     return metrics
 
 
-def validation_scope(cfg: DictConfig, scored: int, available: int, protocols: tuple[str, ...]) -> str:
-    """What the final validation measured, ``N windows (...)``: the sweep's 1x row of the data's first protocol
-    (``nonoverlap`` for text, ``accuracy`` for a probe), or what it lacks.
+def validation_scope(spec: RunSpec, scored: int, available: int, protocols: tuple[str, ...]) -> str:
+    """What the final validation measured, ``N windows (...)``: the sweep's row at this stage's training length of
+    the data's first protocol (``nonoverlap`` for text, ``accuracy`` for a probe), or what it lacks.
 
     Validation scores the windows that row scores (same documents or samples, same eval.max_windows
     thinning), so the two agree unless validation was cut short or the sweep has no such row.
@@ -395,15 +578,13 @@ def validation_scope(cfg: DictConfig, scored: int, available: int, protocols: tu
     measured = protocols[0]
     if scored < available:
         return (
-            f"{scored} of the {available} windows of the {measured} 1x row "
+            f"{scored} of the {available} windows of the {measured} row at L_train "
             "(cut short by trainer.limit_val_batches or fast_dev_run)"
         )
-    in_sweep = False
-    if cfg.eval.enabled and not cfg.trainer.get("fast_dev_run"):  # planned (and checked) only when there is a sweep
-        plan = sweep_plan(cfg.eval, cfg.data.max_len, None, protocols)
-        in_sweep = measured in plan.protocols and cfg.data.max_len in plan.lengths
-    row = f"the sweep's {measured} 1x row" if in_sweep else f"those of the {measured} 1x row, which this sweep lacks"
-    return f"{scored} windows ({row})"
+    in_sweep = bool(spec.plan) and measured in spec.plan.protocols and spec.train_len in spec.plan.lengths
+    row = "the sweep's" if in_sweep else "those of the"
+    lacks = "" if in_sweep else ", which this sweep lacks"
+    return f"{scored} windows ({row} {measured} row at L_train{lacks})"
 
 
 def log_results_to_wandb(trainer, results_path: str) -> None:
@@ -419,7 +600,7 @@ def log_results_to_wandb(trainer, results_path: str) -> None:
 
 
 def evaluate_and_write(
-    cfg: DictConfig,
+    spec: RunSpec,
     net,
     datamodule,
     split: str,
@@ -429,16 +610,12 @@ def evaluate_and_write(
     extra_meta: dict | None = None,
 ) -> str:
     """Run the length sweep on ``split`` and write results.json (+ positions.csv) into ``output_dir``."""
-    rows, curves = sweep(
-        net, datamodule.evaluation(split), cfg.data.max_len, cfg.eval, precision, positions_of(cfg), cfg.seed
-    )
+    rows, curves = sweep(net, datamodule.evaluation(split), spec.plan, spec.eval, precision, spec.scheme, spec.seed)
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank():
         return ""
-    run_config = OmegaConf.to_container(cfg, resolve=True)
     meta = {
-        **run_metadata(run_config, net, datamodule, split, tokens_trained),
+        **run_metadata(spec, net, datamodule, split, tokens_trained),
         "precision": precision,  # of this evaluation (training's: meta.hardware.training_precision)
-        "identity": run_identity(cfg, FINISHED_IDENTITY),  # what a re-launch into this folder must repeat to skip it
         **(extra_meta or {}),
     }
     path = write_results(output_dir, meta, rows, curves)
@@ -482,7 +659,8 @@ def load_checkpoint(path: str, key: str | None = "ckpt") -> dict:
             f"{named} cannot be read ({type(e).__name__}): the file is truncated (a run killed or a disk filled "
             "while it was written) or not a PyTorch checkpoint" + ("; use another checkpoint of the run" if key else "")
         ) from e
-    if not isinstance(checkpoint, dict) or "run_config" not in checkpoint.get("hyper_parameters", {}):
+    stored = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
+    if not isinstance(stored, dict) or not ({"run", "run_config"} & set(stored)):  # run_config: before RunSpec
         raise CheckpointError(f"{named} is not a lenext checkpoint (no run configuration inside)")
     return checkpoint
 
@@ -491,7 +669,8 @@ def evaluate_checkpoint(cfg: DictConfig) -> str:
     """eval.py: rebuild the model from a checkpoint, apply eval-time PE overrides, sweep, write results."""
     schema.check(cfg, EvalScriptSettings, EVAL_NODES)
     checkpoint = load_checkpoint(cfg.ckpt)
-    run = OmegaConf.create(checkpoint["hyper_parameters"]["run_config"])
+    trained = stored_spec(checkpoint)
+    run = OmegaConf.create(trained.config)
     for key, value in cfg.pe.items():
         if value != "as_trained":
             if key not in run.pe:
@@ -500,9 +679,22 @@ def evaluate_checkpoint(cfg: DictConfig) -> str:
     run.eval, run.paths = cfg.eval, cfg.paths
     # What evaluation uses of the run; the other keys belong to training and to the code that trained it.
     used = [key for key in ("data", "model", "pe", "train", "eval", "paths") if key in run]
-    preflight(OmegaConf.masked_copy(run, used), None, {k: v for k, v in TRAIN_NODES.items() if k in run})
-    state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()}
-    net = build_net(run, state["embedding.weight"].size(0))
+    schema.check(OmegaConf.masked_copy(run, used), None, {k: v for k, v in TRAIN_NODES.items() if k in run})
+    config = OmegaConf.to_container(run, resolve=True)
+    config["pe"] = resolved_pe(config["pe"], config["model"], trained.train_len, trained.reach)
+    datamodule = instantiate(run.data, "data")
+    eval_settings = EvalSettings(**config["eval"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fallback = "bf16-mixed" if device.type == "cuda" else "32-true"  # fp32 on CPU: exact, whatever the ISA
+    spec = dataclasses.replace(
+        trained,
+        config=config,
+        eval=eval_settings,
+        plan=evaluation_plan(eval_settings, trained.base_len, trained.scheme, datamodule),
+        precision=canonical_precision(fallback if cfg.precision is None else cfg.precision),
+    )
+    state = net_state(checkpoint)
+    net = build_net(spec, state["embedding.weight"].size(0))
     try:
         net.load_state_dict(state)
     except RuntimeError as e:  # an override that changes the PE's parameters (per_layer, hidden, num_buckets)
@@ -511,18 +703,14 @@ def evaluate_checkpoint(cfg: DictConfig) -> str:
             f"{changed}: the checkpoint's weights do not fit the PE built with it ({str(e).splitlines()[-1].strip()}); "
             "only settings that keep the PE's parameter shapes can change at evaluation"
         ) from None
-    datamodule = instantiate(run.data, "data")
     datamodule.load()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    fallback = "bf16-mixed" if device.type == "cuda" else "32-true"  # fp32 on CPU: exact, whatever the ISA
-    precision = canonical_precision(fallback if cfg.precision is None else cfg.precision)
     return evaluate_and_write(
-        run,
+        spec,
         net.to(device),
         datamodule,
         cfg.split,
         checkpoint.get("tokens_trained"),  # absent from checkpoints written before it was kept
         cfg.paths.output_dir,
-        precision,
-        {"checkpoint": os.path.abspath(cfg.ckpt)},
+        spec.precision,
+        {"checkpoint": os.path.abspath(cfg.ckpt), "identity": run_identity(run, FINISHED_IDENTITY)},
     )

@@ -19,6 +19,7 @@ up to three sites of the decoder, and implements only the ones it needs:
 The decoder calls every site for every PE and never looks at which PE it holds.
 """
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,6 +58,9 @@ def sequential_positions(length: int, device: torch.device | str = "cpu") -> tor
 
 class PositionalEncoding(nn.Module):
     """Base class, and on its own the NoPE control: the causal mask is the only positional signal."""
+
+    # The settings a second stage (context extension, ``init_from``) may change; it keeps the base's others.
+    STAGE_SETTINGS: tuple[str, ...] = ()
 
     def __init__(self, shape: AttentionShape):
         super().__init__()
@@ -127,6 +131,14 @@ class PositionalEncoding(nn.Module):
     def describe(self) -> dict:
         """Parameters that identify this PE in results files."""
         return {"name": type(self).__name__}
+
+    def hyperparameters(self) -> dict:
+        """The constructor's settings as this PE resolved them (each default derived from the model or L_train
+        replaced by its value): the same PE class built from them at another training length means the same
+        thing, so a checkpoint trained further (``init_from``) keeps T5's max_distance, FIRE's threshold,
+        learned's table size, RoPE's original context. Every PE keeps each setting as the attribute of its name."""
+        names = [n for n in inspect.signature(type(self).__init__).parameters if n not in ("self", "shape")]
+        return {name: getattr(self, name) for name in names}
 
 
 class NoPE(PositionalEncoding):

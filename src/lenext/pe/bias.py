@@ -182,4 +182,7 @@ class ShawRelative(PositionalEncoding):
         return shaw_values
 
     def describe(self) -> dict:
-        return {"name": "ShawRelative", "k": self.k, "value_term": self.value_table is not None}
+        return {"name": "ShawRelative", **self.hyperparameters()}
+
+    def hyperparameters(self) -> dict:  # ``value_term`` names a site of the interface, not the setting
+        return {"k": self.k, "value_term": self.value_table is not None}

@@ -75,7 +75,8 @@ class FIRE(PositionalEncoding):
         per_layer: bool = True,
     ):
         super().__init__(shape)
-        threshold = float(init_threshold or shape.train_len)
+        self.hidden, self.init_c, self.per_layer = hidden, init_c, per_layer
+        self.init_threshold = threshold = float(init_threshold or shape.train_len)
         self.layers = nn.ModuleList(
             FireBias(shape.n_heads, hidden, init_c, threshold) for _ in range(shape.n_layers if per_layer else 1)
         )

@@ -3,36 +3,113 @@
 Pairing convention: interleaved pairs (x[2t], x[2t+1]) rotated as one complex number, as in
 RoFormer and seed 001; rotation is a complex multiplication (the fastest eager form on CPU).
 
-Scalings (DESIGN.md section 3), with s the factor and L_train the training length:
+Scalings (DESIGN.md section 3), with s the factor and C the original context (``original_len``:
+transformers' ``original_max_position_embeddings``, litgpt's ``original_max_seq_len``), one function
+each in ``ROPE_SCALINGS`` returning (inverse frequencies, attention factor), as transformers'
+``ROPE_INIT_FUNCTIONS``:
 - ``none``: theta_t = base^(-2t/d).
 - ``linear`` (position interpolation, Chen et al. 2023): theta_t / s.
 - ``ntk`` (bloc97 2023): base' = base * s^(d/(d-2)).
-- ``dynamic_ntk``: for a sequence of length l > L_train,
-  base' = base * (s*l/L_train - (s-1))^(d/(d-2)); s defaults to 1.
+- ``dynamic_ntk``: for a sequence of length l > C, base' = base * (s*l/C - (s-1))^(d/(d-2)); s defaults to 1.
 - ``yarn`` (Peng et al. 2023): a per-dimension ramp between PI and no scaling
   (beta_fast 32, beta_slow 1) and q, k both scaled by 0.1 ln s + 1.
-- ``llama3`` (Meta 2024, Llama 3.1): by wavelength lambda_t = 2 pi / theta_t, with the original
-  context L_train: theta_t / s where lambda_t > L_train / low_freq_factor, theta_t where
-  lambda_t < L_train / high_freq_factor, and between them (1 - g) theta_t / s + g theta_t with
-  g = (L_train / lambda_t - low_freq_factor) / (high_freq_factor - low_freq_factor).
-With ``factor: null`` the static scalings use s = max(1, L / L_train) for a sequence whose
-positions span L (0..L-1 unless training drew others): identity at the training length, the
-method's own factor beyond it. L_train here is the span of positions training reached: the
-training length, or N under randomized positions and the target length under PoSE, which
-already cover the positions up to them.
+- ``llama3`` (Meta 2024, Llama 3.1): by wavelength lambda_t = 2 pi / theta_t: theta_t / s where
+  lambda_t > C / low_freq_factor, theta_t where lambda_t < C / high_freq_factor, and between them
+  (1 - g) theta_t / s + g theta_t with g = (C / lambda_t - low_freq_factor) / (high_freq_factor - low_freq_factor).
+
+The original context C is the span of positions the *first* training stage reached (its training
+length; N under randomized positions, the target length under PoSE): ``original_len: null`` resolves
+to it, and a second stage (context extension, ``init_from``) keeps the base's. The factor:
+- a number: s, fixed, at every length;
+- ``null`` in a run trained within C: s = max(1, L / C) for a sequence whose positions span L
+  (identity at the training length, the method's own factor beyond it: evaluation-time scaling);
+- ``null`` in a run trained beyond C (a second stage at L' > C): resolves to s = L' / C, fixed, the
+  factor PI and YaRN fine-tune and evaluate with.
 """
 
 import math
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import torch
 
 from lenext.errors import ConfigError
 from lenext.pe.base import AttentionShape, PositionalEncoding
-from lenext.schema import PositiveFloat, Range
+from lenext.schema import PositiveFloat, PositiveInt, Range
 
-SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
+
+@dataclass(frozen=True)
+class RopeSettings:
+    """What a scaling function reads: the head dim, RoPE's base, the factor s, the length of the sequence
+    (dynamic scalings), the original context C and the method's own constants."""
+
+    dim: int
+    base: float
+    factor: float
+    length: int
+    original_len: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+    def unscaled(self, base: float | None = None) -> torch.Tensor:
+        """(dim/2,) float64 theta_t = base^(-2t/d), of RoPE's base or another."""
+        return (base or self.base) ** -(torch.arange(0, self.dim, 2, dtype=torch.float64) / self.dim)
+
+
+def no_scaling(s: RopeSettings) -> tuple[torch.Tensor, float]:
+    return s.unscaled(), 1.0
+
+
+def linear_scaling(s: RopeSettings) -> tuple[torch.Tensor, float]:
+    return s.unscaled() / s.factor, 1.0
+
+
+def ntk_scaling(s: RopeSettings) -> tuple[torch.Tensor, float]:
+    return s.unscaled(s.base * s.factor ** (s.dim / (s.dim - 2))), 1.0
+
+
+def dynamic_ntk_scaling(s: RopeSettings) -> tuple[torch.Tensor, float]:
+    length = max(s.length, s.original_len)
+    return s.unscaled(s.base * (s.factor * length / s.original_len - (s.factor - 1)) ** (s.dim / (s.dim - 2))), 1.0
+
+
+def yarn_scaling(s: RopeSettings) -> tuple[torch.Tensor, float]:
+    extrapolation = s.unscaled()
+    interpolation = extrapolation / s.factor
+
+    def correction_dim(rotations: float) -> float:
+        return s.dim * math.log(s.original_len / (rotations * 2 * math.pi)) / (2 * math.log(s.base))
+
+    low = max(math.floor(correction_dim(s.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(s.beta_slow)), s.dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(s.dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    # ramp 0 -> keep the original frequency (high-frequency dims), 1 -> interpolate.
+    inv_freq = extrapolation * (1 - ramp) + interpolation * ramp
+    return inv_freq, 0.1 * math.log(s.factor) + 1.0 if s.factor > 1 else 1.0
+
+
+def llama3_scaling(s: RopeSettings) -> tuple[torch.Tensor, float]:
+    original = s.unscaled()
+    in_original = s.original_len * original / (2 * math.pi)  # C / wavelength
+    keep = ((in_original - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)).clamp(0, 1)
+    return original / s.factor * (1 - keep) + original * keep, 1.0
+
+
+ROPE_SCALINGS: dict[str, Callable[[RopeSettings], tuple[torch.Tensor, float]]] = {
+    "none": no_scaling,
+    "linear": linear_scaling,
+    "ntk": ntk_scaling,
+    "dynamic_ntk": dynamic_ntk_scaling,
+    "yarn": yarn_scaling,
+    "llama3": llama3_scaling,
+}
+SCALINGS = tuple(ROPE_SCALINGS)
 
 
 def rope_frequencies(
@@ -41,50 +118,25 @@ def rope_frequencies(
     scaling: str,
     factor: float,
     length: int,
-    train_len: int,
+    original_len: int,
     beta_fast: float = 32.0,
     beta_slow: float = 1.0,
     low_freq_factor: float = 1.0,
     high_freq_factor: float = 4.0,
 ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (dim/2,) in float64 and the attention factor applied to q and k."""
-    exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
-    if scaling == "none":
-        return base**-exponents, 1.0
-    if scaling == "linear":
-        return base**-exponents / factor, 1.0
-    if scaling == "ntk":
-        return (base * factor ** (dim / (dim - 2))) ** -exponents, 1.0
-    if scaling == "dynamic_ntk":
-        length = max(length, train_len)
-        scaled_base = base * (factor * length / train_len - (factor - 1)) ** (dim / (dim - 2))
-        return scaled_base**-exponents, 1.0
-    if scaling == "yarn":
-        extrapolation = base**-exponents
-        interpolation = extrapolation / factor
-
-        def correction_dim(rotations: float) -> float:
-            return dim * math.log(train_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low = max(math.floor(correction_dim(beta_fast)), 0)
-        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-        # ramp 0 -> keep the original frequency (high-frequency dims), 1 -> interpolate.
-        inv_freq = extrapolation * (1 - ramp) + interpolation * ramp
-        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-        return inv_freq, attention_factor
-    if scaling == "llama3":
-        original = base**-exponents
-        in_train_len = train_len * original / (2 * math.pi)  # L_train / wavelength
-        keep = ((in_train_len - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0, 1)
-        return original / factor * (1 - keep) + original * keep, 1.0
-    raise ConfigError(f"pe.scaling must be one of {', '.join(SCALINGS)}; got {scaling!r}")
+    if scaling not in ROPE_SCALINGS:
+        raise ConfigError(f"pe.scaling must be one of {', '.join(SCALINGS)}; got {scaling!r}")
+    settings = RopeSettings(
+        dim, base, factor, length, original_len, beta_fast, beta_slow, low_freq_factor, high_freq_factor
+    )
+    return ROPE_SCALINGS[scaling](settings)
 
 
 class RoPE(PositionalEncoding):
     """Rotary embedding with an optional length scaling, overridable at evaluation time."""
+
+    STAGE_SETTINGS = ("scaling", "factor", "beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor")
 
     def __init__(
         self,
@@ -96,6 +148,7 @@ class RoPE(PositionalEncoding):
         beta_slow: PositiveFloat = 1.0,
         low_freq_factor: PositiveFloat = 1.0,
         high_freq_factor: PositiveFloat = 4.0,
+        original_len: PositiveInt | None = None,  # null: the positions training reaches (module docstring)
     ):
         super().__init__(shape)
         if high_freq_factor <= low_freq_factor:
@@ -108,6 +161,9 @@ class RoPE(PositionalEncoding):
                 f"RoPE rotates pairs of dimensions: the head dim model.d_model / model.n_heads = {shape.head_dim} "
                 "must be even"
             )
+        self.original_len = original_len or shape.trained_positions
+        if factor is None and scaling not in ("none", "dynamic_ntk") and shape.trained_positions > self.original_len:
+            factor = shape.trained_positions / self.original_len  # trained beyond C: s = L' / C, fixed
         self.base, self.scaling, self.factor = base, scaling, factor
         self.beta_fast, self.beta_slow = beta_fast, beta_slow
         self.low_freq_factor, self.high_freq_factor = low_freq_factor, high_freq_factor
@@ -122,7 +178,7 @@ class RoPE(PositionalEncoding):
             return float(self.factor)
         if self.scaling == "dynamic_ntk":
             return 1.0
-        return max(1.0, length / self.shape.trained_positions)
+        return max(1.0, length / self.original_len)
 
     def frequencies(self, length: int) -> tuple[torch.Tensor, float]:
         return rope_frequencies(
@@ -131,7 +187,7 @@ class RoPE(PositionalEncoding):
             self.scaling,
             self.scaling_factor(length),
             length,
-            self.shape.trained_positions,
+            self.original_len,
             self.beta_fast,
             self.beta_slow,
             self.low_freq_factor,
@@ -141,7 +197,7 @@ class RoPE(PositionalEncoding):
     def _rotations(self, length: int, device: torch.device) -> torch.Tensor:
         """(length, d_head/2) complex64 table e^{i p theta_t} of positions p < length, built once per
         (length, scaling) in float64."""
-        key = (length, self.base, self.scaling, self.scaling_factor(length))
+        key = (length, self.base, self.scaling, self.scaling_factor(length), self.original_len)
         key += (self.beta_fast, self.beta_slow, self.low_freq_factor, self.high_freq_factor)
         if key != self._cache_key or self.rotations.device != device:
             inv_freq, attention_factor = self.frequencies(length)
@@ -159,8 +215,8 @@ class RoPE(PositionalEncoding):
         return _rotate(q, rotations), _rotate(k, rotations)
 
     def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:
-        if longest <= self.shape.trained_positions:  # every scaling is the identity within the trained span
-            return [self.scaling]
+        if longest <= self.original_len and (self.scaling == "none" or self.factor is None):
+            return [self.scaling]  # every scaling with factor null is the identity within the original context
         return list(asked or [self.scaling])
 
     @contextmanager
@@ -175,7 +231,13 @@ class RoPE(PositionalEncoding):
             self.scaling, self.factor = trained
 
     def describe(self) -> dict:
-        return {"name": "RoPE", "base": self.base, "scaling": self.scaling, "factor": self.factor}
+        return {
+            "name": "RoPE",
+            "base": self.base,
+            "scaling": self.scaling,
+            "factor": self.factor,
+            "original_len": self.original_len,
+        }
 
 
 def _rotate(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:

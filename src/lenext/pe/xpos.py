@@ -18,7 +18,7 @@ import torch
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.pe.base import AttentionShape
 from lenext.pe.rope import RoPE, _rotate
-from lenext.schema import PositiveFloat
+from lenext.schema import PositiveFloat, PositiveInt
 
 LARGEST_LOG_FACTOR = 40.0  # e^40 per q or k: products of two stay below fp32's e^88
 
@@ -26,8 +26,16 @@ LARGEST_LOG_FACTOR = 40.0  # e^40 per q or k: products of two stay below fp32's 
 class XPos(RoPE):
     """RoPE with the xPos decay: q scaled by zeta^(n/gamma), k by zeta^(-m/gamma), per rotated pair."""
 
-    def __init__(self, shape: AttentionShape, base: PositiveFloat = 10000.0, scale_base: PositiveFloat = 512.0):
-        super().__init__(shape, base=base)
+    STAGE_SETTINGS = ()  # trained without a scaling
+
+    def __init__(
+        self,
+        shape: AttentionShape,
+        base: PositiveFloat = 10000.0,
+        scale_base: PositiveFloat = 512.0,
+        original_len: PositiveInt | None = None,  # the context evaluation-time scalings extend from (RoPE's)
+    ):
+        super().__init__(shape, base=base, original_len=original_len)
         self.scale_base = scale_base
         pairs = torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim
         self.register_buffer("zeta", (pairs + 0.4) / 1.4, persistent=False)  # (d_head/2,)

@@ -1,0 +1,105 @@
+"""A run, resolved once: the typed, frozen description everything of a run is built from.
+
+``lenext.run`` checks a composed config (``lenext.schema``), then resolves it into a ``RunSpec``: the
+config with the PE's hyperparameters *resolved* (every default derived from the model or L_train
+replaced by its value), the positions, the evaluation plan, the precision, how the run starts
+(scratch, resume, or from a trained checkpoint: ``init_from``), its lineage and the row name a
+report shows. Checkpoints and results store it whole; eval.py and the report read it back instead
+of deriving anything again from config names.
+
+A second training stage (context extension, README "Context extension") is configuration: the
+command names a base checkpoint (``init_from``), and the stage takes the base's resolved PE, so
+T5's max_distance, FIRE's threshold, learned's table size and RoPE's original context keep the
+meaning the base's weights were trained with; only the PE's ``STAGE_SETTINGS`` (RoPE's scaling and
+its constants) may change.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lenext.evaluate import EvalSettings, SweepPlan
+from lenext.positions import SCHEMES, PositionScheme, TrainPositions, position_scheme
+
+Start = Literal["scratch", "resume", "init_from"]
+# What a second stage's method is called in row names: RoPE's scaling, or direct fine-tuning.
+METHOD_NAMES = {"none": "direct", "linear": "pi"}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A training stage a run descends from, as its lineage records it."""
+
+    checkpoint: str  # absolute path of the checkpoint the next stage started from
+    row: str
+    train_len: int
+    reach: int  # the span of positions it trained (0..reach-1)
+    steps: int
+    tokens: int | None  # None: a checkpoint from before lenext kept the count
+    config: dict  # its run config, resolved
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a run is, resolved (module docstring). ``config`` is the composed config with the PE node
+    resolved; the fields are what lenext computes from it, once."""
+
+    config: dict
+    pe_name: str  # the PE's config name (rope and rope_ntk share a class)
+    row: str  # the report's row: pe_name, the position scheme, and for a later stage its base and method
+    seed: int
+    train_len: int  # this stage's training length (data.max_len)
+    base_len: int  # L_train of the lineage's first stage: eval.factors multiply it, reports group by it
+    positions: TrainPositions  # resolved: max_position / target_len filled in
+    eval: EvalSettings
+    plan: SweepPlan | None  # None: no sweep (eval.enabled false)
+    precision: str | None  # training's (canonical name); eval.py's for an evaluation
+    start: Start = "scratch"
+    checkpoint: str | None = None  # resume: the checkpoint resumed; init_from: the base's
+    lineage: tuple[Stage, ...] = field(default_factory=tuple)  # earliest first; () for a first stage
+
+    @property
+    def scheme(self) -> PositionScheme:
+        return position_scheme(dataclasses.asdict(self.positions), self.train_len)
+
+    @property
+    def reach(self) -> int:
+        """The span of positions training reaches: L_train, or N (randomized) or the target length (PoSE)."""
+        return self.scheme.reach or self.train_len
+
+    def stored(self) -> dict:
+        """As kept in checkpoints (``hyper_parameters.run``) and results (``meta.run``): plain JSON."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_stored(cls, stored: dict) -> "RunSpec":
+        values = dict(stored)
+        values["positions"] = TrainPositions(**values["positions"])
+        values["eval"] = EvalSettings(**values["eval"])
+        values["plan"] = SweepPlan(**values["plan"]) if values.get("plan") else None
+        values["lineage"] = tuple(Stage(**stage) for stage in values.get("lineage") or ())
+        return cls(**values)
+
+    def as_stage(self, checkpoint: str, steps: int, tokens: int | None) -> Stage:
+        """This run as the stage a later one descends from, at its ``checkpoint``."""
+        return Stage(checkpoint, self.row, self.train_len, self.reach, steps, tokens, self.config)
+
+
+def first_stage_row(pe_name: str, scheme: str) -> str:
+    """The row of a run trained from scratch: its PE's config name, ``_<scheme>`` when trained at drawn
+    positions (``rope_randomized``, however its config is named)."""
+    for known in SCHEMES:
+        pe_name = pe_name.removesuffix(f"_{known}")
+    return pe_name if scheme == "sequential" else f"{pe_name}_{scheme}"
+
+
+def later_stage_row(base_row: str, pe: dict, scheme: str, reach: int) -> str:
+    """The row of a second stage: ``<base row> -> <method>@<length>``, the method being RoPE's scaling (``pi`` for
+    linear) or ``direct`` fine-tuning, ``pose+`` in front when trained at PoSE's positions; the length, the span of
+    positions it trained (L', or PoSE's target). E.g. ``rope -> yarn@256``, ``rope -> pose+pi@256``."""
+    method = METHOD_NAMES.get(pe.get("scaling", "none"), pe.get("scaling", "none"))
+    if scheme == "pose":
+        method = "pose" if method == "direct" else f"pose+{method}"
+    elif scheme != "sequential":
+        method = f"{scheme}+{method}"
+    return f"{base_row} -> {method}@{reach}"
