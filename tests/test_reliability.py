@@ -46,13 +46,26 @@ def _train_command(run_dir, corpus, cache, *extra):
     ]
 
 
-def test_a_run_killed_or_terminated_resumes_to_the_same_final_loss(small_text_corpus, tmp_path):
+@pytest.mark.parametrize("stage", ["first", "second"])
+def test_a_run_killed_or_terminated_resumes_to_the_same_final_loss(small_text_corpus, tmp_path, stage):
     """SIGKILL: the same command resumes from the last periodic checkpoint. SIGTERM (a cluster's pre-emption):
-    the run saves where it stopped, says so in one line and exits 143, and the same command resumes it."""
+    the run saves where it stopped, says so in one line and exits 143, and the same command resumes it. The same
+    for a second stage (init_from), which resumes its own checkpoint, not the base's weights."""
     cache, env = tmp_path / "cache", {**os.environ, "LENEXT_ROOT": str(tmp_path)}
     env.pop("HYDRA_FULL_ERROR", None)
+    extra = []
+    if stage == "second":
+        base = subprocess.run(
+            _train_command(tmp_path / "base", small_text_corpus, cache, "trainer.max_steps=20", "eval.enabled=false"),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert base.returncode == 0, base.stderr[-2000:]
+        extra = [f"init_from={tmp_path / 'base' / 'checkpoints' / 'last.ckpt'}", "data.max_len=64"]
     straight = subprocess.run(
-        _train_command(tmp_path / "straight", small_text_corpus, cache),
+        _train_command(tmp_path / "straight", small_text_corpus, cache, *extra),
         env=env,
         capture_output=True,
         text=True,
@@ -64,7 +77,7 @@ def test_a_run_killed_or_terminated_resumes_to_the_same_final_loss(small_text_co
     for name, sent in (("killed", signal.SIGKILL), ("terminated", signal.SIGTERM)):
         run_dir = tmp_path / name
         process = subprocess.Popen(
-            _train_command(run_dir, small_text_corpus, cache),
+            _train_command(run_dir, small_text_corpus, cache, *extra),
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -87,7 +100,11 @@ def test_a_run_killed_or_terminated_resumes_to_the_same_final_loss(small_text_co
                 "run the same command to resume"
             ]
         resumed = subprocess.run(
-            _train_command(run_dir, small_text_corpus, cache), env=env, capture_output=True, text=True, timeout=600
+            _train_command(run_dir, small_text_corpus, cache, *extra),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert resumed.returncode == 0, resumed.stderr[-2000:]
         assert "resuming from" in resumed.stdout + resumed.stderr

@@ -130,7 +130,8 @@ def test_ddp_sim_trains_and_evaluates_like_one_process(small_text_corpus, tmp_pa
     # Validation split its windows between the two ranks and scored each once: the sweep's 1x row, exactly.
     at_l_train = rows[0]
     assert (
-        f"over {at_l_train['windows']} windows (the sweep's nonoverlap row at L_train): {at_l_train['ppl']:.2f}" in ddp.stdout
+        f"over {at_l_train['windows']} windows (the sweep's nonoverlap row at L_train): {at_l_train['ppl']:.2f}"
+        in ddp.stdout
     )
     assert (tmp_path / "ddp" / "checkpoints" / "last.ckpt").exists()
 

@@ -192,7 +192,7 @@ def resolve(cfg: DictConfig, pe_name: str, sweeps: bool = True, precision: str |
     reach = scheme.reach or cfg.data.max_len
     config = OmegaConf.to_container(cfg, resolve=True)
     base, stage = read_base(cfg.init_from) if cfg.get("init_from") else (None, None)
-    pe = stage_pe(config, base, stage, scheme, "init_from") if base else config["pe"]
+    pe = stage_pe(config, pe_name, base, stage) if base else config["pe"]
     try:
         config["pe"] = resolved_pe(pe, config["model"], cfg.data.max_len, reach)
     except ConfigError as e:
@@ -252,11 +252,11 @@ def read_base(path: str) -> tuple[RunSpec, Stage]:
     return base, base.as_stage(os.path.abspath(path), steps, tokens)
 
 
-def stage_pe(config: dict, base: RunSpec, stage: Stage, scheme, key: str) -> dict:
+def stage_pe(config: dict, pe_name: str, base: RunSpec, stage: Stage) -> dict:
     """The PE node of a second stage from ``base``: the base's resolved PE, with this command's values of the PE's
     ``STAGE_SETTINGS`` (RoPE's scaling). Refuses, in one line, what the base's weights cannot serve: a shorter
     length, another model, vocabulary or PE, another value of any other PE setting."""
-    where = f"{key}={stage.checkpoint}"
+    where = f"init_from={stage.checkpoint}"
     if config["data"]["max_len"] < base.train_len:
         raise ConfigError(
             f"data.max_len={config['data']['max_len']} is invalid for a second stage: {where} was trained at "
@@ -280,8 +280,8 @@ def stage_pe(config: dict, base: RunSpec, stage: Stage, scheme, key: str) -> dic
                 f"has no rotation to scale; fine-tune it directly with its own PE (pe={base.pe_name})"
             )
         raise ConfigError(
-            f"pe={pe['_target_']} is invalid for a second stage: {where} was trained with {theirs['_target_']}; "
-            f"a second stage trains the base's PE (pe={base.pe_name})"
+            f"pe={pe_name} is invalid for a second stage: {where} was trained with pe={base.pe_name} "
+            f"({theirs['_target_']}); a second stage trains the base's PE"
         )
     changeable = get_object(theirs["_target_"]).STAGE_SETTINGS
     merged = dict(theirs)

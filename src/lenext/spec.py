@@ -69,7 +69,7 @@ class RunSpec:
 
     def stored(self) -> dict:
         """As kept in checkpoints (``hyper_parameters.run``) and results (``meta.run``): plain JSON."""
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "lineage": [dataclasses.asdict(stage) for stage in self.lineage]}
 
     @classmethod
     def from_stored(cls, stored: dict) -> "RunSpec":

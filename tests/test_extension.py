@@ -1,0 +1,240 @@
+"""Context extension: a second training stage from a trained checkpoint (``init_from``), as lenext.spec resolves it.
+
+What the papers' recipes rely on, each pinned: the base's weights and nothing else of its training state, every
+resolved PE hyperparameter kept, RoPE's original context taken from the base (transformers'
+``original_max_position_embeddings``), PoSE's positions reaching L' from L_train-token windows, the lineage in
+the results, refusals before any work.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from torch.testing import assert_close
+
+import lenext.data
+from lenext import report
+from lenext.cli import CONFIG_PACKAGE
+from lenext.errors import CheckpointError, ConfigError
+from lenext.pe.rope import ROPE_SCALINGS, SCALINGS
+from lenext.run import build, build_net, net_state, resolve_training, train
+from tests.conftest import small_corpus_overrides
+from tests.test_pe import hf_config, hf_rope
+
+BASE_LEN, BASE_STEPS, BATCH = 32, 4, 4
+
+
+@pytest.fixture(scope="module")
+def compose_run(tmp_path_factory, cache_dir, small_text_corpus):
+    """compose_run(folder name, *overrides) -> a train config on the small corpus writing into its own folder."""
+    root = tmp_path_factory.mktemp("stages")
+
+    def _compose(name: str, *overrides: str):
+        paths = [f"paths.root_dir={root}", f"paths.output_dir={root / name}", f"paths.cache_dir={cache_dir}"]
+        with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
+            return compose("train", overrides=[*paths, *small_corpus_overrides(small_text_corpus, *overrides)])
+
+    _compose.root = root
+    return _compose
+
+
+def trained_base(compose_run, pe: str, *overrides: str) -> str:
+    """The last.ckpt of a base run of ``pe`` trained BASE_STEPS steps at BASE_LEN (trained once per module)."""
+    cfg = compose_run(
+        f"base_{pe}",
+        f"pe={pe}",
+        f"trainer.max_steps={BASE_STEPS}",
+        f"trainer.val_check_interval={BASE_STEPS}",
+        "eval.factors=[1,2]",
+        *overrides,
+    )
+    last = compose_run.root / f"base_{pe}" / "checkpoints" / "last.ckpt"
+    if not last.exists():
+        train(cfg)
+    return str(last)
+
+
+@pytest.fixture(scope="module")
+def rope_base(compose_run) -> str:
+    return trained_base(compose_run, "rope", "eval.rope_scalings=[none,yarn]")
+
+
+def second_stage(compose_run, base: str, name: str, *overrides: str):
+    return compose_run(name, f"init_from={base}", "trainer.max_steps=2", "trainer.val_check_interval=2", *overrides)
+
+
+def test_a_second_stage_starts_from_the_bases_weights_alone_and_records_its_lineage(compose_run, rope_base):
+    cfg = second_stage(compose_run, rope_base, "yarn", "pe.scaling=yarn", "data.max_len=64", "eval.factors=[1,2]")
+    spec = resolve_training(cfg)
+    _, module, _ = build(cfg, spec)
+    base_checkpoint = torch.load(rope_base, map_location="cpu", weights_only=False)
+    base_weights = net_state(base_checkpoint)
+    assert module.net.state_dict().keys() == base_weights.keys()
+    for name, value in module.net.state_dict().items():  # every weight the base's, PE parameters included
+        assert torch.equal(value, base_weights[name]), name
+
+    train(cfg)
+    folder = compose_run.root / "yarn"
+    stage_checkpoint = torch.load(folder / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    # A fresh optimizer and schedule: this stage's 2 steps, not the base's 4 continued.
+    assert stage_checkpoint["global_step"] == 2 and base_checkpoint["global_step"] == BASE_STEPS
+    assert {int(s["step"]) for s in stage_checkpoint["optimizer_states"][0]["state"].values()} == {2}
+    assert stage_checkpoint["lr_schedulers"][0]["last_epoch"] == 2
+    meta = json.loads((folder / "results.json").read_text())["meta"]
+    assert meta["row"] == "rope -> yarn@64" and meta["start"] == "init_from"
+    assert (meta["train_len"], meta["base_len"], meta["tokens_trained"]) == (64, BASE_LEN, 2 * BATCH * 64)
+    assert meta["lineage"] == [
+        {
+            "checkpoint": rope_base,
+            "row": "rope",
+            "train_len": BASE_LEN,
+            "reach": BASE_LEN,
+            "steps": BASE_STEPS,
+            "tokens": BASE_STEPS * BATCH * BASE_LEN,
+        }
+    ]
+    assert meta["run"]["lineage"][0]["config"] == base_checkpoint["hyper_parameters"]["run"]["config"]
+    assert meta["run"] == stage_checkpoint["hyper_parameters"]["run"]  # the same description, stored whole in both
+    assert (meta["pe"]["factor"], meta["pe"]["original_len"]) == (2.0, BASE_LEN)
+    rows = json.loads((folder / "results.json").read_text())["rows"]
+    assert [(r["length"], r["length_factor"]) for r in rows] == [(32, 1.0), (64, 2.0)]  # x the base's L_train
+
+    # Skipped when finished; another base is another run.
+    again = ("pe.scaling=yarn", "data.max_len=64", "eval.factors=[1,2]")
+    assert train(second_stage(compose_run, rope_base, "yarn", *again))["skipped"]
+    with pytest.raises(ConfigError, match=r"results.json belongs to a run with other settings.*init_from"):
+        train(second_stage(compose_run, str(folder / "checkpoints" / "last.ckpt"), "yarn", *again))
+
+    # The report: the base, its zero-shot rows and the extended row side by side, under the base's L_train.
+    tables = report.summarize(report.collect(report.find_runs([str(compose_run.root)])[0]))
+    table = tables[report.TableKey(BASE_LEN, "nonoverlap", "ppl", "")]
+    assert {"rope", "rope (yarn)", "rope -> yarn@64"} <= set(table.index)
+
+
+@pytest.mark.parametrize(
+    "pe, key, base_value, fresh_value",
+    [("t5", "max_distance", BASE_LEN, 128), ("fire", "init_threshold", float(BASE_LEN), 128.0)],
+)
+def test_defaults_derived_from_l_train_keep_the_bases_values(compose_run, pe, key, base_value, fresh_value):
+    base = trained_base(compose_run, pe)
+    extended = resolve_training(second_stage(compose_run, base, f"{pe}_stage", f"pe={pe}", "data.max_len=128"))
+    fresh = resolve_training(compose_run(f"{pe}_fresh", f"pe={pe}", "data.max_len=128"))
+    assert extended.config["pe"][key] == base_value and fresh.config["pe"][key] == fresh_value
+
+
+def test_a_learned_table_shorter_than_the_new_length_is_refused(compose_run):
+    base = trained_base(compose_run, "learned")
+    with pytest.raises(ConfigError, match=r"^pe.max_len=32 is invalid: .*keeps the PE settings of init_from="):
+        resolve_training(second_stage(compose_run, base, "learned_stage", "pe=learned", "data.max_len=64"))
+
+
+# lenext's scalings -> transformers' rope types (ntk is transformers' dynamic at seq_len = s x C, factor 1).
+HF_TYPES = {"linear": "linear", "yarn": "yarn", "llama3": "llama3", "dynamic_ntk": "dynamic"}
+
+
+@pytest.mark.parametrize("scaling", ["linear", "ntk", "yarn", "llama3"])
+def test_each_scaling_extends_from_the_bases_context_as_transformers_computes_it(compose_run, rope_base, scaling):
+    """At L' = 4 x L_train: s = 4 and transformers' original_max_position_embeddings = the base's L_train; the
+    current length as the original context (the silent error a second stage would make) gives other frequencies."""
+    hf, extended_len = hf_rope(), 4 * BASE_LEN
+    spec = resolve_training(
+        second_stage(compose_run, rope_base, f"{scaling}_freq", f"pe.scaling={scaling}", f"data.max_len={extended_len}")
+    )
+    pe = build_net(spec, 512).pe
+    assert (pe.factor, pe.original_len) == (4.0, BASE_LEN)
+    got, attention = pe.frequencies(extended_len)
+    dim, base = pe.shape.head_dim, pe.base
+
+    def expected(original: int):
+        if scaling == "ntk":
+            config = hf_config(dim, base, original, {"rope_type": "dynamic", "factor": 1.0})
+            return hf._compute_dynamic_ntk_parameters(config, seq_len=4 * original)
+        parameters = {"rope_type": HF_TYPES[scaling], "factor": 4.0, "original_max_position_embeddings": original}
+        if scaling == "llama3":
+            parameters |= {"low_freq_factor": pe.low_freq_factor, "high_freq_factor": pe.high_freq_factor}
+        config = hf_config(dim, base, extended_len, parameters)
+        return hf.ROPE_INIT_FUNCTIONS[HF_TYPES[scaling]](config, "cpu")
+
+    inv_freq, hf_attention = expected(BASE_LEN)
+    assert_close(got.float(), inv_freq, rtol=1e-5, atol=0)
+    assert attention == pytest.approx(hf_attention, rel=1e-12)
+    if scaling in ("yarn", "llama3"):  # their bands depend on the original context
+        assert not torch.allclose(got.float(), expected(extended_len)[0], rtol=1e-3)
+
+
+def test_the_scalings_are_one_registry():
+    assert SCALINGS == tuple(ROPE_SCALINGS) == ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
+
+
+def test_pose_reaches_the_extended_length_from_windows_of_the_bases_length(compose_run, rope_base):
+    target = 4 * BASE_LEN
+    cfg = second_stage(
+        compose_run,
+        rope_base,
+        "pose",
+        "pe.scaling=yarn",
+        "train.positions=pose",
+        f"train.target_len={target}",
+        "eval.factors=[1,4]",
+    )
+    spec = resolve_training(cfg)
+    assert spec.row == "rope -> pose+yarn@128" and spec.reach == target and spec.train_len == BASE_LEN
+    assert (spec.config["pe"]["factor"], spec.config["pe"]["original_len"]) == (4.0, BASE_LEN)
+    drawn = torch.cat([spec.scheme.training(64, BASE_LEN, torch.Generator().manual_seed(s)) for s in range(4)])
+    assert drawn.max() < target and drawn.max() >= 2 * BASE_LEN and (drawn.diff(dim=-1) >= 1).all()
+    train(cfg)
+    meta = json.loads((compose_run.root / "pose" / "results.json").read_text())["meta"]
+    assert meta["tokens_trained"] == 2 * BATCH * BASE_LEN  # a quarter of full-length fine-tuning's tokens at L'
+
+
+@pytest.fixture(scope="module")
+def alibi_base(compose_run) -> str:
+    return trained_base(compose_run, "alibi")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.max_len=16"], r"^data.max_len=16 is invalid for a second stage: .* was trained at data.max_len=32"),
+        (["model.d_model=128"], r"^model.d_model=128 is invalid for a second stage: .*model.d_model=64"),
+        (["data.vocab_size=1024"], r"^data.vocab_size=1024 is invalid for a second stage"),
+        (["pe=alibi"], r"^pe=alibi is invalid for a second stage: .* was trained with pe=rope"),
+        (["pe.base=500"], r"^pe.base=500 is invalid for a second stage: .*pe.base=10000.0, which its weights keep"),
+        (["init_from=nowhere.ckpt"], r"^init_from='.*nowhere.ckpt' does not exist"),
+        (["ALIBI"], r"^pe.scaling=yarn is invalid for a second stage from .*: its PE .* has no rotation to scale"),
+    ],
+)
+def test_what_a_base_cannot_serve_is_refused_before_any_work(
+    compose_run, rope_base, alibi_base, monkeypatch, overrides, message
+):
+    def no_work(self):
+        raise AssertionError("the corpus was read")
+
+    monkeypatch.setattr(lenext.data.LMDataModule, "load", no_work)
+    base = alibi_base if overrides == ["ALIBI"] else rope_base
+    overrides = ["pe.scaling=yarn", "data.max_len=64"] if overrides == ["ALIBI"] else overrides
+    cfg = second_stage(compose_run, base, "refused", *overrides)
+    with pytest.raises((ConfigError, CheckpointError), match=message):
+        train(cfg)
+    assert not (compose_run.root / "refused").exists()
+
+
+def test_an_unreadable_base_is_named(compose_run, tmp_path):
+    broken = tmp_path / "broken.ckpt"
+    broken.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=rf"^init_from='{broken}' cannot be read"):
+        train(second_stage(compose_run, str(broken), "unreadable"))
+
+
+def test_factor_null_is_fixed_at_l_prime_over_c_in_a_second_stage_and_per_length_in_a_first(compose_run, rope_base):
+    first = build_net(resolve_training(compose_run("first", "pe=rope_ntk")), 512).pe
+    assert first.factor is None and first.scaling_factor(8 * BASE_LEN) == 8.0  # evaluation-time: L / C
+    spec = resolve_training(second_stage(compose_run, rope_base, "fixed", "pe=rope_ntk", "data.max_len=64"))
+    second = build_net(spec, 512).pe
+    assert second.factor == 2.0 and second.scaling_factor(8 * BASE_LEN) == 2.0  # fine-tuned at s = 2: kept
+    explicit = resolve_training(
+        second_stage(compose_run, rope_base, "explicit", "pe.scaling=linear", "pe.factor=3", "data.max_len=64")
+    )
+    assert explicit.config["pe"]["factor"] == 3 and math.isclose(build_net(explicit, 512).pe.scaling_factor(64), 3)
