@@ -20,7 +20,7 @@ from lenext.cli import CONFIG_PACKAGE
 from lenext.errors import CheckpointError, ConfigError
 from lenext.pe.rope import ROPE_SCALINGS, SCALINGS
 from lenext.run import build, build_net, net_state, resolve_training, train
-from tests.conftest import small_corpus_overrides
+from tests.conftest import run_train, small_corpus_overrides
 from tests.test_pe import hf_config, hf_rope
 
 BASE_LEN, BASE_STEPS, BATCH = 32, 4, 4
@@ -238,3 +238,42 @@ def test_factor_null_is_fixed_at_l_prime_over_c_in_a_second_stage_and_per_length
         second_stage(compose_run, rope_base, "explicit", "pe.scaling=linear", "pe.factor=3", "data.max_len=64")
     )
     assert explicit.config["pe"]["factor"] == 3 and math.isclose(build_net(explicit, 512).pe.scaling_factor(64), 3)
+
+
+def test_the_extension_presets_train_each_stage_from_its_own_base(tmp_path, small_text_corpus):
+    """experiment=extension (RoPE) and extension_pes (the other PEs) into one sweep folder, as the study runs them,
+    shrunk to seconds: every stage finds its base by PE and seed, and one report holds every row."""
+    sweep = tmp_path / "sweep"
+    shrunk = [
+        "model=tiny",
+        "data=text_files",
+        f"data.corpus.path={small_text_corpus}",
+        "data.corpus.holdout_every=4",
+        "data.vocab_size=512",
+        "data.batch_size=4",
+        "trainer.max_steps=3",
+        "eval.factors=[1,4]",
+        "eval.max_windows=4",
+        f"hydra.sweep.dir={sweep}",
+        "seed=0",
+    ]
+    rope = run_train(tmp_path, "experiment=extension", *shrunk, "extension=base,pi,pose_yarn")
+    assert rope.returncode == 0, rope.stderr[-3000:]
+    others = run_train(tmp_path, "experiment=extension_pes", *shrunk, "pe=alibi", "extension=base,direct")
+    assert others.returncode == 0, others.stderr[-3000:]
+    metas = {path.parent.name: json.loads(path.read_text())["meta"] for path in sweep.glob("*/results.json")}
+    assert {name: meta["row"] for name, meta in metas.items()} == {
+        "rope_base_seed0": "rope",
+        "rope_pi_seed0": "rope -> pi@256",
+        "rope_pose_yarn_seed0": "rope -> pose+yarn@256",
+        "alibi_base_seed0": "alibi",
+        "alibi_direct_seed0": "alibi -> direct@256",
+    }
+    for name, base in (("rope_pi_seed0", "rope_base_seed0"), ("alibi_direct_seed0", "alibi_base_seed0")):
+        assert metas[name]["lineage"][0]["checkpoint"] == str(sweep / base / "checkpoints" / "last.ckpt")
+        assert (metas[name]["train_len"], metas[name]["base_len"]) == (256, 64)
+    pose = metas["rope_pose_yarn_seed0"]
+    assert (pose["train_len"], pose["positions"]["reach"], pose["tokens_trained"]) == (64, 256, 3 * 4 * 64)
+    tables = report.summarize(report.collect(report.find_runs([str(sweep)])[0]))
+    rows = set(tables[report.TableKey(64, "nonoverlap", "ppl", "")].index)
+    assert {"rope", "rope (yarn)", "rope -> pi@256", "rope -> pose+yarn@256", "alibi -> direct@256"} <= rows
