@@ -389,6 +389,74 @@ def plot_lengths(tables: dict, path: str) -> None:
     _save_figure(fig, path)
 
 
+STAGE_MARK = " -> "  # in a second stage's row: <base row> -> <method>@<L'> (lenext.spec)
+
+
+def plot_extension(tables: dict, path: str) -> None:
+    """Per text table holding second stages: the base and its zero-shot scalings (left), the base and each method
+    after fine-tuning (right), perplexity against L_eval, mean +- std over seeds."""
+    plt = _pyplot()
+    chosen = [(k, t) for k, t in tables.items() if any(STAGE_MARK in pe for pe in t.index) and not k.task]
+    fig, axes = plt.subplots(len(chosen), 2, figsize=(13, 4.5 * len(chosen)), squeeze=False, sharey="row")
+    for (key, table), (zero_shot, extended) in zip(chosen, axes, strict=True):
+        bases = {pe.split(STAGE_MARK)[0] for pe in table.index if STAGE_MARK in pe}
+        panels = (
+            (zero_shot, [pe for pe in table.index if STAGE_MARK not in pe and pe.split(" (")[0] in bases], "zero-shot"),
+            (extended, [pe for pe in table.index if pe in bases or STAGE_MARK in pe], "after fine-tuning"),
+        )
+        lengths = [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
+        for ax, rows, what in panels:
+            for pe in rows:
+                mean = pd.to_numeric(pd.Series([table.loc[pe, (n, "mean")] for n in lengths]), errors="coerce")
+                std = pd.to_numeric(pd.Series([table.loc[pe, (n, "std")] for n in lengths]), errors="coerce")
+                ax.errorbar(lengths, mean, yerr=std.fillna(0), marker="o", ms=3, capsize=2, label=pe)
+            ax.axvline(key.train_len, color="grey", ls="--", lw=1)
+            ax.set(xscale="log", yscale="log", xlabel="L_eval (tokens)", ylabel="perplexity")
+            ax.set_title(f"L_train = {key.train_len}, {key.protocol}: {what}")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save_figure(fig, path)
+
+
+def adaptation(runs: list[tuple[str, dict]]) -> pd.DataFrame:
+    """Second stages' validation perplexity against fine-tuning steps (their csv/metrics.csv), mean and std over
+    seeds. Columns: row, val_len (the stage's training length, where it validates), step, mean, std, seeds."""
+    records = []
+    for run_dir, results in runs:
+        meta, file = results["meta"], os.path.join(run_dir, "csv", "metrics.csv")
+        if not meta.get("lineage") or not os.path.exists(file):
+            continue
+        logged = pd.read_csv(file)
+        if "val/ppl" not in logged:
+            continue
+        # step: optimizer steps done; the validation after training logs the last step again
+        validations = logged.dropna(subset=["val/ppl"]).drop_duplicates("step", keep="last")
+        for step, ppl in validations[["step", "val/ppl"]].itertuples(index=False):
+            records.append({"row": label(meta, None), "val_len": meta["train_len"], "step": int(step), "ppl": ppl})
+    if not records:
+        return pd.DataFrame()
+    grouped = pd.DataFrame(records).groupby(["val_len", "row", "step"], sort=False)
+    frame = grouped.agg(mean=("ppl", "mean"), std=("ppl", "std"), seeds=("ppl", "count")).reset_index()
+    frame["std"] = frame["std"].fillna(0.0)
+    return frame
+
+
+def plot_adaptation(frame: pd.DataFrame, path: str) -> None:
+    """Validation perplexity against fine-tuning steps, one panel per validation length (the PI paper's figure of
+    how fast each method adapts)."""
+    plt = _pyplot()
+    lengths = sorted(frame.val_len.unique())
+    fig, axes = plt.subplots(1, len(lengths), figsize=(7 * len(lengths), 4.5), squeeze=False)
+    for ax, length in zip(axes[0], lengths, strict=True):
+        for row, curve in frame[frame.val_len == length].groupby("row", sort=False):
+            ax.errorbar(curve.step, curve["mean"], yerr=curve["std"], marker="o", ms=3, capsize=2, label=row)
+        ax.set(yscale="log", xlabel="fine-tuning step", ylabel=f"validation perplexity at L = {length}")
+        ax.set_title(f"second stages validating at their training length {length}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save_figure(fig, path)
+
+
 def log_bins(length: int) -> list[tuple[int, int]]:
     """[start, end) position bins covering 0..length-1, BINS_PER_OCTAVE per doubling of (position + 1)."""
     octaves = math.log2(length)
@@ -472,8 +540,9 @@ def _save_figure(fig, path: str) -> None:
 
 
 def report(folders: list[str], out: str) -> str:
-    """Write table.{md,tex,csv}, ppl_vs_length.png / accuracy_vs_length.png (text / probes), per_position.{png,csv}
-    and, for passkey, passkey_depth.{png,csv} into ``out``; return the Markdown."""
+    """Write table.{md,tex,csv}, ppl_vs_length.png / accuracy_vs_length.png (text / probes), per_position.{png,csv},
+    for second stages extension.png and adaptation.{png,csv}, and, for passkey, passkey_depth.{png,csv} into
+    ``out``; return the Markdown."""
     runs, incomplete = find_runs(folders)
     if not runs:
         first = f"; {incomplete[0][0]}: {incomplete[0][1]}" if incomplete else ""
@@ -506,6 +575,12 @@ def report(folders: list[str], out: str) -> str:
     if len(binned):
         write_atomic(os.path.join(out, "per_position.csv"), binned.to_csv(index=False, float_format="%.6f"))
         plot_positions(binned, os.path.join(out, "per_position.png"))
+    if any(STAGE_MARK in pe for table in tables.values() for pe in table.index):
+        plot_extension(tables, os.path.join(out, "extension.png"))
+    adapted = adaptation(runs)
+    if len(adapted):
+        write_atomic(os.path.join(out, "adaptation.csv"), adapted.to_csv(index=False, float_format="%.4f"))
+        plot_adaptation(adapted, os.path.join(out, "adaptation.png"))
     depths = passkey_depths(runs)
     if len(depths):
         write_atomic(os.path.join(out, "passkey_depth.csv"), depths.to_csv(index=False, float_format="%.4f"))
