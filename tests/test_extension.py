@@ -19,8 +19,9 @@ from lenext import report
 from lenext.cli import CONFIG_PACKAGE
 from lenext.errors import CheckpointError, ConfigError
 from lenext.pe.rope import ROPE_SCALINGS, SCALINGS
-from lenext.run import build, build_net, net_state, resolve_training, train
+from lenext.run import build, build_net, evaluate_checkpoint, net_state, resolve_training, train
 from tests.conftest import run_train, small_corpus_overrides
+from tests.test_evaluate import compose_eval
 from tests.test_pe import hf_config, hf_rope
 
 BASE_LEN, BASE_STEPS, BATCH = 32, 4, 4
@@ -65,7 +66,9 @@ def second_stage(compose_run, base: str, name: str, *overrides: str):
     return compose_run(name, f"init_from={base}", "trainer.max_steps=2", "trainer.val_check_interval=2", *overrides)
 
 
-def test_a_second_stage_starts_from_the_bases_weights_alone_and_records_its_lineage(compose_run, rope_base):
+def test_a_second_stage_starts_from_the_bases_weights_alone_and_records_its_lineage(
+    compose_run, rope_base, tmp_path, cache_dir
+):
     cfg = second_stage(compose_run, rope_base, "yarn", "pe.scaling=yarn", "data.max_len=64", "eval.factors=[1,2]")
     spec = resolve_training(cfg)
     _, module, _ = build(cfg, spec)
@@ -100,6 +103,15 @@ def test_a_second_stage_starts_from_the_bases_weights_alone_and_records_its_line
     assert (meta["pe"]["factor"], meta["pe"]["original_len"]) == (2.0, BASE_LEN)
     rows = json.loads((folder / "results.json").read_text())["rows"]
     assert [(r["length"], r["length_factor"]) for r in rows] == [(32, 1.0), (64, 2.0)]  # x the base's L_train
+
+    # eval.py rebuilds the second stage from its checkpoint alone: the same rows, row name and lineage.
+    evaluated = tmp_path / "eval"
+    ckpt = folder / "checkpoints" / "last.ckpt"
+    same_sweep = (f"paths.cache_dir={cache_dir}", "eval.factors=[1,2]", f"precision={meta['precision']}")
+    evaluate_checkpoint(compose_eval(tmp_path, evaluated, ckpt, *same_sweep))
+    results = json.loads((evaluated / "results.json").read_text())
+    assert [r["mean_nll"] for r in results["rows"]] == pytest.approx([r["mean_nll"] for r in rows], rel=1e-5)
+    assert (results["meta"]["row"], results["meta"]["lineage"]) == (meta["row"], meta["lineage"])
 
     # Skipped when finished; another base is another run.
     again = ("pe.scaling=yarn", "data.max_len=64", "eval.factors=[1,2]")
