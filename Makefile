@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: help install study train test test-slow lint bench clean
+.PHONY: help install study extension train test test-slow lint bench clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -20,6 +20,13 @@ $(VENV)/.installed: pyproject.toml
 study: install  ## the quick comparison: nope, sinusoidal, rope and xpos (+ntk, yarn), alibi, kerple, fire, rope at randomized positions, on the embedded corpus, then the table and plots (7-11 min on 2 CPUs, by machine: README)
 	$(PY) train.py experiment=quick $(ARGS)
 	$(PY) -m lenext.report logs/studies/quick
+
+extension: install  ## the context-extension study: RoPE bases + every method fine-tuned toward 4 x L_train (text, 3 seeds; passkey, 3 seeds), the other PEs fine-tuned directly (1 seed), then the tables and plots (README, "Context extension")
+	$(PY) train.py experiment=extension $(ARGS)
+	$(PY) train.py experiment=extension_passkey $(ARGS)
+	$(PY) train.py experiment=extension_pes $(ARGS)
+	$(PY) -m lenext.report logs/studies/extension
+	$(PY) -m lenext.report logs/studies/extension_passkey
 
 train: install  ## train the default config on the embedded corpus (extra Hydra overrides: ARGS="pe=alibi")
 	$(PY) train.py $(ARGS)
