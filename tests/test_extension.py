@@ -8,6 +8,7 @@ the results, refusals before any work.
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -138,7 +139,7 @@ def test_defaults_derived_from_l_train_keep_the_bases_values(compose_run, pe, ke
 
 def test_a_learned_table_shorter_than_the_new_length_is_refused(compose_run):
     base = trained_base(compose_run, "learned")
-    with pytest.raises(ConfigError, match=r"^pe.max_len=32 is invalid: .*keeps the PE settings of init_from="):
+    with pytest.raises(ConfigError, match=r"^pe.max_len=32 is invalid: .*a second stage keeps the PE of init_from="):
         resolve_training(second_stage(compose_run, base, "learned_stage", "pe=learned", "data.max_len=64"))
 
 
@@ -213,9 +214,12 @@ def alibi_base(compose_run) -> str:
         (["model.d_model=128"], r"^model.d_model=128 is invalid for a second stage: .*model.d_model=64"),
         (["data.vocab_size=1024"], r"^data.vocab_size=1024 is invalid for a second stage"),
         (["pe=alibi"], r"^pe=alibi is invalid for a second stage: .* was trained with pe=rope"),
-        (["pe.base=500"], r"^pe.base=500 is invalid for a second stage: .*pe.base=10000.0, which its weights keep"),
+        (
+            ["pe.base=500"],
+            r"^pe.base=500 is invalid for a second stage: .*pe.base=10000.0, which its weights keep; rep",
+        ),
         (["init_from=nowhere.ckpt"], r"^init_from='.*nowhere.ckpt' does not exist"),
-        (["ALIBI"], r"^pe.scaling=yarn is invalid for a second stage from .*: its PE .* has no rotation to scale"),
+        (["ALIBI"], r"^pe.scaling=yarn is invalid for a second stage from .*: its PE .* takes no RoPE scaling"),
     ],
 )
 def test_what_a_base_cannot_serve_is_refused_before_any_work(
@@ -300,3 +304,37 @@ def test_the_extension_presets_train_each_stage_from_its_own_base(tmp_path, smal
         ("64", "rope -> pose+yarn@256", "3"),
         ("256", "alibi -> direct@256", "3"),
     }
+
+
+def test_another_scaling_at_evaluation_extends_from_the_positions_the_stage_trained(
+    compose_run, rope_base, tmp_path, cache_dir
+):
+    """Zero-shot on a fine-tuned checkpoint, a sweep's variant and eval.py's pe.scaling agree: factor null from
+    the span the stage trained (L' = 64 here: s = 128 / 64), not its base's context, nor its trained factor."""
+    folder = compose_run.root / "yarn_for_variants"
+    train(second_stage(compose_run, rope_base, folder.name, "pe.scaling=yarn", "data.max_len=64", "eval.enabled=false"))
+    ckpt, common = folder / "checkpoints" / "last.ckpt", (f"paths.cache_dir={cache_dir}", "eval.lengths=[128]")
+    evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "sweep", ckpt, *common, "eval.rope_scalings=[yarn,linear]"))
+    evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "override", ckpt, *common, "pe.scaling=linear"))
+    swept = json.loads((tmp_path / "sweep" / "results.json").read_text())["rows"]
+    (overridden,) = json.loads((tmp_path / "override" / "results.json").read_text())["rows"]
+    assert [(r["scaling"], r["rope_factor"]) for r in swept] == [("yarn", 2.0), ("linear", 2.0)]
+    assert (overridden["scaling"], overridden["rope_factor"]) == ("linear", 2.0)
+    assert overridden["mean_nll"] == pytest.approx(swept[1]["mean_nll"], rel=1e-6)
+
+
+def test_a_second_stage_resumes_without_its_base_and_a_first_stage_folder_is_not_one(compose_run):
+    base = trained_base(compose_run, "nope")
+    stage = ("pe=nope", "data.max_len=64", "eval.enabled=false", "callbacks.last_checkpoint.every_n_train_steps=1")
+    train(second_stage(compose_run, base, "nope_stage", *stage))
+    moved = base + ".moved"
+    shutil.move(base, moved)  # the base is gone: the stage's own last.ckpt holds its PE and lineage
+    try:
+        longer = second_stage(compose_run, base, "nope_stage", *stage, "trainer.max_steps=3")
+        spec = resolve_training(longer)
+        assert spec.start == "resume" and spec.lineage[0].checkpoint == base and spec.row == "nope -> direct@64"
+        train(longer)
+    finally:
+        shutil.move(moved, base)
+    with pytest.raises(ConfigError, match=r"last.ckpt belongs to a run with other settings.*init_from=None there"):
+        resolve_training(compose_run("base_nope", "pe=nope", f"init_from={base}", "data.max_len=64"))

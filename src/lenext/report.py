@@ -575,7 +575,7 @@ def report(folders: list[str], out: str) -> str:
     if len(binned):
         write_atomic(os.path.join(out, "per_position.csv"), binned.to_csv(index=False, float_format="%.6f"))
         plot_positions(binned, os.path.join(out, "per_position.png"))
-    if any(STAGE_MARK in pe for table in tables.values() for pe in table.index):
+    if any(STAGE_MARK in pe for key, table in tables.items() if not key.task for pe in table.index):
         plot_extension(tables, os.path.join(out, "extension.png"))
     adapted = adaptation(runs)
     if len(adapted):

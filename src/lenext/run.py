@@ -183,29 +183,35 @@ def evaluation_plan(eval_settings: EvalSettings, base_len: int, scheme, data) ->
     return plan
 
 
-def resolve(cfg: DictConfig, pe_name: str, sweeps: bool = True, precision: str | None = None) -> RunSpec:
+def resolve(
+    cfg: DictConfig, pe_name: str, sweeps: bool = True, precision: str | None = None, resumed: RunSpec | None = None
+) -> RunSpec:
     """The RunSpec of a config ``schema.check`` passed: the PE's hyperparameters resolved, the positions, the
     evaluation plan (when the run ``sweeps``), its lineage and row. Settings that only fail together, and a base
-    checkpoint (``init_from``) that cannot serve this stage, raise a one-line error here, before any work."""
+    checkpoint (``init_from``) that cannot serve this stage, raise a one-line error here, before any work. A second
+    stage ``resumed`` from its own checkpoint takes its PE and lineage from it: its base need not exist any more."""
     positions = resolved_positions(cfg)
     scheme = position_scheme(dataclasses.asdict(positions), cfg.data.max_len)
     reach = scheme.reach or cfg.data.max_len
     config = OmegaConf.to_container(cfg, resolve=True)
-    base, stage = read_base(cfg.init_from) if cfg.get("init_from") else (None, None)
-    pe = stage_pe(config, pe_name, base, stage) if base else config["pe"]
-    try:
-        config["pe"] = resolved_pe(pe, config["model"], cfg.data.max_len, reach)
-    except ConfigError as e:
-        if not base:
-            raise
-        raise ConfigError(f"{e}; a second stage keeps the PE settings of init_from={stage.checkpoint}") from None
-    if base:
+    lineage, base_len, row = (), cfg.data.max_len, first_stage_row(pe_name, scheme.name)
+    if resumed and resumed.lineage:
+        config["pe"] = resumed.config["pe"]
+        lineage, base_len, row = resumed.lineage, resumed.base_len, resumed.row
+    elif cfg.get("init_from"):
+        base, stage = read_base(cfg.init_from)
+        pe = stage_pe(config, pe_name, base, stage)
+        try:
+            config["pe"] = resolved_pe(pe, config["model"], cfg.data.max_len, reach)
+        except ConfigError as e:
+            raise ConfigError(f"{e}; a second stage keeps the PE of init_from={stage.checkpoint}") from None
         fits_weights(config, stage, reach)
+        lineage, base_len = (*base.lineage, stage), base.base_len
+        row = later_stage_row(base.row, config["pe"], scheme.name, reach)
+    else:
+        config["pe"] = resolved_pe(config["pe"], config["model"], cfg.data.max_len, reach)
     data = instantiate(cfg.data, "data")  # reads nothing yet: a corpus is read by load()
-    base_len = base.base_len if base else cfg.data.max_len
     eval_settings = EvalSettings(**OmegaConf.to_container(cfg.eval, resolve=True))
-    plan = evaluation_plan(eval_settings, base_len, scheme, data) if sweeps else None
-    row = later_stage_row(base.row, config["pe"], scheme.name, reach) if base else first_stage_row(pe_name, scheme.name)
     return RunSpec(
         config=config,
         pe_name=pe_name,
@@ -215,11 +221,11 @@ def resolve(cfg: DictConfig, pe_name: str, sweeps: bool = True, precision: str |
         base_len=base_len,
         positions=positions,
         eval=eval_settings,
-        plan=plan,
+        plan=evaluation_plan(eval_settings, base_len, scheme, data) if sweeps else None,
         precision=precision,
-        start="init_from" if base else "scratch",
-        checkpoint=stage.checkpoint if base else None,
-        lineage=(*base.lineage, stage) if base else (),
+        start="init_from" if lineage else "scratch",
+        checkpoint=lineage[-1].checkpoint if lineage else None,
+        lineage=lineage,
     )
 
 
@@ -247,7 +253,7 @@ STAGE_MODEL_SETTINGS = ("dropout",)  # the model's other settings fix its weight
 def read_base(path: str) -> tuple[RunSpec, Stage]:
     """The RunSpec of a base checkpoint (``init_from``) and the stage it is, refused in one line if unreadable."""
     checkpoint = load_checkpoint(path, "init_from")
-    base = stored_spec(checkpoint)
+    base = stored_spec(checkpoint, f"init_from={path}")
     steps, tokens = checkpoint.get("global_step", 0), checkpoint.get("tokens_trained")
     return base, base.as_stage(os.path.abspath(path), steps, tokens)
 
@@ -273,17 +279,17 @@ def stage_pe(config: dict, pe_name: str, base: RunSpec, stage: Stage) -> dict:
                     f"vocabulary: repeat the base's {group} settings"
                 )
     pe, theirs = config["pe"], base.config["pe"]
+    changeable = get_object(theirs["_target_"]).STAGE_SETTINGS
     if pe["_target_"] != theirs["_target_"]:
-        if pe.get("scaling", "none") != "none" and "scaling" not in theirs:
+        if pe.get("scaling", "none") != "none" and "scaling" not in changeable:
             raise ConfigError(
                 f"pe.scaling={pe['scaling']} is invalid for a second stage from {where}: its PE ({theirs['_target_']}) "
-                f"has no rotation to scale; fine-tune it directly with its own PE (pe={base.pe_name})"
+                f"takes no RoPE scaling; fine-tune it directly with its own PE (pe={base.pe_name})"
             )
         raise ConfigError(
             f"pe={pe_name} is invalid for a second stage: {where} was trained with pe={base.pe_name} "
             f"({theirs['_target_']}); a second stage trains the base's PE"
         )
-    changeable = get_object(theirs["_target_"]).STAGE_SETTINGS
     merged = dict(theirs)
     for name, value in pe.items():
         if name in changeable:
@@ -292,8 +298,11 @@ def stage_pe(config: dict, pe_name: str, base: RunSpec, stage: Stage) -> dict:
             may = ", ".join(f"pe.{k}" for k in changeable) or "none of them"
             raise ConfigError(
                 f"pe.{name}={value!r} is invalid for a second stage: {where} was trained with pe.{name}="
-                f"{theirs.get(name)!r}, which its weights keep; leave it out (a second stage may change {may})"
+                f"{theirs.get(name)!r}, which its weights keep; repeat that value (a second stage may change {may})"
             )
+    for name in changeable:  # the command's values, its config's defaults included: said, not silent
+        if name in theirs and merged.get(name) != theirs[name]:
+            log.info("second stage: pe.%s=%r (the base's: %r)", name, merged.get(name), theirs[name])
     return merged
 
 
@@ -316,11 +325,18 @@ def net_state(checkpoint: dict) -> dict:
     return {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()}
 
 
-def stored_spec(checkpoint: dict) -> RunSpec:
-    """The RunSpec a checkpoint holds; for one written before lenext kept it, resolved from its run config."""
+def stored_spec(checkpoint: dict, named: str) -> RunSpec:
+    """The RunSpec a checkpoint (``named`` in errors) holds; for one written before lenext kept it, resolved from its
+    run config."""
     hyper = checkpoint["hyper_parameters"]
     if "run" in hyper:
-        return RunSpec.from_stored(hyper["run"])
+        try:
+            return RunSpec.from_stored(hyper["run"])
+        except (TypeError, KeyError, AttributeError) as e:
+            raise CheckpointError(
+                f"{named}: its run description is not this lenext version's ({type(e).__name__}: {e}); use the "
+                "lenext that wrote it"
+            ) from None
     config = OmegaConf.create(hyper["run_config"])
     precision = (config.get("trainer") or {}).get("precision")
     return resolve(
@@ -361,8 +377,16 @@ def build(cfg: DictConfig, spec: RunSpec):
 def resolve_training(cfg: DictConfig) -> RunSpec:
     """The RunSpec of ``train.py``'s config (checked by ``schema.check``), with how it starts: resuming this run's
     checkpoint, from a base checkpoint (``init_from``), or from scratch."""
-    spec = resolve(cfg, config_pe_name(cfg), cfg.eval.enabled, canonical_precision(cfg.trainer.precision))
     resumed = resume_checkpoint(cfg)
+    stored = stored_spec(load_checkpoint(resumed, None), resumed) if resumed else None
+    if stored and bool(stored.lineage) != bool(cfg.init_from):  # checkpoints from before lenext kept init_from
+        trained_from = f"init_from={stored.lineage[-1].checkpoint}" if stored.lineage else "scratch"
+        raise RunFolderMismatch(
+            f"{resumed} belongs to a run trained from {trained_from}, this command from "
+            f"{'init_from=' + cfg.init_from if cfg.init_from else 'scratch'}. {ANOTHER_FOLDER}"
+        )
+    precision = canonical_precision(cfg.trainer.precision)
+    spec = resolve(cfg, config_pe_name(cfg), cfg.eval.enabled, precision, stored)
     return dataclasses.replace(spec, start="resume", checkpoint=resumed) if resumed else spec
 
 
@@ -498,7 +522,7 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
             f"{e}. This run's folder cannot resume from it: {alternatives}or delete it to train the run afresh"
         ) from None
     remedy = ANOTHER_FOLDER if key is None else "Repeat the settings it was trained with, or resume from another"
-    trained = OmegaConf.create(stored_spec(checkpoint).config)
+    trained = OmegaConf.create(stored_spec(checkpoint, path).config)
     stored = run_identity(trained, ignore=NOT_IDENTITY + EVALUATION_ONLY)
     refuse_other_settings(stored, cfg, f"{key}={path}" if key else path, remedy)
     if cfg.trainer.max_steps < checkpoint.get("global_step", 0):
@@ -561,7 +585,7 @@ def train(cfg: DictConfig) -> dict:
             "validation",
             tokens_trained(trainer, cfg.data),
             cfg.paths.output_dir,
-            canonical_precision(trainer.precision),
+            spec.precision,
             {"identity": identity, "train_tokens_per_s": speed},
         )
         log_results_to_wandb(trainer, path)
@@ -669,13 +693,20 @@ def evaluate_checkpoint(cfg: DictConfig) -> str:
     """eval.py: rebuild the model from a checkpoint, apply eval-time PE overrides, sweep, write results."""
     schema.check(cfg, EvalScriptSettings, EVAL_NODES)
     checkpoint = load_checkpoint(cfg.ckpt)
-    trained = stored_spec(checkpoint)
+    trained = stored_spec(checkpoint, f"ckpt={cfg.ckpt}")
     run = OmegaConf.create(trained.config)
+    trained_scaling = run.pe.get("scaling")
     for key, value in cfg.pe.items():
         if value != "as_trained":
             if key not in run.pe:
                 raise ConfigError(f"pe.{key} does not apply to this checkpoint's PE ({run.pe._target_})")
             run.pe[key] = value
+    if cfg.pe.scaling not in ("as_trained", trained_scaling) and cfg.pe.factor == "as_trained":
+        # Another scaling, zero-shot on the checkpoint as trained: factor null from the positions it trained, as
+        # a sweep's variant (RoPE.variant); its trained factor and original context belong to its own scaling.
+        run.pe.factor = None
+        if cfg.pe.get("original_len", "as_trained") == "as_trained":
+            run.pe.original_len = None
     run.eval, run.paths = cfg.eval, cfg.paths
     # What evaluation uses of the run; the other keys belong to training and to the code that trained it.
     used = [key for key in ("data", "model", "pe", "train", "eval", "paths") if key in run]

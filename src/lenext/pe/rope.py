@@ -215,20 +215,23 @@ class RoPE(PositionalEncoding):
         return _rotate(q, rotations), _rotate(k, rotations)
 
     def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:
-        if longest <= self.original_len and (self.scaling == "none" or self.factor is None):
-            return [self.scaling]  # every scaling with factor null is the identity within the original context
+        span = self.shape.trained_positions
+        if longest <= span and (self.scaling == "none" or (self.factor is None and self.original_len >= span)):
+            return [self.scaling]  # trained as the identity there, as every other variant is (``variant``)
         return list(asked or [self.scaling])
 
     @contextmanager
     def variant(self, name: str | None):
-        """RoPE under the scaling ``name``: with its trained factor if it is the trained scaling,
-        else with factor null (L / L_train at each length)."""
-        trained = (self.scaling, self.factor)
-        self.scaling, self.factor = name, (trained[1] if name == trained[0] else None)
+        """RoPE under the scaling ``name``: as trained if it is the trained scaling, else a zero-shot scaling of the
+        model as trained: factor null, extending from the span of positions it trained (a second stage's L', not
+        its base's C), as eval.py's ``pe.scaling`` override does."""
+        trained = (self.scaling, self.factor, self.original_len)
+        if name != self.scaling:
+            self.scaling, self.factor, self.original_len = name, None, self.shape.trained_positions
         try:
             yield
         finally:
-            self.scaling, self.factor = trained
+            self.scaling, self.factor, self.original_len = trained
 
     def describe(self) -> dict:
         return {
