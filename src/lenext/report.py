@@ -429,10 +429,15 @@ def adaptation(runs: list[tuple[str, dict]]) -> pd.DataFrame:
         logged = pd.read_csv(file)
         if "val/ppl" not in logged:
             continue
-        # step: optimizer steps done; the validation after training logs the last step again
-        validations = logged.dropna(subset=["val/ppl"]).drop_duplicates("step", keep="last")
+        # Lightning logs a validation during training at the index of its step (0-based), and the validation after
+        # training at the steps done: one step after the last, it scores the same weights again.
+        validations = logged.dropna(subset=["val/ppl"])
+        last = validations.step.max()
         for step, ppl in validations[["step", "val/ppl"]].itertuples(index=False):
-            records.append({"row": label(meta, None), "val_len": meta["train_len"], "step": int(step), "ppl": ppl})
+            if step == last and last - 1 in set(validations.step):
+                continue
+            done = int(step) + (step < last)
+            records.append({"row": label(meta, None), "val_len": meta["train_len"], "step": done, "ppl": ppl})
     if not records:
         return pd.DataFrame()
     grouped = pd.DataFrame(records).groupby(["val_len", "row", "step"], sort=False)
