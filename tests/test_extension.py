@@ -139,7 +139,10 @@ def test_defaults_derived_from_l_train_keep_the_bases_values(compose_run, pe, ke
 
 def test_a_learned_table_shorter_than_the_new_length_is_refused(compose_run):
     base = trained_base(compose_run, "learned")
-    with pytest.raises(ConfigError, match=r"^pe.max_len=32 is invalid: .*a second stage keeps the PE of init_from="):
+    with pytest.raises(
+        ConfigError,
+        match=r"^pe.max_len=32 is invalid: .*a second stage keeps the PE settings of init_from=.*at 64 positions$",
+    ):
         resolve_training(second_stage(compose_run, base, "learned_stage", "pe=learned", "data.max_len=64"))
 
 

@@ -204,7 +204,10 @@ def resolve(
         try:
             config["pe"] = resolved_pe(pe, config["model"], cfg.data.max_len, reach)
         except ConfigError as e:
-            raise ConfigError(f"{e}; a second stage keeps the PE of init_from={stage.checkpoint}") from None
+            raise ConfigError(
+                f"{e}; but a second stage keeps the PE settings of init_from={stage.checkpoint}, which its weights "
+                f"fit: this PE cannot be trained further at {reach} positions"
+            ) from None
         fits_weights(config, stage, reach)
         lineage, base_len = (*base.lineage, stage), base.base_len
         row = later_stage_row(base.row, config["pe"], scheme.name, reach)
