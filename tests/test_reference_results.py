@@ -9,7 +9,7 @@ from lenext.report import report
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
-@pytest.mark.parametrize("study", ["results", "probes", "extension"])  # reference, probes, context extension
+@pytest.mark.parametrize("study", ["results", "probes", "extension", "extension_passkey"])
 def test_committed_tables_are_recomputed_from_the_committed_results_files(study, tmp_path):
     folder = DOCS / study
     if not (folder / "runs").is_dir():
