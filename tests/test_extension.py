@@ -19,7 +19,6 @@ import lenext.data
 from lenext import report
 from lenext.cli import CONFIG_PACKAGE
 from lenext.errors import CheckpointError, ConfigError
-from lenext.pe.rope import ROPE_SCALINGS, SCALINGS
 from lenext.run import build, build_net, evaluate_checkpoint, net_state, resolve_training, train
 from tests.conftest import run_train, small_corpus_overrides
 from tests.test_evaluate import compose_eval
@@ -178,10 +177,6 @@ def test_each_scaling_extends_from_the_bases_context_as_transformers_computes_it
     assert attention == pytest.approx(hf_attention, rel=1e-12)
     if scaling in ("yarn", "llama3"):  # their bands depend on the original context
         assert not torch.allclose(got.float(), expected(extended_len)[0], rtol=1e-3)
-
-
-def test_the_scalings_are_one_registry():
-    assert SCALINGS == tuple(ROPE_SCALINGS) == ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
 
 
 def test_pose_reaches_the_extended_length_from_windows_of_the_bases_length(compose_run, rope_base):

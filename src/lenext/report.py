@@ -35,7 +35,7 @@ import pandas as pd
 
 from lenext.evaluate import ACCURACY, ERROR_FILE, POSITIONS_FILE, RESULTS_FILE, not_lenext_results
 from lenext.files import atomic_path, write_atomic
-from lenext.spec import first_stage_row
+from lenext.spec import STAGE_MARK, first_stage_row
 
 BINS_PER_OCTAVE = 4
 NOT_SEPARABLE = "~"
@@ -387,9 +387,6 @@ def plot_lengths(tables: dict, path: str) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     _save_figure(fig, path)
-
-
-STAGE_MARK = " -> "  # in a second stage's row: <base row> -> <method>@<L'> (lenext.spec)
 
 
 def plot_extension(tables: dict, path: str) -> None:

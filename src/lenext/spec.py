@@ -24,6 +24,7 @@ from lenext.positions import SCHEMES, PositionScheme, TrainPositions, position_s
 Start = Literal["scratch", "resume", "init_from"]
 # What a second stage's method is called in row names: RoPE's scaling, or direct fine-tuning.
 METHOD_NAMES = {"none": "direct", "linear": "pi"}
+STAGE_MARK = " -> "  # in a later stage's row: <base row> -> <method>@<length>
 
 
 @dataclass(frozen=True)
@@ -102,4 +103,4 @@ def later_stage_row(base_row: str, pe: dict, scheme: str, reach: int) -> str:
         method = "pose" if method == "direct" else f"pose+{method}"
     elif scheme != "sequential":
         method = f"{scheme}+{method}"
-    return f"{base_row} -> {method}@{reach}"
+    return f"{base_row}{STAGE_MARK}{method}@{reach}"
