@@ -13,7 +13,8 @@ Measures, in one run:
    (L, L, d_head) einsum reference;
 4. the CPU study's training step (compact model, L=64, batch 32) under a real lightning.Trainer vs a
    bare PyTorch loop doing the same training, at the machine's default precision, and the bare loop at
-   the other precision (bf16 autocast vs fp32), and the bare loop with the model under torch.compile;
+   the other precision (bf16 autocast vs fp32), and the bare loop with the model under torch.compile,
+   and a second stage (``init_from`` the first arm's checkpoint, YaRN x4) under the same Trainer;
    the arms interleaved.
 
 Every report names the CPU, its ISA and whether it computes bf16 natively (lenext.hardware).
@@ -58,7 +59,7 @@ from lenext.model import LOGIT_CHUNK_ELEMENTS, Decoder
 from lenext.module import adamw_with_schedule
 from lenext.pe.base import sequential_positions
 from lenext.positions import PoSE, PositionScheme, Randomized, training_positions
-from lenext.run import build_net, config_pe_name, instantiate, resolve
+from lenext.run import build_module, build_net, config_pe_name, instantiate, resolve, resolve_training
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -347,12 +348,16 @@ STUDY_OVERRIDES = [
     "trainer.enable_progress_bar=false",
 ]
 LIGHTNING_TARGET = 1.10  # Lightning's step time / the bare loop's
+SECOND_STAGE = "lightning, second stage"
+STAGE_OVERRIDES = ["pe.scaling=yarn", "pe.factor=4"]  # a context-extension stage, at the base's length and batch
+STAGE_TARGET = 1.05  # a second stage's step time / its base's: it trains at the base's tokens/s
 STUDY_STREAM_TOKENS = 2**20  # the random training stream: 16k windows of 64, more than any run here takes
 
 
-def study_config(output_dir: str, precision: str, steps: int):
+def study_config(output_dir: str, precision: str, steps: int, extra: tuple[str, ...] = ()):
     """train.py's composed config at the study size, training ``steps`` steps with no validation in between."""
     overrides = [
+        *extra,
         f"paths.output_dir={output_dir}",
         f"paths.root_dir={output_dir}",
         *STUDY_OVERRIDES,
@@ -378,6 +383,12 @@ def study_net(cfg) -> Decoder:
     return build_net(resolve(cfg, config_pe_name(cfg), sweeps=False), cfg.data.vocab_size)
 
 
+def study_module(cfg):
+    """lenext's LanguageModel as train.py builds it from ``cfg`` (a second stage's with its base's weights)."""
+    torch.manual_seed(SEED)
+    return build_module(cfg, resolve_training(cfg), cfg.data.vocab_size)
+
+
 class StepClock(L.Callback):
     """The time at the end of every training step."""
 
@@ -388,13 +399,16 @@ class StepClock(L.Callback):
         self.ends.append(time.perf_counter())
 
 
-def lightning_steps(cfg, module, loader) -> list[float]:
-    """Fit ``module`` with the trainer, callbacks and loggers train.py builds from ``cfg``; step end times."""
+def lightning_steps(cfg, module, loader, save_to: str | None = None) -> list[float]:
+    """Fit ``module`` with the trainer, callbacks and loggers train.py builds from ``cfg``; step end times. The
+    fitted module is saved to ``save_to`` when given (a base for a second stage)."""
     clock = StepClock()
     callbacks = [instantiate(c, f"callbacks.{name}") for name, c in cfg.callbacks.items()] + [clock]
     loggers = [instantiate(c, f"logger.{name}") for name, c in cfg.logger.items()]
     trainer = instantiate(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers)
     trainer.fit(module, train_dataloaders=loader)
+    if save_to:
+        trainer.save_checkpoint(save_to)
     return clock.ends
 
 
@@ -430,21 +444,26 @@ COMPILED = "bare, torch.compile"
 
 
 def bench_lightning(reps, steps, log, compiled=True):
-    """Per-step wall time of Lightning and the bare loop at the machine's default precision, of the bare loop
-    at the other precision and (``compiled``) of the bare loop with the model under ``torch.compile``; arms
+    """Per-step wall time of Lightning and the bare loop at the machine's default precision, of a second stage
+    under Lightning from the first arm's checkpoint, of the bare loop at the other precision and (``compiled``)
+    of the bare loop with the model under ``torch.compile``; arms
     interleaved, each repetition a fresh fit of ``steps`` + 1 steps (the first step, with the optimizer's lazy
     state, is not timed; compilation happens in the warmup run)."""
     chosen = default_precision("cpu")
     other = "32-true" if chosen.startswith("bf16") else "bf16-mixed"
-    arms = {"lightning": chosen, "bare": chosen, f"bare {other}": other}
+    arms = {"lightning": chosen, SECOND_STAGE: chosen, "bare": chosen, f"bare {other}": other}
     if compiled:
         arms[COMPILED] = chosen
     with tempfile.TemporaryDirectory() as output_dir:
         cfgs = {precision: study_config(output_dir, precision, steps + 1) for precision in (chosen, other)}
         loader = study_loader(cfgs[chosen], steps + 1)
-        module = instantiate(cfgs[chosen].module, "module", _partial_=True, _convert_="all")(
-            net=study_net(cfgs[chosen])
+        modules = {"lightning": study_module(cfgs[chosen])}
+        base = os.path.join(output_dir, "base.ckpt")
+        lightning_steps(cfgs[chosen], modules["lightning"], loader, save_to=base)  # also the first arm's warmup
+        stage_cfg = study_config(
+            os.path.join(output_dir, "stage"), chosen, steps + 1, (f"init_from={base}", *STAGE_OVERRIDES)
         )
+        modules[SECOND_STAGE] = study_module(stage_cfg)
         nets = {"bare": study_net(cfgs[chosen]), f"bare {other}": study_net(cfgs[other])}
         if compiled:
             nets[COMPILED] = study_net(cfgs[chosen])
@@ -453,17 +472,17 @@ def bench_lightning(reps, steps, log, compiled=True):
             arm.train()
 
         def run(arm):
-            cfg = cfgs[arms[arm]]
+            cfg = stage_cfg if arm == SECOND_STAGE else cfgs[arms[arm]]
             # Compiled, RoPE's table lookup breaks the graph after the q, k, v views of the projection. Regenerating
             # those views by replaying their view functions failed in torch 2.13 with a garbage shape
             # (docs/bench-memory); the as_strided regeneration runs. Eager arms do not read the setting.
             with torch._functorch.config.patch(view_replay_for_aliased_outputs=False):
                 ends = (
-                    lightning_steps(cfg, module, loader) if arm == "lightning" else bare_steps(cfg, nets[arm], loader)
+                    lightning_steps(cfg, modules[arm], loader) if arm in modules else bare_steps(cfg, nets[arm], loader)
                 )
             return (ends[-1] - ends[0]) / (len(ends) - 1)
 
-        for arm in arms:  # warmup: oneDNN primitives, autocast, Lightning's first fit
+        for arm in list(arms)[1:]:  # warmup: oneDNN primitives, autocast, Lightning's first fit (the base's: above)
             run(arm)
         times = {arm: [] for arm in arms}
         for rep in range(reps):
@@ -484,6 +503,7 @@ def bench_lightning(reps, steps, log, compiled=True):
         "times": times,
     }
     result["lightning_vs_bare"], result["lightning_vs_bare_range"] = paired("lightning", "bare")
+    result["stage_vs_base"], result["stage_vs_base_range"] = paired(SECOND_STAGE, "lightning")
     result["other_vs_chosen"], result["other_vs_chosen_range"] = paired(f"bare {other}", "bare")
     if compiled:
         result["compiled_vs_eager"], result["compiled_vs_eager_range"] = paired(COMPILED, "bare")
@@ -654,6 +674,8 @@ def render_lightning(info, settings, lightning) -> list[str]:
     other_low, other_high = lightning["other_vs_chosen_range"]
     ratio = lightning["lightning_vs_bare"]
     verdict = "met" if ratio <= LIGHTNING_TARGET else "**not met**"
+    stage, (stage_low, stage_high) = lightning["stage_vs_base"], lightning["stage_vs_base_range"]
+    stage_verdict = "met" if stage <= STAGE_TARGET else "**not met**"
     lines = [
         "## The study's training step: Lightning vs a bare PyTorch loop",
         "",
@@ -679,6 +701,11 @@ def render_lightning(info, settings, lightning) -> list[str]:
         f"({low:.2f}-{high:.2f}); target <= {LIGHTNING_TARGET}: {verdict}",
         f"- bare loop, {other} / {chosen} step time: **{lightning['other_vs_chosen']:.2f}** "
         f"({other_low:.2f}-{other_high:.2f})",
+        f"- second stage / its base, both under Lightning at {chosen}: **{stage:.3f}** ({stage_low:.2f}-"
+        f"{stage_high:.2f}); target <= {STAGE_TARGET}: {stage_verdict}. The second stage is train.py's "
+        f"`init_from=<the lightning arm's checkpoint> {' '.join(STAGE_OVERRIDES)}` at the base's length and batch: "
+        "a context-extension stage trains at its base's tokens/s (at a longer L' each step costs what a base "
+        "trained at L' would)",
     ]
     if "compiled_vs_eager" in lightning:
         c_low, c_high = lightning["compiled_vs_eager_range"]

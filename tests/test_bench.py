@@ -48,6 +48,8 @@ def test_the_lightning_section_reports_both_ratios_with_the_cpu_and_isa(bench, t
     assert f"- Lightning / bare at {chosen} (this machine's default precision): **" in text
     other = "32-true" if chosen == "bf16-mixed" else "bf16-mixed"
     assert f"- bare loop, {other} / {chosen} step time: **" in text
+    assert f"- second stage / its base, both under Lightning at {chosen}: **" in text
+    assert "| lightning, second stage |" in text
     assert "## Training throughput" not in text and "## Shaw attention" not in text  # only the section asked for
 
 

@@ -368,13 +368,17 @@ def build(cfg: DictConfig, spec: RunSpec):
     # Validation scores the windows of the sweep's nonoverlap row at L_train: the same measurement.
     datamodule = instantiate(cfg.data, "data", validation_max_windows=spec.eval.max_windows)
     datamodule.load()
-    net = build_net(spec, datamodule.vocab_size)
+    return datamodule, build_module(cfg, spec, datamodule.vocab_size), trainer
+
+
+def build_module(cfg: DictConfig, spec: RunSpec, vocab_size: int):
+    """The LightningModule of a resolved run; a second stage's net holds the base's weights."""
+    net = build_net(spec, vocab_size)
     if spec.start == "init_from":  # the base's weights only: optimizer, step and schedule start afresh
         net.load_state_dict(net_state(load_checkpoint(spec.checkpoint, "init_from")))
-    module = instantiate(cfg.module, "module", _partial_=True, _convert_="all")(
+    return instantiate(cfg.module, "module", _partial_=True, _convert_="all")(
         net=net, scheme=spec.scheme, seed=spec.seed, run=spec.stored()
     )
-    return datamodule, module, trainer
 
 
 def resolve_training(cfg: DictConfig) -> RunSpec:
