@@ -61,7 +61,12 @@ def test_finished_runs_are_skipped_and_interrupted_ones_resume(compose_train, sm
     assert f"resuming from {tmp_path / 'checkpoints' / 'last.ckpt'}" in caplog.text
     checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert checkpoint["global_step"] == 10
-    assert json.loads(results.read_text())["meta"]["tokens_trained"] == 10 * 4 * 32
+    meta = json.loads(results.read_text())["meta"]
+    assert meta["tokens_trained"] == 10 * 4 * 32
+    # Its tokens/s covers the 6 steps before the resume too (re-evaluating a finished run keeps its speed).
+    assert checkpoint["train_clock"]["tokens"] == 10 * 4 * 32
+    seconds = checkpoint["train_clock"]["seconds"]
+    assert meta["train_tokens_per_s"] == pytest.approx(10 * 4 * 32 / seconds)
 
 
 def test_same_config_and_seed_give_identical_results(compose_train, small_text_corpus, tmp_path):

@@ -91,11 +91,17 @@ class LanguageModel(L.LightningModule):
         self.val_nll = MeanMetric()
         self.val_windows = SumMetric()
         self.val_answers = answer_metrics(net.embedding.num_embeddings)  # probes: exact match, token accuracy
-        self.train_seconds, self.train_tokens = 0.0, 0  # time inside training steps, for tokens/s
+        self.train_seconds, self.train_tokens = 0.0, 0  # time inside training steps, for tokens/s (kept on resume)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["train_clock"] = {"seconds": self.train_seconds, "tokens": self.train_tokens}
         if self.hparams.run:  # kept for eval.py's results files and a later stage's lineage
             checkpoint["tokens_trained"] = tokens_trained(self.trainer, self.hparams.run["config"]["data"])
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # A resumed run's tokens/s covers all of its training, the steps before the resume included.
+        clock = checkpoint.get("train_clock", {})
+        self.train_seconds, self.train_tokens = clock.get("seconds", 0.0), clock.get("tokens", 0)
 
     def on_fit_start(self) -> None:
         warn_if_precision_is_slow(self.trainer.precision, self.device)

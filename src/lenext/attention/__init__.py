@@ -8,8 +8,8 @@ DESIGN.md section 7), never from its name:
 - a key bias (ALiBi): a (B or 1, H, 1, L) fp32 mask on SDPA's fused causal kernel;
 - a band bias (T5, Shaw) on CPU: ``BandedAttention``, the fused causal flash kernel for the
   keys beyond the band (bias 0) and the W band keys scored directly, in O(L W) extra memory;
-- otherwise (a pair bias: KERPLE, FIRE; a value term: Shaw's a^V; no fused kernel): explicit
-  scores in query blocks, so no (L, L) tensor exists at once.
+- otherwise (a pair bias: KERPLE, FIRE; a value term: Shaw's a^V; logits the PE computes itself:
+  Self-Extend; no fused kernel): explicit scores in query blocks, so no (L, L) tensor exists at once.
 The PE gives biases; every mask (causal, the band's) is built here.
 
 The kernels live beside it: ``band`` (BandedAttention, CPU), ``flex`` (FlexAttention, CUDA).
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from lenext.attention.band import BandedAttention, band_mask, cpu_flash
 from lenext.attention.flex import causal_block_mask, compiled_flex_attention, flex_attention
 from lenext.pe import PositionalEncoding
-from lenext.pe.base import ValueTerm
+from lenext.pe.base import Logits, ValueTerm
 
 # Float elements of mask per query block on the explicit path. 16 MiB in fp32 keeps each block's
 # mask below glibc's mmap threshold (32 MiB), so the heap reuses it: a fresh mmap per mask cost
@@ -66,6 +66,10 @@ def causal_attention(q, k, v, pe: PositionalEncoding, positions: torch.Tensor, l
     """
     length = q.size(-2)
     value_term = pe.value_term(positions, layer)  # needs the probabilities: explicit path only
+    logits = pe.logits(q, k, positions)  # no kernel takes them: explicit path only
+    if logits is not None:
+        bias = explicit_bias(pe, q, positions, layer, pe.key_bias(positions, layer) is not None)
+        return _blocked_attention(q, k, v, bias or causal_bias(q.device), value_term, logits)
     if value_term is None and q.is_cuda and flex_attention is not None:
         # Flex only on CUDA: on CPU it has no backward and compiles for seconds (DESIGN.md section 7).
         score_mod = pe.score_mod(q, positions, layer)
@@ -116,8 +120,26 @@ def explicit_bias(
     return from_pairs
 
 
-def _blocked_attention(q, k, v, bias: Callable[[int, int], torch.Tensor], value_term: ValueTerm | None) -> torch.Tensor:
-    """Explicit scores, one block of query rows at a time against the keys it sees.
+def causal_bias(device: torch.device) -> Callable[[int, int], torch.Tensor]:
+    """The causal mask alone in ``explicit_bias``'s form: 0 on the keys a query sees, -inf on future keys."""
+
+    def block(start: int, end: int) -> torch.Tensor:
+        future = torch.ones(end - start, end, dtype=torch.bool, device=device).triu(start + 1)
+        return torch.zeros(end - start, end, device=device).masked_fill_(future, float("-inf"))
+
+    return block
+
+
+def _blocked_attention(
+    q,
+    k,
+    v,
+    bias: Callable[[int, int], torch.Tensor],
+    value_term: ValueTerm | None,
+    logits: Logits | None = None,
+) -> torch.Tensor:
+    """Explicit scores, one block of query rows at a time against the keys it sees (``logits``: the PE's own
+    scores instead of q k^T / sqrt(d_head)).
 
     A mask that needs no gradient (evaluation) goes to SDPA's fused CPU kernel, which takes it in fp32 with bf16
     q, k, v. One that does (training KERPLE, FIRE) would send SDPA to its math path, which rescales q and k and
@@ -131,11 +153,14 @@ def _blocked_attention(q, k, v, bias: Callable[[int, int], torch.Tensor], value_
         end = min(start + rows, length)
         q_block, k_seen, v_seen = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
         mask = bias(start, end)
-        if value_term is None and not mask.requires_grad and q.device.type == "cpu":
+        if value_term is None and logits is None and not mask.requires_grad and q.device.type == "cpu":
             out[:, :, start:end] = _sdpa_keep_mask(q_block, k_seen, v_seen, attn_mask=mask)
         else:
-            scores = (q_block @ k_seen.transpose(-2, -1)).float().mul_(head_dim**-0.5).add_(mask)
-            probs = scores.softmax(-1).to(v.dtype)  # (B, H, rows, end)
+            if logits is None:
+                scores = (q_block @ k_seen.transpose(-2, -1)).float().mul_(head_dim**-0.5)
+            else:
+                scores = logits(start, end)
+            probs = scores.add_(mask).softmax(-1).to(v.dtype)  # (B, H, rows, end)
             block = probs @ v_seen
             out[:, :, start:end] = block if value_term is None else block + value_term(probs, start, end)
     return out

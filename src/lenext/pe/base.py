@@ -14,7 +14,9 @@ up to three sites of the decoder, and implements only the ones it needs:
   - ``pair_bias``: any bias(i, j) of the two positions (KERPLE, FIRE);
   - ``score_mod``: one of the biases above as a FlexAttention score_mod, for CUDA (never alone:
     elsewhere the attention runs the other form);
-  - ``value_term``: an extra attention output computed from the probabilities (Shaw's a^V).
+  - ``value_term``: an extra attention output computed from the probabilities (Shaw's a^V);
+- ``logits(q, k, positions)``: the logits themselves, for a PE whose logit is not one product of the
+  rotated q and k (Self-Extend: two rotations merged per pair); ``rotate`` then leaves q and k as they are.
 
 The decoder calls every site for every PE and never looks at which PE it holds.
 """
@@ -29,6 +31,7 @@ from torch import nn
 
 PairBias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ValueTerm = Callable[[torch.Tensor, int, int], torch.Tensor]
+Logits = Callable[[int, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,12 @@ class PositionalEncoding(nn.Module):
     def value_term(self, positions: torch.Tensor, layer: int) -> ValueTerm | None:
         """``(probs (B, H, R, K), start, end) -> (B, H, R, d_head)``: extra attention output for query
         rows [start, end) from their probabilities over keys [0, end) (Shaw's a^V)."""
+        return None
+
+    def logits(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> Logits | None:
+        """``(start, end) -> (B, H, end - start, end)`` fp32 scaled logits q.k / sqrt(d_head) of query rows
+        [start, end) against keys [0, end) (the attention masks future keys and adds any score bias), for a PE
+        that computes them itself; q, k: (B, H, L, d_head) as ``rotate`` returned them."""
         return None
 
     def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:

@@ -16,6 +16,10 @@ each in ``ROPE_SCALINGS`` returning (inverse frequencies, attention factor), as 
 - ``llama3`` (Meta 2024, Llama 3.1): by wavelength lambda_t = 2 pi / theta_t: theta_t / s where
   lambda_t > C / low_freq_factor, theta_t where lambda_t < C / high_freq_factor, and between them
   (1 - g) theta_t / s + g theta_t with g = (C / lambda_t - low_freq_factor) / (high_freq_factor - low_freq_factor).
+- ``self_extend`` (Jin et al. 2024, "LLM Maybe LongLM"; datamllab/LongLM): the frequencies unscaled, the
+  *positions* grouped. A key fewer than W (``neighbor_window``) positions back is scored at the true
+  positions; a farther one with the query at floor(i / G) + W - W / G and the key at floor(j / G), G the
+  group size (the factor s): two rotations of q and k, merged per pair before the softmax (``logits``).
 
 The original context C is the span of positions the *first* training stage reached (its training
 length; N under randomized positions, the target length under PoSE): ``original_len: null`` resolves
@@ -23,8 +27,9 @@ to it, and a second stage (context extension, ``init_from``) keeps the base's. T
 - a number: s, fixed, at every length;
 - ``null`` in a run trained within C: s = max(1, L / C) for a sequence whose positions span L
   (identity at the training length, the method's own factor beyond it: evaluation-time scaling);
+  Self-Extend's G is the smallest whose grouped positions stay below C (1, the identity, within C);
 - ``null`` in a run trained beyond C (a second stage at L' > C): resolves to s = L' / C, fixed, the
-  factor PI and YaRN fine-tune and evaluate with.
+  factor PI and YaRN fine-tune and evaluate with (Self-Extend's G stays per length).
 """
 
 import math
@@ -35,8 +40,8 @@ from typing import Annotated, Literal
 
 import torch
 
-from lenext.errors import ConfigError
-from lenext.pe.base import AttentionShape, PositionalEncoding
+from lenext.errors import ConfigError, LengthNotSupported
+from lenext.pe.base import AttentionShape, Logits, PositionalEncoding, position_differences
 from lenext.schema import PositiveFloat, PositiveInt, Range
 
 
@@ -108,6 +113,7 @@ ROPE_SCALINGS: dict[str, Callable[[RopeSettings], tuple[torch.Tensor, float]]] =
     "dynamic_ntk": dynamic_ntk_scaling,
     "yarn": yarn_scaling,
     "llama3": llama3_scaling,
+    "self_extend": no_scaling,  # its positions are grouped instead: RoPE.logits
 }
 SCALINGS = tuple(ROPE_SCALINGS)
 
@@ -136,7 +142,15 @@ def rope_frequencies(
 class RoPE(PositionalEncoding):
     """Rotary embedding with an optional length scaling, overridable at evaluation time."""
 
-    STAGE_SETTINGS = ("scaling", "factor", "beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor")
+    STAGE_SETTINGS = (
+        "scaling",
+        "factor",
+        "beta_fast",
+        "beta_slow",
+        "low_freq_factor",
+        "high_freq_factor",
+        "neighbor_window",
+    )
 
     def __init__(
         self,
@@ -149,6 +163,7 @@ class RoPE(PositionalEncoding):
         low_freq_factor: PositiveFloat = 1.0,
         high_freq_factor: PositiveFloat = 4.0,
         original_len: PositiveInt | None = None,  # null: the positions training reaches (module docstring)
+        neighbor_window: PositiveInt | None = None,  # Self-Extend's W; null: C // 4 (of a variant's C)
     ):
         super().__init__(shape)
         if high_freq_factor <= low_freq_factor:
@@ -162,7 +177,14 @@ class RoPE(PositionalEncoding):
                 "must be even"
             )
         self.original_len = original_len or shape.trained_positions
-        if factor is None and scaling not in ("none", "dynamic_ntk") and shape.trained_positions > self.original_len:
+        self.neighbor_window = neighbor_window
+        if (neighbor_window or scaling == "self_extend") and self.window >= self.original_len - 1:
+            raise ConfigError(
+                f"pe.neighbor_window={self.window} is invalid: Self-Extend groups the keys beyond it into "
+                f"the original context C={self.original_len}; it must be below C - 1"
+            )
+        per_length = ("none", "dynamic_ntk", "self_extend")
+        if factor is None and scaling not in per_length and shape.trained_positions > self.original_len:
             factor = shape.trained_positions / self.original_len  # trained beyond C: s = L' / C, fixed
         self.base, self.scaling, self.factor = base, scaling, factor
         self.beta_fast, self.beta_slow = beta_fast, beta_slow
@@ -178,7 +200,28 @@ class RoPE(PositionalEncoding):
             return float(self.factor)
         if self.scaling == "dynamic_ntk":
             return 1.0
+        if self.scaling == "self_extend":
+            return float(self.group_size(length))
         return max(1.0, length / self.original_len)
+
+    @property
+    def window(self) -> int:
+        """Self-Extend's W: ``neighbor_window``, or a quarter of C (of the span trained, in a variant)."""
+        return self.neighbor_window or max(1, self.original_len // 4)
+
+    def group_size(self, length: int) -> int:
+        """Self-Extend's smallest G whose grouped query positions, floor((length - 1) / G) + W - W / G, stay
+        below C: every relative position the grouped keys get was trained."""
+        window, limit = self.window, self.original_len - 1
+        if window >= limit:  # a variant from a context too short for the neighbour window
+            raise LengthNotSupported(
+                f"Self-Extend with neighbor_window {window} needs an original context of at least {window + 2} "
+                f"positions; this model's is {self.original_len}"
+            )
+        group = max(1, math.ceil((length - 1 - window) / (limit - window)))  # the bound without the floor
+        while group > 1 and (length - 1) // (group - 1) + window - window / (group - 1) <= limit:
+            group -= 1
+        return group
 
     def frequencies(self, length: int) -> tuple[torch.Tensor, float]:
         return rope_frequencies(
@@ -208,11 +251,43 @@ class RoPE(PositionalEncoding):
         return self.rotations
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.scaling == "self_extend":
+            return q, k  # rotated twice, at true and at grouped positions, by ``logits``
+        rotations = self._rotations(self._span(positions), q.device)[positions][:, None]  # (B or 1, 1, L, d_head/2)
+        return _rotate(q, rotations), _rotate(k, rotations)
+
+    def _span(self, positions: torch.Tensor) -> int:
         # At least every position training reached: the scalings are the identity within them, so one table
         # serves drawn positions, whose span changes every step.
-        span = max(int(positions.max()) + 1, self.shape.trained_positions)
-        rotations = self._rotations(span, q.device)[positions][:, None]  # (B or 1, 1, L, d_head/2)
-        return _rotate(q, rotations), _rotate(k, rotations)
+        return max(int(positions.max()) + 1, self.shape.trained_positions)
+
+    def logits(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> Logits | None:
+        """Self-Extend's logits (module docstring): q.k at the true positions for keys fewer than W back, at the
+        grouped positions beyond, as LongLM's merge of its neighbour and group attention weights."""
+        if self.scaling != "self_extend":
+            return None
+        span = self._span(positions)
+        group, window = self.scaling_factor(span), self.window  # G: pe.factor, or the smallest that fits
+        true = self._rotations(span, q.device)[positions][:, None]  # (B or 1, 1, L, d_head/2)
+        grouped_keys = torch.div(positions, group, rounding_mode="floor")
+        near_q, near_k = _rotate(q, true), _rotate(k, true)
+        far_q = _rotate(q, self._rotations_at(grouped_keys + window - window / group, q.device))
+        far_k = _rotate(k, self._rotations_at(grouped_keys, q.device))
+        scale = q.size(-1) ** -0.5
+
+        def block(start: int, end: int) -> torch.Tensor:  # (B, H, end - start, end) fp32
+            near = near_q[:, :, start:end] @ near_k[:, :, :end].transpose(-2, -1)
+            far = far_q[:, :, start:end] @ far_k[:, :, :end].transpose(-2, -1)
+            neighbours = position_differences(positions[:, start:end], positions[:, :end]) < window
+            return torch.where(neighbours[:, None], near, far).float().mul_(scale)
+
+        return block
+
+    def _rotations_at(self, positions: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """(B or 1, 1, L, d_head/2) complex64 e^{i p theta_t} at any (fractional) positions p, in float64."""
+        inv_freq, attention_factor = self.frequencies(self._span(positions))
+        angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
+        return torch.polar(torch.full_like(angles, attention_factor), angles)[:, None].to(device, torch.complex64)
 
     def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:
         span = self.shape.trained_positions
@@ -240,7 +315,7 @@ class RoPE(PositionalEncoding):
             "scaling": self.scaling,
             "factor": self.factor,
             "original_len": self.original_len,
-        }
+        } | ({"neighbor_window": self.window} if self.scaling == "self_extend" else {})
 
 
 def _rotate(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:

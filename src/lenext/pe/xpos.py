@@ -8,7 +8,8 @@ and the largest factor is zeta_0^(-L / (2 gamma)) = 3.5^(L / (2 gamma)) instead 
 a query and a key both far from the centre (including masked future ones) multiply two such factors:
 beyond e^40 each they overflow fp32, so longer sequences are refused as not applicable
 (``max_length``: 32.7k tokens at gamma 512).
-Trained without a scaling; evaluation may still apply RoPE's scalings to the rotation (``eval.rope_scalings``).
+Trained without a scaling; evaluation may still apply RoPE's frequency scalings to the rotation
+(``eval.rope_scalings``; Self-Extend's grouped positions are not among its variants).
 """
 
 import math
@@ -72,6 +73,10 @@ class XPos(RoPE):
             self._tables_key = (self._cache_key, q.device)
         query_table, key_table = (table[positions][:, None] for table in (self._query_table, self._key_table))
         return _rotate(q, query_table), _rotate(k, key_table)  # tables (B or 1, 1, L, d_head/2)
+
+    def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:
+        # Self-Extend's grouped positions would need the decay at grouped positions too: not a variant of xPos.
+        return super().variants([name for name in asked or () if name != "self_extend"] or None, longest)
 
     def describe(self) -> dict:
         return {**super().describe(), "name": "xPos", "scale_base": self.scale_base}
