@@ -185,7 +185,9 @@ class TableKey(NamedTuple):
 
 
 def summarize(frame: pd.DataFrame) -> dict[TableKey, pd.DataFrame]:
-    """Per ``TableKey``: a frame indexed by PE with columns (length, mean|std|n|status|by_seed) + speed/memory."""
+    """Every statistic the tables and plots show, computed once. Per ``TableKey``: a frame indexed by PE with
+    columns (length, mean|std|n|status|by_seed|best|separable) + speed/memory; ``best``: the cell is its column's
+    best, ``separable``: whether it is separable from that best (None: not tested)."""
     tables = {}
     # Text ("" task) before probes; then by L_train, protocol, metric.
     for (task, train_len, protocol, metric), group in frame.groupby(["task", "train_len", "protocol", "metric"]):
@@ -203,7 +205,10 @@ def summarize(frame: pd.DataFrame) -> dict[TableKey, pd.DataFrame]:
         pes = list(dict.fromkeys(pe for pe, _ in cells))  # first seen first: the sweep's order
         lengths = sorted({length for _, length in cells})
         table = pd.DataFrame(
-            index=pes, columns=pd.MultiIndex.from_product([lengths, ["mean", "std", "n", "status", "by_seed"]])
+            index=pes,
+            columns=pd.MultiIndex.from_product(
+                [lengths, ["mean", "std", "n", "status", "by_seed", "best", "separable"]]
+            ),
         )
         for (pe, length), cell in cells.items():
             for key, value in cell.items():
@@ -213,6 +218,11 @@ def summarize(frame: pd.DataFrame) -> dict[TableKey, pd.DataFrame]:
         table[("train tok/s", "")] = [speed.get(pe) for pe in pes]
         table[("eval peak MB", "")] = [memory.get(pe) for pe in pes]
         table.attrs["metric"] = metric
+        for length in lengths:
+            best = _best(table, length)
+            for pe in pes:
+                table.at[pe, (length, "best")] = pe == best
+                table.at[pe, (length, "separable")] = _separable_from_best(table, pe, length, best)
         tables[TableKey(int(train_len), protocol, metric, task)] = table
     return tables
 
@@ -258,8 +268,7 @@ def separable(
     return _separable_in(frame_or_tables[key], pe_a, pe_b, length)
 
 
-def _separable_from_best(table: pd.DataFrame, pe: str, length: int) -> bool | None:
-    best = _best(table, length)
+def _separable_from_best(table: pd.DataFrame, pe: str, length: int, best: str | None) -> bool | None:
     if best is None or pe == best or table.loc[pe, (length, "status")] != "ok":
         return None
     return _separable_in(table, pe, best, length)
@@ -274,9 +283,9 @@ def _cell(table, pe, length, fmt) -> str:
     metric = METRICS[table.attrs["metric"]]
     mean, std = mean * metric.scale, std * metric.scale
     text = f"{mean:.{metric.digits}f}" + (f" {fmt['pm']} {std:.{metric.digits}f}" if n > 1 else "")
-    if _separable_from_best(table, pe, length) is False:
+    if table.loc[pe, (length, "separable")] is False:
         text += fmt["not_separable"]
-    return fmt["bold"].format(text) if pe == _best(table, length) else text
+    return fmt["bold"].format(text) if table.loc[pe, (length, "best")] else text
 
 
 def _seed_range(table: pd.DataFrame) -> tuple[int, int]:
@@ -293,7 +302,7 @@ def _number(value, digits=0) -> str:
 def to_markdown(tables: dict) -> str:
     parts = []
     for key, table in tables.items():
-        lengths = [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
+        lengths = _lengths(table)
         fewest, most = _seed_range(table)
         seeds = f"{most} seed{'s' if most != 1 else ''}" if fewest == most else f"{fewest}-{most} seeds"
         parts.append(
@@ -330,7 +339,7 @@ def title(key: TableKey) -> str:
 def to_latex(tables: dict) -> str:
     parts = []
     for key, table in tables.items():
-        lengths = [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
+        lengths = _lengths(table)
         parts += [
             f"% {title(key).replace('`', '')}" + (f", {METRICS[key.metric].name}" if key.task else ""),
             "\\begin{tabular}{l" + "r" * len(lengths) + "}",
@@ -351,8 +360,7 @@ def to_latex(tables: dict) -> str:
 def to_csv(frame: pd.DataFrame, tables: dict) -> str:
     rows = []
     for key, table in tables.items():
-        for length in [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]:
-            best = _best(table, length)
+        for length in _lengths(table):
             for pe in table.index:
                 if not isinstance(table.loc[pe, (length, "status")], str):
                     continue
@@ -365,8 +373,8 @@ def to_csv(frame: pd.DataFrame, tables: dict) -> str:
                         "pe": pe,
                         "length": length,
                         **{k: table.loc[pe, (length, k)] for k in ("mean", "std", "n", "status")},
-                        "best": pe == best,
-                        "separable_from_best": _separable_from_best(table, pe, length),
+                        "best": table.loc[pe, (length, "best")],
+                        "separable_from_best": table.loc[pe, (length, "separable")],
                         "train_tokens_per_s": table.loc[pe, ("train tok/s", "")],
                         "eval_peak_mem_mb": table.loc[pe, ("eval peak MB", "")],
                     }
