@@ -27,6 +27,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from lenext.schema import PositiveFloat
+
 
 def sweep_grid(task_overrides: list[str], sweeper_params: dict[str, str] | None) -> tuple[int, set[str]]:
     """(jobs in the grid of a basic sweep, the keys it sweeps); command-line overrides win over the preset's params."""
@@ -125,7 +127,7 @@ class TrainingProgress(L.Callback):
     has no progress bar: step n of N, the mean training loss since the last line, tokens/s (the run's, as
     results.json records it), the training time left and, in a sweep, the study's."""
 
-    def __init__(self, every_s: float = 30.0):
+    def __init__(self, every_s: PositiveFloat = 30.0):
         self.every_s = every_s
         self.enabled = False
 
