@@ -408,7 +408,7 @@ def lightning_steps(cfg, module, loader, save_to: str | None = None) -> list[flo
     trainer = instantiate(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers)
     trainer.fit(module, train_dataloaders=loader)
     if save_to:
-        trainer.save_checkpoint(save_to)
+        trainer.save_checkpoint(save_to, weights_only=False)
     return clock.ends
 
 

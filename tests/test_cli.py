@@ -1,12 +1,13 @@
 """The command line as a user types it: bad input ends in one clear line, before any work."""
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT, run_train
+from tests.conftest import ROOT, run_train, small_corpus_overrides
 
 
 def test_unknown_pe_lists_the_available_ones(tmp_path):
@@ -59,3 +60,19 @@ def test_eval_takes_the_precision_names_training_takes_and_refuses_others(tmp_pa
     assert result.stderr.strip() == (
         "error: precision='16-mixed' is invalid: it must be one of '32-true', '32', 32, 'bf16-mixed', 'bf16' or null"
     )
+
+
+def test_a_run_and_its_resume_say_they_are_alive_and_print_no_library_warnings(tmp_path, small_text_corpus):
+    """A run without a progress bar (as in the study presets) prints a line at every tenth of its steps; neither
+    a run nor its resume prints a library warning the user cannot act on (lenext/__init__.py)."""
+    common = small_corpus_overrides(small_text_corpus, "eval.factors=[1]", "hydra.run.dir=run")
+    first = run_train(tmp_path, *common, "trainer.max_steps=10", "trainer.val_check_interval=5")
+    (tmp_path / "run" / "results.json").unlink()  # trained further: it resumes from last.ckpt
+    resumed = run_train(tmp_path, *common, "trainer.max_steps=20", "trainer.val_check_interval=5")
+    for result in (first, resumed):
+        assert result.returncode == 0, result.stderr
+        console = result.stdout + result.stderr
+        assert not re.search(r"warn|deprecat|is not empty|not resumable|weights_only|was configured", console, re.I)
+    line = r"^step (\d+) of {}: loss \d+\.\d+, [\d,]+ tokens/s; training ~\d+s left$"
+    assert re.findall(line.format(10), first.stdout, re.M) == [str(s) for s in range(1, 11)]
+    assert re.findall(line.format(20), resumed.stdout, re.M) == [str(s) for s in range(12, 21, 2)]

@@ -257,3 +257,21 @@ def test_a_job_whose_latest_attempt_failed_is_listed_as_failed(tmp_path, capsys)
     main([str(tmp_path)])
     out = capsys.readouterr().out
     assert "| alibi |" in out and "| rope |" not in out and "failed: data.max_len=0 is invalid" in out
+
+
+def test_figures_draw_a_pes_variants_in_its_colour_and_tell_them_apart_by_line_style():
+    from lenext.report import _method, base_row, row_styles
+
+    rows = ["rope", "rope (ntk)", "rope -> yarn@256", "alibi", "alibi -> direct@256", "xpos (yarn)", "rope (yarn)"]
+    assert [base_row(r) for r in rows] == ["rope", "rope", "rope", "alibi", "alibi", "xpos", "rope"]
+    styles = row_styles(rows)
+    rope = [styles[r] for r in rows if base_row(r) == "rope"]
+    assert len({s["color"] for s in rope}) == 1 and len({str(s["ls"]) for s in rope}) == len(rope)
+    assert len({styles["rope"]["color"], styles["alibi"]["color"], styles["xpos (yarn)"]["color"]}) == 3
+    # The extension figure colours by method, the same zero-shot and fine-tuned: PI is linear, direct is none.
+    assert [_method(r) for r in ("rope", "rope (linear)", "rope -> pi@256", "rope -> direct@256 (self_extend)")] == [
+        "none",
+        "linear",
+        "linear",
+        "self_extend",
+    ]

@@ -1,9 +1,11 @@
 """Studies: presets, skipping finished runs, resuming, reproducibility, DDP evaluation, launchers."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -63,6 +65,8 @@ def test_finished_runs_are_skipped_and_interrupted_ones_resume(compose_train, sm
     assert checkpoint["global_step"] == 10
     meta = json.loads(results.read_text())["meta"]
     assert meta["tokens_trained"] == 10 * 4 * 32
+    logged = pd.read_csv(tmp_path / "csv" / "metrics.csv")  # the steps before the resume are kept, once each
+    assert logged.dropna(subset=["val/ppl"]).step.tolist() == [6, 10]
     # Its tokens/s covers the 6 steps before the resume too (re-evaluating a finished run keeps its speed).
     assert checkpoint["train_clock"]["tokens"] == 10 * 4 * 32
     seconds = checkpoint["train_clock"]["seconds"]
@@ -225,6 +229,9 @@ def test_a_study_says_after_each_job_how_many_are_done_and_how_long_the_rest_wil
     assert len(lines) == 2
     assert lines[0].startswith("study: job 1 of 2 done (pe=nope, ") and lines[0].endswith(" left")
     assert lines[1].startswith("study: job 2 of 2 done (pe=alibi, ") and lines[1].endswith("; the study is complete")
+    # While a job trains: its steps, and the study's time left (the first job's from its own pace).
+    steps = [line for line in first.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 4 and all(re.search(r"training ~\d+s left; study ~\d+s left$", line) for line in steps)
     # What a study prints is its own: no product tips, no model summary with a FLOPs column of zeros.
     printed = first.stdout + first.stderr
     assert "Tip:" not in printed and "FLOPs" not in printed and "study:" in printed
@@ -305,3 +312,23 @@ def test_extrapolation_small_preset_matches_the_published_study_and_trains(small
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["meta"]["model"]["n_layers"] == 6 and [r["status"] for r in results["rows"]] == ["ok", "ok"]
+
+
+def test_the_csv_log_of_a_resumed_run_keeps_earlier_steps_once(tmp_path):
+    """Killed after its last checkpoint (step 15), a run logged steps 15..20 it logs again when it resumes."""
+    from lenext.loggers import CSVLogger
+
+    folder = tmp_path / "csv"
+    folder.mkdir()
+    pd.DataFrame({"step": range(21), "train/loss": [float(s) for s in range(21)]}).to_csv(
+        folder / "metrics.csv", index=False
+    )
+    logger = CSVLogger(str(tmp_path), name="csv", version="")
+    for step in range(15, 18):
+        logger.log_metrics({"train/loss": 100.0 + step}, step=step)
+    logger.log_metrics({"val/ppl": 7.0}, step=17)
+    logger.save()
+    logged = pd.read_csv(folder / "metrics.csv")
+    assert logged.step.tolist() == [*range(18), 17]
+    assert logged["train/loss"].tolist()[:18] == [*map(float, range(15)), 115.0, 116.0, 117.0]
+    assert logged["val/ppl"].dropna().tolist() == [7.0]

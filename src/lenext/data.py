@@ -310,7 +310,18 @@ def step_loader(samples: Dataset, batch_size: int, seed: int, trainer, num_worke
     done = (lambda: trainer.global_step * per_step) if trainer else (lambda: 0)
     sampler = StepShuffler(len(samples), seed, steps * per_step, start=done)
     indices = _RankSlice(sampler, batch_size, world, rank)
-    return DataLoader(samples, batch_size=batch_size, sampler=indices, num_workers=num_workers, drop_last=True)
+    return StepLoader(samples, batch_size=batch_size, sampler=indices, num_workers=num_workers, drop_last=True)
+
+
+class StepLoader(DataLoader):
+    """The training DataLoader of ``step_loader``: its order is a function of the trainer's step, so a resumed run
+    continues it with nothing to restore. It says so to Lightning, which otherwise warns that it cannot resume."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
 
 
 class DocumentWindows(Dataset):

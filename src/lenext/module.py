@@ -50,7 +50,7 @@ class CheckpointOnSigterm(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # During fit only: a SIGTERM in the final validation leaves the last.ckpt training ended with.
         if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":
-            trainer.save_checkpoint(os.path.join(self.dirpath, "last.ckpt"))
+            trainer.save_checkpoint(os.path.join(self.dirpath, "last.ckpt"), weights_only=False)
 
 
 def tokens_trained(trainer: L.Trainer, data: dict) -> int:

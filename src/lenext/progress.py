@@ -1,23 +1,33 @@
-"""Where a study stands: after each job of a multirun, `study: job n of N done (...); ~T left`.
+"""Where a run and a study stand, said on the console.
 
-A Hydra callback (registered in configs/hydra/default.yaml). With the basic launcher every job runs
-in the process that launched the sweep, so the callback sees the whole sweep: N is the size of the
-sweep's grid, and the time left is the mean wall time of the jobs that trained (skipped ones, whose
-results were already complete, take seconds, and failed ones stop at any point: either would make the
-estimate meaningless) times the jobs left. Launchers that run jobs elsewhere (submitit) hand each job
-a copy of this callback as it was at launch, so there the line gives only the job's own number.
+``StudyProgress``, a Hydra callback (configs/hydra/default.yaml): after each job of a multirun,
+`study: job n of N done (...); ~T left`. With the basic launcher every job runs in the process that
+launched the sweep, so the callback sees the whole sweep: N is the size of the sweep's grid, and the
+time left is the mean wall time of the jobs that trained (skipped ones, whose results were already
+complete, take seconds, and failed ones stop at any point: either would make the estimate meaningless)
+times the jobs left. Launchers that run jobs elsewhere (submitit) hand each job a copy of this callback
+as it was at launch, so there the line gives only the job's own number.
+
+``TrainingProgress``, a Lightning callback (configs/callbacks/default.yaml): while a run trains without
+a progress bar (the study presets turn it off), a line at every tenth of its steps and at least every
+30 s: `step n of N: loss, tokens/s; training ~T left; study ~T left`.
 """
 
 import math
 import os
+import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
+import lightning as L
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+from lenext.schema import PositiveFloat
 
 
 def sweep_grid(task_overrides: list[str], sweeper_params: dict[str, str] | None) -> tuple[int, set[str]]:
@@ -51,6 +61,18 @@ def job_outcome(job_return: JobReturn) -> str:
     return "skipped" if isinstance(returned, dict) and returned.get("skipped") else "trained"
 
 
+@dataclass
+class StudyClock:
+    """What this process's sweep has done so far, for the training lines' study estimate."""
+
+    total: int | None = None  # jobs in the sweep; None outside a basic-launcher sweep
+    done: int = 0
+    trained_seconds: list[float] = field(default_factory=list)
+
+
+STUDY = StudyClock()
+
+
 class StudyProgress(Callback):
     def __init__(self) -> None:
         self.sweep_pid: int | None = None  # the process that launched the sweep; None in a single run
@@ -64,6 +86,7 @@ class StudyProgress(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.sweep_pid = os.getpid()
         self.total, self.swept_keys = sweep_grid(config.hydra.overrides.task, config.hydra.sweeper.get("params"))
+        STUDY.total, STUDY.done, STUDY.trained_seconds = self.total, 0, self.trained_seconds
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.started = time.monotonic()
@@ -80,7 +103,7 @@ class StudyProgress(Callback):
         if os.getpid() != self.sweep_pid:  # a remote launcher: the other jobs finish in other processes
             print(f"study: job {config.hydra.job.num + 1}{of_total} done {what}", flush=True)
             return
-        self.done += 1
+        self.done = STUDY.done = self.done + 1
         self.failed += outcome == "failed"
         if outcome == "trained":
             self.trained_seconds.append(seconds)
@@ -97,3 +120,43 @@ class StudyProgress(Callback):
         if self.failed and self.sweep_pid == os.getpid():
             print(f"study: {self.failed} of {self.done} jobs failed; each one's error.txt says why", file=sys.stderr)
             sys.exit(1)
+
+
+class TrainingProgress(L.Callback):
+    """A line at every tenth of the steps and at least every ``every_s`` seconds while training, when the run
+    has no progress bar: step n of N, the mean training loss since the last line, tokens/s (the run's, as
+    results.json records it), the training time left and, in a sweep, the study's."""
+
+    def __init__(self, every_s: PositiveFloat = 30.0):
+        self.every_s = every_s
+        self.enabled = False
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.enabled = trainer.progress_bar_callback is None and trainer.is_global_zero and trainer.max_steps > 0
+        self.started = self.last_line = time.monotonic()
+        self.first_step, self.last_tenth = trainer.global_step, self._tenth(trainer)
+        self.loss_sum, self.losses = 0.0, 0
+
+    @staticmethod
+    def _tenth(trainer: L.Trainer) -> int:
+        return 10 * trainer.global_step // trainer.max_steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self.enabled:
+            return
+        self.loss_sum, self.losses = self.loss_sum + outputs["loss"].detach(), self.losses + 1  # no sync per step
+        now, tenth, step = time.monotonic(), self._tenth(trainer), trainer.global_step
+        if now - self.last_line < self.every_s and tenth == self.last_tenth:
+            return
+        per_step = (now - self.started) / max(1, step - self.first_step)
+        left = (trainer.max_steps - step) * per_step
+        speed = pl_module.train_tokens / pl_module.train_seconds * trainer.world_size if pl_module.train_seconds else 0
+        line = (
+            f"step {step} of {trainer.max_steps}: loss {float(self.loss_sum) / self.losses:.3f}, "
+            f"{speed:,.0f} tokens/s; training ~{duration(left)} left"
+        )
+        if STUDY.total:  # the jobs after this one, at the mean of those trained so far (or this one's)
+            job = statistics.mean(STUDY.trained_seconds) if STUDY.trained_seconds else now - self.started + left
+            line += f"; study ~{duration(left + (STUDY.total - STUDY.done - 1) * job)} left"
+        print(line, flush=True)
+        self.last_line, self.last_tenth, self.loss_sum, self.losses = now, tenth, 0.0, 0

@@ -55,6 +55,16 @@ METRICS = {
 }
 ACCURACIES = ("exact_match", "token_accuracy")  # the metrics of a probe's rows
 
+# The figures' panels: PEs by how they act (meta.pe.name, the PE class), every other PE an additive bias.
+FAMILIES = {name: "no PE or absolute" for name in ("NoPE", "Sinusoidal", "Learned")} | {
+    name: "rotary" for name in ("RoPE", "xPos")
+}
+OTHER_FAMILY = "additive bias"
+FAMILY_ORDER = ("no PE or absolute", OTHER_FAMILY, "rotary")
+# A PE's rows share its colour; its variants (scalings, second stages) differ by line style.
+LINE_STYLES = ("-", "--", ":", "-.", (0, (1, 3)), (0, (6, 2, 1, 2, 1, 2)), (0, (9, 3)), (0, (3, 1, 1, 1, 1, 1)))
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
+
 
 def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[str, str]]]:
     """(run dir, results) for complete runs, and (run dir, why) for runs that are not."""
@@ -137,6 +147,7 @@ def collect(runs: list[tuple[str, dict]]) -> pd.DataFrame:
                         "status": row["status"],
                         "peak_mem_mb": row.get("peak_mem_mb"),
                         "train_tokens_per_s": meta.get("train_tokens_per_s"),
+                        "family": FAMILIES.get(meta["pe"]["name"], OTHER_FAMILY),
                     }
                 )
     return pd.DataFrame.from_records(records)
@@ -174,7 +185,9 @@ class TableKey(NamedTuple):
 
 
 def summarize(frame: pd.DataFrame) -> dict[TableKey, pd.DataFrame]:
-    """Per ``TableKey``: a frame indexed by PE with columns (length, mean|std|n|status|by_seed) + speed/memory."""
+    """Every statistic the tables and plots show, computed once. Per ``TableKey``: a frame indexed by PE with
+    columns (length, mean|std|n|status|by_seed|best|separable) + speed/memory; ``best``: the cell is its column's
+    best, ``separable``: whether it is separable from that best (None: not tested)."""
     tables = {}
     # Text ("" task) before probes; then by L_train, protocol, metric.
     for (task, train_len, protocol, metric), group in frame.groupby(["task", "train_len", "protocol", "metric"]):
@@ -192,7 +205,10 @@ def summarize(frame: pd.DataFrame) -> dict[TableKey, pd.DataFrame]:
         pes = list(dict.fromkeys(pe for pe, _ in cells))  # first seen first: the sweep's order
         lengths = sorted({length for _, length in cells})
         table = pd.DataFrame(
-            index=pes, columns=pd.MultiIndex.from_product([lengths, ["mean", "std", "n", "status", "by_seed"]])
+            index=pes,
+            columns=pd.MultiIndex.from_product(
+                [lengths, ["mean", "std", "n", "status", "by_seed", "best", "separable"]]
+            ),
         )
         for (pe, length), cell in cells.items():
             for key, value in cell.items():
@@ -202,6 +218,11 @@ def summarize(frame: pd.DataFrame) -> dict[TableKey, pd.DataFrame]:
         table[("train tok/s", "")] = [speed.get(pe) for pe in pes]
         table[("eval peak MB", "")] = [memory.get(pe) for pe in pes]
         table.attrs["metric"] = metric
+        for length in lengths:
+            best = _best(table, length)
+            for pe in pes:
+                table.at[pe, (length, "best")] = pe == best
+                table.at[pe, (length, "separable")] = _separable_from_best(table, pe, length, best)
         tables[TableKey(int(train_len), protocol, metric, task)] = table
     return tables
 
@@ -247,8 +268,7 @@ def separable(
     return _separable_in(frame_or_tables[key], pe_a, pe_b, length)
 
 
-def _separable_from_best(table: pd.DataFrame, pe: str, length: int) -> bool | None:
-    best = _best(table, length)
+def _separable_from_best(table: pd.DataFrame, pe: str, length: int, best: str | None) -> bool | None:
     if best is None or pe == best or table.loc[pe, (length, "status")] != "ok":
         return None
     return _separable_in(table, pe, best, length)
@@ -263,9 +283,9 @@ def _cell(table, pe, length, fmt) -> str:
     metric = METRICS[table.attrs["metric"]]
     mean, std = mean * metric.scale, std * metric.scale
     text = f"{mean:.{metric.digits}f}" + (f" {fmt['pm']} {std:.{metric.digits}f}" if n > 1 else "")
-    if _separable_from_best(table, pe, length) is False:
+    if table.loc[pe, (length, "separable")] is False:
         text += fmt["not_separable"]
-    return fmt["bold"].format(text) if pe == _best(table, length) else text
+    return fmt["bold"].format(text) if table.loc[pe, (length, "best")] else text
 
 
 def _seed_range(table: pd.DataFrame) -> tuple[int, int]:
@@ -282,7 +302,7 @@ def _number(value, digits=0) -> str:
 def to_markdown(tables: dict) -> str:
     parts = []
     for key, table in tables.items():
-        lengths = [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
+        lengths = _lengths(table)
         fewest, most = _seed_range(table)
         seeds = f"{most} seed{'s' if most != 1 else ''}" if fewest == most else f"{fewest}-{most} seeds"
         parts.append(
@@ -319,7 +339,7 @@ def title(key: TableKey) -> str:
 def to_latex(tables: dict) -> str:
     parts = []
     for key, table in tables.items():
-        lengths = [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
+        lengths = _lengths(table)
         parts += [
             f"% {title(key).replace('`', '')}" + (f", {METRICS[key.metric].name}" if key.task else ""),
             "\\begin{tabular}{l" + "r" * len(lengths) + "}",
@@ -340,8 +360,7 @@ def to_latex(tables: dict) -> str:
 def to_csv(frame: pd.DataFrame, tables: dict) -> str:
     rows = []
     for key, table in tables.items():
-        for length in [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]:
-            best = _best(table, length)
+        for length in _lengths(table):
             for pe in table.index:
                 if not isinstance(table.loc[pe, (length, "status")], str):
                     continue
@@ -354,8 +373,8 @@ def to_csv(frame: pd.DataFrame, tables: dict) -> str:
                         "pe": pe,
                         "length": length,
                         **{k: table.loc[pe, (length, k)] for k in ("mean", "std", "n", "status")},
-                        "best": pe == best,
-                        "separable_from_best": _separable_from_best(table, pe, length),
+                        "best": table.loc[pe, (length, "best")],
+                        "separable_from_best": table.loc[pe, (length, "separable")],
                         "train_tokens_per_s": table.loc[pe, ("train tok/s", "")],
                         "eval_peak_mem_mb": table.loc[pe, ("eval peak MB", "")],
                     }
@@ -363,55 +382,160 @@ def to_csv(frame: pd.DataFrame, tables: dict) -> str:
     return pd.DataFrame(rows).to_csv(index=False)
 
 
-def plot_lengths(tables: dict, path: str) -> None:
-    """One panel per table: the metric against L_eval, mean +- std over seeds, a line per PE."""
+def base_row(row: str) -> str:
+    """The PE a row belongs to: ``rope (ntk)`` and ``rope -> yarn@256`` are ``rope``'s rows."""
+    return row.split(STAGE_MARK)[0].split(" (")[0]
+
+
+def row_styles(rows: list[str]) -> dict[str, dict]:
+    """Per row, matplotlib line settings: the colour of its PE, a line style per variant of that PE."""
+    bases = list(dict.fromkeys(base_row(row) for row in rows))
+    seen: dict[str, int] = {}
+    styles = {}
+    for row in rows:
+        base = base_row(row)
+        seen[base] = seen.get(base, -1) + 1
+        variant = seen[base] % len(LINE_STYLES)
+        styles[row] = {"color": f"C{bases.index(base) % 10}", "ls": LINE_STYLES[variant], "marker": MARKERS[variant]}
+    return styles
+
+
+def _lengths(table: pd.DataFrame) -> list:
+    return [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
+
+
+def _draw_rows(ax, table: pd.DataFrame, rows: list[str], styles: dict, scale: float = 1.0) -> None:
+    """Each row's mean +- std over seeds against L_eval."""
+    lengths = _lengths(table)
+    for pe in rows:
+        mean = pd.to_numeric(pd.Series([table.loc[pe, (n, "mean")] for n in lengths]), errors="coerce")
+        std = pd.to_numeric(pd.Series([table.loc[pe, (n, "std")] for n in lengths]), errors="coerce").fillna(0)
+        ax.errorbar(lengths, mean * scale, yerr=std * scale, ms=3.5, lw=1.4, capsize=2, label=pe, **styles[pe])
+
+
+def _mark_train_len(ax, train_len: int) -> None:
+    ax.axvline(train_len, color="grey", ls="--", lw=1)
+    ax.annotate(
+        "L_train",
+        (train_len, 1),
+        xycoords=("data", "axes fraction"),
+        xytext=(3, -12),
+        textcoords="offset points",
+        fontsize=7,
+        color="grey",
+    )
+
+
+def _legend_below(ax, entries: int) -> None:
+    ax.legend(
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.16),
+        ncol=1 + (entries > 4) + (entries > 12),
+        fontsize=7,
+        frameon=False,
+    )
+
+
+FAMILY_PANELS_ABOVE = 7  # rows in a table beyond which a figure splits each table into family panels
+
+
+def plot_lengths(tables: dict, families: dict[str, str], path: str) -> None:
+    """The metric against L_eval, mean +- std over seeds, each PE in its colour and its variants in line styles,
+    the legend below the data: a row of panels per table, a panel per PE family (``FAMILIES``) when a table has
+    more rows than ``FAMILY_PANELS_ABOVE``, else a panel per table (three to a row)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(tables), figsize=(6 * len(tables), 4.5), squeeze=False)
-    for ax, (key, table) in zip(axes[0], tables.items(), strict=True):
+    panels = []  # (table key, table, rows, family or "")
+    if max(len(table) for table in tables.values()) > FAMILY_PANELS_ABOVE:
+        named = {families.get(pe, OTHER_FAMILY) for table in tables.values() for pe in table.index}
+        present = [f for f in FAMILY_ORDER if f in named] + sorted(named - set(FAMILY_ORDER))
+        columns = len(present)
+        for key, table in tables.items():
+            for family in present:
+                panels.append(
+                    (key, table, [pe for pe in table.index if families.get(pe, OTHER_FAMILY) == family], family)
+                )
+    else:
+        columns = min(3, len(tables))
+        panels = [(key, table, list(table.index), "") for key, table in tables.items()]
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 5.6 * rows), squeeze=False, layout="constrained")
+    for ax in axes.flat[len(panels) :]:
+        ax.axis("off")
+    for ax, (key, table, drawn, family) in zip(axes.flat, panels, strict=False):
         metric = METRICS[key.metric]
-        lengths = [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
-        for pe in table.index:
-            mean = pd.to_numeric(pd.Series([table.loc[pe, (n, "mean")] for n in lengths]), errors="coerce")
-            std = pd.to_numeric(pd.Series([table.loc[pe, (n, "std")] for n in lengths]), errors="coerce").fillna(0)
-            ax.errorbar(lengths, mean * metric.scale, yerr=std * metric.scale, marker="o", ms=3, capsize=2, label=pe)
-        ax.axvline(key.train_len, color="grey", ls="--", lw=1)
+        _draw_rows(ax, table, drawn, row_styles(drawn), metric.scale)
+        _mark_train_len(ax, key.train_len)
         ax.set(
             xscale="log",
             yscale="linear" if metric.higher_is_better else "log",
             xlabel="L_eval (tokens)",
             ylabel=metric.name,
-            title=f"L_train = {key.train_len}, " + (f"{key.task}, {metric.name}" if key.task else key.protocol),
+            title=(f"{family}: " if family else "")
+            + (f"{key.task}, {metric.name.split(' ')[0]}" if key.task else key.protocol)
+            + f", L_train {key.train_len}",
         )
         if metric.higher_is_better:
             ax.set_ylim(-2, 102)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+        if drawn:
+            _legend_below(ax, len(drawn))
+    for row in axes:  # one perplexity scale across a row's panels: families compare at a glance
+        shown = [ax for ax in row if ax.has_data() and ax.get_yscale() == "log"]
+        if len(shown) > 1:
+            low, high = min(ax.get_ylim()[0] for ax in shown), max(ax.get_ylim()[1] for ax in shown)
+            for ax in shown:
+                ax.set_ylim(low, high)
     _save_figure(fig, path)
 
 
+def _method(row: str) -> str:
+    """What a row of an extension figure does to its PE: the scaling it is evaluated under, else the stage's
+    method (``pi`` is ``linear``, ``direct`` is ``none``), else ``none``."""
+    if row.endswith(")") and " (" in row:
+        return row.rsplit(" (", 1)[1][:-1]
+    if STAGE_MARK in row:
+        method = row.split(STAGE_MARK)[1].split("@")[0]
+        return {"pi": "linear", "direct": "none"}.get(method, method)
+    return "none"
+
+
 def plot_extension(tables: dict, path: str) -> None:
-    """Per text table holding second stages: the base and its zero-shot scalings (left), the base and each method
-    after fine-tuning (right), perplexity against L_eval, mean +- std over seeds."""
+    """Per PE fine-tuned, in the ``nonoverlap`` table (else each text table holding second stages): its base and
+    zero-shot scalings (a panel, when it has any), then its base and each method after fine-tuning; a method keeps
+    its colour in both panels, fine-tuned rows are solid and the rest dashed; perplexity against L_eval, mean +-
+    std over seeds."""
     plt = _pyplot()
-    chosen = [(k, t) for k, t in tables.items() if any(STAGE_MARK in pe for pe in t.index) and not k.task]
-    fig, axes = plt.subplots(len(chosen), 2, figsize=(13, 4.5 * len(chosen)), squeeze=False, sharey="row")
-    for (key, table), (zero_shot, extended) in zip(chosen, axes, strict=True):
-        bases = {pe.split(STAGE_MARK)[0] for pe in table.index if STAGE_MARK in pe}
-        panels = (
-            (zero_shot, [pe for pe in table.index if STAGE_MARK not in pe and pe.split(" (")[0] in bases], "zero-shot"),
-            (extended, [pe for pe in table.index if pe in bases or STAGE_MARK in pe], "after fine-tuning"),
-        )
-        lengths = [c for c in table.columns.get_level_values(0).unique() if isinstance(c, int | float)]
-        for ax, rows, what in panels:
-            for pe in rows:
-                mean = pd.to_numeric(pd.Series([table.loc[pe, (n, "mean")] for n in lengths]), errors="coerce")
-                std = pd.to_numeric(pd.Series([table.loc[pe, (n, "std")] for n in lengths]), errors="coerce")
-                ax.errorbar(lengths, mean, yerr=std.fillna(0), marker="o", ms=3, capsize=2, label=pe)
-            ax.axvline(key.train_len, color="grey", ls="--", lw=1)
-            ax.set(xscale="log", yscale="log", xlabel="L_eval (tokens)", ylabel="perplexity")
-            ax.set_title(f"L_train = {key.train_len}, {key.protocol}: {what}")
-            ax.legend(fontsize=7)
-    fig.tight_layout()
+    staged = {k: t for k, t in tables.items() if not k.task and any(STAGE_MARK in pe for pe in t.index)}
+    main = {k: t for k, t in staged.items() if k.protocol == "nonoverlap"} or staged
+    panels = []  # (table key, table, PE, rows, what)
+    for key, table in main.items():
+        for base in dict.fromkeys(pe.split(STAGE_MARK)[0] for pe in table.index if STAGE_MARK in pe):
+            zero_shot = [pe for pe in table.index if STAGE_MARK not in pe and base_row(pe) == base]
+            tuned = [base] + [pe for pe in table.index if pe.startswith(base + STAGE_MARK)]
+            if len(zero_shot) > 1:
+                panels.append((key, table, base, zero_shot, "zero-shot"))
+            panels.append((key, table, base, tuned, "after fine-tuning"))
+    columns = min(2, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(
+        rows, columns, figsize=(6.4 * columns, 5.4 * rows), squeeze=False, sharey=True, layout="constrained"
+    )
+    for ax in axes.flat[len(panels) :]:
+        ax.axis("off")
+    methods = list(dict.fromkeys(_method(pe) for *_, drawn, _ in panels for pe in drawn))
+    for ax, (key, table, base, drawn, what) in zip(axes.flat, panels, strict=False):
+        styles = {
+            pe: {
+                "color": f"C{methods.index(_method(pe)) % 10}",
+                "ls": "-" if STAGE_MARK in pe else "--",
+                "marker": "o" if STAGE_MARK in pe else "s",
+            }
+            for pe in drawn
+        }
+        _draw_rows(ax, table, drawn, styles)
+        _mark_train_len(ax, key.train_len)
+        ax.set(xscale="log", yscale="log", xlabel="L_eval (tokens)", ylabel="perplexity")
+        ax.set_title(f"{base}, {what} ({key.protocol})", fontsize=10)
+        _legend_below(ax, len(drawn))
     _save_figure(fig, path)
 
 
@@ -448,14 +572,14 @@ def plot_adaptation(frame: pd.DataFrame, path: str) -> None:
     how fast each method adapts)."""
     plt = _pyplot()
     lengths = sorted(frame.val_len.unique())
-    fig, axes = plt.subplots(1, len(lengths), figsize=(7 * len(lengths), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(7 * len(lengths), 6), squeeze=False, layout="constrained")
+    styles = row_styles(list(frame.row.unique()))
     for ax, length in zip(axes[0], lengths, strict=True):
         for row, curve in frame[frame.val_len == length].groupby("row", sort=False):
-            ax.errorbar(curve.step, curve["mean"], yerr=curve["std"], marker="o", ms=3, capsize=2, label=row)
+            ax.errorbar(curve.step, curve["mean"], yerr=curve["std"], ms=3, capsize=2, label=row, **styles[row])
         ax.set(yscale="log", xlabel="fine-tuning step", ylabel=f"validation perplexity at L = {length}")
         ax.set_title(f"second stages validating at their training length {length}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+        _legend_below(ax, frame[frame.val_len == length].row.nunique())
     _save_figure(fig, path)
 
 
@@ -501,26 +625,42 @@ def binned_positions(runs: list[tuple[str, dict]]) -> pd.DataFrame:
     return binned
 
 
-def plot_positions(binned: pd.DataFrame, path: str) -> None:
-    """Mean loss per log-spaced position bin at the longest evaluated length, one line per PE (mean over seeds)."""
+def plot_positions(binned: pd.DataFrame, families: dict[str, str], path: str) -> None:
+    """Mean loss per log-spaced position bin at the longest evaluated length, one line per PE (mean over seeds): a
+    row of panels per L_train, split by PE family as ``plot_lengths`` splits."""
     plt = _pyplot()
-    train_lens = sorted(binned.train_len.unique())
-    fig, axes = plt.subplots(1, len(train_lens), figsize=(7 * len(train_lens), 4.5), squeeze=False)
-    for ax, train_len in zip(axes[0], train_lens, strict=True):
-        of_train_len = binned[binned.train_len == train_len]
-        for pe in of_train_len.pe.unique():
-            curve = of_train_len[of_train_len.pe == pe]
+    panels = []  # (L_train, rows, family or "")
+    for train_len, of_train_len in binned.groupby("train_len", sort=True):
+        pes = list(of_train_len.pe.unique())
+        if len(pes) > FAMILY_PANELS_ABOVE:
+            named = {families.get(pe, OTHER_FAMILY) for pe in pes}
+            for family in [f for f in FAMILY_ORDER if f in named] + sorted(named - set(FAMILY_ORDER)):
+                panels.append((train_len, [pe for pe in pes if families.get(pe, OTHER_FAMILY) == family], family))
+        else:
+            panels.append((train_len, pes, ""))
+    columns = min(3, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.6 * columns, 5.8 * rows), squeeze=False, layout="constrained")
+    for ax in axes.flat[len(panels) :]:
+        ax.axis("off")
+    for ax, (train_len, pes, family) in zip(axes.flat, panels, strict=False):
+        styles = row_styles(pes)
+        for pe in pes:
+            curve = binned[(binned.train_len == train_len) & (binned.pe == pe)]
             center = ((curve.bin_start + 1) * curve.bin_end) ** 0.5  # geometric middle, in 1-based positions
-            ax.plot(center, curve.mean_nll, marker="o", ms=3, lw=1, label=pe)
-        ax.axvline(train_len, color="grey", ls="--", lw=1)
+            ax.plot(center, curve.mean_nll, ms=3, lw=1, label=pe, **styles[pe])
+        _mark_train_len(ax, train_len)
         ax.set(
             xscale="log",
-            xlabel="position in window (1-based; log-spaced bins, 4 per octave)",
+            xlabel="position in window (1-based; 4 bins per octave)",
             ylabel="mean loss in bin (nats)",
-            title=f"per-position loss at each row's longest L_eval, L_train = {train_len}",
         )
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+        ax.set_title((f"{family}: " if family else "") + f"at the longest L_eval, L_train {train_len}", fontsize=10)
+        _legend_below(ax, len(pes))
+    shown = [ax for ax in axes.flat if ax.has_data()]
+    low, high = min(ax.get_ylim()[0] for ax in shown), max(ax.get_ylim()[1] for ax in shown)
+    for ax in shown:
+        ax.set_ylim(low, high)
     _save_figure(fig, path)
 
 
@@ -529,8 +669,6 @@ def _pyplot():
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
-
-    plt.rcParams["axes.prop_cycle"] = plt.cycler(color=plt.cm.tab20.colors)  # a study has more than 10 rows
 
     return plt
 
@@ -569,14 +707,15 @@ def report(folders: list[str], out: str) -> str:
     write_atomic(os.path.join(out, "table.md"), markdown)
     write_atomic(os.path.join(out, "table.tex"), to_latex(tables))
     write_atomic(os.path.join(out, "table.csv"), to_csv(frame, tables))
+    families = dict(zip(frame.pe, frame.family, strict=True))
     for name, metrics in (("ppl_vs_length.png", ("ppl",)), ("accuracy_vs_length.png", ACCURACIES)):
         chosen = {key: table for key, table in tables.items() if key.metric in metrics}
         if chosen:
-            plot_lengths(chosen, os.path.join(out, name))
+            plot_lengths(chosen, families, os.path.join(out, name))
     binned = binned_positions(runs)
     if len(binned):
         write_atomic(os.path.join(out, "per_position.csv"), binned.to_csv(index=False, float_format="%.6f"))
-        plot_positions(binned, os.path.join(out, "per_position.png"))
+        plot_positions(binned, families, os.path.join(out, "per_position.png"))
     if any(STAGE_MARK in pe for key, table in tables.items() if not key.task for pe in table.index):
         plot_extension(tables, os.path.join(out, "extension.png"))
     adapted = adaptation(runs)

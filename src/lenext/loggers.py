@@ -1,0 +1,59 @@
+"""Lightning's CSV logger, keeping what a run logged before it resumed.
+
+Lightning's writer deletes ``metrics.csv`` when its folder is not empty (lightning 2.6), so a resumed run
+lost the curve of its steps before the resume: a second stage's adaptation curve, a base's loss. This one
+keeps the rows of the earlier steps and drops those the resumed run logs again (a run killed after its
+last checkpoint logged steps it repeats).
+"""
+
+import csv
+import os
+
+from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+
+
+class KeptMetricsWriter(ExperimentWriter):
+    def __init__(self, log_dir: str) -> None:
+        self.earlier = self._read(os.path.join(log_dir, self.NAME_METRICS_FILE))  # before Lightning's check
+        super().__init__(log_dir)
+
+    def _check_log_dir_exists(self) -> None:  # Lightning's deletes metrics.csv
+        pass
+
+    @staticmethod
+    def _read(path: str) -> list[dict]:
+        if not os.path.isfile(path):
+            return []
+        with open(path, newline="", encoding="utf-8") as f:
+            return [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+    def save(self) -> None:
+        if self.metrics and self.earlier is not None:  # the first save: the file keeps the earlier steps only
+            first = min(int(m["step"]) for m in self.metrics)
+            kept = [row for row in self.earlier if int(float(row["step"])) < first]
+            self.earlier = None
+            if kept:
+                self.metrics_keys = sorted(set().union(*kept))
+                partial = self.metrics_file_path + ".partial"
+                with open(partial, "w", newline="", encoding="utf-8") as f:
+                    writer = csv.DictWriter(f, fieldnames=self.metrics_keys)
+                    writer.writeheader()
+                    writer.writerows(kept)
+                os.replace(partial, self.metrics_file_path)
+            elif os.path.isfile(self.metrics_file_path):
+                os.remove(self.metrics_file_path)  # every step in it is logged again
+        super().save()
+
+
+class CSVLogger(LightningCSVLogger):
+    """``lightning.pytorch.loggers.CSVLogger`` whose ``metrics.csv`` survives a resume (module docstring)."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> KeptMetricsWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = KeptMetricsWriter(log_dir=self.log_dir)
+        return self._experiment
