@@ -499,33 +499,41 @@ def _method(row: str) -> str:
 
 
 def plot_extension(tables: dict, path: str) -> None:
-    """Per PE fine-tuned, in the ``nonoverlap`` table (else each text table holding second stages): its base and
-    zero-shot scalings (a panel, when it has any), then its base and each method after fine-tuning; a method keeps
-    its colour in both panels, fine-tuned rows are solid and the rest dashed; perplexity against L_eval, mean +-
-    std over seeds."""
+    """Second stages in the ``nonoverlap`` table (else each text table holding them), perplexity against L_eval,
+    mean +- std over seeds. A PE with zero-shot scalings gets two panels, its base and those scalings, then its base
+    and each method after fine-tuning, a method in one colour in both (PI is ``linear``); the PEs without any share
+    one panel, each in its colour. Fine-tuned rows are solid, the others dashed."""
     plt = _pyplot()
     staged = {k: t for k, t in tables.items() if not k.task and any(STAGE_MARK in pe for pe in t.index)}
     main = {k: t for k, t in staged.items() if k.protocol == "nonoverlap"} or staged
-    panels = []  # (table key, table, PE, rows, what)
+    panels = []  # (table key, table, rows, title, colour of a row)
     for key, table in main.items():
+        plain = []
         for base in dict.fromkeys(pe.split(STAGE_MARK)[0] for pe in table.index if STAGE_MARK in pe):
             zero_shot = [pe for pe in table.index if STAGE_MARK not in pe and base_row(pe) == base]
             tuned = [base] + [pe for pe in table.index if pe.startswith(base + STAGE_MARK)]
-            if len(zero_shot) > 1:
-                panels.append((key, table, base, zero_shot, "zero-shot"))
-            panels.append((key, table, base, tuned, "after fine-tuning"))
+            if len(zero_shot) == 1:
+                plain += tuned
+                continue
+            methods = list(dict.fromkeys(_method(pe) for pe in zero_shot + tuned))
+            colour = {pe: f"C{methods.index(_method(pe)) % 10}" for pe in zero_shot + tuned}
+            panels.append((key, table, zero_shot, f"{base}, zero-shot", colour))
+            panels.append((key, table, tuned, f"{base}, after fine-tuning", colour))
+        if plain:
+            bases = list(dict.fromkeys(base_row(pe) for pe in plain))
+            colour = {pe: f"C{bases.index(base_row(pe)) % 10}" for pe in plain}
+            panels.append((key, table, plain, "the other PEs: base and direct fine-tuning", colour))
     columns = min(2, len(panels))
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(
-        rows, columns, figsize=(6.4 * columns, 5.4 * rows), squeeze=False, sharey=True, layout="constrained"
+        rows, columns, figsize=(6.4 * columns, 5.6 * rows), squeeze=False, sharey=True, layout="constrained"
     )
     for ax in axes.flat[len(panels) :]:
         ax.axis("off")
-    methods = list(dict.fromkeys(_method(pe) for *_, drawn, _ in panels for pe in drawn))
-    for ax, (key, table, base, drawn, what) in zip(axes.flat, panels, strict=False):
+    for ax, (key, table, drawn, title, colour) in zip(axes.flat, panels, strict=False):
         styles = {
             pe: {
-                "color": f"C{methods.index(_method(pe)) % 10}",
+                "color": colour[pe],
                 "ls": "-" if STAGE_MARK in pe else "--",
                 "marker": "o" if STAGE_MARK in pe else "s",
             }
@@ -534,7 +542,7 @@ def plot_extension(tables: dict, path: str) -> None:
         _draw_rows(ax, table, drawn, styles)
         _mark_train_len(ax, key.train_len)
         ax.set(xscale="log", yscale="log", xlabel="L_eval (tokens)", ylabel="perplexity")
-        ax.set_title(f"{base}, {what} ({key.protocol})", fontsize=10)
+        ax.set_title(f"{title} ({key.protocol})", fontsize=10)
         _legend_below(ax, len(drawn))
     _save_figure(fig, path)
 
