@@ -1040,3 +1040,15 @@ def test_t5_max_distance_defaults_to_128_capped_at_l_train(train_len, expected):
     if train_len > 16:
         trained = t5_bucket(torch.arange(train_len), 32, pe.max_distance).unique()
         assert trained.tolist() == list(range(32))
+
+
+@pytest.mark.parametrize("scaling", ["ntk", "dynamic_ntk"])
+def test_ntk_scalings_need_a_head_dim_above_two(scaling):
+    """d / (d - 2) is undefined for d = 2: refused when trained with it, not applicable as an evaluation variant
+    (found by the random-config test: d_model 8 with 4 heads)."""
+    shape = AttentionShape(d_model=8, n_heads=4, n_layers=1, train_len=16)
+    with pytest.raises(ConfigError, match=rf"pe\.scaling={scaling} is invalid for a head dim of 2"):
+        RoPE(shape, scaling=scaling)
+    pe = RoPE(shape)
+    with pe.variant(scaling), pytest.raises(LengthNotSupported, match="head dim of 2"):
+        rotate(pe, torch.randn(1, 4, 64, 2), torch.randn(1, 4, 64, 2))

@@ -73,13 +73,22 @@ def linear_scaling(s: RopeSettings) -> tuple[torch.Tensor, float]:
     return s.unscaled() / s.factor, 1.0
 
 
+def ntk_exponent(s: RopeSettings) -> float:
+    """d / (d - 2), the power NTK-aware scalings raise the base's growth to; undefined for a head dim of 2."""
+    if s.dim <= 2:
+        raise LengthNotSupported(
+            f"NTK-aware scaling raises its base to d / (d - 2): undefined for a head dim of {s.dim}"
+        )
+    return s.dim / (s.dim - 2)
+
+
 def ntk_scaling(s: RopeSettings) -> tuple[torch.Tensor, float]:
-    return s.unscaled(s.base * s.factor ** (s.dim / (s.dim - 2))), 1.0
+    return s.unscaled(s.base * s.factor ** ntk_exponent(s)), 1.0
 
 
 def dynamic_ntk_scaling(s: RopeSettings) -> tuple[torch.Tensor, float]:
     length = max(s.length, s.original_len)
-    return s.unscaled(s.base * (s.factor * length / s.original_len - (s.factor - 1)) ** (s.dim / (s.dim - 2))), 1.0
+    return s.unscaled(s.base * (s.factor * length / s.original_len - (s.factor - 1)) ** ntk_exponent(s)), 1.0
 
 
 def yarn_scaling(s: RopeSettings) -> tuple[torch.Tensor, float]:
@@ -175,6 +184,11 @@ class RoPE(PositionalEncoding):
             raise ConfigError(
                 f"RoPE rotates pairs of dimensions: the head dim model.d_model / model.n_heads = {shape.head_dim} "
                 "must be even"
+            )
+        if scaling in ("ntk", "dynamic_ntk") and shape.head_dim <= 2:
+            raise ConfigError(
+                f"pe.scaling={scaling} is invalid for a head dim of {shape.head_dim} (model.d_model / model.n_heads): "
+                "NTK-aware scaling raises its base to d / (d - 2); it needs a head dim of at least 4"
             )
         self.original_len = original_len or shape.trained_positions
         self.neighbor_window = neighbor_window
