@@ -133,6 +133,8 @@ class TrainingProgress(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.enabled = trainer.progress_bar_callback is None and trainer.is_global_zero and trainer.max_steps > 0
+        if not self.enabled:  # a bar, another rank, or a run bounded by epochs (no N to count steps against)
+            return
         self.started = self.last_line = time.monotonic()
         self.first_step, self.last_tenth = trainer.global_step, self._tenth(trainer)
         self.loss_sum, self.losses = 0.0, 0
