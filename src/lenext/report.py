@@ -439,6 +439,12 @@ def _legend_below(ax, entries: int) -> None:
 FAMILY_PANELS_ABOVE = 7  # rows in a table beyond which a figure splits each table into family panels
 
 
+def families_of(pes, families: dict[str, str]) -> list[str]:
+    """The PE families the rows ``pes`` belong to, in ``FAMILY_ORDER`` (any other after, by name)."""
+    named = {families.get(pe, OTHER_FAMILY) for pe in pes}
+    return [f for f in FAMILY_ORDER if f in named] + sorted(named - set(FAMILY_ORDER))
+
+
 def plot_lengths(tables: dict, families: dict[str, str], path: str) -> None:
     """The metric against L_eval, mean +- std over seeds, each PE in its colour and its variants in line styles,
     the legend below the data: a row of panels per table, a panel per PE family (``FAMILIES``) when a table has
@@ -446,8 +452,7 @@ def plot_lengths(tables: dict, families: dict[str, str], path: str) -> None:
     plt = _pyplot()
     panels = []  # (table key, table, rows, family or "")
     if max(len(table) for table in tables.values()) > FAMILY_PANELS_ABOVE:
-        named = {families.get(pe, OTHER_FAMILY) for table in tables.values() for pe in table.index}
-        present = [f for f in FAMILY_ORDER if f in named] + sorted(named - set(FAMILY_ORDER))
+        present = families_of([pe for table in tables.values() for pe in table.index], families)
         columns = len(present)
         for key, table in tables.items():
             for family in present:
@@ -641,8 +646,7 @@ def plot_positions(binned: pd.DataFrame, families: dict[str, str], path: str) ->
     for train_len, of_train_len in binned.groupby("train_len", sort=True):
         pes = list(of_train_len.pe.unique())
         if len(pes) > FAMILY_PANELS_ABOVE:
-            named = {families.get(pe, OTHER_FAMILY) for pe in pes}
-            for family in [f for f in FAMILY_ORDER if f in named] + sorted(named - set(FAMILY_ORDER)):
+            for family in families_of(pes, families):
                 panels.append((train_len, [pe for pe in pes if families.get(pe, OTHER_FAMILY) == family], family))
         else:
             panels.append((train_len, pes, ""))
