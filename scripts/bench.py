@@ -287,13 +287,13 @@ def bench_shaw(precision, length, reps, log, heads=8, head_dim=64, clip=16):
     positions = sequential_positions(length)
 
     def lenext_path():
-        return causal_attention(q, k, v, pe, positions, 0)
+        return causal_attention(q, k, v, pe.layer(0).terms(None, q, k, positions))
 
     def naive_path():
         return naive_shaw_attention(q, k, v, pe.key_table[0], clip)
 
     def no_bias_path():  # the floor: the same attention without any bias
-        return causal_attention(q, k, v, pes.NoPE(shape), positions, 0)
+        return causal_attention(q, k, v)
 
     def fwd_bwd(fn):
         for tensor in inputs:

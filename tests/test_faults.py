@@ -232,7 +232,11 @@ def test_a_sweep_launched_twice_into_one_folder_refuses_the_second(tmp_path, sma
         "-m",
         *small_corpus_overrides(
             # steps enough that job 0 still trains when the second command checks, however loaded the machine
-            small_text_corpus, "seed=0,1", "trainer.max_steps=100000", "eval.factors=[1]", f"hydra.sweep.dir={sweep}"
+            small_text_corpus,
+            "seed=0,1",
+            "trainer.max_steps=100000",
+            "eval.factors=[1]",
+            f"hydra.sweep.dir={sweep}",
         ),
     ]
     first = start_command(tmp_path, *command)

@@ -61,7 +61,9 @@ def test_score_mod_matches_causal_attention(kind, length, positions):
         q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM) for _ in range(3))
         for layer in range(LAYERS):
             got = eager_flex(q, k, v, pe.score_mod(q, positions, layer))
-            assert_close(got, causal_attention(q, k, v, pe, positions, layer), atol=1e-5, rtol=1e-5)
+            assert_close(
+                got, causal_attention(q, k, v, pe.layer(layer).terms(None, q, k, positions)), atol=1e-5, rtol=1e-5
+            )
 
 
 def test_pes_flex_cannot_express_return_no_score_mod():

@@ -23,8 +23,11 @@ from lenext.pe import (
     SCALINGS,
     ALiBi,
     AttentionShape,
+    Compose,
+    FoX,
     Learned,
     NoPE,
+    PerLayer,
     RoPE,
     ShawRelative,
     Sinusoidal,
@@ -67,6 +70,11 @@ PES = {
     "kerple_power": partial(KERPLE, kernel="power"),
     "fire": FIRE,
     "xpos": XPos,
+    "p_rope": partial(RoPE, fraction=0.5),
+    "fox": FoX,
+    "fox_rope": partial(Compose, pes={"rope": RoPE, "fox": FoX}),
+    "rope_nope": partial(PerLayer, pes={"rope": RoPE, "nope": NoPE}, pattern=["nope", "rope"]),
+    "rnope_swa": partial(PerLayer, pes={"rope": RoPE, "nope": NoPE}, pattern=["rope", "nope"], windows={"rope": 5}),
 }
 
 
@@ -300,6 +308,38 @@ def test_llama3_matches_transformers(dim, base, factor, low, high):
         got, attention = rope_frequencies(dim, base, "llama3", factor, 4 * train_len, train_len, 32.0, 1.0, low, high)
         assert_close(got.float(), expected, rtol=1e-5, atol=0)
         assert attention == expected_attention == 1.0
+
+
+@ORACLE_GRID
+@BASES
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 0.3, 0.75, 1.0])
+@pytest.mark.parametrize("factor", [None, 4.0])
+def test_p_rope_frequencies_match_transformers_proportional(dim, base, fraction, factor):
+    """p-RoPE's frequencies are transformers' ``proportional`` RoPE (Gemma's ``rope_proportion``): the highest
+    int(p * d // 2) of RoPE's kept as they are (also under position interpolation), the rest 0."""
+    hf = hf_rope()
+    parameters = {"rope_type": "proportional", "partial_rotary_factor": fraction, "factor": factor or 1.0}
+    config = hf_config(dim, base, 16, parameters)
+    config.head_dim = dim
+    expected, _ = hf._compute_proportional_rope_parameters(config)
+    shape = AttentionShape(d_model=2 * dim, n_heads=2, n_layers=1, train_len=16)
+    pe = RoPE(shape, base=base, scaling="none" if factor is None else "linear", factor=factor, fraction=fraction)
+    got, attention = pe.frequencies(64)
+    assert_close(got.float(), expected, rtol=1e-6, atol=0)
+    assert attention == 1.0
+
+
+def test_p_rope_rounds_down_and_leaves_the_lowest_pairs_unrotated():
+    """p = 0.3 of 32 frequencies rotates 9 (int(0.3 * 64 // 2), as the paper's code), not round(9.6) = 10: those
+    9 pairs as RoPE rotates them, the other channels as they came, at every position."""
+    shape = AttentionShape(d_model=128, n_heads=2, n_layers=1, train_len=16)
+    pe, rope = RoPE(shape, fraction=0.3), RoPE(shape)
+    assert pe.rotated_pairs == 9
+    q, k = torch.randn(2, 2, 40, 64), torch.randn(2, 2, 40, 64)
+    (qp, kp), (qr, _) = rotate(pe, q, k), rotate(rope, q, k)
+    assert_close(qp[..., :18], qr[..., :18], atol=0, rtol=0)
+    assert_close(kp[..., 18:], k[..., 18:], atol=0, rtol=0)
+    assert not torch.allclose(qp[..., 18:20], qr[..., 18:20])
 
 
 @pytest.mark.parametrize("length", [7, 64, 600])
@@ -561,9 +601,10 @@ def make_bias_pe(kind: str, n_layers: int = 2) -> torch.nn.Module:
     return pe
 
 
-def naive_biased_attention(q, k, v, pe, layer: int, positions=None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + bias(p_i, p_j) + causal -inf) v (+ Shaw's a^V), float64, bias built per (i, j)
-    from the tokens' positions p (B or 1, L), 0..L-1 by default; the causal mask is by index."""
+def naive_biased_attention(q, k, v, pe, layer: int, positions=None, window=None, row_scale=None) -> torch.Tensor:
+    """softmax((q k^T / sqrt(d) + bias(p_i, p_j)) * row_scale_i + causal -inf) v (+ Shaw's a^V), float64, bias built
+    per (i, j) from the tokens' positions p (B or 1, L), 0..L-1 by default (None: NoPE, no bias); the causal mask,
+    and the ``window`` (keys j > i - window), by index."""
     q, k, v = q.double(), k.double(), v.double()
     length, head_dim = q.size(-2), q.size(-1)
     positions = torch.arange(length)[None] if positions is None else positions
@@ -598,9 +639,13 @@ def naive_biased_attention(q, k, v, pe, layer: int, positions=None) -> torch.Ten
         first, last = fire.mlp[0], fire.mlp[2]
         hidden = torch.relu(normalized[..., None] * first.weight.double()[:, 0] + first.bias.double())  # (.., hidden)
         scores = scores + (hidden @ last.weight.double().t() + last.bias.double())[:, 0].permute(0, 3, 1, 2)
-    else:
+    elif pe is not None:
         raise AssertionError(type(pe))
+    if row_scale is not None:
+        scores = scores * row_scale.double()
     future = torch.arange(length)[None, :] > torch.arange(length)[:, None]
+    if window is not None:
+        future = future | (torch.arange(length)[None, :] <= torch.arange(length)[:, None] - window)
     probs = scores.masked_fill(future, float("-inf")).softmax(-1)
     out = probs @ v
     if value_offsets is not None:
@@ -649,7 +694,7 @@ def test_biased_attention_matches_naive_reference(fused, kind, length, grad, blo
     q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen) for _ in range(3))
     layer = 1
     with torch.set_grad_enabled(grad):
-        got = causal_attention(q, k, v, pe, sequential_positions(q.size(-2)), layer=layer)
+        got = causal_attention(q, k, v, pe.layer(layer).terms(None, q, k, sequential_positions(q.size(-2))))
     assert got.dtype == torch.float32 and got.shape == q.shape
     with torch.no_grad():
         expected = naive_biased_attention(q, k, v, pe, layer)
@@ -673,7 +718,7 @@ def test_biased_attention_gradients_match_naive_reference(fused, kind, length, b
     weight = torch.randn(1, HEADS, length, HEAD_DIM, generator=gen)
     used = pe.layers[1].parameters() if isinstance(pe, FIRE) else pe.parameters()  # FIRE: one module per layer
     inputs = [q, k, v, *used]
-    out = causal_attention(q, k, v, pe, sequential_positions(length), layer=1)
+    out = causal_attention(q, k, v, pe.layer(1).terms(None, q, k, sequential_positions(length)))
     got = torch.autograd.grad((out * weight).sum(), inputs)
     expected = torch.autograd.grad((naive_biased_attention(q, k, v, pe, layer=1) * weight).sum(), inputs)
     for g, e in zip(got, expected, strict=True):
@@ -705,14 +750,16 @@ def test_biased_attention_at_drawn_positions_matches_naive_reference(fused, kind
     q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen, requires_grad=True) for _ in range(3))
     weight = torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen)
     used = list(pe.layers[1].parameters() if isinstance(pe, FIRE) else pe.parameters())
-    got = causal_attention(q, k, v, pe, positions, layer=1)
+    got = causal_attention(q, k, v, pe.layer(1).terms(None, q, k, positions))
     expected = naive_biased_attention(q, k, v, pe, 1, positions)
     # ALiBi's fp32 key bias is anchored at the last key: over PoSE's span of 1200 positions its values reach
     # 600, whose fp32 spacing (6e-5) is the bias error of the first rows' keys.
     tolerance = 1e-4 if kind == "alibi" else 1e-5
     assert_close(got.double(), expected, atol=tolerance, rtol=1e-5)
     # ... and the positions matter: at 0..L-1 the output is another one.
-    assert not torch.allclose(got, causal_attention(q, k, v, pe, sequential_positions(length), layer=1), atol=1e-4)
+    assert not torch.allclose(
+        got, causal_attention(q, k, v, pe.layer(1).terms(None, q, k, sequential_positions(length))), atol=1e-4
+    )
     inputs = [q, k, v, *used]
     got_grads = torch.autograd.grad((got * weight).sum(), inputs)
     expected_grads = torch.autograd.grad((expected * weight).sum(), inputs)
@@ -760,7 +807,7 @@ def test_kerple_training_keeps_r1_r2_where_the_official_in_place_clamp_does(kern
         bias = -a * torch.log(1 + b * distance) if kernel == "log" else -a * distance**b
         scores = (q @ k.transpose(-2, -1) / math.sqrt(HEAD_DIM) + bias).masked_fill(j > i, float("-inf"))
         official = scores.softmax(-1) @ v
-        ours = causal_attention(q, k, v, pe, sequential_positions(q.size(-2)), layer=0)
+        ours = causal_attention(q, k, v, pe.layer(0).terms(None, q, k, sequential_positions(q.size(-2))))
         assert_close(ours, official, atol=1e-5, rtol=1e-5)
         for params, out in (((r1, r2), official), ((pe.r1, pe.r2), ours)):
             grads = torch.autograd.grad(out.square().sum() * 1e2, params)  # steps that leave the domain
@@ -787,7 +834,7 @@ def test_banded_attention_under_bf16_autocast_scores_the_band_in_fp32(kind):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, HEADS, 600, HEAD_DIM, generator=gen).mul(2).bfloat16() for _ in range(3))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = causal_attention(q, k, v, pe, sequential_positions(q.size(-2)), layer=1)
+        got = causal_attention(q, k, v, pe.layer(1).terms(None, q, k, sequential_positions(q.size(-2))))
     assert got.dtype == torch.bfloat16
     assert (got.double() - naive_biased_attention(q, k, v, pe, layer=1)).abs().max() < 0.035
 
@@ -808,7 +855,7 @@ def test_alibi_under_bf16_autocast_keeps_long_offsets(monkeypatch):
             explicit_path(monkeypatch)
             monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", HEADS * length * 512)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            got = causal_attention(q, k, v, pe, sequential_positions(q.size(-2)), layer=0)
+            got = causal_attention(q, k, v, pe.layer(0).terms(None, q, k, sequential_positions(q.size(-2))))
         assert (got.double() - expected).abs().max() < 0.06
 
 
@@ -849,10 +896,10 @@ def test_shaw_matches_naive_formula(length, clip, value_term):
     values = vd[..., None, :, :] + (rel_v if value_term else 0)
     expected = (probs[..., None] * values).sum(-2)
     with torch.no_grad():
-        got = causal_attention(q, k, v, pe, sequential_positions(q.size(-2)), layer=layer)
+        got = causal_attention(q, k, v, pe.layer(layer).terms(None, q, k, sequential_positions(q.size(-2))))
     assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
     with torch.enable_grad():
-        got = causal_attention(q, k, v, pe, sequential_positions(q.size(-2)), layer=layer)
+        got = causal_attention(q, k, v, pe.layer(layer).terms(None, q, k, sequential_positions(q.size(-2))))
     assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -878,9 +925,9 @@ def test_rope_scores_shift_invariant(shift, scaling, factor):
 
 
 def explicit_bias(pe, q, positions, layer):
-    """The explicit path's masks of query blocks for this PE."""
-    has_key_bias = pe.key_bias(positions, layer) is not None
-    return attention_module.explicit_bias(pe, q, positions, layer, has_key_bias)
+    """The explicit path's masks of query blocks [start, end) against keys [0, end) for this PE."""
+    blocks = attention_module.explicit_bias(pe.layer(layer).terms(None, q, q, positions).biases, q)
+    return lambda start, end: blocks(start, end, 0)
 
 
 def full_bias(pe, q: torch.Tensor, layer: int = 0) -> torch.Tensor:

@@ -15,7 +15,21 @@ from torch.testing import assert_close
 
 from lenext.errors import ConfigError
 from lenext.model import Decoder
-from lenext.pe import FIRE, KERPLE, ALiBi, Learned, NoPE, RoPE, ShawRelative, Sinusoidal, T5Bias, XPos
+from lenext.pe import (
+    FIRE,
+    KERPLE,
+    ALiBi,
+    Compose,
+    FoX,
+    Learned,
+    NoPE,
+    PerLayer,
+    RoPE,
+    ShawRelative,
+    Sinusoidal,
+    T5Bias,
+    XPos,
+)
 from lenext.positions import (
     DEFAULT_REACH,
     PoSE,
@@ -50,6 +64,9 @@ RELATIVE_PES = {
     "kerple_power": partial(KERPLE, kernel="power"),
     "fire": partial(FIRE, init_threshold=10_000.0),
     "xpos": XPos,
+    "p_rope": partial(RoPE, fraction=0.5),
+    "fox_rope": partial(Compose, pes={"rope": RoPE, "fox": FoX}),
+    "rnope_swa": partial(PerLayer, pes={"rope": RoPE, "alibi": ALiBi}, pattern=["rope", "alibi"], windows={"rope": 5}),
 }
 ABSOLUTE_PES = {"sinusoidal": Sinusoidal, "learned": Learned}
 # FIRE with its default threshold (L_train): drawn positions past it take its per-pair path.

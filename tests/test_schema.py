@@ -113,7 +113,10 @@ def test_every_eval_key_refuses_a_wrong_value(tmp_path):
         ("eval.rope_scalings=[ntk,bogus]", "eval.rope_scalings=['ntk', 'bogus'] is invalid"),
         ("seed=-1", "seed=-1 is invalid: it must be an integer in [0, 4294967295]"),
         ("model.dropout=2", "model.dropout=2 is invalid: it must be a finite number in [0, 1)"),
-        ("+model.depth=3", "model.depth is not a setting of lenext.model.Decoder; the settings there: d_model"),
+        (
+            "+model.depth=3",
+            "model.depth is not a setting of lenext.model.Decoder; the settings there: attention, d_model",
+        ),
         ("+foo=1", "foo is not a setting of this config; the settings there: ckpt_path, init_from, seed, task_name"),
         ("trainer.max_steps=0", "trainer.max_steps=0 is invalid: it must be an integer >= 1"),
         ("data=text_files", "data.corpus.path is required: it must be a string; set it on the command line"),

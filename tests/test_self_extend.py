@@ -52,7 +52,7 @@ def longlm_attention(q, k, v, group: int, window: int) -> torch.Tensor:
 def self_extend(q, k, v, pe: RoPE, positions=None) -> torch.Tensor:
     positions = sequential_positions(q.size(-2)) if positions is None else positions
     q, k = pe.rotate(q, k, positions)
-    return causal_attention(q, k, v, pe, positions, layer=0)
+    return causal_attention(q, k, v, pe.layer(0).terms(None, q, k, positions))
 
 
 @pytest.mark.parametrize("length, train_len, window, factor", [(64, 16, 4, None), (96, 32, 8, 4.0), (40, 16, 5, 3.0)])

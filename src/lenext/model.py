@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lenext.attention import causal_attention
+from lenext.attention import AttentionSettings, LengthScale, causal_attention
 from lenext.errors import ConfigError
 from lenext.pe import AttentionShape, PositionalEncoding
-from lenext.pe.base import sequential_positions
+from lenext.pe.base import LayerPE, sequential_positions
 from lenext.schema import PositiveFloat, PositiveInt, Probability
 
 # Logits made at a time, in floats (at least one position of the batch a chunk). CPU: 2^22, 16 MiB in fp32,
@@ -26,19 +26,25 @@ LOGIT_CHUNK_ELEMENTS = {"cpu": 2**22, "cuda": 2**24}
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, pe: PositionalEncoding, layer: int, dropout: float):
+    def __init__(
+        self, d_model: int, n_heads: int, pe: LayerPE, attention: AttentionSettings, train_len: int, dropout: float
+    ):
         super().__init__()
-        self.n_heads, self.layer = n_heads, layer
+        self.n_heads = n_heads
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
         self.dropout = nn.Dropout(dropout)
-        self.pe = [pe]  # in a list: the decoder owns the PE's parameters, blocks only use it
+        self.pe = pe  # this layer's PE: its own parameters (FoX's gate) are the layer's
+        self.window = pe.window if pe.window is not None else attention.window
+        self.length_scale = LengthScale(attention, n_heads, train_len)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, L, dh)
-        q, k = self.pe[0].rotate(q, k, positions)
-        y = causal_attention(q, k, v, self.pe[0], positions, self.layer)  # (B, H, L, dh)
+        q, k = self.pe.rotate(q, k, positions)
+        terms = self.pe.terms(x, q, k, positions)
+        row_scale = self.length_scale(length, self.window)  # (1, H, L, 1) or None
+        y = causal_attention(q, k, v, terms, self.window, row_scale)  # (B, H, L, dh)
         return self.dropout(self.out(y.transpose(1, 2).reshape(batch, length, width)))
 
 
@@ -60,10 +66,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d_model, n_heads, mlp_hidden, mlp, pe, layer, dropout):
+    def __init__(self, d_model, n_heads, mlp_hidden, mlp, pe, attention, train_len, dropout):
         super().__init__()
         self.attn_norm = nn.LayerNorm(d_model)
-        self.attn = SelfAttention(d_model, n_heads, pe, layer, dropout)
+        self.attn = SelfAttention(d_model, n_heads, pe, attention, train_len, dropout)
         self.mlp_norm = nn.LayerNorm(d_model)
         self.mlp = MLP(d_model, mlp_hidden, mlp, dropout)
 
@@ -80,6 +86,7 @@ class Decoder(nn.Module):
         vocab_size: int,
         train_len: int,
         pe: Callable[[AttentionShape], PositionalEncoding],
+        attention: AttentionSettings | None = None,  # null: the defaults (no window, no length scale)
         max_position: PositiveInt | None = None,
         d_model: PositiveInt = 256,
         n_layers: PositiveInt = 6,
@@ -94,11 +101,13 @@ class Decoder(nn.Module):
             raise ConfigError(f"model.n_heads={n_heads} is invalid: it must divide model.d_model={d_model}")
         self.d_model, self.vocab_size = d_model, vocab_size
         self.pe = pe(AttentionShape(d_model, n_heads, n_layers, train_len, max_position))
+        attention = attention or AttentionSettings()
         self.embedding = nn.Embedding(vocab_size, d_model)
         self.dropout = nn.Dropout(dropout)
         hidden = int(mlp_ratio * d_model * (2 / 3 if mlp == "swiglu" else 1))  # same parameter count either way
         self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, hidden, mlp, self.pe, layer, dropout) for layer in range(n_layers)
+            Block(d_model, n_heads, hidden, mlp, self.pe.layer(layer), attention, train_len, dropout)
+            for layer in range(n_layers)
         )
         self.norm = nn.LayerNorm(d_model)
         self.head = None if tie_embeddings else nn.Linear(d_model, vocab_size, bias=False)

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lenext import schema
+from lenext.attention import AttentionSettings
 from lenext.attention.flex import fresh_compile_state
 from lenext.errors import CheckpointError, ConfigError, LenextError, Stopped
 from lenext.evaluate import (
@@ -100,7 +101,7 @@ def checkpoint_pe_overrides(
     """
 
 
-TRAIN_NODES = {"eval": EvalSettings, "paths": Paths, "train": TrainPositions}
+TRAIN_NODES = {"attention": AttentionSettings, "eval": EvalSettings, "paths": Paths, "train": TrainPositions}
 EVAL_NODES = {**TRAIN_NODES, "pe": checkpoint_pe_overrides}
 
 
@@ -142,24 +143,33 @@ def config_pe_name(cfg: DictConfig) -> str:
     return chosen or cfg.get("pe_name") or str(cfg.pe._target_).rsplit(".", 1)[-1].lower()
 
 
-def build_decoder(pe: dict, model: dict, train_len: int, reach: int, vocab_size: int):
-    """A Decoder of PE and model nodes, trained at ``train_len`` with positions reaching ``reach``."""
+def build_decoder(config: dict, train_len: int, reach: int, vocab_size: int):
+    """A Decoder of a run config's PE, model and attention nodes (a config from before ``attention`` existed:
+    its defaults), trained at ``train_len`` with positions reaching ``reach``."""
+    attention = AttentionSettings(**(config.get("attention") or {}))
+    pe = instantiate(config["pe"], "pe")
     return instantiate(
-        model, "model", vocab_size=vocab_size, train_len=train_len, max_position=reach, pe=instantiate(pe, "pe")
+        config["model"],
+        "model",
+        vocab_size=vocab_size,
+        train_len=train_len,
+        max_position=reach,
+        pe=pe,
+        attention=attention,
     )
 
 
 def build_net(spec: RunSpec, vocab_size: int):
     """The Decoder of a run: the one place a model is built (training, eval.py, benchmarks)."""
-    return build_decoder(spec.config["pe"], spec.config["model"], spec.train_len, spec.reach, vocab_size)
+    return build_decoder(spec.config, spec.train_len, spec.reach, vocab_size)
 
 
-def resolved_pe(pe: dict, model: dict, train_len: int, reach: int) -> dict:
-    """The PE node with every hyperparameter resolved (``PositionalEncoding.hyperparameters``), read from the
-    model built with it: milliseconds, and the model's own checks (heads and width, T5's buckets, RoPE's head
-    size) run on the way."""
-    built = build_decoder(pe, model, train_len, reach, 256).pe
-    return {"_target_": pe["_target_"], "_partial_": True, **built.hyperparameters()}
+def resolved_pe(config: dict, train_len: int, reach: int) -> dict:
+    """The run config's PE node with every hyperparameter resolved (``PositionalEncoding.hyperparameters``), read
+    from the model built with it: milliseconds, and the model's own checks (heads and width, T5's buckets, RoPE's
+    head size) run on the way."""
+    built = build_decoder(config, train_len, reach, 256).pe
+    return {"_target_": config["pe"]["_target_"], "_partial_": True, **built.hyperparameters()}
 
 
 def resolved_positions(cfg: DictConfig) -> TrainPositions:
@@ -194,7 +204,7 @@ def resolve(
     scheme = position_scheme(dataclasses.asdict(positions), cfg.data.max_len)
     reach = scheme.reach or cfg.data.max_len
     config = OmegaConf.to_container(cfg, resolve=True)
-    lineage, base_len, row = (), cfg.data.max_len, first_stage_row(pe_name, scheme.name)
+    lineage, base_len, row = (), cfg.data.max_len, first_stage_row(pe_name, scheme.name, config.get("attention"))
     if resumed and resumed.lineage:
         config["pe"] = resumed.config["pe"]
         lineage, base_len, row = resumed.lineage, resumed.base_len, resumed.row
@@ -202,7 +212,7 @@ def resolve(
         base, stage = read_base(cfg.init_from)
         pe = stage_pe(config, pe_name, base, stage)
         try:
-            config["pe"] = resolved_pe(pe, config["model"], cfg.data.max_len, reach)
+            config["pe"] = resolved_pe({**config, "pe": pe}, cfg.data.max_len, reach)
         except ConfigError as e:
             raise ConfigError(
                 f"{e}; but a second stage keeps the PE settings of init_from={stage.checkpoint}, which its weights "
@@ -212,7 +222,7 @@ def resolve(
         lineage, base_len = (*base.lineage, stage), base.base_len
         row = later_stage_row(base.row, config["pe"], scheme.name, reach)
     else:
-        config["pe"] = resolved_pe(config["pe"], config["model"], cfg.data.max_len, reach)
+        config["pe"] = resolved_pe(config, cfg.data.max_len, reach)
     data = instantiate(cfg.data, "data")  # reads nothing yet: a corpus is read by load()
     eval_settings = EvalSettings(**OmegaConf.to_container(cfg.eval, resolve=True))
     return RunSpec(
@@ -313,7 +323,7 @@ def fits_weights(config: dict, stage: Stage, reach: int) -> None:
     """Refuses, before any work, a second stage whose model the base's weights do not fit exactly."""
     state = net_state(load_checkpoint(stage.checkpoint, "init_from"))
     vocab_size = state["embedding.weight"].size(0)
-    net = build_decoder(config["pe"], config["model"], config["data"]["max_len"], reach, vocab_size)
+    net = build_decoder(config, config["data"]["max_len"], reach, vocab_size)
     try:
         net.load_state_dict(state)
     except RuntimeError as e:
@@ -399,7 +409,7 @@ def resolve_training(cfg: DictConfig) -> RunSpec:
 
 # What makes a run the run it is: resuming it under other values would mix two runs (the trainer's may change:
 # a longer max_steps continues a run). Left out: what only changes how data is read or how much memory a step takes.
-RUN_IDENTITY = ("model", "pe", "train", "module", "seed", "data", "init_from")
+RUN_IDENTITY = ("model", "pe", "attention", "train", "module", "seed", "data", "init_from")
 NOT_IDENTITY = ("data.num_workers", "data.eval_batch_size", "data.cache_dir", "eval.tokens_per_batch")
 EVALUATION_ONLY = ("data.eval_samples",)  # a probe's evaluation samples: a resume may change them, a skip may not
 # A finished run is skipped only if it is what this command would make: its budget and evaluation included.
@@ -716,10 +726,10 @@ def evaluate_checkpoint(cfg: DictConfig) -> str:
             run.pe.original_len = None
     run.eval, run.paths = cfg.eval, cfg.paths
     # What evaluation uses of the run; the other keys belong to training and to the code that trained it.
-    used = [key for key in ("data", "model", "pe", "train", "eval", "paths") if key in run]
+    used = [key for key in ("data", "model", "pe", "attention", "train", "eval", "paths") if key in run]
     schema.check(OmegaConf.masked_copy(run, used), None, {k: v for k, v in TRAIN_NODES.items() if k in run})
     config = OmegaConf.to_container(run, resolve=True)
-    config["pe"] = resolved_pe(config["pe"], config["model"], trained.train_len, trained.reach)
+    config["pe"] = resolved_pe(config, trained.train_len, trained.reach)
     datamodule = instantiate(run.data, "data")
     eval_settings = EvalSettings(**config["eval"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

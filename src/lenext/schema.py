@@ -141,6 +141,14 @@ def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]
                 continue  # a mapping passed on as a keyword the declarer does not name (e.g. to wandb.init)
             _check_node(value, full, declared.get(full), declared, copies)
             continue
+        entries = mapping_values(expected)
+        if isinstance(value, DictConfig) and entries is not None:  # a mapping of names: each entry on its own
+            for name in value:
+                if isinstance(value[name], DictConfig) and "_target_" in value[name]:
+                    _check_node(value[name], f"{full}.{name}", None, declared, copies)
+                else:
+                    _refuse_unless_conforms(f"{full}.{name}", value[name], entries)
+            continue
         if isinstance(value, ListConfig) and any(isinstance(v, DictConfig) and "_target_" in v for v in value):
             for i, item in enumerate(value):
                 _check_node(item, f"{full}[{i}]", None, declared, copies)
@@ -215,6 +223,16 @@ def conforms(value, annotation) -> bool:
     return True
 
 
+def mapping_values(annotation):
+    """V of an annotation ``dict[str, V]`` (or ``dict[str, V] | None``); None for any other."""
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return mapping_values(options[0]) if len(options) == 1 else None
+    if typing.get_origin(annotation) is dict and typing.get_args(annotation):
+        return typing.get_args(annotation)[1]
+    return None
+
+
 def describe(annotation) -> str:
     """What a value of ``annotation`` is, for the one-line error."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -242,4 +260,6 @@ def describe(annotation) -> str:
     }
     if annotation in names:
         return names[annotation]
+    if origin is dict:
+        return f"a mapping of names to ({describe(args[1])})" if args else "a mapping"
     return f"a {getattr(annotation, '__name__', str(annotation))} config node"

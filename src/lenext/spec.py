@@ -86,12 +86,19 @@ class RunSpec:
         return Stage(checkpoint, self.row, self.train_len, self.reach, steps, tokens, self.config)
 
 
-def first_stage_row(pe_name: str, scheme: str) -> str:
+def first_stage_row(pe_name: str, scheme: str, attention: dict | None = None) -> str:
     """The row of a run trained from scratch: its PE's config name, ``_<scheme>`` when trained at drawn
-    positions (``rope_randomized``, however its config is named)."""
+    positions (``rope_randomized``, however its config is named), then its attention settings other than the
+    defaults: ``+ssmax`` or ``+logn`` (attention.scale), ``+window<W>`` (attention.window)."""
     for known in SCHEMES:
         pe_name = pe_name.removesuffix(f"_{known}")
-    return pe_name if scheme == "sequential" else f"{pe_name}_{scheme}"
+    row = pe_name if scheme == "sequential" else f"{pe_name}_{scheme}"
+    attention = attention or {}
+    if attention.get("scale", "none") != "none":
+        row += f"+{attention['scale']}"
+    if attention.get("window") is not None:
+        row += f"+window{attention['window']}"
+    return row
 
 
 def later_stage_row(base_row: str, pe: dict, scheme: str, reach: int) -> str:

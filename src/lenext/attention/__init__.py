@@ -15,22 +15,62 @@ The PE gives biases; every mask (causal, the band's) is built here.
 The kernels live beside it: ``band`` (BandedAttention, CPU), ``flex`` (FlexAttention, CUDA).
 """
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from lenext.attention.band import BandedAttention, band_mask, cpu_flash
 from lenext.attention.flex import causal_block_mask, compiled_flex_attention, flex_attention
-from lenext.pe import PositionalEncoding
-from lenext.pe.base import Logits, ValueTerm
+from lenext.pe.base import NO_TERMS, Bias, Logits, ScoreTerms, ValueTerm
+from lenext.schema import PositiveInt
 
 # Float elements of mask per query block on the explicit path. 16 MiB in fp32 keeps each block's
 # mask below glibc's mmap threshold (32 MiB), so the heap reuses it: a fresh mmap per mask cost
 # more in page faults than the attention itself. The output is preallocated, not concatenated:
 # small block outputs kept between growing masks fragmented the heap (2.5 GB at 16k).
 SCORE_BLOCK_ELEMENTS = 2**22
+
+
+@dataclass(frozen=True)
+class AttentionSettings:
+    """configs/train.yaml's ``attention`` node: what every layer's attention does besides its PE (docs/attention.md).
+
+    - ``window``: each query attends to its last ``window`` keys, itself included (sliding-window attention);
+      null: all keys before it. A layer of a per-layer PE mix may set its own (``pe.windows``).
+    - ``scale``: each query row's logits, biases included, multiplied by a function of n, the number of keys it
+      attends: ``none``; ``ssmax``, s_h log n with s_h learned per head and layer (Scalable-Softmax, Nakanishi
+      2025), starting at 1 / log L_train; ``logn``, log n / log L_train, fixed (log-length scaling).
+    """
+
+    window: PositiveInt | None = None
+    scale: Literal["none", "ssmax", "logn"] = "none"
+
+
+class LengthScale(nn.Module):
+    """The row scale of ``AttentionSettings.scale`` for one layer: (1, H, L, 1) fp32, or None for ``none``."""
+
+    def __init__(self, settings: AttentionSettings, n_heads: int, train_len: int):
+        super().__init__()
+        self.kind = settings.scale
+        start = torch.full((n_heads,), 1 / math.log(max(train_len, 2)))  # 1 at n = L_train
+        if self.kind == "ssmax":
+            self.per_head = nn.Parameter(start)
+        else:
+            self.register_buffer("per_head", start, persistent=False)
+
+    def forward(self, length: int, window: int | None) -> torch.Tensor | None:
+        if self.kind == "none":
+            return None
+        attended = torch.arange(1, length + 1, device=self.per_head.device, dtype=torch.float32)
+        if window is not None:
+            attended = attended.clamp(max=window)
+        return (self.per_head.float()[:, None] * attended.log())[None, :, :, None]
 
 
 @cache
@@ -59,73 +99,118 @@ def _sdpa_keep_mask(q, k, v, **kwargs) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
-def causal_attention(q, k, v, pe: PositionalEncoding, positions: torch.Tensor, layer: int) -> torch.Tensor:
-    """Causal attention with the PE's score bias, on the cheapest path that is exact.
+def causal_attention(
+    q, k, v, terms: ScoreTerms = NO_TERMS, window: int | None = None, row_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal attention with a layer's score terms, on the cheapest path that is exact.
 
-    q, k, v: (B, H, L, d_head), positions: (B or 1, L) -> (B, H, L, d_head).
+    q, k, v: (B, H, L, d_head) -> (B, H, L, d_head). ``window``: each query sees its last ``window`` keys
+    (itself included) only; ``row_scale`` (B or 1, H, L, 1): each query row's logits, biases included,
+    multiplied by it (SSMax).
     """
-    length = q.size(-2)
-    value_term = pe.value_term(positions, layer)  # needs the probabilities: explicit path only
-    logits = pe.logits(q, k, positions)  # no kernel takes them: explicit path only
-    if logits is not None:
-        bias = explicit_bias(pe, q, positions, layer, pe.key_bias(positions, layer) is not None)
-        return _blocked_attention(q, k, v, bias or causal_bias(q.device), value_term, logits)
-    if value_term is None and q.is_cuda and flex_attention is not None:
-        # Flex only on CUDA: on CPU it has no backward and compiles for seconds (docs/performance.md).
-        score_mod = pe.score_mod(q, positions, layer)
-        if score_mod is not None:
-            block_mask = causal_block_mask(length, q.device)
-            return compiled_flex_attention()(q, k, v, score_mod=score_mod, block_mask=block_mask)
-    key = pe.key_bias(positions, layer)  # (B or 1, H, 1, L)
-    if key is not None and value_term is None and fused_mask_with_causal(q.device.type):
-        return _sdpa_keep_mask(q, k, v, attn_mask=key, is_causal=True)  # O(L) memory at any length
-    if value_term is None and q.device.type == "cpu" and cpu_flash():
-        band = pe.band_bias(q, positions, layer)  # (B or 1, H, L, W)
-        if band is not None:
-            with torch.autocast(q.device.type, enabled=False):  # the band products stay fp32 under bf16
-                return BandedAttention.apply(q, k, v, band)
-    bias = explicit_bias(pe, q, positions, layer, key is not None)
-    if bias is None:
+    biases, value_term, logits = terms.biases, terms.value, terms.logits
+    if row_scale is not None:
+        q = q * row_scale.to(q.dtype)  # exact for q.k; each bias path below scales its bias too, or is not taken
+    fused = value_term is None and logits is None and window is None
+    if fused and not biases:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return _blocked_attention(q, k, v, bias, value_term)
+    if fused and row_scale is None and q.is_cuda and flex_attention is not None and all(b.flex for b in biases):
+        # Flex only on CUDA: on CPU it has no backward and compiles for seconds (docs/performance.md).
+        score_mod = summed_score_mods([b.flex() for b in biases])
+        block_mask = causal_block_mask(q.size(-2), q.device)
+        return compiled_flex_attention()(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    if fused and row_scale is None and all(b.key for b in biases) and fused_mask_with_causal(q.device.type):
+        key = sum(b.key(0, q.size(-2)) for b in biases)  # (B or 1, H, 1, L)
+        if key.requires_grad and torch.is_grad_enabled():
+            return key_bias_channels_attention(q, k, v, key)
+        return _sdpa_keep_mask(q, k, v, attn_mask=key, is_causal=True)  # O(L) memory at any length
+    if fused and len(biases) == 1 and biases[0].band and q.device.type == "cpu" and cpu_flash():
+        band = biases[0].band()  # (B or 1, H, L, W)
+        with torch.autocast(q.device.type, enabled=False):  # the band products stay fp32 under bf16
+            return BandedAttention.apply(q, k, v, band if row_scale is None else band * row_scale)
+    bias = explicit_bias(biases, q, window, row_scale)
+    return _blocked_attention(q, k, v, bias, value_term, logits, row_scale, window)
+
+
+def summed_score_mods(score_mods: list) -> Callable:
+    """One FlexAttention score_mod adding every bias's."""
+    if len(score_mods) == 1:
+        return score_mods[0]
+
+    def summed(score, b, h, q_idx, kv_idx):
+        for score_mod in score_mods:
+            score = score_mod(score, b, h, q_idx, kv_idx)
+        return score
+
+    return summed
+
+
+def key_bias_channels_attention(q, k, v, key: torch.Tensor) -> torch.Tensor:
+    """Fused causal SDPA with a key bias that needs a gradient (FoX's), carried as extra channels of q and k.
+
+    SDPA refuses a mask that needs a gradient with is_causal, and without it runs its (L, L) math path. But a key
+    bias is a product: q_i . k_j / sqrt(d) + b_j = [q_i, 1] . [k_j, b_j sqrt(d)] / sqrt(d), so the fused kernel
+    scores it and autograd carries dL/db through k's extra channel. In a 16-bit dtype the channel is split into
+    three (each the rest the ones before left) to keep b to fp32's precision. v gets zero channels: the kernel
+    is fused only when q, k and v have one head dim.
+    key: (B or 1, H, 1, L) fp32 (float64 with float64 q, k, v).
+    """
+    head_dim = q.size(-1)
+    dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else q.dtype
+    wide = torch.promote_types(key.dtype, torch.float32)
+    rest, parts = key.transpose(-2, -1).to(wide) * head_dim**0.5, []  # (B or 1, H, L, 1)
+    for _ in range(1 if dtype.itemsize >= 4 else 3):
+        part = rest.to(dtype)
+        parts.append(part)
+        rest = rest - part.to(wide)
+    extra = len(parts)
+    batch, heads, length, _ = k.shape
+    ones = q.new_ones(*q.shape[:-1], extra, dtype=dtype)
+    channels = torch.cat(parts, -1).expand(batch, heads, length, extra)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out = F.scaled_dot_product_attention(
+        torch.cat([q, ones], -1),
+        torch.cat([k, channels], -1),
+        torch.cat([v, v.new_zeros(*v.shape[:-1], extra)], -1),
+        is_causal=True,
+        scale=head_dim**-0.5,
+    )
+    return out[..., :head_dim]
 
 
 def explicit_bias(
-    pe: PositionalEncoding, q, positions, layer: int, has_key_bias: bool
-) -> Callable[[int, int], torch.Tensor] | None:
-    """The PE's score bias as masks of query blocks, for the explicit path; None if it has no bias.
+    biases: tuple[Bias, ...], q, window: int | None = None, row_scale: torch.Tensor | None = None
+) -> Callable[[int, int, int], torch.Tensor]:
+    """The score biases summed, as masks of query blocks, for the explicit path.
 
-    Returns ``(start, end) -> (B or 1, H, end - start, end)`` fp32: the bias of query rows
-    [start, end) against keys [0, end), -inf on future keys, from whichever form the PE gives.
+    Returns ``(start, end, first) -> (B or 1, H, end - start, end - first)`` (or broadcastable) fp32: the bias of
+    query rows [start, end) against keys [first, end), scaled by the rows' ``row_scale``, -inf on future keys and
+    on keys outside the ``window``, from whichever form each bias gives (a band only when it has no other).
     """
-    band = pe.band_bias(q, positions, layer)  # (B or 1, H, L, W)
-    if band is not None:
+    bands = [b.band() if b.band and not (b.pair or b.key) else None for b in biases]
 
-        def from_band(start: int, end: int) -> torch.Tensor:
-            mask = band_mask(band[..., start:end, :], start, end)
-            return F.pad(mask, (end - mask.size(-1), 0))  # keys before the band: bias 0
+    def one(bias: Bias, band: torch.Tensor | None, start: int, end: int, first: int) -> torch.Tensor:
+        if bias.pair is not None:
+            return bias.pair(start, end, first)
+        if bias.key is not None:
+            # Recomputed per block, anchored at its last key: the values that matter stay small.
+            return bias.key(first, end)
+        mask = band_mask(band[..., start:end, :], start, end)  # keys [max(0, start - W + 1), end)
+        before = end - first - mask.size(-1)  # keys before the band: bias 0 (or cut off by the window)
+        return F.pad(mask, (before, 0)) if before >= 0 else mask[..., -before:]
 
-        return from_band
-    pair = pe.pair_bias(layer)
-    if pair is None and not has_key_bias:
-        return None
-
-    def from_pairs(start: int, end: int) -> torch.Tensor:
-        keys = positions[:, :end]
-        # A key bias is recomputed per block, anchored at its last key: the values that matter stay small.
-        bias = pair(positions[:, start:end], keys) if pair is not None else pe.key_bias(keys, layer)
-        future = torch.ones(end - start, end, dtype=torch.bool, device=q.device).triu(start + 1)
-        return torch.where(future, float("-inf"), bias)
-
-    return from_pairs
-
-
-def causal_bias(device: torch.device) -> Callable[[int, int], torch.Tensor]:
-    """The causal mask alone in ``explicit_bias``'s form: 0 on the keys a query sees, -inf on future keys."""
-
-    def block(start: int, end: int) -> torch.Tensor:
-        future = torch.ones(end - start, end, dtype=torch.bool, device=device).triu(start + 1)
-        return torch.zeros(end - start, end, device=device).masked_fill_(future, float("-inf"))
+    def block(start: int, end: int, first: int) -> torch.Tensor:
+        rows, keys = torch.arange(start, end, device=q.device)[:, None], torch.arange(first, end, device=q.device)
+        hidden = keys > rows if window is None else (keys > rows) | (keys <= rows - window)
+        total = None
+        for bias, band in zip(biases, bands, strict=True):
+            term = one(bias, band, start, end, first)
+            total = term if total is None else total + term
+        if total is None:
+            return torch.zeros(end - start, end - first, device=q.device).masked_fill_(hidden, float("-inf"))
+        if row_scale is not None:  # a band's own -inf (future keys) cleared first: row 0's scale is log 1 = 0
+            total = total.masked_fill(hidden, 0.0) * row_scale[..., start:end, :]
+        return torch.where(hidden, float("-inf"), total)
 
     return block
 
@@ -134,12 +219,14 @@ def _blocked_attention(
     q,
     k,
     v,
-    bias: Callable[[int, int], torch.Tensor],
-    value_term: ValueTerm | None,
+    bias: Callable[[int, int, int], torch.Tensor],
+    value_term: ValueTerm | None = None,
     logits: Logits | None = None,
+    row_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Explicit scores, one block of query rows at a time against the keys it sees (``logits``: the PE's own
-    scores instead of q k^T / sqrt(d_head)).
+    scores instead of q k^T / sqrt(d_head), multiplied here by ``row_scale``, which q already carries).
 
     A mask that needs no gradient (evaluation) goes to SDPA's fused CPU kernel, which takes it in fp32 with bf16
     q, k, v. One that does (training KERPLE, FIRE) would send SDPA to its math path, which rescales q and k and
@@ -147,20 +234,27 @@ def _blocked_attention(
     an fp32 mask without is_causal), the scores are written out: q k^T in the model's dtype, then fp32 with the bias.
     """
     batch, heads, length, head_dim = q.shape
-    rows = max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * length))  # masks of (rows, L)
+    wide = torch.promote_types(q.dtype, torch.float32)  # the scores' dtype: fp32 (float64 for float64 q)
+    seen = length if window is None else min(length, window)
+    rows = max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * seen))  # masks of about (rows, seen)
     out = q.new_empty(batch, heads, length, v.size(-1))  # written block by block: see SCORE_BLOCK_ELEMENTS
-    for start in range(0, length, rows):  # query blocks attend to keys [0, end)
+    for start in range(0, length, rows):  # query blocks attend to keys [first, end)
         end = min(start + rows, length)
-        q_block, k_seen, v_seen = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
-        mask = bias(start, end)
+        first = 0 if window is None else max(0, start - window + 1)
+        q_block, k_seen, v_seen = q[:, :, start:end], k[:, :, first:end], v[:, :, first:end]
+        mask = bias(start, end, first)
         if value_term is None and logits is None and not mask.requires_grad and q.device.type == "cpu":
             out[:, :, start:end] = _sdpa_keep_mask(q_block, k_seen, v_seen, attn_mask=mask)
+            continue
+        if logits is None:
+            scores = (q_block @ k_seen.transpose(-2, -1)).to(wide).mul_(head_dim**-0.5)
         else:
-            if logits is None:
-                scores = (q_block @ k_seen.transpose(-2, -1)).float().mul_(head_dim**-0.5)
-            else:
-                scores = logits(start, end)
-            probs = scores.add_(mask).softmax(-1).to(v.dtype)  # (B, H, rows, end)
-            block = probs @ v_seen
-            out[:, :, start:end] = block if value_term is None else block + value_term(probs, start, end)
+            scores = logits(start, end)[..., first:]
+            if row_scale is not None:
+                scores = scores * row_scale[..., start:end, :]
+        probs = scores.add_(mask).softmax(-1).to(v.dtype)  # (B, H, rows, end - first)
+        block = probs @ v_seen
+        if value_term is not None:
+            block = block + value_term(F.pad(probs, (first, 0)), start, end)  # over keys [0, end)
+        out[:, :, start:end] = block
     return out

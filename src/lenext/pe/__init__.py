@@ -4,17 +4,22 @@ from lenext.pe.absolute import Learned, Sinusoidal, sinusoidal_table
 from lenext.pe.base import AttentionShape, NoPE, PositionalEncoding
 from lenext.pe.bias import ALiBi, ShawRelative, T5Bias, alibi_slopes, t5_bucket
 from lenext.pe.fire import FIRE
+from lenext.pe.fox import FoX
 from lenext.pe.kerple import KERPLE
+from lenext.pe.mix import Compose, PerLayer
 from lenext.pe.rope import SCALINGS, RoPE, rope_frequencies
 from lenext.pe.xpos import XPos
 
 __all__ = [
     "ALiBi",
     "AttentionShape",
+    "Compose",
     "FIRE",
+    "FoX",
     "KERPLE",
     "Learned",
     "NoPE",
+    "PerLayer",
     "PositionalEncoding",
     "RoPE",
     "SCALINGS",

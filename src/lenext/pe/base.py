@@ -1,20 +1,28 @@
 """The positional-encoding interface (docs/pes/index.md, "The PE interface").
 
 Every site receives ``positions``: (B or 1, L) strictly increasing integer positions of the tokens,
-0..L-1 unless training draws others (randomized positions, PoSE: ``lenext.positions``). A PE acts at
-up to three sites of the decoder, and implements only the ones it needs:
+0..L-1 unless training draws others (randomized positions, PoSE: ``lenext.positions``).
 
-- ``embed(x, positions)``: added to the token embeddings (sinusoidal, learned);
-- ``rotate(q, k, positions)``: applied to queries and keys (RoPE, its scalings, xPos);
-- the attention scores, through the forms of a score bias below. Each returns None when the PE
-  has no such form; the attention (``lenext.attention``) picks its path from the forms present
-  and owns every mask:
-  - ``key_bias``: a bias of the key alone, up to a per-row constant (ALiBi);
-  - ``band_bias``: a bias that is constant along each row beyond W keys back (T5, Shaw);
-  - ``pair_bias``: any bias(i, j) of the two positions (KERPLE, FIRE);
-  - ``score_mod``: one of the biases above as a FlexAttention score_mod, for CUDA (never alone:
-    elsewhere the attention runs the other form);
-  - ``value_term``: an extra attention output computed from the probabilities (Shaw's a^V);
+A PE has one model-level site, ``embed(x, positions)``: added to the token embeddings (sinusoidal,
+learned). Inside attention layer ``l`` the decoder uses ``pe.layer(l)``, a ``LayerPE`` the block owns
+(so are its parameters: FoX's gate is a block's), with two sites:
+
+- ``rotate(q, k, positions)``: a transform of queries and keys (RoPE, its scalings, xPos);
+- ``terms(x, q, k, positions)``: the layer's ``ScoreTerms``: score biases, each in the forms it
+  has (``Bias``: of the key alone, a band, any pair, a FlexAttention score_mod), a value term, or
+  logits the PE computes itself. The attention (``lenext.attention``) picks its path from the
+  forms present and owns every mask.
+
+A PE whose parameters are shared across layers (ALiBi, T5, Shaw's per-layer tables in one module)
+implements the forms below with a ``layer`` argument, and its ``layer(l)`` is a ``SharedLayer`` view
+that gathers them into terms:
+
+- ``key_bias``: a bias of the key alone, up to a per-row constant (ALiBi);
+- ``band_bias``: a bias that is constant along each row beyond W keys back (T5, Shaw);
+- ``pair_bias``: any bias(i, j) of the two positions (KERPLE, FIRE);
+- ``score_mod``: one of the biases above as a FlexAttention score_mod, for CUDA (never alone:
+  elsewhere the attention runs the other form);
+- ``value_term``: an extra attention output computed from the probabilities (Shaw's a^V);
 - ``logits(q, k, positions)``: the logits themselves, for a PE whose logit is not one product of the
   rotated q and k (Self-Extend: two rotations merged per pair); ``rotate`` then leaves q and k as they are.
 
@@ -29,9 +37,57 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lenext.errors import ConfigError
+
 PairBias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ValueTerm = Callable[[torch.Tensor, int, int], torch.Tensor]
 Logits = Callable[[int, int], torch.Tensor]
+KeyBias = Callable[[int, int], torch.Tensor]
+ScoreMod = Callable
+
+
+@dataclass(frozen=True)
+class Bias:
+    """One score bias(i, j) in every form its PE can give (at least one); the attention uses one of them.
+
+    - ``key(first, end)``: (B or 1, H, 1, end - first) fp32 bias of keys [first, end), for a bias(i, j) =
+      key[j] + c_i (c_i: any per-row constant, which softmax ignores); it may carry a gradient (FoX).
+    - ``band()``: (B or 1, H, L, W), ``PositionalEncoding.band_bias``'s form.
+    - ``pair(start, end, first)``: (B or 1, H, end - start, end - first) fp32 bias of query rows [start, end)
+      against keys [first, end), for j <= i (values at j > i must be finite; the attention masks them).
+    - ``flex()``: a FlexAttention score_mod adding the bias (CUDA).
+    Forms that cost work are functions, called only by the path that uses them.
+    """
+
+    key: KeyBias | None = None
+    band: Callable[[], torch.Tensor] | None = None
+    pair: Callable[[int, int, int], torch.Tensor] | None = None
+    flex: Callable[[], ScoreMod] | None = None
+
+
+@dataclass(frozen=True)
+class ScoreTerms:
+    """What a layer's PE adds to its attention scores: biases (summed), a value term, its own logits."""
+
+    biases: tuple[Bias, ...] = ()
+    value: ValueTerm | None = None
+    logits: Logits | None = None
+
+    def __add__(self, other: "ScoreTerms") -> "ScoreTerms":
+        """Both PEs' terms: biases summed, value terms added; one PE at most computes the logits."""
+        if self.logits is not None and other.logits is not None:
+            raise ConfigError("two PEs that each compute the attention logits themselves cannot be combined")
+        value = self.value or other.value
+        if self.value is not None and other.value is not None:
+            first, second = self.value, other.value
+
+            def value(probs, start, end):
+                return first(probs, start, end) + second(probs, start, end)
+
+        return ScoreTerms(self.biases + other.biases, value, self.logits or other.logits)
+
+
+NO_TERMS = ScoreTerms()
 
 
 @dataclass(frozen=True)
@@ -72,6 +128,16 @@ class PositionalEncoding(nn.Module):
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: (B, L, d_model) token embeddings -> same shape with position information."""
         return x
+
+    def layer(self, index: int) -> "LayerPE":
+        """The PE inside attention layer ``index``; the block holding it owns its parameters. By default a view
+        of this PE's forms at that layer (its parameters stay here, shared or indexed by layer)."""
+        return SharedLayer(self, index)
+
+    @property
+    def embeds(self) -> bool:
+        """Whether the PE adds to the token embeddings (then it cannot be one layer's PE of a mix)."""
+        return type(self).embed is not PositionalEncoding.embed
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k: (B, H, L, d_head) -> rotated q, k."""
@@ -148,6 +214,49 @@ class PositionalEncoding(nn.Module):
         learned's table size, RoPE's original context. Every PE keeps each setting as the attribute of its name."""
         names = [n for n in inspect.signature(type(self).__init__).parameters if n not in ("self", "shape")]
         return {name: getattr(self, name) for name in names}
+
+
+class LayerPE(nn.Module):
+    """A PE inside one attention layer: what the attention asks of it. Alone, no positional term."""
+
+    window: int | None = None  # this layer's attention window, when its PE sets one (a per-layer mix)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k: (B, H, L, d_head) -> transformed q, k."""
+        return q, k
+
+    def terms(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> ScoreTerms:
+        """The layer's score terms, from its input x (B, L, d_model), its q, k (B, H, L, d_head) as ``rotate``
+        returned them and the positions (B or 1, L)."""
+        return NO_TERMS
+
+
+class SharedLayer(LayerPE):
+    """Layer ``index`` of a PE that implements the forms of ``PositionalEncoding`` (module docstring): a form is
+    present when the PE's class overrides it."""
+
+    def __init__(self, pe: PositionalEncoding, index: int):
+        super().__init__()
+        self.pe, self.index = [pe], index  # in a list: the decoder owns the PE's parameters, blocks only use it
+
+    def rotate(self, q, k, positions):
+        return self.pe[0].rotate(q, k, positions)
+
+    def terms(self, x, q, k, positions) -> ScoreTerms:
+        pe, layer = self.pe[0], self.index
+
+        def has(form: str) -> bool:
+            return getattr(type(pe), form) is not getattr(PositionalEncoding, form)
+
+        pair = pe.pair_bias(layer)
+        bias = Bias(
+            key=(lambda first, end: pe.key_bias(positions[:, first:end], layer)) if has("key_bias") else None,
+            band=(lambda: pe.band_bias(q, positions, layer)) if has("band_bias") else None,
+            pair=(lambda start, end, first: pair(positions[:, start:end], positions[:, first:end])) if pair else None,
+            flex=(lambda: pe.score_mod(q, positions, layer)) if has("score_mod") else None,
+        )
+        present = any(form is not None for form in (bias.key, bias.band, bias.pair))
+        return ScoreTerms((bias,) if present else (), pe.value_term(positions, layer), pe.logits(q, k, positions))
 
 
 class NoPE(PositionalEncoding):

@@ -22,6 +22,11 @@ each in ``ROPE_SCALINGS`` returning (inverse frequencies, attention factor), as 
   positions; a farther one with the query at floor(i / G) + W - W / G and the key at floor(j / G), G the
   group size (the factor s): two rotations of q and k, merged per pair before the softmax (``logits``).
 
+p-RoPE (Barbero et al. 2025, "Round and Round We Go!"; ``fraction`` p): only the highest floor(p d / 2)
+frequencies rotate, the lowest are 0 (their pairs pass unrotated, NoPE channels), after any scaling, as Gemma's
+``rope_proportion`` and transformers' ``proportional`` RoPE. Not GPT-NeoX's ``rotary_pct``, which rotates a
+leading share of the dimensions with frequencies recomputed over that share.
+
 The original context C is the span of positions the *first* training stage reached (its training
 length; N under randomized positions, the target length under PoSE): ``original_len: null`` resolves
 to it, and a second stage (context extension, ``init_from``) keeps the base's. The factor:
@@ -196,6 +201,7 @@ class RoPE(PositionalEncoding):
         high_freq_factor: PositiveFloat = 4.0,
         original_len: PositiveInt | None = None,  # null: the positions training reaches (module docstring)
         neighbor_window: PositiveInt | None = None,  # Self-Extend's W; null: C // 4 (of a variant's C)
+        fraction: Annotated[float, Range(0, 1)] = 1.0,  # p-RoPE: the share of frequencies rotated, highest first
     ):
         super().__init__(shape)
         if high_freq_factor <= low_freq_factor:
@@ -223,7 +229,7 @@ class RoPE(PositionalEncoding):
         per_length = ("none", "dynamic_ntk", "self_extend")
         if factor is None and scaling not in per_length and shape.trained_positions > self.original_len:
             factor = shape.trained_positions / self.original_len  # trained beyond C: s = L' / C, fixed
-        self.base, self.scaling, self.factor = base, scaling, factor
+        self.base, self.scaling, self.factor, self.fraction = base, scaling, factor, fraction
         self.beta_fast, self.beta_slow = beta_fast, beta_slow
         self.low_freq_factor, self.high_freq_factor = low_freq_factor, high_freq_factor
         self.register_buffer("rotations", torch.empty(0, shape.head_dim // 2, dtype=torch.complex64), persistent=False)
@@ -260,8 +266,15 @@ class RoPE(PositionalEncoding):
             group -= 1
         return group
 
+    @property
+    def rotated_pairs(self) -> int:
+        """p-RoPE's rotated frequencies: the highest floor(p d / 2), as Barbero et al.'s ``int(p * d // 2)``."""
+        return int(self.fraction * self.shape.head_dim // 2)
+
     def frequencies(self, length: int) -> tuple[torch.Tensor, float]:
-        return rope_frequencies(
+        """The inverse frequencies (d/2,) float64 for a sequence spanning ``length`` positions, and the attention
+        factor: the scaling's, with p-RoPE's lowest frequencies 0 (those pairs are not rotated)."""
+        inv_freq, attention_factor = rope_frequencies(
             self.shape.head_dim,
             self.base,
             self.scaling,
@@ -273,11 +286,13 @@ class RoPE(PositionalEncoding):
             self.low_freq_factor,
             self.high_freq_factor,
         )
+        inv_freq[self.rotated_pairs :] = 0
+        return inv_freq, attention_factor
 
     def _rotations(self, length: int, device: torch.device) -> torch.Tensor:
         """(length, d_head/2) complex64 table e^{i p theta_t} of positions p < length, built once per
         (length, scaling) in float64."""
-        key = (length, self.base, self.scaling, self.scaling_factor(length), self.original_len)
+        key = (length, self.base, self.scaling, self.scaling_factor(length), self.original_len, self.fraction)
         key += (self.beta_fast, self.beta_slow, self.low_freq_factor, self.high_freq_factor)
         if key != self._cache_key or self.rotations.device != device:
             inv_freq, attention_factor = self.frequencies(length)

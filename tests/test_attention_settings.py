@@ -1,0 +1,170 @@
+"""The attention settings every PE takes (a sliding window, SSMax / log-length scaling) and the PEs made of PEs
+(``Compose``, ``PerLayer``), against the naive float64 reference of tests/test_pe.py and by their definitions."""
+
+import math
+from functools import partial
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import lenext.attention as attention_module
+from lenext.attention import AttentionSettings, LengthScale, causal_attention
+from lenext.errors import ConfigError
+from lenext.model import Decoder
+from lenext.pe import ALiBi, Compose, FoX, NoPE, PerLayer, RoPE, Sinusoidal
+from lenext.pe.base import sequential_positions
+from tests.test_pe import BATCH, BIAS_KINDS, HEAD_DIM, HEADS, explicit_path, make_bias_pe, naive_biased_attention
+
+KINDS = ("nope", *BIAS_KINDS)
+
+
+def attention_inputs(length: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed + length)
+    return [torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen, requires_grad=True) for _ in range(3)]
+
+
+def run(kind, q, k, v, window=None, row_scale=None):
+    pe = None if kind == "nope" else make_bias_pe(kind)
+    positions = sequential_positions(q.size(-2))
+    terms = pe.layer(1).terms(None, q, k, positions) if pe is not None else attention_module.NO_TERMS
+    got = causal_attention(q, k, v, terms, window, row_scale)
+    return got, naive_biased_attention(q, k, v, pe, 1, window=window, row_scale=row_scale), pe
+
+
+@pytest.mark.parametrize("window", [1, 5, 64])
+@pytest.mark.parametrize("length", [7, 150])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+def test_sliding_window_matches_naive_reference(fused, kind, length, window, monkeypatch):
+    """Each query attends to its last ``window`` keys only, whatever the PE: outputs and gradients of q, k, v and the
+    PE's parameters equal the naive reference's (a window of 1: every row is its own value)."""
+    if not fused:
+        explicit_path(monkeypatch)
+    monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", BATCH * HEADS * length * 16)  # several blocks
+    q, k, v = attention_inputs(length)
+    got, expected, pe = run(kind, q, k, v, window)
+    assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    if window == 1:
+        assert_close(got.double(), v.double() if kind != "shaw_value" else expected, atol=1e-5, rtol=1e-5)
+    tensors = [q, k, v, *(pe.parameters() if pe is not None else [])]
+    weight = torch.randn(got.shape, generator=torch.Generator().manual_seed(2))
+    got_grads = torch.autograd.grad((got * weight).sum(), tensors, allow_unused=True, retain_graph=True)
+    expected_grads = torch.autograd.grad((expected * weight).sum(), tensors, allow_unused=True)
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        if e is None or not e.abs().sum():
+            continue  # FIRE's other layers, Shaw's value table without the value term
+        assert_close(g.double(), e.double(), atol=1e-5, rtol=1e-4)
+
+
+def row_scales(scale: str, length: int, window=None, train_len: int = 16) -> LengthScale:
+    module = LengthScale(AttentionSettings(window=window, scale=scale), HEADS, train_len)
+    if scale == "ssmax":
+        with torch.no_grad():
+            module.per_head.copy_(torch.tensor([0.2, 0.35, 0.5, 0.9]))  # apart, so a head mix-up shows
+    return module
+
+
+def test_length_scale_is_s_log_n_of_the_keys_attended():
+    """SSMax's factor of row i is s_h log n_i, n_i = i + 1 keys (the window's W at most); ``logn`` is log n / log
+    L_train, fixed; ``ssmax`` starts there and learns s_h per head."""
+    ssmax = LengthScale(AttentionSettings(scale="ssmax"), HEADS, 64)
+    logn = LengthScale(AttentionSettings(scale="logn"), HEADS, 64)
+    assert [p.shape for p in ssmax.parameters()] == [(HEADS,)] and not list(logn.parameters())
+    expected = torch.log(torch.arange(1, 201, dtype=torch.float64)) / math.log(64)
+    for module in (ssmax, logn):
+        assert_close(module(200, None)[0, :, :, 0].double(), expected.expand(HEADS, -1), atol=1e-6, rtol=1e-6)
+    windowed = logn(200, 50)[0, 0, :, 0].double()
+    assert_close(windowed, torch.log(torch.arange(1, 201).clamp(max=50).double()) / math.log(64), atol=1e-6, rtol=0)
+    assert LengthScale(AttentionSettings(), HEADS, 64)(200, None) is None
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("length", [7, 150])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+def test_ssmax_scales_the_whole_logit_on_every_path(fused, kind, length, window, monkeypatch):
+    """(q.k / sqrt(d) + bias) * s_h log n_i, biases included (the band path scales its band; a key bias becomes
+    a row-scaled one on the explicit path): outputs and gradients, those of s_h included."""
+    if not fused:
+        explicit_path(monkeypatch)
+    q, k, v = attention_inputs(length, seed=1)
+    scale = row_scales("ssmax", length, window)
+    row_scale = scale(length, window)
+    got, expected, pe = run(kind, q, k, v, window, row_scale)
+    assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    unscaled, _, _ = run(kind, q, k, v, window)
+    assert not torch.allclose(got, unscaled, atol=1e-3)
+    tensors = [q, k, v, scale.per_head]
+    weight = torch.randn(got.shape, generator=torch.Generator().manual_seed(3))
+    got_grads = torch.autograd.grad((got * weight).sum(), tensors, retain_graph=True)
+    expected_grads = torch.autograd.grad((expected * weight).sum(), tensors)
+    # Logits scaled up to 4.5x (s_h 0.9 at 150 keys) keep fp32's relative precision, not its absolute one; s_h's
+    # gradient sums every score of its head, and cancels to a small value.
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        assert_close(g.double(), e.double(), atol=1e-4 * e.abs().max().item(), rtol=1e-4)
+
+
+def tiny(pe, attention=None, layers: int = 3) -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(64, 16, pe, attention=attention, d_model=HEADS * HEAD_DIM, n_layers=layers, n_heads=HEADS)
+
+
+def test_a_mix_of_one_pe_is_that_pe():
+    """``PerLayer`` with one PE on every layer, and ``Compose`` of one PE, are that PE: same parameters drawn, same
+    output (RoPE; ALiBi; FoX, whose gates are the layers' own)."""
+    tokens = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    for pe in (RoPE, ALiBi, FoX):
+        alone = tiny(pe)(tokens)
+        assert_close(tiny(partial(PerLayer, pes={"x": pe}, pattern=["x"]))(tokens), alone, atol=0, rtol=0)
+        assert_close(tiny(partial(Compose, pes={"x": pe}))(tokens), alone, atol=0, rtol=0)
+
+
+def test_per_layer_follows_the_pattern_and_windows_like_llama4_and_rnope_swa():
+    """Layer l takes pattern[l % len(pattern)]: [rope, rope, rope, nope] makes layer l NoPE iff (l + 1) % 4 == 0, as
+    Llama 4's nope_layer_interval; ``windows`` puts that PE's layers on a sliding window (RNoPE-SWA)."""
+    pes = {"rope": RoPE, "nope": NoPE}
+    model = tiny(partial(PerLayer, pes=pes, pattern=["rope"] * 3 + ["nope"], windows={"rope": 8}), layers=8)
+    kinds = [type(block.attn.pe.pe[0]).__name__ for block in model.blocks]
+    assert kinds == ["NoPE" if (layer + 1) % 4 == 0 else "RoPE" for layer in range(8)]
+    assert [block.attn.window for block in model.blocks] == [None if k == "NoPE" else 8 for k in kinds]
+    everywhere = tiny(partial(PerLayer, pes=pes, pattern=["rope"]), AttentionSettings(window=5), layers=2)
+    assert [block.attn.window for block in everywhere.blocks] == [5, 5]
+
+
+def test_per_layer_layers_take_their_pe_and_window():
+    """A mix's output is each layer with its own PE and window: the same weights with the layers' attention set
+    by hand give it exactly."""
+    tokens = torch.randint(0, 64, (2, 30), generator=torch.Generator().manual_seed(1))
+    pes = {"rope": RoPE, "alibi": ALiBi}
+    mix = tiny(partial(PerLayer, pes=pes, pattern=["alibi", "rope"], windows={"rope": 4}), layers=2)
+    by_hand = tiny(ALiBi, layers=2)
+    rope = RoPE(mix.pe.shape)
+    by_hand.blocks[1].attn.pe, by_hand.blocks[1].attn.window = rope.layer(1), 4
+    assert_close(mix(tokens), by_hand(tokens), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "pes, pattern, windows, message",
+    [
+        ({"rope": RoPE}, ["nope"], None, "pe.pattern names 'nope', which is not one of pe.pes: it must be one of rope"),
+        ({"rope": RoPE}, ["rope"], {"alibi": 4}, "pe.windows names 'alibi', which is not one of pe.pes"),
+        ({"rope": RoPE}, [], None, "pe.pattern=[] is invalid"),
+        ({"sin": Sinusoidal}, ["sin"], None, "pe.pes.sin (Sinusoidal) adds to the token embeddings"),
+    ],
+)
+def test_per_layer_refuses_what_it_cannot_build(pes, pattern, windows, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        tiny(partial(PerLayer, pes=pes, pattern=pattern, windows=windows))
+
+
+def test_compose_sums_biases_and_chains_transforms():
+    """RoPE + ALiBi by ``Compose``: q, k rotated, ALiBi's bias added; the reference is ALiBi's naive attention on
+    the rotated q and k."""
+    pe = Compose(make_bias_pe("alibi").shape, {"rope": RoPE, "alibi": ALiBi})
+    q, k, v = attention_inputs(60)
+    positions = sequential_positions(60)
+    layer = pe.layer(1)
+    rotated = layer.rotate(q, k, positions)
+    got = causal_attention(*rotated, v, layer.terms(None, *rotated, positions))
+    assert_close(got.double(), naive_biased_attention(*rotated, v, pe.pes["alibi"], 1), atol=1e-5, rtol=1e-5)
