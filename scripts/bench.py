@@ -49,7 +49,7 @@ from hydra import compose, initialize_config_module
 from torch.utils.data import DataLoader
 
 from lenext import pe as pes
-from lenext.attention import causal_attention
+from lenext.attention import AttentionSettings, causal_attention
 from lenext.cli import CONFIG_PACKAGE
 from lenext.data import StepShuffler, TrainWindows
 from lenext.errors import LengthNotSupported
@@ -70,9 +70,23 @@ SCHEMES = {  # RoPE trained at drawn positions, each drawn anew every step: "<pe
     "rope+randomized": lambda: Randomized(32 * TRAIN_LEN, TRAIN_LEN),
     "rope+pose": lambda: PoSE(32 * TRAIN_LEN, 2, TRAIN_LEN),
 }
+ATTENTION_ROWS = {"nope+ssmax": ["attention.scale=ssmax"], "rope+ssmax": ["attention.scale=ssmax"]}
 SAMPLING_TARGET = 0.02  # drawing positions: at most this share of a training step
 SECTIONS = ["training", "forward", "shaw", "lightning"]
-TARGETS = {"rope": 0.95, "alibi": 0.9, "t5": 0.8, "shaw": 0.7, "xpos": 0.9, "kerple": 0.8, "fire": 0.6}  # vs nope
+TARGETS = {  # training tokens/s vs nope
+    "rope": 0.95,
+    "alibi": 0.9,
+    "t5": 0.8,
+    "shaw": 0.7,
+    "xpos": 0.9,
+    "kerple": 0.8,
+    "fire": 0.6,
+    "p_rope": 0.95,
+    "fox": 0.8,
+    "fox_rope": 0.8,
+    "nope+ssmax": 0.95,
+    "rope+ssmax": 0.95,
+}
 
 SMALL = dict(vocab_size=8192, d_model=256, n_layers=6, n_heads=8)
 TRAIN_LEN = 512
@@ -86,11 +100,13 @@ def precision_context(precision: str):
     return contextlib.nullcontext()
 
 
-def build_model(name: str, train_len: int = TRAIN_LEN) -> Decoder:
+def build_model(row: str, train_len: int = TRAIN_LEN) -> Decoder:
+    """The small model of a row: ``<pe>``, ``<pe>+<scheme>`` (its PE) or ``<pe>+ssmax`` (with that attention)."""
     torch.manual_seed(SEED)
     with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
-        pe = compose("train", overrides=[f"pe={name}"]).pe
-    return Decoder(train_len=train_len, pe=instantiate(pe, "pe"), **SMALL)
+        cfg = compose("train", overrides=[f"pe={row.partition('+')[0]}", *ATTENTION_ROWS.get(row, [])])
+    attention = AttentionSettings(**cfg.attention)
+    return Decoder(train_len=train_len, pe=instantiate(cfg.pe, "pe"), attention=attention, **SMALL)
 
 
 def random_batch(batch: int, length: int, seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,17 +130,39 @@ def train_step(net, optimizer, tokens, targets, precision, positions=None):
 
 
 def training_rows() -> list[str]:
-    return PE_NAMES + list(SCHEMES)
+    return PE_NAMES + list(ATTENTION_ROWS) + list(SCHEMES)
+
+
+def training_flops_per_token(net: Decoder, length: int) -> float:
+    """Model FLOPs of one training token, as PaLM counts them (Chowdhery et al. 2022, appendix B): 6 N for the
+    weights (N: every parameter but the token embedding, a lookup; the output head included) plus 6 x layers x
+    d_model x L for the scores and the weighted values, which is PaLM's 12 x layers x d x L halved for the causal
+    mask. A PE's own work (rotations, biases, gates) is not counted: MFU says how far a row is from the GEMMs."""
+    weights = sum(p.numel() for p in net.parameters()) - net.embedding.weight.numel()
+    return 6 * weights + 6 * len(net.blocks) * net.d_model * length
+
+
+def gemm_peak(precision: str, size: int = 2048, reps: int = 10) -> float:
+    """FLOP/s of a (size x size) @ (size x size) matmul in the training precision (bf16: under autocast, as the
+    model's), the best of ``reps``: the machine's GEMM peak MFU is measured against."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    best = math.inf
+    with precision_context(precision):
+        a @ b  # warm up oneDNN
+        for _ in range(reps):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
 
 
 def bench_training(precision, length, batch, warmup, steps, reps, log):
     tokens, targets = random_batch(batch, length)
     setups, rows = {}, training_rows()
     for name in rows:
-        pe_name, _, scheme = name.partition("+")
-        net = build_model(pe_name).train()
+        net = build_model(name).train()
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
-        setups[name] = (net, optimizer, SCHEMES[name]() if scheme else PositionScheme(), [0])
+        setups[name] = (net, optimizer, SCHEMES[name]() if name in SCHEMES else PositionScheme(), [0])
 
     def run(name, n):
         net, optimizer, scheme, step = setups[name]
@@ -146,11 +184,13 @@ def bench_training(precision, length, batch, warmup, steps, reps, log):
             run(name, steps)
             rates[name].append(steps * batch * length / (time.perf_counter() - start))
         log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{n} {rates[n][-1]:.0f}" for n in rows))
-    results = {"sampling_ms": sampling_ms(batch, length)}
+    results = {"sampling_ms": sampling_ms(batch, length), "gemm_peak": gemm_peak(precision)}
     for name in rows:
         # Ratio: median over repetitions of (this PE / nope in the same repetition), i.e. paired.
         paired = [r / n for r, n in zip(rates[name], rates["nope"], strict=True)]
+        flops = training_flops_per_token(setups[name][0], length)
         results[name] = {
+            "mfu": statistics.median(rates[name]) * flops / results["gemm_peak"],
             "tokens_per_s": statistics.median(rates[name]),
             "ratio": statistics.median(paired),
             "ratio_min": min(paired),
@@ -597,10 +637,13 @@ def render_training(settings, training) -> list[str]:
         f"every PE. {settings['warmup']} warmup steps per PE, then {settings['reps']} repetitions "
         f"round-robin over the PEs of {settings['steps']} timed step{'s' if settings['steps'] > 1 else ''} each. "
         "tokens/s: median over repetitions; ratio: median over repetitions of (PE / nope in the same repetition), "
-        "with the min-max range.",
+        "with the min-max range. MFU: model FLOPs per second (PaLM's count: 6 N per token for the weights, N "
+        "without the token embedding, plus 6 x layers x d_model x L for causal attention; a PE's own work "
+        f"not counted) over the GEMM peak measured in this precision ({training['gemm_peak'] / 1e9:.0f} GFLOP/s: "
+        "the best of ten 2048 x 2048 matmuls). `<pe>+ssmax`: with `attention.scale=ssmax`.",
         "",
-        "| PE | tokens/s | ratio vs nope | range | target | meets |",
-        "|---|---:|---:|---|---:|---|",
+        "| PE | tokens/s | ratio vs nope | range | target | meets | MFU |",
+        "|---|---:|---:|---|---:|---|---:|",
     ]
     for name in training_rows():
         row = training[name]
@@ -609,7 +652,7 @@ def render_training(settings, training) -> list[str]:
         lines.append(
             f"| {name} | {row['tokens_per_s']:.0f} | {row['ratio']:.3f} | "
             f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f} | "
-            f"{'' if target is None else f'>= {target}'} | {meets} |"
+            f"{'' if target is None else f'>= {target}'} | {meets} | {row['mfu']:.2f} |"
         )
     rope_step_ms = settings["train_batch"] * settings["train_length"] / training["rope"]["tokens_per_s"] * 1e3
     lines += [
