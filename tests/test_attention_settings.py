@@ -6,6 +6,7 @@ from functools import partial
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.testing import assert_close
 
 import lenext.attention as attention_module
@@ -168,3 +169,106 @@ def test_compose_sums_biases_and_chains_transforms():
     rotated = layer.rotate(q, k, positions)
     got = causal_attention(*rotated, v, layer.terms(None, *rotated, positions))
     assert_close(got.double(), naive_biased_attention(*rotated, v, pe.pes["alibi"], 1), atol=1e-5, rtol=1e-5)
+
+
+def stickbreaking(q, k, v, mask, cum_weight):
+    """shawntan/stickbreaking-attention's ``sb_ref.stickbreaking`` (stickbreaking_attention/sb_ref.py, commit
+    3147a38), verbatim: the package needs triton."""
+    logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+
+    original_dtype = logits.dtype
+
+    logits = logits.float()
+    log_z = F.logsigmoid(logits).masked_fill(mask, -1e5).to(original_dtype)
+
+    log_beta = F.logsigmoid(-logits).masked_fill(mask, 0).to(original_dtype)
+
+    re_cum_log_beta = torch.einsum("bhij,jk->bhik", log_beta, cum_weight.to(log_beta))
+    log_att = log_z + re_cum_log_beta
+    att = log_att.exp()
+    return att @ v, 1 - att.sum(dim=-1)
+
+
+def stick_breaking_reference(q, k, v, window=None):
+    """As the package's tests run it (tests/test_attn.py ``ref_fwd``, attend_current False): keys before the query,
+    the remainder on the query's own value; float64 (``.float()`` there made ``.double()``), a window masked too."""
+    length = q.size(-2)
+    mask = torch.ones(length, length).triu(0).bool()
+    if window is not None:
+        mask = mask | torch.ones(length, length).tril(-window).bool()
+    original = torch.Tensor.float
+    torch.Tensor.float = torch.Tensor.double
+    try:
+        out, remainder = stickbreaking(q, k, v, mask, torch.ones(length, length).tril(-1).double())
+    finally:
+        torch.Tensor.float = original
+    return out + remainder[..., None] * v
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("rows", [None, 1, 7])
+@pytest.mark.parametrize("length", [1, 9, 60])
+def test_stick_breaking_matches_the_reference_code_in_float64(length, rows, window, monkeypatch):
+    """Outputs and gradients of q, k, v equal sb_ref's to 1e-10, in one block, single rows and blocks of 7."""
+    if rows is not None:
+        monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", BATCH * HEADS * length * rows)
+    gen = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen, dtype=torch.float64) for _ in "qkv")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    got = causal_attention(q, k, v, window=window, stick_breaking=True)
+    expected = stick_breaking_reference(q, k, v, window)
+    assert_close(got, expected, atol=1e-10, rtol=1e-10)
+    if length == 1:
+        assert_close(got, v)  # no key before the only query: all its weight on its own value
+        return
+    weight = torch.randn(got.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    got_grads = torch.autograd.grad((got * weight).sum(), [q, k, v])
+    expected_grads = torch.autograd.grad((expected * weight).sum(), [q, k, v])
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        assert_close(g, e, atol=1e-10, rtol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["kerple", "fire"])
+def test_stick_breaking_breaks_the_stick_on_the_biased_logits(kind):
+    """A pair bias (exact, not up to a row constant) enters the logits before the sticks break: the reference on
+    q widened by ones and k by the bias per (i, j) is the same as the reference on the biased logits."""
+    pe = make_bias_pe(kind)
+    q, k, v = (t.detach().double() for t in attention_inputs(30))
+    got = causal_attention(q, k, v, pe.layer(1).terms(None, q, k, sequential_positions(30)), stick_breaking=True)
+    with torch.no_grad():
+        bias = pe.pair_bias(1)(sequential_positions(30), sequential_positions(30)).double()  # (1, H, L, L)
+    logits = q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM) + bias
+    mask = torch.ones(30, 30).triu(0).bool()
+    log_beta = F.logsigmoid(-logits).masked_fill(mask, 0)
+    weights = (F.logsigmoid(logits).masked_fill(mask, -1e5) + log_beta @ torch.ones(30, 30).tril(-1).double()).exp()
+    expected = weights @ v + (1 - weights.sum(-1, keepdim=True)) * v
+    assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("pe", [ALiBi, FoX, partial(PerLayer, pes={"alibi": ALiBi, "nope": NoPE}, pattern=["nope"])])
+def test_stick_breaking_refuses_a_bias_given_up_to_a_row_constant(pe):
+    """ALiBi's key bias, FoX's, T5's band are exact for softmax, which ignores a per-row constant; stick-breaking
+    does not: the model refuses to build (a mix only for the layers that take such a PE)."""
+    settings = AttentionSettings(normalizer="stick_breaking")
+    if isinstance(pe, partial):
+        tiny(pe, settings)  # the layers take NoPE only
+        return
+    with pytest.raises(ConfigError, match="attention.normalizer=stick_breaking is invalid with this PE"):
+        tiny(pe, settings)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [AttentionSettings(normalizer="stick_breaking"), AttentionSettings(scale="ssmax"), AttentionSettings(window=4)],
+    ids=["stick_breaking", "ssmax", "window"],
+)
+def test_attention_settings_keep_the_decoder_causal_at_32x(settings):
+    """Changing token t + 1 leaves the outputs of tokens 0..t unchanged, at 32 x L_train (16)."""
+    model = tiny(RoPE, settings, layers=2).eval()
+    tokens = torch.randint(0, 64, (1, 512), generator=torch.Generator().manual_seed(0))
+    changed = tokens.clone()
+    changed[0, 300] = (changed[0, 300] + 1) % 64
+    with torch.no_grad():
+        before, after = model(tokens), model(changed)
+    assert_close(before[:, :300], after[:, :300], atol=0, rtol=0)
+    assert not torch.allclose(before[:, 300:], after[:, 300:])

@@ -37,6 +37,13 @@ class SelfAttention(nn.Module):
         self.pe = pe  # this layer's PE: its own parameters (FoX's gate) are the layer's
         self.window = pe.window if pe.window is not None else attention.window
         self.length_scale = LengthScale(attention, n_heads, train_len)
+        self.stick_breaking = attention.normalizer == "stick_breaking"
+        if self.stick_breaking and pe.up_to_row_constant:
+            raise ConfigError(
+                "attention.normalizer=stick_breaking is invalid with this PE: its score bias is given up to a "
+                "per-row constant (a key or band bias: ALiBi, T5, Shaw, FoX), which softmax ignores and "
+                "stick-breaking does not; use a PE without such a bias (nope, rope, kerple, fire, cope, ...)"
+            )
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
@@ -44,7 +51,7 @@ class SelfAttention(nn.Module):
         q, k = self.pe.rotate(q, k, positions)
         terms = self.pe.terms(x, q, k, positions)
         row_scale = self.length_scale(length, self.window)  # (1, H, L, 1) or None
-        y = causal_attention(q, k, v, terms, self.window, row_scale)  # (B, H, L, dh)
+        y = causal_attention(q, k, v, terms, self.window, row_scale, self.stick_breaking)  # (B, H, L, dh)
         return self.dropout(self.out(y.transpose(1, 2).reshape(batch, length, width)))
 
 

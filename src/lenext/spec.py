@@ -89,7 +89,8 @@ class RunSpec:
 def first_stage_row(pe_name: str, scheme: str, attention: dict | None = None) -> str:
     """The row of a run trained from scratch: its PE's config name, ``_<scheme>`` when trained at drawn
     positions (``rope_randomized``, however its config is named), then its attention settings other than the
-    defaults: ``+ssmax`` or ``+logn`` (attention.scale), ``+window<W>`` (attention.window)."""
+    defaults: ``+ssmax`` or ``+logn`` (attention.scale), ``+window<W>`` (attention.window), ``+stick_breaking``
+    (attention.normalizer)."""
     for known in SCHEMES:
         pe_name = pe_name.removesuffix(f"_{known}")
     row = pe_name if scheme == "sequential" else f"{pe_name}_{scheme}"
@@ -98,6 +99,8 @@ def first_stage_row(pe_name: str, scheme: str, attention: dict | None = None) ->
         row += f"+{attention['scale']}"
     if attention.get("window") is not None:
         row += f"+window{attention['window']}"
+    if attention.get("normalizer", "softmax") != "softmax":
+        row += f"+{attention['normalizer']}"
     return row
 
 

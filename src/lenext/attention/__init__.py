@@ -27,7 +27,7 @@ from torch import nn
 
 from lenext.attention.band import BandedAttention, band_mask, cpu_flash
 from lenext.attention.flex import causal_block_mask, compiled_flex_attention, flex_attention
-from lenext.pe.base import NO_TERMS, Bias, Logits, ScoreTerms, ValueTerm
+from lenext.pe.base import NO_TERMS, Bias, Logits, LogitTerm, ScoreTerms, ValueTerm
 from lenext.schema import PositiveInt
 
 # Float elements of mask per query block on the explicit path. 16 MiB in fp32 keeps each block's
@@ -46,10 +46,15 @@ class AttentionSettings:
     - ``scale``: each query row's logits, biases included, multiplied by a function of n, the number of keys it
       attends: ``none``; ``ssmax``, s_h log n with s_h learned per head and layer (Scalable-Softmax, Nakanishi
       2025), starting at 1 / log L_train; ``logn``, log n / log L_train, fixed (log-length scaling).
+    - ``normalizer``: how the logits become attention weights: ``softmax``, or ``stick_breaking`` (Tan et al.
+      2025): A_ij = sigmoid(z_ij) prod_{j < t < i} (1 - sigmoid(z_it)), a query not attending to itself, the
+      weight left over (1 - sum_j A_ij) on its own value, as shawntan/stickbreaking-attention's ``sb_ref`` and
+      its tests.
     """
 
     window: PositiveInt | None = None
     scale: Literal["none", "ssmax", "logn"] = "none"
+    normalizer: Literal["softmax", "stick_breaking"] = "softmax"
 
 
 class LengthScale(nn.Module):
@@ -100,18 +105,25 @@ def _sdpa_keep_mask(q, k, v, **kwargs) -> torch.Tensor:
 
 
 def causal_attention(
-    q, k, v, terms: ScoreTerms = NO_TERMS, window: int | None = None, row_scale: torch.Tensor | None = None
+    q,
+    k,
+    v,
+    terms: ScoreTerms = NO_TERMS,
+    window: int | None = None,
+    row_scale: torch.Tensor | None = None,
+    stick_breaking: bool = False,
 ) -> torch.Tensor:
     """Causal attention with a layer's score terms, on the cheapest path that is exact.
 
     q, k, v: (B, H, L, d_head) -> (B, H, L, d_head). ``window``: each query sees its last ``window`` keys
     (itself included) only; ``row_scale`` (B or 1, H, L, 1): each query row's logits, biases included,
-    multiplied by it (SSMax).
+    multiplied by it (SSMax); ``stick_breaking``: the weights by stick-breaking instead of softmax
+    (``AttentionSettings``).
     """
     biases, value_term, logits = terms.biases, terms.value, terms.logits
     if row_scale is not None:
         q = q * row_scale.to(q.dtype)  # exact for q.k; each bias path below scales its bias too, or is not taken
-    fused = value_term is None and logits is None and window is None
+    fused = value_term is None and logits is None and window is None and not terms.logit_terms and not stick_breaking
     if fused and not biases:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if fused and row_scale is None and q.is_cuda and flex_attention is not None and all(b.flex for b in biases):
@@ -129,7 +141,7 @@ def causal_attention(
         with torch.autocast(q.device.type, enabled=False):  # the band products stay fp32 under bf16
             return BandedAttention.apply(q, k, v, band if row_scale is None else band * row_scale)
     bias = explicit_bias(biases, q, window, row_scale)
-    return _blocked_attention(q, k, v, bias, value_term, logits, row_scale, window)
+    return _blocked_attention(q, k, v, bias, value_term, logits, row_scale, window, terms.logit_terms, stick_breaking)
 
 
 def summed_score_mods(score_mods: list) -> Callable:
@@ -224,9 +236,12 @@ def _blocked_attention(
     logits: Logits | None = None,
     row_scale: torch.Tensor | None = None,
     window: int | None = None,
+    logit_terms: tuple[LogitTerm, ...] = (),
+    stick_breaking: bool = False,
 ) -> torch.Tensor:
     """Explicit scores, one block of query rows at a time against the keys it sees (``logits``: the PE's own
-    scores instead of q k^T / sqrt(d_head), multiplied here by ``row_scale``, which q already carries).
+    scores instead of q k^T / sqrt(d_head), multiplied here by ``row_scale``, which q already carries; each of
+    ``logit_terms`` added to the masked logits, from them).
 
     A mask that needs no gradient (evaluation) goes to SDPA's fused CPU kernel, which takes it in fp32 with bf16
     q, k, v. One that does (training KERPLE, FIRE) would send SDPA to its math path, which rescales q and k and
@@ -243,7 +258,8 @@ def _blocked_attention(
         first = 0 if window is None else max(0, start - window + 1)
         q_block, k_seen, v_seen = q[:, :, start:end], k[:, :, first:end], v[:, :, first:end]
         mask = bias(start, end, first)
-        if value_term is None and logits is None and not mask.requires_grad and q.device.type == "cpu":
+        plain = value_term is None and logits is None and not logit_terms and not stick_breaking
+        if plain and not mask.requires_grad and q.device.type == "cpu":
             out[:, :, start:end] = _sdpa_keep_mask(q_block, k_seen, v_seen, attn_mask=mask)
             continue
         if logits is None:
@@ -252,9 +268,32 @@ def _blocked_attention(
             scores = logits(start, end)[..., first:]
             if row_scale is not None:
                 scores = scores * row_scale[..., start:end, :]
-        probs = scores.add_(mask).softmax(-1).to(v.dtype)  # (B, H, rows, end - first)
-        block = probs @ v_seen
+        scores = scores.add_(mask)
+        for term in logit_terms:
+            scores = scores + term(scores, start, end, first)
+        if stick_breaking:
+            weights = stick_breaking_weights(scores, start, first)  # (B, H, rows, end - first)
+            left = (1 - weights.sum(-1, keepdim=True)).to(v.dtype)  # the weight left over: on the query's own value
+            probs = weights.to(v.dtype)
+            block = probs @ v_seen + left * v[:, :, start:end]
+        else:
+            probs = scores.softmax(-1).to(v.dtype)  # (B, H, rows, end - first)
+            block = probs @ v_seen
         if value_term is not None:
             block = block + value_term(F.pad(probs, (first, 0)), start, end)  # over keys [0, end)
         out[:, :, start:end] = block
     return out
+
+
+def stick_breaking_weights(logits: torch.Tensor, start: int, first: int) -> torch.Tensor:
+    """Stick-breaking attention weights (Tan et al. 2025) of query rows start.. against keys first.., from their
+    masked logits z (B, H, rows, keys; -inf on keys a row does not see): A_ij = sigmoid(z_ij) prod_{j < t < i}
+    (1 - sigmoid(z_it)), nearest key first, the query itself not attended; in log space, as ``sb_ref``."""
+    rows, keys = logits.shape[-2:]
+    diagonal = torch.arange(start, start + rows, device=logits.device)[:, None] == torch.arange(
+        first, first + keys, device=logits.device
+    )
+    logits = logits.masked_fill(diagonal, float("-inf"))
+    log_beta = F.logsigmoid(-logits)  # log(1 - sigmoid(z)): 0 on keys not seen
+    later = log_beta.flip(-1).cumsum(-1).flip(-1) - log_beta  # sum over the keys t > j the row sees
+    return (F.logsigmoid(logits) + later).exp()

@@ -43,6 +43,7 @@ PairBias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ValueTerm = Callable[[torch.Tensor, int, int], torch.Tensor]
 Logits = Callable[[int, int], torch.Tensor]
 KeyBias = Callable[[int, int], torch.Tensor]
+LogitTerm = Callable[[torch.Tensor, int, int, int], torch.Tensor]
 ScoreMod = Callable
 
 
@@ -67,11 +68,18 @@ class Bias:
 
 @dataclass(frozen=True)
 class ScoreTerms:
-    """What a layer's PE adds to its attention scores: biases (summed), a value term, its own logits."""
+    """What a layer's PE adds to its attention scores: biases (summed), a value term, its own logits, and terms of
+    the logits themselves.
+
+    A logit term ``(logits, start, end, first) -> (B, H, end - start, end - first)`` is added to the logits of query
+    rows [start, end) against keys [first, end), computed from them as the softmax would see them (every bias
+    and mask in, -inf on keys a row does not see): CoPE's contextual positions.
+    """
 
     biases: tuple[Bias, ...] = ()
     value: ValueTerm | None = None
     logits: Logits | None = None
+    logit_terms: tuple[LogitTerm, ...] = ()
 
     def __add__(self, other: "ScoreTerms") -> "ScoreTerms":
         """Both PEs' terms: biases summed, value terms added; one PE at most computes the logits."""
@@ -84,7 +92,8 @@ class ScoreTerms:
             def value(probs, start, end):
                 return first(probs, start, end) + second(probs, start, end)
 
-        return ScoreTerms(self.biases + other.biases, value, self.logits or other.logits)
+        logit_terms = self.logit_terms + other.logit_terms
+        return ScoreTerms(self.biases + other.biases, value, self.logits or other.logits, logit_terms)
 
 
 NO_TERMS = ScoreTerms()
@@ -220,6 +229,9 @@ class LayerPE(nn.Module):
     """A PE inside one attention layer: what the attention asks of it. Alone, no positional term."""
 
     window: int | None = None  # this layer's attention window, when its PE sets one (a per-layer mix)
+    # Whether some bias of it is given only up to a per-row constant (key and band forms): exact for softmax,
+    # which ignores the constant, not for stick-breaking.
+    up_to_row_constant: bool = False
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k: (B, H, L, d_head) -> transformed q, k."""
@@ -238,16 +250,17 @@ class SharedLayer(LayerPE):
     def __init__(self, pe: PositionalEncoding, index: int):
         super().__init__()
         self.pe, self.index = [pe], index  # in a list: the decoder owns the PE's parameters, blocks only use it
+        overridden = {form for form in ("key_bias", "band_bias") if self._has(form)}
+        self.up_to_row_constant = bool(overridden) and pe.pair_bias(index) is None
+
+    def _has(self, form: str) -> bool:
+        return getattr(type(self.pe[0]), form) is not getattr(PositionalEncoding, form)
 
     def rotate(self, q, k, positions):
         return self.pe[0].rotate(q, k, positions)
 
     def terms(self, x, q, k, positions) -> ScoreTerms:
-        pe, layer = self.pe[0], self.index
-
-        def has(form: str) -> bool:
-            return getattr(type(pe), form) is not getattr(PositionalEncoding, form)
-
+        pe, layer, has = self.pe[0], self.index, self._has
         pair = pe.pair_bias(layer)
         bias = Bias(
             key=(lambda first, end: pe.key_bias(positions[:, first:end], layer)) if has("key_bias") else None,

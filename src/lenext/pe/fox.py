@@ -26,6 +26,8 @@ class FoX(PositionalEncoding):
 class ForgetGate(LayerPE):
     """One layer's forget gates: log f (B, L, H) from the layer's input, as the key bias -F_j."""
 
+    up_to_row_constant = True  # -F_j drops the row's F_i
+
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()
         self.gate = nn.Linear(d_model, n_heads, bias=True)

@@ -87,6 +87,7 @@ class ComposedLayer(LayerPE):
     def __init__(self, layers: list[LayerPE]):
         super().__init__()
         self.parts = nn.ModuleList(layers)  # the per-layer parameters of each PE (FoX's gate) are this layer's
+        self.up_to_row_constant = any(part.up_to_row_constant for part in layers)
 
     def rotate(self, q, k, positions):
         for part in self.parts:

@@ -1,0 +1,53 @@
+"""CoPE, contextual position encoding (Golovneva et al. 2024; docs/pes/cope.md).
+
+Positions counted by the content: each key gets a gate g_ij = sigmoid(z_ij) from the logit z_ij of query i and
+key j, and key j's position for query i is p_ij = sum_{t = j..i} g_it (fractional, capped at ``npos_max - 1``).
+A learned embedding e[p] per integer position (per layer, shared by the heads) is interpolated at p_ij and
+scored against the query: z_ij += q_i . ((1 - w) e[floor p_ij] + w e[ceil p_ij]), w = p_ij - floor p_ij. As the
+paper's Appendix B code and x-transformers' ``CoPE``: q unscaled, the gates from the logits as the softmax would
+see them (future keys masked: gate 0), e starting at 0. Only the explicit query blocks compute it (the gates
+need every logit of a row), so memory is O(rows x keys) per block.
+"""
+
+from typing import Annotated
+
+import torch
+from torch import nn
+
+from lenext.pe.base import AttentionShape, LayerPE, PositionalEncoding, ScoreTerms
+from lenext.schema import Range
+
+
+class CoPE(PositionalEncoding):
+    """Contextual positions: every parameter is a layer's (``ContextualPositions``)."""
+
+    def __init__(self, shape: AttentionShape, npos_max: Annotated[int, Range(2)] | None = None):
+        super().__init__(shape)
+        self.npos_max = npos_max or shape.train_len  # null: L_train, the positions a training row can count
+
+    def layer(self, index: int) -> LayerPE:
+        return ContextualPositions(self.shape.head_dim, self.npos_max)
+
+
+class ContextualPositions(LayerPE):
+    """One layer's position embeddings e (npos_max, d_head) and its logit term."""
+
+    def __init__(self, head_dim: int, npos_max: int):
+        super().__init__()
+        self.npos_max = npos_max
+        self.embedding = nn.Parameter(torch.zeros(npos_max, head_dim))
+
+    def terms(self, x, q, k, positions) -> ScoreTerms:
+        by_position = q @ self.embedding.to(q.dtype).t()  # (B, H, L, npos_max): q_i . e[p] for integer p
+
+        def contextual(logits: torch.Tensor, start: int, end: int, first: int) -> torch.Tensor:
+            gates = logits.sigmoid()  # (B, H, rows, keys); 0 on masked keys
+            counted = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.npos_max - 1)  # p_ij = sum_{t >= j} g_it
+            below = counted.detach().floor()
+            scores = by_position[:, :, start:end].to(logits.dtype)
+            at_floor = scores.gather(-1, below.long())
+            at_ceil = scores.gather(-1, counted.detach().ceil().long())
+            weight = counted - below
+            return at_ceil * weight + at_floor * (1 - weight)
+
+        return ScoreTerms(logit_terms=(contextual,))
