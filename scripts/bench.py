@@ -70,7 +70,11 @@ SCHEMES = {  # RoPE trained at drawn positions, each drawn anew every step: "<pe
     "rope+randomized": lambda: Randomized(32 * TRAIN_LEN, TRAIN_LEN),
     "rope+pose": lambda: PoSE(32 * TRAIN_LEN, 2, TRAIN_LEN),
 }
-ATTENTION_ROWS = {"nope+ssmax": ["attention.scale=ssmax"], "rope+ssmax": ["attention.scale=ssmax"]}
+ATTENTION_ROWS = {
+    "nope+ssmax": ["attention.scale=ssmax"],
+    "rope+ssmax": ["attention.scale=ssmax"],
+    "nope+stick_breaking": ["attention.normalizer=stick_breaking"],
+}
 SAMPLING_TARGET = 0.02  # drawing positions: at most this share of a training step
 SECTIONS = ["training", "forward", "shaw", "lightning"]
 TARGETS = {  # training tokens/s vs nope
@@ -84,6 +88,8 @@ TARGETS = {  # training tokens/s vs nope
     "p_rope": 0.95,
     "fox": 0.8,
     "fox_rope": 0.8,
+    "cope": 0.4,
+    "nope+stick_breaking": 0.4,
     "nope+ssmax": 0.95,
     "rope+ssmax": 0.95,
 }
@@ -101,7 +107,8 @@ def precision_context(precision: str):
 
 
 def build_model(row: str, train_len: int = TRAIN_LEN) -> Decoder:
-    """The small model of a row: ``<pe>``, ``<pe>+<scheme>`` (its PE) or ``<pe>+ssmax`` (with that attention)."""
+    """The small model of a row: ``<pe>``, ``<pe>+<scheme>`` (its PE) or ``<pe>+ssmax`` (with that attention:
+    ``ATTENTION_ROWS``)."""
     torch.manual_seed(SEED)
     with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
         cfg = compose("train", overrides=[f"pe={row.partition('+')[0]}", *ATTENTION_ROWS.get(row, [])])
@@ -640,7 +647,8 @@ def render_training(settings, training) -> list[str]:
         "with the min-max range. MFU: model FLOPs per second (PaLM's count: 6 N per token for the weights, N "
         "without the token embedding, plus 6 x layers x d_model x L for causal attention; a PE's own work "
         f"not counted) over the GEMM peak measured in this precision ({training['gemm_peak'] / 1e9:.0f} GFLOP/s: "
-        "the best of ten 2048 x 2048 matmuls). `<pe>+ssmax`: with `attention.scale=ssmax`.",
+        "the best of ten 2048 x 2048 matmuls). `<pe>+ssmax`, `<pe>+stick_breaking`: with `attention.scale=ssmax`, "
+        "`attention.normalizer=stick_breaking`.",
         "",
         "| PE | tokens/s | ratio vs nope | range | target | meets | MFU |",
         "|---|---:|---:|---|---:|---|---:|",
