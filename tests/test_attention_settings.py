@@ -149,7 +149,8 @@ def test_per_layer_layers_take_their_pe_and_window():
     "pes, pattern, windows, message",
     [
         ({"rope": RoPE}, ["nope"], None, "pe.pattern names 'nope', which is not one of pe.pes: it must be one of rope"),
-        ({"rope": RoPE}, ["rope"], {"alibi": 4}, "pe.windows names 'alibi', which is not one of pe.pes"),
+        ({"rope": RoPE}, ["rope"], {"alibi": 4}, "pe.windows names 'alibi', which no layer takes"),
+        ({"rope": RoPE, "nope": NoPE}, ["nope"], {"rope": 4}, "pe.windows names 'rope', which no layer takes"),
         ({"rope": RoPE}, [], None, "pe.pattern=[] is invalid"),
         ({"sin": Sinusoidal}, ["sin"], None, "pe.pes.sin (Sinusoidal) adds to the token embeddings"),
     ],
@@ -272,3 +273,27 @@ def test_attention_settings_keep_the_decoder_causal_at_32x(settings):
         before, after = model(tokens), model(changed)
     assert_close(before[:, :300], after[:, :300], atol=0, rtol=0)
     assert not torch.allclose(before[:, 300:], after[:, 300:])
+
+
+@pytest.mark.parametrize("window", [1, 32, 500])
+def test_windowed_blocks_keep_to_the_mask_budget(window, monkeypatch):
+    """A block of r query rows sees r + W - 1 keys: the rows are chosen so that its mask stays within the
+    budget (O(L W) in all), not as if each row saw W keys (which put all 2048 rows in one (L, L) block)."""
+    budget_per_head = 4096
+    monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", BATCH * HEADS * budget_per_head)
+    blocks = []
+    real = attention_module.explicit_bias
+
+    def spy(*args, **kwargs):
+        bias = real(*args, **kwargs)
+
+        def block(start, end, first):
+            blocks.append((end - start) * (end - first))
+            return bias(start, end, first)
+
+        return block
+
+    monkeypatch.setattr(attention_module, "explicit_bias", spy)
+    q, k, v = (t.detach() for t in attention_inputs(2048))
+    causal_attention(q, k, v, window=window)
+    assert max(blocks) <= budget_per_head and len(blocks) > 1

@@ -217,6 +217,10 @@ def alibi_base(compose_run) -> str:
             r"^pe.base=500 is invalid for a second stage: .*pe.base=10000.0, which its weights keep; rep",
         ),
         (["init_from=nowhere.ckpt"], r"^init_from='.*nowhere.ckpt' does not exist"),
+        (
+            ["attention.scale=ssmax"],
+            r"^attention.scale='ssmax' is invalid for a second stage: .*attention.scale='none'",
+        ),
         (["ALIBI"], r"^pe.scaling=yarn is invalid for a second stage from .*: its PE .* takes no RoPE scaling"),
     ],
 )
@@ -336,3 +340,17 @@ def test_a_second_stage_resumes_without_its_base_and_a_first_stage_folder_is_not
         shutil.move(moved, base)
     with pytest.raises(ConfigError, match=r"last.ckpt belongs to a run with other settings.*init_from=None there"):
         resolve_training(compose_run("base_nope", "pe=nope", f"init_from={base}", "data.max_len=64"))
+
+
+def test_a_pe_made_of_pes_extends_its_rope_member(compose_run):
+    """A second stage of ``fox_rope`` (Compose) keeps the base's resolved members and takes the command's RoPE
+    scaling for its RoPE member (``pe.pes.rope.scaling``), named in its row; another member setting is refused."""
+    base = trained_base(compose_run, "fox_rope")
+    spec = resolve_training(
+        second_stage(compose_run, base, "fox_yarn", "pe=fox_rope", "+pe.pes.rope.scaling=yarn", "data.max_len=64")
+    )
+    rope = spec.config["pe"]["pes"]["rope"]
+    assert rope["scaling"] == "yarn" and rope["original_len"] == 32 and spec.row.endswith(" -> yarn@64")
+    refused = second_stage(compose_run, base, "fox_base", "pe=fox_rope", "+pe.pes.rope.base=500", "data.max_len=64")
+    with pytest.raises(ConfigError, match=r"^pe.pes.rope.base=500 is invalid for a second stage"):
+        resolve_training(refused)

@@ -291,6 +291,13 @@ def stage_pe(config: dict, pe_name: str, base: RunSpec, stage: Stage) -> dict:
                     f"{group}.{name}={theirs.get(name)!r}; a second stage trains the base's model on the base's "
                     f"vocabulary: repeat the base's {group} settings"
                 )
+    attention, base_attention = (flat_settings(c.get("attention") or {}, ()) for c in (config, base.config))
+    for name in sorted(set(attention) | set(base_attention)):
+        if attention.get(name) != base_attention.get(name, AttentionSettings.__dataclass_fields__[name].default):
+            raise ConfigError(
+                f"attention.{name}={attention.get(name)!r} is invalid for a second stage: {where} was trained with "
+                f"attention.{name}={base_attention.get(name)!r}; a second stage trains the base's attention"
+            )
     pe, theirs = config["pe"], base.config["pe"]
     changeable = get_object(theirs["_target_"]).STAGE_SETTINGS
     if pe["_target_"] != theirs["_target_"]:
@@ -303,19 +310,35 @@ def stage_pe(config: dict, pe_name: str, base: RunSpec, stage: Stage) -> dict:
             f"pe={pe_name} is invalid for a second stage: {where} was trained with pe={base.pe_name} "
             f"({theirs['_target_']}); a second stage trains the base's PE"
         )
+    return stage_settings(pe, theirs, "pe", where)
+
+
+def stage_settings(pe: dict, theirs: dict, key: str, where: str) -> dict:
+    """The base's resolved PE node ``theirs`` with the command's values of its ``STAGE_SETTINGS``; the member PEs of a
+    PE made of PEs (``pes``: Compose, PerLayer) merged the same way, each by its own STAGE_SETTINGS."""
+    changeable = get_object(theirs["_target_"]).STAGE_SETTINGS
     merged = dict(theirs)
     for name, value in pe.items():
-        if name in changeable:
+        if name == "pes" and isinstance(value, dict) and isinstance(theirs.get(name), dict):
+            merged[name] = dict(theirs[name])
+            for member, settings in value.items():
+                if member not in theirs[name]:
+                    raise ConfigError(
+                        f"{key}.pes.{member} is invalid for a second stage: {where} has no such PE "
+                        f"(its {key}.pes: {', '.join(theirs[name])}); a second stage trains the base's PEs"
+                    )
+                merged[name][member] = stage_settings(settings, theirs[name][member], f"{key}.pes.{member}", where)
+        elif name in changeable:
             merged[name] = value
         elif name not in schema.HYDRA_KEYS and value is not None and value != theirs.get(name):
-            may = ", ".join(f"pe.{k}" for k in changeable) or "none of them"
+            may = ", ".join(f"{key}.{k}" for k in changeable) or "none of them"
             raise ConfigError(
-                f"pe.{name}={value!r} is invalid for a second stage: {where} was trained with pe.{name}="
+                f"{key}.{name}={value!r} is invalid for a second stage: {where} was trained with {key}.{name}="
                 f"{theirs.get(name)!r}, which its weights keep; repeat that value (a second stage may change {may})"
             )
     for name in changeable:  # the command's values, its config's defaults included: said, not silent
         if name in theirs and merged.get(name) != theirs[name]:
-            log.info("second stage: pe.%s=%r (the base's: %r)", name, merged.get(name), theirs[name])
+            log.info("second stage: %s.%s=%r (the base's: %r)", key, name, merged.get(name), theirs[name])
     return merged
 
 

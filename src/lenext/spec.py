@@ -108,7 +108,9 @@ def later_stage_row(base_row: str, pe: dict, scheme: str, reach: int) -> str:
     """The row of a second stage: ``<base row> -> <method>@<length>``, the method being RoPE's scaling (``pi`` for
     linear) or ``direct`` fine-tuning, ``pose+`` in front when trained at PoSE's positions; the length, the span of
     positions it trained (L', or PoSE's target). E.g. ``rope -> yarn@256``, ``rope -> pose+pi@256``."""
-    method = METHOD_NAMES.get(pe.get("scaling", "none"), pe.get("scaling", "none"))
+    members = (pe.get("pes") or {}).values()  # a PE made of PEs: its RoPE member's scaling
+    scaling = pe.get("scaling") or next((m["scaling"] for m in members if "scaling" in m), "none")
+    method = METHOD_NAMES.get(scaling, scaling)
     if scheme == "pose":
         method = "pose" if method == "direct" else f"pose+{method}"
     elif scheme != "sequential":

@@ -27,6 +27,7 @@ from torch import nn
 
 from lenext.attention.band import BandedAttention, band_mask, cpu_flash
 from lenext.attention.flex import causal_block_mask, compiled_flex_attention, flex_attention
+from lenext.errors import ConfigError
 from lenext.pe.base import NO_TERMS, Bias, Logits, LogitTerm, ScoreTerms, ValueTerm
 from lenext.schema import PositiveInt
 
@@ -121,6 +122,11 @@ def causal_attention(
     (``AttentionSettings``).
     """
     biases, value_term, logits = terms.biases, terms.value, terms.logits
+    if stick_breaking and not all(b.pair for b in biases):  # SelfAttention refuses it at build time first
+        raise ConfigError(
+            "attention.normalizer=stick_breaking is invalid with this PE: a bias given up to a per-row constant "
+            "(without a pair form), which softmax ignores and stick-breaking does not"
+        )
     if row_scale is not None:
         q = q * row_scale.to(q.dtype)  # exact for q.k; each bias path below scales its bias too, or is not taken
     fused = value_term is None and logits is None and window is None and not terms.logit_terms and not stick_breaking
@@ -220,6 +226,8 @@ def explicit_bias(
             total = term if total is None else total + term
         if total is None:
             return torch.zeros(end - start, end - first, device=q.device).masked_fill_(hidden, float("-inf"))
+        if window is None and row_scale is None and all(band is not None for band in bands):
+            return total  # band masks hold the causal -inf already
         if row_scale is not None:  # a band's own -inf (future keys) cleared first: row 0's scale is log 1 = 0
             total = total.masked_fill(hidden, 0.0) * row_scale[..., start:end, :]
         return torch.where(hidden, float("-inf"), total)
@@ -250,8 +258,11 @@ def _blocked_attention(
     """
     batch, heads, length, head_dim = q.shape
     wide = torch.promote_types(q.dtype, torch.float32)  # the scores' dtype: fp32 (float64 for float64 q)
-    seen = length if window is None else min(length, window)
-    rows = max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * seen))  # masks of about (rows, seen)
+    budget = SCORE_BLOCK_ELEMENTS // (batch * heads)  # mask elements per head
+    if window is None or window >= length:
+        rows = max(1, budget // length)  # masks of (rows, at most L)
+    else:  # a block of r rows sees r + W - 1 keys: the largest r with r (r + W - 1) <= budget
+        rows = max(1, int((math.sqrt((window - 1) ** 2 + 4 * budget) - (window - 1)) / 2))
     out = q.new_empty(batch, heads, length, v.size(-1))  # written block by block: see SCORE_BLOCK_ELEMENTS
     for start in range(0, length, rows):  # query blocks attend to keys [first, end)
         end = min(start + rows, length)
@@ -269,8 +280,9 @@ def _blocked_attention(
             if row_scale is not None:
                 scores = scores * row_scale[..., start:end, :]
         scores = scores.add_(mask)
-        for term in logit_terms:
-            scores = scores + term(scores, start, end, first)
+        for term in logit_terms:  # under a length scale the term is scaled with the rest of the logit
+            added = term(scores, start, end, first)
+            scores = scores + (added if row_scale is None else added * row_scale[..., start:end, :])
         if stick_breaking:
             weights = stick_breaking_weights(scores, start, first)  # (B, H, rows, end - first)
             left = (1 - weights.sum(-1, keepdim=True)).to(v.dtype)  # the weight left over: on the query's own value
@@ -280,7 +292,7 @@ def _blocked_attention(
             probs = scores.softmax(-1).to(v.dtype)  # (B, H, rows, end - first)
             block = probs @ v_seen
         if value_term is not None:
-            block = block + value_term(F.pad(probs, (first, 0)), start, end)  # over keys [0, end)
+            block = block + value_term(F.pad(probs, (first, 0)) if first else probs, start, end)  # keys [0, end)
         out[:, :, start:end] = block
     return out
 

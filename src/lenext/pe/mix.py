@@ -110,12 +110,17 @@ class PerLayer(Members):
     ):
         if not pattern:
             raise ConfigError("pe.pattern=[] is invalid: it must name the PE of at least one layer")
-        for key, names in (("pattern", pattern), ("windows", list(windows or {}))):
-            unknown = [name for name in names if name not in pes]
-            if unknown:
-                raise ConfigError(
-                    f"pe.{key} names {unknown[0]!r}, which is not one of pe.pes: it must be one of {', '.join(pes)}"
-                )
+        unknown = [name for name in pattern if name not in pes]
+        if unknown:
+            raise ConfigError(
+                f"pe.pattern names {unknown[0]!r}, which is not one of pe.pes: it must be one of {', '.join(pes)}"
+            )
+        unused = [name for name in windows or {} if name not in pattern]
+        if unused:
+            raise ConfigError(
+                f"pe.windows names {unused[0]!r}, which no layer takes: it must be one of pe.pattern's "
+                f"({', '.join(dict.fromkeys(pattern))})"
+            )
         super().__init__(shape, {name: pes[name](shape) for name in dict.fromkeys(pattern)})  # those a layer takes
         self.pattern, self.windows = list(pattern), dict(windows or {})
         for name, pe in self.pes.items():

@@ -364,13 +364,19 @@ class RoPE(PositionalEncoding):
             self.scaling, self.factor, self.original_len = trained
 
     def describe(self) -> dict:
-        return {
-            "name": "RoPE",
-            "base": self.base,
-            "scaling": self.scaling,
-            "factor": self.factor,
-            "original_len": self.original_len,
-        } | ({"neighbor_window": self.window} if self.scaling == "self_extend" else {})
+        return (
+            {
+                "name": "RoPE",
+                "base": self.base,
+                "scaling": self.scaling,
+                "factor": self.factor,
+                "original_len": self.original_len,
+            }
+            | ({"neighbor_window": self.window} if self.scaling == "self_extend" else {})
+            | (
+                {"fraction": self.fraction} if self.fraction != 1 else {}  # p-RoPE
+            )
+        )
 
 
 def _rotate(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
