@@ -767,7 +767,7 @@ def render_lightning(info, settings, lightning) -> list[str]:
     return lines
 
 
-SECTIONS = {  # heading -> the name docs/performance.md includes the section's body by (pymdownx.snippets)
+SECTION_MARKERS = {  # heading -> the name docs/performance.md includes the section's body by (pymdownx.snippets)
     "# lenext benchmark": "machine",
     "## Training throughput": "training",
     "## Forward pass": "forward",
@@ -781,7 +781,7 @@ def with_section_markers(text: str) -> str:
     page includes a section by name, whatever the number of rows before it."""
     out, open_name = [], None
     for line in text.rstrip("\n").split("\n"):
-        name = next((n for heading, n in SECTIONS.items() if line.startswith(heading)), None)
+        name = next((n for heading, n in SECTION_MARKERS.items() if line.startswith(heading)), None)
         if name or (line.startswith("#") and open_name):
             if open_name:
                 out += [f"<!-- --8<-- [end:{open_name}] -->", ""]

@@ -68,3 +68,8 @@ def test_the_shaw_section_runs_and_agrees_with_the_naive_formula(bench):
     """The section ``make bench`` runs (its call into causal_attention once fell behind the interface)."""
     result = bench.bench_shaw("fp32", length=48, reps=1, log=lambda line: None, heads=2, head_dim=8, clip=4)
     assert result["max_out_err"] < 1e-5 and result["max_grad_err"] < 1e-4, result
+
+
+def test_a_run_without_sections_asked_measures_every_section(bench):
+    """`make bench` passes no --sections: the default must be every section the report has markers for."""
+    assert bench.SECTIONS == [name for name in bench.SECTION_MARKERS.values() if name != "machine"]
