@@ -136,8 +136,16 @@ def train_step(net, optimizer, tokens, targets, precision, positions=None):
     return loss.item()
 
 
-def training_rows() -> list[str]:
-    return PE_NAMES + list(ATTENTION_ROWS) + list(SCHEMES)
+def training_rows(wanted: list[str] | None = None) -> list[str]:
+    """Every training row, or those ``wanted`` (``--rows``) and nope, which every ratio is taken against."""
+    rows = PE_NAMES + list(ATTENTION_ROWS) + list(SCHEMES)
+    return rows if wanted is None else [row for row in rows if row in wanted or row == "nope"]
+
+
+def forward_rows(wanted: list[str] | None = None) -> list[str]:
+    """Every forward row (a drawn-positions scheme changes nothing at evaluation), or those ``wanted``."""
+    rows = PE_NAMES + list(ATTENTION_ROWS)
+    return rows if wanted is None else [row for row in rows if row in wanted]
 
 
 def training_flops_per_token(net: Decoder, length: int) -> float:
@@ -163,9 +171,9 @@ def gemm_peak(precision: str, size: int = 2048, reps: int = 10) -> float:
     return 2 * size**3 / best
 
 
-def bench_training(precision, length, batch, warmup, steps, reps, log):
+def bench_training(precision, length, batch, warmup, steps, reps, log, rows):
     tokens, targets = random_batch(batch, length)
-    setups, rows = {}, training_rows()
+    setups = {}
     for name in rows:
         net = build_model(name).train()
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
@@ -191,7 +199,7 @@ def bench_training(precision, length, batch, warmup, steps, reps, log):
             run(name, steps)
             rates[name].append(steps * batch * length / (time.perf_counter() - start))
         log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{n} {rates[n][-1]:.0f}" for n in rows))
-    results = {"sampling_ms": sampling_ms(batch, length), "gemm_peak": gemm_peak(precision)}
+    results = {"rows": rows, "sampling_ms": sampling_ms(batch, length), "gemm_peak": gemm_peak(precision)}
     for name in rows:
         # Ratio: median over repetitions of (this PE / nope in the same repetition), i.e. paired.
         paired = [r / n for r, n in zip(rates[name], rates["nope"], strict=True)]
@@ -289,11 +297,11 @@ def run_forward_subprocess(name, length, precision, repeats, timeout):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def bench_forward(precision, lengths, timeout, log):
+def bench_forward(precision, lengths, timeout, log, rows):
     results = {}
     for length in lengths:
         repeats = 3 if length <= 2048 else 1
-        for name in PE_NAMES:
+        for name in rows:
             start = time.perf_counter()
             result = run_forward_subprocess(name, length, precision, repeats, timeout)
             results[(name, length)] = result
@@ -301,7 +309,7 @@ def bench_forward(precision, lengths, timeout, log):
                 detail = f"{result['ms']:9.1f} ms  {result['extra_mb']:8.1f} MB extra"
             else:
                 detail = f"{result['status']}: {result['reason'][:80]}"
-            log(f"  forward {name:<10} L={length:<6} {detail}   ({time.perf_counter() - start:.1f} s wall)")
+            log(f"  forward {name:<19} L={length:<6} {detail}   ({time.perf_counter() - start:.1f} s wall)")
     return results
 
 
@@ -653,7 +661,7 @@ def render_training(settings, training) -> list[str]:
         "| PE | tokens/s | ratio vs nope | range | target | meets | MFU |",
         "|---|---:|---:|---|---:|---|---:|",
     ]
-    for name in training_rows():
+    for name in training["rows"]:
         row = training[name]
         target = TARGETS.get(name)
         meets = "" if target is None else ("yes" if row["ratio"] >= target else "**no**")
@@ -662,6 +670,8 @@ def render_training(settings, training) -> list[str]:
             f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f} | "
             f"{'' if target is None else f'>= {target}'} | {meets} | {row['mfu']:.2f} |"
         )
+    if "rope" not in training:
+        return lines
     rope_step_ms = settings["train_batch"] * settings["train_length"] / training["rope"]["tokens_per_s"] * 1e3
     lines += [
         "",
@@ -678,6 +688,7 @@ def render_training(settings, training) -> list[str]:
 
 
 def render_forward(forward, lengths) -> list[str]:
+    rows = list(dict.fromkeys(name for name, _ in forward))
     lines = [
         "## Forward pass (whole model, eval, no_grad, batch 1)",
         "",
@@ -689,7 +700,7 @@ def render_forward(forward, lengths) -> list[str]:
         "| PE | " + " | ".join(f"L={length}" for length in lengths) + " |",
         "|---|" + "---:|" * len(lengths),
     ]
-    for name in PE_NAMES:
+    for name in rows:
         cells = []
         for length in lengths:
             result = forward[(name, length)]
@@ -824,8 +835,17 @@ def main(argv=None) -> None:
         default=SECTIONS,
         help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
     )
+    parser.add_argument(
+        "--rows",
+        type=lambda s: s.split(","),
+        help="comma-separated rows of the training and forward sections, e.g. cope,fox,nope+ssmax (default: all; "
+        "training always runs nope, its baseline)",
+    )
     parser.add_argument("--_forward-worker", dest="forward_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.rows or []) - set(training_rows()) - set(forward_rows()))
+    if unknown:
+        parser.error(f"--rows: {', '.join(unknown)} not a row; rows are {', '.join(training_rows())}")
     keeps_freed_memory = keep_freed_memory()  # as train.py and eval.py run
 
     if args.forward_worker:
@@ -899,8 +919,17 @@ def main(argv=None) -> None:
         settings["steps"],
         settings["reps"],
         log,
+        training_rows(args.rows),
     )
-    forward = measured("forward", bench_forward, args.precision, settings["lengths"], timeout=900, log=log)
+    forward = measured(
+        "forward",
+        bench_forward,
+        args.precision,
+        settings["lengths"],
+        timeout=900,
+        log=log,
+        rows=forward_rows(args.rows),
+    )
     shaw = measured("shaw", bench_shaw, args.precision, 2048, settings["shaw_reps"], log)
     lightning = measured(
         "lightning",

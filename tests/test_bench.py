@@ -73,3 +73,12 @@ def test_the_shaw_section_runs_and_agrees_with_the_naive_formula(bench):
 def test_a_run_without_sections_asked_measures_every_section(bench):
     """`make bench` passes no --sections: the default must be every section the report has markers for."""
     assert bench.SECTIONS == [name for name in bench.SECTION_MARKERS.values() if name != "machine"]
+
+
+def test_rows_asked_keep_nope_for_the_training_ratios_and_an_unknown_row_is_refused(bench, capsys):
+    assert bench.training_rows(["nope+ssmax", "cope"]) == ["cope", "nope", "nope+ssmax"]
+    assert bench.forward_rows(["nope+ssmax", "cope"]) == ["cope", "nope+ssmax"]
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--rows", "cope,copy"])
+    assert exit_info.value.code == 2
+    assert "--rows: copy not a row; rows are " in capsys.readouterr().err

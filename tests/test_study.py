@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
             "reference",
             128,
             64,
-            "nope,sinusoidal,learned,shaw,t5,rope,alibi,kerple,fire,xpos,rope_randomized,nope_randomized",
+            "nope,sinusoidal,learned,shaw,t5,rope,alibi,kerple,fire,xpos,rope_randomized,nope_randomized,"
+            "p_rope,fox,fox_rope,cope,rope_nope,rnope_swa",
         ),
         ("paper", 256, 512, "nope,sinusoidal,learned,shaw,t5,rope,alibi"),
     ],
