@@ -6,7 +6,7 @@ import os
 import pandas as pd
 import pytest
 
-from lenext.report import TableKey, collect, find_runs, main, report, summarize
+from lenext.report import TableKey, collect, family, find_runs, main, report, summarize
 
 HARDWARE = {"cpu": "AMD EPYC", "isa": "AVX512_BF16", "cores": 2, "gpu": None, "training_precision": "bf16-mixed"}
 
@@ -336,3 +336,22 @@ def test_a_probe_run_that_did_not_learn_its_task_at_l_train_is_kept_out_of_the_m
     assert "| nope | 10.0 | not learned |" in markdown
     assert "Not learned at L_train (exact match below 90% at 32;" in markdown
     assert "rope (seed 2: 40.0%); nope (seed 0: 10.0%)" in markdown
+
+
+@pytest.mark.parametrize(
+    "pe_class, identity, panel",
+    [
+        ("NoPE", {}, "no PE or absolute"),
+        ("NoPE", {"attention.scale": "ssmax"}, "2024-26: content, mixes, attention"),
+        ("RoPE", {"attention.window": 16, "attention.scale": "none"}, "2024-26: content, mixes, attention"),
+        ("NoPE", {"attention.normalizer": "stick_breaking"}, "2024-26: content, mixes, attention"),
+        ("FoX", {}, "2024-26: content, mixes, attention"),
+        ("PerLayer", {"attention.window": None}, "2024-26: content, mixes, attention"),
+        ("RoPE", {"attention.window": None, "attention.scale": "none"}, "rotary"),
+        ("ALiBi", {}, "additive bias"),
+    ],
+)
+def test_a_run_is_drawn_in_its_pes_panel_and_with_an_attention_setting_among_the_2024_26_methods(
+    pe_class, identity, panel
+):
+    assert family({"pe": {"name": pe_class}, "identity": identity}) == panel

@@ -60,12 +60,17 @@ ACCURACIES = ("exact_match", "token_accuracy")  # the metrics of a probe's rows
 LEARNED_AT = 0.9  # a probe run below this exact match at its own training length did not learn its task there
 NOT_LEARNED = "not learned"
 
-# The figures' panels: PEs by how they act (meta.pe.name, the PE class), every other PE an additive bias.
-FAMILIES = {name: "no PE or absolute" for name in ("NoPE", "Sinusoidal", "Learned")} | {
-    name: "rotary" for name in ("RoPE", "xPos")
-}
+# The figures' panels: PEs by how they act (meta.pe.name, the PE class), every other PE an additive bias; a run
+# with an attention setting (SSMax, a window, stick-breaking) goes with the 2024-26 methods whatever its PE.
+FRONTIER_FAMILY = "2024-26: content, mixes, attention"
+FAMILIES = (
+    {name: "no PE or absolute" for name in ("NoPE", "Sinusoidal", "Learned")}
+    | {name: "rotary" for name in ("RoPE", "xPos")}
+    | {name: FRONTIER_FAMILY for name in ("FoX", "CoPE", "Compose", "PerLayer")}
+)
 OTHER_FAMILY = "additive bias"
-FAMILY_ORDER = ("no PE or absolute", OTHER_FAMILY, "rotary")
+FAMILY_ORDER = ("no PE or absolute", OTHER_FAMILY, "rotary", FRONTIER_FAMILY)
+DEFAULT_ATTENTION = {"attention.window": None, "attention.scale": "none", "attention.normalizer": "softmax"}
 # A PE's rows share its colour; its variants (scalings, second stages) differ by line style.
 LINE_STYLES = ("-", "--", ":", "-.", (0, (1, 3)), (0, (6, 2, 1, 2, 1, 2)), (0, (9, 3)), (0, (3, 1, 1, 1, 1, 1)))
 MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
@@ -209,12 +214,20 @@ def collect(runs: list[tuple[str, dict]]) -> pd.DataFrame:
                         "status": row["status"],
                         "peak_mem_mb": row.get("peak_mem_mb"),
                         "train_tokens_per_s": meta.get("train_tokens_per_s"),
-                        "family": FAMILIES.get(meta["pe"]["name"], OTHER_FAMILY),
+                        "family": family(meta),
                         "counted": counted,
                         "accuracy_as_trained": accuracy,
                     }
                 )
     return pd.DataFrame.from_records(records)
+
+
+def family(meta: dict) -> str:
+    """The figure panel of a run: its PE's family, or the 2024-26 methods' with an attention setting."""
+    identity = meta.get("identity", {})
+    if any(identity.get(key, default) != default for key, default in DEFAULT_ATTENTION.items()):
+        return FRONTIER_FAMILY
+    return FAMILIES.get(meta["pe"]["name"], OTHER_FAMILY)
 
 
 def machines(runs: list[tuple[str, dict]]) -> dict[str, int]:

@@ -141,7 +141,8 @@ def causal_attention(
         key = sum(b.key(0, q.size(-2)) for b in biases)  # (B or 1, H, 1, L)
         if key.requires_grad and torch.is_grad_enabled():
             return key_bias_channels_attention(q, k, v, key)
-        return _sdpa_keep_mask(q, k, v, attn_mask=key, is_causal=True)  # O(L) memory at any length
+        # O(L) memory at any length; a strided mask (FoX's, a view of (B, L, H) gates) sends SDPA to (H, L, L) scores
+        return _sdpa_keep_mask(q, k, v, attn_mask=key.contiguous(), is_causal=True)
     if fused and len(biases) == 1 and biases[0].band and q.device.type == "cpu" and cpu_flash():
         band = biases[0].band()  # (B or 1, H, L, W)
         with torch.autocast(q.device.type, enabled=False):  # the band products stay fp32 under bf16

@@ -1,0 +1,66 @@
+"""The 2024-26 methods evaluate long inputs without scores of every (query, key) pair, on every path they take
+(docs/attention.md): the peak extra memory of a whole model's forward stays a fraction of one (H, L, L) tensor.
+
+The fused paths are checked at 16k tokens. The explicit query blocks (CoPE, stick-breaking, a key bias under
+SSMax) hold a fixed number of score elements per block (about 30 MB in all for CoPE here), whatever L: at 4096
+tokens here and at 16k among the slow
+tests (a minute each on 2 cores), with small blocks so that the bound is tight."""
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+import lenext.attention as attention_module
+from lenext.attention import AttentionSettings
+from lenext.cli import CONFIG_PACKAGE
+from lenext.evaluate import PeakMemory
+from lenext.model import Decoder
+from lenext.run import instantiate
+
+HEADS, TRAIN_LEN = 2, 64
+FUSED = [
+    ["pe=fox"],
+    ["pe=fox_rope"],
+    ["pe=p_rope"],
+    ["pe=rope_nope"],
+    ["pe=rnope_swa"],
+    ["pe=nope", "attention.scale=ssmax"],
+]
+EXPLICIT = [["pe=cope"], ["pe=nope", "attention.normalizer=stick_breaking"], ["pe=fox", "attention.scale=ssmax"]]
+
+
+def peak_mb(overrides: list[str], length: int) -> float:
+    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, f"data.max_len={TRAIN_LEN}"])
+    torch.manual_seed(0)
+    net = Decoder(
+        vocab_size=64,
+        train_len=TRAIN_LEN,
+        pe=instantiate(cfg.pe, "pe"),
+        attention=AttentionSettings(**cfg.attention),
+        d_model=16,
+        n_layers=3,
+        n_heads=HEADS,
+    ).eval()
+    tokens = torch.randint(0, 64, (1, length + 1))
+    with torch.no_grad(), PeakMemory(torch.device("cpu")) as memory:
+        assert net.token_nll(tokens[:, :-1], tokens[:, 1:]).isfinite().all()
+    return memory.peak_mb
+
+
+def pair_scores_mb(length: int) -> float:
+    return HEADS * length**2 * 4 / 2**20  # one (H, L, L) fp32 tensor
+
+
+@pytest.mark.parametrize("overrides", FUSED, ids=" ".join)
+def test_a_16k_forward_on_a_fused_path_holds_no_scores_of_every_pair(overrides):
+    peak = peak_mb(overrides, 16384)
+    assert peak < pair_scores_mb(16384) / 8, f"{peak:.0f} MB"
+
+
+@pytest.mark.parametrize("length", [4096, pytest.param(16384, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("overrides", EXPLICIT, ids=" ".join)
+def test_a_long_forward_in_explicit_query_blocks_holds_one_block_of_scores(overrides, length, monkeypatch):
+    monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", 2**18)  # 1 MB of fp32 scores per block
+    peak = peak_mb(overrides, length)
+    assert peak < pair_scores_mb(length) / 2, f"{peak:.0f} MB"
