@@ -24,6 +24,7 @@ Usage:
     .venv/bin/python scripts/bench.py --precision bf16  # writes benchmarks/bench-bf16.md
     .venv/bin/python scripts/bench.py --quick           # smoke test, ~1-2 min
     .venv/bin/python scripts/bench.py --sections lightning --out benchmarks/bench-lightning.md  # section 4 (~1.5 min)
+    .venv/bin/python scripts/bench.py --sections training,forward --rows cope,fox,nope+ssmax  # some rows only
 """
 
 import argparse

@@ -62,7 +62,7 @@ NOT_LEARNED = "not learned"
 
 # The figures' panels: PEs by how they act (meta.pe.name, the PE class), every other PE an additive bias; a run
 # with an attention setting (SSMax, a window, stick-breaking) goes with the 2024-26 methods whatever its PE.
-FRONTIER_FAMILY = "2024-26: content, mixes, attention"
+FRONTIER_FAMILY = "2024-26 methods"
 FAMILIES = (
     {name: "no PE or absolute" for name in ("NoPE", "Sinusoidal", "Learned")}
     | {name: "rotary" for name in ("RoPE", "xPos")}
