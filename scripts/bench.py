@@ -671,7 +671,7 @@ def render_training(settings, training) -> list[str]:
             f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f} | "
             f"{'' if target is None else f'>= {target}'} | {meets} | {row['mfu']:.2f} |"
         )
-    if "rope" not in training:
+    if "rope" not in training or not set(SCHEMES) & set(training["rows"]):  # no drawn-positions row measured
         return lines
     rope_step_ms = settings["train_batch"] * settings["train_length"] / training["rope"]["tokens_per_s"] * 1e3
     lines += [

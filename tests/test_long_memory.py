@@ -3,8 +3,8 @@
 
 The fused paths are checked at 16k tokens. The explicit query blocks (CoPE, stick-breaking, a key bias under
 SSMax) hold a fixed number of score elements per block (about 30 MB in all for CoPE here), whatever L: at 4096
-tokens here and at 16k among the slow
-tests (a minute each on 2 cores), with small blocks so that the bound is tight."""
+tokens here and at 16k among the slow tests (up to two minutes each on 2 cores), with small blocks so that the
+bound is tight."""
 
 import pytest
 import torch

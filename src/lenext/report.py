@@ -23,6 +23,7 @@ of the positions' losses weighted by their token counts, then mean and std over 
 """
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -35,6 +36,7 @@ from typing import NamedTuple
 
 import pandas as pd
 
+from lenext.attention import AttentionSettings
 from lenext.evaluate import ACCURACY, ERROR_FILE, POSITIONS_FILE, RESULTS_FILE, not_lenext_results
 from lenext.files import atomic_path, write_atomic
 from lenext.pe.rope import SAME_AS, redundant_variants
@@ -70,7 +72,6 @@ FAMILIES = (
 )
 OTHER_FAMILY = "additive bias"
 FAMILY_ORDER = ("no PE or absolute", OTHER_FAMILY, "rotary", FRONTIER_FAMILY)
-DEFAULT_ATTENTION = {"attention.window": None, "attention.scale": "none", "attention.normalizer": "softmax"}
 # A PE's rows share its colour; its variants (scalings, second stages) differ by line style.
 LINE_STYLES = ("-", "--", ":", "-.", (0, (1, 3)), (0, (6, 2, 1, 2, 1, 2)), (0, (9, 3)), (0, (3, 1, 1, 1, 1, 1)))
 MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
@@ -225,7 +226,8 @@ def collect(runs: list[tuple[str, dict]]) -> pd.DataFrame:
 def family(meta: dict) -> str:
     """The figure panel of a run: its PE's family, or the 2024-26 methods' with an attention setting."""
     identity = meta.get("identity", {})
-    if any(identity.get(key, default) != default for key, default in DEFAULT_ATTENTION.items()):
+    defaults = dataclasses.asdict(AttentionSettings())
+    if any(identity.get(f"attention.{key}", default) != default for key, default in defaults.items()):
         return FRONTIER_FAMILY
     return FAMILIES.get(meta["pe"]["name"], OTHER_FAMILY)
 
