@@ -2,9 +2,10 @@
 (docs/attention.md): the peak extra memory of a whole model's forward stays a fraction of one (H, L, L) tensor.
 
 The fused paths are checked at 16k tokens. The explicit query blocks (CoPE, stick-breaking, a key bias under
-SSMax) hold a fixed number of score elements per block (about 30 MB in all for CoPE here), whatever L: at 4096
+SSMax) hold a fixed number of score elements per block (about 40 MB in all for CoPE here), whatever L: at 8192
 tokens here and at 16k among the slow tests (up to two minutes each on 2 cores), with small blocks so that the
-bound is tight."""
+bound is tight. Peak memory on CPU is sampled RSS, which the allocator's history moves by tens of MB in a long
+test session: the bound at 8192 (256 MB) leaves that room; at 4096 (64 MB) it did not."""
 
 import pytest
 import torch
@@ -43,8 +44,10 @@ def peak_mb(overrides: list[str], length: int) -> float:
         n_heads=HEADS,
     ).eval()
     tokens = torch.randint(0, 64, (1, length + 1))
-    with torch.no_grad(), PeakMemory(torch.device("cpu")) as memory:
-        assert net.token_nll(tokens[:, :-1], tokens[:, 1:]).isfinite().all()
+    with torch.no_grad():
+        net.token_nll(tokens[:, :256], tokens[:, 1:257])  # one-time costs (kernels, thread pools) are not the forward's
+        with PeakMemory(torch.device("cpu")) as memory:
+            assert net.token_nll(tokens[:, :-1], tokens[:, 1:]).isfinite().all()
     return memory.peak_mb
 
 
@@ -58,7 +61,7 @@ def test_a_16k_forward_on_a_fused_path_holds_no_scores_of_every_pair(overrides):
     assert peak < pair_scores_mb(16384) / 8, f"{peak:.0f} MB"
 
 
-@pytest.mark.parametrize("length", [4096, pytest.param(16384, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("length", [8192, pytest.param(16384, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("overrides", EXPLICIT, ids=" ".join)
 def test_a_long_forward_in_explicit_query_blocks_holds_one_block_of_scores(overrides, length, monkeypatch):
     monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", 2**18)  # 1 MB of fp32 scores per block
