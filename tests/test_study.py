@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(
     "preset,model,max_len,pes",
     [
-        ("quick", 128, 64, "nope,sinusoidal,rope,alibi,kerple,fire,xpos,rope_randomized"),
+        ("quick", 128, 64, "nope,sinusoidal,rope,alibi,kerple,fire,xpos,rope_randomized,fox"),
         (
             "reference",
             128,
