@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,cluster,ptb,docs]'
 	touch $@
 
-study: install  ## the quick comparison: nope, sinusoidal, rope and xpos (+ntk, yarn), alibi, kerple, fire, rope at randomized positions and fox, on the embedded corpus, then the table and plots (7-11 min on 2 CPUs, by machine: docs/performance.md)
+study: install  ## the quick comparison: nope, sinusoidal, rope and xpos (+ntk, yarn), alibi, kerple, fire, rope at randomized positions and fox, on the embedded corpus, then the table and plots (8-23 min on 2 CPUs, by machine: docs/performance.md)
 	$(PY) train.py experiment=quick $(ARGS)
 	$(PY) -m lenext.report logs/studies/quick
 
