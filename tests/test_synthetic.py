@@ -322,9 +322,10 @@ def test_the_probes_preset_is_a_checked_multirun_over_tasks_pes_and_seeds(compos
 @pytest.mark.slow
 def test_the_tiny_model_learns_recall_at_l_train_with_its_recipe(compose_train):
     """Recall is learnable: its recipe (probe=recall: 8 pairs, L_train 40, 4000 steps at a constant lr 3e-3) with
-    batches of 64 takes RoPE past the elimination plateau to >= 90% exact match at L_train (~2 min on 2 cores of
-    an AMX Xeon, several on an AVX2-only EPYC, hence among the slow tests; 3 seeds of 3 in the batch-64 study). The preset's batches of 32 (to fit its 30 minutes) learn it in fewer seeds
-    (docs/probes.md). The induction circuit forms late and at a seed-dependent step, so this is the slowest test."""
+    batches of 64 takes RoPE past the elimination plateau to >= 90% exact match at L_train (3 seeds of 3 in the
+    batch-64 study). The preset's batches of 32 (to fit its 30 minutes) learn it in fewer seeds (docs/probes.md).
+    The induction circuit forms late and at a seed-dependent step, so this is the slowest test (~2 min on an AMX
+    Xeon, 4 min on an AVX2-only EPYC): among the slow tests."""
     cfg = compose_train(
         "experiment=probes",  # fp32, lr 3e-3
         "probe=recall",
