@@ -31,8 +31,8 @@ extension: install  ## the context-extension study: RoPE bases + every method fi
 train: install  ## train the default config on the embedded corpus (extra Hydra overrides: ARGS="pe=alibi")
 	$(PY) train.py $(ARGS)
 
-test: install  ## the test suite CI runs (excludes tests marked slow)
-	$(PY) -m pytest -q $(ARGS)
+test: install  ## the test suite CI runs (excludes tests marked slow), one pytest worker per CPU core
+	$(PY) -m pytest -q -n auto $(ARGS)
 
 test-slow: install  ## only the tests marked slow (DDP, submitit launcher): CI runs them after `make test`
 	$(PY) -m pytest -q -m slow $(ARGS)

@@ -7,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 
 from lenext.cli import CONFIG_PACKAGE
@@ -75,6 +76,12 @@ def tiny_overrides(*extra: str) -> list[str]:
 
 def pytest_configure(config):
     os.environ.setdefault("WANDB_MODE", "offline")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in each worker by `pytest -n`
+    if workers > 1:
+        # The cores shared among the workers: more torch threads than cores makes OpenMP spin, many times slower.
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the subprocesses a test starts
+        torch.set_num_threads(threads)
 
 
 ROOT = Path(__file__).resolve().parents[1]
