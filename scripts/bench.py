@@ -90,6 +90,7 @@ TARGETS = {  # training tokens/s vs nope
     "fox": 0.8,
     "fox_rope": 0.8,
     "cope": 0.4,
+    "dape": 0.4,
     "nope+stick_breaking": 0.4,
     "nope+ssmax": 0.95,
     "rope+ssmax": 0.95,

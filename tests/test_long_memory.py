@@ -2,7 +2,7 @@
 (docs/attention.md): the peak extra memory of a whole model's forward stays a fraction of one (H, L, L) tensor.
 
 The fused paths are checked at 16k tokens. The explicit query blocks (CoPE, stick-breaking, a key bias under
-SSMax) hold a fixed number of score elements per block (about 40 MB in all for CoPE here), whatever L: at 8192
+SSMax, DAPE) hold a fixed number of score elements per block (about 40 MB in all for CoPE here), whatever L: at 8192
 tokens here and at 16k among the slow tests (5-25 s each on an AVX2 EPYC), with small blocks so that the
 bound is tight. Peak memory on CPU is sampled RSS, which the allocator's history moves by tens of MB in a long
 test session: the bound at 8192 (256 MB) leaves that room; at 4096 (64 MB) it did not."""
@@ -27,7 +27,12 @@ FUSED = [
     ["pe=rnope_swa"],
     ["pe=nope", "attention.scale=ssmax"],
 ]
-EXPLICIT = [["pe=cope"], ["pe=nope", "attention.normalizer=stick_breaking"], ["pe=fox", "attention.scale=ssmax"]]
+EXPLICIT = [
+    ["pe=cope"],
+    ["pe=dape"],
+    ["pe=nope", "attention.normalizer=stick_breaking"],
+    ["pe=fox", "attention.scale=ssmax"],
+]
 
 
 def peak_mb(overrides: list[str], length: int) -> float:

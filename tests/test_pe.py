@@ -18,6 +18,7 @@ from lenext.attention import causal_attention
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.model import Decoder
 from lenext.pe import (
+    DAPE,
     FIRE,
     KERPLE,
     SCALINGS,
@@ -74,6 +75,7 @@ PES = {
     "p_rope": partial(RoPE, fraction=0.5),
     "fox": FoX,
     "cope": CoPE,
+    "dape": partial(DAPE, base=KERPLE),
     "fox_rope": partial(Compose, pes={"rope": RoPE, "fox": FoX}),
     "rope_nope": partial(PerLayer, pes={"rope": RoPE, "nope": NoPE}, pattern=["nope", "rope"]),
     "rnope_swa": partial(PerLayer, pes={"rope": RoPE, "nope": NoPE}, pattern=["rope", "nope"], windows={"rope": 5}),

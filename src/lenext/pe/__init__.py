@@ -4,6 +4,7 @@ from lenext.pe.absolute import Learned, Sinusoidal, sinusoidal_table
 from lenext.pe.base import AttentionShape, NoPE, PositionalEncoding
 from lenext.pe.bias import ALiBi, ShawRelative, T5Bias, alibi_slopes, t5_bucket
 from lenext.pe.cope import CoPE
+from lenext.pe.dape import DAPE
 from lenext.pe.fire import FIRE
 from lenext.pe.fox import FoX
 from lenext.pe.kerple import KERPLE
@@ -16,6 +17,7 @@ __all__ = [
     "AttentionShape",
     "Compose",
     "CoPE",
+    "DAPE",
     "FIRE",
     "FoX",
     "KERPLE",

@@ -1,0 +1,70 @@
+"""DAPE, data-adaptive positional encoding (Zheng et al. 2024, NeurIPS; docs/pes/dape.md).
+
+A base bias b (KERPLE in the paper's main rows; FIRE too) refined by the content: each layer's MLP sees, per pair
+(i, j), the scaled logits s_ij = q_i . k_j / sqrt(d_head) of every head and the base bias of every head, and
+adds one output per head: z_ij = s_ij + b_ij + f([s_ij; b_ij]), f = Linear(2H, W) -> LeakyReLU -> Linear(W, H),
+W = ``mlp_width`` (32 in the reference code's configs), with torch's default initialisation, as
+chuanyang-Zheng/DAPE's ``ParallelKerpleLog_DAPE``. The MLP needs every logit of a pair: only the explicit query
+blocks compute it, its hidden activations in chunks of rows (memory O(rows x keys) per block).
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lenext.errors import ConfigError
+from lenext.pe.base import AttentionShape, LayerPE, PositionalEncoding, ScoreTerms
+from lenext.pe.fire import HIDDEN_ELEMENTS
+from lenext.schema import PositiveInt
+
+
+class DAPE(PositionalEncoding):
+    """A base PE's pair bias plus a per-layer MLP over the heads' logits and biases."""
+
+    def __init__(
+        self, shape: AttentionShape, base: Callable[[AttentionShape], PositionalEncoding], mlp_width: PositiveInt = 32
+    ):
+        super().__init__(shape)
+        self.base, self.mlp_width = base(shape), mlp_width
+        if self.base.pair_bias(0) is None:
+            raise ConfigError(
+                f"pe.base={type(self.base).__name__} is invalid for DAPE: it must be a PE whose whole signal is a "
+                "bias of the pair (i, j) (kerple, fire), which the MLP takes as its input"
+            )
+
+    def layer(self, index: int) -> LayerPE:
+        return AdaptiveBias(self.base.layer(index), self.shape.n_heads, self.mlp_width)
+
+    def project_(self) -> None:
+        self.base.project_()
+
+    def describe(self) -> dict:
+        return {"name": "DAPE", "base": self.base.describe(), "mlp_width": self.mlp_width}
+
+    def hyperparameters(self) -> dict:
+        base = {"_target_": f"{type(self.base).__module__}.{type(self.base).__qualname__}", "_partial_": True}
+        return {"base": base | self.base.hyperparameters(), "mlp_width": self.mlp_width}
+
+
+class AdaptiveBias(LayerPE):
+    """One layer's base bias and its MLP f."""
+
+    def __init__(self, base: LayerPE, heads: int, width: int):
+        super().__init__()
+        self.base = base
+        self.mlp = nn.Sequential(nn.Linear(2 * heads, width), nn.LeakyReLU(), nn.Linear(width, heads))
+
+    def terms(self, x, q, k, positions) -> ScoreTerms:
+        base = self.base.terms(x, q, k, positions)
+        (bias,) = base.biases
+
+        def adaptive(logits: torch.Tensor, start: int, end: int, first: int) -> torch.Tensor:
+            pair = bias.pair(start, end, first).expand_as(logits)  # (B, H, rows, keys) fp32
+            seen = logits > float("-inf")  # the MLP's input on masked keys is any finite value: masked again after
+            scores = torch.where(seen, logits - pair, 0.0)  # s_ij: the logit without the base bias
+            features = torch.cat([scores, pair], dim=1).movedim(1, -1)  # (B, rows, keys, 2H)
+            rows = max(1, HIDDEN_ELEMENTS // (features.shape[0] * features.shape[2] * self.mlp[0].out_features))
+            return torch.cat([self.mlp(chunk) for chunk in features.split(rows, dim=1)], dim=1).movedim(-1, 1)
+
+        return ScoreTerms(base.biases, base.value, base.logits, base.logit_terms + (adaptive,))
