@@ -297,3 +297,13 @@ def test_windowed_blocks_keep_to_the_mask_budget(window, monkeypatch):
     q, k, v = (t.detach() for t in attention_inputs(2048))
     causal_attention(q, k, v, window=window)
     assert max(blocks) <= budget_per_head and len(blocks) > 1
+
+
+@pytest.mark.parametrize("kind, window", [("nope", 5), ("alibi", None), ("kerple", None), ("kerple", 5)])
+def test_float64_masks_without_gradients_match_the_naive_reference(kind, window):
+    """The explicit path sends a mask that needs no gradient to SDPA's fused CPU kernel, which returned wrong values
+    for float64 q, k, v with an fp32 mask (torch 2.13, no error): in float64, without gradients."""
+    q, k, v = (t.detach().double() for t in attention_inputs(40))
+    with torch.no_grad():
+        got, expected, _ = run(kind, q, k, v, window)
+    assert_close(got, expected.double(), atol=1e-7, rtol=1e-5)  # the biases are fp32; the bug was errors of ~1

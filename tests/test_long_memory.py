@@ -23,6 +23,7 @@ FUSED = [
     ["pe=fox"],
     ["pe=fox_rope"],
     ["pe=p_rope"],
+    ["pe=pope"],
     ["pe=rope_nope"],
     ["pe=rnope_swa"],
     ["pe=nope", "attention.scale=ssmax"],

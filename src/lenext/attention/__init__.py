@@ -93,16 +93,18 @@ def fused_mask_with_causal(device_type: str) -> bool:
     return True
 
 
-def _sdpa_keep_mask(q, k, v, **kwargs) -> torch.Tensor:
+def _sdpa_keep_mask(q, k, v, attn_mask: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
     """SDPA with the additive mask kept in its own dtype (fp32 for ALiBi), also under autocast.
 
     Autocast (and a cast to q's dtype) would round the mask to bf16, whose 8-bit mantissa loses
     ALiBi's key offsets m * (j - anchor) beyond 256 positions: logit errors of order 1 at long lengths.
     SDPA accepts an fp32 mask with bf16 q, k, v on CPU (with or without is_causal) and on CUDA only with is_causal
-    (torch 2.11).
+    (torch 2.11). With float64 q, k, v and an fp32 mask its CPU kernel returns wrong values (torch 2.13, no error):
+    the mask goes up to float64 there.
     """
+    mask = attn_mask.to(torch.promote_types(q.dtype, attn_mask.dtype))
     with torch.autocast(q.device.type, enabled=False):
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
 
 
 def causal_attention(
@@ -116,12 +118,17 @@ def causal_attention(
 ) -> torch.Tensor:
     """Causal attention with a layer's score terms, on the cheapest path that is exact.
 
-    q, k, v: (B, H, L, d_head) -> (B, H, L, d_head). ``window``: each query sees its last ``window`` keys
+    q, k: (B, H, L, d_qk), v: (B, H, L, d_head) -> (B, H, L, d_head); d_qk >= d_head (PoPE's q and k are twice as
+    wide), the logits scaled by 1/sqrt(d_qk). ``window``: each query sees its last ``window`` keys
     (itself included) only; ``row_scale`` (B or 1, H, L, 1): each query row's logits, biases included,
     multiplied by it (SSMax); ``stick_breaking``: the weights by stick-breaking instead of softmax
     (``AttentionSettings``).
     """
     biases, value_term, logits = terms.biases, terms.value, terms.logits
+    width = v.size(-1)
+    if q.size(-1) > width and value_term is None:  # q, k wider than v (PoPE): the fused kernels need one head dim
+        v = F.pad(v, (0, q.size(-1) - width))
+        return causal_attention(q, k, v, terms, window, row_scale, stick_breaking)[..., :width]
     if stick_breaking and not all(b.pair for b in biases):  # SelfAttention refuses it at build time first
         raise ConfigError(
             "attention.normalizer=stick_breaking is invalid with this PE: a bias given up to a per-row constant "
