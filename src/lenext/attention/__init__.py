@@ -287,7 +287,7 @@ def _blocked_attention(
             scores = logits(start, end)[..., first:]
             if row_scale is not None:
                 scores = scores * row_scale[..., start:end, :]
-        scores = scores.add_(mask)
+        scores = scores.add_(mask) if logits is None else scores + mask  # a PE's logits may be views of its own
         for term in logit_terms:  # under a length scale the term is scaled with the rest of the logit
             added = term(scores, start, end, first)
             scores = scores + (added if row_scale is None else added * row_scale[..., start:end, :])

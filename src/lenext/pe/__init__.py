@@ -9,6 +9,7 @@ from lenext.pe.fire import FIRE
 from lenext.pe.fox import FoX
 from lenext.pe.kerple import KERPLE
 from lenext.pe.mix import Compose, PerLayer
+from lenext.pe.path import PaTH
 from lenext.pe.pope import PoPE
 from lenext.pe.rope import SCALINGS, RoPE, rope_frequencies
 from lenext.pe.xpos import XPos
@@ -24,6 +25,7 @@ __all__ = [
     "KERPLE",
     "Learned",
     "NoPE",
+    "PaTH",
     "PerLayer",
     "PoPE",
     "PositionalEncoding",
