@@ -9,10 +9,9 @@ query against the key carried through every token between them:
 
 as flash-linear-attention's ``PaTHAttention`` layer (``use_low_rank_w``, ``use_w_shortconv``; its forget gate is
 FoX's, composed: ``pe=path_fox``) and its ``naive_path_attn`` reference. No position enters: PaTH is what the
-content makes of the order. The logits are computed here, keys from the last to the first: the queries' running
-product q~^T = q^T H_i .. H_(j+1) meets key j, then takes H_j (the queries at or after j only). That is L
-sequential steps of O(L d) per head (checkpointed in chunks while training), and the logits of a sequence are
-held whole: (B, H, L, L) memory.
+content makes of the order. The logits are computed here in chunks of about sqrt(L) tokens (``path_logits``):
+O(L^2 d) work in about 4 sqrt(L) sequential steps, and the logits of a sequence are held whole: (B, H, L, L)
+memory.
 """
 
 import math
@@ -20,7 +19,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from lenext.pe.base import AttentionShape, LayerPE, PositionalEncoding, ScoreTerms
 from lenext.schema import PositiveInt
@@ -71,33 +69,42 @@ class Householders(LayerPE):
 
 
 def path_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    """(B, H, L, L) logits q_i^T H_i .. H_(j+1) k_j / sqrt(d) (any value for j > i: the attention masks them);
+    """(B, H, L, L) logits q_i^T H_i .. H_(j+1) k_j / sqrt(d) (any finite value for j > i: the attention masks them);
     q, k: (B, H, L, d), w: (B, H, L, d) unit vectors, beta: (B, H, L).
 
-    Keys go by in chunks of about sqrt(L); while training, each chunk is recomputed in the backward pass
-    (activation checkpointing), so autograd keeps the running queries at chunk boundaries only: O(L^1.5 d) memory
-    per head instead of O(L^2 d)."""
-    length, head_dim = q.size(-2), q.size(-1)
-    carried = q.to(w.dtype)  # row i: q_i^T H_i .. H_(j+1), once key j is reached
-    chunk = max(1, math.isqrt(length))
-    columns = []
-    for end in range(length, 0, -chunk):
-        keys = range(max(0, end - chunk), end)
-        if torch.is_grad_enabled():
-            block, carried = checkpoint(_through_keys, carried, k, w, beta, keys, use_reentrant=False)
-        else:
-            block, carried = _through_keys(carried, k, w, beta, keys)
-        columns.append(block)
-    return torch.cat(columns[::-1], dim=-1) / math.sqrt(head_dim)
+    In chunks of C ~ sqrt(L) tokens (the last padded with H = I): within a chunk, the queries are carried back to
+    its first token, scoring its keys on the way (C rank-one steps); every key is carried forward to its chunk's last
+    token (C steps); each chunk's product H_last .. H_first is one (d, d) matrix (C steps); then the query chunk a
+    meets key chunk a - delta through the matrices of the chunks between, for delta = 1 .. n - 1 (batched products).
+    3C + n sequential steps instead of L; autograd keeps O(L (C + d) d) per head."""
+    batch, heads, length, head_dim = q.shape
+    size = max(1, math.isqrt(length))
+    chunks = -(-length // size)
+    pad = chunks * size - length  # padded tokens: beta 0, H = I, after every real token
 
+    def split(t: torch.Tensor) -> torch.Tensor:  # (B, H, L, ...) -> (B, H, n, C, ...)
+        return F.pad(t, (0, 0) * (t.dim() - 3) + (0, pad)).unflatten(2, (chunks, size))
 
-def _through_keys(carried, k, w, beta, keys: range) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of the running queries against keys ``keys`` (last first), each key's H_j applied to the rows at or
-    after it once it is scored: ((B, H, L, len(keys)) in key order, the running queries after the first key)."""
-    rows = torch.arange(carried.size(-2), device=carried.device)
+    q, k, w, beta = split(q.to(w.dtype)), split(k.to(w.dtype)), split(w), split(beta)
+    position = torch.arange(size, device=q.device)[:, None]  # a token's index in its chunk
+    queries, keys = q, k
     columns = []
-    for j in reversed(keys):
-        columns.append(carried @ k[..., j, :].to(carried.dtype).unsqueeze(-1))  # (B, H, L, 1)
-        along = (carried @ w[..., j, :].unsqueeze(-1)) * beta[..., j, None, None]  # beta_j (q~ . w_j) per row
-        carried = carried - (along * (rows >= j)[:, None]) * w[..., j, None, :]
-    return torch.cat(columns[::-1], dim=-1), carried
+    for t in range(size - 1, -1, -1):  # queries back through their chunk; rows at or after t take H_t
+        columns.append(queries @ k[..., t, :, None])  # (B, H, n, C, 1)
+        along = queries @ w[..., t, :, None] * beta[..., t, None, None]
+        queries = queries - along * (position >= t) * w[..., t, None, :]
+    inside = torch.cat(columns[::-1], dim=-1)  # (B, H, n, C, C): chunk a's queries against its keys
+    for t in range(1, size):  # keys forward to their chunk's last token: keys before t take H_t
+        along = keys @ w[..., t, :, None] * beta[..., t, None, None]
+        keys = keys - along * (position < t) * w[..., t, None, :]
+    through = torch.eye(head_dim, dtype=q.dtype, device=q.device).expand(batch, heads, chunks, -1, -1)
+    for t in range(size - 1, -1, -1):  # row vectors times H_last .. H_first: right-multiply H_t, last first
+        through = through - (through @ w[..., t, :, None]) * beta[..., t, None, None] * w[..., t, None, :]
+    logits = q.new_zeros(batch, heads, chunks, size, chunks, size)
+    logits.diagonal(0, 2, 4).copy_(inside.permute(0, 1, 3, 4, 2))
+    queries = queries[:, :, 1:]  # chunks delta.. (here delta = 1), each carried to its first token
+    for delta in range(1, chunks):
+        block = queries @ keys[:, :, : chunks - delta].transpose(-1, -2)  # chunk a against chunk a - delta
+        logits.diagonal(-delta, 2, 4).copy_(block.permute(0, 1, 3, 4, 2))
+        queries = (queries @ through[:, :, : chunks - delta])[:, :, 1:]  # on through chunk a - delta
+    return logits.flatten(4, 5).flatten(2, 3)[..., :length, :length] / math.sqrt(head_dim)
