@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
             128,
             64,
             "nope,sinusoidal,learned,shaw,t5,rope,alibi,kerple,fire,xpos,rope_randomized,nope_randomized,"
-            "p_rope,fox,fox_rope,cope,rope_nope,rnope_swa,dape,pope",
+            "p_rope,fox,fox_rope,cope,rope_nope,rnope_swa,dape,pope,path",
         ),
         ("paper", 256, 512, "nope,sinusoidal,learned,shaw,t5,rope,alibi"),
     ],
