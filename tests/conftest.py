@@ -79,7 +79,8 @@ def pytest_configure(config):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in each worker by `pytest -n`
     if workers > 1:
         # The cores shared among the workers: more torch threads than cores makes OpenMP spin, many times slower.
-        threads = max(1, (os.cpu_count() or 1) // workers)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)  # the subprocesses a test starts
         torch.set_num_threads(threads)
 

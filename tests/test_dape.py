@@ -12,10 +12,10 @@ from torch.testing import assert_close
 
 import lenext.attention as attention_module
 import lenext.pe.dape as dape_module
-from lenext.attention import causal_attention
+from lenext.attention import AttentionSettings, causal_attention
 from lenext.errors import ConfigError
 from lenext.model import Decoder
-from lenext.pe import DAPE, FIRE, KERPLE, AttentionShape, RoPE
+from lenext.pe import DAPE, FIRE, KERPLE, ALiBi, AttentionShape, Compose, CoPE, FoX, RoPE
 from lenext.pe.base import sequential_positions
 from lenext.positions import generator, randomized_positions
 
@@ -120,3 +120,19 @@ def test_each_layer_owns_its_mlp_and_the_base_keeps_its_settings():
 def test_a_base_without_a_pair_bias_is_refused_at_build_time():
     with pytest.raises(ConfigError, match=r"pe.base=RoPE is invalid for DAPE: .*kerple, fire"):
         DAPE(SHAPE, RoPE)
+
+
+@pytest.mark.parametrize(
+    "pes, scale, message",
+    [
+        ({"dape": partial(DAPE, base=KERPLE), "alibi": ALiBi}, "none", r"pe: a term computed from the logits' values"),
+        ({"cope": CoPE, "fox": FoX}, "none", r"pe: a term computed from the logits' values"),
+        ({"dape": partial(DAPE, base=KERPLE)}, "ssmax", r"attention.scale=ssmax is invalid with this PE: DAPE's MLP"),
+    ],
+)
+def test_what_would_change_a_logit_reading_term_is_refused_at_build_time(pes, scale, message):
+    """A key bias is anchored per query block (a per-row constant softmax ignores), so CoPE's gates or DAPE's MLP
+    would depend on the block size; a row scale hides the logit DAPE reads. With a pair bias both are served."""
+    with pytest.raises(ConfigError, match=message):
+        Decoder(32, 16, partial(Compose, pes=pes), attention=AttentionSettings(scale=scale), d_model=32, n_heads=4)
+    Decoder(32, 16, partial(Compose, pes={"dape": partial(DAPE, base=KERPLE), "fire": FIRE}), d_model=32, n_heads=4)

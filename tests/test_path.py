@@ -157,8 +157,8 @@ def test_path_matches_fla_naive_in_float64(length, rows, monkeypatch):
 
 def test_w_and_beta_are_fla_layers_and_causal():
     """w: x -> 32 -> d_model (no bias), a causal depthwise convolution of width 3 (no bias), SiLU, unit length per
-    head; beta = 2 sigmoid(linear x) in (0, 2). Written out here: equal to the layer's, and w_t unchanged when
-    tokens after t change."""
+    head; beta = 2 sigmoid(linear x) in (0, 2), as fla's PaTHAttention (which needs triton: restated here, the
+    convolution as a sum of shifted products), and w_t unchanged when tokens after t change."""
     layer = path_layer()
     x = inputs(12)[0].detach()
     w, beta = layer.directions(x)

@@ -44,6 +44,17 @@ class SelfAttention(nn.Module):
                 "per-row constant (a key or band bias: ALiBi, T5, Shaw, FoX), which softmax ignores and "
                 "stick-breaking does not; use a PE without such a bias (nope, rope, kerple, fire, cope, ...)"
             )
+        if pe.reads_logits and pe.up_to_row_constant:
+            raise ConfigError(
+                "pe: a term computed from the logits' values (CoPE, DAPE) cannot be combined with a score bias "
+                "given up to a per-row constant (ALiBi, T5, Shaw, FoX): the constant would change the term; "
+                "combine it with pair biases only (kerple, fire)"
+            )
+        if attention.scale != "none" and not pe.takes_row_scale:
+            raise ConfigError(
+                f"attention.scale={attention.scale} is invalid with this PE: DAPE's MLP reads each logit without "
+                "the row's scale, which the scaled logit does not give back; use attention.scale=none"
+            )
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape

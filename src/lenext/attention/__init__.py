@@ -126,7 +126,9 @@ def causal_attention(
     """
     biases, value_term, logits = terms.biases, terms.value, terms.logits
     width = v.size(-1)
-    if q.size(-1) > width and value_term is None:  # q, k wider than v (PoPE): the fused kernels need one head dim
+    # q, k wider than v (PoPE): every path then sees one head dim, which the fused kernels need (the explicit ones
+    # pay the zero channels; a value term is v's width, so it keeps the explicit path unpadded)
+    if q.size(-1) > width and value_term is None:
         v = F.pad(v, (0, q.size(-1) - width))
         return causal_attention(q, k, v, terms, window, row_scale, stick_breaking)[..., :width]
     if stick_breaking and not all(b.pair for b in biases):  # SelfAttention refuses it at build time first

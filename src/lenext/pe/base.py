@@ -39,6 +39,8 @@ from torch import nn
 
 from lenext.errors import ConfigError
 
+HIDDEN_ELEMENTS = 2**22  # floats of a PE's MLP activations per chunk of query rows (16 MiB, as attention's blocks)
+
 PairBias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ValueTerm = Callable[[torch.Tensor, int, int], torch.Tensor]
 Logits = Callable[[int, int], torch.Tensor]
@@ -230,8 +232,12 @@ class LayerPE(nn.Module):
 
     window: int | None = None  # this layer's attention window, when its PE sets one (a per-layer mix)
     # Whether some bias of it is given only up to a per-row constant (key and band forms): exact for softmax,
-    # which ignores the constant, not for stick-breaking.
+    # which ignores the constant, not for stick-breaking nor for a term computed from the logits.
     up_to_row_constant: bool = False
+    # Whether a logit term of it reads the logits' values (CoPE's gates, DAPE's MLP), not only their order.
+    reads_logits: bool = False
+    # Whether its terms keep their meaning when attention multiplies each row's logits (SSMax, log-length).
+    takes_row_scale: bool = True
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k: (B, H, L, d_head) -> transformed q, k."""

@@ -32,6 +32,8 @@ class CoPE(PositionalEncoding):
 class ContextualPositions(LayerPE):
     """One layer's position embeddings e (npos_max, d_head) and its logit term."""
 
+    reads_logits = True
+
     def __init__(self, head_dim: int, npos_max: int):
         super().__init__()
         self.npos_max = npos_max

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from lenext.errors import ConfigError
-from lenext.pe.base import AttentionShape, LayerPE, PositionalEncoding, ScoreTerms
-from lenext.pe.fire import HIDDEN_ELEMENTS
+from lenext.pe.base import HIDDEN_ELEMENTS, AttentionShape, LayerPE, PositionalEncoding, ScoreTerms
 from lenext.schema import PositiveInt
 
 
@@ -50,6 +49,9 @@ class DAPE(PositionalEncoding):
 class AdaptiveBias(LayerPE):
     """One layer's base bias and its MLP f."""
 
+    reads_logits = True
+    takes_row_scale = False  # f reads s_ij, which a row's scaled logit r (s + b) does not give back at r = 0
+
     def __init__(self, base: LayerPE, heads: int, width: int):
         super().__init__()
         self.base = base
@@ -64,6 +66,7 @@ class AdaptiveBias(LayerPE):
             seen = logits > float("-inf")  # the MLP's input on masked keys is any finite value: masked again after
             scores = torch.where(seen, logits - pair, 0.0)  # s_ij: the logit without the base bias
             features = torch.cat([scores, pair], dim=1).movedim(1, -1)  # (B, rows, keys, 2H)
+            # Under bf16 autocast the MLP runs in bf16 (it is most of DAPE's work); its output joins fp32 logits.
             rows = max(1, HIDDEN_ELEMENTS // (features.shape[0] * features.shape[2] * self.mlp[0].out_features))
             return torch.cat([self.mlp(chunk) for chunk in features.split(rows, dim=1)], dim=1).movedim(-1, 1)
 

@@ -12,11 +12,10 @@ starts L_thr at L_train. The bias depends on i itself, not only on i - j: a pair
 import torch
 from torch import nn
 
-from lenext.pe.base import AttentionShape, PositionalEncoding
+from lenext.pe.base import HIDDEN_ELEMENTS, AttentionShape, PositionalEncoding
 from lenext.schema import PositiveFloat, PositiveInt
 
 EPS = 1e-6
-HIDDEN_ELEMENTS = 2**22  # floats of MLP activations per chunk of query rows (16 MiB, as the attention's blocks)
 
 
 class FireBias(nn.Module):

@@ -88,6 +88,8 @@ class ComposedLayer(LayerPE):
         super().__init__()
         self.parts = nn.ModuleList(layers)  # the per-layer parameters of each PE (FoX's gate) are this layer's
         self.up_to_row_constant = any(part.up_to_row_constant for part in layers)
+        self.reads_logits = any(part.reads_logits for part in layers)
+        self.takes_row_scale = all(part.takes_row_scale for part in layers)
 
     def rotate(self, q, k, positions):
         for part in self.parts:

@@ -85,7 +85,8 @@ def path_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, beta: torch.T
     def split(t: torch.Tensor) -> torch.Tensor:  # (B, H, L, ...) -> (B, H, n, C, ...)
         return F.pad(t, (0, 0) * (t.dim() - 3) + (0, pad)).unflatten(2, (chunks, size))
 
-    q, k, w, beta = split(q.to(w.dtype)), split(k.to(w.dtype)), split(w), split(beta)
+    q = q.to(w.dtype) / math.sqrt(head_dim)  # scaled here: the (B, H, L, L) logits are written once
+    q, k, w, beta = split(q), split(k.to(w.dtype)), split(w), split(beta)
     position = torch.arange(size, device=q.device)[:, None]  # a token's index in its chunk
     queries, keys = q, k
     columns = []
@@ -107,4 +108,4 @@ def path_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, beta: torch.T
         block = queries @ keys[:, :, : chunks - delta].transpose(-1, -2)  # chunk a against chunk a - delta
         logits.diagonal(-delta, 2, 4).copy_(block.permute(0, 1, 3, 4, 2))
         queries = (queries @ through[:, :, : chunks - delta])[:, :, 1:]  # on through chunk a - delta
-    return logits.flatten(4, 5).flatten(2, 3)[..., :length, :length] / math.sqrt(head_dim)
+    return logits.flatten(4, 5).flatten(2, 3)[..., :length, :length]
