@@ -74,6 +74,12 @@ def tiny_overrides(*extra: str) -> list[str]:
     ]
 
 
+def hidden_keys(length: int, window: int | None = None) -> torch.Tensor:
+    """(L, L) bool: True where query i does not see key j (j > i, or j <= i - window): the references' mask."""
+    hidden = torch.ones(length, length, dtype=torch.bool).triu(1)
+    return hidden if window is None else hidden | torch.ones(length, length, dtype=torch.bool).tril(-window)
+
+
 def pytest_configure(config):
     os.environ.setdefault("WANDB_MODE", "offline")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in each worker by `pytest -n`

@@ -13,6 +13,7 @@ from lenext.model import Decoder
 from lenext.pe import AttentionShape, CoPE
 from lenext.pe.base import sequential_positions
 from lenext.positions import generator, randomized_positions
+from tests.conftest import hidden_keys
 
 BATCH, HEADS, HEAD_DIM = 2, 4, 8
 SHAPE = AttentionShape(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=2, train_len=16)
@@ -35,10 +36,7 @@ def x_transformers_reference(q, k, v, layer, window=None):
         cope.pos_emb.copy_(layer.embedding)
     length = q.size(-2)
     sim = q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM)
-    hidden = torch.ones(length, length, dtype=torch.bool).triu(1)
-    if window is not None:
-        hidden = hidden | torch.ones(length, length, dtype=torch.bool).tril(-window)
-    sim = sim.masked_fill(hidden, -torch.finfo(sim.dtype).max)
+    sim = sim.masked_fill(hidden_keys(length, window), -torch.finfo(sim.dtype).max)
     sim = sim + cope(q, sim)
     return sim.softmax(-1) @ v, cope.pos_emb
 

@@ -18,6 +18,7 @@ from lenext.model import Decoder
 from lenext.pe import DAPE, FIRE, KERPLE, ALiBi, AttentionShape, Compose, CoPE, FoX, RoPE
 from lenext.pe.base import sequential_positions
 from lenext.positions import generator, randomized_positions
+from tests.conftest import hidden_keys
 
 BATCH, HEADS, HEAD_DIM, WIDTH = 2, 4, 8, 16
 SHAPE = AttentionShape(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=2, train_len=16)
@@ -43,10 +44,7 @@ def reference(q, k, v, pe: DAPE, layer, window=None):
     features = torch.cat([scores, bias], dim=1).movedim(1, -1)  # (B, L, L, 2H)
     hidden = F.leaky_relu(features @ first.weight.t() + first.bias, negative_slope=0.01)
     logits = scores + bias + (hidden @ second.weight.t() + second.bias).movedim(-1, 1)
-    hidden_keys = torch.ones(length, length, dtype=torch.bool).triu(1)
-    if window is not None:
-        hidden_keys = hidden_keys | torch.ones(length, length, dtype=torch.bool).tril(-window)
-    return logits.masked_fill(hidden_keys, float("-inf")).softmax(-1) @ v
+    return logits.masked_fill(hidden_keys(length, window), float("-inf")).softmax(-1) @ v
 
 
 def inputs(length, dtype):

@@ -14,6 +14,7 @@ from lenext.model import Decoder
 from lenext.pe import FoX, PoPE
 from lenext.pe.base import AttentionShape, sequential_positions
 from lenext.positions import generator, randomized_positions
+from tests.conftest import hidden_keys
 
 BATCH, HEADS, HEAD_DIM = 2, 4, 8
 SHAPE = AttentionShape(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=2, train_len=16)
@@ -35,10 +36,7 @@ def formula(q, k, v, pe: PoPE, positions, window=None):
     products = F.softplus(q)[..., :, None, :] * F.softplus(k)[..., None, :, :]  # (B, H, L, L, d)
     logits = (products * phase.cos()).sum(-1) / math.sqrt(HEAD_DIM)
     length = q.size(-2)
-    hidden = torch.ones(length, length, dtype=torch.bool).triu(1)
-    if window is not None:
-        hidden = hidden | torch.ones(length, length, dtype=torch.bool).tril(-window)
-    return logits.masked_fill(hidden, float("-inf")).softmax(-1) @ v
+    return logits.masked_fill(hidden_keys(length, window), float("-inf")).softmax(-1) @ v
 
 
 def inputs(length, dtype):
@@ -84,7 +82,7 @@ def test_pope_in_fp32_matches_x_transformers():
     freqs, bias = reference(torch.arange(length))
     scores = xt.apply_polar_pos_emb(q, freqs) @ xt.apply_polar_pos_emb(k, freqs + bias).transpose(-1, -2)
     scores = scores * HEAD_DIM**-0.5
-    expected = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf")).softmax(-1) @ v
+    expected = scores.masked_fill(hidden_keys(length), float("-inf")).softmax(-1) @ v
     assert_close(got, expected, atol=1e-5, rtol=1e-5)
     weight = torch.randn(got.shape, generator=torch.Generator().manual_seed(0))
     got_grads = torch.autograd.grad((got * weight).sum(), [q, k, v, pe.phase_bias])
