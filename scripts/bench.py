@@ -453,6 +453,8 @@ class StepClock(L.Callback):
         self.ends = []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if module.device.type == "cuda":
+            torch.cuda.synchronize()
         self.ends.append(time.perf_counter())
 
 
@@ -469,8 +471,9 @@ def lightning_steps(cfg, module, loader, save_to: str | None = None) -> list[flo
     return clock.ends
 
 
-def bare_steps(cfg, net, loader) -> list[float]:
-    """The same training by hand: autocast, loss, backward, gradient clipping, AdamW and schedule steps."""
+def bare_steps(cfg, net, loader, device: str = "cpu") -> list[float]:
+    """The same training by hand: autocast, loss, backward, gradient clipping, AdamW and schedule steps; the
+    batches moved to ``device`` (``net``'s), as Lightning moves them."""
     optim = cfg.module
     optimizer, scheduler = adamw_with_schedule(
         net,
@@ -484,8 +487,8 @@ def bare_steps(cfg, net, loader) -> list[float]:
     bf16 = str(cfg.trainer.precision).startswith("bf16")
     ends = []
     for batch in loader:
-        tokens = batch["tokens"]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        tokens = batch["tokens"].to(device, non_blocking=True)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
             loss = net.token_nll(tokens[:, :-1], tokens[:, 1:]).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.trainer.gradient_clip_val)
@@ -493,6 +496,8 @@ def bare_steps(cfg, net, loader) -> list[float]:
         net.pe.project_()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
         ends.append(time.perf_counter())
     return ends
 

@@ -1,0 +1,551 @@
+"""The GPU check (docs/performance.md, "The GPU check"): what lenext's CUDA paths compute and how fast they train.
+
+Run on a machine with a CUDA GPU: ``make gpu-check`` (it installs what the machine's CUDA torch lacks from
+``.gpu-wheels/``, made here by ``make gpu-wheels``). Sections, each written to the report as soon as it ends, so a
+run cut off keeps what it measured; each has a time budget and says which rows it did not reach:
+
+1. exactness: every PE config (and the attention settings' rows), a 2-layer model at L_train 64, its per-token NLL
+   and every parameter's gradient on CUDA against float64 on the CPU: fp32 (TF32 off) on the automatic path,
+   fp32 with FlexAttention switched off (the SDPA-mask and explicit-block paths), and bf16 autocast; the CPU's
+   fp32 path beside them. At L 64 and 512, positions 0..L-1, and at 512 positions drawn from [0, 1536).
+2. training: the small model (the largest preset: 6 x 256, 8 heads, vocab 8192), L 1024, batch 16, bf16
+   autocast, one AdamW step per iteration; every row interleaved round-robin (median of repetitions): tokens/s,
+   ratio to NoPE, model FLOPs utilisation (``bench.training_flops_per_token`` against this GPU's measured bf16
+   GEMM peak), peak memory.
+3. lightning: lenext's LightningModule under lightning.Trainer against a bare loop doing the same training
+   (``bench.bare_steps`` on the GPU), RoPE, the small model at L 512, batch 16, arms interleaved.
+4. x-transformers: the same shape built by x-transformers, interleaved with lenext's rows, nope, rope, alibi, t5.
+
+    PYTHONPATH=src python scripts/gpu_check.py --out benchmarks/gpu-check-<date>.md
+    .venv/bin/python scripts/gpu_check.py --device cpu --quick   # smoke test of the script itself
+"""
+
+import argparse
+import contextlib
+import copy
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_module
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402  (the CPU benchmark's rows, model sizes and FLOP count)
+import lenext.attention as attention_module  # noqa: E402
+from lenext.attention import AttentionSettings  # noqa: E402
+from lenext.attention.flex import fresh_compile_state  # noqa: E402
+from lenext.cli import CONFIG_PACKAGE  # noqa: E402
+from lenext.errors import LengthNotSupported  # noqa: E402
+from lenext.files import write_atomic  # noqa: E402
+from lenext.model import Decoder  # noqa: E402
+from lenext.positions import generator, randomized_positions  # noqa: E402
+from lenext.run import instantiate  # noqa: E402
+
+# The PEs added since the last check first (benchmarks/gpu-check.md, 2026-11-23), then the rest.
+FIRST = ["dape", "pope", "path", "path_fox", "cope", "fox", "fox_rope", "p_rope", "rope_nope", "rnope_swa"]
+VARIANTS = {  # rows beside the PE configs: "<row>": (pe config, overrides)
+    "rope_yarn": ["pe.scaling=yarn", "pe.factor=4"],
+    "kerple_power": ["pe.kernel=power"],
+    "shaw_value": ["pe.value_term=true"],
+    **bench.ATTENTION_ROWS,
+}
+EXACT_SHAPE = dict(vocab_size=97, d_model=64, n_layers=2, n_heads=4)
+EXACT_TRAIN_LEN = 64
+# Worst error allowed against float64: per-token NLL (absolute) and a gradient relative to its tensor's largest.
+TOLERANCE = {"fp32": (1e-4, 1e-3), "bf16": (0.1, 0.1)}
+TRAIN_SHAPE = bench.SMALL
+XT_ROWS = ["nope", "rope", "alibi", "t5"]
+
+
+def all_rows() -> list[str]:
+    rows = bench.PE_NAMES + list(VARIANTS)
+    return [r for r in FIRST if r in rows] + [r for r in rows if r not in FIRST]
+
+
+def row_config(row: str):
+    """train.py's composed config for a row: ``<pe>`` or a variant (``rope_yarn``, ``nope+ssmax``)."""
+    pe = {"rope_yarn": "rope", "kerple_power": "kerple", "shaw_value": "shaw"}.get(row, row.partition("+")[0])
+    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
+        return compose("train", overrides=[f"pe={pe}", *VARIANTS.get(row, [])])
+
+
+def build(row: str, train_len: int, shape: dict) -> Decoder:
+    cfg = row_config(row)
+    torch.manual_seed(bench.SEED)
+    return Decoder(
+        train_len=train_len, pe=instantiate(cfg.pe, "pe"), attention=AttentionSettings(**cfg.attention), **shape
+    )
+
+
+@contextlib.contextmanager
+def flex_off():
+    """The attention paths a GPU without FlexAttention takes: SDPA masks and explicit query blocks."""
+    saved = attention_module.flex_attention
+    attention_module.flex_attention = None
+    try:
+        yield
+    finally:
+        attention_module.flex_attention = saved
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Exactness
+
+
+def exact_net(row: str) -> Decoder:
+    """The row's 2-layer model, PE parameters at std 0.5 (as tests/test_pe.py: a wrong position shows)."""
+    net = build(row, EXACT_TRAIN_LEN, EXACT_SHAPE)
+    with torch.no_grad():
+        for param in net.pe.parameters():
+            param.normal_(std=0.5)
+    net.pe.project_()
+    return net.train()
+
+
+def nll_and_grads(net, tokens, targets, positions, device, dtype, bf16=False):
+    """Per-token NLL and every parameter's gradient of its mean, in float64 on the CPU."""
+    net = copy.deepcopy(net).to(device=device, dtype=dtype)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+        nll = net.token_nll(tokens.to(device), targets.to(device), None if positions is None else positions.to(device))
+    nll.mean().backward()
+    grads = {n: p.grad.double().cpu() for n, p in net.named_parameters() if p.grad is not None}
+    return nll.detach().double().cpu(), grads
+
+
+def errors(arm, ref) -> dict:
+    """The largest NLL error, and the largest gradient error relative to its tensor's largest entry, that floored
+    at 1e-4 of the model's largest gradient: a gradient that is zero in exact arithmetic (the bias DAPE adds to
+    every logit, which softmax ignores) is rounding noise in any precision."""
+    nll, grads = arm
+    ref_nll, ref_grads = ref
+    floor = 1e-4 * max(g.abs().max().item() for g in ref_grads.values())
+    worst_name, worst = None, 0.0
+    for name, g in ref_grads.items():
+        if name not in grads:
+            return {"nll": float("nan"), "grad": float("nan"), "grad_param": f"{name}: no gradient"}
+        rel = ((grads[name] - g).abs().max() / max(g.abs().max().item(), floor)).item()
+        if not rel <= worst:  # NaN counts as worst
+            worst_name, worst = name, rel
+    return {"nll": (nll - ref_nll).abs().max().item(), "grad": worst, "grad_param": worst_name}
+
+
+def exactness_case(net, length, drawn, device):
+    tokens = torch.randint(0, EXACT_SHAPE["vocab_size"], (2, length + 1), generator=torch.Generator().manual_seed(1))
+    tokens, targets = tokens[:, :-1], tokens[:, 1:]
+    positions = randomized_positions(2, length, 3 * length, generator(0, length)) if drawn else None
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    ref = nll_and_grads(net, tokens, targets, positions, "cpu", torch.float64)
+    arms = {"cpu fp32": lambda: nll_and_grads(net, tokens, targets, positions, "cpu", torch.float32)}
+    if device == "cuda":
+        arms["cuda fp32"] = lambda: nll_and_grads(net, tokens, targets, positions, device, torch.float32)
+        arms["cuda fp32, flex off"] = lambda: _flex_off(nll_and_grads, net, tokens, targets, positions, device)
+        arms["cuda bf16"] = lambda: nll_and_grads(net, tokens, targets, positions, device, torch.float32, bf16=True)
+    return {name: errors(arm(), ref) for name, arm in arms.items()}
+
+
+def _flex_off(fn, *args):
+    with flex_off():
+        return fn(*args, torch.float32)
+
+
+def passes(arm: str, err: dict) -> bool:
+    nll_tol, grad_tol = TOLERANCE["bf16" if "bf16" in arm else "fp32"]
+    return err["nll"] <= nll_tol and err["grad"] <= grad_tol
+
+
+def bench_exactness(rows, lengths, device, budget, log):
+    start, results = time.perf_counter(), {}
+    cases = [(lengths[0], False)] + [(length, drawn) for length in lengths[1:] for drawn in (False, True)]
+    for row in rows:
+        if time.perf_counter() - start > budget:
+            results[row] = {"skipped": "time budget"}
+            continue
+        fresh_compile_state()
+        results[row], net = {}, exact_net(row)
+        for length, drawn in cases:
+            case = f"L {length}" + (", drawn" if drawn else "")
+            t0 = time.perf_counter()
+            try:
+                results[row][case] = exactness_case(net, length, drawn, device)
+            except LengthNotSupported as e:
+                results[row][case] = {"refused": str(e).splitlines()[0]}
+            except Exception as e:  # noqa: BLE001  (the report names it; the other rows still run)
+                results[row][case] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+                log(traceback.format_exc())
+            log(f"  exact {row:<22} {case:<15} {time.perf_counter() - t0:5.1f} s  {summarise(results[row][case])}")
+    return results
+
+
+def summarise(case: dict) -> str:
+    if "refused" in case or "error" in case:
+        return next(iter(case.values()))
+    return ", ".join(f"{arm}: nll {e['nll']:.1e} grad {e['grad']:.1e}" for arm, e in case.items())
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Training speed (and 4., x-transformers, in the same rotation)
+
+
+def gpu_gemm_peak(device: str, size: int = 8192, reps: int = 10) -> float:
+    """bf16 FLOP/s of a (size x size) product on the device, the best of ``reps``: what MFU is measured against."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(reps + 2):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def xtransformers_net(row: str, length: int):
+    """x-transformers' decoder of the small model's shape (GELU, ff x4, pre-norm, untied), this row's PE."""
+    from x_transformers import Decoder as XDecoder
+    from x_transformers import TransformerWrapper
+
+    pe = {"nope": {}, "rope": {"rotary_pos_emb": True}, "alibi": {"alibi_pos_bias": True}, "t5": {"rel_pos_bias": True}}
+    torch.manual_seed(bench.SEED)
+    layers = XDecoder(
+        dim=TRAIN_SHAPE["d_model"],
+        depth=TRAIN_SHAPE["n_layers"],
+        heads=TRAIN_SHAPE["n_heads"],
+        attn_flash=True,
+        **pe[row],
+    )
+    return TransformerWrapper(
+        num_tokens=TRAIN_SHAPE["vocab_size"], max_seq_len=length, attn_layers=layers, use_abs_pos_emb=False
+    )
+
+
+class Arm:
+    """One training row: a model, its optimizer and one step on a fixed batch."""
+
+    def __init__(self, row: str, length: int, batch: int, device: str):
+        xt = row.startswith("xt:")
+        self.net = (xtransformers_net(row[3:], length) if xt else build(row, length, TRAIN_SHAPE)).to(device).train()
+        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4, fused=device == "cuda")
+        tokens = torch.randint(
+            0, TRAIN_SHAPE["vocab_size"], (batch, length + 1), generator=torch.Generator().manual_seed(0)
+        )
+        self.tokens, self.targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+        self.xt, self.device = xt, device
+        self.flops = None if xt else bench.training_flops_per_token(self.net, length)
+
+    def step(self) -> float:
+        with torch.autocast(self.device, dtype=torch.bfloat16):
+            if self.xt:
+                logits = self.net(self.tokens)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), self.targets.flatten())
+            else:
+                loss = self.net.token_nll(self.tokens, self.targets).mean()
+        loss.backward()
+        self.optimizer.step()
+        if not self.xt:
+            self.net.pe.project_()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+
+def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log):
+    start, arms, results = time.perf_counter(), {}, {"skipped": {}}
+    for row in rows:  # warm up (FlexAttention compiles here) while the budget's first two thirds last
+        if time.perf_counter() - start > budget * 2 / 3:
+            results["skipped"][row] = "time budget"
+            continue
+        fresh_compile_state()
+        try:
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            arm = Arm(row, length, batch, device)
+            for _ in range(warmup):
+                loss = arm.step()
+            sync(device)
+            arm.peak = torch.cuda.max_memory_allocated() if device == "cuda" else float("nan")
+            arms[row] = arm
+            log(f"  warmup {row:<22} {time.perf_counter() - t0:6.1f} s, loss {float(loss):.3f}")
+        except Exception as e:  # noqa: BLE001
+            results["skipped"][row] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            log(traceback.format_exc())
+    names = list(arms)
+    rates = {name: [] for name in names}
+    for rep in range(reps):
+        if rep > 1 and time.perf_counter() - start > budget:
+            break
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                arms[name].step()
+            sync(device)
+            rates[name].append(steps * batch * length / (time.perf_counter() - t0))
+        log(f"  rep {rep + 1}: " + ", ".join(f"{n} {rates[n][-1]:.0f}" for n in names))
+    peak = gpu_gemm_peak(device) if device == "cuda" else float("nan")
+    results.update(gemm_peak=peak, length=length, batch=batch, steps=steps, reps=len(rates[names[0]]) if names else 0)
+    for name in names:
+        paired = [r / n for r, n in zip(rates[name], rates.get("nope", rates[name]), strict=False)]
+        tokens_per_s = statistics.median(rates[name])
+        flops = arms[name].flops
+        results[name] = {
+            "tokens_per_s": tokens_per_s,
+            "ratio": statistics.median(paired),
+            "range": (min(paired), max(paired)),
+            "mfu": tokens_per_s * flops / peak if flops else None,
+            "peak_bytes": arms[name].peak,
+        }
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Lightning against a bare loop
+
+
+def lightning_config(output_dir: str, steps: int, length: int, batch: int):
+    overrides = [
+        "pe=rope",
+        "model=small",
+        f"data.vocab_size={TRAIN_SHAPE['vocab_size']}",
+        f"data.max_len={length}",
+        f"data.batch_size={batch}",
+        f"paths.output_dir={output_dir}",
+        f"paths.root_dir={output_dir}",
+        "trainer.precision=bf16-mixed",
+        f"trainer.max_steps={steps}",
+        f"trainer.val_check_interval={steps}",
+        "trainer.enable_progress_bar=false",
+    ]
+    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def bench_lightning(length, batch, steps, reps, device, log):
+    arms = {"lightning": [], "bare": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = lightning_config(tmp, steps + 1, length, batch)
+        for rep in range(reps):
+            for arm in arms if rep % 2 == 0 else dict(reversed(arms.items())):
+                torch.manual_seed(bench.SEED)
+                loader = bench.study_loader(cfg, steps + 1)
+                if arm == "lightning":
+                    ends = bench.lightning_steps(cfg, bench.study_module(cfg), loader)
+                else:
+                    ends = bench.bare_steps(cfg, bench.study_net(cfg).to(device), loader, device=device)
+                arms[arm].append(statistics.median(b - a for a, b in zip(ends[1:], ends[2:], strict=False)))
+                log(f"  {arm:<10} rep {rep + 1}: {1000 * arms[arm][-1]:.2f} ms/step")
+    return {
+        "ms_lightning": 1000 * statistics.median(arms["lightning"]),
+        "ms_bare": 1000 * statistics.median(arms["bare"]),
+        "length": length,
+        "batch": batch,
+        "steps": steps,
+        "reps": reps,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The report
+
+
+def environment(device: str) -> dict:
+    info = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": os.environ.get("LENEXT_COMMIT") or _git("rev-parse", "--short", "HEAD") or "unknown",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": bench.machine_description(),
+    }
+    if device == "cuda":
+        info.update(
+            gpu=torch.cuda.get_device_name(),
+            cuda=torch.version.cuda,
+            driver=_run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader") or "unknown",
+        )
+        with contextlib.suppress(ImportError):
+            import triton
+
+            info["triton"] = triton.__version__
+    return info
+
+
+def _run(*cmd) -> str | None:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _git(*args) -> str | None:
+    return _run("git", "-C", str(bench.REPO), *args)
+
+
+def render(info, settings, exact=None, training=None, lightning=None) -> str:
+    lines = ["# lenext GPU check", ""]
+    lines += [f"- {key}: {value}" for key, value in info.items()]
+    lines += [f"- command: `{settings['command']}`", f"- elapsed: {settings['elapsed']:.0f} s", ""]
+    if exact is not None:
+        lines += render_exactness(exact)
+    if training is not None:
+        lines += render_training(training)
+    if lightning is not None:
+        lines += render_lightning(lightning)
+    return "\n".join(lines) + "\n"
+
+
+def render_exactness(exact) -> list[str]:
+    nll_fp32, grad_fp32 = TOLERANCE["fp32"]
+    nll_bf16, grad_bf16 = TOLERANCE["bf16"]
+    lines = [
+        "## Exactness against float64 on the CPU",
+        "<!-- --8<-- [start:exactness] -->",
+        "",
+        f"Model: {EXACT_SHAPE['n_layers']} layers, d_model {EXACT_SHAPE['d_model']}, {EXACT_SHAPE['n_heads']} heads, "
+        f"vocab {EXACT_SHAPE['vocab_size']}, L_train {EXACT_TRAIN_LEN}, batch 2, PE parameters at std 0.5. "
+        "Each cell: the largest error of the per-token NLL (absolute) / of any parameter's gradient (relative to "
+        "that tensor's largest entry), over the cases. Passes: fp32 within "
+        f"{nll_fp32:g} / {grad_fp32:g}, bf16 within {nll_bf16:g} / {grad_bf16:g}.",
+        "",
+    ]
+    arms = sorted({a for r in exact.values() for c in r.values() if isinstance(c, dict) for a in c if " " in a})
+    lines += ["| row | cases | " + " | ".join(arms) + " | passes |", "|---|---|" + "---|" * len(arms) + "---|"]
+    for row, cases in exact.items():
+        if "skipped" in cases:
+            lines.append(f"| {row} | not run ({cases['skipped']}) |" + " |" * len(arms) + " |")
+            continue
+        measured = {case: arms_ for case, arms_ in cases.items() if "refused" not in arms_ and "error" not in arms_}
+        notes = [f"{case}: {next(iter(v.values()))}" for case, v in cases.items() if case not in measured]
+        cells, ok = [], True
+        for arm in arms:
+            errs = [m[arm] for m in measured.values() if arm in m]
+            if not errs:
+                cells.append("-")
+                continue
+            nll = max(e["nll"] for e in errs)
+            worst = max(errs, key=lambda e: e["grad"] if e["grad"] == e["grad"] else float("inf"))
+            ok &= all(passes(arm, e) for e in errs)
+            cells.append(f"{nll:.1e} / {worst['grad']:.1e}")
+        ok &= not any("error" in v for v in cases.values())
+        lines.append(
+            f"| {row} | {', '.join(measured) or '-'} | " + " | ".join(cells) + f" | {'yes' if ok else '**no**'} |"
+        )
+        lines += [f"|  | {note} |" + " |" * (len(arms) + 1) for note in notes]
+    return lines + ["", "<!-- --8<-- [end:exactness] -->", ""]
+
+
+def render_training(training) -> list[str]:
+    lines = [
+        "## Training speed",
+        "<!-- --8<-- [start:training] -->",
+        "",
+        f"Small model (6 layers, d_model 256, 8 heads, vocab 8192), L {training['length']}, batch "
+        f"{training['batch']}, bf16 autocast, fused AdamW; {training['reps']} repetitions round-robin of "
+        f"{training['steps']} steps per row; median tokens/s, the ratio to NoPE paired per repetition. MFU: "
+        "PaLM's count (6 N + 6 layers d_model L per token, the PE's own work not counted) against this GPU's bf16 "
+        f"GEMM peak measured in the run ({training['gemm_peak'] / 1e12:.0f} TFLOP/s). `xt:`: x-transformers.",
+        "",
+        "| row | tokens/s | ratio vs nope | range | MFU | peak memory |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    for name, r in training.items():
+        if not isinstance(r, dict) or "tokens_per_s" not in r:
+            continue
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        lines.append(
+            f"| {name} | {r['tokens_per_s']:,.0f} | {r['ratio']:.2f} | {r['range'][0]:.2f}-{r['range'][1]:.2f} | "
+            f"{mfu} | {r['peak_bytes'] / 2**20:,.0f} MB |"
+        )
+    lines += [f"- {name}: not measured ({why})" for name, why in training["skipped"].items()]
+    return lines + ["", "<!-- --8<-- [end:training] -->", ""]
+
+
+def render_lightning(r) -> list[str]:
+    ratio = r["ms_lightning"] / r["ms_bare"]
+    return [
+        "## Lightning against a bare loop",
+        "<!-- --8<-- [start:lightning] -->",
+        "",
+        f"RoPE, the small model, L {r['length']}, batch {r['batch']}, bf16-mixed; each arm a fresh fit of "
+        f"{r['steps']} + 1 steps, {r['reps']} repetitions alternating; median step time.",
+        "",
+        f"- Lightning: {r['ms_lightning']:.2f} ms/step; bare loop: {r['ms_bare']:.2f} ms/step; ratio {ratio:.3f} "
+        f"(target <= 1.05: {'meets' if ratio <= 1.05 else 'misses'})",
+        "",
+        "<!-- --8<-- [end:lightning] -->",
+        "",
+    ]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of the script")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/gpu-check-run.md"))
+    parser.add_argument("--sections", default="exactness,training,lightning")
+    parser.add_argument("--rows", help="comma-separated rows (default: every PE config and variant)")
+    parser.add_argument("--quick", action="store_true", help="tiny lengths and steps (a smoke test)")
+    parser.add_argument("--budget", type=float, default=500, help="seconds for the whole run, shared by sections")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_check: no CUDA device (torch.cuda.is_available() is False); --device cpu runs a smoke test")
+    rows = args.rows.split(",") if args.rows else all_rows()
+    sections = args.sections.split(",")
+    started = time.perf_counter()
+    settings = {"command": " ".join(["python scripts/gpu_check.py", *(argv or sys.argv[1:])]), "elapsed": 0.0}
+    info, results = environment(args.device), {}
+    log_file = args.out.with_suffix(".log")
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+        with open(log_file, "a") as f:
+            f.write(message + "\n")
+
+    def save() -> None:
+        settings["elapsed"] = time.perf_counter() - started
+        write_atomic(args.out, render(info, settings, **results))
+        write_atomic(args.out.with_suffix(".json"), json.dumps({"info": info, **results}, indent=1, default=str))
+
+    shares = {"exactness": 0.55, "training": 0.3, "lightning": 0.15}
+    budget = {s: args.budget * shares[s] / sum(shares[t] for t in sections) for s in sections}
+    log(f"{info}; budgets {budget}")
+    if "exactness" in sections:
+        lengths = (16, 40) if args.quick else (EXACT_TRAIN_LEN, 8 * EXACT_TRAIN_LEN)
+        results["exact"] = bench_exactness(rows, lengths, args.device, budget["exactness"], log)
+        save()
+    if "training" in sections:
+        quick = dict(length=128, batch=2, warmup=1, steps=1, reps=2) if args.quick else {}
+        settings_t = dict(length=1024, batch=16, warmup=3, steps=5, reps=5) | quick
+        xt = [f"xt:{r}" for r in XT_ROWS if r in rows]
+        results["training"] = bench_training(
+            ["nope"] + [r for r in rows if r != "nope"] + xt,
+            device=args.device,
+            budget=budget["training"],
+            log=log,
+            **settings_t,
+        )
+        save()
+    if "lightning" in sections:
+        quick = (
+            dict(length=64, batch=2, steps=3, reps=2) if args.quick else dict(length=512, batch=16, steps=30, reps=4)
+        )
+        results["lightning"] = bench_lightning(device=args.device, log=log, **quick)
+        save()
+    save()
+    log(f"wrote {args.out} in {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
