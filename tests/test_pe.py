@@ -1099,6 +1099,19 @@ def test_decoder_bf16_autocast_close_to_fp32(name):
     assert_close(low.float(), reference, atol=0.1, rtol=0.02)
 
 
+@pytest.mark.parametrize("name", PES)
+def test_decoder_computes_in_float64_when_its_parameters_are(name):
+    """Every PE follows the model's dtype: the float64 oracles (and the GPU check's reference) need it. FIRE cast
+    its positions to fp32 and failed in float64 (found by scripts/gpu_check.py)."""
+    net = tiny_decoder(PES[name])
+    x = tokens(TRAIN_LEN)
+    with torch.no_grad():
+        reference = net.logits(net(x))
+        wide = net.double().logits(net(x))
+    assert wide.dtype == torch.float64
+    assert_close(wide, reference.double(), atol=1e-4, rtol=1e-4)
+
+
 def test_denormals_flush_to_zero_in_every_thread():
     """Importing lenext flushes denormals, also in torch's worker threads (see lenext/__init__.py).
 

@@ -29,7 +29,8 @@ class FireBias(nn.Module):
         self.threshold_multiplier = nn.Parameter(torch.tensor(1.0))
 
     def forward(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-        """Increasing query positions (R,), key positions (K,) -> (H, R, K) fp32 bias (defined for j <= i).
+        """Increasing query positions (R,), key positions (K,) -> (H, R, K) bias in the parameters' dtype (defined
+        for j <= i).
 
         Rows before L_thr have the normaliser psi(L_thr): their bias is a function of i - j alone, so
         the MLP runs once per distance and is gathered (all of training when L_thr >= L_train).
@@ -54,11 +55,11 @@ class FireBias(nn.Module):
 
     def _by_distance(self, query_positions, key_positions, threshold) -> torch.Tensor:
         distance = (query_positions[:, None] - key_positions[None, :]).clamp(min=0)  # future keys: masked later
-        by_distance = self._psi(torch.arange(int(distance.max()) + 1, device=distance.device).float())
+        by_distance = self._psi(torch.arange(int(distance.max()) + 1, device=distance.device).to(self.c.dtype))
         return self._mlp(by_distance / (self._psi(threshold) + EPS))[:, distance]
 
     def _by_pair(self, query_positions, key_positions, threshold) -> torch.Tensor:
-        i, j = query_positions.float()[:, None], key_positions.float()[None, :]
+        i, j = query_positions.to(self.c.dtype)[:, None], key_positions.to(self.c.dtype)[None, :]
         return self._mlp(self._psi(i - j) / (self._psi(torch.maximum(i, threshold)) + EPS))
 
 
