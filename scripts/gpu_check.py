@@ -226,7 +226,6 @@ def xtransformers_net(row: str, length: int):
         depth=TRAIN_SHAPE["n_layers"],
         heads=TRAIN_SHAPE["n_heads"],
         attn_flash=row != "t5",  # x-transformers refuses flash with its T5 bias
-
         **pe[row],
     )
     return TransformerWrapper(
