@@ -128,6 +128,16 @@ def test_a_default_this_command_leaves_null_is_not_compared(compose_train):
         refuse_other_settings({"pe.max_distance": 64, "pe.num_buckets": 16}, cfg, "old.ckpt", "")
 
 
+def test_a_target_named_by_another_import_path_of_the_same_class_is_the_same_setting(compose_train):
+    """A run checkpointed when pe/rope_nope.yaml named lenext.pe.rope.RoPE resumes now that it names lenext.pe.RoPE."""
+    cfg = compose_train("pe=rope_nope")
+    refuse_other_settings({"pe.pes.rope._target_": "lenext.pe.rope.RoPE"}, cfg, "old.ckpt", "")
+    with pytest.raises(ConfigError, match=r"pe.pes.rope._target_='lenext.pe.ALiBi' there, 'lenext.pe.RoPE' here"):
+        refuse_other_settings({"pe.pes.rope._target_": "lenext.pe.ALiBi"}, cfg, "old.ckpt", "")
+    with pytest.raises(ConfigError, match=r"pe.pes.rope._target_='lenext.pe.Gone' there"):
+        refuse_other_settings({"pe.pes.rope._target_": "lenext.pe.Gone"}, cfg, "old.ckpt", "")
+
+
 def test_a_sweep_relaunched_with_other_settings_stops_at_its_first_job(tmp_path, small_text_corpus):
     sweep = tmp_path / "sweep"
     command = [

@@ -463,12 +463,25 @@ def run_identity(cfg: DictConfig, keys: tuple[str, ...] = RUN_IDENTITY, ignore: 
     )
 
 
+def same_setting(key: str, stored, here) -> bool:
+    """Equal values, or two import paths of one object in a ``_target_``: a config may name a class where its package
+    exports it (lenext.pe.RoPE) or where it is defined (lenext.pe.rope.RoPE), and configs have moved between them."""
+    if stored == here:
+        return True
+    if key.rpartition(".")[2] != "_target_" or not (isinstance(stored, str) and isinstance(here, str)):
+        return False
+    try:
+        return get_object(stored) is get_object(here)
+    except (ImportError, ValueError, AttributeError):
+        return False
+
+
 def refuse_other_settings(stored: dict, cfg: DictConfig, what: str, remedy: str) -> None:
     """A RunFolderMismatch naming the settings where ``stored`` (the identity of the run ``what`` belongs to) and this
     command differ. Not compared: keys ``stored`` lacks (written before they existed), and keys this command leaves
     null (a default the code resolves, which older runs stored resolved: T5's max_distance)."""
     here = run_identity(cfg, tuple(dict.fromkeys(key.split(".")[0] for key in stored)) or RUN_IDENTITY, ())
-    differing = [k for k in stored if k in here and here[k] is not None and stored[k] != here[k]]
+    differing = [k for k in stored if k in here and here[k] is not None and not same_setting(k, stored[k], here[k])]
     if differing:
         shown = "; ".join(f"{k}={stored[k]!r} there, {here[k]!r} here" for k in differing[:3])
         more = f" (and {len(differing) - 3} more)" if len(differing) > 3 else ""
