@@ -2,14 +2,17 @@
 
 Run on a machine with a CUDA GPU: ``make gpu-check`` (it installs what the machine's CUDA torch lacks from
 ``.gpu-wheels/``, made here by ``make gpu-wheels``). Sections, each written to the report as soon as it ends, so a
-run cut off keeps what it measured; each has a time budget and says which rows it did not reach:
+run cut off keeps what it measured; exactness and training take no new row once their share of ``--budget`` is
+spent, and say which rows they did not reach (training still times at least two repetitions; the Lightning
+section's size is fixed):
 
 1. exactness: every PE config (and the attention settings' rows), a 2-layer model at L_train 64, its per-token NLL
    and every parameter's gradient on CUDA against float64 on the CPU: fp32 (TF32 off) on the automatic path,
    fp32 with FlexAttention switched off (the SDPA-mask and explicit-block paths), and bf16 autocast; the CPU's
    fp32 path beside them. At L 64 and 512, positions 0..L-1, and at 512 positions drawn from [0, 1536).
 2. training: the small model (the largest preset: 6 x 256, 8 heads, vocab 8192), L 1024, batch 16, bf16
-   autocast, one AdamW step per iteration; every row interleaved round-robin (median of repetitions): tokens/s,
+   autocast, one AdamW step per iteration; every row warmed up (FlexAttention compiles there) and run once more
+   untimed, then interleaved round-robin (median of repetitions): tokens/s,
    ratio to NoPE, model FLOPs utilisation (``bench.training_flops_per_token`` against this GPU's measured bf16
    GEMM peak), peak memory.
 3. lightning: lenext's LightningModule under lightning.Trainer against a bare loop doing the same training
@@ -64,6 +67,8 @@ EXACT_TRAIN_LEN = 64
 TOLERANCE = {"fp32": (1e-4, 1e-3), "bf16": (0.1, 0.1)}
 TRAIN_SHAPE = bench.SMALL
 XT_ROWS = ["nope", "rope", "alibi", "t5"]
+# The GPU check's target: Lightning within 5% of a bare loop (the CPU benchmark allows 10%, bench.LIGHTNING_TARGET).
+LIGHTNING_TARGET = 1.05
 
 
 def all_rows() -> list[str]:
@@ -142,7 +147,6 @@ def exactness_case(net, length, drawn, device):
     tokens = torch.randint(0, EXACT_SHAPE["vocab_size"], (2, length + 1), generator=torch.Generator().manual_seed(1))
     tokens, targets = tokens[:, :-1], tokens[:, 1:]
     positions = randomized_positions(2, length, 3 * length, generator(0, length)) if drawn else None
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     ref = nll_and_grads(net, tokens, targets, positions, "cpu", torch.float64)
     arms = {"cpu fp32": lambda: nll_and_grads(net, tokens, targets, positions, "cpu", torch.float32)}
     if device == "cuda":
@@ -264,11 +268,13 @@ class Arm:
 
 def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log):
     start, arms, results = time.perf_counter(), {}, {"skipped": {}}
+    # One compile state for the section: every row's flex kernel stays compiled for the timed repetitions.
+    fresh_compile_state()
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(rows))
     for row in rows:  # warm up (FlexAttention compiles here) while the budget's first two thirds last
         if time.perf_counter() - start > budget * 2 / 3:
             results["skipped"][row] = "time budget"
             continue
-        fresh_compile_state()
         try:
             if device == "cuda":  # the row's own peak: the earlier rows' models and optimizers stay allocated
                 torch.cuda.reset_peak_memory_stats()
@@ -285,8 +291,10 @@ def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log
             results["skipped"][row] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             log(traceback.format_exc())
     names = list(arms)
+    for name in names:  # untimed: whatever a later row's compile evicted or re-guarded is compiled again here
+        arms[name].step()
     rates = {name: [] for name in names}
-    for rep in range(reps):
+    for rep in range(reps if names else 0):
         if rep > 1 and time.perf_counter() - start > budget:
             break
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
@@ -300,13 +308,13 @@ def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log
     peak = gpu_gemm_peak(device) if device == "cuda" else float("nan")
     results.update(gemm_peak=peak, length=length, batch=batch, steps=steps, reps=len(rates[names[0]]) if names else 0)
     for name in names:
-        paired = [r / n for r, n in zip(rates[name], rates.get("nope", rates[name]), strict=False)]
+        paired = [r / n for r, n in zip(rates[name], rates.get("nope", []), strict=False)]  # none: NoPE failed
         tokens_per_s = statistics.median(rates[name])
         flops = arms[name].flops
         results[name] = {
             "tokens_per_s": tokens_per_s,
-            "ratio": statistics.median(paired),
-            "range": (min(paired), max(paired)),
+            "ratio": statistics.median(paired) if paired else None,
+            "range": (min(paired), max(paired)) if paired else None,
             "mfu": tokens_per_s * flops / peak if flops else None,
             "peak_bytes": arms[name].peak,
         }
@@ -459,23 +467,24 @@ def render_training(training) -> list[str]:
         "PaLM's count (6 N + 6 layers d_model L per token, the PE's own work not counted) against this GPU's bf16 "
         f"GEMM peak measured in the run ({training['gemm_peak'] / 1e12:.0f} TFLOP/s). `xt:`: x-transformers.",
         "",
-        "| row | tokens/s | ratio vs nope | range | MFU | peak memory |",
+        "| row | tokens/s | ratio vs nope | range | MFU | peak memory (the row's own) |",
         "|---|---:|---:|---|---:|---:|",
     ]
     for name, r in training.items():
         if not isinstance(r, dict) or "tokens_per_s" not in r:
             continue
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        spread = "-" if r["range"] is None else f"{r['range'][0]:.2f}-{r['range'][1]:.2f}"
         lines.append(
-            f"| {name} | {r['tokens_per_s']:,.0f} | {r['ratio']:.2f} | {r['range'][0]:.2f}-{r['range'][1]:.2f} | "
-            f"{mfu} | {r['peak_bytes'] / 2**20:,.0f} MB |"
+            f"| {name} | {r['tokens_per_s']:,.0f} | {ratio} | {spread} | {mfu} | {r['peak_bytes'] / 2**20:,.0f} MB |"
         )
     lines += [f"- {name}: not measured ({why})" for name, why in training["skipped"].items()]
     return lines + ["", "<!-- --8<-- [end:training] -->", ""]
 
 
 def render_lightning(r) -> list[str]:
-    ratio = r["ms_lightning"] / r["ms_bare"]
+    ratio, target = r["ms_lightning"] / r["ms_bare"], LIGHTNING_TARGET
     return [
         "## Lightning against a bare loop",
         "<!-- --8<-- [start:lightning] -->",
@@ -484,7 +493,7 @@ def render_lightning(r) -> list[str]:
         f"{r['steps']} + 1 steps, {r['reps']} repetitions alternating; median step time.",
         "",
         f"- Lightning: {r['ms_lightning']:.2f} ms/step; bare loop: {r['ms_bare']:.2f} ms/step; ratio {ratio:.3f} "
-        f"(target <= 1.05: {'meets' if ratio <= 1.05 else 'misses'})",
+        f"(target <= {target:g}: {'meets' if ratio <= target else 'misses'})",
         "",
         "<!-- --8<-- [end:lightning] -->",
         "",
@@ -508,6 +517,8 @@ def main(argv=None) -> None:
     settings = {"command": " ".join(["python scripts/gpu_check.py", *(argv or sys.argv[1:])]), "elapsed": 0.0}
     info, results = environment(args.device), {}
     log_file = args.out.with_suffix(".log")
+    log_file.unlink(missing_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 exactness means fp32
 
     def log(message: str) -> None:
         print(message, flush=True)
@@ -519,7 +530,7 @@ def main(argv=None) -> None:
         write_atomic(args.out, render(info, settings, **results))
         write_atomic(args.out.with_suffix(".json"), json.dumps({"info": info, **results}, indent=1, default=str))
 
-    shares = {"exactness": 0.55, "training": 0.3, "lightning": 0.15}
+    shares = {"exactness": 0.55, "training": 0.3, "lightning": 0.15}  # lightning: kept free for its fixed size
     budget = {s: args.budget * shares[s] / sum(shares[t] for t in sections) for s in sections}
     log(f"{info}; budgets {budget}")
     if "exactness" in sections:

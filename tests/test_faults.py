@@ -18,7 +18,15 @@ from lenext.lock import LOCK_FILE, FolderInUse, hold_folder, release_folder
 from lenext.module import AtomicCheckpointIO
 from lenext.report import main as report_main
 from lenext.report import unwritable
-from lenext.run import TRAIN_NODES, TrainSettings, preflight, refuse_other_settings, resolve_training, train
+from lenext.run import (
+    TRAIN_NODES,
+    TrainSettings,
+    preflight,
+    refuse_other_settings,
+    resolve_training,
+    stage_settings,
+    train,
+)
 from tests.conftest import ROOT, small_corpus_overrides
 from tests.test_report import write_run
 
@@ -136,6 +144,16 @@ def test_a_target_named_by_another_import_path_of_the_same_class_is_the_same_set
         refuse_other_settings({"pe.pes.rope._target_": "lenext.pe.ALiBi"}, cfg, "old.ckpt", "")
     with pytest.raises(ConfigError, match=r"pe.pes.rope._target_='lenext.pe.Gone' there"):
         refuse_other_settings({"pe.pes.rope._target_": "lenext.pe.Gone"}, cfg, "old.ckpt", "")
+
+
+def test_a_second_stage_takes_a_base_whose_nested_target_names_its_class_by_another_path():
+    """DAPE's base (a PE inside the PE node) stored as lenext.pe.kerple.KERPLE, named lenext.pe.KERPLE now."""
+    theirs = {"_target_": "lenext.pe.dape.DAPE", "base": {"_target_": "lenext.pe.kerple.KERPLE", "kernel": "log"}}
+    here = {"_target_": "lenext.pe.DAPE", "base": {"_target_": "lenext.pe.KERPLE", "kernel": "log"}}
+    assert stage_settings(here, theirs, "pe", "base.ckpt")["base"] == theirs["base"]
+    other = {**here, "base": {"_target_": "lenext.pe.FIRE", "kernel": "log"}}
+    with pytest.raises(ConfigError, match=r"pe.base=.*is invalid for a second stage"):
+        stage_settings(other, theirs, "pe", "base.ckpt")
 
 
 def test_a_sweep_relaunched_with_other_settings_stops_at_its_first_job(tmp_path, small_text_corpus):

@@ -6,6 +6,7 @@ reading the corpus: a bad setting costs seconds, never a training run.
 """
 
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -300,7 +301,7 @@ def stage_pe(config: dict, pe_name: str, base: RunSpec, stage: Stage) -> dict:
             )
     pe, theirs = config["pe"], base.config["pe"]
     changeable = get_object(theirs["_target_"]).STAGE_SETTINGS
-    if pe["_target_"] != theirs["_target_"]:
+    if not same_setting("_target_", theirs["_target_"], pe["_target_"]):
         if pe.get("scaling", "none") != "none" and "scaling" not in changeable:
             raise ConfigError(
                 f"pe.scaling={pe['scaling']} is invalid for a second stage from {where}: its PE ({theirs['_target_']}) "
@@ -330,7 +331,7 @@ def stage_settings(pe: dict, theirs: dict, key: str, where: str) -> dict:
                 merged[name][member] = stage_settings(settings, theirs[name][member], f"{key}.pes.{member}", where)
         elif name in changeable:
             merged[name] = value
-        elif name not in schema.HYDRA_KEYS and value is not None and value != theirs.get(name):
+        elif name not in schema.HYDRA_KEYS and value is not None and not same_setting(name, theirs.get(name), value):
             may = ", ".join(f"{key}.{k}" for k in changeable) or "none of them"
             raise ConfigError(
                 f"{key}.{name}={value!r} is invalid for a second stage: {where} was trained with {key}.{name}="
@@ -464,16 +465,25 @@ def run_identity(cfg: DictConfig, keys: tuple[str, ...] = RUN_IDENTITY, ignore: 
 
 
 def same_setting(key: str, stored, here) -> bool:
-    """Equal values, or two import paths of one object in a ``_target_``: a config may name a class where its package
-    exports it (lenext.pe.RoPE) or where it is defined (lenext.pe.rope.RoPE), and configs have moved between them."""
+    """Equal values, where a ``_target_`` (``key`` or inside a mapping) may name its class by another import path:
+    a config may name it where its package exports it (lenext.pe.RoPE) or where it is defined
+    (lenext.pe.rope.RoPE), and configs have moved between them."""
+    if isinstance(stored, dict) and isinstance(here, dict):
+        return stored.keys() == here.keys() and all(same_setting(k, stored[k], here[k]) for k in stored)
     if stored == here:
         return True
     if key.rpartition(".")[2] != "_target_" or not (isinstance(stored, str) and isinstance(here, str)):
         return False
+    return imported(stored) is not None and imported(stored) is imported(here)
+
+
+def imported(path: str):
+    """The object an import path names, or None (no error printed: hydra's get_object logs one)."""
+    module, _, name = path.rpartition(".")
     try:
-        return get_object(stored) is get_object(here)
-    except (ImportError, ValueError, AttributeError):
-        return False
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
 
 
 def refuse_other_settings(stored: dict, cfg: DictConfig, what: str, remedy: str) -> None:
