@@ -9,7 +9,6 @@ the explicit cases run in a process of their own."""
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +19,9 @@ from lenext.cli import CONFIG_PACKAGE
 from lenext.evaluate import PeakMemory
 from lenext.model import Decoder
 from lenext.run import instantiate
+from tests.conftest import ROOT
 
 HEADS, TRAIN_LEN = 2, 64
-ROOT = Path(__file__).resolve().parents[1]
 FUSED = [
     ["pe=fox"],
     ["pe=fox_rope"],
