@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: help install study extension train test test-slow lint bench gpu-wheels gpu-check docs docs-serve clean
+.PHONY: help install study extension train test test-slow lint bench gpu-wheels gpu-env gpu-check gpu-study docs docs-serve clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -54,9 +54,25 @@ gpu-wheels:  ## the packages a CUDA image lacks, as Python 3.12 wheels -> .gpu-w
 		--platform manylinux2014_x86_64 -d .gpu-wheels $(GPU_WHEELS)
 	python3 -m pip wheel -q --no-deps -w .gpu-wheels antlr4-python3-runtime==4.9.3
 
-gpu-check:  ## on a CUDA machine: exactness and training speed of every PE -> benchmarks/gpu-check-run.md (docs/performance.md)
+gpu-env:
 	$(GPU_PY) -m pip install -q --no-index --no-deps --target .gpu-env --upgrade .gpu-wheels/*.whl
+
+gpu-check: gpu-env  ## on a CUDA machine: exactness and training speed of every PE -> benchmarks/gpu-check-run.md (docs/performance.md)
 	PYTHONPATH=.gpu-env:src $(GPU_PY) scripts/gpu_check.py $(ARGS)
+
+# One seed of experiment=paper, one process per PE side by side: a small model leaves a large GPU mostly idle.
+# Each starts once the one before has built its model, so the first trains and caches the tokenizer the others read.
+GPU_STUDY_PES ?= nope rope alibi t5
+gpu-study: gpu-env  ## on a CUDA machine: seed 0 of experiment=paper, PEs in parallel -> logs/studies/gpu_paper/<pe> (docs/performance.md)
+	@mkdir -p logs/studies/gpu_paper; pids=""; \
+	for pe in $(GPU_STUDY_PES); do \
+		PYTHONPATH=.gpu-env:src $(GPU_PY) train.py experiment=paper seed=0 pe=$$pe \
+			hydra.sweep.dir=logs/studies/gpu_paper/$$pe $(ARGS) > logs/studies/gpu_paper/$$pe.log 2>&1 & \
+		pids="$$pids $$!"; \
+		for i in $$(seq 120); do grep -q "parameters, PE" logs/studies/gpu_paper/$$pe.log && break; sleep 2; done; \
+	done; \
+	status=0; for p in $$pids; do wait $$p || status=1; done; \
+	tail -n 12 logs/studies/gpu_paper/*.log; exit $$status
 
 docs: install  ## build the documentation site into site/ in strict mode (a broken link, snippet or unlisted page fails)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
