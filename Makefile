@@ -69,7 +69,7 @@ gpu-study: gpu-env  ## on a CUDA machine: seed 0 of experiment=paper, PEs in par
 		PYTHONPATH=.gpu-env:src $(GPU_PY) train.py experiment=paper seed=0 pe=$$pe \
 			hydra.sweep.dir=logs/studies/gpu_paper/$$pe $(ARGS) > logs/studies/gpu_paper/$$pe.log 2>&1 & \
 		pids="$$pids $$!"; \
-		for i in $$(seq 120); do grep -q "parameters, PE" logs/studies/gpu_paper/$$pe.log && break; sleep 2; done; \
+		while kill -0 $$! 2>/dev/null && ! grep -q "parameters, PE" logs/studies/gpu_paper/$$pe.log; do sleep 2; done; \
 	done; \
 	status=0; for p in $$pids; do wait $$p || status=1; done; \
 	tail -n 12 logs/studies/gpu_paper/*.log; exit $$status

@@ -242,6 +242,15 @@ def test_checkpoint_evaluation_matches_training_validation_and_writes_documented
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: Lightning's teardown moves a model off CUDA")
+def test_the_sweep_after_training_runs_on_the_training_device(compose_train, small_text_corpus, tmp_path):
+    cfg = compose_train(
+        *small_corpus_overrides(small_text_corpus, "trainer=gpu", "trainer.max_steps=2", "eval.factors=[1]")
+    )
+    train(cfg)
+    assert json.loads((tmp_path / "results.json").read_text())["meta"]["device"].startswith("cuda")
+
+
 def test_an_override_that_changes_the_pes_weights_is_refused_before_the_corpus_loads(
     compose_train, small_text_corpus, tmp_path
 ):

@@ -643,7 +643,7 @@ def train(cfg: DictConfig) -> dict:
         speed = module.train_tokens / module.train_seconds * trainer.world_size if module.train_seconds else None
         path = evaluate_and_write(
             spec,
-            module.net,
+            module.net.to(trainer.strategy.root_device),  # fit's teardown leaves it on the CPU
             datamodule,
             "validation",
             tokens_trained(trainer, cfg.data),
