@@ -2,6 +2,7 @@
 (``Compose``, ``PerLayer``), against the naive float64 reference of tests/test_pe.py and by their definitions."""
 
 import math
+import re
 from functools import partial
 
 import pytest
@@ -13,8 +14,11 @@ import lenext.attention as attention_module
 from lenext.attention import AttentionSettings, LengthScale, causal_attention
 from lenext.errors import ConfigError
 from lenext.model import Decoder
-from lenext.pe import ALiBi, Compose, FoX, NoPE, PerLayer, RoPE, Sinusoidal
+from lenext.pe import ALiBi, Compose, FoX, NoPE, PerLayer, PoPE, RoPE, Sinusoidal
 from lenext.pe.base import sequential_positions
+from lenext.pe.bias import ShawRelative
+from lenext.pe.cope import CoPE
+from lenext.pe.path import PaTH
 from tests.test_pe import BATCH, BIAS_KINDS, HEAD_DIM, HEADS, explicit_path, make_bias_pe, naive_biased_attention
 
 KINDS = ("nope", *BIAS_KINDS)
@@ -170,6 +174,40 @@ def test_compose_sums_biases_and_chains_transforms():
     rotated = layer.rotate(q, k, positions)
     got = causal_attention(*rotated, v, layer.terms(None, *rotated, positions))
     assert_close(got.double(), naive_biased_attention(*rotated, v, pe.pes["alibi"], 1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "pes, message",
+    [
+        (
+            {"pope": PoPE, "rope": RoPE},
+            "pe.pes.rope (RoPE) rotates q and k at the head's width, which pe.pes.pope (PoPE) doubles: name it before "
+            "pope",
+        ),
+        (
+            {"cope": CoPE, "pope": PoPE},
+            "pe.pes.cope (CoPE) reads q and k at the head's width, which pe.pes.pope (PoPE) doubles: they cannot be "
+            "composed",
+        ),
+        ({"pope": PoPE, "path": PaTH}, "pe.pes.path (PaTH) reads q and k"),
+        ({"shaw": ShawRelative, "pope": PoPE}, "pe.pes.shaw (ShawRelative) reads q and k"),
+        (
+            {"pope": PoPE, "fox_rope": partial(Compose, pes={"fox": FoX, "rope": RoPE})},
+            "pe.pes.fox_rope (Compose) rotates",
+        ),
+    ],
+)
+def test_compose_refuses_a_pe_that_cannot_take_popes_doubled_q_and_k(pes, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        tiny(partial(Compose, pes=pes))
+
+
+@pytest.mark.parametrize("pes", [{"pope": PoPE, "nope": NoPE}, {"nope": NoPE, "pope": PoPE}])
+def test_pope_composed_with_nope_is_pope(pes):
+    """PoPE doubles q and k; the members that neither read nor rotate them compose with it, in either order."""
+    tokens = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    alone, composed = tiny(PoPE), tiny(partial(Compose, pes=pes))
+    assert_close(composed.token_nll(tokens[:, :-1], tokens[:, 1:]), alone.token_nll(tokens[:, :-1], tokens[:, 1:]))
 
 
 def stickbreaking(q, k, v, mask, cum_weight):

@@ -131,6 +131,10 @@ class PositionalEncoding(nn.Module):
 
     # The settings a second stage (context extension, ``init_from``) may change; it keeps the base's others.
     STAGE_SETTINGS: tuple[str, ...] = ()
+    # Whether a score term reads q and k themselves (at the head's width), not only their positions.
+    reads_qk: bool = False
+    # Whether ``rotate`` returns q and k wider than it takes them (PoPE's real and imaginary channels).
+    widens_qk: bool = False
 
     def __init__(self, shape: AttentionShape):
         super().__init__()
@@ -149,6 +153,11 @@ class PositionalEncoding(nn.Module):
     def embeds(self) -> bool:
         """Whether the PE adds to the token embeddings (then it cannot be one layer's PE of a mix)."""
         return type(self).embed is not PositionalEncoding.embed
+
+    @property
+    def rotates(self) -> bool:
+        """Whether the PE transforms q and k (then it expects them at the head's width)."""
+        return type(self).rotate is not PositionalEncoding.rotate
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k: (B, H, L, d_head) -> rotated q, k."""

@@ -134,6 +134,8 @@ class ShawRelative(PositionalEncoding):
     of the naive form is never built.
     """
 
+    reads_qk = True
+
     def __init__(self, shape: AttentionShape, k: PositiveInt = 16, value_term: bool = False):
         super().__init__(shape)
         self.k = k

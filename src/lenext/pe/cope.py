@@ -21,6 +21,8 @@ from lenext.schema import Range
 class CoPE(PositionalEncoding):
     """Contextual positions: every parameter is a layer's (``ContextualPositions``)."""
 
+    reads_qk = True
+
     def __init__(self, shape: AttentionShape, npos_max: Annotated[int, Range(2)] | None = None):
         super().__init__(shape)
         self.npos_max = npos_max or shape.train_len  # null: L_train, the positions a training row can count

@@ -31,6 +31,18 @@ class Members(PositionalEncoding):
         for index, (name, pe) in enumerate(pes.items()):
             self.add_module(f"pe{index}_{name}", pe)  # their shared parameters, once
 
+    @property
+    def reads_qk(self) -> bool:
+        return any(pe.reads_qk for pe in self.pes.values())
+
+    @property
+    def widens_qk(self) -> bool:
+        return any(pe.widens_qk for pe in self.pes.values())
+
+    @property
+    def rotates(self) -> bool:
+        return any(pe.rotates for pe in self.pes.values())
+
     def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:
         """Those of the PEs that have any (RoPE's scalings): every such PE takes the variant."""
         found = [variant for pe in self.pes.values() for variant in pe.variants(asked, longest) if variant is not None]
@@ -73,6 +85,17 @@ class Compose(Members):
         if not pes:
             raise ConfigError("pe.pes={} is invalid: it must name at least one PE")
         super().__init__(shape, {name: build(shape) for name, build in pes.items()})
+        widened = None  # the member before which q and k have the head's width
+        for name, pe in self.pes.items():
+            if pe.reads_qk or (widened and pe.rotates):
+                wider = widened or next((other for other, p in self.pes.items() if p.widens_qk), None)
+                if wider:
+                    raise ConfigError(
+                        f"pe.pes.{name} ({type(pe).__name__}) {'reads' if pe.reads_qk else 'rotates'} q and k "
+                        f"at the head's width, which pe.pes.{wider} ({type(self.pes[wider]).__name__}) doubles: "
+                        + ("they cannot be composed" if pe.reads_qk else f"name it before {wider}")
+                    )
+            widened = widened or (name if pe.widens_qk else None)
 
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         for pe in self.pes.values():

@@ -29,6 +29,8 @@ LOW_RANK = 32  # fla's low-rank w projection: d_model -> 32 -> d_model
 class PaTH(PositionalEncoding):
     """Data-dependent Householder products between each key and query; every parameter is a layer's."""
 
+    reads_qk = True
+
     def __init__(self, shape: AttentionShape, conv_size: PositiveInt = 3):
         super().__init__(shape)
         self.conv_size = conv_size
