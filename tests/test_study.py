@@ -4,6 +4,7 @@ import json
 import re
 from pathlib import Path
 
+import joblib
 import numpy as np
 import pandas as pd
 import pytest
@@ -168,12 +169,16 @@ def test_submitit_local_launcher_runs_a_two_job_sweep(small_text_corpus, tmp_pat
     assert lines == ["study: job 1 of 2 done (pe=nope", "study: job 2 of 2 done (pe=alibi"]
 
 
-def test_a_failing_job_is_recorded_and_the_sweep_goes_on(small_text_corpus, tmp_path):
+@pytest.mark.parametrize("launcher", ["basic", "parallel"])
+def test_a_failing_job_is_recorded_and_the_sweep_goes_on(small_text_corpus, tmp_path, launcher):
+    """With the basic launcher every job runs in the sweep's process; with `parallel` (joblib) two at once, each
+    in its own process with half the cores' torch threads, and the sweep counts the failures from their files."""
     result = run_train(
         tmp_path,
         "-m",
         *small_corpus_overrides(small_text_corpus, "trainer.max_steps=3", "eval.factors=[1]"),
         "data.max_len=0,32",
+        *(["hydra/launcher=parallel", "hydra.launcher.n_jobs=2"] if launcher == "parallel" else []),
         set_root=False,
     )
     assert "error: data.max_len=0 is invalid" in result.stderr
@@ -183,7 +188,10 @@ def test_a_failing_job_is_recorded_and_the_sweep_goes_on(small_text_corpus, tmp_
     assert "study: job 1 of 2 done (data.max_len=0, failed)\n" in result.stdout
     (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
     assert "data.max_len=0 is invalid" in (sweep / "0" / "error.txt").read_text()
-    assert json.loads((sweep / "1" / "results.json").read_text())["complete"]
+    results = json.loads((sweep / "1" / "results.json").read_text())
+    assert results["complete"]
+    if launcher == "parallel":
+        assert results["meta"]["hardware"]["torch_threads"] == max(1, joblib.cpu_count() // 2)
 
 
 def test_wandb_logs_offline_without_an_account_and_gets_the_results_table(

@@ -25,8 +25,9 @@ CONFIG_PACKAGE = "lenext.configs"
 
 # ${auto_precision:<accelerator>}: bf16-mixed on CUDA and on CPUs with native bf16, 32-true elsewhere.
 OmegaConf.register_new_resolver("auto_precision", default_precision, replace=True)
-# In run folder names: two sweeps started in the same second still get folders of their own.
-OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
+# In run folder names: two sweeps started in the same second still get folders of their own. Cached, so that the
+# jobs a launcher runs in other processes (joblib) resolve the launching process's, as Hydra's ${now:}.
+OmegaConf.register_new_resolver("pid", os.getpid, replace=True, use_cache=True)
 # The launch folder, known before Hydra's own config (hydra:runtime.cwd is not, when a sweep folder resolves).
 OmegaConf.register_new_resolver("cwd", os.getcwd, replace=True)
 

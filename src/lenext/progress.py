@@ -5,14 +5,16 @@
 launched the sweep, so the callback sees the whole sweep: N is the size of the sweep's grid, and the
 time left is the mean wall time of the jobs that trained (skipped ones, whose results were already
 complete, take seconds, and failed ones stop at any point: either would make the estimate meaningless)
-times the jobs left. Launchers that run jobs elsewhere (submitit) hand each job a copy of this callback
-as it was at launch, so there the line gives only the job's own number.
+times the jobs left. Launchers that run jobs elsewhere (submitit; joblib, hydra/launcher=parallel) hand each
+job a copy of this callback as it was at launch, so there the line gives only the job's own number, and at the
+sweep's end the launching process counts the error.txt files its jobs wrote.
 
 ``TrainingProgress``, a Lightning callback (configs/callbacks/default.yaml): while a run trains without
 a progress bar (the study presets turn it off), a line at every tenth of its steps and at least every
 30 s: `step n of N: loss, tokens/s; training ~T left; study ~T left`.
 """
 
+import glob
 import math
 import os
 import statistics
@@ -27,6 +29,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from lenext.evaluate import ERROR_FILE
 from lenext.schema import PositiveFloat
 
 
@@ -84,7 +87,7 @@ class StudyProgress(Callback):
         self.started = time.monotonic()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self.sweep_pid = os.getpid()
+        self.sweep_pid, self.launched = os.getpid(), time.time()
         self.total, self.swept_keys = sweep_grid(config.hydra.overrides.task, config.hydra.sweeper.get("params"))
         STUDY.total, STUDY.done, STUDY.trained_seconds = self.total, 0, self.trained_seconds
 
@@ -117,9 +120,22 @@ class StudyProgress(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         """A sweep with failed jobs exits 1, so that a script (make study) does not go on as if it were complete."""
-        if self.failed and self.sweep_pid == os.getpid():
-            print(f"study: {self.failed} of {self.done} jobs failed; each one's error.txt says why", file=sys.stderr)
+        if self.sweep_pid != os.getpid():
+            return
+        failed, done = self.failed, self.done
+        if not done:  # a launcher ran the jobs in other processes: each failed one wrote its error.txt since launch
+            failed, done = len(errors_since(config.hydra.sweep.dir, self.launched)), self.total
+        if failed:
+            of_done = f" of {done}" if done else ""
+            print(f"study: {failed}{of_done} jobs failed; each one's error.txt says why", file=sys.stderr)
             sys.exit(1)
+
+
+def errors_since(sweep_dir: str, launched: float) -> list[str]:
+    """The error files that jobs of the sweep folder ``sweep_dir`` wrote since ``launched`` (a job removes its
+    earlier one when it starts)."""
+    paths = glob.glob(os.path.join(glob.escape(sweep_dir), "**", ERROR_FILE), recursive=True)
+    return [path for path in paths if os.path.getmtime(path) >= launched]
 
 
 class TrainingProgress(L.Callback):
