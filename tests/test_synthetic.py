@@ -309,6 +309,7 @@ def test_the_probes_preset_is_a_checked_multirun_over_tasks_pes_and_seeds(compos
     assert params["probe"] == "copy,passkey,recall" and params["seed"] == "0,1,2"
     assert sweep_grid([], params)[0] == 3 * 3 * len(params["pe"].split(","))
     assert cfg.model.d_model == 64
+    assert cfg.hydra.launcher._target_.endswith("JoblibLauncher") and cfg.hydra.launcher.n_jobs == -1  # one per core
     # L_train, steps, lr decay, batch
     recipes = {"copy": (16, 4000, 0.1, 64), "passkey": (32, 800, 0.1, 32), "recall": (40, 4000, 1.0, 32)}
     for probe, recipe in recipes.items():  # every job's settings pass the pre-flight checks
