@@ -54,7 +54,7 @@ gpu-wheels:  ## the packages a CUDA image lacks, as Python 3.12 wheels -> .gpu-w
 		--platform manylinux2014_x86_64 -d .gpu-wheels $(GPU_WHEELS)
 	python3 -m pip wheel -q --no-deps -w .gpu-wheels antlr4-python3-runtime==4.9.3
 
-gpu-env:
+gpu-env:  ## on a CUDA machine: the wheels of .gpu-wheels/ into .gpu-env/ (gpu-check and gpu-study do it first)
 	$(GPU_PY) -m pip install -q --no-index --no-deps --target .gpu-env --upgrade .gpu-wheels/*.whl
 
 gpu-check: gpu-env  ## on a CUDA machine: exactness and training speed of every PE -> benchmarks/gpu-check-run.md (docs/performance.md)

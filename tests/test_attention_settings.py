@@ -181,12 +181,12 @@ def test_compose_sums_biases_and_chains_transforms():
     [
         (
             {"pope": PoPE, "rope": RoPE},
-            "pe.pes.rope (RoPE) rotates q and k at the head's width, which pe.pes.pope (PoPE) doubles: name it before "
+            "pe.pes.rope (RoPE) rotates q and k at the head's width, which pe.pes.pope (PoPE) widens: name it before "
             "pope",
         ),
         (
             {"cope": CoPE, "pope": PoPE},
-            "pe.pes.cope (CoPE) reads q and k at the head's width, which pe.pes.pope (PoPE) doubles: they cannot be "
+            "pe.pes.cope (CoPE) reads q and k at the head's width, which pe.pes.pope (PoPE) widens: they cannot be "
             "composed",
         ),
         ({"pope": PoPE, "path": PaTH}, "pe.pes.path (PaTH) reads q and k"),
@@ -195,11 +195,22 @@ def test_compose_sums_biases_and_chains_transforms():
             {"pope": PoPE, "fox_rope": partial(Compose, pes={"fox": FoX, "rope": RoPE})},
             "pe.pes.fox_rope (Compose) rotates",
         ),
+        ({"rope": partial(RoPE, scaling="self_extend"), "pope": PoPE}, "pe.pes.rope (RoPE) reads q and k"),
     ],
 )
 def test_compose_refuses_a_pe_that_cannot_take_popes_doubled_q_and_k(pes, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         tiny(partial(Compose, pes=pes))
+
+
+def test_compose_takes_pope_in_another_layer_than_cope_and_drops_the_variants_it_cannot_serve():
+    """A per-layer mix of PoPE and CoPE gives them different layers, so it composes with ALiBi; RoPE before PoPE
+    serves every scaling but self_extend, whose logits read the widened q and k."""
+    per_layer = partial(PerLayer, pes={"pope": PoPE, "cope": CoPE}, pattern=["pope", "cope"])
+    mixed = Compose(make_bias_pe("alibi").shape, {"mix": per_layer, "alibi": ALiBi})
+    assert mixed.widens_qk and mixed.reads_qk
+    rope_pope = Compose(make_bias_pe("alibi").shape, {"rope": RoPE, "pope": PoPE})
+    assert rope_pope.variants(["none", "linear", "self_extend"], 4 * 64) == ["none", "linear"]
 
 
 @pytest.mark.parametrize("pes", [{"pope": PoPE, "nope": NoPE}, {"nope": NoPE, "pope": PoPE}])

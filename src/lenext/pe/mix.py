@@ -85,17 +85,34 @@ class Compose(Members):
         if not pes:
             raise ConfigError("pe.pes={} is invalid: it must name at least one PE")
         super().__init__(shape, {name: build(shape) for name, build in pes.items()})
-        widened = None  # the member before which q and k have the head's width
+        conflict = self.widened_qk_conflict()
+        if conflict:
+            raise ConfigError(conflict)
+
+    def widened_qk_conflict(self) -> str | None:
+        """Why a member cannot take the q and k another widens (PoPE's), if one cannot."""
+        widened = None  # the member after which q and k are wider than the head
         for name, pe in self.pes.items():
             if pe.reads_qk or (widened and pe.rotates):
-                wider = widened or next((other for other, p in self.pes.items() if p.widens_qk), None)
+                wider = widened or next((o for o, p in self.pes.items() if p.widens_qk and o != name), None)
                 if wider:
-                    raise ConfigError(
+                    return (
                         f"pe.pes.{name} ({type(pe).__name__}) {'reads' if pe.reads_qk else 'rotates'} q and k "
-                        f"at the head's width, which pe.pes.{wider} ({type(self.pes[wider]).__name__}) doubles: "
+                        f"at the head's width, which pe.pes.{wider} ({type(self.pes[wider]).__name__}) widens: "
                         + ("they cannot be composed" if pe.reads_qk else f"name it before {wider}")
                     )
             widened = widened or (name if pe.widens_qk else None)
+        return None
+
+    def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:
+        """The members' variants but those under which a member cannot take the widened q and k (RoPE's
+        self_extend beside PoPE computes its logits from them)."""
+        served = []
+        for name in super().variants(asked, longest):
+            with self.variant(name):
+                if self.widened_qk_conflict() is None:
+                    served.append(name)
+        return served
 
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         for pe in self.pes.values():

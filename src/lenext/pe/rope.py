@@ -341,6 +341,10 @@ class RoPE(PositionalEncoding):
         angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
         return torch.polar(torch.full_like(angles, attention_factor), angles)[:, None].to(device, torch.complex64)
 
+    @property
+    def reads_qk(self) -> bool:
+        return self.scaling == "self_extend"  # RoPE.logits computes them from q and k
+
     def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:
         span = self.shape.trained_positions
         if longest <= span and (self.scaling == "none" or (self.factor is None and self.original_len >= span)):
