@@ -14,7 +14,7 @@ import lenext.attention as attention_module
 from lenext.attention import AttentionSettings, LengthScale, causal_attention
 from lenext.errors import ConfigError
 from lenext.model import Decoder
-from lenext.pe import ALiBi, Compose, FoX, NoPE, PerLayer, PoPE, RoPE, Sinusoidal
+from lenext.pe import KERPLE, ALiBi, Compose, FoX, NoPE, PerLayer, PoPE, RoPE, Sinusoidal
 from lenext.pe.base import sequential_positions
 from lenext.pe.bias import ShawRelative
 from lenext.pe.cope import CoPE
@@ -204,11 +204,12 @@ def test_compose_refuses_a_pe_that_cannot_take_popes_doubled_q_and_k(pes, messag
 
 
 def test_compose_takes_pope_in_another_layer_than_cope_and_drops_the_variants_it_cannot_serve():
-    """A per-layer mix of PoPE and CoPE gives them different layers, so it composes with ALiBi; RoPE before PoPE
+    """A per-layer mix of PoPE and CoPE gives them different layers, so it composes with KERPLE; RoPE before PoPE
     serves every scaling but self_extend, whose logits read the widened q and k."""
     per_layer = partial(PerLayer, pes={"pope": PoPE, "cope": CoPE}, pattern=["pope", "cope"])
-    mixed = Compose(make_bias_pe("alibi").shape, {"mix": per_layer, "alibi": ALiBi})
-    assert mixed.widens_qk and mixed.reads_qk
+    mixed = tiny(partial(Compose, pes={"mix": per_layer, "kerple": KERPLE}), layers=2)
+    tokens = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(mixed.token_nll(tokens[:, :-1], tokens[:, 1:])).all()  # each layer's q and k as it needs
     rope_pope = Compose(make_bias_pe("alibi").shape, {"rope": RoPE, "pope": PoPE})
     assert rope_pope.variants(["none", "linear", "self_extend"], 4 * 64) == ["none", "linear"]
 
