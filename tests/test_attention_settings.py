@@ -209,7 +209,26 @@ def test_compose_takes_pope_in_another_layer_than_cope_and_drops_the_variants_it
     per_layer = partial(PerLayer, pes={"pope": PoPE, "cope": CoPE}, pattern=["pope", "cope"])
     mixed = tiny(partial(Compose, pes={"mix": per_layer, "kerple": KERPLE}), layers=2)
     tokens = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
-    assert torch.isfinite(mixed.token_nll(tokens[:, :-1], tokens[:, 1:])).all()  # each layer's q and k as it needs
+    first_block = []
+    mixed.blocks[0].register_forward_hook(lambda module, args, output: first_block.append(output))
+
+    def run(parameter: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+        first_block.clear()
+        with torch.no_grad():
+            saved = parameter.clone()
+            before = (mixed(tokens), first_block[-1])
+            # a drawn change, not a constant, which softmax would drop
+            parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)))
+            after = (mixed(tokens), first_block[-1])
+            parameter.copy_(saved)
+        return before, after
+
+    # CoPE's embedding is layer 1's alone: layer 0 (PoPE) does not see it, the logits do; PoPE's phase reaches layer 0
+    (logits, first), (logits_moved, first_moved) = run(mixed.blocks[1].attn.pe.parts[0].embedding)
+    assert_close(first_moved, first, atol=0, rtol=0)
+    assert not torch.allclose(logits_moved, logits)
+    (_, first), (_, first_moved) = run(mixed.pe.pe0_mix.pe0_pope.phase_bias)
+    assert not torch.allclose(first_moved, first)
     rope_pope = Compose(make_bias_pe("alibi").shape, {"rope": RoPE, "pope": PoPE})
     assert rope_pope.variants(["none", "linear", "self_extend"], 4 * 64) == ["none", "linear"]
 
