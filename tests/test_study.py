@@ -12,12 +12,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
 from lenext.cli import CONFIG_PACKAGE
 from lenext.evaluate import evaluate_length, windows_for
+from lenext.files import write_atomic
 from lenext.model import Decoder
 from lenext.pe import ALiBi
-from lenext.progress import duration, sweep_grid
+from lenext.progress import StudyProgress, duration, sweep_grid
 from lenext.run import train
 from tests.conftest import run_train, small_corpus_overrides
 
@@ -196,6 +198,39 @@ def test_a_failing_job_is_recorded_and_the_sweep_goes_on(small_text_corpus, tmp_
         cores = joblib.cpu_count()
         threads = min(int(os.environ.get("OMP_NUM_THREADS", cores)), max(1, cores // 2))
         assert results["meta"]["hardware"]["torch_threads"] == threads
+
+
+def test_a_sweep_run_elsewhere_counts_the_error_files_its_jobs_wrote_whatever_their_clock(tmp_path, capsys):
+    """Jobs run in other processes (joblib, submitit) leave only their error files. Those the sweep's jobs wrote are
+    the new ones, told apart from a file of an earlier sweep by identity, not by time: a file server's clock may be
+    behind this machine's."""
+    sweep = tmp_path / "sweep"
+    for job in ("0", "1", "2"):
+        (sweep / job).mkdir(parents=True)
+    write_atomic(sweep / "2" / "error.txt", "an earlier sweep's failure, not relaunched\n")
+    config = OmegaConf.create(
+        {"hydra": {"sweep": {"dir": str(sweep)}, "overrides": {"task": ["pe=nope,rope"]}, "sweeper": {"params": None}}}
+    )
+    progress = StudyProgress()
+    progress.on_multirun_start(config)
+    # Job 0 fails on a node whose file server stamps its error file an hour behind the launching machine.
+    write_atomic(sweep / "0" / "error.txt", "data.max_len=0 is invalid\n")
+    an_hour_ago = os.stat(sweep / "0" / "error.txt").st_mtime - 3600
+    os.utime(sweep / "0" / "error.txt", (an_hour_ago, an_hour_ago))
+    with pytest.raises(SystemExit) as exit:
+        progress.on_multirun_end(config)
+    assert exit.value.code == 1
+    assert "study: 1 of 2 jobs failed; each one's error.txt says why" in capsys.readouterr().err
+
+    # Relaunched, the same job fails again: its new file counts; a sweep whose jobs all succeed exits normally.
+    progress.on_multirun_start(config)
+    (sweep / "0" / "error.txt").unlink()
+    write_atomic(sweep / "0" / "error.txt", "data.max_len=0 is invalid\n")
+    with pytest.raises(SystemExit):
+        progress.on_multirun_end(config)
+    progress.on_multirun_start(config)
+    (sweep / "0" / "error.txt").unlink()
+    progress.on_multirun_end(config)
 
 
 def test_wandb_logs_offline_without_an_account_and_gets_the_results_table(

@@ -87,7 +87,7 @@ class StudyProgress(Callback):
         self.started = time.monotonic()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self.sweep_pid, self.launched = os.getpid(), time.time()
+        self.sweep_pid, self.earlier_errors = os.getpid(), error_files(config.hydra.sweep.dir)
         self.total, self.swept_keys = sweep_grid(config.hydra.overrides.task, config.hydra.sweeper.get("params"))
         STUDY.total, STUDY.done, STUDY.trained_seconds = self.total, 0, self.trained_seconds
 
@@ -123,19 +123,27 @@ class StudyProgress(Callback):
         if self.sweep_pid != os.getpid():
             return
         failed, done = self.failed, self.done
-        if not done:  # a launcher ran the jobs in other processes: each failed one wrote its error.txt since launch
-            failed, done = len(errors_since(config.hydra.sweep.dir, self.launched)), self.total
+        if not done:  # a launcher ran the jobs in other processes: each failed one wrote a new error.txt
+            written = error_files(config.hydra.sweep.dir).items() - self.earlier_errors.items()
+            failed, done = len(written), self.total
         if failed:
             of_done = f" of {done}" if done else ""
             print(f"study: {failed}{of_done} jobs failed; each one's error.txt says why", file=sys.stderr)
             sys.exit(1)
 
 
-def errors_since(sweep_dir: str, launched: float) -> list[str]:
-    """The error files that jobs of the sweep folder ``sweep_dir`` wrote since ``launched`` (a job removes its
-    earlier one when it starts)."""
+def error_files(sweep_dir: str) -> dict[str, tuple[int, int]]:
+    """The error files under the sweep folder ``sweep_dir``, each with its identity (inode, mtime in ns).
+
+    A job removes its earlier error file when it starts and writes a new one (a new file, renamed into place)
+    when it fails, so the files a sweep's jobs wrote are those whose identity changed; comparing identities
+    needs no clock, where a file server's clock may differ from this machine's."""
     paths = glob.glob(os.path.join(glob.escape(sweep_dir), "**", ERROR_FILE), recursive=True)
-    return [path for path in paths if os.path.getmtime(path) >= launched]
+    identities = {}
+    for path in paths:
+        stat = os.stat(path)
+        identities[path] = (stat.st_ino, stat.st_mtime_ns)
+    return identities
 
 
 class TrainingProgress(L.Callback):
