@@ -233,6 +233,22 @@ def test_compose_takes_pope_in_another_layer_than_cope_and_drops_the_variants_it
     assert rope_pope.variants(["none", "linear", "self_extend"], 4 * 64) == ["none", "linear"]
 
 
+def test_compose_refuses_two_pes_that_compute_the_logits_when_built_and_drops_such_a_variant():
+    """PaTH and RoPE's Self-Extend each compute a layer's logits, which no sum of terms can merge: the model refuses
+    them when it is built (not at its first forward, after the data is read), and a sweep over RoPE's scalings of
+    RoPE + PaTH leaves out self_extend."""
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "pe.pes.rope (RoPE) and pe.pes.path (PaTH) each compute the attention logits themselves: they cannot be "
+            "composed"
+        ),
+    ):
+        tiny(partial(Compose, pes={"rope": partial(RoPE, scaling="self_extend"), "path": PaTH}))
+    rope_path = Compose(make_bias_pe("alibi").shape, {"rope": RoPE, "path": PaTH})
+    assert rope_path.variants(["none", "linear", "self_extend"], 4 * 64) == ["none", "linear"]
+
+
 @pytest.mark.parametrize("pes", [{"pope": PoPE, "nope": NoPE}, {"nope": NoPE, "pope": PoPE}])
 def test_pope_composed_with_nope_is_pope(pes):
     """PoPE doubles q and k; the members that neither read nor rotate them compose with it, in either order."""

@@ -135,6 +135,8 @@ class PositionalEncoding(nn.Module):
     reads_qk: bool = False
     # Whether ``rotate`` returns q and k wider than it takes them (PoPE's real and imaginary channels).
     widens_qk: bool = False
+    # Whether its layers compute the attention logits themselves (PaTH, RoPE's Self-Extend): one PE of a layer at most.
+    computes_logits: bool = False
 
     def __init__(self, shape: AttentionShape):
         super().__init__()

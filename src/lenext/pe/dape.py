@@ -3,9 +3,10 @@
 A base bias b (KERPLE in the paper's main rows; FIRE too) refined by the content: each layer's MLP sees, per pair
 (i, j), the scaled logits s_ij = q_i . k_j / sqrt(d_head) of every head and the base bias of every head, and
 adds one output per head: z_ij = s_ij + b_ij + f([s_ij; b_ij]), f = Linear(2H, W) -> LeakyReLU -> Linear(W, H),
-W = ``mlp_width`` (32 in the reference code's configs), with torch's default initialisation, as
-chuanyang-Zheng/DAPE's ``ParallelKerpleLog_DAPE``. The MLP needs every logit of a pair: only the explicit query
-blocks compute it, its hidden activations in chunks of rows (memory O(rows x keys) per block).
+W = ``mlp_width`` (32 in the reference code's configs), as chuanyang-Zheng/DAPE's ``ParallelKerpleLog_DAPE``
+(its weights start as the model's other linear weights, not at torch's default as there: docs/pes/dape.md). The
+MLP needs every logit of a pair: only the explicit query blocks compute it, its hidden activations in chunks of
+rows (memory O(rows x keys) per block).
 """
 
 from collections.abc import Callable

@@ -40,6 +40,10 @@ class Members(PositionalEncoding):
         return any(pe.widens_qk for pe in self.pes.values())
 
     @property
+    def computes_logits(self) -> bool:
+        return any(pe.computes_logits for pe in self.pes.values())
+
+    @property
     def rotates(self) -> bool:
         return any(pe.rotates for pe in self.pes.values())
 
@@ -85,12 +89,16 @@ class Compose(Members):
         if not pes:
             raise ConfigError("pe.pes={} is invalid: it must name at least one PE")
         super().__init__(shape, {name: build(shape) for name, build in pes.items()})
-        conflict = self.widened_qk_conflict()
+        conflict = self.conflict()
         if conflict:
             raise ConfigError(conflict)
 
-    def widened_qk_conflict(self) -> str | None:
-        """Why a member cannot take the q and k another widens (PoPE's), if one cannot."""
+    def conflict(self) -> str | None:
+        """Why the members cannot serve one layer together, if they cannot: two compute the logits, or one cannot
+        take the q and k another widens (PoPE's)."""
+        computing = [f"pe.pes.{name} ({type(pe).__name__})" for name, pe in self.pes.items() if pe.computes_logits]
+        if len(computing) > 1:
+            return f"{' and '.join(computing)} each compute the attention logits themselves: they cannot be composed"
         widened = None  # the member after which q and k are wider than the head
         for name, pe in self.pes.items():
             if pe.reads_qk or (widened and pe.rotates):
@@ -105,12 +113,12 @@ class Compose(Members):
         return None
 
     def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:
-        """The members' variants but those under which a member cannot take the widened q and k (RoPE's
-        self_extend beside PoPE computes its logits from them)."""
+        """The members' variants but those under which the members cannot serve a layer together (RoPE's
+        self_extend computes its logits from q and k, which PoPE widens, and beside PaTH, which computes its own)."""
         served = []
         for name in super().variants(asked, longest):
             with self.variant(name):
-                if self.widened_qk_conflict() is None:
+                if self.conflict() is None:
                     served.append(name)
         return served
 

@@ -30,6 +30,7 @@ class PaTH(PositionalEncoding):
     """Data-dependent Householder products between each key and query; every parameter is a layer's."""
 
     reads_qk = True
+    computes_logits = True
 
     def __init__(self, shape: AttentionShape, conv_size: PositiveInt = 3):
         super().__init__(shape)

@@ -345,6 +345,10 @@ class RoPE(PositionalEncoding):
     def reads_qk(self) -> bool:
         return self.scaling == "self_extend"  # RoPE.logits computes them from q and k
 
+    @property
+    def computes_logits(self) -> bool:
+        return self.scaling == "self_extend"
+
     def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:
         span = self.shape.trained_positions
         if longest <= span and (self.scaling == "none" or (self.factor is None and self.original_len >= span)):
