@@ -257,6 +257,47 @@ def test_pope_composed_with_nope_is_pope(pes):
     assert_close(composed.token_nll(tokens[:, :-1], tokens[:, 1:]), alone.token_nll(tokens[:, :-1], tokens[:, 1:]))
 
 
+@pytest.mark.parametrize(
+    "window, scale, normalizer",
+    [
+        (5, "none", "softmax"),
+        (None, "ssmax", "softmax"),
+        (None, "logn", "softmax"),
+        (5, "ssmax", "softmax"),
+        (None, "none", "stick_breaking"),
+        (5, "none", "stick_breaking"),
+    ],
+)
+def test_a_decoder_layer_attends_as_its_attention_settings_say(window, scale, normalizer):
+    """What reaches a layer's attention from ``attention.*``: its output equals float64 attention written from the
+    settings' definitions (keys i - W < j <= i; logits times s_h log n_i or log n_i / log L_train, n_i the keys row
+    i attends; softmax, or sb_ref's stick-breaking), from the layer's own q, k, v."""
+    net = tiny(NoPE, AttentionSettings(window=window, scale=scale, normalizer=normalizer), layers=1)
+    attn = net.blocks[0].attn
+    if scale == "ssmax":  # heads apart, so that a head's scale given to another shows
+        with torch.no_grad():
+            attn.length_scale.per_head.copy_(torch.tensor([0.2, 0.5, 0.9, 1.4])[:HEADS])
+    seen = []
+    attn.register_forward_hook(lambda module, args, output: seen.append((args[0], output)))
+    net(torch.randint(0, 64, (2, 30), generator=torch.Generator().manual_seed(0)))
+    (x, got), length = seen[0], 30
+    q, k, v = attn.qkv(x).double().view(2, length, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    attended = (j <= i) & ((i - j < window) if window else True)
+    if normalizer == "stick_breaking":
+        y = stick_breaking_reference(q, k, v, window)
+    else:
+        logits = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
+        n = attended.sum(-1).double()  # (L,)
+        if scale == "ssmax":
+            logits = logits * (attn.length_scale.per_head.double()[:, None, None] * n.log()[None, :, None])
+        elif scale == "logn":
+            logits = logits * (n.log() / math.log(16))[:, None]  # tiny(): L_train 16
+        y = logits.masked_fill(~attended, float("-inf")).softmax(-1) @ v
+    expected = attn.out(y.transpose(1, 2).reshape(2, length, -1).float())
+    assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
 def stickbreaking(q, k, v, mask, cum_weight):
     """shawntan/stickbreaking-attention's ``sb_ref.stickbreaking`` (stickbreaking_attention/sb_ref.py, commit
     3147a38), verbatim: the package needs triton."""

@@ -44,7 +44,8 @@ def test_rope_ntk_is_rope_with_ntk_scaling(compose_train):
 
 
 @pytest.mark.parametrize("pe", ALL_PES)
-def test_fast_dev_run_trains_every_pe(compose_train, pe):
+def test_every_pe_config_builds_and_runs_a_training_step_and_validation(compose_train, pe):
+    """A smoke check of the configs (each PE's numbers are tested against references in test_pe.py and beside)."""
     cfg = compose_train(*tiny_overrides(f"pe={pe}", "trainer.fast_dev_run=true"))
     metrics = train(cfg)
     assert 1 < metrics["val/ppl"] < 10 * 512  # finite, and not absurd for an untrained 512-token model

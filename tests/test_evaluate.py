@@ -14,7 +14,7 @@ import lenext.attention.band
 import lenext.evaluate
 import lenext.model
 from lenext.errors import ConfigError
-from lenext.evaluate import TextEvaluation, evaluate_length, sweep, sweep_plan, windows_for
+from lenext.evaluate import TextEvaluation, cap_windows, evaluate_length, sweep, sweep_plan, windows_for
 from lenext.model import Decoder
 from lenext.pe import ALiBi, Learned, RoPE, T5Bias
 from lenext.run import evaluate_checkpoint, train
@@ -84,6 +84,17 @@ def sweep_of(net, evaluation, train_len, settings):
     return sweep(net, evaluation, sweep_plan(settings, train_len, None, evaluation.protocols), settings)
 
 
+def test_the_plan_defaults_and_the_window_cap_are_as_documented():
+    """configs/eval/default.yaml: a null stride is half of L_train, a null last_k the shortest length; eval.max_windows
+    keeps every k-th window, spread over all of them, not the first ones."""
+    plan = sweep_plan(eval_cfg(factors=[2, 4, 8]), 16, None, ("nonoverlap", "sliding", "last_k"))
+    assert (plan.lengths, plan.stride, plan.k) == ([32, 64, 128], 8, 32)
+    given = sweep_plan(eval_cfg(stride=3, last_k=5), 16, None, ("nonoverlap",))
+    assert (given.lengths, given.stride, given.k) == ([16, 32, 64], 3, 5)
+    assert cap_windows(list(range(100)), 7) == list(range(0, 100, 15))
+    assert cap_windows(list(range(10)), None) == list(range(10))
+
+
 @pytest.mark.parametrize("protocol", ["nonoverlap", "sliding", "last_k"])
 def test_perplexity_equals_exp_mean_nll_of_a_plain_per_window_loop(protocol):
     net, docs = tiny_net(), random_documents()
@@ -136,11 +147,20 @@ def test_query_chunked_evaluation_equals_unchunked(pe, monkeypatch):
 
 
 def test_per_position_curve_averages_the_windows():
+    """curve[p]: the mean NLL of the target at position p of a window, over the windows (a one-window-at-a-time
+    reference: a curve shifted or reversed would still average to the mean NLL)."""
     net, docs = tiny_net(), random_documents(2)
     windows = windows_for("nonoverlap", [len(d) for d in docs], 16)
     result = evaluate_length(net, docs, windows, 16, 1000, per_position=True)
     assert result["curve_counts"] == [len(windows)] * 16
     assert np.mean(result["curve"]) == pytest.approx(result["mean_nll"], rel=1e-6)  # MeanMetric sums in fp32
+    with torch.no_grad():
+        per_window = []
+        for w in windows:
+            ids = torch.from_numpy(docs[w.document][w.start : w.start + 17]).long()[None]
+            logp = torch.log_softmax(net.logits(net(ids[:, :-1])).double(), -1)[0]
+            per_window.append(-logp[torch.arange(16), ids[0, 1:]])
+    np.testing.assert_allclose(result["curve"], torch.stack(per_window).mean(0).numpy(), rtol=1e-5)
 
 
 def test_learned_beyond_max_len_is_not_applicable_and_the_sweep_goes_on():

@@ -171,6 +171,17 @@ def test_pose_positions_skip_and_reach_the_target_length():
     assert (last - (length - 1)).double().mean().item() == pytest.approx((target_len - length) / 2, abs=25)
 
 
+def test_pose_positions_with_three_chunks_skip_again_from_the_last_skip():
+    """u_2 uniform on [u_1, L_t - L_c] after u_1 uniform on [0, L_t - L_c]: the last position sits at (L_c - 1) + u_2,
+    whose mean is 3/4 of the slack (no second skip would give 1/2; a second skip from 0, a non-increasing row)."""
+    target_len, length = 512, 16
+    positions = pose_positions(1000, length, target_len, 3, generator(2))
+    assert (jumps(positions) == 2).float().mean() > 0.9  # both skips positive in nearly every row
+    # u_2 = slack (1 - (1 - U_1)(1 - U_2)): sd 0.22 slack = 109, / sqrt(1000) = 3.5, so +- 20 is 6 sd.
+    u_2 = (positions[:, -1] - (length - 1)).double()
+    assert u_2.mean().item() == pytest.approx(0.75 * (target_len - length), abs=20)
+
+
 def test_pose_positions_cut_anywhere_in_the_window():
     """The jump of a 2-chunk row sits at its cut, uniform over the L - 1 places between tokens."""
     positions = pose_positions(2000, 8, 512, 2, generator(1))

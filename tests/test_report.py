@@ -132,6 +132,7 @@ def test_significance_rule_separates_only_differences_beyond_two_std_with_consis
                 "shaw": [12.0, 13.0, 14.0],  # 13 ± 1: exactly 2 std apart -> not separable (strictly more needed)
                 "nope": [11.5, 12.5, 13.5],  # 12.5 ± 1: within 2 std of alibi -> not separable
                 "rope": [30.0, 31.0, 11.5],  # 24.2 ± 11: far in mean, but within 2 std
+                "kerple": [12.5, 13.5, 14.5],  # 13.5 ± 1: 2.5 apart, beyond 2 max(std), within a pooled 2 sqrt(2)
             },
         )
     )
@@ -140,6 +141,7 @@ def test_significance_rule_separates_only_differences_beyond_two_std_with_consis
     assert separable(frame, "shaw", "alibi", 64, "nonoverlap", 64) is False
     assert separable(frame, "nope", "alibi", 64, "nonoverlap", 64) is False
     assert separable(frame, "rope", "alibi", 64, "nonoverlap", 64) is False
+    assert separable(frame, "kerple", "alibi", 64, "nonoverlap", 64) is True  # the larger std, not a pooled one
     assert separable(summarize(frame), "t5", "alibi", 64, "nonoverlap", 64) is True  # the tables work as well
 
     # 11.2 ± 2.7 vs 16.8 ± 0.5: more than 2 std apart, but seed 4's pair is ordered the other way.
