@@ -318,6 +318,29 @@ def test_llama3_matches_transformers(dim, base, factor, low, high):
         assert attention == expected_attention == 1.0
 
 
+@pytest.mark.parametrize(
+    "scaling, settings",
+    [
+        ("yarn", {"beta_fast": 16.0, "beta_slow": 2.0}),
+        ("llama3", {"low_freq_factor": 2.0, "high_freq_factor": 8.0}),
+    ],
+)
+def test_ropes_own_scaling_settings_reach_its_frequencies(scaling, settings):
+    """pe.beta_fast/beta_slow (YaRN) and pe.low_freq_factor/high_freq_factor (Llama 3) set on ``RoPE`` give
+    transformers' frequencies for the same settings (the defaults would not)."""
+    hf = hf_rope()
+    dim, train_len = 64, 256
+    pe = RoPE(AttentionShape(dim * 2, 2, 1, train_len), scaling=scaling, factor=4.0, **settings)
+    parameters = {"rope_type": scaling, "factor": 4.0, "original_max_position_embeddings": train_len, **settings}
+    config = hf_config(dim, 10000.0, train_len, parameters)
+    expected, expected_attention = getattr(hf, f"_compute_{scaling}_parameters")(config)
+    got, attention = pe.frequencies(4 * train_len)
+    assert_close(got.float(), expected, rtol=1e-5, atol=0)
+    assert attention == pytest.approx(expected_attention, rel=1e-12)
+    default = RoPE(AttentionShape(dim * 2, 2, 1, train_len), scaling=scaling, factor=4.0).frequencies(4 * train_len)
+    assert not torch.allclose(default[0].float(), expected)
+
+
 @ORACLE_GRID
 @BASES
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 0.3, 0.75, 1.0])
