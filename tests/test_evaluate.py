@@ -52,6 +52,10 @@ def test_last_k_scores_the_identical_set_at_every_length():
     sets = [scored_positions(windows_for("last_k", DOC_LENGTHS, n, k=8, block=32), n) for n in lengths]
     assert sets[0] and sets[0] == sets[1] == sets[2]
     assert {d for d, _ in sets[0]} == {d for d, n in enumerate(DOC_LENGTHS) if n - 1 >= 32}
+    # Which: the last k targets of every whole block of 32 (tokens (b + 1) 32 - 7 .. (b + 1) 32), as documented.
+    blocks = {d: (n - 1) // 32 for d, n in enumerate(DOC_LENGTHS)}
+    expected = {(d, p) for d, count in blocks.items() for b in range(count) for p in range(32 * b + 25, 32 * b + 33)}
+    assert len(sets[0]) == len(expected) and set(sets[0]) == expected
 
 
 def tiny_net(pe=RoPE, train_len=16, seed=0):
