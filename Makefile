@@ -34,7 +34,7 @@ train: install  ## train the default config on the embedded corpus (extra Hydra 
 test: install  ## the test suite CI runs (excludes tests marked slow), one pytest worker per CPU core
 	$(PY) -m pytest -q -n auto $(ARGS)
 
-test-slow: install  ## only the tests marked slow (DDP, submitit launcher): CI runs them after `make test`
+test-slow: install  ## only the tests marked slow (DDP, submitit launcher, kill and resume): CI runs them after `make test`
 	$(PY) -m pytest -q -m slow $(ARGS)
 
 lint: install  ## ruff

@@ -46,6 +46,7 @@ def _train_command(run_dir, corpus, cache, *extra):
     ]
 
 
+@pytest.mark.slow  # two trainings, each killed and resumed: 75-110 s a stage on 2 cores
 @pytest.mark.parametrize("stage", ["first", "second"])
 def test_a_run_killed_or_terminated_resumes_to_the_same_final_loss(small_text_corpus, tmp_path, stage):
     """SIGKILL: the same command resumes from the last periodic checkpoint. SIGTERM (a cluster's pre-emption):
