@@ -420,6 +420,25 @@ def test_xpos_tables_follow_the_length_and_an_evaluation_time_scaling():
     assert not torch.allclose(rotate(used, x, x)[0], rotate(XPos(shape), x, x)[0])
 
 
+@pytest.mark.parametrize("scaling, factor", [("linear", 4.0), ("ntk", 4.0), ("yarn", 8.0)])
+def test_xpos_under_an_evaluation_time_scaling_is_that_scaled_rope_times_the_unscaled_decay(scaling, factor):
+    """docs/pes/xpos.md: a scaling applies to xPos's rotation as to RoPE's, the decay unchanged. Reference: RoPE
+    with the scaling, each rotated pair then times zeta_t^((n - L // 2) / gamma) (q) or its inverse (k), from the
+    paper's zeta_t = (2t/d + 0.4) / 1.4 in float64."""
+    shape = AttentionShape(d_model=16, n_heads=2, n_layers=1, train_len=16)
+    xpos, rope = XPos(shape, scale_base=32.0), RoPE(shape, scaling=scaling, factor=factor)
+    xpos.scaling, xpos.factor = scaling, factor  # what eval.rope_scalings switches
+    length, dim = 48, 8
+    q, k = torch.randn(2, 1, 2, length, dim, dtype=torch.float64).unbind()
+    zeta = (torch.arange(0, dim, 2, dtype=torch.float64) / dim + 0.4) / 1.4
+    decay = zeta ** ((torch.arange(length, dtype=torch.float64)[:, None] - length // 2) / 32.0)  # (L, d/2)
+    per_dim = decay.repeat_interleave(2, dim=-1)  # pair t is dimensions 2t, 2t + 1
+    rotated_q, rotated_k = rotate(rope, q, k)
+    got_q, got_k = rotate(xpos, q, k)
+    assert_close(got_q, rotated_q * per_dim, rtol=1e-5, atol=1e-6)
+    assert_close(got_k, rotated_k / per_dim, rtol=1e-5, atol=1e-6)
+
+
 def test_xpos_refuses_lengths_whose_scores_overflow_fp32():
     pe = XPos(AttentionShape(d_model=8, n_heads=1, n_layers=1, train_len=16), scale_base=4.0)
     assert pe.max_length == 255  # 2 * 4 * 40 / ln(3.5)
