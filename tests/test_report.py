@@ -133,6 +133,7 @@ def test_significance_rule_separates_only_differences_beyond_two_std_with_consis
                 "nope": [11.5, 12.5, 13.5],  # 12.5 ± 1: within 2 std of alibi -> not separable
                 "rope": [30.0, 31.0, 11.5],  # 24.2 ± 11: far in mean, but within 2 std
                 "kerple": [12.5, 13.5, 14.5],  # 13.5 ± 1: 2.5 apart, beyond 2 max(std), within a pooled 2 sqrt(2)
+                "fire": [12.3, 12.8, 13.3],  # 12.8 ± 0.5: 1.8 apart, within 2 max(std) = 2, beyond 2 min or pooled std
             },
         )
     )
@@ -142,6 +143,7 @@ def test_significance_rule_separates_only_differences_beyond_two_std_with_consis
     assert separable(frame, "nope", "alibi", 64, "nonoverlap", 64) is False
     assert separable(frame, "rope", "alibi", 64, "nonoverlap", 64) is False
     assert separable(frame, "kerple", "alibi", 64, "nonoverlap", 64) is True  # the larger std, not a pooled one
+    assert separable(frame, "fire", "alibi", 64, "nonoverlap", 64) is False  # ... nor the smaller one
     assert separable(summarize(frame), "t5", "alibi", 64, "nonoverlap", 64) is True  # the tables work as well
 
     # 11.2 ± 2.7 vs 16.8 ± 0.5: more than 2 std apart, but seed 4's pair is ordered the other way.
