@@ -279,8 +279,9 @@ def test_a_decoder_layer_attends_as_its_attention_settings_say(window, scale, no
             attn.length_scale.per_head.copy_(torch.tensor([0.2, 0.5, 0.9, 1.4])[:HEADS])
     seen = []
     attn.register_forward_hook(lambda module, args, output: seen.append((args[0], output)))
-    net(torch.randint(0, 64, (2, 30), generator=torch.Generator().manual_seed(0)))
-    (x, got), length = seen[0], 30
+    length = 30
+    net(torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(0)))
+    ((x, got),) = seen
     q, k, v = attn.qkv(x).double().view(2, length, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
     i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
     attended = (j <= i) & ((i - j < window) if window else True)
