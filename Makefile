@@ -17,9 +17,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,cluster,ptb,docs]'
 	touch $@
 
-study: install  ## the quick comparison: nope, sinusoidal, rope and xpos (+ntk, yarn), alibi, kerple, fire, rope at randomized positions and fox, on the embedded corpus, then the table and plots (8-23 min on 2 CPUs, by machine: docs/performance.md)
+QUICK := logs/studies/quick
+study: install  ## the quick comparison: the classic PEs and the 2024-26 ones (and nope, rope under SSMax; nope under stick-breaking), one seed, on the embedded corpus, then the table and plots (docs/performance.md: time by machine)
 	$(PY) train.py experiment=quick $(ARGS)
-	$(PY) -m lenext.report logs/studies/quick
+	$(PY) train.py experiment=quick pe=nope,rope attention.scale=ssmax hydra.sweep.dir=$(QUICK)_ssmax $(ARGS)
+	$(PY) train.py experiment=quick pe=nope attention.normalizer=stick_breaking hydra.sweep.dir=$(QUICK)_stick_breaking $(ARGS)
+	$(PY) -m lenext.report $(QUICK) $(QUICK)_ssmax $(QUICK)_stick_breaking --out $(QUICK)/report
 
 extension: install  ## the context-extension study: RoPE bases + every method fine-tuned toward 4 x L_train (text, 3 seeds; passkey, 3 seeds), the other PEs fine-tuned directly (1 seed), then the tables and plots (docs/extension.md)
 	$(PY) train.py experiment=extension $(ARGS)

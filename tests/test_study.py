@@ -29,7 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(
     "preset,model,max_len,pes",
     [
-        ("quick", 128, 64, "nope,sinusoidal,rope,alibi,kerple,fire,xpos,rope_randomized,fox"),
+        (
+            "quick",
+            128,
+            64,
+            "nope,sinusoidal,rope,alibi,kerple,fire,xpos,rope_randomized,fox,p_rope,cope,rope_nope,rnope_swa,dape,pope,path",
+        ),
         (
             "reference",
             128,
