@@ -12,10 +12,12 @@ from einops import rearrange
 from torch.testing import assert_close
 
 import lenext.attention as attention_module
+import lenext.pe.path as path_module
 from lenext.attention import causal_attention
 from lenext.model import Decoder
 from lenext.pe import AttentionShape, Compose, FoX, PaTH
 from lenext.pe.base import sequential_positions
+from lenext.pe.path import path_logits
 from lenext.positions import generator, randomized_positions
 
 
@@ -134,10 +136,14 @@ def fla_reference(q, k, v, w, beta, log_forget=None):
     return out.transpose(1, 2)
 
 
-@pytest.mark.parametrize("length, rows", [(9, None), (9, 1), (70, None), (70, 7)])
-def test_path_matches_fla_naive_in_float64(length, rows, monkeypatch):
-    """Within and beyond fla's chunk of 64, the logits in one block, single rows and blocks of 7: outputs and
-    the gradients of x (through w and beta), q, k, v and every parameter of the layer to 1e-10."""
+@pytest.mark.parametrize(
+    "length, rows, chunk", [(9, None, 64), (9, 1, 64), (70, None, 64), (70, 7, 64), (70, None, 16)]
+)
+def test_path_matches_fla_naive_in_float64(length, rows, chunk, monkeypatch):
+    """Within and beyond fla's chunk of 64, the logits in one block, single rows and blocks of 7, and lenext's
+    chunks of 16 (five, the last padded) against fla's of 64: outputs and the gradients of x (through w and beta),
+    q, k, v and every parameter of the layer to 1e-10."""
+    monkeypatch.setattr(path_module, "CHUNK", chunk)
     if rows is not None:
         monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", BATCH * HEADS * length * rows)
     layer = path_layer()
@@ -153,6 +159,29 @@ def test_path_matches_fla_naive_in_float64(length, rows, monkeypatch):
     for g, e in zip(got_grads, expected_grads, strict=True):
         assert e.abs().sum() > 0
         assert_close(g, e, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_path_logits_multiply_out_the_papers_transformations(chunk, monkeypatch):
+    """path_logits against the definition in float64, each H_t = I - beta_t w_t w_t^T a matrix and every pair's
+    product H_i .. H_(j+1) multiplied out: in one chunk, and in chunks of 4 (three, the last padded)."""
+    monkeypatch.setattr(path_module, "CHUNK", chunk)
+    length, dim = 11, 5
+    gen = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(BATCH, HEADS, length, dim, generator=gen, dtype=torch.float64) for _ in "qk")
+    w = F.normalize(torch.randn(BATCH, HEADS, length, dim, generator=gen, dtype=torch.float64), dim=-1)
+    beta = 2 * torch.rand(BATCH, HEADS, length, generator=gen, dtype=torch.float64)
+    eye = torch.eye(dim, dtype=torch.float64)
+    householders = eye - beta[..., None, None] * w[..., :, None] * w[..., None, :]  # (B, H, L, d, d)
+    expected = torch.zeros(BATCH, HEADS, length, length, dtype=torch.float64)
+    for i in range(length):
+        for j in range(i + 1):
+            product = eye.expand(BATCH, HEADS, dim, dim)
+            for t in range(i, j, -1):
+                product = product @ householders[:, :, t]
+            expected[:, :, i, j] = (q[:, :, i, None, :] @ product @ k[:, :, j, :, None])[..., 0, 0] / math.sqrt(dim)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    assert_close(path_logits(q, k, w, beta)[..., causal], expected[..., causal], atol=1e-12, rtol=1e-12)
 
 
 def test_w_and_beta_are_fla_layers_and_causal():

@@ -9,9 +9,9 @@ query against the key carried through every token between them:
 
 as flash-linear-attention's ``PaTHAttention`` layer (``use_low_rank_w``, ``use_w_shortconv``; its forget gate is
 FoX's, composed: ``pe=path_fox``) and its ``naive_path_attn`` reference. No position enters: PaTH is what the
-content makes of the order. The logits are computed here in chunks of about sqrt(L) tokens (``path_logits``):
-O(L^2 d) work in about 4 sqrt(L) sequential steps, and the logits of a sequence are held whole: (B, H, L, L)
-memory.
+content makes of the order. The logits are computed here in chunks of 64 tokens with the UT transform, as fla's
+chunked algorithm (``path_logits``): O(L^2 d) work in L / 64 sequential steps, and the logits of a sequence are
+held whole: (B, H, L, L) memory.
 """
 
 import math
@@ -24,6 +24,7 @@ from lenext.pe.base import AttentionShape, LayerPE, PositionalEncoding, ScoreTer
 from lenext.schema import PositiveInt
 
 LOW_RANK = 32  # fla's low-rank w projection: d_model -> 32 -> d_model
+CHUNK = 64  # tokens a chunk: fla's chunk size
 
 
 class PaTH(PositionalEncoding):
@@ -75,13 +76,15 @@ def path_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, beta: torch.T
     """(B, H, L, L) logits q_i^T H_i .. H_(j+1) k_j / sqrt(d) (any finite value for j > i: the attention masks them);
     q, k: (B, H, L, d), w: (B, H, L, d) unit vectors, beta: (B, H, L).
 
-    In chunks of C ~ sqrt(L) tokens (the last padded with H = I): within a chunk, the queries are carried back to
-    its first token, scoring its keys on the way (C rank-one steps); every key is carried forward to its chunk's last
-    token (C steps); each chunk's product H_last .. H_first is one (d, d) matrix (C steps); then the query chunk a
-    meets key chunk a - delta through the matrices of the chunks between, for delta = 1 .. n - 1 (batched products).
-    3C + n sequential steps instead of L; autograd keeps O(L (C + d) d) per head."""
+    In chunks of CHUNK tokens (the last padded with H = I), as fla's chunked PaTH: the product of any run of a
+    chunk's transformations H_b .. H_a is I - W^T T W over that run, T the same run's block of the chunk's
+    T = (I + strictly lower(diag(beta) W W^T))^-1 diag(beta) (the UT transform: a block of a triangular matrix's
+    inverse is the inverse of its block). So within a chunk the logits, each query carried back to its chunk's
+    first token, each key carried forward to its last and the chunk's whole product are a few matrix products;
+    then query chunk a meets key chunk a - delta through the products of the chunks between, for delta = 1 ..
+    n - 1: n - 1 sequential steps; autograd keeps O(L (CHUNK + d) d) per head beside the logits."""
     batch, heads, length, head_dim = q.shape
-    size = max(1, math.isqrt(length))
+    size = min(length, CHUNK)
     chunks = -(-length // size)
     pad = chunks * size - length  # padded tokens: beta 0, H = I, after every real token
 
@@ -90,20 +93,15 @@ def path_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, beta: torch.T
 
     q = q.to(w.dtype) / math.sqrt(head_dim)  # scaled here: the (B, H, L, L) logits are written once
     q, k, w, beta = split(q), split(k.to(w.dtype)), split(w), split(beta)
-    position = torch.arange(size, device=q.device)[:, None]  # a token's index in its chunk
-    queries, keys = q, k
-    columns = []
-    for t in range(size - 1, -1, -1):  # queries back through their chunk; rows at or after t take H_t
-        columns.append(queries @ k[..., t, :, None])  # (B, H, n, C, 1)
-        along = queries @ w[..., t, :, None] * beta[..., t, None, None]
-        queries = queries - along * (position >= t) * w[..., t, None, :]
-    inside = torch.cat(columns[::-1], dim=-1)  # (B, H, n, C, C): chunk a's queries against its keys
-    for t in range(1, size):  # keys forward to their chunk's last token: keys before t take H_t
-        along = keys @ w[..., t, :, None] * beta[..., t, None, None]
-        keys = keys - along * (position < t) * w[..., t, None, :]
-    through = torch.eye(head_dim, dtype=q.dtype, device=q.device).expand(batch, heads, chunks, -1, -1)
-    for t in range(size - 1, -1, -1):  # row vectors times H_last .. H_first: right-multiply H_t, last first
-        through = through - (through @ w[..., t, :, None]) * beta[..., t, None, None] * w[..., t, None, :]
+    eye = torch.eye(size, dtype=w.dtype, device=w.device)
+    unit_lower = eye + (beta[..., :, None] * (w @ w.transpose(-1, -2))).tril(-1)
+    transform = torch.linalg.solve_triangular(unit_lower, torch.diag_embed(beta), upper=False)  # T: (B, H, n, C, C)
+    query_w = (q @ w.transpose(-1, -2)).tril()  # q_i . w_a for a <= i: the H_a that query i passes in its chunk
+    w_key = (w @ k.transpose(-1, -2)).tril(-1)  # w_b . k_j for b > j: the H_b that key j passes in its chunk
+    inside = q @ k.transpose(-1, -2) - query_w @ transform @ w_key  # (B, H, n, C, C): each chunk against itself
+    queries = q - query_w @ transform @ w  # carried back to their chunk's first token
+    keys = k - w_key.transpose(-1, -2) @ transform.transpose(-1, -2) @ w  # carried forward to their chunk's last
+    through = torch.eye(head_dim, dtype=w.dtype, device=w.device) - w.transpose(-1, -2) @ transform @ w  # (.., d, d)
     logits = q.new_zeros(batch, heads, chunks, size, chunks, size)
     logits.diagonal(0, 2, 4).copy_(inside.permute(0, 1, 3, 4, 2))
     queries = queries[:, :, 1:]  # chunks delta.. (here delta = 1), each carried to its first token
