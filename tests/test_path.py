@@ -184,6 +184,28 @@ def test_path_logits_multiply_out_the_papers_transformations(chunk, monkeypatch)
     assert_close(path_logits(q, k, w, beta)[..., causal], expected[..., causal], atol=1e-12, rtol=1e-12)
 
 
+def test_path_logits_stay_close_in_fp32_and_under_bf16_autocast_when_products_cancel():
+    """Three chunks of 64 of nearly parallel w of alternating sign at beta near 2 (a chunk's products cancel): fp32,
+    and fp32 inputs under bf16 autocast, within 1e-3 of the logits' largest size against float64 (a Gram matrix
+    rounded to bf16 was off by 0.4 of it)."""
+    length, dim = 130, 32
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, length, dim, generator=gen, dtype=torch.float64) for _ in "qk")
+    signs = (-1.0) ** torch.arange(length, dtype=torch.float64)[:, None]
+    near = torch.randn(dim, generator=gen, dtype=torch.float64) + 0.05 * torch.randn(
+        1, 2, length, dim, generator=gen, dtype=torch.float64
+    )
+    w = F.normalize(signs * near, dim=-1)
+    beta = torch.full((1, 2, length), 1.999, dtype=torch.float64)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    exact = path_logits(q, k, w, beta)[..., causal]
+    single = [t.float() for t in (q, k, w, beta)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = path_logits(*single)
+    for got in (path_logits(*single), autocast):
+        assert (got.double()[..., causal] - exact).abs().max() < 1e-3 * exact.abs().max()
+
+
 def test_w_and_beta_are_fla_layers_and_causal():
     """w: x -> 32 -> d_model (no bias), a causal depthwise convolution of width 3 (no bias), SiLU, unit length per
     head; beta = 2 sigmoid(linear x) in (0, 2), as fla's PaTHAttention (which needs triton: restated here, the

@@ -82,31 +82,36 @@ def path_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, beta: torch.T
     inverse is the inverse of its block). So within a chunk the logits, each query carried back to its chunk's
     first token, each key carried forward to its last and the chunk's whole product are a few matrix products;
     then query chunk a meets key chunk a - delta through the products of the chunks between, for delta = 1 ..
-    n - 1: n - 1 sequential steps; autograd keeps O(L (CHUNK + d) d) per head beside the logits."""
-    batch, heads, length, head_dim = q.shape
-    size = min(length, CHUNK)
-    chunks = -(-length // size)
-    pad = chunks * size - length  # padded tokens: beta 0, H = I, after every real token
+    n - 1: n - 1 sequential steps; autograd keeps the carried queries of each, L^2 d / (2 CHUNK) numbers per head
+    beside the L^2 logits."""
+    # fp32 (or wider) under autocast too: a chunk's products cancel, which a bf16 Gram matrix turns into errors of
+    # the logits' size
+    with torch.autocast(q.device.type, enabled=False):
+        batch, heads, length, head_dim = q.shape
+        size = min(length, CHUNK)
+        chunks = -(-length // size)
+        pad = chunks * size - length  # padded tokens: beta 0, H = I, after every real token
 
-    def split(t: torch.Tensor) -> torch.Tensor:  # (B, H, L, ...) -> (B, H, n, C, ...)
-        return F.pad(t, (0, 0) * (t.dim() - 3) + (0, pad)).unflatten(2, (chunks, size))
+        def split(t: torch.Tensor) -> torch.Tensor:  # (B, H, L, ...) -> (B, H, n, C, ...)
+            return F.pad(t, (0, 0) * (t.dim() - 3) + (0, pad)).unflatten(2, (chunks, size))
 
-    q = q.to(w.dtype) / math.sqrt(head_dim)  # scaled here: the (B, H, L, L) logits are written once
-    q, k, w, beta = split(q), split(k.to(w.dtype)), split(w), split(beta)
-    eye = torch.eye(size, dtype=w.dtype, device=w.device)
-    unit_lower = eye + (beta[..., :, None] * (w @ w.transpose(-1, -2))).tril(-1)
-    transform = torch.linalg.solve_triangular(unit_lower, torch.diag_embed(beta), upper=False)  # T: (B, H, n, C, C)
-    query_w = (q @ w.transpose(-1, -2)).tril()  # q_i . w_a for a <= i: the H_a that query i passes in its chunk
-    w_key = (w @ k.transpose(-1, -2)).tril(-1)  # w_b . k_j for b > j: the H_b that key j passes in its chunk
-    inside = q @ k.transpose(-1, -2) - query_w @ transform @ w_key  # (B, H, n, C, C): each chunk against itself
-    queries = q - query_w @ transform @ w  # carried back to their chunk's first token
-    keys = k - w_key.transpose(-1, -2) @ transform.transpose(-1, -2) @ w  # carried forward to their chunk's last
-    through = torch.eye(head_dim, dtype=w.dtype, device=w.device) - w.transpose(-1, -2) @ transform @ w  # (.., d, d)
-    logits = q.new_zeros(batch, heads, chunks, size, chunks, size)
-    logits.diagonal(0, 2, 4).copy_(inside.permute(0, 1, 3, 4, 2))
-    queries = queries[:, :, 1:]  # chunks delta.. (here delta = 1), each carried to its first token
-    for delta in range(1, chunks):
-        block = queries @ keys[:, :, : chunks - delta].transpose(-1, -2)  # chunk a against chunk a - delta
-        logits.diagonal(-delta, 2, 4).copy_(block.permute(0, 1, 3, 4, 2))
-        queries = (queries @ through[:, :, : chunks - delta])[:, :, 1:]  # on through chunk a - delta
-    return logits.flatten(4, 5).flatten(2, 3)[..., :length, :length]
+        q = q.to(w.dtype) / math.sqrt(head_dim)  # scaled here: the (B, H, L, L) logits are written once
+        q, k, w, beta = split(q), split(k.to(w.dtype)), split(w), split(beta)
+        eye = torch.eye(size, dtype=w.dtype, device=w.device)
+        unit_lower = eye + (beta[..., :, None] * (w @ w.transpose(-1, -2))).tril(-1)
+        transform = torch.linalg.solve_triangular(unit_lower, torch.diag_embed(beta), upper=False)  # T: (B, H, n, C, C)
+        query_w = (q @ w.transpose(-1, -2)).tril()  # q_i . w_a for a <= i: the H_a that query i passes in its chunk
+        w_key = (w @ k.transpose(-1, -2)).tril(-1)  # w_b . k_j for b > j: the H_b that key j passes in its chunk
+        inside = q @ k.transpose(-1, -2) - query_w @ transform @ w_key  # (B, H, n, C, C): each chunk against itself
+        queries = q - query_w @ transform @ w  # carried back to their chunk's first token
+        keys = k - w_key.transpose(-1, -2) @ transform.transpose(-1, -2) @ w  # carried forward to their chunk's last
+        # each chunk's whole product H_last .. H_first: (B, H, n, d, d)
+        through = torch.eye(head_dim, dtype=w.dtype, device=w.device) - w.transpose(-1, -2) @ transform @ w
+        logits = q.new_zeros(batch, heads, chunks, size, chunks, size)
+        logits.diagonal(0, 2, 4).copy_(inside.permute(0, 1, 3, 4, 2))
+        queries = queries[:, :, 1:]  # chunks delta.. (here delta = 1), each carried to its first token
+        for delta in range(1, chunks):
+            block = queries @ keys[:, :, : chunks - delta].transpose(-1, -2)  # chunk a against chunk a - delta
+            logits.diagonal(-delta, 2, 4).copy_(block.permute(0, 1, 3, 4, 2))
+            queries = (queries @ through[:, :, : chunks - delta])[:, :, 1:]  # on through chunk a - delta
+        return logits.flatten(4, 5).flatten(2, 3)[..., :length, :length]
