@@ -10,7 +10,7 @@ query against the key carried through every token between them:
 as flash-linear-attention's ``PaTHAttention`` layer (``use_low_rank_w``, ``use_w_shortconv``; its forget gate is
 FoX's, composed: ``pe=path_fox``) and its ``naive_path_attn`` reference. No position enters: PaTH is what the
 content makes of the order. The logits are computed here in chunks of 64 tokens with the UT transform, as fla's
-chunked algorithm (``path_logits``): O(L^2 d) work in L / 64 sequential steps, and the logits of a sequence are
+chunked algorithm (``path_logits``): O(L^2 d) work in L / 64 - 1 sequential steps, and the logits of a sequence are
 held whole: (B, H, L, L) memory.
 """
 
