@@ -51,25 +51,24 @@ DEPTH_BUCKETS = 5  # passkey accuracy by depth: [0, 0.2), [0.2, 0.4), ..., [0.8,
 
 @dataclass(frozen=True)
 class Sample:
-    tokens: torch.Tensor  # (n,)
-    answer: torch.Tensor  # (n - 1,): the answer each target belongs to, -1 for targets not scored
+    tokens: torch.Tensor  # (length,): the n tokens, then PAD
+    answer: torch.Tensor  # (length - 1,): the answer each target belongs to, -1 for targets not scored
     depth: float  # passkey: the share of the filler before the passkey; NaN for other tasks
 
 
-def label_answers(n: int, starts: Iterable[int], length: int) -> torch.Tensor:
-    """(n - 1,) target labels: answer a covers targets starts[a] .. starts[a] + length - 1; the rest -1."""
-    answer = [-1] * (n - 1)
+def written(tokens: list[int], starts: Iterable[int], span: int, depth: float, length: int) -> Sample:
+    """The Sample of ``tokens``, PAD after them to ``length`` tokens: answer a covers targets starts[a] ..
+    starts[a] + span - 1, every other target is -1. Written as lists and made tensors once: a training batch is
+    dozens of short sequences, where torch's per-call cost would dominate."""
+    answer = [-1] * (length - 1)
     for a, start in enumerate(starts):
-        answer[start : start + length] = [a] * length
-    return torch.tensor(answer)
+        answer[start : start + span] = [a] * span
+    return Sample(torch.tensor(tokens + [PAD] * (length - len(tokens))), torch.tensor(answer), depth)
 
 
 class Task:
-    """A probe: ``sample(n, gen)`` writes a sequence of n tokens and names its answers.
-
-    The random draws are torch's (the generator fixes them); the sequence is then written as a Python
-    list, since a training batch is dozens of short sequences and torch's per-call cost would dominate.
-    """
+    """A probe: ``sample(n, gen, length)`` writes a sequence of n tokens (PAD after it up to ``length``, n by
+    default) and names its answers. The random draws are torch's (the generator fixes them)."""
 
     name: str
 
@@ -84,7 +83,7 @@ class Task:
         """The fewest tokens a sequence of this task has."""
         raise NotImplementedError
 
-    def sample(self, n: int, gen: torch.Generator) -> Sample:
+    def sample(self, n: int, gen: torch.Generator, length: int | None = None) -> Sample:
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -92,7 +91,7 @@ class Task:
         raise NotImplementedError
 
     def symbols_of(self, count: int, gen: torch.Generator) -> list[int]:
-        return (SPECIALS + torch.randint(self.symbols, (count,), generator=gen)).tolist()
+        return [SPECIALS + s for s in torch.randint(self.symbols, (count,), generator=gen).tolist()]
 
 
 class Copy(Task):
@@ -101,11 +100,11 @@ class Copy(Task):
     def shortest(self) -> int:
         return 4  # BOS s SEP s
 
-    def sample(self, n: int, gen: torch.Generator) -> Sample:
+    def sample(self, n: int, gen: torch.Generator, length: int | None = None) -> Sample:
         m = (n - 2) // 2
         string = self.symbols_of(m, gen)
         tokens = [BOS, *string, SEP, *string] + [PAD] * (n - 2 - 2 * m)
-        return Sample(torch.tensor(tokens), label_answers(n, [m + 1], m), math.nan)  # targets of tokens m+2..2m+1
+        return written(tokens, [m + 1], m, math.nan, length or n)  # targets of tokens m+2..2m+1
 
     def describe(self) -> str:
         return f"copy (data.symbols={self.symbols})"
@@ -117,17 +116,17 @@ class Recall(Task):
     def shortest(self) -> int:
         return 1 + 4 * self.pairs  # BOS, the pairs, the queries
 
-    def sample(self, n: int, gen: torch.Generator) -> Sample:
+    def sample(self, n: int, gen: torch.Generator, length: int | None = None) -> Sample:
         p = self.pairs
-        keys = (SPECIALS + torch.randperm(self.symbols, generator=gen)[:p]).tolist()
-        values = (SPECIALS + self.symbols + torch.randint(self.symbols, (p,), generator=gen)).tolist()
+        keys = [SPECIALS + k for k in torch.randperm(self.symbols, generator=gen)[:p].tolist()]
+        values = [SPECIALS + self.symbols + v for v in torch.randint(self.symbols, (p,), generator=gen).tolist()]
         order = torch.randperm(p, generator=gen).tolist()
         filler = n - self.shortest()
         pairs = [token for k in range(p) for token in (keys[k], values[k])]
         queries = [token for k in order for token in (keys[k], values[k])]
         tokens = [BOS, *pairs] + [FILL] * filler + queries
         first_query = 1 + 2 * p + filler
-        return Sample(torch.tensor(tokens), label_answers(n, range(first_query, n - 1, 2), 1), math.nan)  # each query
+        return written(tokens, range(first_query, n - 1, 2), 1, math.nan, length or n)  # each query
 
     def describe(self) -> str:
         return f"recall (data.pairs={self.pairs}, data.symbols={self.symbols})"
@@ -139,13 +138,12 @@ class Passkey(Task):
     def shortest(self) -> int:
         return 3 + 2 * self.digits  # BOS KEY digits SEP digits
 
-    def sample(self, n: int, gen: torch.Generator) -> Sample:
+    def sample(self, n: int, gen: torch.Generator, length: int | None = None) -> Sample:
         filler = n - self.shortest()
         before = int(torch.randint(filler + 1, (1,), generator=gen))
-        digits = (SPECIALS + torch.randint(10, (self.digits,), generator=gen)).tolist()
+        digits = [SPECIALS + d for d in torch.randint(10, (self.digits,), generator=gen).tolist()]
         tokens = [BOS] + [FILL] * before + [KEY, *digits] + [FILL] * (filler - before) + [SEP, *digits]
-        answer = label_answers(n, [n - 1 - self.digits], self.digits)
-        return Sample(torch.tensor(tokens), answer, before / filler if filler else 0.0)
+        return written(tokens, [n - 1 - self.digits], self.digits, before / filler if filler else 0.0, length or n)
 
     def describe(self) -> str:
         return f"passkey (data.digits={self.digits})"
@@ -166,11 +164,8 @@ class TrainSamples(Dataset):
     def __getitem__(self, i: int) -> dict:
         gen = generator(TRAIN, self.seed, i)
         n = int(torch.randint(self.task.shortest(), self.length + 1, (1,), generator=gen))
-        sample = self.task.sample(n, gen)
-        return {
-            "tokens": torch.nn.functional.pad(sample.tokens, (0, self.length - n), value=PAD),
-            "answer": torch.nn.functional.pad(sample.answer, (0, self.length - n), value=-1),
-        }
+        sample = self.task.sample(n, gen, self.length)
+        return {"tokens": sample.tokens, "answer": sample.answer}
 
 
 class EvaluationSamples(Dataset):
