@@ -56,10 +56,11 @@ class Sample:
     depth: float  # passkey: the share of the filler before the passkey; NaN for other tasks
 
 
-def written(tokens: list[int], starts: Iterable[int], span: int, depth: float, length: int) -> Sample:
-    """The Sample of ``tokens``, PAD after them to ``length`` tokens: answer a covers targets starts[a] ..
+def written(tokens: list[int], starts: Iterable[int], span: int, depth: float, length: int | None) -> Sample:
+    """The Sample of ``tokens``, PAD after them to ``length`` tokens (None: none): answer a covers targets starts[a] ..
     starts[a] + span - 1, every other target is -1. Written as lists and made tensors once: a training batch is
     dozens of short sequences, where torch's per-call cost would dominate."""
+    length = length or len(tokens)
     answer = [-1] * (length - 1)
     for a, start in enumerate(starts):
         answer[start : start + span] = [a] * span
@@ -104,7 +105,7 @@ class Copy(Task):
         m = (n - 2) // 2
         string = self.symbols_of(m, gen)
         tokens = [BOS, *string, SEP, *string] + [PAD] * (n - 2 - 2 * m)
-        return written(tokens, [m + 1], m, math.nan, length or n)  # targets of tokens m+2..2m+1
+        return written(tokens, [m + 1], m, math.nan, length)  # targets of tokens m+2..2m+1
 
     def describe(self) -> str:
         return f"copy (data.symbols={self.symbols})"
@@ -126,7 +127,7 @@ class Recall(Task):
         queries = [token for k in order for token in (keys[k], values[k])]
         tokens = [BOS, *pairs] + [FILL] * filler + queries
         first_query = 1 + 2 * p + filler
-        return written(tokens, range(first_query, n - 1, 2), 1, math.nan, length or n)  # each query
+        return written(tokens, range(first_query, n - 1, 2), 1, math.nan, length)  # each query
 
     def describe(self) -> str:
         return f"recall (data.pairs={self.pairs}, data.symbols={self.symbols})"
@@ -143,7 +144,7 @@ class Passkey(Task):
         before = int(torch.randint(filler + 1, (1,), generator=gen))
         digits = [SPECIALS + d for d in torch.randint(10, (self.digits,), generator=gen).tolist()]
         tokens = [BOS] + [FILL] * before + [KEY, *digits] + [FILL] * (filler - before) + [SEP, *digits]
-        return written(tokens, [n - 1 - self.digits], self.digits, before / filler if filler else 0.0, length or n)
+        return written(tokens, [n - 1 - self.digits], self.digits, before / filler if filler else 0.0, length)
 
     def describe(self) -> str:
         return f"passkey (data.digits={self.digits})"
