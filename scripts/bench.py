@@ -1,6 +1,7 @@
 """Benchmark the positional encodings on the small model (docs/performance.md).
 
-Measures, in one run:
+Every model measured is the one ``train.py`` trains for its row: train.py's config composed with the row's
+overrides, resolved by ``lenext.resolve`` and built by ``lenext.build.build_net``. Measures, in one run:
 
 1. training throughput (tokens/s) at L=512, batch 8, one AdamW step per iteration, for every PE on
    the same model size and the same random batch, and for RoPE at randomized and PoSE positions
@@ -20,15 +21,14 @@ Measures, in one run:
 Every report names the CPU, its ISA and whether it computes bf16 natively (lenext.hardware).
 
 Usage:
-    .venv/bin/python scripts/bench.py                   # fp32, writes benchmarks/bench.md (~9 min)
+    .venv/bin/python scripts/bench.py                   # fp32, writes benchmarks/bench.md
     .venv/bin/python scripts/bench.py --precision bf16  # writes benchmarks/bench-bf16.md
-    .venv/bin/python scripts/bench.py --quick           # smoke test, ~1-2 min
-    .venv/bin/python scripts/bench.py --sections lightning --out benchmarks/bench-lightning.md  # section 4 (~1.5 min)
+    .venv/bin/python scripts/bench.py --quick           # smoke test
+    .venv/bin/python scripts/bench.py --sections lightning --out benchmarks/bench-lightning.md  # section 4
     .venv/bin/python scripts/bench.py --sections training,forward --rows cope,fox,nope+ssmax  # some rows only
 """
 
 import argparse
-import contextlib
 import datetime
 import json
 import math
@@ -47,34 +47,47 @@ from pathlib import Path
 import lightning as L
 import torch
 from hydra import compose, initialize_config_module
+from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
 from lenext import pe as pes
-from lenext.attention import AttentionSettings, causal_attention
+from lenext import schema
+from lenext.attention import causal_attention
+from lenext.build import build_net, instantiate
 from lenext.cli import CONFIG_PACKAGE
-from lenext.data import StepShuffler, TrainWindows
+from lenext.data import TrainWindows, step_loader
 from lenext.errors import LengthNotSupported
 from lenext.files import write_atomic
-from lenext.hardware import default_precision, keep_freed_memory, machine_description
+from lenext.hardware import default_precision, keep_freed_memory, machine_description, precision_autocast
 from lenext.model import LOGIT_CHUNK_ELEMENTS, Decoder
 from lenext.module import adamw_with_schedule
 from lenext.pe.base import sequential_positions
-from lenext.positions import PoSE, PositionScheme, Randomized, training_positions
-from lenext.run import build_module, build_net, config_pe_name, instantiate, resolve, resolve_training
+from lenext.positions import training_positions
+from lenext.resolve import TRAIN_NODES, TrainSettings, config_pe_name, resolve
+from lenext.run_folder import resolve_training
+from lenext.spec import RunSpec
 
 REPO = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
+TRAIN_LEN, BATCH, SEED = 512, 8, 0
+TRAINER_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed"}  # --precision as trainer.precision names it
 
-# Every PE, as train.py builds it; the rows that only set train.positions (rope_randomized) are the schemes below.
-PE_CONFIGS = Path(str(resources.files(CONFIG_PACKAGE))) / "pe"
-PE_NAMES = sorted(p.stem for p in PE_CONFIGS.glob("*.yaml") if not p.stem.endswith("_randomized"))
-SCHEMES = {  # RoPE trained at drawn positions, each drawn anew every step: "<pe>+<scheme>" rows
-    "rope+randomized": lambda: Randomized(32 * TRAIN_LEN, TRAIN_LEN),
-    "rope+pose": lambda: PoSE(32 * TRAIN_LEN, 2, TRAIN_LEN),
-}
+# A row is `train.py pe=<pe> <its settings> <MODEL>`: "<pe>" is a PE's config, "<pe>+<setting>" adds settings.
+MODEL = ["model=small", f"data.max_len={TRAIN_LEN}"]
+# The configs that only set train.positions (rope_randomized) are the DRAWN_ROWS' settings.
+PE_NAMES = sorted(
+    p.stem
+    for p in (Path(str(resources.files(CONFIG_PACKAGE))) / "pe").glob("*.yaml")
+    if not p.stem.endswith("_randomized")
+)
 ATTENTION_ROWS = {
     "nope+ssmax": ["attention.scale=ssmax"],
     "rope+ssmax": ["attention.scale=ssmax"],
     "nope+stick_breaking": ["attention.normalizer=stick_breaking"],
+}
+DRAWN_ROWS = {  # RoPE trained at positions drawn anew every step
+    "rope+randomized": ["train.positions=randomized"],
+    "rope+pose": ["train.positions=pose"],
 }
 SAMPLING_TARGET = 0.02  # drawing positions: at most this share of a training step
 SECTIONS = ["training", "forward", "shaw", "lightning"]
@@ -96,58 +109,97 @@ TARGETS = {  # training tokens/s vs nope
     "rope+ssmax": 0.95,
 }
 
-SMALL = dict(vocab_size=8192, d_model=256, n_layers=6, n_heads=8)
-TRAIN_LEN = 512
-BATCH = 8
-SEED = 0
+
+# --------------------------------------------------------------------------------------------
+# The models, as a run builds them
 
 
-def precision_context(precision: str):
-    if precision == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def build_model(row: str, train_len: int = TRAIN_LEN) -> Decoder:
-    """The small model of a row: ``<pe>``, ``<pe>+<scheme>`` (its PE) or ``<pe>+ssmax`` (with that attention:
-    ``ATTENTION_ROWS``)."""
-    torch.manual_seed(SEED)
+def train_config(overrides: list[str], output_dir: str) -> DictConfig:
+    """train.py's config with ``overrides``, checked as train.py checks it; its run folder is ``output_dir`` (Hydra's
+    runtime, which names one, does not run here)."""
     with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
-        cfg = compose("train", overrides=[f"pe={row.partition('+')[0]}", *ATTENTION_ROWS.get(row, [])])
-    attention = AttentionSettings(**cfg.attention)
-    return Decoder(train_len=train_len, pe=instantiate(cfg.pe, "pe"), attention=attention, **SMALL)
+        cfg = compose("train", overrides=[*overrides, f"paths.output_dir={output_dir}"])
+    schema.check(cfg, TrainSettings, TRAIN_NODES)
+    return cfg
 
 
-def random_batch(batch: int, length: int, seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, SMALL["vocab_size"], (batch, length + 1), generator=generator)
+def row_overrides(row: str) -> list[str]:
+    """train.py's command line of a row."""
+    return [f"pe={row.partition('+')[0]}", *ATTENTION_ROWS.get(row, []), *DRAWN_ROWS.get(row, []), *MODEL]
+
+
+def row_config(row: str) -> DictConfig:
+    return train_config(row_overrides(row), tempfile.gettempdir())  # builds a model only: its run folder stays empty
+
+
+def run_net(spec: RunSpec, vocab_size: int, weights: dict | None = None) -> Decoder:
+    """The net lenext.run.build makes for ``spec``: built after seeding with the run's seed, holding ``weights``
+    (a second stage's base's) if given."""
+    torch.manual_seed(spec.seed)
+    net = build_net(spec, vocab_size)
+    if weights is not None:
+        net.load_state_dict(weights)
+    return net
+
+
+def row_model(row: str) -> tuple[Decoder, RunSpec]:
+    """The model train.py trains for a row, and the run it resolves (its positions: ``spec.scheme``)."""
+    cfg = row_config(row)
+    spec = resolve(cfg, row.partition("+")[0], sweeps=False)
+    return run_net(spec, cfg.data.vocab_size), spec  # a run's tokenizer has data.vocab_size tokens: no corpus read
+
+
+def small_shape() -> dict:
+    """The rows' model size and vocabulary, as their config sets them."""
+    cfg = row_config("nope")
+    return {"vocab_size": cfg.data.vocab_size, **{key: cfg.model[key] for key in ("d_model", "n_layers", "n_heads")}}
+
+
+def training_rows(wanted: list[str] | None = None) -> list[str]:
+    """Every training row, or those ``wanted`` (``--rows``) and nope, which every ratio is taken against."""
+    rows = PE_NAMES + list(ATTENTION_ROWS) + list(DRAWN_ROWS)
+    return rows if wanted is None else [row for row in rows if row in wanted or row == "nope"]
+
+
+def forward_rows(wanted: list[str] | None = None) -> list[str]:
+    """Every forward row (drawn training positions change nothing at evaluation), or those ``wanted``."""
+    rows = PE_NAMES + list(ATTENTION_ROWS)
+    return rows if wanted is None else [row for row in rows if row in wanted]
+
+
+def random_batch(batch: int, length: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, vocab_size, (batch, length + 1), generator=torch.Generator().manual_seed(SEED))
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def autocast(precision: str):
+    return precision_autocast(CPU, TRAINER_PRECISION[precision])
 
 
 # --------------------------------------------------------------------------------------------
 # 1. Training throughput
 
 
-def train_step(net, optimizer, tokens, targets, precision, positions=None):
-    with precision_context(precision):
-        loss = net.token_nll(tokens, targets, positions).mean()
-    loss.backward()
-    optimizer.step()
-    net.pe.project_()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.item()
+class TrainingRow:
+    """A row's model with AdamW, stepping on a fixed batch at positions its run draws anew every step."""
 
+    def __init__(self, row: str, precision: str):
+        self.net, spec = row_model(row)
+        self.net.train()
+        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4)
+        self.scheme, self.seed, self.precision, self.step = spec.scheme, spec.seed, precision, 0
 
-def training_rows(wanted: list[str] | None = None) -> list[str]:
-    """Every training row, or those ``wanted`` (``--rows``) and nope, which every ratio is taken against."""
-    rows = PE_NAMES + list(ATTENTION_ROWS) + list(SCHEMES)
-    return rows if wanted is None else [row for row in rows if row in wanted or row == "nope"]
-
-
-def forward_rows(wanted: list[str] | None = None) -> list[str]:
-    """Every forward row (a drawn-positions scheme changes nothing at evaluation), or those ``wanted``."""
-    rows = PE_NAMES + list(ATTENTION_ROWS)
-    return rows if wanted is None else [row for row in rows if row in wanted]
+    def train(self, tokens: torch.Tensor, targets: torch.Tensor, steps: int) -> float:
+        for _ in range(steps):
+            positions = training_positions(self.scheme, *tokens.shape, self.seed, 0, self.step, 0)
+            with autocast(self.precision):
+                loss = self.net.token_nll(tokens, targets, positions).mean()
+            loss.backward()
+            self.optimizer.step()
+            self.net.pe.project_()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+        return loss.item()
 
 
 def training_flops_per_token(net: Decoder, length: int) -> float:
@@ -164,7 +216,7 @@ def gemm_peak(precision: str, size: int = 2048, reps: int = 10) -> float:
     model's), the best of ``reps``: the machine's GEMM peak MFU is measured against."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     best = math.inf
-    with precision_context(precision):
+    with autocast(precision):
         a @ b  # warm up oneDNN
         for _ in range(reps):
             start = time.perf_counter()
@@ -173,61 +225,53 @@ def gemm_peak(precision: str, size: int = 2048, reps: int = 10) -> float:
     return 2 * size**3 / best
 
 
-def bench_training(precision, length, batch, warmup, steps, reps, log, rows):
-    tokens, targets = random_batch(batch, length)
-    setups = {}
-    for name in rows:
-        net = build_model(name).train()
-        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
-        setups[name] = (net, optimizer, SCHEMES[name]() if name in SCHEMES else PositionScheme(), [0])
-
-    def run(name, n):
-        net, optimizer, scheme, step = setups[name]
-        for _ in range(n):  # positions drawn as training draws them, every step anew
-            positions = training_positions(scheme, batch, length, SEED, 0, step[0], 0)
-            loss = train_step(net, optimizer, tokens, targets, precision, positions)
-            step[0] += 1
-        return loss
-
-    for name in rows:
-        start = time.perf_counter()
-        loss = run(name, warmup)
-        log(f"  warmup {name:<15} {warmup} steps, {time.perf_counter() - start:6.1f} s, loss {loss:.3f}")
-    rates = {name: [] for name in rows}
-    for rep in range(reps):
-        order = rows[rep % len(rows) :] + rows[: rep % len(rows)]  # rotate the start
-        for name in order:
-            start = time.perf_counter()
-            run(name, steps)
-            rates[name].append(steps * batch * length / (time.perf_counter() - start))
-        log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{n} {rates[n][-1]:.0f}" for n in rows))
-    results = {"rows": rows, "sampling_ms": sampling_ms(batch, length), "gemm_peak": gemm_peak(precision)}
-    for name in rows:
-        # Ratio: median over repetitions of (this PE / nope in the same repetition), i.e. paired.
-        paired = [r / n for r, n in zip(rates[name], rates["nope"], strict=True)]
-        flops = training_flops_per_token(setups[name][0], length)
-        results[name] = {
-            "mfu": statistics.median(rates[name]) * flops / results["gemm_peak"],
-            "tokens_per_s": statistics.median(rates[name]),
-            "ratio": statistics.median(paired),
-            "ratio_min": min(paired),
-            "ratio_max": max(paired),
-            "rates": rates[name],
-        }
-    return results
-
-
-def sampling_ms(batch: int, length: int, draws: int = 50) -> dict[str, float]:
-    """Milliseconds one training batch's positions take to draw, per scheme (median of ``draws``)."""
+def sampling_ms(schemes: dict, batch: int, length: int, draws: int = 50) -> dict[str, float]:
+    """Milliseconds one training batch's positions take to draw, per row (median of ``draws``)."""
     times = {}
-    for name, scheme in SCHEMES.items():
+    for row, scheme in schemes.items():
         drawn = []
         for step in range(draws):
             start = time.perf_counter()
-            training_positions(scheme(), batch, length, SEED, 0, step, 0)
+            training_positions(scheme, batch, length, SEED, 0, step, 0)
             drawn.append((time.perf_counter() - start) * 1e3)
-        times[name] = statistics.median(drawn)
+        times[row] = statistics.median(drawn)
     return times
+
+
+def bench_training(precision, batch, warmup, steps, reps, log, rows):
+    arms = {row: TrainingRow(row, precision) for row in rows}
+    tokens, targets = random_batch(batch, TRAIN_LEN, arms["nope"].net.vocab_size)
+    for row, arm in arms.items():
+        start = time.perf_counter()
+        loss = arm.train(tokens, targets, warmup)
+        log(f"  warmup {row:<15} {warmup} steps, {time.perf_counter() - start:6.1f} s, loss {loss:.3f}")
+    rates = {row: [] for row in rows}
+    for rep in range(reps):
+        for row in rows[rep % len(rows) :] + rows[: rep % len(rows)]:  # rotate the start
+            start = time.perf_counter()
+            arms[row].train(tokens, targets, steps)
+            rates[row].append(steps * batch * TRAIN_LEN / (time.perf_counter() - start))
+        log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{row} {rates[row][-1]:.0f}" for row in rows))
+    drawn = {row: arm.scheme for row, arm in arms.items() if arm.scheme.reach}
+    results = {
+        "rows": rows,
+        "sampling_ms": sampling_ms(drawn, batch, TRAIN_LEN),
+        "reach": sorted({scheme.reach for scheme in drawn.values()}),
+        "gemm_peak": gemm_peak(precision),
+    }
+    for row in rows:
+        # Ratio: median over repetitions of (this PE / nope in the same repetition), i.e. paired.
+        paired = [r / n for r, n in zip(rates[row], rates["nope"], strict=True)]
+        flops = training_flops_per_token(arms[row].net, TRAIN_LEN)
+        results[row] = {
+            "mfu": statistics.median(rates[row]) * flops / results["gemm_peak"],
+            "tokens_per_s": statistics.median(rates[row]),
+            "ratio": statistics.median(paired),
+            "ratio_min": min(paired),
+            "ratio_max": max(paired),
+            "rates": rates[row],
+        }
+    return results
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,13 +294,12 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def forward_worker(spec: dict) -> dict:
-    name, length, precision, repeats = spec["pe"], spec["length"], spec["precision"], spec["repeats"]
-    net = build_model(name).eval()
-    tokens, targets = random_batch(1, length)
-    with torch.no_grad(), precision_context(precision):
-        warm_tokens, warm_targets = random_batch(1, 64)
-        net.token_nll(warm_tokens, warm_targets)  # kernels, oneDNN primitives, lazy init
+def forward_worker(cell: dict) -> dict:
+    row, length, precision, repeats = cell["pe"], cell["length"], cell["precision"], cell["repeats"]
+    net = row_model(row)[0].eval()
+    tokens, targets = random_batch(1, length, net.vocab_size)
+    with torch.no_grad(), autocast(precision):
+        net.token_nll(*random_batch(1, 64, net.vocab_size))  # kernels, oneDNN primitives, lazy init
         rss_before = _proc_status("VmRSS")
         peak_reset = _reset_peak_rss()
         maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
@@ -285,9 +328,9 @@ def forward_worker(spec: dict) -> dict:
     }
 
 
-def run_forward_subprocess(name, length, precision, repeats, timeout):
-    spec = {"pe": name, "length": length, "precision": precision, "repeats": repeats}
-    command = [sys.executable, str(Path(__file__).resolve()), "--_forward-worker", json.dumps(spec)]
+def run_forward_subprocess(row, length, precision, repeats, timeout):
+    cell = {"pe": row, "length": length, "precision": precision, "repeats": repeats}
+    command = [sys.executable, str(Path(__file__).resolve()), "--_forward-worker", json.dumps(cell)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -303,15 +346,14 @@ def bench_forward(precision, lengths, timeout, log, rows):
     results = {}
     for length in lengths:
         repeats = 3 if length <= 2048 else 1
-        for name in rows:
+        for row in rows:
             start = time.perf_counter()
-            result = run_forward_subprocess(name, length, precision, repeats, timeout)
-            results[(name, length)] = result
+            result = results[(row, length)] = run_forward_subprocess(row, length, precision, repeats, timeout)
             if result["status"] == "ok":
                 detail = f"{result['ms']:9.1f} ms  {result['extra_mb']:8.1f} MB extra"
             else:
                 detail = f"{result['status']}: {result['reason'][:80]}"
-            log(f"  forward {name:<19} L={length:<6} {detail}   ({time.perf_counter() - start:.1f} s wall)")
+            log(f"  forward {row:<19} L={length:<6} {detail}   ({time.perf_counter() - start:.1f} s wall)")
     return results
 
 
@@ -356,7 +398,7 @@ def bench_shaw(precision, length, reps, log, heads=8, head_dim=64, clip=16):
         for tensor in inputs:
             tensor.grad = None
         start = time.perf_counter()
-        with precision_context(precision):
+        with autocast(precision):
             out = fn()
         out.float().sum().backward()
         elapsed = time.perf_counter() - start
@@ -392,7 +434,6 @@ def bench_shaw(precision, length, reps, log, heads=8, head_dim=64, clip=16):
 # --------------------------------------------------------------------------------------------
 # 4. The study recipe's training step: lenext's LightningModule under a lightning.Trainer vs a bare loop
 
-# The CPU study's size: 4 layers x 128, 4 heads, vocab 2048, L_train 64, batch 32, lr 3e-3.
 STUDY_LEN, STUDY_BATCH = 64, 32
 STUDY_TOKENS_PER_STEP = STUDY_LEN * STUDY_BATCH
 STUDY_OVERRIDES = [
@@ -408,42 +449,42 @@ LIGHTNING_TARGET = 1.10  # Lightning's step time / the bare loop's
 SECOND_STAGE = "lightning, second stage"
 STAGE_OVERRIDES = ["pe.scaling=yarn", "pe.factor=4"]  # a context-extension stage, at the base's length and batch
 STAGE_TARGET = 1.05  # a second stage's step time / its base's: it trains at the base's tokens/s
-STUDY_STREAM_TOKENS = 2**20  # the random training stream: 16k windows of 64, more than any run here takes
+COMPILED = "bare, torch.compile"
 
 
-def study_config(output_dir: str, precision: str, steps: int, extra: tuple[str, ...] = ()):
-    """train.py's composed config at the study size, training ``steps`` steps with no validation in between."""
+def study_config(output_dir: str, precision: str, steps: int, extra: tuple[str, ...] = ()) -> DictConfig:
+    """train.py's config at the study size, training ``steps`` steps with no validation in between."""
     overrides = [
         *extra,
-        f"paths.output_dir={output_dir}",
-        f"paths.root_dir={output_dir}",
         *STUDY_OVERRIDES,
         f"trainer.precision={precision}",
         f"trainer.max_steps={steps}",
         f"trainer.val_check_interval={steps}",
     ]
-    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
-        return compose("train", overrides=overrides)
+    return train_config(overrides, output_dir)
 
 
 def study_loader(cfg, steps: int) -> DataLoader:
-    """lenext's training windows and order (TrainWindows, StepShuffler) over a random token stream."""
-    generator = torch.Generator().manual_seed(SEED)
-    stream = torch.randint(0, cfg.data.vocab_size, (STUDY_STREAM_TOKENS,), dtype=torch.int32, generator=generator)
-    windows = TrainWindows(stream.numpy(), cfg.data.max_len)
-    order = StepShuffler(len(windows), SEED, steps * cfg.data.batch_size)
-    return DataLoader(windows, batch_size=cfg.data.batch_size, sampler=order, drop_last=True)
+    """The data module's training batches (``lenext.data.step_loader``) of ``steps`` steps, over random tokens."""
+    tokens = steps * cfg.data.batch_size * cfg.data.max_len + 1  # as many windows as the steps take
+    stream = torch.randint(
+        0, cfg.data.vocab_size, (tokens,), dtype=torch.int32, generator=torch.Generator().manual_seed(SEED)
+    )
+    return step_loader(TrainWindows(stream.numpy(), cfg.data.max_len), cfg.data.batch_size, cfg.seed, None, 0)
 
 
 def study_net(cfg) -> Decoder:
-    torch.manual_seed(SEED)
-    return build_net(resolve(cfg, config_pe_name(cfg), sweeps=False), cfg.data.vocab_size)
+    """The net train.py trains from ``cfg`` from scratch."""
+    return run_net(resolve(cfg, config_pe_name(cfg), sweeps=False), cfg.data.vocab_size)
 
 
 def study_module(cfg):
-    """lenext's LanguageModel as train.py builds it from ``cfg`` (a second stage's with its base's weights)."""
-    torch.manual_seed(SEED)
-    return build_module(cfg, resolve_training(cfg), cfg.data.vocab_size)
+    """lenext's LanguageModel as lenext.run.build makes it from ``cfg`` (a second stage's with its base's weights)."""
+    spec, weights = resolve_training(cfg)
+    module = instantiate(cfg.module, "module", _partial_=True, _convert_="all")
+    return module(
+        net=run_net(spec, cfg.data.vocab_size, weights), scheme=spec.scheme, seed=spec.seed, run=spec.stored()
+    )
 
 
 class StepClock(L.Callback):
@@ -484,11 +525,10 @@ def bare_steps(cfg, net, loader, device: str = "cpu") -> list[float]:
         optim.warmup_steps,
         optim.min_lr_ratio,
     )
-    bf16 = str(cfg.trainer.precision).startswith("bf16")
     ends = []
     for batch in loader:
         tokens = batch["tokens"].to(device, non_blocking=True)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+        with precision_autocast(torch.device(device), cfg.trainer.precision):
             loss = net.token_nll(tokens[:, :-1], tokens[:, 1:]).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.trainer.gradient_clip_val)
@@ -502,15 +542,12 @@ def bare_steps(cfg, net, loader, device: str = "cpu") -> list[float]:
     return ends
 
 
-COMPILED = "bare, torch.compile"
-
-
 def bench_lightning(reps, steps, log, compiled=True):
     """Per-step wall time of Lightning and the bare loop at the machine's default precision, of a second stage
     under Lightning from the first arm's checkpoint, of the bare loop at the other precision and (``compiled``)
-    of the bare loop with the model under ``torch.compile``; arms
-    interleaved, each repetition a fresh fit of ``steps`` + 1 steps (the first step, with the optimizer's lazy
-    state, is not timed; compilation happens in the warmup run)."""
+    of the bare loop with the model under ``torch.compile``; arms interleaved, each repetition a fresh fit of
+    ``steps`` + 1 steps (the first step, with the optimizer's lazy state, is not timed; compilation happens in the
+    warmup run)."""
     chosen = default_precision("cpu")
     other = "32-true" if chosen.startswith("bf16") else "bf16-mixed"
     arms = {"lightning": chosen, SECOND_STAGE: chosen, "bare": chosen, f"bare {other}": other}
@@ -530,14 +567,12 @@ def bench_lightning(reps, steps, log, compiled=True):
         if compiled:
             nets[COMPILED] = study_net(cfgs[chosen])
             nets[COMPILED].compile()  # in place: token_nll's self(tokens) runs the compiled forward
-        for arm in nets.values():
-            arm.train()
+        for net in nets.values():
+            net.train()
 
         def run(arm):
             cfg = stage_cfg if arm == SECOND_STAGE else cfgs[arms[arm]]
-            # Compiled, RoPE's table lookup breaks the graph after the q, k, v views of the projection. Regenerating
-            # those views by replaying their view functions failed in torch 2.13 with a garbage shape
-            # (benchmarks/bench-memory); the as_strided regeneration runs. Eager arms do not read the setting.
+            # Regenerating views by replaying their view functions fails at RoPE's graph break (docs/performance.md).
             with torch._functorch.config.patch(view_replay_for_aliased_outputs=False):
                 ends = (
                     lightning_steps(cfg, modules[arm], loader) if arm in modules else bare_steps(cfg, nets[arm], loader)
@@ -548,8 +583,7 @@ def bench_lightning(reps, steps, log, compiled=True):
             run(arm)
         times = {arm: [] for arm in arms}
         for rep in range(reps):
-            order = list(arms)[rep % len(arms) :] + list(arms)[: rep % len(arms)]
-            for arm in order:
+            for arm in list(arms)[rep % len(arms) :] + list(arms)[: rep % len(arms)]:
                 times[arm].append(run(arm))
             log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{a} {1000 * t[-1]:.1f} ms" for a, t in times.items()))
 
@@ -650,11 +684,12 @@ def render_header(info, settings, elapsed) -> list[str]:
 
 
 def render_training(settings, training) -> list[str]:
+    model = settings["model"]
     lines = [
         "## Training throughput",
         "",
-        f"Small model ({SMALL['n_layers']} layers, d_model {SMALL['d_model']}, {SMALL['n_heads']} heads, "
-        f"vocab {SMALL['vocab_size']}), L={settings['train_length']}, batch {settings['train_batch']}, "
+        f"Small model ({model['n_layers']} layers, d_model {model['d_model']}, {model['n_heads']} heads, "
+        f"vocab {model['vocab_size']}), L={settings['train_length']}, batch {settings['train_batch']}, "
         "one step = forward `token_nll().mean()`, backward, AdamW step, zero_grad; same random batch for "
         f"every PE. {settings['warmup']} warmup steps per PE, then {settings['reps']} repetitions "
         f"round-robin over the PEs of {settings['steps']} timed step{'s' if settings['steps'] > 1 else ''} each. "
@@ -662,7 +697,8 @@ def render_training(settings, training) -> list[str]:
         "with the min-max range. MFU: model FLOPs per second (PaLM's count: 6 N per token for the weights, N "
         "without the token embedding, plus 6 x layers x d_model x L for causal attention; a PE's own work "
         f"not counted) over the GEMM peak measured in this precision ({training['gemm_peak'] / 1e9:.0f} GFLOP/s: "
-        "the best of ten 2048 x 2048 matmuls). `<pe>+ssmax`, `<pe>+stick_breaking`: with `attention.scale=ssmax`, "
+        f"the best of ten 2048 x 2048 matmuls). A row's model is the one `train.py pe=<pe> {' '.join(MODEL)}` "
+        "trains; `<pe>+ssmax`, `<pe>+stick_breaking`: with `attention.scale=ssmax`, "
         "`attention.normalizer=stick_breaking`.",
         "",
         "| PE | tokens/s | ratio vs nope | range | target | meets | MFU |",
@@ -677,14 +713,14 @@ def render_training(settings, training) -> list[str]:
             f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f} | "
             f"{'' if target is None else f'>= {target}'} | {meets} | {row['mfu']:.2f} |"
         )
-    if "rope" not in training or not set(SCHEMES) & set(training["rows"]):  # no drawn-positions row measured
+    if "rope" not in training or not training["sampling_ms"]:  # no drawn-positions row measured
         return lines
     rope_step_ms = settings["train_batch"] * settings["train_length"] / training["rope"]["tokens_per_s"] * 1e3
     lines += [
         "",
         f"`rope+<scheme>`: RoPE at positions drawn every step as training draws them (`train.positions`, "
-        f"N = L_t = {32 * TRAIN_LEN}). Drawing one batch's positions (median of 50 draws) against a RoPE step "
-        f"({rope_step_ms:.0f} ms), target < {SAMPLING_TARGET:.0%}:",
+        f"N = L_t = {' / '.join(map(str, training['reach']))}). Drawing one batch's positions (median of 50 draws) "
+        f"against a RoPE step ({rope_step_ms:.0f} ms), target < {SAMPLING_TARGET:.0%}:",
         "",
     ]
     for name, ms in training["sampling_ms"].items():
@@ -694,12 +730,13 @@ def render_training(settings, training) -> list[str]:
     return lines
 
 
-def render_forward(forward, lengths) -> list[str]:
+def render_forward(settings, forward) -> list[str]:
+    lengths, chunk = settings["lengths"], LOGIT_CHUNK_ELEMENTS["cpu"] // settings["model"]["vocab_size"]
     rows = list(dict.fromkeys(name for name, _ in forward))
     lines = [
         "## Forward pass (whole model, eval, no_grad, batch 1)",
         "",
-        f"One `token_nll` forward (logits in chunks of {LOGIT_CHUNK_ELEMENTS['cpu'] // SMALL['vocab_size']} tokens) "
+        f"One `token_nll` forward (logits in chunks of {chunk} tokens) "
         "per cell, each (PE, L) in a fresh process after a warmup forward at L=64. Cell: wall ms / peak extra MB "
         "(peak RSS during the forward minus RSS just before it). Time: min of 3 runs for L <= 2048, a single run "
         "above.",
@@ -817,7 +854,7 @@ def render(info, settings, elapsed, training=None, forward=None, shaw=None, ligh
     if training is not None:
         sections.append(render_training(settings, training))
     if forward is not None:
-        sections.append(render_forward(forward, settings["lengths"]))
+        sections.append(render_forward(settings, forward))
     if shaw is not None:
         sections.append(render_shaw(settings, shaw))
     if lightning is not None:
@@ -825,10 +862,25 @@ def render(info, settings, elapsed, training=None, forward=None, shaw=None, ligh
     return with_section_markers("\n\n".join("\n".join(lines) for lines in sections))
 
 
+FULL = dict(
+    train_batch=BATCH,
+    warmup=2,
+    reps=10,  # one step each: paired ratios compare steps close in time (the host is noisy)
+    steps=1,
+    lengths=[512, 2048, 8192, 16384],
+    shaw_reps=5,
+    lightning_reps=6,
+    lightning_steps=20,
+)
+QUICK = dict(
+    train_batch=2, warmup=1, reps=2, steps=1, lengths=[512, 2048], shaw_reps=1, lightning_reps=1, lightning_steps=3
+)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke test (~1-2 min)")
+    parser.add_argument("--precision", choices=tuple(TRAINER_PRECISION), default="fp32")
+    parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
     parser.add_argument("--out", type=Path, help="Markdown output (default benchmarks/bench.md or bench-bf16.md)")
     parser.add_argument("--reps", type=int, help="training repetitions (round-robin over PEs)")
     parser.add_argument("--steps", type=int, help="timed training steps per PE per repetition")
@@ -859,35 +911,13 @@ def main(argv=None) -> None:
         print(json.dumps(forward_worker(json.loads(args.forward_worker))))
         return
 
-    if args.quick:
-        settings = dict(
-            train_length=TRAIN_LEN,
-            train_batch=2,
-            warmup=1,
-            reps=2,
-            steps=1,
-            lengths=[512, 2048],
-            shaw_reps=1,
-            lightning_reps=1,
-            lightning_steps=3,
-        )
-    else:
-        settings = dict(
-            train_length=TRAIN_LEN,
-            train_batch=BATCH,
-            warmup=2,
-            reps=10,  # one step each: paired ratios compare steps close in time (the host is noisy)
-            steps=1,
-            lengths=[512, 2048, 8192, 16384],
-            shaw_reps=5,
-            lightning_reps=6,
-            lightning_steps=20,
-        )
+    settings = dict(QUICK if args.quick else FULL, train_length=TRAIN_LEN)
     for key in ("reps", "steps", "warmup", "lengths", "lightning_reps", "lightning_steps"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     settings["command"] = " ".join([Path(sys.executable).name, *sys.argv])
     settings["keeps_freed_memory"] = keeps_freed_memory
+    settings["model"] = small_shape()
     out = args.out or REPO / ("benchmarks/bench-bf16.md" if args.precision == "bf16" else "benchmarks/bench.md")
 
     started = time.perf_counter()
@@ -920,7 +950,6 @@ def main(argv=None) -> None:
         "training",
         bench_training,
         args.precision,
-        settings["train_length"],
         settings["train_batch"],
         settings["warmup"],
         settings["steps"],

@@ -1,4 +1,5 @@
-"""scripts/bench.py's Lightning section compares like with like, and its report names the machine."""
+"""scripts/bench.py measures the models runs train, its Lightning section compares like with like, and its report
+names the machine."""
 
 import importlib.util
 import logging
@@ -7,6 +8,9 @@ import pytest
 import torch
 
 from lenext import hardware
+from lenext.positions import training_positions
+from lenext.run import build
+from lenext.run_folder import resolve_training
 from tests.conftest import ROOT
 
 
@@ -18,6 +22,27 @@ def bench():
     return module
 
 
+@pytest.mark.parametrize(
+    "row", ["rope_ntk", "rope+randomized", "rope+pose", "alibi", "t5", "learned", "nope+ssmax", "nope+stick_breaking"]
+)
+def test_a_rows_model_is_the_one_its_training_run_trains(bench, compose_train, row):
+    """The run is train.py's: its config with the row's overrides, built by lenext.run.build after reading the corpus.
+    Same seed: same parameters, positions drawn and outputs."""
+    cfg = compose_train(*bench.row_overrides(row))
+    spec, weights = resolve_training(cfg)
+    trained = build(cfg, spec, weights)[1].net.eval()
+    net, bench_spec = bench.row_model(row)
+    net.eval()
+    assert {k: v.shape for k, v in net.state_dict().items()} == {k: v.shape for k, v in trained.state_dict().items()}
+    torch.testing.assert_close(net.state_dict(), trained.state_dict(), rtol=0, atol=0)
+    positions = training_positions(bench_spec.scheme, 2, 64, bench_spec.seed, 0, 0, 0)
+    torch.testing.assert_close(positions, training_positions(spec.scheme, 2, 64, spec.seed, 0, 0, 0))
+    tokens = torch.randint(0, net.vocab_size, (2, 65), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        nll = net.token_nll(tokens[:, :-1], tokens[:, 1:], positions)
+        torch.testing.assert_close(nll, trained.token_nll(tokens[:, :-1], tokens[:, 1:], positions), rtol=0, atol=0)
+
+
 def test_the_bare_loop_trains_exactly_as_the_lightning_trainer(bench, tmp_path):
     """Same batches, parameter groups, schedule and clipping: after 3 steps both made the same updates (up to
     the order in which the gradient norm sums the parameters), so the ratio times the same work.
@@ -27,7 +52,7 @@ def test_the_bare_loop_trains_exactly_as_the_lightning_trainer(bench, tmp_path):
     steps = 3
     cfg = bench.study_config(str(tmp_path), "32-true", steps)
     loader = bench.study_loader(cfg, steps)
-    module = bench.instantiate(cfg.module, "module", _partial_=True, _convert_="all")(net=bench.study_net(cfg))
+    module = bench.study_module(cfg)
     bare = bench.study_net(cfg).train()
     assert len(bench.lightning_steps(cfg, module, loader)) == len(bench.bare_steps(cfg, bare, loader)) == steps
     trained, initial = dict(module.net.named_parameters()), dict(bench.study_net(cfg).named_parameters())

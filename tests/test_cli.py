@@ -29,6 +29,8 @@ def test_unknown_pe_lists_the_available_ones(tmp_path):
         (["pe=t5", "pe.max_distance=8"], "pe.max_distance"),
         (["module.lr=nan"], "module.lr"),
         (["trainer.precision=16-mixed"], "trainer.precision"),
+        (["eval.rope_scalings=[ntk]"], "eval.rope_scalings was renamed: use eval.variants"),
+        (["+eval.rope_scalings=[ntk]"], "eval.rope_scalings was renamed: use eval.variants"),
     ],
 )
 def test_invalid_values_fail_with_one_line_naming_the_key(tmp_path, overrides, key):

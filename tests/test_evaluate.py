@@ -13,11 +13,14 @@ import lenext.attention
 import lenext.attention.band
 import lenext.evaluate
 import lenext.model
+import lenext.results
 from lenext.errors import ConfigError
-from lenext.evaluate import TextEvaluation, cap_windows, evaluate_length, sweep, sweep_plan, windows_for
+from lenext.evaluate import TextEvaluation, sweep, sweep_plan
 from lenext.model import Decoder
 from lenext.pe import ALiBi, Learned, RoPE, T5Bias
+from lenext.protocols import LastK, NonOverlapping, Sliding, cap_windows
 from lenext.run import evaluate_checkpoint, train
+from lenext.scoring import evaluate_length
 from tests.conftest import small_corpus_overrides, tiny_overrides
 
 DOC_LENGTHS = [1, 40, 97, 130, 64, 65]
@@ -30,7 +33,7 @@ def scored_positions(windows, length):
 
 @pytest.mark.parametrize("length", [8, 16, 64])
 def test_nonoverlap_scores_each_covered_token_once(length):
-    scored = scored_positions(windows_for("nonoverlap", DOC_LENGTHS, length), length)
+    scored = scored_positions(NonOverlapping().windows(DOC_LENGTHS, length), length)
     assert len(scored) == len(set(scored))
     expected = {(d, p) for d, n in enumerate(DOC_LENGTHS) for p in range(1, 1 + (n - 1) // length * length)}
     assert set(scored) == expected
@@ -38,7 +41,7 @@ def test_nonoverlap_scores_each_covered_token_once(length):
 
 @pytest.mark.parametrize("length,stride", [(16, 4), (16, 16), (32, 5), (8, 1)])
 def test_sliding_scores_every_token_after_the_first_window_exactly_once(length, stride):
-    windows = windows_for("sliding", DOC_LENGTHS, length, stride=stride)
+    windows = Sliding(stride).windows(DOC_LENGTHS, length)
     scored = scored_positions(windows, length)
     assert len(scored) == len(set(scored))
     # every target of every document long enough for one window: positions 1..n-1
@@ -49,7 +52,7 @@ def test_sliding_scores_every_token_after_the_first_window_exactly_once(length, 
 
 def test_last_k_scores_the_identical_set_at_every_length():
     lengths = [8, 16, 32]
-    sets = [scored_positions(windows_for("last_k", DOC_LENGTHS, n, k=8, block=32), n) for n in lengths]
+    sets = [scored_positions(LastK(k=8, block=32).windows(DOC_LENGTHS, n), n) for n in lengths]
     assert sets[0] and sets[0] == sets[1] == sets[2]
     assert {d for d, _ in sets[0]} == {d for d, n in enumerate(DOC_LENGTHS) if n - 1 >= 32}
     # Which: the last k targets of every whole block of 32 (tokens (b + 1) 32 - 7 .. (b + 1) 32), as documented.
@@ -75,7 +78,7 @@ def eval_cfg(**overrides):
         "factors": [1, 2, 4],
         "stride": None,
         "last_k": None,
-        "rope_scalings": None,
+        "variants": None,
         "max_windows": None,
         "tokens_per_batch": 64,
         "per_position": True,
@@ -105,7 +108,8 @@ def test_perplexity_equals_exp_mean_nll_of_a_plain_per_window_loop(protocol):
     rows, _ = sweep_of(net, TextEvaluation(docs), 16, eval_cfg(protocol=protocol, stride=5, last_k=8))
     for row in rows:
         length = row["length"]
-        windows = windows_for(protocol, [len(d) for d in docs], length, stride=5, k=8, block=64)
+        chosen = {"nonoverlap": NonOverlapping(), "sliding": Sliding(5), "last_k": LastK(8, 64)}[protocol]
+        windows = chosen.windows([len(d) for d in docs], length)
         total, count = 0.0, 0
         with torch.no_grad():
             for w in windows:  # reference: one window at a time, full logits, log_softmax by hand
@@ -138,7 +142,7 @@ def test_token_nll_in_logit_chunks_equals_a_whole_log_softmax_with_its_gradients
 )
 def test_query_chunked_evaluation_equals_unchunked(pe, monkeypatch):
     net, docs = tiny_net(pe), random_documents(1)
-    windows = windows_for("nonoverlap", [len(d) for d in docs], 64)
+    windows = NonOverlapping().windows([len(d) for d in docs], 64)
     whole = evaluate_length(net, docs, windows, 64, 256, per_position=True)
     # Blocks of 5 rows: BandedAttention's steps (T5), the explicit path's query blocks (Shaw with a^V,
     # and ALiBi once its fused kernel is taken away).
@@ -154,7 +158,7 @@ def test_per_position_curve_averages_the_windows():
     """curve[p]: the mean NLL of the target at position p of a window, over the windows (a one-window-at-a-time
     reference: a curve shifted or reversed would still average to the mean NLL)."""
     net, docs = tiny_net(), random_documents(2)
-    windows = windows_for("nonoverlap", [len(d) for d in docs], 16)
+    windows = NonOverlapping().windows([len(d) for d in docs], 16)
     result = evaluate_length(net, docs, windows, 16, 1000, per_position=True)
     assert result["curve_counts"] == [len(windows)] * 16
     assert np.mean(result["curve"]) == pytest.approx(result["mean_nll"], rel=1e-6)  # MeanMetric sums in fp32
@@ -181,13 +185,13 @@ def test_learned_beyond_max_len_is_not_applicable_and_the_sweep_goes_on():
 def test_rope_scalings_give_one_row_each_with_the_factor_used():
     net = tiny_net(RoPE)
     rows, _ = sweep_of(
-        net, TextEvaluation(random_documents()), 16, eval_cfg(rope_scalings=["none", "linear", "ntk", "yarn"])
+        net, TextEvaluation(random_documents()), 16, eval_cfg(variants=["none", "linear", "ntk", "yarn"])
     )
-    assert [(r["scaling"], r["length"]) for r in rows] == [
+    assert [(r["variant"], r["length"]) for r in rows] == [
         (s, n) for s in ("none", "linear", "ntk", "yarn") for n in (16, 32, 64)
     ]
     for r in rows:
-        assert r["rope_factor"] == (1.0 if r["scaling"] == "none" else r["length"] / 16)
+        assert r["variant_factor"] == (1.0 if r["variant"] == "none" else r["length"] / 16)
     at_train_len = {r["ppl"] for r in rows if r["length"] == 16}
     assert len({round(p, 9) for p in at_train_len}) == 1  # every scaling is the identity at L_train
     assert net.pe.scaling == "none"  # restored after the sweep
@@ -211,19 +215,19 @@ def test_checkpoint_evaluation_matches_training_validation_and_writes_documented
         )
     )
     # A commit made while the run trains must not be named: meta.git_commit is the code the process loaded.
-    lenext.evaluate.code_commit.cache_clear()
+    lenext.results.code_commit.cache_clear()
     metrics = train(cfg)
     results = json.loads((tmp_path / "results.json").read_text())
     assert (
         results["complete"] and results["meta"]["train_len"] == 32 and results["meta"]["tokens_trained"] == 20 * 4 * 32
     )
     assert {"pe", "seed", "corpus", "tokenizer", "git_commit", "versions"} <= set(results["meta"])
-    assert results["meta"]["git_commit"] == lenext.evaluate.code_commit()
-    assert lenext.evaluate.code_commit.cache_info().misses == 1  # asked once, before training
+    assert results["meta"]["git_commit"] == lenext.results.code_commit()
+    assert lenext.results.code_commit.cache_info().misses == 1  # asked once, before training
     first = results["rows"][0]
     assert (first["length"], first["status"]) == (32, "ok")
     assert first["ppl"] == pytest.approx(metrics["val/ppl"], rel=1e-5)
-    assert (tmp_path / "positions.csv").read_text().startswith("scaling,length,position,mean_nll,count")
+    assert (tmp_path / "positions.csv").read_text().startswith("variant,length,position,mean_nll,count")
 
     eval_dir = tmp_path / "eval"
     eval_config = compose_eval(
@@ -231,13 +235,13 @@ def test_checkpoint_evaluation_matches_training_validation_and_writes_documented
         eval_dir,
         tmp_path / "checkpoints" / "last.ckpt",
         "eval.lengths=[32,64]",
-        "eval.rope_scalings=[none,ntk]",
+        "eval.variants=[none,ntk]",
     )
     evaluate_checkpoint(eval_config)
     rows = json.loads((eval_dir / "results.json").read_text())["rows"]
-    none_at_train_len = next(r for r in rows if r["scaling"] == "none" and r["length"] == 32)
+    none_at_train_len = next(r for r in rows if r["variant"] == "none" and r["length"] == 32)
     assert none_at_train_len["ppl"] == pytest.approx(metrics["val/ppl"], rel=1e-5)
-    assert [(r["scaling"], r["length"]) for r in rows] == [("none", 32), ("none", 64), ("ntk", 32), ("ntk", 64)]
+    assert [(r["variant"], r["length"]) for r in rows] == [("none", 32), ("none", 64), ("ntk", 32), ("ntk", 64)]
 
     # Any setting of the checkpoint's PE can change at evaluation, on any split...
     ckpt = tmp_path / "checkpoints" / "last.ckpt"

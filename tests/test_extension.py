@@ -17,9 +17,12 @@ from torch.testing import assert_close
 
 import lenext.data
 from lenext import report
+from lenext.build import build_net
+from lenext.checkpoints import net_state
 from lenext.cli import CONFIG_PACKAGE
 from lenext.errors import CheckpointError, ConfigError
-from lenext.run import build, build_net, evaluate_checkpoint, net_state, resolve_training, train
+from lenext.run import build, evaluate_checkpoint, train
+from lenext.run_folder import resolve_training
 from tests.conftest import run_train, small_corpus_overrides
 from tests.test_evaluate import compose_eval
 from tests.test_pe import hf_config, hf_rope
@@ -59,7 +62,7 @@ def trained_base(compose_run, pe: str, *overrides: str) -> str:
 
 @pytest.fixture(scope="module")
 def rope_base(compose_run) -> str:
-    return trained_base(compose_run, "rope", "eval.rope_scalings=[none,yarn]")
+    return trained_base(compose_run, "rope", "eval.variants=[none,yarn]")
 
 
 def second_stage(compose_run, base: str, name: str, *overrides: str):
@@ -70,8 +73,8 @@ def test_a_second_stage_starts_from_the_bases_weights_alone_and_records_its_line
     compose_run, rope_base, tmp_path, cache_dir
 ):
     cfg = second_stage(compose_run, rope_base, "yarn", "pe.scaling=yarn", "data.max_len=64", "eval.factors=[1,2]")
-    spec = resolve_training(cfg)
-    _, module, _ = build(cfg, spec)
+    spec, weights = resolve_training(cfg)
+    _, module, _ = build(cfg, spec, weights)
     base_checkpoint = torch.load(rope_base, map_location="cpu", weights_only=False)
     base_weights = net_state(base_checkpoint)
     assert module.net.state_dict().keys() == base_weights.keys()
@@ -131,8 +134,8 @@ def test_a_second_stage_starts_from_the_bases_weights_alone_and_records_its_line
 )
 def test_defaults_derived_from_l_train_keep_the_bases_values(compose_run, pe, key, base_value, fresh_value):
     base = trained_base(compose_run, pe)
-    extended = resolve_training(second_stage(compose_run, base, f"{pe}_stage", f"pe={pe}", "data.max_len=128"))
-    fresh = resolve_training(compose_run(f"{pe}_fresh", f"pe={pe}", "data.max_len=128"))
+    extended = resolve_training(second_stage(compose_run, base, f"{pe}_stage", f"pe={pe}", "data.max_len=128"))[0]
+    fresh = resolve_training(compose_run(f"{pe}_fresh", f"pe={pe}", "data.max_len=128"))[0]
     assert extended.config["pe"][key] == base_value and fresh.config["pe"][key] == fresh_value
 
 
@@ -142,7 +145,7 @@ def test_a_learned_table_shorter_than_the_new_length_is_refused(compose_run):
         ConfigError,
         match=r"^pe.max_len=32 is invalid: .*a second stage keeps the PE settings of init_from=.*at 64 positions$",
     ):
-        resolve_training(second_stage(compose_run, base, "learned_stage", "pe=learned", "data.max_len=64"))
+        resolve_training(second_stage(compose_run, base, "learned_stage", "pe=learned", "data.max_len=64"))[0]
 
 
 # lenext's scalings -> transformers' rope types (ntk is transformers' dynamic at seq_len = s x C, factor 1).
@@ -156,7 +159,7 @@ def test_each_scaling_extends_from_the_bases_context_as_transformers_computes_it
     hf, extended_len = hf_rope(), 4 * BASE_LEN
     spec = resolve_training(
         second_stage(compose_run, rope_base, f"{scaling}_freq", f"pe.scaling={scaling}", f"data.max_len={extended_len}")
-    )
+    )[0]
     pe = build_net(spec, 512).pe
     assert (pe.factor, pe.original_len) == (4.0, BASE_LEN)
     got, attention = pe.frequencies(extended_len)
@@ -190,7 +193,7 @@ def test_pose_reaches_the_extended_length_from_windows_of_the_bases_length(compo
         f"train.target_len={target}",
         "eval.factors=[1,4]",
     )
-    spec = resolve_training(cfg)
+    spec = resolve_training(cfg)[0]
     assert spec.row == "rope -> pose+yarn@128" and spec.reach == target and spec.train_len == BASE_LEN
     assert (spec.config["pe"]["factor"], spec.config["pe"]["original_len"]) == (4.0, BASE_LEN)
     drawn = torch.cat([spec.scheme.training(64, BASE_LEN, torch.Generator().manual_seed(s)) for s in range(4)])
@@ -247,14 +250,14 @@ def test_an_unreadable_base_is_named(compose_run, tmp_path):
 
 
 def test_factor_null_is_fixed_at_l_prime_over_c_in_a_second_stage_and_per_length_in_a_first(compose_run, rope_base):
-    first = build_net(resolve_training(compose_run("first", "pe=rope_ntk")), 512).pe
+    first = build_net(resolve_training(compose_run("first", "pe=rope_ntk"))[0], 512).pe
     assert first.factor is None and first.scaling_factor(8 * BASE_LEN) == 8.0  # evaluation-time: L / C
-    spec = resolve_training(second_stage(compose_run, rope_base, "fixed", "pe=rope_ntk", "data.max_len=64"))
+    spec = resolve_training(second_stage(compose_run, rope_base, "fixed", "pe=rope_ntk", "data.max_len=64"))[0]
     second = build_net(spec, 512).pe
     assert second.factor == 2.0 and second.scaling_factor(8 * BASE_LEN) == 2.0  # fine-tuned at s = 2: kept
     explicit = resolve_training(
         second_stage(compose_run, rope_base, "explicit", "pe.scaling=linear", "pe.factor=3", "data.max_len=64")
-    )
+    )[0]
     assert explicit.config["pe"]["factor"] == 3 and math.isclose(build_net(explicit, 512).pe.scaling_factor(64), 3)
 
 
@@ -316,12 +319,12 @@ def test_another_scaling_at_evaluation_extends_from_the_positions_the_stage_trai
     folder = compose_run.root / "yarn_for_variants"
     train(second_stage(compose_run, rope_base, folder.name, "pe.scaling=yarn", "data.max_len=64", "eval.enabled=false"))
     ckpt, common = folder / "checkpoints" / "last.ckpt", (f"paths.cache_dir={cache_dir}", "eval.lengths=[128]")
-    evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "sweep", ckpt, *common, "eval.rope_scalings=[yarn,linear]"))
+    evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "sweep", ckpt, *common, "eval.variants=[yarn,linear]"))
     evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "override", ckpt, *common, "pe.scaling=linear"))
     swept = json.loads((tmp_path / "sweep" / "results.json").read_text())["rows"]
     (overridden,) = json.loads((tmp_path / "override" / "results.json").read_text())["rows"]
-    assert [(r["scaling"], r["rope_factor"]) for r in swept] == [("yarn", 2.0), ("linear", 2.0)]
-    assert (overridden["scaling"], overridden["rope_factor"]) == ("linear", 2.0)
+    assert [(r["variant"], r["variant_factor"]) for r in swept] == [("yarn", 2.0), ("linear", 2.0)]
+    assert (overridden["variant"], overridden["variant_factor"]) == ("linear", 2.0)
     assert overridden["mean_nll"] == pytest.approx(swept[1]["mean_nll"], rel=1e-6)
 
 
@@ -333,13 +336,13 @@ def test_a_second_stage_resumes_without_its_base_and_a_first_stage_folder_is_not
     shutil.move(base, moved)  # the base is gone: the stage's own last.ckpt holds its PE and lineage
     try:
         longer = second_stage(compose_run, base, "nope_stage", *stage, "trainer.max_steps=3")
-        spec = resolve_training(longer)
+        spec = resolve_training(longer)[0]
         assert spec.start == "resume" and spec.lineage[0].checkpoint == base and spec.row == "nope -> direct@64"
         train(longer)
     finally:
         shutil.move(moved, base)
     with pytest.raises(ConfigError, match=r"last.ckpt belongs to a run with other settings.*init_from=None there"):
-        resolve_training(compose_run("base_nope", "pe=nope", f"init_from={base}", "data.max_len=64"))
+        resolve_training(compose_run("base_nope", "pe=nope", f"init_from={base}", "data.max_len=64"))[0]
 
 
 def test_a_pe_made_of_pes_extends_its_rope_member(compose_run):
@@ -348,9 +351,9 @@ def test_a_pe_made_of_pes_extends_its_rope_member(compose_run):
     base = trained_base(compose_run, "fox_rope")
     spec = resolve_training(
         second_stage(compose_run, base, "fox_yarn", "pe=fox_rope", "+pe.pes.rope.scaling=yarn", "data.max_len=64")
-    )
+    )[0]
     rope = spec.config["pe"]["pes"]["rope"]
     assert rope["scaling"] == "yarn" and rope["original_len"] == 32 and spec.row.endswith(" -> yarn@64")
     refused = second_stage(compose_run, base, "fox_base", "pe=fox_rope", "+pe.pes.rope.base=500", "data.max_len=64")
     with pytest.raises(ConfigError, match=r"^pe.pes.rope.base=500 is invalid for a second stage"):
-        resolve_training(refused)
+        resolve_training(refused)[0]

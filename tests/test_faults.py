@@ -18,15 +18,9 @@ from lenext.lock import LOCK_FILE, FolderInUse, hold_folder, release_folder
 from lenext.module import AtomicCheckpointIO
 from lenext.report import main as report_main
 from lenext.report import unwritable
-from lenext.run import (
-    TRAIN_NODES,
-    TrainSettings,
-    preflight,
-    refuse_other_settings,
-    resolve_training,
-    stage_settings,
-    train,
-)
+from lenext.resolve import TRAIN_NODES, TrainSettings, preflight, stage_settings
+from lenext.run import train
+from lenext.run_folder import refuse_other_settings, resolve_training
 from tests.conftest import ROOT, small_corpus_overrides
 from tests.test_report import write_run
 
@@ -94,7 +88,7 @@ def test_resuming_under_another_model_shape_names_the_settings(compose_train, sm
     with pytest.raises(
         ConfigError, match=r"last.ckpt belongs to a run with other settings.*model.d_model=64 there, 128 here"
     ):
-        resolve_training(wider)
+        resolve_training(wider)[0]
     # The finished run's results: a re-launch with other settings is not skipped as if it were this run
     with pytest.raises(ConfigError, match=r"results.json belongs to a run with other settings.*model.d_model"):
         train(wider)
@@ -125,7 +119,7 @@ def test_a_finished_run_is_skipped_only_under_its_own_budget_and_evaluation(comp
         train(compose_train(*overrides, "trainer.max_steps=4"))
     (tmp_path / "results.json").unlink()  # unfinished: resumable with a longer budget, not a shorter one
     with pytest.raises(ConfigError, match=r"^trainer.max_steps=2 is invalid for this run: .*last.ckpt is at step 3"):
-        resolve_training(compose_train(*overrides, "trainer.max_steps=2"))
+        resolve_training(compose_train(*overrides, "trainer.max_steps=2"))[0]
 
 
 def test_a_default_this_command_leaves_null_is_not_compared(compose_train):
@@ -187,7 +181,7 @@ def test_a_truncated_last_checkpoint_is_named_with_what_to_do(compose_train, sma
     last = tmp_path / "checkpoints" / "last.ckpt"
     last.write_bytes(last.read_bytes()[:1000])  # a disk filled mid-write
     with pytest.raises(CheckpointError, match=rf"^{last} cannot be read .*truncated.*or delete it to train the run"):
-        resolve_training(compose_train(*overrides))
+        resolve_training(compose_train(*overrides))[0]
 
 
 def test_checkpoints_are_written_next_to_their_target_only(tmp_path, monkeypatch):

@@ -15,10 +15,10 @@ import torch
 from hydra import compose, initialize_config_module
 
 from lenext.attention import AttentionSettings
+from lenext.build import instantiate
 from lenext.cli import CONFIG_PACKAGE
 from lenext.evaluate import PeakMemory
 from lenext.model import Decoder
-from lenext.run import instantiate
 from tests.conftest import ROOT
 
 HEADS, TRAIN_LEN = 2, 64

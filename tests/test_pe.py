@@ -408,7 +408,7 @@ def test_xpos_scores_decay_with_distance_and_are_shift_invariant(pair):
 
 
 def test_xpos_tables_follow_the_length_and_an_evaluation_time_scaling():
-    """Its q and k tables are cached: switching length or RoPE scaling (as eval.rope_scalings does) rebuilds them."""
+    """Its q and k tables are cached: switching length or RoPE scaling (as eval.variants does) rebuilds them."""
     shape = AttentionShape(d_model=16, n_heads=2, n_layers=1, train_len=16)
     used, x = XPos(shape), torch.randn(1, 2, 40, 8)
     rotate(used, x[:, :, :20], x[:, :, :20])  # a cache for another length
@@ -427,7 +427,7 @@ def test_xpos_under_an_evaluation_time_scaling_is_that_scaled_rope_times_the_uns
     paper's zeta_t = (2t/d + 0.4) / 1.4 in float64."""
     shape = AttentionShape(d_model=16, n_heads=2, n_layers=1, train_len=16)
     xpos, rope = XPos(shape, scale_base=32.0), RoPE(shape, scaling=scaling, factor=factor)
-    xpos.scaling, xpos.factor = scaling, factor  # what eval.rope_scalings switches
+    xpos.scaling, xpos.factor = scaling, factor  # what eval.variants switches
     length, dim = 48, 8
     q, k = torch.randn(2, 1, 2, length, dim, dtype=torch.float64).unbind()
     zeta = (torch.arange(0, dim, 2, dtype=torch.float64) / dim + 0.4) / 1.4

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lenext.report import find_runs, passkey_depths, report
+from lenext.report import load, passkey_depths, report
 
 STUDIES = Path(__file__).resolve().parents[1] / "studies"
 
@@ -53,10 +53,10 @@ def test_the_passkey_depth_grid_is_each_cells_mean_and_std_over_seeds():
             if row.get("depth") is not None and row["status"] == "ok":
                 cells[(results["meta"]["row"], row["depth"], row["length"])].append(row)
     assert len(cells) == 8 * 5 * 6 + 5  # rows x depth buckets x lengths; learned at L_train only (n/a beyond)
-    grid = passkey_depths(find_runs([str(STUDIES / "probes" / "runs")])[0]).set_index(["pe", "depth", "length"])
+    grid = passkey_depths(load([str(STUDIES / "probes" / "runs")]).frame).set_index(["label", "depth", "length"])
     assert len(grid) == len(cells)
-    for (pe, depth, length), rows in cells.items():
-        cell = grid.loc[(pe, depth, length)]
+    for (row, depth, length), rows in cells.items():
+        cell = grid.loc[(row, depth, length)]
         matches = [row["exact_match"] for row in rows]
         assert cell["mean"] == pytest.approx(statistics.mean(matches), abs=1e-4)
         assert cell["std"] == pytest.approx(statistics.stdev(matches), abs=1e-4)

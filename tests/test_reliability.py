@@ -15,12 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lenext.errors import LenextError
-from lenext.evaluate import scored_targets
 from lenext.files import atomic_path, write_atomic
 from lenext.model import Decoder
 from lenext.module import AtomicCheckpointIO, LanguageModel
 from lenext.pe import NoPE
-from lenext.run import TRAIN_NODES, TrainSettings, build, preflight
+from lenext.resolve import TRAIN_NODES, TrainSettings, preflight
+from lenext.run import build
+from lenext.scoring import scored_targets
 from tests.conftest import CONFIG_FOLDER, small_corpus_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,8 +215,8 @@ def test_random_configs_either_work_or_fail_with_a_lenext_error(
 
 
 def test_checkpoint_problems_are_named(tmp_path):
+    from lenext.checkpoints import load_checkpoint
     from lenext.errors import CheckpointError
-    from lenext.run import load_checkpoint
 
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(str(tmp_path / "missing.ckpt"))

@@ -6,12 +6,16 @@ import os
 import pandas as pd
 import pytest
 
-from lenext.report import TableKey, collect, family, find_runs, main, report, summarize
+from lenext.report import TableKey, collect, family, find_runs, load, main, report, summarize
 
 HARDWARE = {"cpu": "AMD EPYC", "isa": "AVX512_BF16", "cores": 2, "gpu": None, "training_precision": "bf16-mixed"}
 
 
-def write_run(folder, pe, seed, ppls, train_len=64, complete=True, scaling=None, extra_rows=(), hardware=None):
+def write_run(
+    folder, pe, seed, ppls, train_len=64, complete=True, scaling=None, extra_rows=(), hardware=None, meta=None
+):
+    """A text run's results in the layout of results files written before variants had a generic name (``scaling``)
+    and before meta.identity; ``meta`` adds to (or replaces) its meta's keys."""
     os.makedirs(os.path.join(folder, ".hydra"), exist_ok=True)
     rows = [
         {
@@ -32,6 +36,7 @@ def write_run(folder, pe, seed, ppls, train_len=64, complete=True, scaling=None,
         "seed": seed,
         "train_tokens_per_s": 1000.0 + seed,
         "hardware": hardware or HARDWARE,
+        **(meta or {}),
     }
     with open(os.path.join(folder, "results.json"), "w") as f:
         json.dump({"complete": complete, "meta": meta, "rows": rows + list(extra_rows)}, f)
@@ -149,7 +154,7 @@ def test_significance_rule_separates_only_differences_beyond_two_std_with_consis
     # 11.2 ± 2.7 vs 16.8 ± 0.5: more than 2 std apart, but seed 4's pair is ordered the other way.
     flip = {"alibi": [10, 10, 10, 10, 16], "shaw": [17, 17, 17, 17, 15.9]}
     flipped = _frame(_seeded_sweep(tmp_path / "flip", flip))
-    means = flipped.groupby("pe").value.mean()
+    means = flipped.groupby("label").value.mean()
     assert abs(means["shaw"] - means["alibi"]) > 2 * 2.68
     assert separable(flipped, "shaw", "alibi", 64, "nonoverlap", 64) is False
     # The same values from different seeds: nothing to pair, so the means decide.
@@ -191,7 +196,7 @@ def test_a_lone_seed_is_never_marked_and_the_table_says_why(tmp_path):
 
 
 def test_per_position_bins_are_token_weighted_means_covering_every_position_once(tmp_path):
-    from lenext.report import binned_positions, find_runs, log_bins
+    from lenext.report import binned_positions, log_bins
 
     for length in (1, 7, 64, 100, 2048):
         bins = log_bins(length)
@@ -210,7 +215,7 @@ def test_per_position_bins_are_token_weighted_means_covering_every_position_once
             + "".join(f",8,{p},9.0,1\n" for p in range(8))  # a shorter length: ignored
             + "".join(f",16,{p},{p + offset},{1 + 2 * (p % 2)}\n" for p in reversed(range(16)))
         )
-    binned = binned_positions(find_runs([str(tmp_path)])[0]).set_index(["bin_start", "bin_end"])
+    binned = binned_positions(load([str(tmp_path)]).runs).set_index(["bin_start", "bin_end"])
     assert list(binned.index) == log_bins(16)
     seed0, seed1 = (7 * 3 + 8 * 1) / 4, (8 * 3 + 9 * 1) / 4  # counts: position 7 -> 3, position 8 -> 1
     row = binned.loc[(7, 9)]
@@ -263,22 +268,52 @@ def test_a_job_whose_latest_attempt_failed_is_listed_as_failed(tmp_path, capsys)
     assert "| alibi |" in out and "| rope |" not in out and "failed: data.max_len=0 is invalid" in out
 
 
-def test_figures_draw_a_pes_variants_in_its_colour_and_tell_them_apart_by_line_style():
-    from lenext.report import _method, base_row, row_styles
+def second_stage(base: str, method: str, length: int = 256) -> dict:
+    """The meta of a second stage of ``base`` (row ``<base> -> <method>@<length>``), as train.py writes it."""
+    stage = {"checkpoint": f"/runs/{base}/last.ckpt", "row": base, "train_len": 64, "reach": 64, "steps": 100}
+    return {"row": f"{base} -> {method}@{length}", "base_len": 64, "lineage": [{**stage, "tokens": 6400}]}
 
-    rows = ["rope", "rope (ntk)", "rope -> yarn@256", "alibi", "alibi -> direct@256", "xpos (yarn)", "rope (yarn)"]
-    assert [base_row(r) for r in rows] == ["rope", "rope", "rope", "alibi", "alibi", "xpos", "rope"]
-    styles = row_styles(rows)
-    rope = [styles[r] for r in rows if base_row(r) == "rope"]
+
+def test_figures_draw_a_pes_variants_in_its_colour_and_tell_them_apart_by_line_style(tmp_path):
+    """A row's colour is its root's (the first-stage row it descends from) and its extension method the variant or
+    the stage's method, both from the rows' structure (meta.row_fields, or the label of an older file read back
+    once), never from the labels the tables show."""
+    from lenext.report import Summary, extension_method, row_styles
+    from lenext.spec import Row
+
+    def variant_rows(*variants):
+        return [{"protocol": "nonoverlap", "scaling": v, "length": 128, "ppl": 30.0, "status": "ok"} for v in variants]
+
+    write_run(tmp_path / "0", "rope", 0, {64: 21, 128: 40}, scaling="none", extra_rows=variant_rows("ntk", "yarn"))
+    write_run(tmp_path / "1", "rope", 0, {64: 20}, scaling="yarn", train_len=256, meta=second_stage("rope", "yarn"))
+    write_run(tmp_path / "2", "alibi", 0, {64: 21})
+    write_run(tmp_path / "3", "alibi", 0, {64: 20}, train_len=256, meta=second_stage("alibi", "direct"))
+    write_run(tmp_path / "4", "xpos", 0, {64: 22}, scaling="none", extra_rows=variant_rows("yarn"))
+    labels = Summary(load([str(tmp_path)])).labels
+    assert labels.root.to_dict() == {
+        "rope": "rope",
+        "rope (ntk)": "rope",
+        "rope (yarn)": "rope",
+        "rope -> yarn@256": "rope",
+        "alibi": "alibi",
+        "alibi -> direct@256": "alibi",
+        "xpos": "xpos",
+        "xpos (yarn)": "xpos",
+    }
+    styles = row_styles(labels.root)
+    rope = [styles[label] for label, root in labels.root.items() if root == "rope"]
     assert len({s["color"] for s in rope}) == 1 and len({str(s["ls"]) for s in rope}) == len(rope)
     assert len({styles["rope"]["color"], styles["alibi"]["color"], styles["xpos (yarn)"]["color"]}) == 3
     # The extension figure colours by method, the same zero-shot and fine-tuned: PI is linear, direct is none.
-    assert [_method(r) for r in ("rope", "rope (linear)", "rope -> pi@256", "rope -> direct@256 (self_extend)")] == [
+    assert labels.extension_method[["rope", "rope (ntk)", "rope -> yarn@256", "alibi -> direct@256"]].tolist() == [
         "none",
-        "linear",
-        "linear",
-        "self_extend",
+        "ntk",
+        "yarn",
+        "none",
     ]
+    direct = Row("rope", base="rope", method="direct", stage_len=256)
+    assert extension_method(Row("rope", base="rope", method="pi", stage_len=256), None) == "linear"
+    assert (extension_method(direct, None), extension_method(direct, "self_extend")) == ("none", "self_extend")
 
 
 def test_dynamic_ntk_rows_equal_to_ntk_by_construction_are_not_shown_twice(tmp_path):
@@ -295,7 +330,7 @@ def test_dynamic_ntk_rows_equal_to_ntk_by_construction_are_not_shown_twice(tmp_p
     assert "`ntk` rows also stand for `dynamic_ntk`: equal by construction" in markdown
     assert "dynamic_ntk" not in (tmp_path / "out" / "table.csv").read_text()
     frame = collect(find_runs([str(tmp_path)])[0])
-    assert set(frame.pe) == {"rope", "rope (ntk)"}
+    assert set(frame.label) == {"rope", "rope (ntk)"}
     for seed in (0, 1):
         write_run(tmp_path / str(seed), "rope", seed, {64: 21, 128: 40}, scaling="none", extra_rows=variant_rows[:1])
     assert "stand for" not in report([str(tmp_path)], str(tmp_path / "out"))  # dynamic_ntk not asked: nothing to say
@@ -330,12 +365,12 @@ def test_a_probe_run_that_did_not_learn_its_task_at_l_train_is_kept_out_of_the_m
     write_probe_run(tmp_path / "3", "nope", 0, {32: 0.10, 64: 0.05})
     tables = summarize(collect(find_runs([str(tmp_path)])[0]))
     exact = tables[TableKey(32, "accuracy", "exact_match", "copy")]
-    assert exact.loc["rope", (32, "mean")] == pytest.approx((1.00 + 0.95 + 0.40) / 3)
-    assert exact.loc["rope", (64, "mean")] == pytest.approx((0.50 + 0.30) / 2)
-    assert exact.loc["rope", (64, "n")] == 2
-    assert exact.loc["nope", (64, "status")] == "not learned"
+    assert exact.cell("rope", 32)["mean"] == pytest.approx((1.00 + 0.95 + 0.40) / 3)
+    assert exact.cell("rope", 64)["mean"] == pytest.approx((0.50 + 0.30) / 2)
+    assert exact.cell("rope", 64).n == 2
+    assert exact.cell("nope", 64).status == "not learned"
     per_token = tables[TableKey(32, "accuracy", "token_accuracy", "copy")]
-    assert per_token.loc["rope", (64, "mean")] == pytest.approx((0.55 + 0.35) / 2)  # the run, not the metric
+    assert per_token.cell("rope", 64)["mean"] == pytest.approx((0.55 + 0.35) / 2)  # the run, not the metric
     markdown = report([str(tmp_path)], str(tmp_path / "out"))
     assert "| nope | 10.0 | not learned |" in markdown
     assert "Not learned at L_train (exact match below 90% at 32;" in markdown

@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 
 from lenext.cli import CONFIG_PACKAGE
 from lenext.errors import ConfigError
-from lenext.run import TRAIN_NODES, TrainSettings, evaluate_checkpoint, preflight, train
+from lenext.resolve import TRAIN_NODES, TrainSettings, preflight
+from lenext.run import evaluate_checkpoint, train
 from lenext.schema import Range, conforms, describe
 from tests.conftest import CONFIG_FOLDER
 
@@ -110,7 +111,8 @@ def test_every_eval_key_refuses_a_wrong_value(tmp_path):
             "list of",
         ),
         ("eval.last_k=1000", "eval.last_k=1000 is invalid: it must be at most the shortest length, 128"),
-        ("eval.rope_scalings=[ntk,bogus]", "eval.rope_scalings=['ntk', 'bogus'] is invalid"),
+        ("eval.variants=[ntk,bogus]", "eval.variants=['ntk', 'bogus'] is invalid"),
+        ("+eval.rope_scalings=[ntk]", "eval.rope_scalings was renamed: use eval.variants=... instead"),
         ("seed=-1", "seed=-1 is invalid: it must be an integer in [0, 4294967295]"),
         ("model.dropout=2", "model.dropout=2 is invalid: it must be a finite number in [0, 1)"),
         (

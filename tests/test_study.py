@@ -15,12 +15,13 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from lenext.cli import CONFIG_PACKAGE
-from lenext.evaluate import evaluate_length, windows_for
 from lenext.files import write_atomic
 from lenext.model import Decoder
 from lenext.pe import ALiBi
 from lenext.progress import StudyProgress, duration, sweep_grid
+from lenext.protocols import NonOverlapping
 from lenext.run import train
+from lenext.scoring import evaluate_length
 from tests.conftest import run_train, small_corpus_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +55,7 @@ def test_experiment_presets_compose_into_multiruns(preset, model, max_len, pes, 
     assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
     assert cfg.hydra.sweeper.params.pe == pes
     # rope_ntk trains what rope trains: a study evaluates RoPE under NTK instead of training it twice.
-    assert "ntk" in cfg.eval.rope_scalings
+    assert "ntk" in cfg.eval.variants
 
 
 def test_finished_runs_are_skipped_and_interrupted_ones_resume(compose_train, small_text_corpus, tmp_path, caplog):
@@ -105,7 +106,7 @@ def _evaluate_on_rank(rank, world, port, out):
     torch.manual_seed(0)
     net = Decoder(50, 16, ALiBi, d_model=32, n_layers=2, n_heads=4).eval()
     docs = [np.random.default_rng(i).integers(0, 50, size=n).astype(np.int32) for i, n in enumerate((90, 51, 133))]
-    windows = windows_for("nonoverlap", [len(d) for d in docs], 16)
+    windows = NonOverlapping().windows([len(d) for d in docs], 16)
     result = evaluate_length(net, docs, windows, 16, 32, per_position=True)
     if rank == 0:
         torch.save(result, out)
@@ -133,7 +134,7 @@ def _single_process(out):
     torch.manual_seed(0)
     net = Decoder(50, 16, ALiBi, d_model=32, n_layers=2, n_heads=4).eval()
     docs = [np.random.default_rng(i).integers(0, 50, size=n).astype(np.int32) for i, n in enumerate((90, 51, 133))]
-    torch.save(evaluate_length(net, docs, windows_for("nonoverlap", [len(d) for d in docs], 16), 16, 32, True), out)
+    torch.save(evaluate_length(net, docs, NonOverlapping().windows([len(d) for d in docs], 16), 16, 32, True), out)
 
 
 @pytest.mark.slow

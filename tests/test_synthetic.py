@@ -9,10 +9,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lenext.errors import ConfigError
-from lenext.evaluate import measure_answers, scored_targets
 from lenext.positions import generator
 from lenext.report import report
 from lenext.run import evaluate_checkpoint, train
+from lenext.scoring import measure_answers, scored_targets
 from lenext.synthetic import (
     BOS,
     FILL,
@@ -241,7 +241,7 @@ def test_settings_the_task_cannot_meet_are_refused_with_the_key(settings, key):
     ],
 )
 def test_evaluation_settings_a_probe_cannot_meet_fail_before_any_work(compose_train, overrides, message):
-    from lenext.run import TRAIN_NODES, TrainSettings, preflight
+    from lenext.resolve import TRAIN_NODES, TrainSettings, preflight
 
     with pytest.raises(ConfigError, match=message):
         preflight(compose_train("data=synthetic", *overrides), TrainSettings, TRAIN_NODES)
@@ -301,7 +301,7 @@ def test_the_probes_preset_is_a_checked_multirun_over_tasks_pes_and_seeds(compos
 
     from lenext.cli import CONFIG_PACKAGE
     from lenext.progress import sweep_grid
-    from lenext.run import TRAIN_NODES, TrainSettings, preflight
+    from lenext.resolve import TRAIN_NODES, TrainSettings, preflight
 
     with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
         cfg = compose("train", overrides=["experiment=probes", f"paths.root_dir={tmp_path}"], return_hydra_config=True)

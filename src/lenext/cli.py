@@ -15,11 +15,13 @@ import hydra
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from lenext.errors import LenextError, print_one_line
-from lenext.evaluate import ERROR_FILE
+from lenext.build import hydra_config
+from lenext.errors import ConfigError, LenextError, print_one_line
 from lenext.files import write_atomic
 from lenext.hardware import default_precision, keep_freed_memory
-from lenext.run import evaluate_checkpoint, hydra_config, train
+from lenext.resolve import TRAIN_NODES
+from lenext.results import ERROR_FILE
+from lenext.run import evaluate_checkpoint, train
 
 CONFIG_PACKAGE = "lenext.configs"
 
@@ -59,6 +61,28 @@ def one_line_errors(main: Callable) -> Callable:
     return wrapper
 
 
+def refuse_renamed_keys(main: Callable) -> Callable:
+    """A command-line override of a key an earlier version named otherwise (a settings class's ``RENAMED``) is
+    refused in one line naming the new key, before Hydra composes (which would only say the key is unknown)."""
+    renamed = {
+        f"{node}.{old}": f"{node}.{new}"
+        for node, settings in TRAIN_NODES.items()
+        for old, new in getattr(settings, "RENAMED", {}).items()
+    }
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        for override in sys.argv[1:]:
+            key = override.lstrip("+~").split("=", 1)[0]
+            if key in renamed:
+                print_one_line(ConfigError(f"{key} was renamed: use {renamed[key]}=... instead"))
+                sys.exit(ConfigError.exit_status)
+        return main(*args, **kwargs)
+
+    return wrapper
+
+
+@refuse_renamed_keys
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_PACKAGE}", config_name="train")
 @one_line_errors
 def train_main(cfg: DictConfig) -> dict:
@@ -66,6 +90,7 @@ def train_main(cfg: DictConfig) -> dict:
     return train(cfg)  # the job's return value: the study progress line tells skipped jobs from trained ones
 
 
+@refuse_renamed_keys
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_PACKAGE}", config_name="eval")
 @one_line_errors
 def eval_main(cfg: DictConfig) -> str:

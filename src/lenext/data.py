@@ -22,8 +22,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lenext.errors import ConfigError, DataError
-from lenext.evaluate import TextEvaluation, cap_windows, windows_for
+from lenext.evaluate import TextEvaluation
 from lenext.files import atomic_path
+from lenext.protocols import NonOverlapping, cap_windows
 from lenext.schema import NonNegativeInt, PositiveInt, Range
 
 SPLITS = ("train", "validation", "test")
@@ -335,7 +336,7 @@ class DocumentWindows(Dataset):
 
     def __init__(self, documents: list[np.ndarray], length: int, max_windows: int | None = None):
         self.documents, self.length = documents, length
-        windows = windows_for("nonoverlap", [len(d) for d in documents], length)
+        windows = NonOverlapping().windows([len(d) for d in documents], length)
         self.windows = cap_windows(windows, max_windows)
 
     def __len__(self) -> int:

@@ -7,6 +7,7 @@ last checkpoint logged steps it repeats).
 """
 
 import csv
+import json
 import os
 
 from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
@@ -57,3 +58,15 @@ class CSVLogger(LightningCSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = KeptMetricsWriter(log_dir=self.log_dir)
         return self._experiment
+
+
+def log_results_to_wandb(trainer, results_path: str) -> None:
+    """The evaluation rows as a wandb Table (key eval/results) when logging to wandb."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger) and results_path:
+            with open(results_path) as f:
+                rows = json.load(f)["rows"]
+            columns = list(dict.fromkeys(key for row in rows for key in row))  # passkey's depth rows add `depth`
+            logger.log_table(key="eval/results", columns=columns, data=[[r.get(c) for c in columns] for r in rows])

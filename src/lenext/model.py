@@ -18,10 +18,8 @@ from lenext.pe import AttentionShape, PositionalEncoding
 from lenext.pe.base import LayerPE, sequential_positions
 from lenext.schema import PositiveFloat, PositiveInt, Probability
 
-# Logits made at a time, in floats (at least one position of the batch a chunk). CPU: 2^22, 16 MiB in fp32,
-# within glibc's largest mmap threshold (32 MiB), so the heap reuses the chunks; chunks of 2^24 (2048 tokens of
-# vocabulary 8192) were mapped afresh and faulted in every time. CUDA's caching allocator reuses memory at any
-# size: 2^24 there, fewer launches.
+# Logits made at a time, in floats: on CPU small enough for the heap to reuse each chunk instead of mapping it
+# afresh; CUDA's allocator reuses any size, so fewer launches there (docs/performance.md, "Memory").
 LOGIT_CHUNK_ELEMENTS = {"cpu": 2**22, "cuda": 2**24}
 
 
@@ -170,14 +168,12 @@ class Decoder(nn.Module):
         hidden = self(tokens, positions)
         budget = LOGIT_CHUNK_ELEMENTS.get(hidden.device.type, LOGIT_CHUNK_ELEMENTS["cpu"])
         span = max(1, budget // (self.vocab_size * tokens.size(0)))  # positions per chunk
-        # Written chunk by chunk: chunk outputs kept between the logits fragmented the heap (16k-token forwards on
-        # CPU: up to 633 MB extra with a list of chunks, at most 403 MB so; benchmarks/bench-memory).
+        # One output written chunk by chunk: chunk outputs kept between the logits fragmented the heap.
         nll = hidden.new_empty(targets.shape, dtype=torch.float32)
         predicted = torch.empty_like(targets) if predictions else None
         for s in range(0, tokens.size(1), span):
             logits = self.logits(hidden[:, s : s + span]).float()  # (B, span, V)
-            # Rows of (B * span, V): on a (B, V, span) view log_softmax copied the logits and reduced along a strided
-            # dimension (one 2048 x 8192 chunk, forward + backward: 213 ms vs 64 ms on CPU).
+            # Rows of (B * span, V): on a (B, V, span) view log_softmax copies the logits and reduces a strided axis.
             chunk_nll = F.cross_entropy(logits.flatten(0, 1), targets[:, s : s + span].flatten(), reduction="none")
             nll[:, s : s + span] = chunk_nll.view(logits.shape[:2])
             if predictions:

@@ -13,12 +13,12 @@ from torch import nn
 from torchmetrics import MeanMetric, SumMetric
 
 from lenext.errors import LenextError
-from lenext.evaluate import answer_metrics, answers_per_sample, scored_targets
 from lenext.files import atomic_path
 from lenext.hardware import warn_if_precision_is_slow
 from lenext.model import Decoder
 from lenext.positions import PositionScheme, training_positions, window_positions
 from lenext.schema import NonNegativeFloat, NonNegativeInt, PositiveFloat, Probability, Range
+from lenext.scoring import answer_metrics, answers_per_sample, scored_targets
 
 
 class NonFiniteLoss(LenextError):

@@ -29,7 +29,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from lenext.evaluate import ERROR_FILE
+from lenext.results import ERROR_FILE
 from lenext.schema import PositiveFloat
 
 

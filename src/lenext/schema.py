@@ -158,6 +158,9 @@ def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]
         if expected is None:
             if "**" in parameters:
                 continue  # passed on as a keyword the declarer does not name
+            renamed = getattr(declarer, "RENAMED", {}).get(key)
+            if renamed:
+                raise ConfigError(f"{full} was renamed: use {path + '.' if path else ''}{renamed}=... instead")
             known = ", ".join(sorted(k for k in parameters if k != "**"))
             raise ConfigError(f"{full} is not a setting of {target or 'this config'}; the settings there: {known}")
         if OmegaConf.is_interpolation(node, key):

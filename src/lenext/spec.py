@@ -41,13 +41,36 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class Row:
+    """A run's row in a report, as structure (results keep it as ``meta.row_fields``); ``label`` names it.
+
+    E.g. ``rope`` (a first stage), ``rope_randomized`` (trained at drawn positions), ``nope+ssmax`` (an attention
+    setting), ``rope -> yarn@256`` (a second stage: its base's row, its method, the span of positions it trained).
+    """
+
+    pe: str  # the PE's config name (rope and rope_ntk share a class)
+    positions: str = "sequential"  # the training positions' scheme (lenext.positions)
+    attention: tuple[str, ...] = ()  # attention settings other than the defaults: ssmax, window16, stick_breaking
+    base: str | None = None  # a later stage: its base's row label
+    method: str | None = None  # a later stage: direct, pi, yarn, pose+pi, ...
+    stage_len: int | None = None  # a later stage: the span of positions it trained
+
+    @property
+    def label(self) -> str:
+        if self.base is not None:
+            return f"{self.base}{STAGE_MARK}{self.method}@{self.stage_len}"
+        row = self.pe if self.positions == "sequential" else f"{self.pe}_{self.positions}"
+        return row + "".join(f"+{setting}" for setting in self.attention)
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """Everything a run is, resolved (module docstring). ``config`` is the composed config with the PE node
     resolved; the fields are what lenext computes from it, once."""
 
     config: dict
     pe_name: str  # the PE's config name (rope and rope_ntk share a class)
-    row: str  # the report's row: pe_name, the position scheme, and for a later stage its base and method
+    row: str  # the report's row label (``Row.label``)
     seed: int
     train_len: int  # this stage's training length (data.max_len)
     base_len: int  # L_train of the lineage's first stage: eval.factors multiply it, reports group by it
@@ -58,6 +81,7 @@ class RunSpec:
     start: Start = "scratch"
     checkpoint: str | None = None  # resume: the checkpoint resumed; init_from: the base's
     lineage: tuple[Stage, ...] = field(default_factory=tuple)  # earliest first; () for a first stage
+    row_fields: Row | None = None  # the row as structure (None in runs stored before it was kept)
 
     @property
     def scheme(self) -> PositionScheme:
@@ -76,9 +100,12 @@ class RunSpec:
     def from_stored(cls, stored: dict) -> "RunSpec":
         values = dict(stored)
         values["positions"] = TrainPositions(**values["positions"])
-        values["eval"] = EvalSettings(**values["eval"])
+        values["eval"] = EvalSettings.from_stored(values["eval"])
         values["plan"] = SweepPlan(**values["plan"]) if values.get("plan") else None
         values["lineage"] = tuple(Stage(**stage) for stage in values.get("lineage") or ())
+        if values.get("row_fields"):
+            fields = values["row_fields"]
+            values["row_fields"] = Row(**{**fields, "attention": tuple(fields["attention"])})
         return cls(**values)
 
     def as_stage(self, checkpoint: str, steps: int, tokens: int | None) -> Stage:
@@ -86,28 +113,28 @@ class RunSpec:
         return Stage(checkpoint, self.row, self.train_len, self.reach, steps, tokens, self.config)
 
 
-def first_stage_row(pe_name: str, scheme: str, attention: dict | None = None) -> str:
-    """The row of a run trained from scratch: its PE's config name, ``_<scheme>`` when trained at drawn
-    positions (``rope_randomized``, however its config is named), then its attention settings other than the
-    defaults: ``+ssmax`` or ``+logn`` (attention.scale), ``+window<W>`` (attention.window), ``+stick_breaking``
-    (attention.normalizer)."""
+def first_stage_row(pe_name: str, scheme: str, attention: dict | None = None) -> Row:
+    """The row of a run trained from scratch: its PE's config name (less a scheme's suffix: ``rope_randomized`` is
+    ``rope`` at randomized positions, however its config is named), its positions, then its attention settings
+    other than the defaults: ``ssmax`` or ``logn`` (attention.scale), ``window<W>`` (attention.window),
+    ``stick_breaking`` (attention.normalizer)."""
     for known in SCHEMES:
         pe_name = pe_name.removesuffix(f"_{known}")
-    row = pe_name if scheme == "sequential" else f"{pe_name}_{scheme}"
     attention = attention or {}
+    settings = []
     if attention.get("scale", "none") != "none":
-        row += f"+{attention['scale']}"
+        settings.append(attention["scale"])
     if attention.get("window") is not None:
-        row += f"+window{attention['window']}"
+        settings.append(f"window{attention['window']}")
     if attention.get("normalizer", "softmax") != "softmax":
-        row += f"+{attention['normalizer']}"
-    return row
+        settings.append(attention["normalizer"])
+    return Row(pe_name, scheme, tuple(settings))
 
 
-def later_stage_row(base_row: str, pe: dict, scheme: str, reach: int) -> str:
-    """The row of a second stage: ``<base row> -> <method>@<length>``, the method being RoPE's scaling (``pi`` for
-    linear) or ``direct`` fine-tuning, ``pose+`` in front when trained at PoSE's positions; the length, the span of
-    positions it trained (L', or PoSE's target). E.g. ``rope -> yarn@256``, ``rope -> pose+pi@256``."""
+def later_stage_row(base_row: str, pe_name: str, pe: dict, scheme: str, reach: int) -> Row:
+    """The row of a second stage: its base's row, the method (RoPE's scaling, ``pi`` for linear, or ``direct``
+    fine-tuning; ``pose+`` in front when trained at PoSE's positions) and the span of positions it trained (L', or
+    PoSE's target): labelled ``rope -> yarn@256``, ``rope -> pose+pi@256``."""
     members = (pe.get("pes") or {}).values()  # a PE made of PEs: its RoPE member's scaling
     scaling = pe.get("scaling") or next((m["scaling"] for m in members if "scaling" in m), "none")
     method = METHOD_NAMES.get(scaling, scaling)
@@ -115,4 +142,4 @@ def later_stage_row(base_row: str, pe: dict, scheme: str, reach: int) -> str:
         method = "pose" if method == "direct" else f"pose+{method}"
     elif scheme != "sequential":
         method = f"{scheme}+{method}"
-    return f"{base_row}{STAGE_MARK}{method}@{reach}"
+    return Row(pe_name, scheme, base=base_row, method=method, stage_len=reach)

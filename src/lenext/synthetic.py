@@ -37,9 +37,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from lenext.data import step_loader
 from lenext.errors import ConfigError
-from lenext.evaluate import ACCURACY, Measured, cap_windows, distributed, measure_answers
 from lenext.positions import generator
+from lenext.protocols import ACCURACY, Answers, cap_windows
 from lenext.schema import NonNegativeInt, PositiveInt
+from lenext.scoring import Measured, distributed, measure_answers
 
 PAD, BOS, SEP, KEY, FILL = range(5)
 SPECIALS = 5
@@ -197,17 +198,22 @@ class TaskEvaluation:
     def __init__(self, task: Task, split: str, samples: int):
         self.task, self.split, self.samples = task, split, samples
 
-    def windows(self, protocol: str, length: int, plan) -> list[int]:
+    def protocol(self, name: str, plan) -> Answers:
+        return Answers()
+
+    def windows(self, protocol: Answers, length: int) -> list[int]:
         return list(range(self.samples))
 
-    def missing(self, protocol: str, length: int, plan) -> str:
+    def missing(self, protocol: Answers, length: int) -> str:
         return "no samples"
 
-    def measure(self, net, windows: list[int], length: int, eval_cfg, protocol, precision, scheme, seed) -> Measured:
+    def measure(
+        self, net, protocol: Answers, windows: list[int], length: int, settings, precision, scheme, seed
+    ) -> Measured:
         rank, world = distributed()  # each rank its share of the samples; the metrics add them up
         samples = EvaluationSamples(self.task, self.split, length + 1, windows[rank::world])
         by_depth = DEPTH_BUCKETS if self.task.name == "passkey" else None
-        batches = DataLoader(samples, batch_size=max(1, eval_cfg.tokens_per_batch // length))
+        batches = DataLoader(samples, batch_size=max(1, settings.tokens_per_batch // length))
         return measure_answers(net, batches, length, precision, scheme, seed, by_depth)
 
 

@@ -31,10 +31,9 @@ from lenext.errors import ConfigError
 from lenext.pe.base import NO_TERMS, Bias, Logits, LogitTerm, ScoreTerms, ValueTerm
 from lenext.schema import PositiveInt
 
-# Float elements of mask per query block on the explicit path. 16 MiB in fp32 keeps each block's
-# mask below glibc's mmap threshold (32 MiB), so the heap reuses it: a fresh mmap per mask cost
-# more in page faults than the attention itself. The output is preallocated, not concatenated:
-# small block outputs kept between growing masks fragmented the heap (2.5 GB at 16k).
+# Float elements of mask per query block on the explicit path: small enough for the heap to reuse each block's
+# mask instead of mapping it afresh; the output is preallocated, as concatenated block outputs fragment the heap
+# (docs/performance.md, "Memory").
 SCORE_BLOCK_ELEMENTS = 2**22
 
 

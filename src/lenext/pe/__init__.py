@@ -1,7 +1,7 @@
 """Positional encodings: one small module per family behind one interface (see ``base``)."""
 
 from lenext.pe.absolute import Learned, Sinusoidal, sinusoidal_table
-from lenext.pe.base import AttentionShape, NoPE, PositionalEncoding
+from lenext.pe.base import FAMILIES, AttentionShape, NoPE, PositionalEncoding
 from lenext.pe.bias import ALiBi, ShawRelative, T5Bias, alibi_slopes, t5_bucket
 from lenext.pe.cope import CoPE
 from lenext.pe.dape import DAPE
@@ -14,8 +14,18 @@ from lenext.pe.pope import PoPE
 from lenext.pe.rope import SCALINGS, RoPE, rope_frequencies
 from lenext.pe.xpos import XPos
 
+PE_CLASSES = (
+    *(NoPE, Sinusoidal, Learned, ALiBi, T5Bias, ShawRelative, KERPLE, FIRE, RoPE, XPos),
+    *(FoX, CoPE, DAPE, PaTH, PoPE, Compose, PerLayer),
+)
+# Every evaluation-time variant some PE has (eval.variants); a PE evaluated under one it lacks is evaluated as trained.
+VARIANTS = tuple(dict.fromkeys(name for pe in PE_CLASSES for name in pe.VARIANTS))
+
 __all__ = [
     "ALiBi",
+    "FAMILIES",
+    "PE_CLASSES",
+    "VARIANTS",
     "AttentionShape",
     "Compose",
     "CoPE",

@@ -21,6 +21,8 @@ def sinusoidal_table(length: int, dim: int) -> torch.Tensor:
 class Sinusoidal(PositionalEncoding):
     """Fixed sinusoidal APE (Vaswani et al. 2017), defined for every position."""
 
+    FAMILY = "no PE or absolute"
+
     def __init__(self, shape: AttentionShape):
         super().__init__(shape)
         # Non-persistent: rebuilt for the longest length seen, so checkpoints stay length-free.
@@ -39,6 +41,8 @@ class Learned(PositionalEncoding):
     ``max_len: null``: the positions training reaches (L_train; N under randomized positions, the
     target length under PoSE), so that every row of the table is trained.
     """
+
+    FAMILY = "no PE or absolute"
 
     def __init__(self, shape: AttentionShape, max_len: PositiveInt | None = None):
         super().__init__(shape)

@@ -39,6 +39,8 @@ from torch import nn
 
 from lenext.errors import ConfigError
 
+# The PE families of the report's figures, in the order of their panels.
+FAMILIES = ("no PE or absolute", "additive bias", "rotary", "2024-26 methods")
 HIDDEN_ELEMENTS = 2**22  # floats of a PE's MLP activations per chunk of query rows (16 MiB, as attention's blocks)
 
 PairBias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -129,14 +131,26 @@ def sequential_positions(length: int, device: torch.device | str = "cpu") -> tor
 class PositionalEncoding(nn.Module):
     """Base class, and on its own the NoPE control: the causal mask is the only positional signal."""
 
+    # How reports name the PE (its class name unless it says otherwise) and which figure panel it shares (one of
+    # ``FAMILIES``).
+    DISPLAY_NAME: str = "NoPE"
+    FAMILY: str = "no PE or absolute"
+
     # The settings a second stage (context extension, ``init_from``) may change; it keeps the base's others.
     STAGE_SETTINGS: tuple[str, ...] = ()
+    # The evaluation-time variants it can be evaluated under (eval.variants: RoPE's scalings).
+    VARIANTS: tuple[str, ...] = ()
     # Whether a score term reads q and k themselves (at the head's width), not only their positions.
     reads_qk: bool = False
     # Whether ``rotate`` returns q and k wider than it takes them (PoPE's real and imaginary channels).
     widens_qk: bool = False
     # Whether its layers compute the attention logits themselves (PaTH, RoPE's Self-Extend): one PE of a layer at most.
     computes_logits: bool = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "DISPLAY_NAME" not in cls.__dict__:
+            cls.DISPLAY_NAME = cls.__name__
 
     def __init__(self, shape: AttentionShape):
         super().__init__()
@@ -206,7 +220,7 @@ class PositionalEncoding(nn.Module):
         return None
 
     def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:
-        """The evaluation-time variants a sweep evaluates when ``asked`` for these (eval.rope_scalings:
+        """The evaluation-time variants a sweep evaluates when ``asked`` for these (eval.variants:
         RoPE's scalings), for positions spanning at most ``longest``: only those that differ from the PE as
         trained there, which comes first. [None], the PE as trained, for a PE that has none (a sweep over
         PEs asks every PE for the same variants)."""
@@ -224,6 +238,15 @@ class PositionalEncoding(nn.Module):
     def project_(self) -> None:
         """Bring learned parameters back into their domain, after every optimizer step (a projection:
         KERPLE's r1, r2 >= 0.01). Nothing for most PEs."""
+
+    @classmethod
+    def evaluated_with(cls, trained: dict, changes: dict) -> dict:
+        """The PE node a checkpoint was ``trained`` with (resolved), under eval.py's ``changes`` (``pe.<key>=``):
+        each must be a setting of this PE; a PE whose settings imply others says so by overriding this."""
+        for key in changes:
+            if key not in trained:
+                raise ConfigError(f"pe.{key} does not apply to this checkpoint's PE ({trained['_target_']})")
+        return {**trained, **changes}
 
     def describe(self) -> dict:
         """Parameters that identify this PE in results files."""

@@ -25,6 +25,8 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 class ALiBi(PositionalEncoding):
     """Attention with linear biases: scores += -m_h (i - j), not scaled by 1/sqrt(d)."""
 
+    FAMILY = "additive bias"
+
     def __init__(self, shape: AttentionShape):
         super().__init__(shape)
         self.register_buffer("slopes", alibi_slopes(shape.n_heads), persistent=False)
@@ -61,6 +63,9 @@ class T5Bias(PositionalEncoding):
     Its band: keys W or more indices back are W or more positions back (positions increase), all
     in the last bucket, so the W nearest keys carry the whole bias.
     """
+
+    FAMILY = "additive bias"
+    DISPLAY_NAME = "T5"
 
     def __init__(
         self,
@@ -134,6 +139,9 @@ class ShawRelative(PositionalEncoding):
     of the naive form is never built.
     """
 
+    FAMILY = "additive bias"
+    DISPLAY_NAME = "Shaw"
+
     reads_qk = True
 
     def __init__(self, shape: AttentionShape, k: PositiveInt = 16, value_term: bool = False):
@@ -160,9 +168,8 @@ class ShawRelative(PositionalEncoding):
     def score_mod(self, q, positions, layer):
         by_offset = self._scores(q, self.key_table[layer])  # (B, H, L, 2k + 1)
         positions = positions.expand(q.size(0), -1)
-        # k as a captured tensor, not a Python int: compiled flex turns a captured int that differs from an earlier
-        # compile's (another Shaw's k; another PE's closure in a multirun) into a symbolic scalar, and the lowering
-        # of flex's training graph fails on it (torch 2.11: "'ShapeAsConstantBuffer' object has no attribute 'dtype'").
+        # k as a captured tensor: compiled flex turns a captured int that differs from an earlier compile's into a
+        # symbolic scalar, on which the lowering of its training graph fails (docs/pes/shaw.md).
         k = torch.tensor(self.k, device=q.device)
 
         def shaw(score, b, h, q_idx, kv_idx):

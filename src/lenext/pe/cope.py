@@ -21,6 +21,8 @@ from lenext.schema import Range
 class CoPE(PositionalEncoding):
     """Contextual positions: every parameter is a layer's (``ContextualPositions``)."""
 
+    FAMILY = "2024-26 methods"
+
     reads_qk = True
 
     def __init__(self, shape: AttentionShape, npos_max: Annotated[int, Range(2)] | None = None):

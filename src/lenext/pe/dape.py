@@ -22,6 +22,8 @@ from lenext.schema import PositiveInt
 class DAPE(PositionalEncoding):
     """A base PE's pair bias plus a per-layer MLP over the heads' logits and biases."""
 
+    FAMILY = "2024-26 methods"
+
     def __init__(
         self, shape: AttentionShape, base: Callable[[AttentionShape], PositionalEncoding], mlp_width: PositiveInt = 32
     ):

@@ -66,6 +66,8 @@ class FireBias(nn.Module):
 class FIRE(PositionalEncoding):
     """Learned function of the progressively normalised log distance, one output per head."""
 
+    FAMILY = "additive bias"
+
     def __init__(
         self,
         shape: AttentionShape,

@@ -19,6 +19,8 @@ from lenext.pe.base import Bias, LayerPE, PositionalEncoding, ScoreTerms
 class FoX(PositionalEncoding):
     """The forget gate's PE: every parameter is a layer's (``ForgetGate``), none is shared."""
 
+    FAMILY = "2024-26 methods"
+
     def layer(self, index: int) -> LayerPE:
         return ForgetGate(self.shape.d_model, self.shape.n_heads)
 

@@ -32,6 +32,8 @@ def kerple_kernel(distance, r1, r2, kernel: str):
 class KERPLE(PositionalEncoding):
     """Kernelized relative bias: -r1 log(1 + r2 |i - j|) or -r1 |i - j|^r2, learned per head and layer."""
 
+    FAMILY = "additive bias"
+
     def __init__(self, shape: AttentionShape, kernel: Literal["log", "power"] = "log", per_layer: bool = True):
         super().__init__(shape)
         self.kernel, self.per_layer = kernel, per_layer
@@ -61,11 +63,8 @@ class KERPLE(PositionalEncoding):
         return kerple
 
     def score_mod(self, q, positions, layer):
-        # Looked up per distance, as T5's bias: the kernel of every distance 0..max(positions) is computed here,
-        # differentiably, so flex's backward scatters each score's gradient into this (N, H) table instead of
-        # adding all L^2 of them atomically into the H values of r1 and r2 (measured on an H100: 2.9-4.3x slower
-        # than the explicit path, and r1/r2 gradients ~1e-4 off in relative terms at L 4096). The table's speed on a
-        # GPU is not measured yet; on CPU flex_attention (eager) matches the explicit path (tests/test_flex.py).
+        # Looked up per distance, as T5's bias: flex's backward scatters each score's gradient into this (N, H)
+        # table instead of adding all L^2 of them atomically into r1 and r2 (slower and less exact: docs/pes/kerple.md).
         r1, r2 = self.kernel_parameters(layer)
         distance = torch.arange(int(positions.max()) + 1, device=q.device, dtype=torch.float32)[:, None]
         by_distance = kerple_kernel(distance, r1, r2, self.kernel)  # (N, H)

@@ -85,6 +85,8 @@ class Members(PositionalEncoding):
 class Compose(Members):
     """Every layer takes all of ``pes``: embeddings and transforms applied in order, score terms summed."""
 
+    FAMILY = "2024-26 methods"
+
     def __init__(self, shape: AttentionShape, pes: dict[str, Callable[[AttentionShape], PositionalEncoding]]):
         if not pes:
             raise ConfigError("pe.pes={} is invalid: it must name at least one PE")
@@ -150,6 +152,8 @@ class ComposedLayer(LayerPE):
 
 class PerLayer(Members):
     """Layer l's PE is ``pes[pattern[l % len(pattern)]]``, on a window of ``windows[name]`` keys if given."""
+
+    FAMILY = "2024-26 methods"
 
     def __init__(
         self,

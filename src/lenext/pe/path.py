@@ -30,6 +30,8 @@ CHUNK = 64  # tokens a chunk: fla's chunk size
 class PaTH(PositionalEncoding):
     """Data-dependent Householder products between each key and query; every parameter is a layer's."""
 
+    FAMILY = "2024-26 methods"
+
     reads_qk = True
     computes_logits = True
 

@@ -23,6 +23,8 @@ from lenext.schema import PositiveFloat
 class PoPE(PositionalEncoding):
     """Content in the magnitudes, position in the phases."""
 
+    FAMILY = "2024-26 methods"
+
     widens_qk = True
 
     def __init__(self, shape: AttentionShape, base: PositiveFloat = 10000.0):

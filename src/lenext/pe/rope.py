@@ -39,6 +39,7 @@ to it, and a second stage (context extension, ``init_from``) keeps the base's. T
   factor PI and YaRN fine-tune and evaluate with (Self-Extend's G stays per length).
 """
 
+import dataclasses
 import math
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -54,11 +55,13 @@ from lenext.schema import PositiveFloat, PositiveInt, Range
 
 @dataclass(frozen=True)
 class RopeSettings:
-    """What a scaling function reads: the head dim, RoPE's base, the factor s, the length of the sequence
-    (dynamic scalings), the original context C and the method's own constants."""
+    """RoPE's settings at one length, in one object: what a scaling function reads (the head dim, RoPE's base,
+    the scaling, its factor s, the length of the sequence (dynamic scalings), the original context C) and the
+    methods' own constants, the fields after ``original_len`` (``CONSTANTS``)."""
 
     dim: int
     base: float
+    scaling: str
     factor: float
     length: int
     original_len: int
@@ -122,6 +125,9 @@ def llama3_scaling(s: RopeSettings) -> tuple[torch.Tensor, float]:
     return original / s.factor * (1 - keep) + original * keep, 1.0
 
 
+# The scaling methods' constants: settings of RoPE a second stage may change, as its scaling and factor.
+CONSTANTS = tuple(f.name for f in dataclasses.fields(RopeSettings))[6:]
+
 ROPE_SCALINGS: dict[str, Callable[[RopeSettings], tuple[torch.Tensor, float]]] = {
     "none": no_scaling,
     "linear": linear_scaling,
@@ -156,38 +162,88 @@ def redundant_variants(asked, trained: str | None, trained_per_span: bool) -> se
 
 
 def rope_frequencies(
-    dim: int,
-    base: float,
-    scaling: str,
-    factor: float,
-    length: int,
-    original_len: int,
-    beta_fast: float = 32.0,
-    beta_slow: float = 1.0,
-    low_freq_factor: float = 1.0,
-    high_freq_factor: float = 4.0,
+    dim: int, base: float, scaling: str, factor: float, length: int, original_len: int, *constants: float
 ) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (dim/2,) in float64 and the attention factor applied to q and k."""
+    """Inverse frequencies (dim/2,) in float64 and the attention factor applied to q and k; ``constants`` in the
+    order of ``CONSTANTS`` (their defaults if not given)."""
     if scaling not in ROPE_SCALINGS:
         raise ConfigError(f"pe.scaling must be one of {', '.join(SCALINGS)}; got {scaling!r}")
-    settings = RopeSettings(
-        dim, base, factor, length, original_len, beta_fast, beta_slow, low_freq_factor, high_freq_factor
-    )
-    return ROPE_SCALINGS[scaling](settings)
+    return ROPE_SCALINGS[scaling](RopeSettings(dim, base, scaling, factor, length, original_len, *constants))
+
+
+class Rotation:
+    """How RoPE turns positions into q.k under a scaling: q and k rotated at their positions by the scaling's
+    frequencies. Self-Extend, which groups positions instead, is a subclass (``SelfExtend``)."""
+
+    computes_logits = False  # whether it computes the attention logits itself (then it reads q and k)
+
+    def factor(self, rope: "RoPE", length: int) -> float:
+        """The factor s for a sequence whose positions span ``length`` (RoPE's module docstring)."""
+        if rope.scaling == "none":
+            return 1.0
+        if rope.factor is not None:
+            return float(rope.factor)
+        return 1.0 if rope.scaling == "dynamic_ntk" else max(1.0, length / rope.original_len)
+
+    def rotate(self, rope: "RoPE", q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        rotations = rope._rotations(rope._span(positions), q.device)[positions][:, None]  # (B or 1, 1, L, d_head/2)
+        return _rotate(q, rotations), _rotate(k, rotations)
+
+    def logits(self, rope: "RoPE", q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> Logits | None:
+        return None
+
+    def describe(self, rope: "RoPE") -> dict:
+        return {}
+
+
+class SelfExtend(Rotation):
+    """Self-Extend's grouped positions (RoPE's module docstring): q and k left as they are, the logits computed
+    from two rotations, at the true positions for keys fewer than W back and at the grouped ones beyond."""
+
+    computes_logits = True
+
+    def factor(self, rope: "RoPE", length: int) -> float:
+        """The group size G: pe.factor, or the smallest whose grouped positions stay within C."""
+        return float(rope.factor) if rope.factor is not None else float(rope.group_size(length))
+
+    def rotate(self, rope, q, k, positions):
+        return q, k  # rotated twice, at true and at grouped positions, by ``logits``
+
+    def logits(self, rope, q, k, positions) -> Logits:
+        """q.k at the true positions for keys fewer than W back, at the grouped positions beyond, as LongLM's merge
+        of its neighbour and group attention weights."""
+        span = rope._span(positions)
+        group, window = rope.scaling_factor(span), rope.window
+        true = rope._rotations(span, q.device)[positions][:, None]  # (B or 1, 1, L, d_head/2)
+        grouped_keys = torch.div(positions, group, rounding_mode="floor")
+        near_q, near_k = _rotate(q, true), _rotate(k, true)
+        far_q = _rotate(q, rope._rotations_at(grouped_keys + window - window / group, q.device))
+        far_k = _rotate(k, rope._rotations_at(grouped_keys, q.device))
+        scale = q.size(-1) ** -0.5
+
+        def block(start: int, end: int) -> torch.Tensor:  # (B, H, end - start, end) fp32
+            near = near_q[:, :, start:end] @ near_k[:, :, :end].transpose(-2, -1)
+            far = far_q[:, :, start:end] @ far_k[:, :, :end].transpose(-2, -1)
+            neighbours = position_differences(positions[:, start:end], positions[:, :end]) < window
+            return torch.where(neighbours[:, None], near, far).float().mul_(scale)
+
+        return block
+
+    def describe(self, rope) -> dict:
+        return {"neighbor_window": rope.window}
+
+
+PLAIN_ROTATION = Rotation()
+ROTATIONS = {"self_extend": SelfExtend()}  # a scaling not listed: PLAIN_ROTATION
 
 
 class RoPE(PositionalEncoding):
     """Rotary embedding with an optional length scaling, overridable at evaluation time."""
 
-    STAGE_SETTINGS = (
-        "scaling",
-        "factor",
-        "beta_fast",
-        "beta_slow",
-        "low_freq_factor",
-        "high_freq_factor",
-        "neighbor_window",
-    )
+    FAMILY = "rotary"
+    VARIANTS = SCALINGS
+
+    STAGE_SETTINGS = ("scaling", "factor", *CONSTANTS, "neighbor_window")
 
     def __init__(
         self,
@@ -235,17 +291,32 @@ class RoPE(PositionalEncoding):
         self.register_buffer("rotations", torch.empty(0, shape.head_dim // 2, dtype=torch.complex64), persistent=False)
         self._cache_key: tuple | None = None
 
+    @classmethod
+    def evaluated_with(cls, trained: dict, changes: dict) -> dict:
+        """Another scaling than the trained one is zero-shot on the checkpoint as trained, as a sweep's ``variant``:
+        factor null from the positions it trained; its trained factor and original context belong to its own
+        scaling, unless the command sets them."""
+        node = super().evaluated_with(trained, changes)
+        if node["scaling"] != trained["scaling"] and "factor" not in changes:
+            node["factor"] = None
+            if "original_len" not in changes:
+                node["original_len"] = None
+        return node
+
+    @property
+    def rotation(self) -> Rotation:
+        """How positions become q.k under the current scaling."""
+        return ROTATIONS.get(self.scaling, PLAIN_ROTATION)
+
+    def settings(self, length: int) -> RopeSettings:
+        """RoPE's settings for a sequence whose positions span ``length``, its factor resolved."""
+        constants = (getattr(self, name) for name in CONSTANTS)
+        factor = self.scaling_factor(length)
+        return RopeSettings(self.shape.head_dim, self.base, self.scaling, factor, length, self.original_len, *constants)
+
     def scaling_factor(self, length: int) -> float:
         """The scaling factor s used for a sequence whose positions span ``length``."""
-        if self.scaling == "none":
-            return 1.0
-        if self.factor is not None:
-            return float(self.factor)
-        if self.scaling == "dynamic_ntk":
-            return 1.0
-        if self.scaling == "self_extend":
-            return float(self.group_size(length))
-        return max(1.0, length / self.original_len)
+        return self.rotation.factor(self, length)
 
     @property
     def window(self) -> int:
@@ -274,26 +345,14 @@ class RoPE(PositionalEncoding):
     def frequencies(self, length: int) -> tuple[torch.Tensor, float]:
         """The inverse frequencies (d/2,) float64 for a sequence spanning ``length`` positions, and the attention
         factor: the scaling's, with p-RoPE's lowest frequencies 0 (those pairs are not rotated)."""
-        inv_freq, attention_factor = rope_frequencies(
-            self.shape.head_dim,
-            self.base,
-            self.scaling,
-            self.scaling_factor(length),
-            length,
-            self.original_len,
-            self.beta_fast,
-            self.beta_slow,
-            self.low_freq_factor,
-            self.high_freq_factor,
-        )
+        inv_freq, attention_factor = ROPE_SCALINGS[self.scaling](self.settings(length))
         inv_freq[self.rotated_pairs :] = 0
         return inv_freq, attention_factor
 
     def _rotations(self, length: int, device: torch.device) -> torch.Tensor:
         """(length, d_head/2) complex64 table e^{i p theta_t} of positions p < length, built once per
         (length, scaling) in float64."""
-        key = (length, self.base, self.scaling, self.scaling_factor(length), self.original_len, self.fraction)
-        key += (self.beta_fast, self.beta_slow, self.low_freq_factor, self.high_freq_factor)
+        key = (self.settings(length), self.fraction)
         if key != self._cache_key or self.rotations.device != device:
             inv_freq, attention_factor = self.frequencies(length)
             angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
@@ -303,10 +362,7 @@ class RoPE(PositionalEncoding):
         return self.rotations
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.scaling == "self_extend":
-            return q, k  # rotated twice, at true and at grouped positions, by ``logits``
-        rotations = self._rotations(self._span(positions), q.device)[positions][:, None]  # (B or 1, 1, L, d_head/2)
-        return _rotate(q, rotations), _rotate(k, rotations)
+        return self.rotation.rotate(self, q, k, positions)
 
     def _span(self, positions: torch.Tensor) -> int:
         # At least every position training reached: the scalings are the identity within them, so one table
@@ -314,26 +370,7 @@ class RoPE(PositionalEncoding):
         return max(int(positions.max()) + 1, self.shape.trained_positions)
 
     def logits(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> Logits | None:
-        """Self-Extend's logits (module docstring): q.k at the true positions for keys fewer than W back, at the
-        grouped positions beyond, as LongLM's merge of its neighbour and group attention weights."""
-        if self.scaling != "self_extend":
-            return None
-        span = self._span(positions)
-        group, window = self.scaling_factor(span), self.window  # G: pe.factor, or the smallest that fits
-        true = self._rotations(span, q.device)[positions][:, None]  # (B or 1, 1, L, d_head/2)
-        grouped_keys = torch.div(positions, group, rounding_mode="floor")
-        near_q, near_k = _rotate(q, true), _rotate(k, true)
-        far_q = _rotate(q, self._rotations_at(grouped_keys + window - window / group, q.device))
-        far_k = _rotate(k, self._rotations_at(grouped_keys, q.device))
-        scale = q.size(-1) ** -0.5
-
-        def block(start: int, end: int) -> torch.Tensor:  # (B, H, end - start, end) fp32
-            near = near_q[:, :, start:end] @ near_k[:, :, :end].transpose(-2, -1)
-            far = far_q[:, :, start:end] @ far_k[:, :, :end].transpose(-2, -1)
-            neighbours = position_differences(positions[:, start:end], positions[:, :end]) < window
-            return torch.where(neighbours[:, None], near, far).float().mul_(scale)
-
-        return block
+        return self.rotation.logits(self, q, k, positions)
 
     def _rotations_at(self, positions: torch.Tensor, device: torch.device) -> torch.Tensor:
         """(B or 1, 1, L, d_head/2) complex64 e^{i p theta_t} at any (fractional) positions p, in float64."""
@@ -343,17 +380,17 @@ class RoPE(PositionalEncoding):
 
     @property
     def reads_qk(self) -> bool:
-        return self.scaling == "self_extend"  # RoPE.logits computes them from q and k
+        return self.rotation.computes_logits  # from q and k
 
     @property
     def computes_logits(self) -> bool:
-        return self.scaling == "self_extend"
+        return self.rotation.computes_logits
 
     def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:
         span = self.shape.trained_positions
         if longest <= span and (self.scaling == "none" or (self.factor is None and self.original_len >= span)):
             return [self.scaling]  # trained as the identity there, as every other variant is (``variant``)
-        asked = list(asked or [self.scaling])
+        asked = [name for name in asked or () if name in self.VARIANTS] or [self.scaling]
         per_span = self.factor is None and self.original_len == self.shape.trained_positions
         redundant = redundant_variants(asked, self.scaling, per_span)
         return [name for name in asked if name not in redundant]
@@ -380,7 +417,7 @@ class RoPE(PositionalEncoding):
                 "factor": self.factor,
                 "original_len": self.original_len,
             }
-            | ({"neighbor_window": self.window} if self.scaling == "self_extend" else {})
+            | self.rotation.describe(self)
             | (
                 {"fraction": self.fraction} if self.fraction != 1 else {}  # p-RoPE
             )

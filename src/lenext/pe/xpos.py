@@ -9,7 +9,7 @@ a query and a key both far from the centre (including masked future ones) multip
 beyond e^40 each they overflow fp32, so longer sequences are refused as not applicable
 (``max_length``: 32.7k tokens at gamma 512).
 Trained without a scaling; evaluation may still apply RoPE's frequency scalings to the rotation
-(``eval.rope_scalings``; Self-Extend's grouped positions are not among its variants).
+(``eval.variants``; Self-Extend's grouped positions are not among its variants).
 """
 
 import math
@@ -18,7 +18,7 @@ import torch
 
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.pe.base import AttentionShape
-from lenext.pe.rope import RoPE, _rotate
+from lenext.pe.rope import SCALINGS, RoPE, _rotate
 from lenext.schema import PositiveFloat, PositiveInt
 
 LARGEST_LOG_FACTOR = 40.0  # e^40 per q or k: products of two stay below fp32's e^88
@@ -26,6 +26,11 @@ LARGEST_LOG_FACTOR = 40.0  # e^40 per q or k: products of two stay below fp32's 
 
 class XPos(RoPE):
     """RoPE with the xPos decay: q scaled by zeta^(n/gamma), k by zeta^(-m/gamma), per rotated pair."""
+
+    FAMILY = "rotary"
+    DISPLAY_NAME = "xPos"
+    # Self-Extend's grouped positions would need the decay at grouped positions too: not a variant of xPos.
+    VARIANTS = tuple(name for name in SCALINGS if name != "self_extend")
 
     STAGE_SETTINGS = ()  # trained without a scaling
 
@@ -73,10 +78,6 @@ class XPos(RoPE):
             self._tables_key = (self._cache_key, q.device)
         query_table, key_table = (table[positions][:, None] for table in (self._query_table, self._key_table))
         return _rotate(q, query_table), _rotate(k, key_table)  # tables (B or 1, 1, L, d_head/2)
-
-    def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:
-        # Self-Extend's grouped positions would need the decay at grouped positions too: not a variant of xPos.
-        return super().variants([name for name in asked or () if name != "self_extend"] or None, longest)
 
     def describe(self) -> dict:
         return {**super().describe(), "name": "xPos", "scale_base": self.scale_base}

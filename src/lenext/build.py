@@ -1,0 +1,60 @@
+"""Objects from config nodes: ``instantiate`` (every refusal as one line) and the one place a model is built (runs,
+eval.py, benchmarks)."""
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from lenext.attention import AttentionSettings
+from lenext.errors import ConfigError, LenextError
+
+# How libraries refuse settings when their objects are built (Lightning's Trainer: MisconfigurationException).
+REFUSALS = (ValueError, TypeError, MisconfigurationException)
+
+
+def instantiate(node, key: str, **kwargs):
+    """hydra.utils.instantiate of config group ``key``, every error as one line.
+
+    lenext's own errors come out unwrapped; a library's refusal (Lightning's Trainer checks the
+    combination of its settings) is named with the group it came from. Any other exception is a
+    bug, not a setting, and keeps its traceback.
+    """
+    try:
+        return hydra.utils.instantiate(node, **kwargs)
+    except InstantiationException as e:
+        cause = e.__cause__
+        while cause is not None and not isinstance(cause, LenextError) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, LenextError):
+            raise cause from None
+        # A library refuses settings with these; from lenext's own classes they are bugs (they raise ConfigError).
+        if cause is not None and (not isinstance(cause, REFUSALS) or str(node.get("_target_")).startswith("lenext.")):
+            raise cause from e
+        reason = str(cause or e).strip().splitlines()[0] if str(cause or e).strip() else type(cause).__name__
+        raise ConfigError(f"{key} is invalid: {node.get('_target_')} refused it: {reason}") from e
+
+
+def hydra_config() -> HydraConfig | None:
+    return HydraConfig.get() if HydraConfig.initialized() else None
+
+
+def build_decoder(config: dict, train_len: int, reach: int, vocab_size: int):
+    """A Decoder of a run config's PE, model and attention nodes (a config from before ``attention`` existed:
+    its defaults), trained at ``train_len`` with positions reaching ``reach``."""
+    attention = AttentionSettings(**(config.get("attention") or {}))
+    pe = instantiate(config["pe"], "pe")
+    return instantiate(
+        config["model"],
+        "model",
+        vocab_size=vocab_size,
+        train_len=train_len,
+        max_position=reach,
+        pe=pe,
+        attention=attention,
+    )
+
+
+def build_net(spec, vocab_size: int):
+    """The Decoder of a resolved run (``lenext.spec.RunSpec``)."""
+    return build_decoder(spec.config, spec.train_len, spec.reach, vocab_size)

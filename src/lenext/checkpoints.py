@@ -1,0 +1,87 @@
+"""Reading a lenext checkpoint: the file, the run it stores (``lenext.spec.RunSpec``) and the Decoder's weights.
+
+A checkpoint is read once per use: a second stage's base (``init_from``) is read into a ``Base`` that the resolver
+checks and the run starts from.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+from omegaconf import OmegaConf
+
+from lenext.errors import CheckpointError
+from lenext.hardware import PRECISION_NAMES, canonical_precision
+from lenext.resolve import resolve
+from lenext.spec import RunSpec, Stage
+
+
+def load_checkpoint(path: str, key: str | None = "ckpt") -> dict:
+    """The checkpoint dict, or a CheckpointError that says what is wrong with the file (named as ``key``=path)."""
+    named = f"{key}={path!r}" if key else path
+    if not path or not os.path.isfile(path):
+        raise CheckpointError(
+            f"{named} does not exist: pass the path of a .ckpt file from a training run "
+            "(logs/train/runs/<time>/checkpoints/last.ckpt)"
+        )
+    try:
+        # Full unpickling, as Lightning does: Lightning checkpoints hold more than tensors. Load only your own runs.
+        # Memory-mapped: a resume reads it here for its settings and Lightning reads it again, so no second copy.
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # truncated zip, pickle garbage, ...: all mean the file is not usable
+        raise CheckpointError(
+            f"{named} cannot be read ({type(e).__name__}): the file is truncated (a run killed or a disk filled "
+            "while it was written) or not a PyTorch checkpoint" + ("; use another checkpoint of the run" if key else "")
+        ) from e
+    stored = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
+    if not isinstance(stored, dict) or not ({"run", "run_config"} & set(stored)):  # run_config: before RunSpec
+        raise CheckpointError(f"{named} is not a lenext checkpoint (no run configuration inside)")
+    return checkpoint
+
+
+def net_state(checkpoint: dict) -> dict:
+    """The Decoder's weights in a checkpoint of the LightningModule."""
+    return {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()}
+
+
+def stored_spec(checkpoint: dict, named: str) -> RunSpec:
+    """The RunSpec a checkpoint (``named`` in errors) holds; for one written before lenext kept it (a first stage:
+    second stages came with it), resolved from its run config."""
+    hyper = checkpoint["hyper_parameters"]
+    if "run" in hyper:
+        try:
+            return RunSpec.from_stored(hyper["run"])
+        except (TypeError, KeyError, AttributeError) as e:
+            raise CheckpointError(
+                f"{named}: its run description is not this lenext version's ({type(e).__name__}: {e}); use the "
+                "lenext that wrote it"
+            ) from None
+    config = OmegaConf.create(hyper["run_config"])
+    precision = (config.get("trainer") or {}).get("precision")
+    return resolve(
+        config,
+        config.get("pe_name") or config.pe._target_.rsplit(".", 1)[-1].lower(),
+        sweeps=False,
+        precision=canonical_precision(precision) if precision in PRECISION_NAMES else None,
+    )
+
+
+@dataclass(frozen=True)
+class Base:
+    """A second stage's base checkpoint (``init_from``), read once: its run, the stage it is, its weights."""
+
+    spec: RunSpec
+    stage: Stage
+    state: dict
+
+    @property
+    def vocab_size(self) -> int:
+        return self.state["embedding.weight"].size(0)
+
+
+def read_base(path: str) -> Base:
+    """The base checkpoint ``init_from``, refused in one line if unreadable."""
+    checkpoint = load_checkpoint(path, "init_from")
+    spec = stored_spec(checkpoint, f"init_from={path}")
+    steps, tokens = checkpoint.get("global_step", 0), checkpoint.get("tokens_trained")
+    return Base(spec, spec.as_stage(os.path.abspath(path), steps, tokens), net_state(checkpoint))

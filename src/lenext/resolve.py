@@ -1,0 +1,341 @@
+"""The resolver: a composed config -> the ``RunSpec`` of a run, for training, a second stage and eval.py alike.
+
+Every key is checked first (``lenext.schema``, against the settings classes below and each object's signature);
+then the settings that only fail together, while resolving: the PE's hyperparameters (read from a model built with
+them), the positions, the evaluation plan (checked against the data, which reads nothing yet), and for a second
+stage what its base can serve. A bad setting costs seconds, never a training run. Nothing here reads a checkpoint:
+the caller passes a base (``lenext.checkpoints.Base``) or a stored run in.
+"""
+
+import dataclasses
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import torch
+from hydra.utils import get_object
+from omegaconf import DictConfig, OmegaConf
+
+from lenext import schema
+from lenext.attention import AttentionSettings
+from lenext.build import build_decoder, hydra_config, instantiate
+from lenext.errors import CheckpointError, ConfigError
+from lenext.evaluate import EvalSettings, SweepPlan, sweep_plan
+from lenext.hardware import Precision, canonical_precision
+from lenext.pe import VARIANTS
+from lenext.positions import TrainPositions, position_scheme
+from lenext.schema import Range
+from lenext.spec import RunSpec, first_stage_row, later_stage_row
+
+log = logging.getLogger("lenext")
+AS_TRAINED = "as_trained"
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The top-level keys of configs/train.yaml (its groups are declared by what they build)."""
+
+    task_name: str
+    seed: Annotated[int, Range(0, 2**32 - 1)]  # what Lightning's seed_everything accepts
+    ckpt_path: str | None
+    init_from: str | None = None  # a second stage: the base checkpoint whose weights it starts from
+
+
+@dataclass(frozen=True)
+class Paths:
+    """configs/paths/default.yaml."""
+
+    root_dir: str
+    log_dir: str
+    cache_dir: str
+    output_dir: str
+
+
+@dataclass(frozen=True)
+class EvalScriptSettings:
+    """The top-level keys of configs/eval.yaml."""
+
+    task_name: str
+    ckpt: str
+    split: Literal["validation", "test", "train"]
+    precision: Precision | None  # null: bf16-mixed on a GPU, 32-true on CPU
+
+
+def checkpoint_pe_overrides(
+    scaling: Literal[(AS_TRAINED, *VARIANTS)],
+    factor: Literal[AS_TRAINED] | Annotated[float, Range(1)] | None,
+    **other_settings_of_the_pe,
+) -> None:
+    """Declares eval.yaml's ``pe`` node (never called): evaluation-time changes to the checkpoint's PE (``as_trained``
+    keeps the checkpoint's value; eval.yaml names RoPE's two, any other setting may be added: ``+pe.base=20000``),
+    each checked against that PE's own declaration once applied (``PositionalEncoding.evaluated_with``)."""
+
+
+TRAIN_NODES = {"attention": AttentionSettings, "eval": EvalSettings, "paths": Paths, "train": TrainPositions}
+EVAL_NODES = {**TRAIN_NODES, "pe": checkpoint_pe_overrides}
+
+
+def config_pe_name(cfg: DictConfig) -> str:
+    """The PE's config name (``pe=rope_ntk``; rope and rope_ntk share a class), or its class's for a config
+    composed without Hydra's runtime."""
+    hydra_cfg = hydra_config()
+    chosen = hydra_cfg.runtime.choices.get("pe") if hydra_cfg else None
+    return chosen or cfg.get("pe_name") or str(cfg.pe._target_).rsplit(".", 1)[-1].lower()
+
+
+def resolved_positions(cfg: DictConfig) -> TrainPositions:
+    """The run's ``train`` node (absent from configs before it existed: sequential), its nulls filled in."""
+    settings = TrainPositions(**(OmegaConf.to_container(cfg.train, resolve=True) if "train" in cfg else {}))
+    scheme = position_scheme(dataclasses.asdict(settings), cfg.data.max_len)
+    if settings.positions == "randomized":
+        return dataclasses.replace(settings, max_position=scheme.reach)
+    if settings.positions == "pose":
+        return dataclasses.replace(settings, target_len=scheme.reach)
+    return settings
+
+
+def evaluation_plan(eval_settings: EvalSettings, base_len: int, scheme, data) -> SweepPlan:
+    """What the sweep will evaluate on ``data``'s protocols, each length checked against the data."""
+    plan = sweep_plan(eval_settings, base_len, scheme, data.protocols)
+    factors_of = "data.max_len" if base_len == data.max_len else f"L_train of the first stage ({base_len})"
+    data.check_length(
+        min(plan.lengths), "min(eval.lengths)" if eval_settings.lengths else f"min(eval.factors) x {factors_of}"
+    )
+    return plan
+
+
+def resolve(
+    cfg: DictConfig,
+    pe_name: str,
+    sweeps: bool = True,
+    precision: str | None = None,
+    resumed: RunSpec | None = None,
+    base=None,
+) -> RunSpec:
+    """The RunSpec of a config ``schema.check`` passed: the PE's hyperparameters resolved, the positions, the
+    evaluation plan (when the run ``sweeps``), its lineage and row. A second stage names its ``base``
+    (``lenext.checkpoints.Base``: refused here, in one line, if it cannot serve this stage); one ``resumed`` from its
+    own checkpoint takes its PE and lineage from that: its base need not exist any more."""
+    positions = resolved_positions(cfg)
+    scheme = position_scheme(dataclasses.asdict(positions), cfg.data.max_len)
+    reach = scheme.reach or cfg.data.max_len
+    config = OmegaConf.to_container(cfg, resolve=True)
+    lineage, base_len = (), cfg.data.max_len
+    row = first_stage_row(pe_name, scheme.name, config.get("attention"))
+    label = row.label
+    if resumed and resumed.lineage:
+        config["pe"] = resumed.config["pe"]
+        lineage, base_len, row, label = resumed.lineage, resumed.base_len, resumed.row_fields, resumed.row
+    elif base is not None:
+        config["pe"] = stage_pe_resolved(config, pe_name, base, reach)
+        lineage, base_len = (*base.spec.lineage, base.stage), base.spec.base_len
+        first = base.spec.row_fields or first_stage_row(base.spec.pe_name, "sequential")
+        row = later_stage_row(base.spec.row, first.pe, config["pe"], scheme.name, reach)
+        label = row.label
+    else:
+        config["pe"] = resolved_pe(config, cfg.data.max_len, reach)
+    data = instantiate(cfg.data, "data")  # reads nothing yet: a corpus is read by load()
+    eval_settings = EvalSettings(**OmegaConf.to_container(cfg.eval, resolve=True))
+    return RunSpec(
+        config=config,
+        pe_name=pe_name,
+        row=label,
+        seed=cfg.seed,
+        train_len=cfg.data.max_len,
+        base_len=base_len,
+        positions=positions,
+        eval=eval_settings,
+        plan=evaluation_plan(eval_settings, base_len, scheme, data) if sweeps else None,
+        precision=precision,
+        start="init_from" if lineage else "scratch",
+        checkpoint=lineage[-1].checkpoint if lineage else None,
+        lineage=lineage,
+        row_fields=row,
+    )
+
+
+def preflight(cfg: DictConfig, settings: type | None, nodes: dict[str, type], sweeps: bool = True) -> RunSpec:
+    """Everything a run will use, checked before any work: every key's type and range (``schema.check``), then
+    the settings that only fail together, while resolving the run (``resolve``)."""
+    schema.check(cfg, settings, nodes)
+    return resolve(cfg, config_pe_name(cfg), sweeps)
+
+
+def resolve_evaluation(cfg: DictConfig, trained: RunSpec):
+    """eval.py's RunSpec, and the data it evaluates on: the checkpoint's run ``trained`` with this command's
+    evaluation settings, precision and changes to its PE (each PE says what a change implies:
+    ``PositionalEncoding.evaluated_with``), every key checked before any work."""
+    changes = {key: value for key, value in OmegaConf.to_container(cfg.pe).items() if value != AS_TRAINED}
+    run = OmegaConf.create(trained.config)
+    pe_class = get_object(run.pe._target_)
+    run.pe = pe_class.evaluated_with(OmegaConf.to_container(run.pe), changes)
+    run.eval, run.paths = cfg.eval, cfg.paths
+    # What evaluation uses of the run; the other keys belong to training and to the code that trained it.
+    used = [key for key in ("data", "model", "pe", "attention", "train", "eval", "paths") if key in run]
+    schema.check(OmegaConf.masked_copy(run, used), None, {k: v for k, v in TRAIN_NODES.items() if k in run})
+    config = OmegaConf.to_container(run, resolve=True)
+    config["pe"] = resolved_pe(config, trained.train_len, trained.reach)
+    data = instantiate(run.data, "data")
+    eval_settings = EvalSettings(**config["eval"])
+    fallback = "bf16-mixed" if torch.cuda.is_available() else "32-true"  # fp32 on CPU: exact, whatever the ISA
+    spec = dataclasses.replace(
+        trained,
+        config=config,
+        eval=eval_settings,
+        plan=evaluation_plan(eval_settings, trained.base_len, trained.scheme, data),
+        precision=canonical_precision(fallback if cfg.precision is None else cfg.precision),
+    )
+    return spec, data
+
+
+def resolved_pe(config: dict, train_len: int, reach: int, vocab_size: int = 256, weights: dict | None = None) -> dict:
+    """The run config's PE node with every hyperparameter resolved (``PositionalEncoding.hyperparameters``), read
+    from the model built with it: milliseconds, and the model's own checks (heads and width, T5's buckets, RoPE's
+    head size) run on the way. With ``weights``, the model must hold them exactly (a CheckpointError else)."""
+    net = build_decoder(config, train_len, reach, vocab_size)
+    if weights is not None:
+        try:
+            net.load_state_dict(weights)
+        except RuntimeError as e:
+            raise CheckpointError(
+                f"init_from={config.get('init_from')}: its weights do not fit this stage's model "
+                f"({str(e).splitlines()[-1].strip()}); repeat the base's model and PE settings"
+            ) from None
+    return {"_target_": config["pe"]["_target_"], "_partial_": True, **net.pe.hyperparameters()}
+
+
+# Data settings a second stage may change: the others fix the vocabulary (tokenizer) or the task.
+STAGE_DATA_SETTINGS = (
+    "max_len",
+    "batch_size",
+    "eval_batch_size",
+    "num_workers",
+    "cache_dir",
+    "seed",
+    "eval_samples",
+    "train_samples",
+)
+STAGE_MODEL_SETTINGS = ("dropout",)  # the model's other settings fix its weights' shapes
+
+
+def stage_pe(config: dict, pe_name: str, base: RunSpec, stage) -> dict:
+    """The PE node of a second stage from ``base``: the base's resolved PE, with this command's values of the PE's
+    ``STAGE_SETTINGS`` (RoPE's scaling). Refuses, in one line, what the base's weights cannot serve: a shorter
+    length, another model, vocabulary or PE, another value of any other PE setting."""
+    where = f"init_from={stage.checkpoint}"
+    if config["data"]["max_len"] < base.train_len:
+        raise ConfigError(
+            f"data.max_len={config['data']['max_len']} is invalid for a second stage: {where} was trained at "
+            f"data.max_len={base.train_len}; it must be at least that (a second stage extends the context; for PoSE, "
+            "train at the base's length with train.positions=pose train.target_len=L')"
+        )
+    for group, free in (("model", STAGE_MODEL_SETTINGS), ("data", STAGE_DATA_SETTINGS)):
+        here, theirs = flat_settings(config[group], ()), flat_settings(base.config[group], ())
+        for name in sorted(set(here) | set(theirs)):
+            if name.split(".")[0] not in free and here.get(name) != theirs.get(name):
+                raise ConfigError(
+                    f"{group}.{name}={here.get(name)!r} is invalid for a second stage: {where} was trained with "
+                    f"{group}.{name}={theirs.get(name)!r}; a second stage trains the base's model on the base's "
+                    f"vocabulary: repeat the base's {group} settings"
+                )
+    attention, base_attention = (flat_settings(c.get("attention") or {}, ()) for c in (config, base.config))
+    for name in sorted(set(attention) | set(base_attention)):
+        if attention.get(name) != base_attention.get(name, AttentionSettings.__dataclass_fields__[name].default):
+            raise ConfigError(
+                f"attention.{name}={attention.get(name)!r} is invalid for a second stage: {where} was trained with "
+                f"attention.{name}={base_attention.get(name)!r}; a second stage trains the base's attention"
+            )
+    pe, theirs = config["pe"], base.config["pe"]
+    changeable = get_object(theirs["_target_"]).STAGE_SETTINGS
+    if not same_setting("_target_", theirs["_target_"], pe["_target_"]):
+        if pe.get("scaling", "none") != "none" and "scaling" not in changeable:
+            raise ConfigError(
+                f"pe.scaling={pe['scaling']} is invalid for a second stage from {where}: its PE ({theirs['_target_']}) "
+                f"takes no RoPE scaling; fine-tune it directly with its own PE (pe={base.pe_name})"
+            )
+        raise ConfigError(
+            f"pe={pe_name} is invalid for a second stage: {where} was trained with pe={base.pe_name} "
+            f"({theirs['_target_']}); a second stage trains the base's PE"
+        )
+    return stage_settings(pe, theirs, "pe", where)
+
+
+def stage_settings(pe: dict, theirs: dict, key: str, where: str) -> dict:
+    """The base's resolved PE node ``theirs`` with the command's values of its ``STAGE_SETTINGS``; the member PEs of a
+    PE made of PEs (``pes``: Compose, PerLayer) merged the same way, each by its own STAGE_SETTINGS."""
+    changeable = get_object(theirs["_target_"]).STAGE_SETTINGS
+    merged = dict(theirs)
+    for name, value in pe.items():
+        if name == "pes" and isinstance(value, dict) and isinstance(theirs.get(name), dict):
+            merged[name] = dict(theirs[name])
+            for member, settings in value.items():
+                if member not in theirs[name]:
+                    raise ConfigError(
+                        f"{key}.pes.{member} is invalid for a second stage: {where} has no such PE "
+                        f"(its {key}.pes: {', '.join(theirs[name])}); a second stage trains the base's PEs"
+                    )
+                merged[name][member] = stage_settings(settings, theirs[name][member], f"{key}.pes.{member}", where)
+        elif name in changeable:
+            merged[name] = value
+        elif name not in schema.HYDRA_KEYS and value is not None and not same_setting(name, theirs.get(name), value):
+            may = ", ".join(f"{key}.{k}" for k in changeable) or "none of them"
+            raise ConfigError(
+                f"{key}.{name}={value!r} is invalid for a second stage: {where} was trained with {key}.{name}="
+                f"{theirs.get(name)!r}, which its weights keep; repeat that value (a second stage may change {may})"
+            )
+    for name in changeable:  # the command's values, its config's defaults included: said, not silent
+        if name in theirs and merged.get(name) != theirs[name]:
+            log.info("second stage: %s.%s=%r (the base's: %r)", key, name, merged.get(name), theirs[name])
+    return merged
+
+
+def stage_pe_resolved(config: dict, pe_name: str, base, reach: int) -> dict:
+    """A second stage's PE node, resolved: the base's, with this command's ``STAGE_SETTINGS`` (``stage_pe``), built
+    at this stage's length into a model that must hold the base's weights exactly."""
+    pe = stage_pe(config, pe_name, base.spec, base.stage)
+    try:
+        return resolved_pe({**config, "pe": pe}, config["data"]["max_len"], reach, base.vocab_size, base.state)
+    except ConfigError as e:
+        raise ConfigError(
+            f"{e}; but a second stage keeps the PE settings of init_from={base.stage.checkpoint}, which its weights "
+            f"fit: this PE cannot be trained further at {reach} positions"
+        ) from None
+
+
+def flat_settings(settings: dict, ignore: tuple[str, ...] = ()) -> dict:
+    """Nested settings as dotted keys (``{"model": {"d_model": 64}}`` -> ``{"model.d_model": 64}``), ``ignore`` left
+    out."""
+    flat = {}
+
+    def visit(key: str, value) -> None:
+        if isinstance(value, dict):
+            for name, item in value.items():
+                visit(f"{key}.{name}" if key else str(name), item)
+        elif not key.startswith(ignore):
+            flat[key] = value
+
+    visit("", settings)
+    return flat
+
+
+def same_setting(key: str, stored, here) -> bool:
+    """Equal values, where a ``_target_`` (``key`` or inside a mapping) may name its class by another import path:
+    a config may name it where its package exports it (lenext.pe.RoPE) or where it is defined
+    (lenext.pe.rope.RoPE), and configs have moved between them."""
+    if isinstance(stored, dict) and isinstance(here, dict):
+        return stored.keys() == here.keys() and all(same_setting(k, stored[k], here[k]) for k in stored)
+    if stored == here:
+        return True
+    if key.rpartition(".")[2] != "_target_" or not (isinstance(stored, str) and isinstance(here, str)):
+        return False
+    return imported(stored) is not None and imported(stored) is imported(here)
+
+
+def imported(path: str):
+    """The object an import path names, or None (no error printed: hydra's get_object logs one)."""
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None

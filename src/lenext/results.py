@@ -1,0 +1,164 @@
+"""The results file of a run or an evaluation (docs/outputs.md): written whole or not at all, and recognised.
+
+``results.json`` holds ``meta`` (the run, resolved, and where and how it was measured) and ``rows`` (one per
+variant, protocol and length); ``positions.csv`` the per-position loss curves; ``error.txt`` why a sweep's job
+failed.
+"""
+
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+from functools import cache
+from importlib import metadata
+
+from lenext.evaluate import evaluation_positions
+from lenext.files import write_atomic
+from lenext.hardware import PRECISION_NAMES, machine_description
+
+RESULTS_FILE, POSITIONS_FILE, ERROR_FILE = "results.json", "positions.csv", "error.txt"
+
+
+@cache
+def code_commit() -> str | None:
+    """The git commit checked out, "-dirty" appended if tracked files differ from it; None unless this code runs
+    from a clone's ``src/lenext`` (an installed copy inside some repository, e.g. a .venv in a checkout, is not it).
+
+    Read once per process: ``run.build`` asks before training, so a sweep that outlives several commits names the
+    code it loaded, not HEAD when a results file is written."""
+    package = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=package)
+        return done.stdout.strip()
+
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if not top or os.path.realpath(os.path.join(top, "src", "lenext")) != os.path.realpath(package):
+            return None
+        commit, changed = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{commit}-dirty" if commit and changed else commit or None
+
+
+def run_metadata(spec, net, data, split: str, tokens_trained: int | None) -> dict:
+    """Everything needed to identify and reproduce a results file: the run (``lenext.spec.RunSpec``) whole, and
+    the fields readers use at the top."""
+
+    def version(package: str) -> str | None:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
+    scheme, config = spec.scheme, spec.config
+    return {
+        "row": spec.row,
+        "row_fields": dataclasses.asdict(spec.row_fields) if spec.row_fields else None,
+        "pe_name": spec.pe_name,
+        "pe": net.pe.describe(),
+        "pe_family": net.pe.FAMILY,  # the report's figure panel
+        "pe_display_name": net.pe.DISPLAY_NAME,
+        # The positions of training (reaching 0..reach-1) and of this evaluation (lenext.positions).
+        "positions": {
+            "train": scheme.name,
+            "reach": scheme.reach,
+            "eval": evaluation_positions(spec.eval, scheme).evaluated_at,
+        },
+        "pe_config": config["pe"],
+        "model": {k: v for k, v in config["model"].items() if not k.startswith("_")},
+        "train_len": spec.train_len,
+        "base_len": spec.base_len,
+        "seed": spec.seed,
+        "corpus": data.name,
+        "task": config["data"].get("task"),  # a probe's task (lenext.synthetic); None for text
+        "split": split,
+        "tokenizer": data.tokenizer_id,
+        "vocab_size": data.vocab_size,
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "tokens_trained": tokens_trained,  # this stage's; the lineage has its bases'
+        "start": spec.start,
+        "lineage": [
+            {k: v for k, v in dataclasses.asdict(stage).items() if k != "config"} for stage in spec.lineage
+        ],  # the bases' configs: meta.run.lineage
+        "git_commit": code_commit(),
+        "versions": {p: version(p) for p in ("lenext", "torch", "lightning", "datasets", "tokenizers")},
+        "python": platform.python_version(),
+        "device": str(next(net.parameters()).device),
+        # This machine, with the precision the model was trained in: throughput and bf16 rounding depend on both.
+        "hardware": {**machine_description(), "training_precision": training_precision(spec)},
+        "run": spec.stored(),
+    }
+
+
+def training_precision(spec) -> str | None:
+    """The precision the checkpoint was trained in (canonical); an evaluation's spec keeps it in its config."""
+    trained_in = (spec.config.get("trainer") or {}).get("precision")
+    return PRECISION_NAMES.get(trained_in, trained_in)
+
+
+def not_lenext_results(results) -> str | None:
+    """What a parsed results file lacks of the layout ``write_results`` gives it (another tool's file, a hand-edited
+    one), or None. Checked for what readers use: the run's identity and each row's."""
+    if not isinstance(results, dict) or not isinstance(results.get("meta"), dict):
+        return "no meta object"
+    meta, rows = results["meta"], results.get("rows")
+    if not isinstance(rows, list) or not rows or not all(isinstance(row, dict) for row in rows):
+        return "no rows"
+    fields = {
+        "meta.train_len": (meta.get("train_len"), int),
+        "meta.seed": (meta.get("seed"), int),
+        "meta.pe": (meta.get("pe"), dict),
+        "meta.pe_name": (meta.get("pe_name"), (str, type(None))),
+        "meta.pe.name": ((meta.get("pe") or {}).get("name") if isinstance(meta.get("pe"), dict) else None, str),
+        "meta.positions": (meta.get("positions"), (dict, type(None))),
+        "meta.hardware": (meta.get("hardware"), (dict, type(None))),
+    }
+    if meta.get("pe_name"):  # the row label; meta.pe.name is its fallback
+        del fields["meta.pe.name"]
+    for i, row in enumerate(rows):
+        fields |= {
+            f"rows[{i}].protocol": (row.get("protocol"), str),
+            f"rows[{i}].status": (row.get("status"), str),
+            f"rows[{i}].length": (row.get("length"), int),
+            # ``scaling``: the variant's key in results written before variants had a generic name
+            f"rows[{i}].variant": (row.get("variant", row.get("scaling")), (str, type(None))),
+            **{
+                f"rows[{i}].{m}": (row.get(m), (int, float, type(None)))
+                for m in ("ppl", "exact_match", "token_accuracy")
+            },
+        }
+    wrong = [key for key, (value, kind) in fields.items() if not isinstance(value, kind) or isinstance(value, bool)]
+    return f"{wrong[0]} is missing or of another type" if wrong else None
+
+
+def write_results(output_dir: str, meta: dict, rows: list, curves: list) -> str:
+    os.makedirs(output_dir, exist_ok=True)
+    if curves:
+        lines = ["variant,length,position,mean_nll,count"] + [
+            f"{s or ''},{length},{p},{v:.6f},{c}" for s, length, p, v, c in curves
+        ]
+        write_atomic(os.path.join(output_dir, POSITIONS_FILE), "\n".join(lines) + "\n")
+    path = os.path.join(output_dir, RESULTS_FILE)
+    write_atomic(path, json.dumps({"complete": True, "meta": meta, "rows": rows}, indent=1) + "\n")
+    return path
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The rows as a console table; a probe's rows with their exact-match accuracy (and depth, for passkey)."""
+    probe = any("exact_match" in r for r in rows)
+
+    def number(value, digits: int = 3) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    extra = f" {'exact':>6} {'depth':>5}" if probe else ""
+    lines = [f"{'protocol':<10} {'variant':<11} {'L_eval':>7} {'ppl':>10}{extra} {'tokens':>9} {'windows':>7}  status"]
+    for r in rows:
+        extra = f" {number(r.get('exact_match')):>6} {number(r.get('depth'), 1):>5}" if probe else ""
+        lines.append(
+            f"{r['protocol']:<10} {r['variant'] or '-':<11} {r['length']:>7} {number(r['ppl']):>10}{extra} "
+            f"{r['tokens']:>9} {r['windows']:>7}  {r['status']}" + (f" ({r['reason']})" if r.get("reason") else "")
+        )
+    return "\n".join(lines)

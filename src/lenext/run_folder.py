@@ -1,0 +1,167 @@
+"""A run's folder and how a run starts: a finished run is skipped, an interrupted one resumes from its last
+checkpoint, and either is refused, in one line, when it belongs to a run with other settings than the command's.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+
+from omegaconf import DictConfig, OmegaConf
+
+from lenext.checkpoints import load_checkpoint, read_base, stored_spec
+from lenext.errors import CheckpointError, ConfigError
+from lenext.hardware import canonical_precision
+from lenext.resolve import config_pe_name, flat_settings, resolve, same_setting
+from lenext.results import RESULTS_FILE, not_lenext_results
+from lenext.spec import RunSpec
+
+log = logging.getLogger("lenext")
+
+# What makes a run the run it is: resuming it under other values would mix two runs (the trainer's may change:
+# a longer max_steps continues a run). Left out: what only changes how data is read or how much memory a step takes.
+RUN_IDENTITY = ("model", "pe", "attention", "train", "module", "seed", "data", "init_from")
+NOT_IDENTITY = ("data.num_workers", "data.eval_batch_size", "data.cache_dir", "eval.tokens_per_batch")
+EVALUATION_ONLY = ("data.eval_samples",)  # a probe's evaluation samples: a resume may change them, a skip may not
+# A finished run is skipped only if it is what this command would make: its budget and evaluation included.
+FINISHED_IDENTITY = (*RUN_IDENTITY, "trainer.max_steps", "trainer.accumulate_grad_batches", "eval")
+
+
+def run_identity(cfg: DictConfig, keys: tuple[str, ...] = RUN_IDENTITY, ignore: tuple[str, ...] = NOT_IDENTITY):
+    """The ``keys`` of a run config, resolved, as dotted keys."""
+    nodes = {key: OmegaConf.select(cfg, key, default=None) for key in keys}
+    return flat_settings(
+        {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in nodes.items()}, ignore
+    )
+
+
+def refuse_other_settings(stored: dict, cfg: DictConfig, what: str, remedy: str) -> None:
+    """A RunFolderMismatch naming the settings where ``stored`` (the identity of the run ``what`` belongs to) and this
+    command differ. Not compared: keys ``stored`` lacks (written before they existed), and keys this command leaves
+    null (a default the code resolves, which older runs stored resolved: T5's max_distance)."""
+    here = run_identity(cfg, tuple(dict.fromkeys(key.split(".")[0] for key in stored)) or RUN_IDENTITY, ())
+    differing = [k for k in stored if k in here and here[k] is not None and not same_setting(k, stored[k], here[k])]
+    if differing:
+        shown = "; ".join(f"{k}={stored[k]!r} there, {here[k]!r} here" for k in differing[:3])
+        more = f" (and {len(differing) - 3} more)" if len(differing) > 3 else ""
+        raise RunFolderMismatch(
+            f"{what} belongs to a run with other settings than this command: {shown}{more}. {remedy}"
+        )
+
+
+class RunFolderMismatch(ConfigError):
+    """The run folder holds another run: every job of a sweep re-launched into it would meet the same, so the sweep
+    stops at the first (instead of reporting the old runs as this sweep's)."""
+
+    ends_sweep = True
+
+
+ANOTHER_FOLDER = (
+    "Repeat the run's own settings, or give this run another folder (hydra.run.dir=..., or hydra.sweep.dir=... "
+    "for a sweep)"
+)
+FINISHED_ELSEWHERE = (
+    f"{ANOTHER_FOLDER}. To train a finished run further (a larger trainer.max_steps), delete its results.json: "
+    "it resumes from checkpoints/last.ckpt"
+)
+
+
+def completed_results(cfg: DictConfig) -> dict | None:
+    """The run's results if its results file is complete (a finished run a re-launched sweep skips); a
+    ConfigError if the file is not lenext's or that run had other settings than this command."""
+    path = os.path.join(cfg.paths.output_dir, RESULTS_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            results = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as e:  # written atomically: not lenext's, or not a file
+        raise RunFolderMismatch(
+            f"{path} cannot be read as a results file ({type(e).__name__}): move it away, or use another folder"
+        ) from None
+    problem = not_lenext_results(results)
+    if problem:
+        raise RunFolderMismatch(f"{path} is not a lenext results file ({problem}): move it away, or use another folder")
+    if not results.get("complete"):
+        return None
+    meta = results["meta"]
+    # What the file says of its run; meta.identity, where kept, says more (and earlier versions of it less).
+    stored = implied_identity(meta, cfg) | (meta["identity"] if isinstance(meta.get("identity"), dict) else {})
+    refuse_other_settings(stored, cfg, path, FINISHED_ELSEWHERE)
+    return results
+
+
+def implied_identity(meta: dict, cfg: DictConfig) -> dict:
+    """What any lenext results file says of its run: PE, model, seed, L_train, positions and, from the tokens it
+    trained, its steps (with this command's batch, on one device)."""
+    identity = flat_settings({"pe": meta.get("pe_config") or {}, "model": meta.get("model") or {}})
+    identity |= {"seed": meta["seed"], "data.max_len": meta["train_len"]}
+    if isinstance(meta.get("positions"), dict) and "train" in meta["positions"]:
+        identity["train.positions"] = meta["positions"]["train"]
+    trainer, data = cfg.trainer, cfg.data
+    if isinstance(meta.get("tokens_trained"), int) and trainer.get("devices") == 1:
+        per_step = data.batch_size * data.max_len * (trainer.get("accumulate_grad_batches") or 1)
+        steps = meta["tokens_trained"] / per_step
+        identity["trainer.max_steps"] = int(steps) if steps.is_integer() else f"{meta['tokens_trained']} tokens"
+    return identity
+
+
+def resume_checkpoint(cfg: DictConfig) -> tuple[str, RunSpec] | None:
+    """The checkpoint a run resumes from and the run it stores: ``ckpt_path`` as given; ``last`` or null -> the run
+    directory's last.ckpt when there is one. Either is read first: an unreadable file, or one from a run with other
+    settings, is refused before any work."""
+    checkpoints = os.path.join(cfg.paths.output_dir, "checkpoints")
+    last = os.path.join(checkpoints, "last.ckpt")
+    if cfg.ckpt_path not in (None, "last"):
+        path, key = cfg.ckpt_path, "ckpt_path"
+    elif os.path.exists(last):
+        path, key = last, None
+    elif cfg.ckpt_path == "last":
+        raise CheckpointError(f"ckpt_path=last: there is no {last} yet; drop ckpt_path to start afresh")
+    else:
+        return None
+    try:
+        checkpoint = load_checkpoint(path, key)
+    except CheckpointError as e:
+        if key:
+            raise
+        others = sorted(f for f in os.listdir(checkpoints) if f.endswith(".ckpt") and f != "last.ckpt")
+        alternatives = (
+            f"resume from another of its checkpoints (ckpt_path={os.path.join(checkpoints, others[0])}), "
+            if others
+            else ""
+        )
+        raise CheckpointError(
+            f"{e}. This run's folder cannot resume from it: {alternatives}or delete it to train the run afresh"
+        ) from None
+    remedy = ANOTHER_FOLDER if key is None else "Repeat the settings it was trained with, or resume from another"
+    spec = stored_spec(checkpoint, path)
+    stored = run_identity(OmegaConf.create(spec.config), ignore=NOT_IDENTITY + EVALUATION_ONLY)
+    refuse_other_settings(stored, cfg, f"{key}={path}" if key else path, remedy)
+    if cfg.trainer.max_steps < checkpoint.get("global_step", 0):
+        raise ConfigError(
+            f"trainer.max_steps={cfg.trainer.max_steps} is invalid for this run: {path} is at step "
+            f"{checkpoint['global_step']} already; it must be at least that"
+        )
+    log.info("resuming from %s", path)
+    return path, spec
+
+
+def resolve_training(cfg: DictConfig) -> tuple[RunSpec, dict | None]:
+    """The RunSpec of ``train.py``'s config (checked by ``schema.check``) with how it starts, nanoGPT's ``init_from``
+    switch: resuming this run's checkpoint, from a base checkpoint (``init_from``: read once, here), or from
+    scratch; and the weights it starts from (a second stage's base's; None otherwise)."""
+    resumed = resume_checkpoint(cfg)
+    path, stored = resumed or (None, None)
+    if stored and bool(stored.lineage) != bool(cfg.init_from):  # checkpoints from before lenext kept init_from
+        trained_from = f"init_from={stored.lineage[-1].checkpoint}" if stored.lineage else "scratch"
+        raise RunFolderMismatch(
+            f"{path} belongs to a run trained from {trained_from}, this command from "
+            f"{'init_from=' + cfg.init_from if cfg.init_from else 'scratch'}. {ANOTHER_FOLDER}"
+        )
+    base = read_base(cfg.init_from) if cfg.init_from and not stored else None
+    precision = canonical_precision(cfg.trainer.precision)
+    spec = resolve(cfg, config_pe_name(cfg), cfg.eval.enabled, precision, stored, base)
+    if path:
+        return dataclasses.replace(spec, start="resume", checkpoint=path), None
+    return spec, base.state if base else None

@@ -1,0 +1,176 @@
+"""Scoring: the NLL of a batch's scored targets (training, validation and every sweep), text windows' mean NLL,
+and a probe's answers."""
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torchmetrics import MeanMetric, MetricCollection, SumMetric
+from torchmetrics.classification import MulticlassAccuracy, MulticlassExactMatch
+
+from lenext.hardware import precision_autocast
+from lenext.positions import PositionScheme, window_positions
+
+
+def distributed() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+@torch.no_grad()
+def evaluate_length(
+    net,
+    documents: list[np.ndarray],
+    windows: list,  # lenext.protocols.Window
+    length: int,
+    tokens_per_batch: int,
+    per_position: bool,
+    precision: str = "32-true",
+    scheme: PositionScheme | None = None,
+    seed: int = 0,
+) -> dict:
+    """Mean NLL over the scored targets of ``windows`` (at the positions ``scheme`` draws for each, seeded by
+    the run's ``seed``; 0..L-1 by default); DDP ranks split windows, each token counted once."""
+    device = next(net.parameters()).device
+    rank, world = distributed()
+    nll_mean, tokens = MeanMetric().to(device), SumMetric().to(device)
+    position_sum = torch.zeros(length, dtype=torch.float64, device=device)
+    position_count = torch.zeros(length, dtype=torch.float64, device=device)
+    batch = max(1, tokens_per_batch // length)
+    mine = windows[rank::world]
+    autocast = precision_autocast(device, precision)
+    for b in range(0, len(mine), batch):
+        group = mine[b : b + batch]
+        ids = torch.from_numpy(np.stack([documents[w.document][w.start : w.start + length + 1] for w in group]))
+        ids = ids.to(device=device, dtype=torch.long)
+        drawn = window_positions(scheme or PositionScheme(), length, seed, [(w.document, w.start) for w in group])
+        with autocast:
+            nll = net.token_nll(ids[:, :-1], ids[:, 1:], None if drawn is None else drawn.to(device)).double()  # (B, L)
+        scored = (
+            torch.arange(length, device=device)[None, :]
+            >= torch.tensor([w.score_from for w in group], device=device)[:, None]
+        )
+        count = scored.sum()
+        nll_mean.update(nll[scored].sum() / count, weight=count)
+        tokens.update(count)
+        if per_position:
+            position_sum += (nll * scored).sum(0)
+            position_count += scored.sum(0)
+    if world > 1:
+        torch.distributed.all_reduce(position_sum)
+        torch.distributed.all_reduce(position_count)
+    n_tokens = int(tokens.compute().item())
+    mean_nll = float(nll_mean.compute().item()) if n_tokens else float("nan")
+    curve = (position_sum / position_count.clamp(min=1)).tolist() if per_position else None
+    return {"mean_nll": mean_nll, "tokens": n_tokens, "curve": curve, "curve_counts": position_count.tolist()}
+
+
+def scored_targets(net, batch: dict, positions: torch.Tensor | None = None, predictions: bool = False):
+    """NLL of the scored targets of ``batch`` at ``positions`` (B or 1, L; None: 0..L-1): every target of a text
+    window, (B, L); a probe's answers alone (those its ``answer`` labels (B, L) do not mark -1), flattened in order
+    (S,). With ``predictions``, (nll, the most likely tokens, the targets), each of that shape. Training, validation
+    and the probes' sweep all score through here."""
+    tokens = batch["tokens"]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if positions is not None:
+        positions = positions.to(tokens.device)
+    per_target = net.token_nll(inputs, targets, positions, predictions=predictions)
+    nll, predicted = per_target if predictions else (per_target, None)
+    if "answer" in batch:
+        scored = batch["answer"] >= 0
+        nll, targets = nll[scored], targets[scored]
+        predicted = predicted[scored] if predictions else None
+    return (nll, predicted, targets) if predictions else nll
+
+
+def answers_per_sample(answer: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(answers of each sample (B,), tokens per answer) from a batch's ``answer`` labels (B, L): at one evaluation
+    length every answer of a task is equally long, so the scored targets reshape to (answers, answer length)."""
+    per_sample = answer.max(dim=1).values + 1
+    return per_sample, int((answer >= 0).sum()) // int(per_sample.sum())
+
+
+def answer_metrics(vocab_size: int) -> MetricCollection:
+    """Exact match of whole answers and per-token accuracy; updated with (predicted, target), (answers, length) each."""
+    return MetricCollection(
+        {
+            "exact_match": MulticlassExactMatch(num_classes=vocab_size),
+            "token_accuracy": MulticlassAccuracy(num_classes=vocab_size, average="micro"),
+        }
+    )
+
+
+@torch.no_grad()
+def measure_answers(
+    net,
+    batches,
+    length: int,
+    precision: str = "32-true",
+    scheme: PositionScheme | None = None,
+    seed: int = 0,
+    depth_buckets: int | None = None,
+) -> "Measured":
+    """``answer_metrics``, the NLL of the answer tokens and the answers counted, over ``batches`` of probe samples
+    of ``length`` inputs (dicts of ``tokens``, ``answer``, ``window`` and ``depth``); with ``depth_buckets``,
+    the same per bucket of depth (rows of the breakdown, each with its bucket's lower edge). Under DDP each rank
+    passes its own samples and every metric adds up all ranks'."""
+    device = next(net.parameters()).device
+    vocab_size = net.embedding.num_embeddings
+
+    def metrics() -> dict:
+        return {
+            "accuracy": answer_metrics(vocab_size).to(device),
+            "mean_nll": MeanMetric().to(device),
+            **{count: SumMetric().to(device) for count in ("answers", "tokens", "windows")},
+        }
+
+    overall = metrics()
+    by_depth = {b: metrics() for b in range(depth_buckets or 0)}
+    autocast = precision_autocast(device, precision)
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        windows = [tuple(w) for w in batch["window"].tolist()]
+        drawn = window_positions(scheme or PositionScheme(), length, seed, windows)
+        with autocast:
+            scored = scored_targets(net, batch, drawn, predictions=True)
+        per_sample, span = answers_per_sample(batch["answer"])
+        nll, got, want = (t.view(-1, span) for t in scored)  # (answers, answer length)
+        sample_of_answer = torch.arange(len(per_sample), device=device).repeat_interleave(per_sample)
+        groups = [(overall, torch.ones(len(per_sample), dtype=torch.bool, device=device))]
+        if depth_buckets:
+            bucket = (batch["depth"] * depth_buckets).long().clamp(max=depth_buckets - 1)  # (B,)
+            groups += [(by_depth[b], bucket == b) for b in bucket.unique().tolist()]
+        for group, samples in groups:
+            rows = samples[sample_of_answer]  # the answers of those samples
+            group["accuracy"].update(got[rows], want[rows])
+            group["mean_nll"].update(nll[rows].double().mean(), weight=nll[rows].numel())
+            group["answers"].update(rows.sum())
+            group["tokens"].update(nll[rows].numel())
+            group["windows"].update(samples.sum())
+
+    def computed(group: dict) -> dict:
+        with warnings.catch_warnings():  # a bucket this rank has no sample of: its counts are 0, as they should be
+            warnings.filterwarnings("ignore", message=".*called before the ``update`` method")
+            counts = {count: int(group[count].compute().item()) for count in ("answers", "tokens", "windows")}
+        if not counts["answers"]:  # a depth bucket no sample fell in, on any rank
+            return {}
+        mean_nll = group["mean_nll"].compute().item()
+        accuracy = {name: value.item() for name, value in group["accuracy"].compute().items()}
+        return {**accuracy, "ppl": math.exp(mean_nll), "mean_nll": mean_nll, **counts}
+
+    breakdown = [{"depth": b / depth_buckets, **row} for b, group in by_depth.items() if (row := computed(group))]
+    return Measured(computed(overall), breakdown=breakdown)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a protocol measured at one length: the row's metrics, its per-position curve (or None), and
+    rows of a breakdown (passkey: one per depth bucket, each with its ``depth``)."""
+
+    metrics: dict
+    curve: list | None = None
+    curve_counts: list | None = None
+    breakdown: list = field(default_factory=list)
