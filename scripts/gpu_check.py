@@ -40,13 +40,13 @@ from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (the CPU benchmark's rows, model sizes and FLOP count)
 import lenext.attention as attention_module  # noqa: E402
-from lenext.attention import AttentionSettings  # noqa: E402
 from lenext.attention.flex import fresh_compile_state  # noqa: E402
-from lenext.build import instantiate  # noqa: E402
+from lenext.build import build_decoder  # noqa: E402
 from lenext.cli import CONFIG_PACKAGE  # noqa: E402
 from lenext.errors import LengthNotSupported  # noqa: E402
 from lenext.files import write_atomic  # noqa: E402
@@ -84,11 +84,12 @@ def row_config(row: str):
 
 
 def build(row: str, train_len: int, shape: dict) -> Decoder:
+    """The row's model at ``shape`` (a vocabulary and model settings), built as a run builds it."""
     cfg = row_config(row)
+    cfg.model.merge_with({key: value for key, value in shape.items() if key != "vocab_size"})
+    config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, ["model", "pe", "attention"]), resolve=True)
     torch.manual_seed(bench.SEED)
-    return Decoder(
-        train_len=train_len, pe=instantiate(cfg.pe, "pe"), attention=AttentionSettings(**cfg.attention), **shape
-    )
+    return build_decoder(config, train_len, train_len, shape["vocab_size"])
 
 
 @contextlib.contextmanager

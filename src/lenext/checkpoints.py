@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from lenext.errors import CheckpointError
 from lenext.hardware import PRECISION_NAMES, canonical_precision
-from lenext.resolve import resolve
+from lenext.resolve import resolve, stored_pe_name
 from lenext.spec import RunSpec, Stage
 
 
@@ -60,7 +60,7 @@ def stored_spec(checkpoint: dict, named: str) -> RunSpec:
     precision = (config.get("trainer") or {}).get("precision")
     return resolve(
         config,
-        config.get("pe_name") or config.pe._target_.rsplit(".", 1)[-1].lower(),
+        stored_pe_name(config),
         sweeps=False,
         precision=canonical_precision(precision) if precision in PRECISION_NAMES else None,
     )

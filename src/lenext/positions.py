@@ -72,6 +72,10 @@ class PositionScheme:
     evaluated_at = "sequential"  # the positions ``evaluation`` gives
     reach: int | None = None  # the positions training reaches (0..reach-1), when beyond L_train
 
+    def span(self, train_len: int) -> int:
+        """The span of positions training reaches: ``reach``, or L_train."""
+        return self.reach or train_len
+
     def training(self, batch: int, length: int, gen: torch.Generator) -> torch.Tensor | None:
         return None
 

@@ -77,11 +77,16 @@ EVAL_NODES = {**TRAIN_NODES, "pe": checkpoint_pe_overrides}
 
 
 def config_pe_name(cfg: DictConfig) -> str:
-    """The PE's config name (``pe=rope_ntk``; rope and rope_ntk share a class), or its class's for a config
-    composed without Hydra's runtime."""
+    """The PE's config name (``pe=rope_ntk``; rope and rope_ntk share a class), or ``stored_pe_name``'s for a
+    config composed without Hydra's runtime."""
     hydra_cfg = hydra_config()
     chosen = hydra_cfg.runtime.choices.get("pe") if hydra_cfg else None
-    return chosen or cfg.get("pe_name") or str(cfg.pe._target_).rsplit(".", 1)[-1].lower()
+    return chosen or stored_pe_name(cfg)
+
+
+def stored_pe_name(config) -> str:
+    """The PE name a run config keeps (``pe_name``, in configs of earlier versions), else its class's, lower case."""
+    return config.get("pe_name") or str(config["pe"]["_target_"]).rsplit(".", 1)[-1].lower()
 
 
 def resolved_positions(cfg: DictConfig) -> TrainPositions:
@@ -119,7 +124,7 @@ def resolve(
     own checkpoint takes its PE and lineage from that: its base need not exist any more."""
     positions = resolved_positions(cfg)
     scheme = position_scheme(dataclasses.asdict(positions), cfg.data.max_len)
-    reach = scheme.reach or cfg.data.max_len
+    reach = scheme.span(cfg.data.max_len)
     config = OmegaConf.to_container(cfg, resolve=True)
     lineage, base_len = (), cfg.data.max_len
     row = first_stage_row(pe_name, scheme.name, config.get("attention"))

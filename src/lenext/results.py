@@ -56,7 +56,7 @@ def run_metadata(spec, net, data, split: str, tokens_trained: int | None) -> dic
     scheme, config = spec.scheme, spec.config
     return {
         "row": spec.row,
-        "row_fields": dataclasses.asdict(spec.row_fields) if spec.row_fields else None,
+        "row_fields": spec.stored()["row_fields"],
         "pe_name": spec.pe_name,
         "pe": net.pe.describe(),
         "pe_family": net.pe.FAMILY,  # the report's figure panel

@@ -90,11 +90,14 @@ class RunSpec:
     @property
     def reach(self) -> int:
         """The span of positions training reaches: L_train, or N (randomized) or the target length (PoSE)."""
-        return self.scheme.reach or self.train_len
+        return self.scheme.span(self.train_len)
 
     def stored(self) -> dict:
         """As kept in checkpoints (``hyper_parameters.run``) and results (``meta.run``): plain JSON."""
-        return {**dataclasses.asdict(self), "lineage": [dataclasses.asdict(stage) for stage in self.lineage]}
+        stored = {**dataclasses.asdict(self), "lineage": [dataclasses.asdict(stage) for stage in self.lineage]}
+        if self.row_fields:
+            stored["row_fields"]["attention"] = list(self.row_fields.attention)
+        return stored
 
     @classmethod
     def from_stored(cls, stored: dict) -> "RunSpec":
