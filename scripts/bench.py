@@ -53,7 +53,7 @@ from torch.utils.data import DataLoader
 from lenext import pe as pes
 from lenext import schema
 from lenext.attention import causal_attention
-from lenext.build import build_net, instantiate
+from lenext.build import build_module, build_net, instantiate
 from lenext.cli import CONFIG_PACKAGE
 from lenext.data import TrainWindows, step_loader
 from lenext.errors import LengthNotSupported
@@ -136,10 +136,7 @@ def run_net(spec: RunSpec, vocab_size: int, weights: dict | None = None) -> Deco
     """The net lenext.run.build makes for ``spec``: built after seeding with the run's seed, holding ``weights``
     (a second stage's base's) if given."""
     torch.manual_seed(spec.seed)
-    net = build_net(spec, vocab_size)
-    if weights is not None:
-        net.load_state_dict(weights)
-    return net
+    return build_net(spec, vocab_size, weights)
 
 
 def row_model(row: str) -> tuple[Decoder, RunSpec]:
@@ -481,10 +478,7 @@ def study_net(cfg) -> Decoder:
 def study_module(cfg):
     """lenext's LanguageModel as lenext.run.build makes it from ``cfg`` (a second stage's with its base's weights)."""
     spec, weights = resolve_training(cfg)
-    module = instantiate(cfg.module, "module", _partial_=True, _convert_="all")
-    return module(
-        net=run_net(spec, cfg.data.vocab_size, weights), scheme=spec.scheme, seed=spec.seed, run=spec.stored()
-    )
+    return build_module(cfg.module, spec, run_net(spec, cfg.data.vocab_size, weights))
 
 
 class StepClock(L.Callback):

@@ -21,7 +21,6 @@ def test_a_protocol_registered_in_one_entry_is_swept_and_scores_what_it_says(mon
     monkeypatch.setitem(PROTOCOLS, SecondHalf.name, SecondHalf)
     net, docs = tiny_net(), random_documents()
     evaluation = TextEvaluation(docs)
-    evaluation.protocols = (*evaluation.protocols, SecondHalf.name)  # the data's protocols, read at import
     rows, _ = sweep_of(net, evaluation, 16, eval_cfg(protocol=["nonoverlap", SecondHalf.name]))
     measured = {(row["protocol"], row["length"]): row for row in rows}
     for length in (16, 32, 64):

@@ -13,9 +13,33 @@ from tests.conftest import ROOT, run_train, small_corpus_overrides
 def test_unknown_pe_lists_the_available_ones(tmp_path):
     result = run_train(tmp_path, "pe=nonsense")
     assert result.returncode != 0
-    assert "Available options in 'pe'" in result.stderr
+    assert result.stderr.startswith("error: pe=nonsense is not one of the pe configs; they are: alibi,")
     for name in ("alibi", "rope", "shaw", "t5", "nope"):
         assert name in result.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides,line",
+    [
+        (["pe=rop"], "error: pe=rop is not one of the pe configs (did you mean rope?); they are: alibi, "),
+        (["-m", "pe=rope,alibx"], "error: pe=alibx is not one of the pe configs (did you mean alibi?); they are: "),
+        (["model=huge"], "error: model=huge is not one of the model configs; they are: compact, small, tiny"),
+        (["data.maxlen=64"], "error: data.maxlen is not a setting of data (did you mean data.max_len?); the settings"),
+        (["pe=t5", "+pe.max_distanse=3"], "error: pe.max_distanse is not a setting of lenext.pe.T5Bias (did you mean"),
+        (["pe=alibi", "+pe.slope=3"], "error: pe.slope is not a setting of lenext.pe.ALiBi; the settings there: none"),
+    ],
+)
+def test_a_mistyped_option_or_key_is_answered_with_the_closest_name_in_one_line(tmp_path, overrides, line):
+    result = run_train(tmp_path, *overrides)
+    assert result.returncode == 1 and result.stderr.startswith(line), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_help_says_what_the_command_does_with_examples_and_its_groups():
+    for script, purpose, group in (("train.py", "train a decoder", "pe: alibi"), ("eval.py", "evaluate a", "eval:")):
+        result = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True)
+        assert result.returncode == 0 and purpose in result.stdout.splitlines()[0], result.stdout
+        assert "Examples:" in result.stdout and group in result.stdout and "powered by Hydra" not in result.stdout
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,16 @@ def test_every_pe_has_a_config(compose_train):
     assert {"csv", "wandb", "tensorboard"} <= set(GROUPS["logger"])
 
 
+def test_every_pe_declares_its_family_and_display_name():
+    """The report's panels and names come from the PE: every exported PE is in PE_CLASSES with a family of its own
+    declaring (none inherited from the base class)."""
+    classes = {getattr(lenext.pe, n) for n in lenext.pe.__all__ if isinstance(getattr(lenext.pe, n), type)}
+    assert set(lenext.pe.PE_CLASSES) == {c for c in classes if issubclass(c, PositionalEncoding)} - {PositionalEncoding}
+    for pe in lenext.pe.PE_CLASSES:
+        assert pe.FAMILY in lenext.pe.FAMILIES and pe.DISPLAY_NAME, pe
+    assert PositionalEncoding.FAMILY is None
+
+
 @pytest.mark.parametrize("group,option", [(g, o) for g, options in GROUPS.items() for o in options])
 def test_config_composes_and_resolves(compose_train, group, option):
     extra = ["data.corpus.path=/tmp"] if option == "text_files" else []

@@ -256,6 +256,7 @@ def test_checkpoint_evaluation_matches_training_validation_and_writes_documented
     old = torch.load(ckpt, map_location="cpu", weights_only=False)
     config = old["hyper_parameters"].pop("run")["config"]
     del config["train"], config["init_from"], config["pe"]["original_len"]
+    config["eval"]["rope_scalings"] = config["eval"].pop("variants")  # the key's name then
     old["hyper_parameters"]["run_config"] = config
     torch.save(old, tmp_path / "old.ckpt")
     evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "old", tmp_path / "old.ckpt", "eval.lengths=[64]"))
@@ -264,10 +265,36 @@ def test_checkpoint_evaluation_matches_training_validation_and_writes_documented
     evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "new", ckpt, "eval.lengths=[64]"))
     new_rows = json.loads((tmp_path / "new" / "results.json").read_text())["rows"]
     assert [r["mean_nll"] for r in old_results["rows"]] == [r["mean_nll"] for r in new_rows]
+    # A checkpoint from before the rebuild (its run keeps eval.rope_scalings, and no row_fields) evaluates the same.
+    before = torch.load(ckpt, map_location="cpu", weights_only=False)
+    run = before["hyper_parameters"]["run"]
+    run["eval"]["rope_scalings"] = run["eval"].pop("variants")
+    del run["row_fields"]
+    torch.save(before, tmp_path / "before.ckpt")
+    evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "before", tmp_path / "before.ckpt", "eval.lengths=[64]"))
+    before_results = json.loads((tmp_path / "before" / "results.json").read_text())
+    assert [r["mean_nll"] for r in before_results["rows"]] == [r["mean_nll"] for r in new_rows]
+    assert before_results["meta"]["row"] == "rope" and before_results["meta"]["row_fields"] is None
     # ... but not one the checkpoint's PE lacks, and nothing is read or written for it.
     with pytest.raises(ConfigError, match=r"^pe.k does not apply to this checkpoint's PE"):
         evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "bad", ckpt, "+pe.k=4"))
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_checkpoint_of_a_pe_without_rope_settings_evaluates_as_trained(compose_train, small_text_corpus, tmp_path):
+    """eval.py's changes to the PE apply to the settings the checkpoint's PE has: an xPos checkpoint (a RoPE without
+    a scaling setting) evaluates with none, and the same as the sweep after its training."""
+    cfg = compose_train(
+        *small_corpus_overrides(small_text_corpus, "pe=xpos", "trainer.max_steps=2", "eval.lengths=[64]")
+    )
+    train(cfg)
+    trained = json.loads((tmp_path / "results.json").read_text())["rows"]
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "eval", ckpt, "eval.lengths=[64]"))
+    evaluated = json.loads((tmp_path / "eval" / "results.json").read_text())["rows"]
+    assert evaluated[0]["mean_nll"] == pytest.approx(trained[0]["mean_nll"], rel=1e-5)
+    with pytest.raises(ConfigError, match=r"^pe.scaling does not apply to this checkpoint's PE \(lenext.pe.XPos\)"):
+        evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "bad", ckpt, "pe.scaling=yarn"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: Lightning's teardown moves a model off CUDA")

@@ -18,9 +18,9 @@ from lenext.lock import LOCK_FILE, FolderInUse, hold_folder, release_folder
 from lenext.module import AtomicCheckpointIO
 from lenext.report import main as report_main
 from lenext.report import unwritable
-from lenext.resolve import TRAIN_NODES, TrainSettings, preflight, stage_settings
+from lenext.resolve import TRAIN_NODES, TrainSettings, stage_settings
 from lenext.run import train
-from lenext.run_folder import refuse_other_settings, resolve_training
+from lenext.run_folder import preflight, refuse_other_settings, resolve_training
 from tests.conftest import ROOT, small_corpus_overrides
 from tests.test_report import write_run
 

@@ -61,3 +61,34 @@ def test_the_passkey_depth_grid_is_each_cells_mean_and_std_over_seeds():
         assert cell["mean"] == pytest.approx(statistics.mean(matches), abs=1e-4)
         assert cell["std"] == pytest.approx(statistics.stdev(matches), abs=1e-4)
         assert (cell["seeds"], cell["answers"]) == (len(rows), sum(row["answers"] for row in rows))
+
+
+def rows_by_table(markdown: str) -> dict[str, dict[str, list[str]]]:
+    """Per table heading (up to its parenthesis), each row's cells by its label."""
+    tables: dict[str, dict[str, list[str]]] = {}
+    for line in markdown.splitlines():
+        if line.startswith("### "):
+            rows = tables.setdefault(line.split(" (")[0], {})
+        elif line.startswith("| ") and not line.startswith("| PE |"):
+            label, *cells = (cell.strip() for cell in line.strip("|").split("|"))
+            rows[label] = cells
+    return tables
+
+
+def test_the_reference_studys_diagnostic_t5_runs_are_rows_of_their_own(tmp_path):
+    """`studies/reference` itself, not its runs/: diagnostics/ holds T5 trained with max_distance 128, and with 64
+    again for seed 0 (runs/4's settings and seed, and its numbers). A mean pools the seeds of one run description:
+    T5's three seeds keep their committed cells under a label naming the setting, the diagnostic gets a row of its
+    own, the repeat counts once, and every other row is the committed one."""
+    markdown = report([str(STUDIES / "reference")], str(tmp_path))
+    committed, made = rows_by_table((STUDIES / "reference" / "table.md").read_text()), rows_by_table(markdown)
+    nonoverlap = made["### L_train = 64, protocol `nonoverlap`"]["t5 [pe.max_distance=128]"]
+    assert nonoverlap[:-2] == ["32.63", "32.15", "38.72", "50.93", "63.78", "73.35"]  # its README's numbers
+    assert made.keys() == committed.keys()
+    for heading, rows in committed.items():
+        t5 = rows.pop("t5")
+        assert made[heading].pop("t5 [pe.max_distance=64]")[:-2] == t5[:-2], heading  # all but speed and memory
+        del made[heading]["t5 [pe.max_distance=128]"]
+        assert made[heading] == rows, heading
+    repeat = STUDIES / "reference" / "runs" / "4", STUDIES / "reference" / "diagnostics" / "t5_max_distance_64"
+    assert f"- `{repeat[0]}` repeats `{repeat[1]}`" in markdown

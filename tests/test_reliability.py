@@ -19,8 +19,9 @@ from lenext.files import atomic_path, write_atomic
 from lenext.model import Decoder
 from lenext.module import AtomicCheckpointIO, LanguageModel
 from lenext.pe import NoPE
-from lenext.resolve import TRAIN_NODES, TrainSettings, preflight
+from lenext.resolve import TRAIN_NODES, TrainSettings
 from lenext.run import build
+from lenext.run_folder import preflight
 from lenext.scoring import scored_targets
 from tests.conftest import CONFIG_FOLDER, small_corpus_overrides
 

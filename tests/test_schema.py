@@ -11,8 +11,9 @@ from omegaconf import OmegaConf
 
 from lenext.cli import CONFIG_PACKAGE
 from lenext.errors import ConfigError
-from lenext.resolve import TRAIN_NODES, TrainSettings, preflight
+from lenext.resolve import TRAIN_NODES, TrainSettings
 from lenext.run import evaluate_checkpoint, train
+from lenext.run_folder import preflight
 from lenext.schema import Range, conforms, describe
 from tests.conftest import CONFIG_FOLDER
 

@@ -241,7 +241,8 @@ def test_settings_the_task_cannot_meet_are_refused_with_the_key(settings, key):
     ],
 )
 def test_evaluation_settings_a_probe_cannot_meet_fail_before_any_work(compose_train, overrides, message):
-    from lenext.resolve import TRAIN_NODES, TrainSettings, preflight
+    from lenext.resolve import TRAIN_NODES, TrainSettings
+    from lenext.run_folder import preflight
 
     with pytest.raises(ConfigError, match=message):
         preflight(compose_train("data=synthetic", *overrides), TrainSettings, TRAIN_NODES)
@@ -301,7 +302,8 @@ def test_the_probes_preset_is_a_checked_multirun_over_tasks_pes_and_seeds(compos
 
     from lenext.cli import CONFIG_PACKAGE
     from lenext.progress import sweep_grid
-    from lenext.resolve import TRAIN_NODES, TrainSettings, preflight
+    from lenext.resolve import TRAIN_NODES, TrainSettings
+    from lenext.run_folder import preflight
 
     with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
         cfg = compose("train", overrides=["experiment=probes", f"paths.root_dir={tmp_path}"], return_hydra_config=True)

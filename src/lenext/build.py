@@ -55,6 +55,15 @@ def build_decoder(config: dict, train_len: int, reach: int, vocab_size: int):
     )
 
 
-def build_net(spec, vocab_size: int):
-    """The Decoder of a resolved run (``lenext.spec.RunSpec``)."""
-    return build_decoder(spec.config, spec.train_len, spec.reach, vocab_size)
+def build_net(spec, vocab_size: int, weights: dict | None = None):
+    """The Decoder of a resolved run (``lenext.spec.RunSpec``), holding ``weights`` if given (a checkpoint's)."""
+    net = build_decoder(spec.config, spec.train_len, spec.reach, vocab_size)
+    if weights is not None:  # the base's weights only: optimizer, step and schedule start afresh
+        net.load_state_dict(weights)
+    return net
+
+
+def build_module(module_node, spec, net):
+    """The LightningModule of a resolved run (configs/module) around its ``net``."""
+    module = instantiate(module_node, "module", _partial_=True, _convert_="all")
+    return module(net=net, scheme=spec.scheme, seed=spec.seed, run=spec.stored())

@@ -4,6 +4,7 @@ A checkpoint is read once per use: a second stage's base (``init_from``) is read
 checks and the run starts from.
 """
 
+import glob
 import os
 from dataclasses import dataclass
 
@@ -19,6 +20,11 @@ from lenext.spec import RunSpec, Stage
 def load_checkpoint(path: str, key: str | None = "ckpt") -> dict:
     """The checkpoint dict, or a CheckpointError that says what is wrong with the file (named as ``key``=path)."""
     named = f"{key}={path!r}" if key else path
+    if path and os.path.isdir(path):
+        found = sorted(glob.glob(os.path.join(path, "*.ckpt")) + glob.glob(os.path.join(path, "*", "*.ckpt")))
+        found.sort(key=lambda file: os.path.basename(file) != "last.ckpt")  # a run's last checkpoint first
+        inside = f" (it holds {found[0]}{' and others' if len(found) > 1 else ''})" if found else " (it holds none)"
+        raise CheckpointError(f"{named} is a folder, not a checkpoint: pass a .ckpt file{inside}")
     if not path or not os.path.isfile(path):
         raise CheckpointError(
             f"{named} does not exist: pass the path of a .ckpt file from a training run "

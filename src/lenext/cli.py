@@ -8,20 +8,28 @@ a config folder of their own with ``hydra.searchpath=[file:///path/to/configs]``
 import contextlib
 import functools
 import os
+import re
 import sys
 from collections.abc import Callable
+from importlib import resources
 
 import hydra
+from hydra import compose, initialize_config_module
+from hydra._internal.utils import get_args_parser
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from lenext.build import hydra_config
 from lenext.errors import ConfigError, LenextError, print_one_line
 from lenext.files import write_atomic
 from lenext.hardware import default_precision, keep_freed_memory
-from lenext.resolve import TRAIN_NODES
+from lenext.resolve import RENAMED_KEYS
 from lenext.results import ERROR_FILE
 from lenext.run import evaluate_checkpoint, train
+from lenext.schema import HYDRA_KEYS, did_you_mean
 
 CONFIG_PACKAGE = "lenext.configs"
 
@@ -61,28 +69,77 @@ def one_line_errors(main: Callable) -> Callable:
     return wrapper
 
 
-def refuse_renamed_keys(main: Callable) -> Callable:
-    """A command-line override of a key an earlier version named otherwise (a settings class's ``RENAMED``) is
-    refused in one line naming the new key, before Hydra composes (which would only say the key is unknown)."""
-    renamed = {
-        f"{node}.{old}": f"{node}.{new}"
-        for node, settings in TRAIN_NODES.items()
-        for old, new in getattr(settings, "RENAMED", {}).items()
-    }
+def checked_command_line(config_name: str) -> Callable:
+    """Before Hydra composes, refuse in one line, with the closest name, what Hydra would answer with its search
+    path or its advice to add the key: a config group option that does not exist (``pe=rop``), a key the config
+    lacks (``data.maxlen=64``), a key an earlier version named otherwise (``eval.rope_scalings``)."""
 
-    @functools.wraps(main)
-    def wrapper(*args, **kwargs):
-        for override in sys.argv[1:]:
-            key = override.lstrip("+~").split("=", 1)[0]
-            if key in renamed:
-                print_one_line(ConfigError(f"{key} was renamed: use {renamed[key]}=... instead"))
-                sys.exit(ConfigError.exit_status)
-        return main(*args, **kwargs)
+    def decorate(main: Callable) -> Callable:
+        @functools.wraps(main)
+        def wrapper(*args, **kwargs):
+            try:
+                check_overrides(config_name, get_args_parser().parse_args(sys.argv[1:]).overrides)
+            except ConfigError as e:
+                print_one_line(e)
+                sys.exit(e.exit_status)
+            return main(*args, **kwargs)
 
-    return wrapper
+        return wrapper
+
+    return decorate
 
 
-@refuse_renamed_keys
+def check_overrides(config_name: str, overrides: list[str]) -> None:
+    """The checks of ``checked_command_line``; overrides Hydra cannot parse are left to Hydra."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return
+    own_configs = not any(o.key_or_group == "hydra.searchpath" for o in parsed)  # else groups may have more options
+    first_values = []  # one job's overrides: the first value of each sweep
+    for override in parsed:
+        key = override.key_or_group
+        if key in RENAMED_KEYS:
+            raise ConfigError(f"{key} was renamed: use {RENAMED_KEYS[key]}=... instead")
+        values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+        options = group_options(key) if not key.startswith("hydra/") else []  # Hydra's plugins add launchers
+        if options and own_configs and not override.is_delete():
+            for value in values:
+                if value is not None and str(value) not in options:
+                    raise ConfigError(
+                        f"{key}={value} is not one of the {key} configs{did_you_mean(str(value), options)}; "
+                        f"they are: {', '.join(options)}"
+                    )
+        if not key.startswith("hydra.") and not override.is_sweep_override():
+            first_values.append(override.input_line)
+        elif override.is_sweep_override():
+            first_values.append(f"{override.get_key_element()}={values[0]}")
+    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
+        try:
+            compose(config_name, overrides=first_values)
+        except (HydraException, OmegaConfBaseException) as e:
+            unknown = re.search(r"Could not override '([^']+)'", str(e))
+            if not unknown:
+                return  # Hydra's own message says it
+            path, _, name = unknown.group(1).rpartition(".")
+            rest = [line for line in first_values if not line.lstrip("+~").startswith(unknown.group(1) + "=")]
+            node = OmegaConf.select(compose(config_name, overrides=rest), path) if path else None
+            known = sorted(k for k in node if k not in HYDRA_KEYS) if isinstance(node, DictConfig) else []
+            raise ConfigError(
+                f"{unknown.group(1)} is not a setting of {path or 'this config'}{did_you_mean(name, known, path)}; "
+                f"the settings there: {', '.join(known) or 'none'}"
+            ) from None
+
+
+def group_options(group: str) -> list[str]:
+    """The options of config group ``group`` in the package's configs (none: not a group)."""
+    folder = resources.files(CONFIG_PACKAGE).joinpath(*group.split("/"))
+    if not folder.is_dir():
+        return []
+    return sorted(item.name.removesuffix(".yaml") for item in folder.iterdir() if item.name.endswith(".yaml"))
+
+
+@checked_command_line("train")
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_PACKAGE}", config_name="train")
 @one_line_errors
 def train_main(cfg: DictConfig) -> dict:
@@ -90,7 +147,7 @@ def train_main(cfg: DictConfig) -> dict:
     return train(cfg)  # the job's return value: the study progress line tells skipped jobs from trained ones
 
 
-@refuse_renamed_keys
+@checked_command_line("eval")
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_PACKAGE}", config_name="eval")
 @one_line_errors
 def eval_main(cfg: DictConfig) -> str:

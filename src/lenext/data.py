@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from lenext.errors import ConfigError, DataError
 from lenext.evaluate import TextEvaluation
 from lenext.files import atomic_path
-from lenext.protocols import NonOverlapping, cap_windows
+from lenext.protocols import PROTOCOLS, NonOverlapping, cap_windows
 from lenext.schema import NonNegativeInt, PositiveInt, Range
 
 SPLITS = ("train", "validation", "test")
@@ -355,8 +355,6 @@ class DocumentWindows(Dataset):
 class LMDataModule(L.LightningDataModule):
     """Tokenizer + tokenized splits (both cached on disk) + training and validation windows."""
 
-    protocols = TextEvaluation.protocols
-
     def __init__(
         self,
         corpus: Corpus,
@@ -384,6 +382,10 @@ class LMDataModule(L.LightningDataModule):
     @property
     def name(self) -> str:
         return self.corpus.name
+
+    @property
+    def protocols(self) -> tuple[str, ...]:
+        return tuple(PROTOCOLS)
 
     def check_length(self, length: int, key: str) -> None:
         """Any length: one that no document fills gets a "no windows" row in the sweep, saying why."""

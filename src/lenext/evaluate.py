@@ -25,7 +25,6 @@ from lenext.scoring import Measured
 
 log = logging.getLogger("lenext")
 Protocol = Literal[PROTOCOL_NAMES]
-SHOWN = ("ppl", "exact_match", "token_accuracy")  # the metrics a sweep logs per row
 
 
 class PeakMemory:
@@ -68,10 +67,12 @@ class PeakMemory:
 class TextEvaluation:
     """The sweep's view of held-out documents: perplexity under the text protocols (lenext.protocols)."""
 
-    protocols = tuple(PROTOCOLS)
-
     def __init__(self, documents: list[np.ndarray]):
         self.documents, self.lengths = documents, [len(d) for d in documents]
+
+    @property
+    def protocols(self) -> tuple[str, ...]:
+        return tuple(PROTOCOLS)
 
     def protocol(self, name: str, plan: "SweepPlan") -> TextProtocol:
         return PROTOCOLS[name].from_plan(plan)
@@ -165,7 +166,8 @@ def sweep(
     device = next(net.parameters()).device
     rows, curves = [], []
     net.eval()
-    for variant in net.pe.variants(eval_cfg.variants, evaluated_at.evaluation_span(max(plan.lengths))):
+    variants = net.pe.variants(eval_cfg.variants, evaluated_at.evaluation_span(max(plan.lengths)))
+    for variant in variants:
         with net.pe.variant(variant):
             for name in plan.protocols:
                 protocol = evaluation.protocol(name, plan)
@@ -206,9 +208,13 @@ def sweep(
                     rows += [measured_row] + [
                         {**row, "status": "ok", **part, "reason": None} for part in measured.breakdown
                     ]
-                    shown = ", ".join(f"{k} {measured.metrics[k]:.3f}" for k in SHOWN if k in measured.metrics)
-                    log.info(
-                        "%s %s L=%d: %s over %d tokens", name, variant or "", length, shown, measured_row["tokens"]
+                    log.info(  # progress only: the table at the end has the numbers
+                        "evaluated %s%s at L=%d (%d windows, %.1f s)",
+                        name,
+                        f" under {variant}" if len(variants) > 1 else "",
+                        length,
+                        measured_row["windows"],
+                        measured_row["seconds"],
                     )
                     if measured.curve is not None:
                         curves += [

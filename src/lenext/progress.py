@@ -11,7 +11,11 @@ sweep's end the launching process counts the error.txt files its jobs wrote.
 
 ``TrainingProgress``, a Lightning callback (configs/callbacks/default.yaml): while a run trains without
 a progress bar (the study presets turn it off), a line at every tenth of its steps and at least every
-30 s: `step n of N: loss, tokens/s; training ~T left; study ~T left`.
+30 s: `step n of N: loss, tokens/s; training ~T left; study ~T left`. With a bar, ``StepsBar``: Lightning's,
+counting steps (a run is bounded by steps, not epochs).
+
+After a run: what validation measured (``validation_scope``), and where the run went and what to run next
+(``next_steps``).
 """
 
 import glob
@@ -27,10 +31,12 @@ import lightning as L
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
+from lightning.pytorch.callbacks import RichProgressBar
 from omegaconf import DictConfig
 
 from lenext.results import ERROR_FILE
 from lenext.schema import PositiveFloat
+from lenext.spec import RunSpec
 
 
 def sweep_grid(task_overrides: list[str], sweeper_params: dict[str, str] | None) -> tuple[int, set[str]]:
@@ -130,6 +136,17 @@ class StudyProgress(Callback):
             of_done = f" of {done}" if done else ""
             print(f"study: {failed}{of_done} jobs failed; each one's error.txt says why", file=sys.stderr)
             sys.exit(1)
+        print(f"next: python -m lenext.report {config.hydra.sweep.dir}   (its tables and figures)", flush=True)
+
+
+def next_steps(output_dir: str) -> str:
+    """What a single run leaves and what to run next (a sweep's last line says it for the sweep)."""
+    checkpoint = os.path.join(output_dir, "checkpoints", "last.ckpt")
+    return (
+        f"checkpoint: {checkpoint}\n"
+        f"next: python -m lenext.report {output_dir}   (tables and figures)\n"
+        f"      python eval.py ckpt={checkpoint} eval.lengths=[...]   (other lengths, variants, splits)"
+    )
 
 
 def error_files(sweep_dir: str) -> dict[str, tuple[int, int]]:
@@ -144,6 +161,14 @@ def error_files(sweep_dir: str) -> dict[str, tuple[int, int]]:
         stat = os.stat(path)
         identities[path] = (stat.st_ino, stat.st_mtime_ns)
     return identities
+
+
+class StepsBar(RichProgressBar):
+    """Lightning's progress bar, named for the steps it counts: Lightning's own says "Epoch 0/-2" for a run
+    bounded by steps."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        return f"{'Training':{len(self.validation_description)}}"
 
 
 class TrainingProgress(L.Callback):
@@ -186,3 +211,22 @@ class TrainingProgress(L.Callback):
             line += f"; study ~{duration(left + (STUDY.total - STUDY.done - 1) * job)} left"
         print(line, flush=True)
         self.last_line, self.last_tenth, self.loss_sum, self.losses = now, tenth, 0.0, 0
+
+
+def validation_scope(spec: RunSpec, scored: int, available: int, protocols: tuple[str, ...]) -> str:
+    """What the final validation measured, ``N windows (...)``: the sweep's row at this stage's training length of
+    the data's first protocol (``nonoverlap`` for text, ``accuracy`` for a probe), or what it lacks.
+
+    Validation scores the windows that row scores (same documents or samples, same eval.max_windows
+    thinning), so the two agree unless validation was cut short or the sweep has no such row.
+    """
+    measured = protocols[0]
+    if scored < available:
+        return (
+            f"{scored} of the {available} windows of the {measured} row at L_train "
+            "(cut short by trainer.limit_val_batches or fast_dev_run)"
+        )
+    in_sweep = bool(spec.plan) and measured in spec.plan.protocols and spec.train_len in spec.plan.lengths
+    row = "the sweep's" if in_sweep else "those of the"
+    lacks = "" if in_sweep else ", which this sweep lacks"
+    return f"{scored} windows ({row} {measured} row at L_train{lacks})"

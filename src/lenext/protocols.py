@@ -4,7 +4,7 @@ A text protocol turns held-out documents and an evaluation length L into windows
 shifted targets) and says which targets of each window are scored. Windows never cross a document and are
 never padded: a length no document can fill gives no window, and ``missing`` says why.
 
-A new protocol is one class here and its entry in ``PROTOCOLS`` (docs/evaluation.md, "Adding a protocol").
+A new protocol is one class here and its entry in ``PROTOCOLS`` (docs/adding/protocol.md).
 """
 
 import math

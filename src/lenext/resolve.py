@@ -11,7 +11,7 @@ import dataclasses
 import importlib
 import logging
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import torch
 from hydra.utils import get_object
@@ -27,6 +27,9 @@ from lenext.pe import VARIANTS
 from lenext.positions import TrainPositions, position_scheme
 from lenext.schema import Range
 from lenext.spec import RunSpec, first_stage_row, later_stage_row
+
+if TYPE_CHECKING:
+    from lenext.checkpoints import Base
 
 log = logging.getLogger("lenext")
 AS_TRAINED = "as_trained"
@@ -74,6 +77,12 @@ def checkpoint_pe_overrides(
 
 TRAIN_NODES = {"attention": AttentionSettings, "eval": EvalSettings, "paths": Paths, "train": TrainPositions}
 EVAL_NODES = {**TRAIN_NODES, "pe": checkpoint_pe_overrides}
+# Keys earlier versions named otherwise (a settings class's RENAMED), as dotted keys: old -> new.
+RENAMED_KEYS = {
+    f"{node}.{old}": f"{node}.{new}"
+    for node, settings in TRAIN_NODES.items()
+    for old, new in getattr(settings, "RENAMED", {}).items()
+}
 
 
 def config_pe_name(cfg: DictConfig) -> str:
@@ -116,7 +125,7 @@ def resolve(
     sweeps: bool = True,
     precision: str | None = None,
     resumed: RunSpec | None = None,
-    base=None,
+    base: "Base | None" = None,
 ) -> RunSpec:
     """The RunSpec of a config ``schema.check`` passed: the PE's hyperparameters resolved, the positions, the
     evaluation plan (when the run ``sweeps``), its lineage and row. A second stage names its ``base``
@@ -132,7 +141,9 @@ def resolve(
     if resumed and resumed.lineage:
         config["pe"] = resumed.config["pe"]
         lineage, base_len, row, label = resumed.lineage, resumed.base_len, resumed.row_fields, resumed.row
-    elif base is not None:
+    elif cfg.get("init_from"):
+        if base is None:
+            raise ValueError("resolve: a second stage's base is read by its caller (lenext.checkpoints.read_base)")
         config["pe"] = stage_pe_resolved(config, pe_name, base, reach)
         lineage, base_len = (*base.spec.lineage, base.stage), base.spec.base_len
         first = base.spec.row_fields or first_stage_row(base.spec.pe_name, "sequential")
@@ -141,7 +152,7 @@ def resolve(
     else:
         config["pe"] = resolved_pe(config, cfg.data.max_len, reach)
     data = instantiate(cfg.data, "data")  # reads nothing yet: a corpus is read by load()
-    eval_settings = EvalSettings(**OmegaConf.to_container(cfg.eval, resolve=True))
+    eval_settings = EvalSettings.from_stored(OmegaConf.to_container(cfg.eval, resolve=True))  # or an old checkpoint's
     return RunSpec(
         config=config,
         pe_name=pe_name,
@@ -158,13 +169,6 @@ def resolve(
         lineage=lineage,
         row_fields=row,
     )
-
-
-def preflight(cfg: DictConfig, settings: type | None, nodes: dict[str, type], sweeps: bool = True) -> RunSpec:
-    """Everything a run will use, checked before any work: every key's type and range (``schema.check``), then
-    the settings that only fail together, while resolving the run (``resolve``)."""
-    schema.check(cfg, settings, nodes)
-    return resolve(cfg, config_pe_name(cfg), sweeps)
 
 
 def resolve_evaluation(cfg: DictConfig, trained: RunSpec):
@@ -194,17 +198,17 @@ def resolve_evaluation(cfg: DictConfig, trained: RunSpec):
     return spec, data
 
 
-def resolved_pe(config: dict, train_len: int, reach: int, vocab_size: int = 256, weights: dict | None = None) -> dict:
+def resolved_pe(config: dict, train_len: int, reach: int, base: "Base | None" = None) -> dict:
     """The run config's PE node with every hyperparameter resolved (``PositionalEncoding.hyperparameters``), read
     from the model built with it: milliseconds, and the model's own checks (heads and width, T5's buckets, RoPE's
-    head size) run on the way. With ``weights``, the model must hold them exactly (a CheckpointError else)."""
-    net = build_decoder(config, train_len, reach, vocab_size)
-    if weights is not None:
+    head size) run on the way. With a ``base``, the model must hold its weights exactly (a CheckpointError else)."""
+    net = build_decoder(config, train_len, reach, base.vocab_size if base else 256)
+    if base is not None:
         try:
-            net.load_state_dict(weights)
+            net.load_state_dict(base.state)
         except RuntimeError as e:
             raise CheckpointError(
-                f"init_from={config.get('init_from')}: its weights do not fit this stage's model "
+                f"init_from={base.stage.checkpoint}: its weights do not fit this stage's model "
                 f"({str(e).splitlines()[-1].strip()}); repeat the base's model and PE settings"
             ) from None
     return {"_target_": config["pe"]["_target_"], "_partial_": True, **net.pe.hyperparameters()}
@@ -295,12 +299,12 @@ def stage_settings(pe: dict, theirs: dict, key: str, where: str) -> dict:
     return merged
 
 
-def stage_pe_resolved(config: dict, pe_name: str, base, reach: int) -> dict:
+def stage_pe_resolved(config: dict, pe_name: str, base: "Base", reach: int) -> dict:
     """A second stage's PE node, resolved: the base's, with this command's ``STAGE_SETTINGS`` (``stage_pe``), built
     at this stage's length into a model that must hold the base's weights exactly."""
     pe = stage_pe(config, pe_name, base.spec, base.stage)
     try:
-        return resolved_pe({**config, "pe": pe}, config["data"]["max_len"], reach, base.vocab_size, base.state)
+        return resolved_pe({**config, "pe": pe}, config["data"]["max_len"], reach, base)
     except ConfigError as e:
         raise ConfigError(
             f"{e}; but a second stage keeps the PE settings of init_from={base.stage.checkpoint}, which its weights "

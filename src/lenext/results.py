@@ -53,10 +53,10 @@ def run_metadata(spec, net, data, split: str, tokens_trained: int | None) -> dic
         except metadata.PackageNotFoundError:
             return None
 
-    scheme, config = spec.scheme, spec.config
+    scheme, config, stored = spec.scheme, spec.config, spec.stored()
     return {
         "row": spec.row,
-        "row_fields": spec.stored()["row_fields"],
+        "row_fields": stored["row_fields"],
         "pe_name": spec.pe_name,
         "pe": net.pe.describe(),
         "pe_family": net.pe.FAMILY,  # the report's figure panel
@@ -89,7 +89,7 @@ def run_metadata(spec, net, data, split: str, tokens_trained: int | None) -> dic
         "device": str(next(net.parameters()).device),
         # This machine, with the precision the model was trained in: throughput and bf16 rounding depend on both.
         "hardware": {**machine_description(), "training_precision": training_precision(spec)},
-        "run": spec.stored(),
+        "run": stored,
     }
 
 

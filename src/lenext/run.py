@@ -16,29 +16,25 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lenext import schema
 from lenext.attention.flex import fresh_compile_state
-from lenext.build import build_net, hydra_config, instantiate
+from lenext.build import build_module, build_net, hydra_config, instantiate
 from lenext.checkpoints import load_checkpoint, net_state, stored_spec
 from lenext.errors import ConfigError, Stopped
 from lenext.evaluate import sweep
 from lenext.loggers import log_results_to_wandb
 from lenext.module import tokens_trained
+from lenext.progress import StepsBar, next_steps, validation_scope
 from lenext.resolve import EVAL_NODES, TRAIN_NODES, EvalScriptSettings, TrainSettings, resolve_evaluation
-from lenext.results import RESULTS_FILE, code_commit, format_rows, run_metadata, write_results
+from lenext.results import RESULTS_FILE, code_commit, format_rows, run_metadata, training_precision, write_results
 from lenext.run_folder import FINISHED_IDENTITY, completed_results, resolve_training, run_identity
 from lenext.spec import RunSpec
 
 log = logging.getLogger("lenext")
 
 
-class WithoutAdvertising(logging.Filter):
-    """Drops Lightning's "Tip: try installing <product>" lines, printed by every Trainer."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip:")
-
-
-# The logger Lightning's rank_zero_info writes to (lightning_utilities' `log`, as lightning.pytorch sets it).
-logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(WithoutAdvertising())
+# Lightning's notices (devices available, seed set, "fit stopped", tips) off the console: lenext's lines say what
+# a run is and where it went; Lightning's warnings still show.
+for name in ("lightning.pytorch", "lightning.fabric"):
+    logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def train(cfg: DictConfig) -> dict:
@@ -58,8 +54,19 @@ def train(cfg: DictConfig) -> dict:
     spec, weights = resolve_training(cfg)
     identity = run_identity(cfg, FINISHED_IDENTITY)  # what a re-launch into this folder must repeat to skip it
     datamodule, module, trainer = build(cfg, spec, weights)
+    del weights  # held by the module's net now
     n_params = sum(p.numel() for p in module.net.parameters())
-    log.info("model: %.2fM parameters, PE %s, L_train %d", n_params / 1e6, module.net.pe.describe(), spec.train_len)
+    pe = ", ".join(f"{k} {v}" for k, v in module.net.pe.describe().items() if k != "name")
+    log.info(
+        "%s: %.2fM parameters, PE %s (%s), L_train %d, %s on %s",
+        spec.row,
+        n_params / 1e6,
+        module.net.pe.DISPLAY_NAME,
+        pe or "no settings",
+        spec.train_len,
+        spec.precision,
+        trainer.strategy.root_device,
+    )
     if spec.start == "init_from":
         log.info("second stage of %s: its weights, a fresh optimizer and schedule", spec.checkpoint)
     try:
@@ -89,12 +96,17 @@ def train(cfg: DictConfig) -> dict:
         extra = {"identity": identity, "train_tokens_per_s": speed}
         path = evaluate_and_write(spec, net, datamodule, "validation", tokens_trained(trainer, cfg.data), cfg, extra)
         log_results_to_wandb(trainer, path)
+    hydra_cfg = hydra_config()
+    if not (hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN) and trainer.is_global_zero:
+        print(next_steps(cfg.paths.output_dir))
     return metrics
 
 
 def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     """Data module, LightningModule and Trainer of a resolved run, its net holding ``weights`` (a second stage's
     base's) if given; the corpus is read here, after every check."""
+    if (spec.start == "init_from") != (weights is not None):  # else a second stage would train from random weights
+        raise ValueError(f"build: a run that starts from {spec.start} takes {'' if weights is None else 'no '}weights")
     code_commit()  # the code this process loaded, read before a long run
     hydra_cfg = hydra_config()
     if "wandb" in (cfg.get("logger") or {}):
@@ -102,8 +114,14 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
             cfg.logger.wandb.name = cfg.logger.wandb.name or f"{spec.row}-L{spec.train_len}-seed{spec.seed}"
             if cfg.logger.wandb.group is None and hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN:
                 cfg.logger.wandb.group = os.path.basename(hydra_cfg.sweep.dir)  # one wandb group per sweep
+    if cfg.trainer.get("accelerator") in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"trainer.accelerator={cfg.trainer.accelerator} is invalid here: this machine has no CUDA GPU; use "
+            "trainer=cpu, or trainer=default (the fastest device and precision the machine has)"
+        )
     # The Trainer first: Lightning checks its settings together (devices, precision, strategy) when built.
     callbacks = [instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items()]
+    callbacks += [StepsBar()] if cfg.trainer.get("enable_progress_bar", True) else []
     loggers = [instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items()]
     trainer = instantiate(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False)
     fresh_compile_state()  # each run of a multirun compiles its own flex kernels
@@ -111,30 +129,8 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     # Validation scores the windows of the sweep's nonoverlap row at L_train: the same measurement.
     datamodule = instantiate(cfg.data, "data", validation_max_windows=spec.eval.max_windows)
     datamodule.load()
-    net = build_net(spec, datamodule.vocab_size)
-    if weights is not None:  # the base's weights only: optimizer, step and schedule start afresh
-        net.load_state_dict(weights)
-    module = instantiate(cfg.module, "module", _partial_=True, _convert_="all")
-    return datamodule, module(net=net, scheme=spec.scheme, seed=spec.seed, run=spec.stored()), trainer
-
-
-def validation_scope(spec: RunSpec, scored: int, available: int, protocols: tuple[str, ...]) -> str:
-    """What the final validation measured, ``N windows (...)``: the sweep's row at this stage's training length of
-    the data's first protocol (``nonoverlap`` for text, ``accuracy`` for a probe), or what it lacks.
-
-    Validation scores the windows that row scores (same documents or samples, same eval.max_windows
-    thinning), so the two agree unless validation was cut short or the sweep has no such row.
-    """
-    measured = protocols[0]
-    if scored < available:
-        return (
-            f"{scored} of the {available} windows of the {measured} row at L_train "
-            "(cut short by trainer.limit_val_batches or fast_dev_run)"
-        )
-    in_sweep = bool(spec.plan) and measured in spec.plan.protocols and spec.train_len in spec.plan.lengths
-    row = "the sweep's" if in_sweep else "those of the"
-    lacks = "" if in_sweep else ", which this sweep lacks"
-    return f"{scored} windows ({row} {measured} row at L_train{lacks})"
+    module = build_module(cfg.module, spec, build_net(spec, datamodule.vocab_size, weights))
+    return datamodule, module, trainer
 
 
 def evaluate_and_write(spec: RunSpec, net, datamodule, split: str, tokens, cfg: DictConfig, extra: dict) -> str:
@@ -172,4 +168,11 @@ def evaluate_checkpoint(cfg: DictConfig) -> str:
     identity = run_identity(OmegaConf.create(spec.config), FINISHED_IDENTITY)
     extra = {"checkpoint": os.path.abspath(cfg.ckpt), "identity": identity}
     # tokens_trained: absent from checkpoints written before it was kept
-    return evaluate_and_write(spec, net.to(device), datamodule, cfg.split, checkpoint.get("tokens_trained"), cfg, extra)
+    path = evaluate_and_write(spec, net.to(device), datamodule, cfg.split, checkpoint.get("tokens_trained"), cfg, extra)
+    trained_in = training_precision(spec)
+    if trained_in and trained_in != spec.precision:  # bf16's rounding moves perplexities in their last digits
+        print(
+            f"note: evaluated in {spec.precision}; training and its sweep ran in {trained_in}: precision={trained_in}"
+        )
+        print("      reproduces their numbers, the default precision gives the exact ones (docs/evaluation.md)")
+    return path

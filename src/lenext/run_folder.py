@@ -9,10 +9,11 @@ import os
 
 from omegaconf import DictConfig, OmegaConf
 
+from lenext import schema
 from lenext.checkpoints import load_checkpoint, read_base, stored_spec
 from lenext.errors import CheckpointError, ConfigError
 from lenext.hardware import canonical_precision
-from lenext.resolve import config_pe_name, flat_settings, resolve, same_setting
+from lenext.resolve import RENAMED_KEYS, config_pe_name, flat_settings, resolve, same_setting
 from lenext.results import RESULTS_FILE, not_lenext_results
 from lenext.spec import RunSpec
 
@@ -86,7 +87,8 @@ def completed_results(cfg: DictConfig) -> dict | None:
         return None
     meta = results["meta"]
     # What the file says of its run; meta.identity, where kept, says more (and earlier versions of it less).
-    stored = implied_identity(meta, cfg) | (meta["identity"] if isinstance(meta.get("identity"), dict) else {})
+    kept = meta["identity"] if isinstance(meta.get("identity"), dict) else {}
+    stored = implied_identity(meta, cfg) | {RENAMED_KEYS.get(key, key): value for key, value in kept.items()}
     refuse_other_settings(stored, cfg, path, FINISHED_ELSEWHERE)
     return results
 
@@ -145,6 +147,13 @@ def resume_checkpoint(cfg: DictConfig) -> tuple[str, RunSpec] | None:
         )
     log.info("resuming from %s", path)
     return path, spec
+
+
+def preflight(cfg: DictConfig, settings: type | None, nodes: dict[str, type], sweeps: bool = True) -> RunSpec:
+    """Everything a run will use, checked before any work: every key's type and range (``schema.check``), then
+    the settings that only fail together, while resolving the run (``resolve``; a second stage's base read)."""
+    schema.check(cfg, settings, nodes)
+    return resolve(cfg, config_pe_name(cfg), sweeps, base=read_base(cfg.init_from) if cfg.get("init_from") else None)
 
 
 def resolve_training(cfg: DictConfig) -> tuple[RunSpec, dict | None]:

@@ -13,6 +13,7 @@ buckets, last_k and the lengths) are checked by the objects that use them, built
 
 import dataclasses
 import datetime
+import difflib
 import inspect
 import math
 import pathlib
@@ -161,12 +162,21 @@ def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]
             renamed = getattr(declarer, "RENAMED", {}).get(key)
             if renamed:
                 raise ConfigError(f"{full} was renamed: use {path + '.' if path else ''}{renamed}=... instead")
-            known = ", ".join(sorted(k for k in parameters if k != "**"))
-            raise ConfigError(f"{full} is not a setting of {target or 'this config'}; the settings there: {known}")
+            settings = sorted(k for k in parameters if k != "**" and k not in getattr(declarer, "BUILT_WITH", ()))
+            raise ConfigError(
+                f"{full} is not a setting of {target or 'this config'}{did_you_mean(key, settings, path)}; "
+                f"the settings there: {', '.join(settings) or 'none'}"
+            )
         if OmegaConf.is_interpolation(node, key):
             copies.append((full, value, expected, node._get_node(key)._value()))
         else:
             _refuse_unless_conforms(full, value, expected)
+
+
+def did_you_mean(name: str, known: Iterable[str], prefix: str = "") -> str:
+    """`` (did you mean <prefix>.<closest>?)`` for the known name closest to a mistyped one, or nothing."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {prefix + '.' if prefix else ''}{close[0]}?)" if close else ""
 
 
 def _parameters(declarer) -> dict[str, Any]:

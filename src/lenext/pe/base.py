@@ -132,12 +132,14 @@ class PositionalEncoding(nn.Module):
     """Base class, and on its own the NoPE control: the causal mask is the only positional signal."""
 
     # How reports name the PE (its class name unless it says otherwise) and which figure panel it shares (one of
-    # ``FAMILIES``).
-    DISPLAY_NAME: str = "NoPE"
-    FAMILY: str = "no PE or absolute"
+    # ``FAMILIES``: every PE declares its own, tests/test_configs.py checks).
+    DISPLAY_NAME: str = "PositionalEncoding"
+    FAMILY: str | None = None
 
     # The settings a second stage (context extension, ``init_from``) may change; it keeps the base's others.
     STAGE_SETTINGS: tuple[str, ...] = ()
+    # Constructor arguments the model passes, not settings of a config.
+    BUILT_WITH = ("shape",)
     # The evaluation-time variants it can be evaluated under (eval.variants: RoPE's scalings).
     VARIANTS: tuple[str, ...] = ()
     # Whether a score term reads q and k themselves (at the head's width), not only their positions.
@@ -314,6 +316,8 @@ class SharedLayer(LayerPE):
 
 class NoPE(PositionalEncoding):
     """No positional encoding (Kazemnejad et al. 2023): the control row of every study."""
+
+    FAMILY = "no PE or absolute"
 
 
 def position_differences(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:

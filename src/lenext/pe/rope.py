@@ -126,7 +126,8 @@ def llama3_scaling(s: RopeSettings) -> tuple[torch.Tensor, float]:
 
 
 # The scaling methods' constants: settings of RoPE a second stage may change, as its scaling and factor.
-CONSTANTS = tuple(f.name for f in dataclasses.fields(RopeSettings))[6:]
+SETTING_NAMES = [f.name for f in dataclasses.fields(RopeSettings)]
+CONSTANTS = tuple(SETTING_NAMES[SETTING_NAMES.index("original_len") + 1 :])
 
 ROPE_SCALINGS: dict[str, Callable[[RopeSettings], tuple[torch.Tensor, float]]] = {
     "none": no_scaling,
@@ -143,6 +144,9 @@ SCALINGS = tuple(ROPE_SCALINGS)
 # positions (factor null, extending from the span trained): dynamic NTK's s = L / C is NTK's automatic one. They
 # differ only when a sequence grows token by token, which lenext never does. Neither evaluated nor tabled twice.
 SAME_AS = {"dynamic_ntk": "ntk"}
+# Scalings whose factor, when pe.factor is null, is not L / C but their own at each length: 1 for none and for
+# dynamic NTK (its base grows with the length itself), the group size for Self-Extend. Kept null in a second stage.
+PER_LENGTH = ("none", "dynamic_ntk", "self_extend")
 
 
 def redundant_variants(asked, trained: str | None, trained_per_span: bool) -> set[str]:
@@ -183,7 +187,7 @@ class Rotation:
             return 1.0
         if rope.factor is not None:
             return float(rope.factor)
-        return 1.0 if rope.scaling == "dynamic_ntk" else max(1.0, length / rope.original_len)
+        return 1.0 if rope.scaling in PER_LENGTH else max(1.0, length / rope.original_len)
 
     def rotate(self, rope: "RoPE", q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         rotations = rope._rotations(rope._span(positions), q.device)[positions][:, None]  # (B or 1, 1, L, d_head/2)
@@ -282,8 +286,7 @@ class RoPE(PositionalEncoding):
                 f"pe.neighbor_window={self.window} is invalid: Self-Extend groups the keys beyond it into "
                 f"the original context C={self.original_len}; it must be below C - 1"
             )
-        per_length = ("none", "dynamic_ntk", "self_extend")
-        if factor is None and scaling not in per_length and shape.trained_positions > self.original_len:
+        if factor is None and scaling not in PER_LENGTH and shape.trained_positions > self.original_len:
             factor = shape.trained_positions / self.original_len  # trained beyond C: s = L' / C, fixed
         self.base, self.scaling, self.factor, self.fraction = base, scaling, factor, fraction
         self.beta_fast, self.beta_slow = beta_fast, beta_slow
@@ -297,7 +300,7 @@ class RoPE(PositionalEncoding):
         factor null from the positions it trained; its trained factor and original context belong to its own
         scaling, unless the command sets them."""
         node = super().evaluated_with(trained, changes)
-        if node["scaling"] != trained["scaling"] and "factor" not in changes:
+        if changes.get("scaling", trained.get("scaling")) != trained.get("scaling") and "factor" not in changes:
             node["factor"] = None
             if "original_len" not in changes:
                 node["original_len"] = None

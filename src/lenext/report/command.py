@@ -1,0 +1,89 @@
+"""The report as a command: ``lenext-report <folders...> [--out DIR]`` (or ``python -m lenext.report``)."""
+
+import argparse
+import os
+import sys
+import tempfile
+
+from lenext.files import write_atomic
+from lenext.report.figures import write_figures
+from lenext.report.load import load
+from lenext.report.stats import Summary
+from lenext.report.tables import report_markdown, to_csv, to_latex
+from lenext.results import RESULTS_FILE
+
+DESCRIPTION = "Results files -> paper-style tables (Markdown, LaTeX, CSV) and plots (PNG)."
+
+
+def data_files(summary: Summary) -> dict[str, str]:
+    """The figures' data as CSV, by file name, for the runs that have it: per_position.csv, adaptation.csv,
+    passkey_depth.csv (a row's label in the column ``pe``, as the tables' CSV names it; ``row`` for adaptation)."""
+    frames = {
+        "per_position.csv": (summary.positions, "%.6f"),
+        "adaptation.csv": (summary.adaptation, "%.4f"),
+        "passkey_depth.csv": (summary.depths, "%.4f"),
+    }
+    return {
+        name: frame.rename(columns={"label": "pe"}).to_csv(index=False, float_format=float_format)
+        for name, (frame, float_format) in frames.items()
+        if not frame.empty
+    }
+
+
+def report(folders: list[str], out: str) -> str:
+    """Write table.{md,tex,csv}, the figures of ``lenext.report.figures.FIGURES`` the runs have something for and
+    their data (``data_files``) into ``out``; return the Markdown."""
+    loaded = load(folders)
+    if not loaded.runs:
+        incomplete = loaded.incomplete
+        first = f"; {incomplete[0][0]}: {incomplete[0][1]}" if incomplete else ""
+        raise SystemExit(
+            f"error: no complete {RESULTS_FILE} under {', '.join(folders)}"
+            + (
+                f" ({len(incomplete)} incomplete runs{first}{', ...' if len(incomplete) > 1 else ''})"
+                if incomplete
+                else ""
+            )
+        )
+    summary = Summary(loaded)
+    markdown = report_markdown(summary.tables, loaded)
+    os.makedirs(out, exist_ok=True)
+    write_atomic(os.path.join(out, "table.md"), markdown)
+    write_atomic(os.path.join(out, "table.tex"), to_latex(summary.tables))
+    write_atomic(os.path.join(out, "table.csv"), to_csv(summary.tables))
+    for name, text in data_files(summary).items():
+        write_atomic(os.path.join(out, name), text)
+    write_figures(summary, out)
+    return markdown
+
+
+def unwritable(out: str) -> str | None:
+    """Why tables and plots cannot be written into the folder ``out`` (which need not exist yet), or None."""
+    folder = out
+    while not os.path.exists(folder):  # the nearest existing folder: where ``out`` would be created
+        folder = os.path.dirname(os.path.abspath(folder))
+    if not os.path.isdir(folder):
+        return f"{folder} is a file, not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return f"{folder}: {e.strerror or type(e).__name__}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="lenext-report", description=DESCRIPTION)
+    parser.add_argument("folders", nargs="+", help="multirun folder(s) or run folders holding results.json")
+    parser.add_argument("--out", help="where to write tables and plots (default: <first folder>/report)")
+    args = parser.parse_args(argv)
+    out = args.out or os.path.join(args.folders[0], "report")
+    problem = unwritable(out)
+    if problem:
+        raise SystemExit(f"error: --out={out!r} cannot hold the report ({problem}): give a folder you can write to")
+    try:
+        markdown = report(args.folders, out)
+    except OSError as e:  # the disk filled, a folder vanished: each file already written is whole (atomic writes)
+        raise SystemExit(f"error: the report could not be written to {out!r}: {e}") from None
+    print(markdown)
+    print(f"tables and plots: {out}", file=sys.stderr)

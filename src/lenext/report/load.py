@@ -1,0 +1,513 @@
+"""Results files -> runs -> one tidy frame.
+
+Every results file below the given folders is read and normalized once, here, to the current layout (files
+written before a key was renamed or added read the same as new ones); everything after reads ``Run`` objects and
+the frame, never a results file.
+
+A run's *settings* are what it measures, less its seed (``settings``); runs are pooled over seeds only when their
+settings are equal. Runs of other settings that share a row name get rows of their own (``label_runs``), and a
+second results file of the same settings and seed is a repeat, counted once (``count_once``).
+"""
+
+import dataclasses
+import json
+import os
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from functools import cached_property
+
+import pandas as pd
+
+from lenext.attention import AttentionSettings
+from lenext.evaluate import EvalSettings
+from lenext.pe import PE_CLASSES
+from lenext.pe.rope import redundant_variants
+from lenext.protocols import ACCURACY, PROTOCOLS
+from lenext.results import ERROR_FILE, POSITIONS_FILE, RESULTS_FILE, not_lenext_results
+from lenext.spec import METHOD_NAMES, STAGE_MARK, Row, first_stage_row
+
+LEARNED_AT = 0.9  # a probe run below this exact match at its own training length did not learn its task there
+ACCURACIES = ("exact_match", "token_accuracy")  # the metrics of a probe's rows; a text row's is ppl
+# A run with an attention setting (SSMax, a window, stick-breaking) is drawn with the 2024-26 methods whatever its PE.
+FRONTIER_FAMILY = "2024-26 methods"
+OTHER_FAMILY = "other PEs"  # a PE class lenext.pe does not list (renamed or removed since the file was written)
+# meta.pe.name: the PE's class name, or its display name where its describe() gives that (xPos).
+PE_CLASS_BY_NAME = {name: pe for pe in PE_CLASSES for name in (pe.__name__, pe.DISPLAY_NAME)}
+
+EVALUATED_BY = "evaluated_by"  # the setting that tells an eval.py re-evaluation from the run's own evaluation
+RE_EVALUATION = "eval.py"
+UNRECORDED = "?"  # a setting's value in a row label where the results file does not record it
+
+# Keys of results files written before variants had a generic name.
+OLD_ROW_KEYS = {"scaling": "variant", "rope_factor": "variant_factor"}
+OLD_POSITIONS_COLUMNS = {"scaling": "variant"}
+# The parameters each protocol records in its rows (older files had every one in every row, null elsewhere).
+PROTOCOL_PARAMETERS = {name: set(protocol().parameters()) for name, protocol in PROTOCOLS.items()}
+ALL_PROTOCOL_PARAMETERS = set().union(*PROTOCOL_PARAMETERS.values())
+# A stage's method in row names (pi, direct) -> what it does to the PE, as a variant is named (linear, none).
+STAGE_METHOD_AS_VARIANT = {shown: method for method, shown in METHOD_NAMES.items()}
+
+
+def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[str, str]]]:
+    """(run dir, results) for complete runs, and (run dir, why) for runs that are not."""
+    complete, incomplete = [], []
+    for folder in folders:
+        if not os.path.isdir(folder):
+            raise SystemExit(f"error: {folder!r} is not a folder: give a multirun folder or run folders")
+        for root, dirs, files in os.walk(folder):
+            # Job folders in job order (2 before 10): rows and lines follow the order the sweep listed its PEs.
+            dirs[:] = sorted(
+                (d for d in dirs if not d.startswith(".") and d not in ("checkpoints", "csv", "report")),
+                key=lambda d: (not d.isdigit(), int(d) if d.isdigit() else 0, d),
+            )
+            is_run = ".hydra" in os.listdir(root)
+            if ERROR_FILE in files and (
+                RESULTS_FILE not in files
+                or os.path.getmtime(os.path.join(root, ERROR_FILE)) > os.path.getmtime(os.path.join(root, RESULTS_FILE))
+            ):  # the latest attempt failed, whatever an earlier one left
+                with open(os.path.join(root, ERROR_FILE), encoding="utf-8", errors="replace") as f:
+                    incomplete.append((root, f"failed: {f.read().strip()}"))
+            elif RESULTS_FILE in files:
+                try:
+                    with open(os.path.join(root, RESULTS_FILE), encoding="utf-8") as f:
+                        results = json.load(f)
+                except (OSError, ValueError, RecursionError) as e:  # ValueError: not UTF-8, not JSON
+                    incomplete.append((root, f"unreadable {RESULTS_FILE} ({type(e).__name__})"))
+                    continue
+                problem = not_lenext_results(results)
+                if problem:
+                    incomplete.append((root, f"{RESULTS_FILE} is not lenext's ({problem})"))
+                elif results.get("complete"):
+                    complete.append((root, results))
+                else:
+                    incomplete.append((root, f"{RESULTS_FILE} not marked complete"))
+            elif is_run and not any(d.isdigit() for d in dirs):
+                incomplete.append((root, f"no {RESULTS_FILE}: failed, interrupted or still running"))
+    return complete, incomplete
+
+
+def normalized_row(row: dict) -> dict:
+    """A results row in the current layout: ``variant`` and ``variant_factor`` (were ``scaling``, ``rope_factor``),
+    and a protocol's parameters only in its own rows."""
+    row = {OLD_ROW_KEYS.get(key, key): value for key, value in row.items()}
+    own = PROTOCOL_PARAMETERS.get(row["protocol"], set())
+    return {key: value for key, value in row.items() if key in own or key not in ALL_PROTOCOL_PARAMETERS}
+
+
+def normalized_meta(meta: dict) -> dict:
+    """A results file's meta in the current layout: identity keys under their current names (``eval.variants``),
+    and ``row``, ``row_fields``, ``pe_family``, ``pe_display_name`` for files written before them."""
+    meta = dict(meta)
+    if isinstance(meta.get("identity"), dict):
+        meta["identity"] = {renamed_setting(key): value for key, value in meta["identity"].items()}
+    fields = row_fields(meta)
+    meta["row"] = fields.label
+    meta["row_fields"] = dataclasses.asdict(fields)
+    pe = PE_CLASS_BY_NAME.get(meta["pe"].get("name"))
+    meta.setdefault("pe_family", declared_family(meta))
+    meta.setdefault("pe_display_name", pe.DISPLAY_NAME if pe else meta["pe"].get("name") or meta["pe_name"])
+    return meta
+
+
+def declared_family(meta: dict) -> str:
+    """The family a run's PE declares: ``meta.pe_family``, or for older files its class's ``FAMILY``."""
+    pe = PE_CLASS_BY_NAME.get(meta["pe"].get("name"))
+    return meta.get("pe_family") or (pe.FAMILY if pe else OTHER_FAMILY)
+
+
+def renamed_setting(key: str) -> str:
+    """An identity key under its current name (``eval.rope_scalings`` is ``eval.variants``)."""
+    node, _, name = key.partition(".")
+    return f"eval.{EvalSettings.RENAMED.get(name, name)}" if node == "eval" else key
+
+
+def row_fields(meta: dict) -> Row:
+    """The run's row as structure: ``meta.row_fields``; for files written before it, read back from its label
+    (``meta.row``: the one place a label is parsed), or made from its PE and positions where it has none."""
+    if meta.get("row_fields"):
+        return Row(**{**meta["row_fields"], "attention": tuple(meta["row_fields"]["attention"])})
+    scheme = (meta.get("positions") or {}).get("train", "sequential")
+    label = meta.get("row")
+    if not label:
+        return first_stage_row(meta.get("pe_name") or meta["pe"]["name"].lower(), scheme)
+    if STAGE_MARK in label:  # <base row> -> <method>@<length>
+        base, _, stage = label.rpartition(STAGE_MARK)
+        method, _, stage_len = stage.rpartition("@")
+        fields = Row(meta.get("pe_name") or base, scheme, base=base, method=method, stage_len=int(stage_len))
+    else:  # <pe>[_<scheme>][+<attention setting>...]
+        name, *attention = label.split("+")
+        fields = Row(name.removesuffix(f"_{scheme}") if scheme != "sequential" else name, scheme, tuple(attention))
+    return fields if fields.label == label else Row(label)  # a label of another form stays whole
+
+
+def settings(meta: dict) -> dict:
+    """What a run measures, as flat settings, less its seed: runs are pooled over seeds only when these are equal.
+
+    ``meta.identity`` where the file keeps it (``data.seed`` left out when it follows the seed; ``init_from``, a path
+    of its own per seed, as its base's row and steps); for older files what they record: the model, L_train, the
+    training positions and tokens. Both with the PE resolved (``pe.*``: its config, each default the code derives
+    replaced by the value the PE was built with, from ``meta.pe``), the row, the split evaluated and whether
+    eval.py re-evaluated a checkpoint (``evaluated_by``)."""
+    identity = meta.get("identity")
+    if isinstance(identity, dict):
+        described = {key: value for key, value in identity.items() if key != "seed" and not key.startswith("pe.")}
+        if described.get("data.seed") == meta["seed"]:  # data.seed defaults to ${seed}
+            del described["data.seed"]
+        if described.get("init_from") and meta.get("lineage"):
+            base = meta["lineage"][-1]
+            del described["init_from"]
+            described |= {"init_from.row": base["row"], "init_from.steps": base["steps"]}
+    else:
+        described = flat({"model": meta.get("model") or {}})
+        described |= {"data.max_len": meta["train_len"], "tokens_trained": meta.get("tokens_trained")}
+        if meta.get("positions"):
+            described["train.positions"] = meta["positions"]["train"]
+    described |= flat({"pe": {**(meta.get("pe_config") or {}), **meta["pe"]}})
+    described |= {"row": meta["row"], "split": meta.get("split")}
+    described[EVALUATED_BY] = RE_EVALUATION if "checkpoint" in meta else "train.py"
+    return described
+
+
+def flat(settings: dict, prefix: str = "") -> dict:
+    """Nested settings as dotted keys, as ``meta.identity`` keeps them."""
+    flattened = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            flattened |= flat(value, f"{prefix}{key}.")
+        else:
+            flattened[f"{prefix}{key}"] = value
+    return flattened
+
+
+@dataclass(frozen=True)
+class Run:
+    """One complete results file, normalized: its meta, its rows (less variants another of its rows equals by
+    construction), its row and the settings it is pooled by."""
+
+    folder: str
+    meta: dict
+    rows: tuple[dict, ...]
+    fields: Row
+    settings: dict
+    row: str  # its row's label in tables: ``fields.label``, with what tells it from runs of other settings
+    merged_variants: tuple[str, ...]  # variants asked for that another asked one equals by construction
+
+    @classmethod
+    def read(cls, folder: str, results: dict) -> "Run":
+        meta = normalized_meta(results["meta"])
+        rows = [normalized_row(row) for row in results["rows"]]
+        merged = merged_variants(meta, rows)
+        shown = tuple(row for row in rows if row["variant"] not in merged)
+        fields = row_fields(meta)
+        return cls(folder, meta, shown, fields, settings(meta), fields.label, tuple(sorted(merged)))
+
+    @cached_property
+    def group(self) -> str:
+        """The settings as one string: the key runs are pooled by."""
+        return json.dumps(self.settings, sort_keys=True, default=str)
+
+    @property
+    def seed(self) -> int:
+        return self.meta["seed"]
+
+    @property
+    def task(self) -> str:
+        """A probe's task; "" for text."""
+        return self.meta.get("task") or ""
+
+    @property
+    def table_len(self) -> int:
+        """The L_train its rows are tabled under: its first stage's (a second stage sits beside its base)."""
+        return self.meta.get("base_len") or self.meta["train_len"]
+
+    @property
+    def trained_variant(self) -> str | None:
+        """The variant its PE was trained as (RoPE's scaling); None for a PE without variants."""
+        return self.meta["pe"].get("scaling")
+
+    @property
+    def family(self) -> str:
+        return family(self.meta)
+
+    @property
+    def root(self) -> str:
+        """The row of its lineage's first stage (its own for a first stage): figures draw a root's rows in one
+        colour."""
+        lineage = self.meta.get("lineage")
+        return lineage[0]["row"] if lineage else self.fields.base or self.fields.label
+
+    @property
+    def machine(self) -> str | None:
+        """Where the file was made (``meta.hardware``: where train.py trained and evaluated, or where eval.py
+        evaluated), with the training precision."""
+        hardware = self.meta.get("hardware")
+        if not hardware:
+            return None
+        device = hardware.get("gpu") or f"{hardware['cpu']} ({hardware['isa']}, {hardware['cores']} cores)"
+        return f"{device}, {hardware.get('training_precision')}"
+
+    @cached_property
+    def accuracy_as_trained(self) -> float | None:
+        """A probe run's exact match at its own training length, as trained (no evaluation-time variant); None for
+        text, or when that length was not evaluated."""
+        trained = (None, self.trained_variant)
+        for row in self.rows:
+            if (
+                row["protocol"] == ACCURACY
+                and row.get("depth") is None
+                and row["length"] == self.meta["train_len"]
+                and row["variant"] in trained
+                and row["status"] == "ok"
+            ):
+                return row["exact_match"]
+        return None
+
+    @property
+    def learned(self) -> bool:
+        """Whether it learned its task at its training length (``LEARNED_AT``); text runs always count. A run that
+        did not is kept out of every mean beyond L_train: what it does there measures nothing."""
+        return self.accuracy_as_trained is None or self.accuracy_as_trained >= LEARNED_AT
+
+    def shown_variant(self, variant: str | None) -> str | None:
+        """The variant a row names: None for the PE as trained."""
+        return None if variant in (None, self.trained_variant) else variant
+
+    def label(self, variant: str | None) -> str:
+        """A row label: the run's row, the variant when evaluation changed it (``rope (ntk)``), and evaluation
+        positions other than the scheme's own."""
+        shown = self.shown_variant(variant)
+        name = self.row if shown is None else f"{self.row} ({shown})"
+        positions = self.meta.get("positions") or {}
+        if positions.get("train") == "randomized" and positions.get("eval") == "sequential":
+            name += " (eval at 0..L-1)"
+        return name
+
+    def extension_method(self, variant: str | None) -> str:
+        """What a row does to extend its PE: the variant it is evaluated under, else its stage's method (PI is
+        ``linear``, direct fine-tuning ``none``), else ``none``."""
+        return extension_method(self.fields, self.shown_variant(variant))
+
+
+def extension_method(fields: Row, shown_variant: str | None) -> str:
+    """``Run.extension_method`` of a row with ``fields`` evaluated under ``shown_variant`` (None: as trained)."""
+    if shown_variant is not None:
+        return shown_variant
+    if fields.method is not None:
+        return STAGE_METHOD_AS_VARIANT.get(fields.method, fields.method)
+    return "none"
+
+
+def family(meta: dict) -> str:
+    """The figure panel of a run: its PE's family (``meta.pe_family``; the PE class's ``FAMILY`` for older
+    files), or the 2024-26 methods' with an attention setting."""
+    identity = meta.get("identity") or {}
+    defaults = dataclasses.asdict(AttentionSettings())
+    attention = (meta.get("row_fields") or {}).get("attention")
+    if attention or any(identity.get(f"attention.{key}", default) != default for key, default in defaults.items()):
+        return FRONTIER_FAMILY
+    return declared_family(meta)
+
+
+def merged_variants(meta: dict, rows: list[dict]) -> set[str]:
+    """The variants a run was asked for (``eval.variants``) or has rows of that another of them equals by
+    construction (``SAME_AS``): results made before evaluation stopped measuring them have both."""
+    asked = {row["variant"] for row in rows} | set(meta.get("identity", {}).get("eval.variants") or ())
+    pe, reach = meta["pe"], (meta.get("positions") or {}).get("reach") or meta["train_len"]
+    per_span = pe.get("factor") is None and pe.get("original_len", reach) == reach
+    return redundant_variants(asked, pe.get("scaling"), per_span)
+
+
+def count_once(runs: list[Run]) -> tuple[list[Run], list[tuple[str, str]]]:
+    """The runs, each (settings, seed) once: the first found counts, and each later results file of the same
+    settings and seed is a repeat, returned as (its folder, the counted run's folder)."""
+    first: dict[tuple[str, int], str] = {}
+    counted, repeats = [], []
+    for run in runs:
+        key = (run.group, run.seed)
+        if key in first:
+            repeats.append((run.folder, first[key]))
+        else:
+            first[key] = run.folder
+            counted.append(run)
+    return counted, repeats
+
+
+def label_runs(runs: list[Run]) -> list[Run]:
+    """The runs with their rows' labels: a row's name (``Row.label``), and where runs of other settings share it
+    (at one L_train and task), what tells them apart: `` (eval.py)`` on an eval.py re-evaluation, then
+    ``[key=value, ...]`` for the settings that differ, evaluation settings (``eval.*``) only between runs alike in
+    every other."""
+
+    def name(run: Run) -> tuple:
+        return run.table_len, run.task, run.fields.label
+
+    namesakes: dict[tuple, dict[str, dict]] = defaultdict(dict)  # name -> {group: settings}
+    for run in runs:
+        namesakes[name(run)][run.group] = run.settings
+    suffixes = {
+        (shared, group): suffix
+        for shared, groups in namesakes.items()
+        for group, suffix in distinguishing_suffixes(groups).items()
+    }
+    return [dataclasses.replace(run, row=run.fields.label + suffixes[name(run), run.group]) for run in runs]
+
+
+def distinguishing_suffixes(groups: dict[str, dict]) -> dict[str, str]:
+    """Per group (settings key -> settings) of one row name, what its label adds to the name ("" for a lone one):
+    the settings that differ among the groups, and the evaluation settings that differ among those alike in all
+    others."""
+    if len(groups) == 1:
+        return dict.fromkeys(groups, "")
+
+    def differing(members: list[str]) -> list[str]:
+        keys = dict.fromkeys(key for group in members for key in groups[group])
+        return [
+            key
+            for key in keys
+            if key != EVALUATED_BY
+            and len({json.dumps(groups[group].get(key, UNRECORDED), default=str) for group in members}) > 1
+        ]
+
+    def shown(group: str, keys: list[str]) -> str:
+        described = groups[group]
+        marker = f" ({RE_EVALUATION})" if described[EVALUATED_BY] == RE_EVALUATION else ""
+        values = ", ".join(f"{key}={setting_text(described.get(key, UNRECORDED))}" for key in keys)
+        return marker + (f" [{values}]" if values else "")
+
+    training = [key for key in differing(list(groups)) if not key.startswith("eval.")]
+    alike: dict[str, list[str]] = defaultdict(list)  # groups that differ in evaluation settings alone
+    for group in groups:
+        alike[shown(group, training)].append(group)
+    return {
+        group: shown(group, training + [key for key in differing(members) if key.startswith("eval.")])
+        for members in alike.values()
+        for group in members
+    }
+
+
+def setting_text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"), default=str)
+
+
+COLUMNS = (
+    *("run", "group", "row", "label", "pe", "positions", "attention", "base", "method", "stage_len", "root"),
+    *("extension_method", "family", "display_name", "task", "train_len", "seed", "protocol", "variant", "metric"),
+    *("length", "depth", "value", "answers", "status", "counted", "peak_mem_mb", "train_tokens_per_s"),
+    *("accuracy_as_trained", "machine"),
+)
+FLOAT_COLUMNS = ("depth", "value", "answers", "peak_mem_mb", "train_tokens_per_s", "accuracy_as_trained")
+
+
+def tidy(runs: list[Run]) -> pd.DataFrame:
+    """One record per (run, row, metric), in the order found (the sweep's): ``ppl`` for text, ``exact_match`` and
+    ``token_accuracy`` for a probe's rows (passkey's depth rows included, with their ``depth``).
+
+    Columns: ``run`` (its folder), ``group`` (its settings: ``Run.group``), ``row`` (its row's label), ``label`` (the
+    row label with the variant), the row's structure (``pe``, ``positions``, ``attention`` as ``+``-joined
+    settings, ``base``, ``method``, ``stage_len``: ``lenext.spec.Row``), ``root``, ``extension_method``, ``family``,
+    ``display_name``, ``task`` ("" for text), ``train_len`` (the first stage's), ``seed``, ``protocol``, ``variant``
+    (the evaluation-time variant; null: the PE as trained), ``metric``, ``length``, ``depth``, ``value``,
+    ``answers``, ``status``, ``counted`` (whether means count it: ``Run.learned`` or within L_train),
+    ``peak_mem_mb``, ``train_tokens_per_s``, ``accuracy_as_trained``, ``machine``."""
+    records = []
+    for run in runs:
+        fields, meta = run.fields, run.meta
+        for row in run.rows:
+            for metric in ACCURACIES if row["protocol"] == ACCURACY else ("ppl",):
+                records.append(
+                    {
+                        "run": run.folder,
+                        "group": run.group,
+                        "row": run.row,
+                        "label": run.label(row["variant"]),
+                        "pe": fields.pe,
+                        "positions": fields.positions,
+                        "attention": "+".join(fields.attention),
+                        "base": fields.base,
+                        "method": fields.method,
+                        "stage_len": fields.stage_len,
+                        "root": run.root,
+                        "extension_method": run.extension_method(row["variant"]),
+                        "family": run.family,
+                        "display_name": meta["pe_display_name"],
+                        "task": run.task,
+                        "train_len": run.table_len,
+                        "seed": run.seed,
+                        "protocol": row["protocol"],
+                        "variant": run.shown_variant(row["variant"]),
+                        "metric": metric,
+                        "length": row["length"],
+                        "depth": row.get("depth"),
+                        "value": row.get(metric),
+                        "answers": row.get("answers"),
+                        "status": row["status"],
+                        "counted": run.learned or row["length"] <= run.table_len,
+                        "peak_mem_mb": row.get("peak_mem_mb"),
+                        "train_tokens_per_s": meta.get("train_tokens_per_s"),
+                        "accuracy_as_trained": run.accuracy_as_trained,
+                        "machine": run.machine,
+                    }
+                )
+    frame = pd.DataFrame.from_records(records, columns=COLUMNS)
+    frame["stage_len"] = frame.stage_len.astype("Int64")
+    return frame.astype(dict.fromkeys(FLOAT_COLUMNS, float))
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What the results files below some folders hold: the runs counted (labelled, in the order found), the
+    repeats left out ((folder, folder of the run it repeats)), the runs without complete results ((folder, why))
+    and the tidy frame of the counted runs (``tidy``)."""
+
+    runs: list[Run]
+    repeats: list[tuple[str, str]]
+    incomplete: list[tuple[str, str]]
+    frame: pd.DataFrame
+
+    @property
+    def machines(self) -> Counter:
+        """The machines the runs were made on, with their number of runs, first seen first."""
+        return Counter(run.machine for run in self.runs if run.machine)
+
+    @property
+    def merged_variants(self) -> list[str]:
+        """The variants some run's rows also stand for (``Run.merged_variants``), first seen first."""
+        return list(dict.fromkeys(name for run in self.runs for name in run.merged_variants))
+
+
+def runs_of(complete: list[tuple[str, dict]]) -> tuple[list[Run], list[tuple[str, str]]]:
+    """``find_runs``' complete runs read (``Run.read``), each (settings, seed) once (``count_once``) and
+    labelled (``label_runs``); with the repeats left out."""
+    runs, repeats = count_once([Run.read(folder, results) for folder, results in complete])
+    return label_runs(runs), repeats
+
+
+def load(folders: list[str]) -> Loaded:
+    """Every results file below ``folders``: the runs, their tidy frame, and what was not counted."""
+    complete, incomplete = find_runs(folders)
+    runs, repeats = runs_of(complete)
+    return Loaded(runs, repeats, incomplete, tidy(runs))
+
+
+def collect(complete: list[tuple[str, dict]]) -> pd.DataFrame:
+    """The tidy frame of ``find_runs``' complete runs (``tidy``)."""
+    return tidy(runs_of(complete)[0])
+
+
+def positions_curve(run: Run) -> pd.DataFrame | None:
+    """The run's per-position loss (``positions.csv``: variant, length, position, mean_nll, count; the variant ""
+    as trained), None if it has none."""
+    file = os.path.join(run.folder, POSITIONS_FILE)
+    if not os.path.exists(file):
+        return None
+    return pd.read_csv(file, keep_default_na=False).rename(columns=OLD_POSITIONS_COLUMNS)
+
+
+def validation_curve(run: Run) -> pd.DataFrame | None:
+    """A second stage's validation perplexity per step (``csv/metrics.csv``: step, val/ppl), None for a first stage
+    or a run without it."""
+    file = os.path.join(run.folder, "csv", "metrics.csv")
+    if not run.meta.get("lineage") or not os.path.exists(file):
+        return None
+    logged = pd.read_csv(file)
+    return logged.dropna(subset=["val/ppl"])[["step", "val/ppl"]] if "val/ppl" in logged else None

@@ -1,0 +1,284 @@
+"""Statistics over the tidy frame (``lenext.report.load.tidy``), by group-by: the tables' cells, and the data the
+per-position, adaptation and passkey depth figures draw. The rules are the package's (``lenext.report``)."""
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+
+from lenext.report.load import LEARNED_AT, Loaded, Run, positions_curve, validation_curve
+
+BINS_PER_OCTAVE = 4
+NOT_LEARNED = "not learned"
+
+
+class Metric(NamedTuple):
+    name: str
+    scale: float  # shown as value x scale
+    digits: int
+    higher_is_better: bool
+
+
+METRICS = {
+    "ppl": Metric("perplexity", 1, 2, False),
+    "exact_match": Metric("exact-match accuracy %", 100, 1, True),
+    "token_accuracy": Metric("per-token accuracy %", 100, 1, True),
+}
+
+
+class TableKey(NamedTuple):
+    """What one table holds: a metric of one protocol at one L_train (and, for probes, one task)."""
+
+    train_len: int
+    protocol: str
+    metric: str = "ppl"
+    task: str = ""
+
+
+TABLE_KEY = ["task", "train_len", "protocol", "metric"]  # text ("" task) first, then by L_train, protocol, metric
+CELL = ["label", "length"]
+
+
+@dataclass(frozen=True)
+class Table:
+    """One table's statistics. ``cells``, indexed by (label, length): ``mean``, ``std`` (over seeds; 0 for one
+    seed), ``n`` (seeds counted), ``status`` (``ok``, ``not learned`` where no seed learned, else the rows'),
+    ``best`` (the column's best), ``separable`` (from that best; null: not tested). ``seeds``: the values the means
+    count, by (label, length, seed). ``rows``: the labels in the sweep's order, with ``train_tokens_per_s`` (mean)
+    and ``eval_peak_mem_mb`` (max). ``not_learned``: the runs below ``LEARNED_AT`` at L_train (``row``, ``seed``,
+    ``accuracy_as_trained``)."""
+
+    key: TableKey
+    cells: pd.DataFrame
+    seeds: pd.Series
+    rows: pd.DataFrame
+    not_learned: pd.DataFrame
+
+    @property
+    def index(self) -> pd.Index:
+        """The row labels, in the order the sweep listed them."""
+        return self.rows.index
+
+    @property
+    def lengths(self) -> list[int]:
+        return sorted(self.cells.index.get_level_values("length").unique())
+
+    @property
+    def metric(self) -> Metric:
+        return METRICS[self.key.metric]
+
+    def cell(self, label: str, length: int) -> pd.Series | None:
+        """The statistics of a cell; None where the row has no results at that length."""
+        return self.cells.loc[(label, length)] if (label, length) in self.cells.index else None
+
+
+def summarize(frame: pd.DataFrame) -> dict[TableKey, Table]:
+    """Every table, computed once from the tidy frame (passkey's depth rows are ``passkey_depths``')."""
+    tables = {}
+    for (task, train_len, protocol, metric), records in frame[frame.depth.isna()].groupby(TABLE_KEY):
+        key = TableKey(int(train_len), protocol, metric, task)
+        tables[key] = _table(key, records)
+    return tables
+
+
+# A cell's mean and std are the Series' own, not the group-by's "mean"/"std", which round last bits otherwise.
+def _mean(values: pd.Series) -> float:
+    return values.mean()
+
+
+def _std(values: pd.Series) -> float:
+    return values.std(ddof=1) if len(values) > 1 else 0.0
+
+
+def _table(key: TableKey, records: pd.DataFrame) -> Table:
+    counted = records[(records.status == "ok") & records.counted]
+    spread = counted.groupby(CELL, sort=False).value.agg(mean=_mean, std=_std, n="size")
+    measured = records.assign(measured=records.status == "ok").groupby(CELL, sort=False)
+    cells = measured.agg(recorded=("status", "first"), measured=("measured", "any")).join(spread)
+    cells["n"] = cells.n.fillna(0).astype(int)
+    cells["status"] = np.select([cells.n > 0, cells.measured], ["ok", NOT_LEARNED], default=cells.recorded)
+    cells = cells.drop(columns=["recorded", "measured"])
+    best = {
+        length: _best(means.droplevel("length"), METRICS[key.metric].higher_is_better)
+        for length, means in cells["mean"].groupby(level="length")
+    }
+    cells["best"] = [label == best[length] for label, length in cells.index]
+    seeds = counted.set_index([*CELL, "seed"]).value.sort_index()
+    cells["separable"] = pd.array(
+        [
+            None
+            if best[length] in (None, label) or status != "ok"
+            else _separable(cells, seeds, label, best[length], length)
+            for (label, length), status in cells.status.items()
+        ],
+        dtype="boolean",
+    )
+    # Grouped sorted, then put in the sweep's order: an unsorted group-by rounds the mean's last bit otherwise.
+    rows = records.groupby("label").agg(
+        train_tokens_per_s=("train_tokens_per_s", "mean"), eval_peak_mem_mb=("peak_mem_mb", "max")
+    )
+    rows = rows.reindex(records.label.unique())
+    not_learned = records[records.accuracy_as_trained < LEARNED_AT].drop_duplicates("run")
+    return Table(key, cells, seeds, rows, not_learned[["row", "seed", "accuracy_as_trained"]])
+
+
+def _best(means: pd.Series, higher_is_better: bool) -> str | None:
+    """The label with the best of ``means`` (by label); None when none has a value or several share the best
+    (accuracies often tie at 0% or 100%)."""
+    means = means.dropna()
+    if means.empty:
+        return None
+    leaders = means.index[means == (means.max() if higher_is_better else means.min())]
+    return leaders[0] if len(leaders) == 1 else None
+
+
+def _separable(cells: pd.DataFrame, seeds: pd.Series, a: str, b: str, length: int) -> bool | None:
+    """The separability rule (``lenext.report``'s docstring) between rows ``a`` and ``b`` at ``length``; None where
+    either has fewer than two seeds."""
+    if (a, length) not in cells.index or (b, length) not in cells.index:
+        return None
+    cell_a, cell_b = cells.loc[(a, length)], cells.loc[(b, length)]
+    if min(cell_a.n, cell_b.n) < 2:
+        return None
+    apart = abs(cell_a["mean"] - cell_b["mean"]) > 2 * max(cell_a["std"], cell_b["std"])
+    paired = (seeds.loc[(a, length)] - seeds.loc[(b, length)]).dropna()  # over the seeds both have
+    same_sign = len(paired) < 2 or bool((paired > 0).all() or (paired < 0).all())
+    return bool(apart and same_sign)
+
+
+def separable(
+    frame_or_tables: pd.DataFrame | dict,
+    label_a: str,
+    label_b: str,
+    train_len: int,
+    protocol: str,
+    length: int,
+    metric: str = "ppl",
+    task: str = "",
+) -> bool | None:
+    """Whether rows ``label_a`` and ``label_b`` (e.g. ``rope (ntk)``) differ in ``metric`` at ``length`` beyond seed
+    noise, by the rule in ``lenext.report``'s docstring; None when either has fewer than two seeds there, so no claim
+    can be tested. Takes the tidy frame or the tables of ``summarize``."""
+    key = TableKey(train_len, protocol, metric, task)
+    if isinstance(frame_or_tables, pd.DataFrame):
+        frame = frame_or_tables
+        frame_or_tables = summarize(frame[(frame.train_len == train_len) & (frame.protocol == protocol)])
+    table = frame_or_tables[key]
+    return _separable(table.cells, table.seeds, label_a, label_b, length)
+
+
+def seed_range(table: Table) -> tuple[int, int]:
+    """Fewest and most seeds behind a cell that has a value."""
+    counts = table.cells.n[table.cells.n > 0]
+    return (int(counts.min()), int(counts.max())) if len(counts) else (0, 0)
+
+
+def log_bins(length: int) -> list[tuple[int, int]]:
+    """[start, end) position bins covering 0..length-1, BINS_PER_OCTAVE per doubling of (position + 1)."""
+    octaves = math.log2(length)
+    edges = sorted({0, length} | {round(2 ** (k / BINS_PER_OCTAVE)) - 1 for k in range(int(octaves * BINS_PER_OCTAVE))})
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def binned_positions(runs: list[Run]) -> pd.DataFrame:
+    """Per (L_train, label, bin) at each run's longest length: token-weighted mean loss per run, then mean and std
+    over seeds. Columns: train_len, label, bin_start, bin_end, mean_nll, std_nll, seeds, tokens."""
+    per_run = []
+    for run in runs:
+        curve = positions_curve(run)
+        if curve is None:
+            continue
+        longest = curve[curve.length == curve.length.max()]
+        for variant, positions in longest[~longest.variant.isin(run.merged_variants)].groupby("variant", sort=False):
+            for start, end in log_bins(int(positions.position.max()) + 1):
+                in_bin = positions[(positions.position >= start) & (positions.position < end)]
+                tokens = int(in_bin["count"].sum())
+                per_run.append(
+                    {
+                        "train_len": run.table_len,
+                        "label": run.label(variant or None),
+                        "bin_start": start,
+                        "bin_end": end,
+                        "nll": (in_bin.mean_nll * in_bin["count"]).sum() / tokens if tokens else math.nan,
+                        "tokens": tokens,
+                    }
+                )
+    if not per_run:
+        return pd.DataFrame()
+    grouped = pd.DataFrame(per_run).groupby(["train_len", "label", "bin_start", "bin_end"], sort=False)  # sweep order
+    binned = grouped.agg(
+        mean_nll=("nll", "mean"), std_nll=("nll", "std"), seeds=("nll", "count"), tokens=("tokens", "sum")
+    ).reset_index()
+    binned["std_nll"] = binned.std_nll.fillna(0.0)
+    return binned
+
+
+def adaptation(runs: list[Run]) -> pd.DataFrame:
+    """Second stages' validation perplexity against fine-tuning steps, mean and std over seeds. Columns: val_len (the
+    stage's training length, where it validates), row, step, mean, std, seeds."""
+    records = []
+    for run in runs:
+        validations = validation_curve(run)
+        if validations is None:
+            continue
+        # Lightning logs a validation during training at the index of its step (0-based), and the validation after
+        # training at the steps done: one step after the last, it scores the same weights again.
+        last = validations.step.max()
+        for step, ppl in validations.itertuples(index=False):
+            if step == last and last - 1 in set(validations.step):
+                continue
+            done = int(step) + (step < last)
+            records.append({"row": run.label(None), "val_len": run.meta["train_len"], "step": done, "ppl": ppl})
+    if not records:
+        return pd.DataFrame()
+    grouped = pd.DataFrame(records).groupby(["val_len", "row", "step"], sort=False)
+    frame = grouped.agg(mean=("ppl", "mean"), std=("ppl", "std"), seeds=("ppl", "count")).reset_index()
+    frame["std"] = frame["std"].fillna(0.0)
+    return frame
+
+
+def passkey_depths(frame: pd.DataFrame) -> pd.DataFrame:
+    """Passkey's exact match per (L_train, label, depth bucket, L_eval), mean and std over seeds. Columns: train_len,
+    label, depth (the bucket's lower edge), length, mean, std, seeds, answers."""
+    depth_rows = frame[frame.depth.notna() & frame.counted & (frame.metric == "exact_match")]
+    if depth_rows.empty:
+        return pd.DataFrame()
+    grouped = depth_rows.groupby(["train_len", "label", "depth", "length"], sort=False)
+    depths = grouped.agg(
+        mean=("value", "mean"), std=("value", "std"), seeds=("value", "count"), answers=("answers", "sum")
+    ).reset_index()
+    depths["std"] = depths["std"].fillna(0.0)
+    depths["answers"] = depths.answers.astype(int)
+    return depths
+
+
+class Summary:
+    """Everything the report shows, from what ``load`` read: the tables, computed at once, and on first use what
+    figures draw by (``labels``) and the figures' own statistics (``positions``, ``adaptation``, ``depths``)."""
+
+    def __init__(self, loaded: Loaded):
+        self.loaded = loaded
+        self.frame = loaded.frame
+        self.tables = summarize(loaded.frame)
+
+    @cached_property
+    def labels(self) -> pd.DataFrame:
+        """Per row label (the index): its ``row``, ``root``, ``base`` (null for a first stage), ``variant`` (null:
+        as trained), ``extension_method``, ``family`` and ``display_name``, as the tidy frame has them."""
+        columns = ["row", "root", "base", "variant", "extension_method", "family", "display_name"]
+        return self.frame.drop_duplicates("label").set_index("label")[columns]
+
+    @cached_property
+    def positions(self) -> pd.DataFrame:
+        return binned_positions(self.loaded.runs)
+
+    @cached_property
+    def adaptation(self) -> pd.DataFrame:
+        return adaptation(self.loaded.runs)
+
+    @cached_property
+    def depths(self) -> pd.DataFrame:
+        return passkey_depths(self.frame)

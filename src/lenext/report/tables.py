@@ -1,0 +1,155 @@
+"""Tables (Markdown, LaTeX, CSV): renderers over the statistics of ``lenext.report.stats``."""
+
+import math
+
+import pandas as pd
+
+from lenext.pe.rope import SAME_AS
+from lenext.report.load import LEARNED_AT, Loaded
+from lenext.report.stats import METRICS, NOT_LEARNED, Table, TableKey, seed_range
+
+NOT_SEPARABLE = "~"
+MARKDOWN = {"pm": "±", "bold": "**{}**", "not_separable": f" {NOT_SEPARABLE}"}
+LATEX = {"pm": "$\\pm$", "bold": "\\textbf{{{}}}", "not_separable": " $\\sim$"}
+
+
+def title(key: TableKey) -> str:
+    """A table's heading, e.g. "L_train = 64, protocol `nonoverlap`"; a probe's table starts with its task."""
+    return (f"{key.task}, " if key.task else "") + f"L_train = {key.train_len}, protocol `{key.protocol}`"
+
+
+def cell_text(table: Table, label: str, length: int, marks: dict) -> str:
+    """A cell as shown: mean (± std with several seeds), ``~`` when not separable from the best, the best bold;
+    ``n/a``, ``not learned`` or ``-`` for a row without a value, "" where the row has no results at that length."""
+    cell = table.cell(label, length)
+    if cell is None:
+        return ""
+    if cell.status != "ok":
+        return {"not applicable": "n/a", NOT_LEARNED: NOT_LEARNED}.get(cell.status, "-")
+    metric = table.metric
+    mean, std = cell["mean"] * metric.scale, cell["std"] * metric.scale
+    text = f"{mean:.{metric.digits}f}" + (f" {marks['pm']} {std:.{metric.digits}f}" if cell.n > 1 else "")
+    if pd.notna(cell.separable) and not cell.separable:
+        text += marks["not_separable"]
+    return marks["bold"].format(text) if cell.best else text
+
+
+def number(value, digits=0) -> str:
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.{digits}f}"
+
+
+def to_markdown(tables: dict[TableKey, Table]) -> str:
+    parts = []
+    for key, table in tables.items():
+        lengths = table.lengths
+        fewest, most = seed_range(table)
+        seeds = f"{most} seed{'s' if most != 1 else ''}" if fewest == most else f"{fewest}-{most} seeds"
+        parts.append(
+            f"### {title(key)} ({METRICS[key.metric].name}, mean +- std over {seeds}; best per column in bold)\n"
+        )
+        if most < 2:
+            parts.append("One seed: no difference is tested for significance (that needs >= 2 seeds).\n")
+        else:
+            parts.append(
+                f"{NOT_SEPARABLE}: not separable from the column's best (means within 2 std, or paired differences "
+                "over seeds of both signs)."
+                + (" A cell is tested only when it and the best both have >= 2 seeds." if fewest < 2 else "")
+                + "\n"
+            )
+        head = ["PE", *[f"{n}" for n in lengths], "train tok/s", "eval peak MB"]
+        parts.append("| " + " | ".join(head) + " |")
+        parts.append("|" + "---|" * len(head))
+        for label, row in table.rows.iterrows():
+            cells = [cell_text(table, label, n, MARKDOWN) for n in lengths]
+            extra = [number(row.train_tokens_per_s), number(row.eval_peak_mem_mb)]
+            parts.append("| " + " | ".join([label, *cells, *extra]) + " |")
+        parts.append("")
+        if len(table.not_learned):
+            parts.append(not_learned_note(table.not_learned, key.train_len))
+    return "\n".join(parts)
+
+
+def not_learned_note(runs: pd.DataFrame, train_len: int) -> str:
+    """The runs that did not learn their task at L_train, with their exact match there, under a probe's table."""
+    by_row: dict[str, list[str]] = {}
+    for row, seed, accuracy in runs.itertuples(index=False):
+        by_row.setdefault(row, []).append(f"seed {seed}: {100 * accuracy:.1f}%")
+    listed = "; ".join(f"{row} ({', '.join(seeds)})" for row, seeds in by_row.items())
+    return (
+        f"Not learned at L_train (exact match below {100 * LEARNED_AT:.0f}% at {train_len}; kept out of every column "
+        f"beyond it, `{NOT_LEARNED}` where no seed learned): {listed}.\n"
+    )
+
+
+def same_as_note(variants: list[str]) -> str:
+    """One line naming the variants the tables' rows also stand for: asked for, equal by construction to another
+    asked one, so neither evaluated nor shown twice."""
+    if not variants:
+        return ""
+    stands_for = "; ".join(f"`{SAME_AS[name]}` rows also stand for `{name}`" for name in variants)
+    return (
+        f"{stands_for}: equal by construction (both take their factor from the span of a forward pass's "
+        "positions: dynamic NTK's L / C is NTK's), so neither evaluated nor shown twice.\n\n"
+    )
+
+
+def hardware_note(counts: dict[str, int]) -> str:
+    """One line under the tables: where the runs were made, and whether their speeds can be compared."""
+    if len(counts) <= 1:
+        return f"Runs made on {next(iter(counts))}.\n" if counts else ""
+    listed = "; ".join(f"{name} ({n} run{'s' if n != 1 else ''})" for name, n in counts.items())
+    return (
+        f"Runs made on {len(counts)} machines: {listed}. `train tok/s` averages over them: it is not a speed "
+        "comparison between PEs (`make bench` is).\n"
+    )
+
+
+def report_markdown(tables: dict[TableKey, Table], loaded: Loaded) -> str:
+    """``table.md``: the tables, then what the rows also stand for, where the runs were made, and the results files
+    not in the tables (incomplete or failed runs; repeats of a counted run)."""
+    markdown = to_markdown(tables) + "\n" + same_as_note(loaded.merged_variants) + hardware_note(loaded.machines)
+    if loaded.incomplete:
+        markdown += (
+            "\nIncomplete or failed runs (not in the table):\n\n"
+            + "\n".join(f"- `{run}`: {why}" for run, why in loaded.incomplete)
+            + "\n"
+        )
+    if loaded.repeats:
+        markdown += (
+            "\nRepeats (the settings and seed of a run in the table: counted once):\n\n"
+            + "\n".join(f"- `{run}` repeats `{counted}`" for run, counted in loaded.repeats)
+            + "\n"
+        )
+    return markdown
+
+
+def to_latex(tables: dict[TableKey, Table]) -> str:
+    parts = []
+    for key, table in tables.items():
+        lengths = table.lengths
+        parts += [
+            f"% {title(key).replace('`', '')}" + (f", {METRICS[key.metric].name}" if key.task else ""),
+            "\\begin{tabular}{l" + "r" * len(lengths) + "}",
+            "\\toprule",
+            "PE & " + " & ".join(str(n) for n in lengths) + " \\\\",
+            "\\midrule",
+        ]
+        for label in table.index:
+            cells = [cell_text(table, label, n, LATEX) for n in lengths]
+            parts.append(label.replace("_", "\\_") + " & " + " & ".join(cells) + " \\\\")
+        parts += ["\\bottomrule", "\\end{tabular}", ""]
+    return "\n".join(parts)
+
+
+def to_csv(tables: dict[TableKey, Table]) -> str:
+    """One line per cell: the table's key, the row label (``pe``), the length and the cell's statistics, with the
+    row's training throughput and peak evaluation memory."""
+    parts = []
+    for key, table in tables.items():
+        cells = table.cells.join(table.rows, on="label").reset_index()
+        cells = cells.rename(columns={"label": "pe", "separable": "separable_from_best"})
+        cells["order"] = cells.pe.map({label: i for i, label in enumerate(table.index)})
+        parts.append(cells.sort_values(["length", "order"]).assign(**key._asdict()))
+    columns = ["task", "train_len", "protocol", "metric", "pe", "length", "mean", "std", "n", "status", "best"]
+    columns += ["separable_from_best", "train_tokens_per_s", "eval_peak_mem_mb"]
+    return pd.concat(parts)[columns].to_csv(index=False)

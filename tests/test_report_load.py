@@ -1,0 +1,200 @@
+"""The report's loader: a mean pools the seeds of one run description only, and results files of the old and the
+new layout load to the same frame."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from lenext.report import Summary, TableKey, load, report
+
+STUDIES = Path(__file__).resolve().parents[1] / "studies"
+T5_ROW = {"pe": "t5", "positions": "sequential", "attention": [], "base": None, "method": None, "stage_len": None}
+
+
+def write_results(folder: Path, meta: dict, rows: list[dict]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps({"complete": True, "meta": meta, "rows": rows}))
+
+
+def t5_run(folder: Path, seed: int, max_distance: int, ppls: dict, configured=None, checkpoint=None, **settings):
+    """A T5 run in the current layout: built with ``max_distance``, configured as ``configured`` (null: the
+    default, which the code resolves), evaluated by train.py, or by eval.py from ``checkpoint``; ``settings``
+    override its identity's."""
+    identity = {
+        "model.d_model": 32,
+        "pe._target_": "lenext.pe.T5Bias",
+        "pe._partial_": True,
+        "pe.max_distance": configured,
+        "attention.window": None,
+        "attention.scale": "none",
+        "attention.normalizer": "softmax",
+        "train.positions": "sequential",
+        "seed": seed,
+        "data.max_len": 64,
+        "data.seed": seed,
+        "init_from": None,
+        "trainer.max_steps": 100,
+        "eval.factors": [1, 2],
+        "eval.variants": None,
+        **settings,
+    }
+    pe = {"num_buckets": 32, "max_distance": max_distance, "per_layer": False}
+    meta = {
+        "row": "t5",
+        "row_fields": T5_ROW,
+        "pe_name": "t5",
+        "pe": {"name": "T5Bias", **pe},
+        "pe_family": "additive bias",
+        "pe_display_name": "T5",
+        "pe_config": {"_target_": "lenext.pe.T5Bias", "_partial_": True, **pe},
+        "positions": {"train": "sequential", "reach": None, "eval": "sequential"},
+        "train_len": 64,
+        "base_len": 64,
+        "seed": seed,
+        "split": "validation",
+        "task": None,
+        "identity": identity,
+        "lineage": [],
+        **({"checkpoint": checkpoint} if checkpoint else {}),
+    }
+    rows = [
+        {
+            "protocol": "nonoverlap",
+            "variant": None,
+            "length": length,
+            "variant_factor": None,
+            "ppl": ppl,
+            "status": "ok",
+        }
+        for length, ppl in ppls.items()
+    ]
+    write_results(folder, meta, rows)
+
+
+def table_lines(markdown: str) -> dict[str, str]:
+    return {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| ")}
+
+
+def test_runs_that_differ_in_a_setting_get_rows_of_their_own_and_a_repeated_seed_counts_once(tmp_path):
+    """The reference study's T5 diagnostics, small: three seeds of T5 (max_distance 64, configured as the default
+    or explicitly: the same PE, resolved), a diagnostic with max_distance 128, and seed 0 run again. Neither
+    diagnostic is averaged into the three seeds."""
+    for seed in range(3):
+        t5_run(tmp_path / "sweep" / str(seed), seed, 64, {64: 30.0 + seed, 128: 40.0 + seed}, 64 if seed == 2 else None)
+    t5_run(tmp_path / "diagnostics" / "t5_max_distance_128", 0, 128, {64: 33.0, 128: 60.0}, 128)
+    t5_run(tmp_path / "diagnostics" / "t5_max_distance_64", 0, 64, {64: 30.0, 128: 40.0}, 64)
+    markdown = report([str(tmp_path)], str(tmp_path / "out"))
+    lines = table_lines(markdown)
+    assert "t5" not in lines
+    assert "| **31.00 ± 1.00** | **41.00 ± 1.00** |" in lines["t5 [pe.max_distance=64]"]
+    assert "| 33.00 | 60.00 |" in lines["t5 [pe.max_distance=128]"]
+    assert "over 1-3 seeds" in markdown
+    assert f"- `{tmp_path / 'sweep' / '0'}` repeats `{tmp_path / 'diagnostics' / 't5_max_distance_64'}`" in markdown
+    frame = load([str(tmp_path)]).frame
+    assert frame.groupby("row").seed.apply(sorted).to_dict() == {
+        "t5 [pe.max_distance=128]": [0, 0],
+        "t5 [pe.max_distance=64]": [0, 0, 1, 1, 2, 2],
+    }
+    assert frame.groupby("row").group.nunique().tolist() == [1, 1]
+
+
+def test_a_run_and_its_re_evaluation_by_eval_py_get_two_rows(tmp_path):
+    """eval.py on a run's checkpoint (meta.checkpoint) measures that run again, under its own evaluation settings:
+    its row is ``t5 (eval.py)``, beside the run's; two re-evaluations alike but for their evaluation settings are
+    told apart by those."""
+    for seed in range(2):
+        t5_run(tmp_path / "train" / str(seed), seed, 64, {64: 30.0 + seed, 128: 40.0 + seed})
+    checkpoint = str(tmp_path / "train" / "0" / "checkpoints" / "last.ckpt")
+    t5_run(tmp_path / "eval" / "0", 0, 64, {64: 35.0, 128: 45.0, 256: 70.0}, checkpoint=checkpoint)
+    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
+    assert "| **30.50 ± 0.71** | **40.50 ± 0.71** |" in lines["t5"]
+    assert "| 35.00 | 45.00 | **70.00** |" in lines["t5 (eval.py)"]
+
+    t5_run(tmp_path / "eval" / "1", 0, 64, {2048: 99.0}, checkpoint=checkpoint, **{"eval.factors": [32]})
+    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
+    assert set(lines) - {"PE"} == {
+        "t5",
+        "t5 (eval.py) [eval.factors=[1,2]]",
+        "t5 (eval.py) [eval.factors=[32]]",
+    }
+
+
+def test_runs_at_other_training_settings_are_labelled_by_each_setting_that_differs(tmp_path):
+    t5_run(tmp_path / "0", 0, 64, {64: 30.0})
+    t5_run(tmp_path / "1", 0, 64, {64: 31.0}, **{"trainer.max_steps": 200, "model.d_model": 64})
+    t5_run(tmp_path / "2", 0, 64, {64: 32.0}, checkpoint="/ckpt", **{"trainer.max_steps": 200, "model.d_model": 64})
+    tables = Summary(load([str(tmp_path)])).tables
+    assert list(tables[TableKey(64, "nonoverlap")].index) == [
+        "t5 [model.d_model=32, trainer.max_steps=100]",
+        "t5 [model.d_model=64, trainer.max_steps=200]",
+        "t5 (eval.py) [model.d_model=64, trainer.max_steps=200]",
+    ]
+
+
+NEW_ROW_KEYS = {"scaling": "variant", "rope_factor": "variant_factor"}
+
+
+def as_new_layout(results: dict, row_fields: dict) -> dict:
+    """A results file of the committed (old) layout as train.py writes it now: ``variant`` and ``variant_factor``,
+    a protocol's parameters in its own rows alone, ``eval.variants``, and meta's row fields, PE family and display
+    name."""
+    meta = dict(results["meta"])
+    meta["identity"] = {
+        ("eval.variants" if key == "eval.rope_scalings" else key): value for key, value in meta["identity"].items()
+    }
+    meta |= {"row_fields": row_fields, "pe_family": "rotary", "pe_display_name": "RoPE"}
+    rows = []
+    for old in results["rows"]:
+        row = {NEW_ROW_KEYS.get(key, key): value for key, value in old.items()}
+        for protocol, parameter in (("sliding", "stride"), ("last_k", "k")):
+            if row["protocol"] != protocol:
+                del row[parameter]
+        rows.append(row)
+    return {**results, "meta": meta, "rows": rows}
+
+
+def test_results_files_of_the_old_and_the_new_layout_load_to_the_same_frame(tmp_path):
+    """Two committed extension runs (a RoPE base with its zero-shot scalings, and its PI stage) as committed and as
+    they would be written now: the same frame, figures' data and labels."""
+    stages = {
+        "rope_base_seed0": {**T5_ROW, "pe": "rope"},
+        "rope_pi_seed0": {**T5_ROW, "pe": "rope", "base": "rope", "method": "pi", "stage_len": 256},
+    }
+    for name, row_fields in stages.items():
+        committed = STUDIES / "extension" / "runs" / name
+        shutil.copytree(committed, tmp_path / "old" / name)
+        shutil.copytree(committed, tmp_path / "new" / name)
+        results = json.loads((committed / "results.json").read_text())
+        (tmp_path / "new" / name / "results.json").write_text(json.dumps(as_new_layout(results, row_fields)))
+        positions = (committed / "positions.csv").read_text()
+        assert positions.startswith("scaling,")
+        (tmp_path / "new" / name / "positions.csv").write_text("variant," + positions.removeprefix("scaling,"))
+    old, new = (Summary(load([str(tmp_path / layout)])) for layout in ("old", "new"))
+    pd.testing.assert_frame_equal(old.frame.drop(columns="run"), new.frame.drop(columns="run"))
+    for data in ("positions", "adaptation"):
+        pd.testing.assert_frame_equal(getattr(old, data), getattr(new, data))
+        assert len(getattr(old, data))
+    stage = old.frame[old.frame.row == "rope -> pi@256"]
+    assert set(stage.label) == {"rope -> pi@256"}
+    assert stage[
+        ["pe", "base", "method", "stage_len", "root", "extension_method"]
+    ].drop_duplicates().values.tolist() == [["rope", "rope", "pi", 256, "rope", "linear"]]
+    assert set(old.frame.family) == {"rotary"} and set(old.frame.display_name) == {"RoPE"}
+    assert {"rope", "rope (yarn)", "rope -> pi@256"} <= set(old.tables[TableKey(64, "nonoverlap")].index)
+
+
+@pytest.mark.parametrize("layout", ["old", "new"])
+def test_the_pe_family_and_display_name_come_from_the_pe(tmp_path, layout):
+    """meta.pe_family / meta.pe_display_name where written; for older files the PE class's FAMILY and DISPLAY_NAME,
+    found by its name (meta.pe.name)."""
+    t5_run(tmp_path / "0", 0, 64, {64: 30.0})
+    if layout == "old":
+        results = json.loads((tmp_path / "0" / "results.json").read_text())
+        for key in ("pe_family", "pe_display_name", "row_fields"):
+            del results["meta"][key]
+        (tmp_path / "0" / "results.json").write_text(json.dumps(results))
+    frame = load([str(tmp_path)]).frame
+    assert (set(frame.family), set(frame.display_name), set(frame.pe)) == ({"additive bias"}, {"T5"}, {"t5"})
