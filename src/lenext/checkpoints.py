@@ -20,6 +20,8 @@ from lenext.spec import RunSpec, Stage
 def load_checkpoint(path: str, key: str | None = "ckpt") -> dict:
     """The checkpoint dict, or a CheckpointError that says what is wrong with the file (named as ``key``=path)."""
     named = f"{key}={path!r}" if key else path
+    if key == "ckpt" and not path:
+        raise CheckpointError("ckpt is required: pass a .ckpt file from a training run, or hf=<model folder>")
     if path and os.path.isdir(path):
         found = sorted(glob.glob(os.path.join(path, "*.ckpt")) + glob.glob(os.path.join(path, "*", "*.ckpt")))
         found.sort(key=lambda file: os.path.basename(file) != "last.ckpt")  # a run's last checkpoint first

@@ -26,6 +26,7 @@ from lenext.build import hydra_config
 from lenext.errors import ConfigError, LenextError, print_one_line
 from lenext.files import write_atomic
 from lenext.hardware import default_precision, keep_freed_memory
+from lenext.hf import evaluate_hf
 from lenext.resolve import RENAMED_KEYS
 from lenext.results import ERROR_FILE
 from lenext.run import evaluate_checkpoint, train
@@ -152,4 +153,5 @@ def train_main(cfg: DictConfig) -> dict:
 @one_line_errors
 def eval_main(cfg: DictConfig) -> str:
     keep_freed_memory()
-    return evaluate_checkpoint(cfg)  # the job's return value: None would read as a failed job in a study
+    # The job's return value: None would read as a failed job in a study.
+    return evaluate_hf(cfg) if cfg.get("hf") else evaluate_checkpoint(cfg)

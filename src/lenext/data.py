@@ -1,9 +1,11 @@
-"""Corpora, the BPE tokenizer, and the token windows the model trains and is evaluated on.
+"""Corpora, the tokenizer, and the token windows the model trains and is evaluated on.
 
-Every corpus is a list of documents per split. Documents are tokenized as ``[EOS] + tokens``:
-training concatenates them into one stream (windows may span a document boundary, marked by the
-EOS), while validation and test keep each document whole, because evaluation slices windows of
-up to 32x L_train out of single documents.
+Every corpus is a list of documents per split. Documents are tokenized as ``[start] + tokens``, the start token
+being EOS for lenext's own BPE (trained on the corpus) and, for a tokenizer from outside (``data.tokenizer``: a
+tokenizer.json, or a Hugging Face tokenizer folder), its BOS if it has one, else its EOS: training concatenates
+them into one stream (windows may span a document boundary, marked by the start token), while validation and test
+keep each document whole, because evaluation slices windows of up to 32x L_train out of single documents. Each
+held-out document also keeps the UTF-8 bytes of text its tokens span (``byte_ends``), for bits per byte.
 """
 
 import csv
@@ -229,6 +231,54 @@ def group_wikitext_articles(lines: Iterable[str]) -> list[str]:
     return ["".join(a) for a in articles if "".join(a).strip()]
 
 
+# The end-of-text tokens a tokenizer.json may name, for one that comes without a tokenizer config.
+END_OF_TEXT = (EOS, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+
+
+def external_tokenizer(path: str):
+    """(tokenizers.Tokenizer, document start token id) of ``data.tokenizer``: a tokenizer.json, or a Hugging Face
+    tokenizer folder (its fast tokenizer; its BOS, else its EOS, starts each document)."""
+    from tokenizers import Tokenizer
+
+    where = f"data.tokenizer={path!r}"
+    if os.path.isfile(path):
+        try:
+            tokenizer = Tokenizer.from_file(path)
+        except Exception as e:  # tokenizers raises its own Exception for a file that is not a tokenizer
+            raise ConfigError(f"{where} cannot be read as a tokenizer.json ({str(e).splitlines()[0]})") from None
+        start = next((tokenizer.token_to_id(t) for t in END_OF_TEXT if tokenizer.token_to_id(t) is not None), None)
+        if start is None:
+            raise ConfigError(
+                f"{where} has none of the end-of-text tokens {', '.join(END_OF_TEXT)}: lenext starts each document "
+                "with one; give the tokenizer's folder (its config names its BOS/EOS) instead"
+            )
+        return tokenizer, start
+    if not os.path.isdir(path):
+        raise ConfigError(f"{where} does not exist: give a tokenizer.json or a Hugging Face tokenizer folder")
+    from transformers import AutoTokenizer
+
+    try:
+        loaded = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where} holds no tokenizer transformers can load ({str(e).splitlines()[0]})") from None
+    if not loaded.is_fast:
+        raise ConfigError(f"{where}: its tokenizer has no fast (tokenizers) version, which lenext tokenizes with")
+    start = loaded.bos_token_id if loaded.bos_token_id is not None else loaded.eos_token_id
+    if start is None:
+        raise ConfigError(f"{where}: its tokenizer names neither a BOS nor an EOS token to start documents with")
+    return loaded.backend_tokenizer, start
+
+
+def byte_ends(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
+    """Per token, the UTF-8 bytes of ``text`` up to the end of the characters its ``offsets`` span (never fewer
+    than the token before's): token i's bytes are byte_ends[i] - byte_ends[i - 1]."""
+    points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    widths = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)
+    char_ends = np.concatenate([[0], np.cumsum(widths)])  # byte offset of each character boundary
+    ends = np.array([end for _, end in offsets], dtype=np.int64)
+    return np.maximum.accumulate(char_ends[ends]) if len(ends) else ends
+
+
 def train_tokenizer(documents: list[str], vocab_size: int):
     """Byte-level BPE (GPT-2 style) trained on ``documents``; EOS is token 0."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -366,14 +416,16 @@ class LMDataModule(L.LightningDataModule):
         cache_dir: str = ".cache",
         seed: NonNegativeInt = 0,
         validation_max_windows: PositiveInt | None = None,
+        tokenizer: str | None = None,  # a tokenizer.json or HF tokenizer folder; null: a BPE trained on the corpus
     ):
         super().__init__()
-        self.seed, self.validation_max_windows = seed, validation_max_windows
+        self.seed, self.validation_max_windows, self.tokenizer_source = seed, validation_max_windows, tokenizer
         self.corpus, self.max_len, self.requested_vocab = corpus, max_len, vocab_size
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.num_workers, self.cache_dir = num_workers, cache_dir
         self.tokenizer = None
         self.splits: dict[str, list[np.ndarray]] = {}
+        self.byte_ends: dict[str, list[np.ndarray]] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -391,7 +443,7 @@ class LMDataModule(L.LightningDataModule):
         """Any length: one that no document fills gets a "no windows" row in the sweep, saying why."""
 
     def evaluation(self, split: str) -> TextEvaluation:
-        return TextEvaluation(self.splits[split])
+        return TextEvaluation(self.splits[split], self.byte_ends[split])
 
     @property
     def tokenizer_id(self) -> str:
@@ -409,35 +461,54 @@ class LMDataModule(L.LightningDataModule):
             return
         from tokenizers import Tokenizer
 
+        if self.tokenizer_source:  # read first: a bad path is refused before the corpus is read
+            self.tokenizer, start = external_tokenizer(self.tokenizer_source)
         texts = {split: self.corpus.documents(split) for split in SPLITS}
         for split, docs in texts.items():
             if not any(d.strip() for d in docs):
                 raise DataError(f"corpus {self.corpus.name!r} has no {split} documents: check data.corpus")
-        key = f"{self.corpus.name}-{_digest(texts['train'])}-v{self.requested_vocab}"
-        self.tokenizer_path = os.path.join(self.cache_dir, "tokenizers", f"{key}.json")
-        if os.path.exists(self.tokenizer_path):
-            self.tokenizer = Tokenizer.from_file(self.tokenizer_path)
+        if self.tokenizer_source:
+            key = f"{self.corpus.name}-{_digest([self.tokenizer.to_str()])}"
+            self.tokenizer_path = os.path.join(self.cache_dir, "tokenizers", f"{key}.json")
+            if not os.path.exists(self.tokenizer_path):  # the tokenizer the run used, kept beside lenext's own
+                with atomic_path(self.tokenizer_path) as tmp:
+                    self.tokenizer.save(tmp)
         else:
-            self.tokenizer = train_tokenizer(texts["train"], self.requested_vocab)
-            with atomic_path(self.tokenizer_path) as tmp:
-                self.tokenizer.save(tmp)
-        self.splits = {split: self._tokenize(split, docs, key) for split, docs in texts.items()}
+            key = f"{self.corpus.name}-{_digest(texts['train'])}-v{self.requested_vocab}"
+            self.tokenizer_path = os.path.join(self.cache_dir, "tokenizers", f"{key}.json")
+            if os.path.exists(self.tokenizer_path):
+                self.tokenizer = Tokenizer.from_file(self.tokenizer_path)
+            else:
+                self.tokenizer = train_tokenizer(texts["train"], self.requested_vocab)
+                with atomic_path(self.tokenizer_path) as tmp:
+                    self.tokenizer.save(tmp)
+            start = self.tokenizer.token_to_id(EOS)
+        for split, docs in texts.items():
+            self.splits[split], self.byte_ends[split] = self._tokenize(split, docs, key, start)
 
-    def _tokenize(self, split: str, docs: list[str], tokenizer_key: str) -> list[np.ndarray]:
+    def _tokenize(self, split: str, docs: list[str], tokenizer_key: str, start: int):
+        """The split's documents as token ids, ``[start] + tokens``, and each token's ``byte_ends`` (the start
+        token spans none)."""
         import datasets
 
-        eos = self.tokenizer.token_to_id(EOS)
         tokenizer = self.tokenizer
 
         def encode(batch):
-            return {"ids": [[eos] + e.ids for e in tokenizer.encode_batch(batch["text"])]}
+            encoded = tokenizer.encode_batch(batch["text"], add_special_tokens=False)
+            return {
+                "ids": [[start] + e.ids for e in encoded],
+                "byte_ends": [
+                    [0, *byte_ends(t, e.offsets).tolist()] for t, e in zip(batch["text"], encoded, strict=True)
+                ],
+            }
 
-        path = os.path.join(self.cache_dir, "tokens", f"{tokenizer_key}-{split}-{_digest(docs)}.arrow")
+        path = os.path.join(self.cache_dir, "tokens", f"{tokenizer_key}-{split}-{_digest(docs)}-bytes.arrow")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tokenized = datasets.Dataset.from_dict({"text": docs}).map(
             encode, batched=True, remove_columns=["text"], cache_file_name=path, desc=f"tokenize {split}"
         )
-        return [np.asarray(ids, dtype=np.int32) for ids in tokenized["ids"]]
+        ids = [np.asarray(row, dtype=np.int32) for row in tokenized["ids"]]
+        return ids, [np.asarray(row, dtype=np.int64) for row in tokenized["byte_ends"]]
 
     def stream(self, split: str) -> np.ndarray:
         return np.concatenate(self.splits[split])

@@ -5,7 +5,9 @@ The data says which protocols it has (text: ``lenext.protocols.PROTOCOLS``; a pr
 alone); ``sweep_plan`` checks the settings against it before any work.
 """
 
+import dataclasses
 import logging
+import math
 import resource
 import threading
 import time
@@ -67,8 +69,9 @@ class PeakMemory:
 class TextEvaluation:
     """The sweep's view of held-out documents: perplexity under the text protocols (lenext.protocols)."""
 
-    def __init__(self, documents: list[np.ndarray]):
-        self.documents, self.lengths = documents, [len(d) for d in documents]
+    def __init__(self, documents: list[np.ndarray], byte_ends: list[np.ndarray] | None = None):
+        """``byte_ends``: per document, the text's bytes up to each token's end (lenext.data), for bits per byte."""
+        self.documents, self.byte_ends, self.lengths = documents, byte_ends, [len(d) for d in documents]
 
     @property
     def protocols(self) -> tuple[str, ...]:
@@ -84,7 +87,17 @@ class TextEvaluation:
         return f"needs documents of {protocol.needs(length)} targets; the longest has {max(self.lengths) - 1}"
 
     def measure(self, net, protocol: TextProtocol, windows, length, settings, precision, scheme, seed) -> Measured:
-        return protocol.measure(net, self.documents, windows, length, settings, precision, scheme, seed)
+        measured = protocol.measure(net, self.documents, windows, length, settings, precision, scheme, seed)
+        if self.byte_ends is None:
+            return measured
+        scored_bytes = sum(  # a window's scored targets are its tokens score_from + 1 .. L: contiguous
+            int(self.byte_ends[w.document][w.start + length] - self.byte_ends[w.document][w.start + w.score_from])
+            for w in windows
+        )
+        bits = measured.metrics["mean_nll"] * measured.metrics["tokens"] / math.log(2)
+        return dataclasses.replace(
+            measured, metrics={**measured.metrics, "bytes": scored_bytes, "bits_per_byte": bits / scored_bytes}
+        )
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from lenext.evaluate import EvalSettings, SweepPlan, sweep_plan
 from lenext.hardware import Precision, canonical_precision
 from lenext.pe import VARIANTS
 from lenext.positions import TrainPositions, position_scheme
-from lenext.schema import Range
+from lenext.schema import PositiveInt, Range
 from lenext.spec import RunSpec, first_stage_row, later_stage_row
 
 if TYPE_CHECKING:
@@ -60,9 +60,12 @@ class EvalScriptSettings:
     """The top-level keys of configs/eval.yaml."""
 
     task_name: str
-    ckpt: str
+    ckpt: str | None  # a lenext checkpoint, or
+    hf: str | None  # a Hugging Face model folder or hub id (lenext.hf)
     split: Literal["validation", "test", "train"]
     precision: Precision | None  # null: bf16-mixed on a GPU, 32-true on CPU
+    trust_remote_code: bool = False  # hf: run the model folder's own code, for a model transformers lacks
+    context: PositiveInt | None = None  # hf: the model's trained context, where its config does not say it
 
 
 def checkpoint_pe_overrides(

@@ -151,6 +151,8 @@ def evaluate_and_write(spec: RunSpec, net, datamodule, split: str, tokens, cfg: 
 def evaluate_checkpoint(cfg: DictConfig) -> str:
     """eval.py: rebuild the model from a checkpoint, with its PE as eval.py changes it, sweep, write results."""
     schema.check(cfg, EvalScriptSettings, EVAL_NODES)
+    if cfg.get("data"):
+        raise ConfigError("data= applies to hf= evaluations: a checkpoint is evaluated on the data it was trained on")
     checkpoint = load_checkpoint(cfg.ckpt)
     spec, datamodule = resolve_evaluation(cfg, stored_spec(checkpoint, f"ckpt={cfg.ckpt}"))
     state = net_state(checkpoint)

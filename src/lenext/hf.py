@@ -1,0 +1,263 @@
+"""Hugging Face causal LMs under lenext's protocols: ``python eval.py hf=<model folder or hub id>``.
+
+Any ``AutoModelForCausalLM`` is evaluated by the sweep that evaluates lenext's runs, on a corpus lenext has
+(``data=``, the embedded one by default) tokenized with the model's own tokenizer, into the same results.json:
+every protocol, lengths given directly or as ``eval.factors`` of the model's trained context (its config's
+``original_max_position_embeddings`` under a RoPE scaling, else ``max_position_embeddings``), perplexity and
+bits per byte (models with different tokenizers share a table by the latter).
+
+A RoPE model's zero-shot scalings are its variants (``eval.variants``), set through the model's own config as
+transformers defines them (``ROPE_INIT_FUNCTIONS``): at each length L, the factor max(1, L / C) (dynamic NTK's
+is 1, as lenext's: it grows its base with the length itself). Static NTK and Self-Extend, which transformers
+does not define, and LongRoPE, whose factors are per dimension, are not HF variants.
+"""
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from importlib import resources
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from lenext import schema
+from lenext.build import instantiate
+from lenext.errors import ConfigError, LengthNotSupported
+from lenext.evaluate import EvalSettings, sweep, sweep_plan
+from lenext.hardware import canonical_precision, machine_description
+from lenext.resolve import EVAL_NODES, EvalScriptSettings
+from lenext.results import code_commit, format_rows, write_results
+
+# lenext's variant -> transformers' rope_type: the scalings both define.
+ROPE_TYPES = {"none": "default", "linear": "linear", "dynamic_ntk": "dynamic", "yarn": "yarn", "llama3": "llama3"}
+VARIANT_OF = {rope_type: name for name, rope_type in ROPE_TYPES.items()}
+LOGIT_CHUNK_ELEMENTS = 2**22  # logits made at a time, as lenext's Decoder makes them on CPU
+
+
+def load_model(source: str, trust_remote_code: bool = False):
+    """The causal LM and its tokenizer folder at ``source`` (a local folder, or a hub id where the machine reaches
+    the hub), refused in one line for what lenext cannot evaluate; nothing is downloaded for a local folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    where = f"hf={source!r}"
+    local = os.path.isdir(source)
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=local, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise ConfigError(
+                f"{where}: its model's code is not in transformers but in the folder; pass trust_remote_code=true "
+                "to run it (it runs code from there)"
+            ) from None
+        raise ConfigError(f"{where} holds no model config transformers knows ({str(e).splitlines()[0]})") from None
+    except OSError as e:
+        raise ConfigError(f"{where} is not a model folder or a hub id this machine reaches ({e})") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, config=config, local_files_only=local, trust_remote_code=trust_remote_code, dtype=torch.float32
+        )
+    except ValueError as e:
+        raise ConfigError(f"{where}: {type(config).__name__} is not a causal LM ({str(e).splitlines()[0]})") from None
+    return model.eval()
+
+
+def trained_context(config, given: int | None = None) -> int:
+    """C: the context the model was trained at: ``given`` (eval.py's ``context``), else its config's."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    original = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
+    context = given or original or getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 0)
+    if not context:
+        raise ConfigError(
+            f"context=null is invalid for this model: its config ({type(config).__name__}) says no trained context "
+            "(max_position_embeddings); give the context it was trained at (context=2048), which eval.factors multiply"
+        )
+    return int(context)
+
+
+class HFPositions:
+    """What the sweep asks of a PE, for an HF model: its evaluation-time variants (RoPE's scalings, set through
+    the model's config and its rotary modules rebuilt) and the factor each uses at a length."""
+
+    def __init__(self, model, context: int | None = None):
+        self.model, self.context = model, trained_context(model.config, context)
+        rope = getattr(model.config, "rope_parameters", None)
+        self.rope = dict(rope) if isinstance(rope, dict) and "rope_type" in rope else None
+        self.active: str | None = None  # the variant set, when not the model as trained
+        self._built_for: tuple | None = None
+
+    @property
+    def trained(self) -> str | None:
+        """The model's own scaling, as lenext names it (``none`` for plain RoPE); None without RoPE."""
+        return VARIANT_OF.get(self.rope["rope_type"], self.rope["rope_type"]) if self.rope else None
+
+    def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:
+        """The model as trained (None) first, then each asked scaling other than its own, zero-shot."""
+        if self.rope is None or not asked:
+            return [None]
+        unknown = [name for name in asked if name not in ROPE_TYPES]
+        if unknown:
+            raise ConfigError(
+                f"eval.variants={asked} is invalid for a Hugging Face model: {', '.join(unknown)} is not a scaling "
+                f"transformers defines; its variants are {', '.join(ROPE_TYPES)}"
+            )
+        return [None, *(name for name in asked if name != self.trained)]
+
+    @contextlib.contextmanager
+    def variant(self, name: str | None) -> Iterator[None]:
+        self.active = name
+        try:
+            yield
+        finally:
+            self.active = None
+            self._configure(None, 0)
+
+    def scaling_factor(self, length: int) -> float | None:
+        if self.active is None:
+            return None
+        return 1.0 if self.active in ("none", "dynamic_ntk") else max(1.0, length / self.context)
+
+    def configure(self, length: int) -> None:
+        """The model's rotary modules for the active variant at ``length`` (nothing to do as trained)."""
+        self._configure(self.active, length)
+
+    def _configure(self, name: str | None, length: int) -> None:
+        key = None if name is None else (name, self.scaling_factor(length))
+        if key == self._built_for:
+            return
+        parameters = dict(self.rope)
+        if name is not None:
+            parameters = {"rope_type": ROPE_TYPES[name], "rope_theta": self.rope["rope_theta"]}
+            if name != "none":
+                parameters |= {"factor": key[1], "original_max_position_embeddings": self.context}
+            if name == "llama3":  # the constants lenext's llama3 scaling takes by default (Llama 3.1's)
+                parameters |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        self.model.config.rope_parameters = parameters
+        for name, module in list(self.model.named_modules()):
+            if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "inv_freq"):
+                parent, _, attribute = name.rpartition(".")
+                rebuilt = type(module)(config=self.model.config).to(module.inv_freq.device)
+                setattr(self.model.get_submodule(parent), attribute, rebuilt)
+        self._built_for = key
+
+
+class HFLanguageModel(nn.Module):
+    """The sweep's view of an ``AutoModelForCausalLM``: the per-target NLL lenext's Decoder gives (``token_nll``),
+    its logits made a chunk of positions at a time where the head is a plain projection of the last hidden state."""
+
+    def __init__(self, model, context: int | None = None):
+        super().__init__()
+        self.model, self.pe = model, HFPositions(model, context)
+        config = model.config
+        head = model.get_output_embeddings()
+        transformed = any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale"))
+        self.plain_head = isinstance(head, nn.Linear) and not transformed
+        self.max_length = getattr(config, "n_positions", None) if getattr(config, "model_type", "") == "gpt2" else None
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def token_nll(self, inputs: torch.Tensor, targets: torch.Tensor, positions=None, predictions: bool = False):
+        """(B, L) NLL of each target given the inputs before it; HF models are evaluated at positions 0..L-1."""
+        if positions is not None or predictions:
+            raise ValueError("Hugging Face models are evaluated at positions 0..L-1, on text")
+        length = inputs.size(1)
+        if self.max_length and length > self.max_length:
+            raise LengthNotSupported(f"its learned positions serve at most {self.max_length} tokens")
+        self.pe.configure(length)
+        if not self.plain_head:
+            logits = self.model(input_ids=inputs, use_cache=False).logits.float()
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+        hidden = self.model.base_model(input_ids=inputs, use_cache=False)[0]  # (B, L, d)
+        head = self.model.get_output_embeddings()
+        span = max(1, LOGIT_CHUNK_ELEMENTS // (head.out_features * inputs.size(0)))
+        nll = hidden.new_empty(targets.shape, dtype=torch.float32)
+        for s in range(0, length, span):
+            logits = head(hidden[:, s : s + span]).float()  # (B, span, V)
+            chunk = F.cross_entropy(logits.flatten(0, 1), targets[:, s : s + span].flatten(), reduction="none")
+            nll[:, s : s + span] = chunk.view(logits.shape[:2])
+        return nll
+
+
+def row_name(source: str) -> str:
+    """The report's row of an HF model: ``hf:<its folder's or hub id's last part>``."""
+    return "hf:" + os.path.basename(os.path.normpath(source))
+
+
+def evaluate_hf(cfg: DictConfig) -> str:
+    """eval.py hf=...: load the model and its tokenizer, plan and check the sweep before reading the corpus,
+    sweep, write results.json."""
+    schema.check(cfg, EvalScriptSettings, EVAL_NODES)
+    if cfg.ckpt:
+        raise ConfigError(f"ckpt={cfg.ckpt} and hf={cfg.hf}: give one, the lenext checkpoint or the HF model")
+    source = hf_folder(cfg.hf)
+    model = load_model(source, cfg.trust_remote_code)
+    net = HFLanguageModel(model, cfg.context)
+    data_node = cfg.data if cfg.get("data") else OmegaConf.load(resources.files("lenext.configs") / "data/sotu.yaml")
+    if data_node.get("tokenizer") not in (None, cfg.hf, source):
+        raise ConfigError(f"data.tokenizer={data_node.tokenizer} is invalid with hf=: the model's tokenizer is used")
+    data_node = OmegaConf.merge(data_node, {"tokenizer": source, "cache_dir": cfg.paths.cache_dir})
+    data = instantiate(data_node, "data")
+    settings = EvalSettings(**OmegaConf.to_container(cfg.eval, resolve=True))
+    plan = sweep_plan(settings, net.pe.context, None, data.protocols)
+    net.pe.variants(settings.variants, max(plan.lengths))  # refuses, before the corpus is read, what it cannot take
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision = canonical_precision(cfg.precision or ("bf16-mixed" if device.type == "cuda" else "32-true"))
+    data.load()
+    if data.vocab_size > model.get_input_embeddings().num_embeddings:
+        raise ConfigError(f"hf={cfg.hf}: its tokenizer has {data.vocab_size} tokens, more than its model embeds")
+    rows, curves = sweep(net.to(device), data.evaluation(cfg.split), plan, settings, precision)
+    meta = {
+        "row": row_name(cfg.hf),
+        "row_fields": {"pe": row_name(cfg.hf), "positions": "sequential", "attention": []},
+        "pe_name": row_name(cfg.hf),
+        "pe": {"name": type(model).__name__, **({"scaling": None, "rope": net.pe.rope} if net.pe.rope else {})},
+        "pe_family": "Hugging Face models",
+        "pe_display_name": os.path.basename(os.path.normpath(cfg.hf)),
+        "positions": {"train": "sequential", "reach": None, "eval": "sequential"},
+        "pe_config": {},
+        "model": {"architecture": type(model).__name__, "model_type": model.config.model_type},
+        "train_len": net.pe.context,
+        "base_len": net.pe.context,
+        "seed": 0,
+        "corpus": data.name,
+        "task": None,
+        "split": cfg.split,
+        "tokenizer": data.tokenizer_id,
+        "vocab_size": data.vocab_size,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "hf": {"model": cfg.hf, "folder": os.path.abspath(source), "trust_remote_code": cfg.trust_remote_code},
+        "identity": {"hf.model": os.path.abspath(source), "split": cfg.split, **flat_eval(settings)},
+        "git_commit": code_commit(),
+        "device": str(device),
+        "hardware": {**machine_description(), "training_precision": None},
+        "precision": precision,
+    }
+    path = write_results(cfg.paths.output_dir, meta, rows, curves)
+    print(format_rows(rows))
+    print(f"results: {path}")
+    return path
+
+
+def hf_folder(source: str) -> str:
+    """A local folder as given; a hub id downloaded (where the machine reaches the hub) into the hub's cache."""
+    if os.path.isdir(source):
+        return source
+    if os.path.exists(source):
+        raise ConfigError(f"hf={source!r} is a file: give a model folder (config.json, weights, tokenizer)")
+    if source.startswith((os.sep, ".", "~")) or source.count("/") > 1:
+        raise ConfigError(f"hf={source!r} does not exist: give a model folder (config.json, weights, tokenizer)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return snapshot_download(source)
+    except (HFValidationError, OSError) as e:
+        raise ConfigError(f"hf={source!r} is neither a local folder nor a hub id this machine reaches ({e})") from None
+
+
+def flat_eval(settings) -> dict:
+    return {f"eval.{key}": value for key, value in dataclasses.asdict(settings).items()}

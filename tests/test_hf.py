@@ -1,0 +1,215 @@
+"""eval.py hf=: tiny random transformers models of five architectures under lenext's protocols, against a plain
+transformers forward over the same windows written here from the protocols' definitions (docs/hf.md)."""
+
+import json
+import math
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torch.testing import assert_close
+
+from lenext.cli import CONFIG_PACKAGE
+from lenext.data import EOS, TextFiles
+from lenext.errors import ConfigError
+from lenext.hf import HFLanguageModel, evaluate_hf, load_model
+
+VOCAB = 300
+CONTEXT = 32  # every tiny model's max_position_embeddings: eval.factors multiply it
+
+
+def tiny_config(architecture: str):
+    import transformers
+
+    shape = {"vocab_size": VOCAB}
+    if architecture == "gpt2":
+        return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=2 * CONTEXT, **shape)
+    if architecture == "bloom":
+        return transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, **shape)
+    common = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": CONTEXT}
+    if architecture == "gpt_neox":
+        return transformers.GPTNeoXConfig(intermediate_size=64, rotary_pct=0.5, **common, **shape)
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[architecture]
+    return config_class(intermediate_size=64, num_key_value_heads=2, **common, **shape)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory, small_text_corpus):
+    """A byte-level BPE of VOCAB tokens as a transformers tokenizer folder (what a model folder holds)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TextFiles(str(small_text_corpus)).documents("train"), trainer=trainer)
+    folder = tmp_path_factory.mktemp("tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOS, eos_token=EOS).save_pretrained(folder)
+    return folder
+
+
+def model_folder(tmp_path, tokenizer_folder, architecture: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    folder = tmp_path / architecture
+    AutoModelForCausalLM.from_config(tiny_config(architecture)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(folder)
+    return folder
+
+
+def compose_hf(tmp_path, corpus, folder, *overrides):
+    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
+        return compose(
+            "eval",
+            overrides=[
+                f"hf={folder}",
+                "data=text_files",
+                f"data.corpus.path={corpus}",
+                "data.corpus.holdout_every=4",
+                f"paths.root_dir={tmp_path}",
+                f"paths.output_dir={tmp_path / 'out'}",
+                f"paths.cache_dir={tmp_path / 'cache'}",
+                *overrides,
+            ],
+        )
+
+
+def byte_lengths(tokenizer_folder) -> dict[int, int]:
+    """Each token's bytes, from the byte-level alphabet (GPT-2's bytes_to_unicode), not from lenext's offsets."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_folder / "tokenizer.json"))
+    return {i: (0 if token == EOS else len(token)) for token, i in tokenizer.get_vocab().items()}
+
+
+def reference_rows(model, documents, lengths, protocol, k, max_windows, block):
+    """(ppl, targets, scored spans) per length from a plain forward of the whole model over each window, by the
+    definitions: nonoverlap: disjoint windows of L + 1 tokens, every target; last_k: blocks of the longest length,
+    the last k targets of each with the L tokens before them as context (``block``: the sweep's longest length);
+    eval.max_windows: every ceil(n / max)-th."""
+    rows = {}
+    for length in lengths:
+        total, count, scored_spans, windows = 0.0, 0, [], []
+        for d, doc in enumerate(documents):
+            if protocol == "nonoverlap":
+                windows += [(d, w * length, 0) for w in range((len(doc) - 1) // length)]
+            else:
+                windows += [(d, (b + 1) * block - length, length - k) for b in range((len(doc) - 1) // block)]
+        for d, start, score_from in windows[:: math.ceil(len(windows) / max_windows)]:
+            ids = torch.tensor(documents[d][start : start + length + 1], dtype=torch.long)[None]
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=ids[:, :-1]).logits.double(), -1)[0]
+            nll = -logp[torch.arange(length), ids[0, 1:]]
+            total, count = total + nll[score_from:].sum().item(), count + length - score_from
+            scored_spans.append((d, start + 1 + score_from, start + length))
+        rows[length] = (math.exp(total / count), count, scored_spans)
+    return rows
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "gpt_neox", "bloom", "gpt2"])
+def test_each_protocol_equals_a_plain_transformers_loop(architecture, tmp_path, small_text_corpus, tokenizer_folder):
+    folder = model_folder(tmp_path, tokenizer_folder, architecture)
+    overrides = ("eval.lengths=[32,64,128]", "eval.protocol=[nonoverlap,last_k]", "eval.last_k=8", "eval.max_windows=6")
+    context = [f"context={CONTEXT}"] if architecture == "bloom" else []  # ALiBi: its config says no context
+    evaluate_hf(compose_hf(tmp_path, small_text_corpus, folder, *overrides, *context))
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    context = 2 * CONTEXT if architecture == "gpt2" else CONTEXT  # GPT-2's trained context is its table's size
+    assert results["meta"]["row"] == f"hf:{architecture}" and results["meta"]["train_len"] == context
+    model = load_model(str(folder))
+    from lenext.data import LMDataModule
+
+    data = LMDataModule(
+        TextFiles(str(small_text_corpus), holdout_every=4), tokenizer=str(folder), cache_dir=str(tmp_path / "c")
+    )
+    data.load()
+    documents = data.splits["validation"]
+    sizes = byte_lengths(tokenizer_folder)
+    for protocol in ("nonoverlap", "last_k"):
+        served = [32, 64] if architecture == "gpt2" else [32, 64, 128]
+        expected = reference_rows(model, documents, served, protocol, k=8, max_windows=6, block=128)
+        for row in (r for r in results["rows"] if r["protocol"] == protocol):
+            if architecture == "gpt2" and row["length"] > 2 * CONTEXT:  # learned positions: n/a beyond its table
+                assert row["status"] == "not applicable" and row["ppl"] is None
+                continue
+            ppl, tokens, spans = expected[row["length"]]
+            assert row["status"] == "ok" and row["tokens"] == tokens
+            assert row["ppl"] == pytest.approx(ppl, rel=1e-5)
+            scored_bytes = sum(sizes[int(t)] for d, first, last in spans for t in documents[d][first : last + 1])
+            assert row["bytes"] == scored_bytes
+            assert row["bits_per_byte"] == pytest.approx(math.log(ppl) * tokens / math.log(2) / scored_bytes, rel=1e-5)
+
+
+@pytest.mark.parametrize("variant,rope_type", [("linear", "linear"), ("yarn", "yarn"), ("llama3", "llama3")])
+def test_a_rope_variant_is_transformers_own_scaling_at_l_over_c(variant, rope_type, tmp_path, tokenizer_folder):
+    """At L = 4 C the rotary module holds transformers' frequencies for rope_type with factor 4 and C as the
+    original context; as trained again after the variant."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    net = HFLanguageModel(load_model(str(model_folder(tmp_path, tokenizer_folder, "llama"))))
+    rotary = net.model.model.rotary_emb
+    trained = rotary.inv_freq.clone()
+    reference = LlamaConfig(**{**tiny_config("llama").to_dict()})
+    reference.rope_parameters = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 4.0}
+    reference.rope_parameters |= {"original_max_position_embeddings": CONTEXT}
+    if rope_type == "llama3":
+        reference.rope_parameters |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    expected, attention = ROPE_INIT_FUNCTIONS[rope_type](reference)
+    assert net.pe.variants([variant], 4 * CONTEXT) == [None, variant]
+    with net.pe.variant(variant):
+        net.token_nll(torch.zeros(1, 4 * CONTEXT, dtype=torch.long), torch.zeros(1, 4 * CONTEXT, dtype=torch.long))
+        assert net.pe.scaling_factor(4 * CONTEXT) == 4.0
+        assert_close(net.model.model.rotary_emb.inv_freq, expected)
+        assert net.model.model.rotary_emb.attention_scaling == pytest.approx(attention)
+    net.token_nll(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    assert_close(net.model.model.rotary_emb.inv_freq, trained)
+
+
+def test_what_cannot_be_evaluated_is_refused_in_one_line_before_any_work(tmp_path, small_text_corpus, tokenizer_folder):
+    folder = model_folder(tmp_path, tokenizer_folder, "llama")
+    refusals = {
+        (f"hf={tmp_path / 'none'}",): r"^hf='.*none' does not exist",
+        ("eval.variants=[ntk]",): r"^eval.variants=\['ntk'\] is invalid for a Hugging Face model: ntk is not a scaling",
+        ("ckpt=x.ckpt",): r"^ckpt=x.ckpt and hf=.*: give one",
+        ("data.tokenizer=/other",): r"^data.tokenizer=/other is invalid with hf=",
+    }
+    for overrides, message in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            evaluate_hf(compose_hf(tmp_path, small_text_corpus, folder, *overrides))
+    (tmp_path / "tokenizer_only").mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "tokenizer_only" / name).write_text((folder / name).read_text())
+    with pytest.raises(ConfigError, match=r"holds no model config transformers knows"):
+        evaluate_hf(compose_hf(tmp_path, small_text_corpus, tmp_path / "tokenizer_only"))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_lenext_model_trains_on_a_tokenizer_from_outside(
+    compose_train, small_text_corpus, tokenizer_folder, tmp_path
+):
+    """data.tokenizer: the run's vocabulary is the tokenizer's (no BPE trained), recorded in its results and run
+    description; a second stage on another tokenizer is refused before any work."""
+    from lenext.run import train
+
+    overrides = [
+        "model=tiny",
+        "data=text_files",
+        f"data.corpus.path={small_text_corpus}",
+        "data.corpus.holdout_every=4",
+    ]
+    overrides += ["data.max_len=32", "data.batch_size=4", "trainer=cpu", "trainer.max_steps=2", "eval.lengths=[32]"]
+    train(compose_train(*overrides, f"data.tokenizer={tokenizer_folder}"))
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["meta"]["vocab_size"] == VOCAB and results["meta"]["run"]["config"]["data"]["tokenizer"] == str(
+        tokenizer_folder
+    )
+    assert results["rows"][0]["bits_per_byte"] > 0
+    base = tmp_path / "checkpoints" / "last.ckpt"
+    stage = compose_train(*overrides, f"init_from={base}", "data.tokenizer=null", f"paths.output_dir={tmp_path / 's'}")
+    with pytest.raises(ConfigError, match=r"^data.tokenizer=None is invalid for a second stage: .* data.tokenizer="):
+        train(stage)
