@@ -782,7 +782,7 @@ def render_lightning(info, settings, lightning) -> list[str]:
         f"The CPU study's recipe ({' '.join(STUDY_OVERRIDES)}; rope, gelu MLP, AdamW with warmup + cosine, "
         "gradient clipping 1.0) on "
         f"{info['cpu']} ({info['isa']}). **lightning**: lenext's `LanguageModel` fitted by a `lightning.Trainer` "
-        "built from `src/lenext/configs/trainer/cpu.yaml` with the default callbacks (checkpoints, learning-rate "
+        "built from `configs/trainer/cpu.yaml` with the default callbacks (checkpoints, learning-rate "
         "monitor) and CSV logger, as `train.py` builds them; **bare**: the same model, optimizer parameter groups, "
         "schedule, clipping and batches (lenext's `TrainWindows` + `StepShuffler` over random tokens) in a "
         "hand-written loop. "

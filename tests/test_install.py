@@ -9,12 +9,27 @@ import subprocess
 import sys
 import sysconfig
 
+import pytest
+
 from tests.conftest import ROOT, TEST_VOCAB
+
+
+def test_the_wheel_holds_every_package_of_the_source_and_the_configs():
+    """pyproject.toml lists the packages (the configs, at the top level, are mapped in as lenext.configs): a new
+    subpackage of src/lenext must be listed there."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from setuptools import find_packages
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        listed = tomllib.load(f)["tool"]["setuptools"]["packages"]
+    assert set(listed) == set(find_packages(ROOT / "src")) | {"lenext.configs"}
 
 
 def test_the_installed_wheel_trains_evaluates_and_reports_from_any_folder(tmp_path, small_text_corpus):
     source = tmp_path / "source"  # a copy: building in the checkout would leave build/ and egg-info there
-    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for folder in ("src", "configs"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]

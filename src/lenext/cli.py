@@ -1,7 +1,7 @@
 """Hydra entry points: ``lenext-train`` / ``lenext-eval`` (console scripts) and the ``train.py`` / ``eval.py`` shims at
 the repository root call these. Configs in, one line out on bad input.
 
-The configs ship inside the package (``lenext/configs``), so an installed lenext runs from any folder; a user adds
+The configs (``configs/`` at the repository root) ship inside the package as ``lenext.configs``, so an installed lenext runs from any folder; a user adds
 a config folder of their own with ``hydra.searchpath=[file:///path/to/configs]``.
 """
 
