@@ -1,6 +1,9 @@
 """The report's figure registry: a figure registered in one entry is drawn and written with the others
 (docs/adding/figure.md, whose example is tests/examples/longest_length.py)."""
 
+from collections import Counter
+
+import pandas as pd
 import pytest
 
 from lenext.report import figures, report
@@ -38,3 +41,256 @@ def test_a_figure_with_nothing_to_draw_writes_no_file(registry, tmp_path):
     report([str(tmp_path / "runs")], str(tmp_path / "out"))
     assert (tmp_path / "out" / "accuracy_vs_length.png").exists()
     assert not any((tmp_path / "out" / name).exists() for name in ("longest_length.png", "ppl_vs_length.png"))
+
+
+# What every built-in figure keeps to (lenext.report.figures' docstring).
+
+
+def drawn_lines(fig) -> list[tuple]:
+    """(axes, legend entry, colour, line style) of every curve with a legend entry, panel by panel."""
+    from matplotlib.colors import to_hex
+
+    lines = []
+    for ax in fig.axes:
+        for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):
+            line = handle.lines[0] if hasattr(handle, "lines") else handle
+            lines.append((ax, name, to_hex(line.get_color()), str(line.get_linestyle())))
+    return lines
+
+
+def row_of(name: str) -> str:
+    """A legend entry's row label (less what it adds about seeds: `` [1 seed]``)."""
+    return name.split(" [")[0]
+
+
+def extension_runs(folder, pes=("alibi", "nope", "t5")):
+    """Two seeds of RoPE evaluated under two scalings, fine-tuned four ways (full length and PoSE), and of other
+    PEs fine-tuned directly, with positions.csv and each second stage's validation curve (csv/metrics.csv)."""
+    from tests.test_report import second_stage
+
+    def variants(*names, seed=0):
+        return [
+            {"protocol": "nonoverlap", "scaling": v, "length": n, "ppl": 25.0 + seed + (n == 128) * i, "status": "ok"}
+            for i, v in enumerate(names)
+            for n in (64, 128)
+        ]
+
+    job = 0
+    for seed in range(2):
+        write_run(
+            folder / str(job),
+            "rope",
+            seed,
+            {64: 21 + seed, 128: 42 + seed},
+            scaling="none",
+            extra_rows=variants("ntk", "yarn", seed=seed),
+        )
+        job += 1
+        for method, ppl in (("direct", 30), ("pi", 28), ("yarn", 26), ("pose", 29)):
+            meta = second_stage("rope", method)
+            if method == "pose":
+                meta["row_fields"] = {
+                    "pe": "rope",
+                    "positions": "pose",
+                    "attention": [],
+                    "base": "rope",
+                    "method": "pose",
+                    "stage_len": 256,
+                }
+            write_run(folder / str(job), "rope", seed, {64: 20 + seed, 128: ppl + seed}, train_len=256, meta=meta)
+            (folder / str(job) / "csv").mkdir()
+            (folder / str(job) / "csv" / "metrics.csv").write_text(
+                "step,val/ppl\n" + "".join(f"{step},{ppl + 10 - step / 10 + seed}\n" for step in (49, 99, 100))
+            )
+            job += 1
+        for i, pe in enumerate(pes):
+            write_run(folder / str(job), pe, seed, {64: 20 + i + seed, 128: 21 + 3 * i + seed})
+            write_run(
+                folder / str(job + 1),
+                pe,
+                seed,
+                {64: 19 + i + seed, 128: 20 + i + seed},
+                train_len=256,
+                meta=second_stage(pe, "direct"),
+            )
+            job += 2
+    return folder
+
+
+def summary_of(folder):
+    from lenext.report import Summary, load
+
+    return Summary(load([str(folder)]))
+
+
+def test_a_pes_colour_is_the_same_in_every_figure_and_panel(tmp_path):
+    """Every curve of a PE as trained is in its colour (``pe_style``: from its name, whatever the report holds),
+    a second stage in its first stage's, and in a panel no two curves share both colour and line style."""
+    summary = summary_of(extension_runs(tmp_path / "runs"))
+    labels = summary.labels
+    seen: dict[str, set] = {}
+    panels = 0
+    for name in ("ppl_vs_length.png", "per_position.png", "extension.png", "adaptation.png"):
+        fig = figures.FIGURES[name](summary)
+        lines = drawn_lines(fig)
+        assert lines, name
+        for ax in {ax for ax, *_ in lines}:
+            in_panel = [(colour, style) for axes, _, colour, style in lines if axes is ax]
+            assert len(set(in_panel)) == len(in_panel), (name, ax.get_title())
+            panels += 1
+        for _, entry, colour, _ in lines:
+            label = row_of(entry)
+            if pd.isna(labels.variant[label]) and (
+                label == labels.root[label] or labels.extension_method[label] == "none"
+            ):
+                seen.setdefault(labels.root[label], set()).add(colour)
+        figures.pyplot().close(fig)
+    assert panels > 8
+    assert {root: colours for root, colours in seen.items()} == {
+        root: {figures.pe_colour(root)} for root in ("rope", "alibi", "nope", "t5")
+    }
+    assert len({figures.pe_colour(root) for root in seen}) == len(seen)
+    # The same colour in a report of other PEs: it is the PE's, not its place in the report.
+    alone = summary_of(two_seeds_of_two_pes(tmp_path / "other"))
+    colours = {row_of(entry): colour for _, entry, colour, _ in drawn_lines(figures.ppl_vs_length(alone))}
+    assert colours["rope"] == figures.pe_colour("rope") and colours["alibi"] == figures.pe_colour("alibi")
+
+
+def test_a_panel_comparing_one_pes_variants_colours_them_by_method(tmp_path):
+    """RoPE's scalings and second stages in distinct colours, the method's own in both (PI is linear): the
+    comparison the panel makes is found by colour, not by line style."""
+    summary = summary_of(extension_runs(tmp_path / "runs"))
+    lines = drawn_lines(figures.extension(summary))
+    colour = {row_of(entry): colour for _, entry, colour, _ in lines}
+    assert colour["rope (yarn)"] == colour["rope -> yarn@256"] == figures.METHOD_STYLES["yarn"][0]
+    assert colour["rope -> pi@256"] == figures.METHOD_STYLES["linear"][0]
+    rope = [colour[label] for label in ("rope", "rope (ntk)", "rope (yarn)", "rope -> pi@256", "rope -> pose@256")]
+    assert len(set(rope)) == len(rope)
+    # A method whose colour is the PE's own takes blue, which no method has.
+    assert figures.method_style("yarn", "p_rope")[0] == figures.SPARE_COLOUR != figures.pe_colour("p_rope")
+    assert figures.SPARE_COLOUR not in {colour for colour, _ in figures.METHOD_STYLES.values()}
+
+
+def test_no_panel_draws_more_than_the_limit_and_every_row_is_drawn(tmp_path):
+    """Twenty PEs and a RoPE of eight variants: panels of at most MAX_CURVES curves, by family and by PE, that
+    together draw every row of the table."""
+    scalings = ("linear", "ntk", "yarn", "llama3", "self_extend", "dynamic_ntk", "s1", "s2")
+    for seed in range(2):
+        for i in range(20):
+            write_run(tmp_path / f"{seed}_{i}", f"pe{i}", seed, {64: 20.0 + i, 128: 20.0 + 2 * i})
+        rows = [{"protocol": "nonoverlap", "scaling": s, "length": 128, "ppl": 30.0, "status": "ok"} for s in scalings]
+        write_run(tmp_path / f"{seed}_rope", "rope", seed, {64: 21, 128: 40}, scaling="none", extra_rows=rows)
+    summary = summary_of(tmp_path)
+    fig = figures.ppl_vs_length(summary)
+    lines = drawn_lines(fig)
+    per_panel = Counter(ax for ax, *_ in lines)
+    assert max(per_panel.values()) <= figures.MAX_CURVES and len(per_panel) >= 4
+    table = next(iter(summary.tables.values()))
+    assert {row_of(entry) for _, entry, *_ in lines} == set(table.index)
+    scaled = [ax for ax in per_panel if "rope (yarn)" in {row_of(e) for a, e, *_ in lines if a is ax}]
+    assert all("rope" in {row_of(e) for a, e, *_ in lines if a is ax} for ax in scaled)  # the PE beside them
+
+
+def test_a_titles_takeaway_is_computed_from_the_statistics(tmp_path):
+    """The PEs' panel names the row that grows least from L_train and the one that grows most, by the table's
+    means; a panel of one PE's variants compares the best with the PE as trained."""
+    for seed in range(2):
+        write_run(tmp_path / f"a{seed}", "alibi", seed, {64: 20.0 + 2 * seed, 128: 21.0 + 2 * seed})
+        rows = [
+            {"protocol": "nonoverlap", "scaling": "ntk", "length": n, "ppl": p + seed, "status": "ok"}
+            for n, p in ((64, 20.0), (128, 30.0))
+        ]
+        write_run(
+            tmp_path / f"r{seed}",
+            "rope",
+            seed,
+            {64: 20.0 + 2 * seed, 128: 40.0 + 4 * seed},
+            scaling="none",
+            extra_rows=rows,
+        )
+        write_run(tmp_path / f"n{seed}", "nope", seed, {64: 20.0, 128: 70.0})
+    summary = summary_of(tmp_path)
+    table = next(iter(summary.tables.values()))
+    mean = table.cells["mean"]
+    assert (mean[("alibi", 128)] / mean[("alibi", 64)], mean[("nope", 128)] / mean[("nope", 64)]) == (22 / 21, 3.5)
+    titles = [ax.get_title() for ax in figures.ppl_vs_length(summary).axes]
+    trained = [t for t in titles if "as trained" in t]
+    assert len(trained) == 1
+    assert "at 2x L_train: alibi stays within 5% of its L_train perplexity; nope 3.5x" in trained[0].replace("\n", " ")
+    scaled = [t.replace("\n", " ") for t in titles if "scaled at evaluation" in t]
+    ratio = mean[("rope (ntk)", 128)] / mean[("rope (ntk)", 64)]
+    assert scaled == [
+        f"nonoverlap · rope: scaled at evaluation at 2x L_train: rope (ntk) rises least, to {ratio:.1f}x "
+        f"its L_train perplexity; rope {mean[('rope', 128)] / mean[('rope', 64)]:.1f}x"
+    ]
+    assert (
+        figures.lengths_takeaway(table, ["alibi"]) == "at 2x L_train: alibi stays within 5% of its L_train perplexity"
+    )
+
+
+def probe_runs(folder, learned_by_rope=(1.00, 0.95, 0.40)):
+    from tests.test_report import write_probe_run
+
+    for seed, at_train_len in enumerate(learned_by_rope):
+        write_probe_run(folder / f"r{seed}", "rope", seed, {32: at_train_len, 64: 0.50 - 0.1 * seed})
+        write_probe_run(folder / f"a{seed}", "alibi", seed, {32: 1.0, 64: 0.9})
+    return folder
+
+
+def test_a_figure_says_what_its_means_cover_and_which_seeds_learned_the_task(tmp_path):
+    """Beyond L_train a probe's mean counts only the seeds that learned the task: the figure says so in its note
+    and in the legend entry of each row that lost seeds there; where every seed learned, only the seed count."""
+    fig = figures.accuracy_vs_length(summary_of(probe_runs(tmp_path / "some")))
+    note = fig.get_suptitle().replace("\n", " ")
+    assert "mean ± std over 3 seeds" in note
+    assert "beyond L_train only the seeds that learned the task (exact match ≥ 90% at L_train)" in note
+    entries = {entry for _, entry, *_ in drawn_lines(fig)}
+    assert {"rope [2 of 3 seeds learned it]", "alibi"} <= entries
+    title = " ".join(ax.get_title().replace("\n", " ") for ax in fig.axes)
+    assert "at 2x L_train: alibi 90% exact-match; rope 45%" in title  # rope: seeds 0 and 1 (50%, 40%)
+    fig = figures.accuracy_vs_length(summary_of(probe_runs(tmp_path / "all", (1.0, 1.0, 1.0))))
+    assert "learned" not in fig.get_suptitle() and "mean ± std over 3 seeds" in fig.get_suptitle()
+    assert {entry for _, entry, *_ in drawn_lines(fig)} == {"rope", "alibi"}
+
+
+def test_axes_are_labelled_in_plain_numbers_and_heatmaps_in_a_colour_blind_safe_map(tmp_path):
+    """Log axes in plain numbers (30, 50, 100), a near-constant axis with neither offset nor scientific notation
+    and tall enough to read as constant; passkey's heatmap in cividis."""
+    plt = figures.pyplot()
+    fig, ax = plt.subplots()
+    ax.plot([50, 100, 150], [0.99998, 1.00008, 1.00002])
+    figures.value_axis(ax, 0.99998, 1.00008)
+    fig.canvas.draw()
+    low, high = ax.get_ylim()
+    assert high - low >= 0.02 and not ax.yaxis.get_offset_text().get_text()
+    assert all("e" not in t.get_text() and "×" not in t.get_text() for t in ax.get_yticklabels())
+    summary = summary_of(two_seeds_of_two_pes(tmp_path / "runs"))
+    fig = figures.ppl_vs_length(summary)
+    fig.canvas.draw()
+    labels = [t.get_text() for ax in fig.axes for t in ax.get_yticklabels() + ax.get_xticklabels() if t.get_text()]
+    assert labels and not [t for t in labels if "^" in t or "e+" in t]
+    assert figures.HEATMAP in {"cividis", "viridis"}
+
+
+def test_no_legend_or_title_is_cropped(tmp_path):
+    """Every legend and title lies inside its figure, however many rows a panel's legend takes."""
+    from tests.test_report import write_probe_run
+
+    summaries = [summary_of(extension_runs(tmp_path / "text", pes=("alibi", "nope", "t5", "kerple", "fire")))]
+    for seed in range(2):
+        for pe in ("rope", "alibi", "nope", "t5"):
+            write_probe_run(tmp_path / "probe" / f"{pe}{seed}", pe, seed, {32: 1.0 - 0.3 * seed, 64: 0.5})
+    summaries.append(summary_of(tmp_path / "probe"))
+    for summary in summaries:
+        for name, draw in figures.FIGURES.items():
+            fig = draw(summary)
+            if fig is None:
+                continue
+            fig.canvas.draw()
+            renderer, (width, height) = fig.canvas.get_renderer(), fig.canvas.get_width_height()
+            for ax in fig.axes:
+                shown = [ax.get_legend(), ax.title] if ax.get_legend() else [ax.title]
+                for artist in shown:
+                    box = artist.get_window_extent(renderer)
+                    assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= width and box.y1 <= height, name
+            figures.pyplot().close(fig)

@@ -1,8 +1,9 @@
 """Hydra entry points: ``lenext-train`` / ``lenext-eval`` (console scripts) and the ``train.py`` / ``eval.py`` shims at
 the repository root call these. Configs in, one line out on bad input.
 
-The configs (``configs/`` at the repository root) ship inside the package as ``lenext.configs``, so an installed lenext runs from any folder; a user adds
-a config folder of their own with ``hydra.searchpath=[file:///path/to/configs]``.
+The configs (``configs/`` at the repository root) ship inside the package as ``lenext.configs``, so an installed
+lenext runs from any folder; a user adds a config folder of their own with
+``hydra.searchpath=[file:///path/to/configs]``.
 """
 
 import contextlib

@@ -3,23 +3,122 @@
 A figure is a function of the ``Summary`` that returns a matplotlib figure, or None when the runs have nothing it
 draws, registered under its file name by ``@figure("<name>.png")`` (docs/adding/figure.md).
 ``write_figures`` draws every registered figure in ``FIGURE_STYLE`` and saves it into the report's folder.
+
+What every built-in figure keeps to, so that each panel says one thing:
+
+- **One colour per PE**, the same in every figure and panel of every report: ``pe_style`` reads it from a fixed
+  list of the known rows (``KNOWN_PES``, arranged so that PEs drawn together differ), else from a hash of the
+  row's name. A second stage is drawn in its first stage's colour.
+- **Panels that compare one thing**: the PEs as trained, coloured by PE; one PE's evaluation-time
+  variants and second stages, coloured by method (``METHOD_STYLES``: RoPE's scalings and the stages' methods, PI as
+  ``linear``, the PE as trained in its own colour); or PEs with one second stage each beside their bases. Line
+  style says which weights: solid the first stage's (as trained, or scaled at evaluation), dashed a second stage's.
+- **At most ``MAX_CURVES`` curves a panel**: more rows are split by PE family, by PE, and a PE's rows by zero-shot
+  variants and by the stages' length and positions (``split_rows``).
+- **A title that states what the panel shows**, computed from the statistics (``lengths_takeaway`` and the other
+  ``*_takeaway`` functions), under a line saying what it holds; a note above the panels says what a mean covers
+  (``coverage``), and a legend entry says where a row's seeds differ from it.
+- **Colour-blind-safe colours** (Okabe-Ito, with three of Tol's), a colour-blind-safe map for heatmaps
+  (``HEATMAP``), plain tick labels on log axes, no offset or scientific notation on near-constant ones.
 """
 
+import math
 import os
+import textwrap
+import zlib
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pandas as pd
 
 from lenext.files import atomic_path
 from lenext.pe import FAMILIES
-from lenext.report.load import ACCURACIES, OTHER_FAMILY
-from lenext.report.stats import Summary, Table
+from lenext.report.load import ACCURACIES, LEARNED_AT, OTHER_FAMILY
+from lenext.report.stats import NOT_LEARNED, Summary, Table
 
 FIGURES: dict[str, Callable] = {}  # file name -> function(Summary) -> matplotlib figure or None, in drawing order
-FIGURE_STYLE = {"font.size": 10, "axes.titlesize": 10.5, "legend.fontsize": 9}  # legible at README width
+FIGURE_STYLE = {  # legible at README width: three panels to a row of at most 12.6 inches, text >= 9 pt
+    "font.size": 10,
+    "axes.titlesize": 10,
+    "axes.labelsize": 10,
+    "legend.fontsize": 9,
+    "xtick.labelsize": 9,
+    "ytick.labelsize": 9,
+    "figure.titlesize": 10,
+}
 FIGURE_DPI = 120
-FAMILY_PANELS_ABOVE = 7  # rows in a table beyond which a figure splits each table into family panels
-# A PE's rows share its colour; its variants (scalings, second stages) differ by line style.
+MAX_CURVES = 8  # curves in one panel at most
+COLUMNS = 3  # panels to a row at most
+PANEL_WIDTH = 4.2  # inches, a panel with its labels
+AXES_HEIGHT = 2.7  # inches, a panel's plotting area
+FAMILY_PANELS_ABOVE = MAX_CURVES  # rows beyond which a panel of PEs splits into one panel per PE family
+
+# Colour-blind safe: Okabe-Ito's (less its yellow, too light for lines) and three of Paul Tol's.
+PALETTE = (
+    "#0072b2",  # blue
+    "#e69f00",  # orange
+    "#000000",  # black
+    "#009e73",  # bluish green
+    "#d55e00",  # vermillion
+    "#56b4e9",  # sky blue
+    "#cc79a7",  # reddish purple
+    "#999933",  # olive
+    "#882255",  # wine
+    "#44aa99",  # teal
+)
+PE_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+# A known row's place: colour PALETTE[i % 10], marker PE_MARKERS[i // 10]. The PEs a study draws in one panel get
+# distinct colours (the families; the reference, extension and probes studies' rows), and the ten PEs compared most
+# distinct colours everywhere; a row not listed gets a place from a hash of its name.
+KNOWN_PES = {
+    "rope": 0,
+    "alibi": 1,
+    "nope": 2,
+    "kerple": 3,
+    "t5": 4,
+    "xpos": 5,
+    "fire": 6,
+    "sinusoidal": 7,
+    "shaw": 8,
+    "learned": 9,
+    "fox": 10,
+    "cope": 11,
+    "nope+ssmax": 12,
+    "rope+ssmax": 13,
+    "nope+stick_breaking": 14,
+    "rope_nope": 15,
+    "fox_rope": 16,
+    "rnope_swa": 17,
+    "dape": 18,
+    "pope": 19,
+    "path": 20,
+    "path_fox": 21,
+    "nope_randomized": 22,
+    "t5_randomized": 23,
+    "p_rope": 24,
+    "alibi_randomized": 25,
+    "rope_randomized": 26,
+    "rope_ntk": 27,
+}
+# An extension method's colour and marker where a panel compares methods (a variant's name; a second stage's
+# method as a variant is named: PI is linear). ``none`` (as trained, direct fine-tuning) is the PE's own. None of
+# them is blue, which a method takes where its own colour is the PE's.
+METHOD_STYLES = {
+    "linear": (PALETTE[1], "s"),
+    "ntk": (PALETTE[3], "^"),
+    "yarn": (PALETTE[4], "D"),
+    "llama3": (PALETTE[6], "v"),
+    "self_extend": (PALETTE[2], "P"),
+    "dynamic_ntk": (PALETTE[9], "X"),
+    "pose": (PALETTE[5], "*"),
+    "pose+pi": (PALETTE[7], "h"),
+    "pose+yarn": (PALETTE[8], "p"),
+}
+SPARE_COLOUR = PALETTE[0]
+FIRST_STAGE, SECOND_STAGE = "-", "--"  # line styles: the first stage's weights, a second stage's
+HEATMAP = "cividis"  # colour-blind safe, dark (0%) to light (100%)
+# Kept for figures of one's own (docs/adding/figure.md): a PE's rows in its colour, told apart by line style.
 LINE_STYLES = ("-", "--", ":", "-.", (0, (1, 3)), (0, (6, 2, 1, 2, 1, 2)), (0, (9, 3)), (0, (3, 1, 1, 1, 1, 1)))
 MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
 
@@ -62,32 +161,73 @@ def write_figures(summary: Summary, out: str) -> list[str]:
     return written
 
 
-def grid(panels: int, columns: int, width: float, height: float, **options):
-    """A figure of ``panels`` axes, ``columns`` to a row, each ``width`` x ``height`` inches; unused axes hidden.
-    Returns (figure, axes as a 2-D array)."""
-    rows = -(-panels // columns)
-    fig, axes = pyplot().subplots(
-        rows, columns, figsize=(width * columns, height * rows), squeeze=False, layout="constrained", **options
+# Colours and styles.
+
+
+def pe_style(name: str) -> tuple[str, str]:
+    """A PE's (row's) colour and marker, the same in every figure of every report: its place in ``KNOWN_PES``, or
+    for a row not listed there one from a hash of its name."""
+    place = KNOWN_PES.get(name)
+    if place is None:
+        place = zlib.crc32(name.encode()) % (len(PALETTE) * len(PE_MARKERS))
+    return PALETTE[place % len(PALETTE)], PE_MARKERS[(place // len(PALETTE)) % len(PE_MARKERS)]
+
+
+def pe_colour(name: str) -> str:
+    return pe_style(name)[0]
+
+
+def method_style(method: str, pe: str) -> tuple[str, str]:
+    """An extension method's colour and marker in a panel of PE ``pe``'s rows: ``METHOD_STYLES``' (a method not
+    listed: from a hash of its name), blue where that is the PE's own colour; ``none`` is the PE's."""
+    if method == "none":
+        return pe_style(pe)
+    colour, marker = METHOD_STYLES.get(method) or (
+        PALETTE[1 + zlib.crc32(method.encode()) % (len(PALETTE) - 1)],
+        MARKERS[zlib.crc32(method.encode()) % len(MARKERS)],
     )
-    for ax in axes.flat[panels:]:
-        ax.axis("off")
-    return fig, axes
+    return (SPARE_COLOUR if colour == pe_colour(pe) else colour), marker
+
+
+def row_info(summary: Summary) -> pd.DataFrame:
+    """Per row label: ``Summary.labels`` with the row's training ``positions`` and ``stage_len``, and ``pe``, the
+    name its colour is keyed by: its own label as trained, its row with a variant, its first stage's later."""
+    first = summary.frame.drop_duplicates("label").set_index("label")
+    info = summary.labels.join(first[["positions", "stage_len"]])
+    later = info.base.notna()
+    info["pe"] = info.row.where(info.variant.notna(), info.index.to_series()).where(~later, info.root)
+    return info
+
+
+def colour_key(info: pd.DataFrame, label: str) -> str:
+    return info.pe[label] if label in info.index else label
+
+
+def line_styles(info: pd.DataFrame, labels: list[str], by_method: bool) -> dict[str, dict]:
+    """matplotlib settings per row: its PE's colour and marker (``by_method``: a variant's or second stage's
+    method's, the PE's as trained); solid for a first stage's weights, dashed for a second stage's."""
+    styles = {}
+    for label in labels:
+        pe = colour_key(info, label)
+        later = label in info.index and pd.notna(info.base[label])
+        trained = label in info.index and not later and pd.isna(info.variant[label])
+        if by_method and not trained and label in info.index:
+            colour, marker = method_style(info.extension_method[label], pe)
+        else:
+            colour, marker = pe_style(pe)
+        styles[label] = {"color": colour, "marker": marker, "ls": SECOND_STAGE if later else FIRST_STAGE}
+    return styles
 
 
 def row_styles(roots: pd.Series) -> dict[str, dict]:
     """Per row label (``roots``' index), matplotlib line settings: the colour of its root (the first-stage row it
-    descends from), a line style and marker per row of that root."""
-    colours = list(dict.fromkeys(roots))
+    descends from, ``pe_style``), a line style and marker per row of that root."""
     seen: dict[str, int] = {}
     styles = {}
     for label, root in roots.items():
         seen[root] = seen.get(root, -1) + 1
         variant = seen[root] % len(LINE_STYLES)
-        styles[label] = {
-            "color": f"C{colours.index(root) % 10}",
-            "ls": LINE_STYLES[variant],
-            "marker": MARKERS[variant],
-        }
+        styles[label] = {"color": pe_colour(root), "ls": LINE_STYLES[variant], "marker": MARKERS[variant]}
     return styles
 
 
@@ -102,13 +242,244 @@ def families_of(labels, family: pd.Series) -> list[str]:
     return [f for f in FAMILIES if f in named] + sorted(named - set(FAMILIES))
 
 
-def draw_rows(ax, table: Table, labels: list[str], styles: dict, scale: float = 1.0) -> None:
-    """Each row's mean +- std over seeds against L_eval."""
+# Panels: which rows are drawn together.
+
+
+@dataclass
+class Panel:
+    """Rows drawn together: ``labels`` (in the table's order), ``by_method`` (coloured by method: one PE's variants
+    and stages; else by PE) and ``holds``, what the panel holds, in words."""
+
+    labels: list[str]
+    by_method: bool
+    holds: str
+
+
+def chunks(groups: list[list[str]], limit: int = MAX_CURVES) -> list[list[str]]:
+    """``groups`` of rows (each kept whole) packed in order into panels of at most ``limit`` rows: as few as fit,
+    each filled to about an equal share."""
+    total = sum(len(group) for group in groups)
+    parts = max(1, math.ceil(total / limit))
+    while True:
+        target, packed, current = math.ceil(total / parts), [], []
+        for group in groups:
+            if current and (len(current) >= target or len(current) + len(group) > limit):
+                packed.append(current)
+                current = []
+            current = current + group
+        packed.append(current)
+        if all(len(part) <= limit for part in packed) or parts >= total:
+            return packed
+        parts += 1
+
+
+def by_family(info: pd.DataFrame, groups: list[list[str]], holds: str, merge: bool = False) -> list[Panel]:
+    """Groups of rows coloured by PE: one panel when they fit in ``MAX_CURVES``, else a panel per PE family (split
+    further where a family has more; ``merge``: families that fit together share a panel)."""
+    if sum(len(group) for group in groups) <= FAMILY_PANELS_ABOVE:
+        return [Panel([label for group in groups for label in group], False, holds)]
+    family = info.family.reindex([group[0] for group in groups]).fillna(OTHER_FAMILY)
+    parts = []  # (family names, rows)
+    for name in families_of(family.index, family):
+        split = chunks([group for group in groups if family[group[0]] == name])
+        for part in split:
+            room = [i for i, (_, held) in enumerate(parts) if len(held) + len(part) <= MAX_CURVES]
+            if merge and room and len(split) == 1:
+                names, held = parts[room[0]]
+                parts[room[0]] = (names + [name], held + part)
+            else:
+                parts.append(([name], part))
+    return [Panel(part, False, f"{', '.join(names)}: {holds}") for names, part in parts]
+
+
+def split_rows(info: pd.DataFrame, labels: list[str], pes_as_trained: bool = True) -> list[Panel]:
+    """A table's rows as panels of at most ``MAX_CURVES`` curves, each comparing one thing:
+
+    - the PEs as trained, coloured by PE (``pes_as_trained``; left out where it would be one PE drawn elsewhere);
+    - per PE with evaluation-time variants or several second stages, its rows coloured by method, the PE as
+      trained in each panel: one panel when they fit, else its zero-shot variants, then its second stages by
+      stage length and training positions (full length, PoSE), split further where more;
+    - the PEs with one second stage each (``rope -> direct@256``), beside their bases, coloured by PE.
+
+    Panels of PEs split by PE family when more than fit."""
+    info = info.reindex(labels)
+    roots = list(dict.fromkeys(info.root.fillna(pd.Series(labels, index=labels))))
+    own = {
+        root: [label for label in labels if (info.root[label] if pd.notna(info.root[label]) else label) == root]
+        for root in roots
+    }
+    later = info.base.notna()
+    trained = {
+        root: [label for label in own[root] if not later[label] and pd.isna(info.variant[label])] for root in roots
+    }
+    extra = {root: [label for label in own[root] if label not in trained[root]] for root in roots}
+    pooled = [
+        root
+        for root in roots
+        if len(extra[root]) == 1 and later[extra[root][0]] and pd.isna(info.variant[extra[root][0]]) and trained[root]
+    ]
+    compared = [root for root in roots if extra[root] and root not in pooled]
+    panels = []
+    as_trained = [[label] for root in roots for label in trained[root]]
+    if pes_as_trained and as_trained and not (len(as_trained) == 1 and (compared or pooled)):
+        panels += by_family(info, as_trained, "as trained")
+    for root in compared:
+        panels += method_panels(info, root, trained[root], extra[root])
+    if pooled:
+        stages = list(dict.fromkeys(stage_name(info, extra[root][0]) for root in pooled))
+        holds = f"as trained and fine-tuned ({', '.join(stages)})"
+        panels += by_family(info, [trained[root] + extra[root] for root in pooled], holds, merge=True)
+    return panels
+
+
+def stage_name(info: pd.DataFrame, label: str) -> str:
+    """A second stage's method and length as its row names them (``direct@256``)."""
+    row = info.row[label]
+    return row.rsplit(" -> ", 1)[-1] if " -> " in row else row
+
+
+def method_panels(info: pd.DataFrame, root: str, trained: list[str], extra: list[str]) -> list[Panel]:
+    """One PE's variants and second stages, coloured by method, its as-trained rows in each panel."""
+    room = MAX_CURVES - len(trained)
+    if len(extra) <= room:
+        return [
+            Panel(
+                trained + extra,
+                True,
+                f"{root}: variants and stages"
+                if any(pd.notna(info.base[label]) for label in extra)
+                else f"{root}: scaled at evaluation",
+            )
+        ]
+    zero_shot = [label for label in extra if pd.isna(info.base[label])]
+    groups = {}
+    for label in extra:
+        if pd.notna(info.base[label]):
+            stage_len, positions = info.stage_len[label], info.positions[label]
+            how = "full length" if positions == "sequential" else f"{positions} positions"
+            groups.setdefault(f"{root}: fine-tuned at {stage_len}, {how}", []).append(label)
+    groups = {f"{root}: scaled at evaluation (zero-shot)": zero_shot, **groups} if zero_shot else groups
+    panels = []
+    for holds, rows in groups.items():
+        parts = chunks([[label] for label in rows], max(1, room))
+        panels += [Panel(trained + part, True, holds) for part in parts]
+    return panels
+
+
+# Takeaways: what a panel shows, from the statistics.
+
+
+def times_train_len(length: int, train_len: int) -> str:
+    return f"{length // train_len}x L_train" if length % train_len == 0 else f"L_eval {length}"
+
+
+def lengths_takeaway(table: Table, labels: list[str], reference: str | None = None) -> str:
+    """What ``labels``' curves of ``table`` show at the longest length where they have values: for perplexity, the
+    row that grows least from its L_train value (within 5, 10 or 20% of it, or the factor) and the one that grows
+    most; for accuracy, the highest and the lowest, and the rows no seed of which learned the task. Where a panel
+    compares one PE's variants, ``reference`` (the PE as trained) in place of the worst."""
+    key, metric = table.key, table.metric
+    means = table.cells["mean"].astype(float)
+    shown = means[means.index.get_level_values("label").isin(labels)].dropna()
+    if shown.empty:
+        return "no values"
+    longest = max(shown.index.get_level_values("length"))
+    at = times_train_len(longest, key.train_len)
+    if metric.higher_is_better:
+        values = (shown.xs(longest, level="length") * metric.scale).reindex(labels).dropna()
+        best, worst = values.idxmax(), values.idxmin()
+        name = metric.name.split(" ")[0]
+        if values[best] == values[worst]:
+            text = f"at {at}: {'every row' if len(values) > 1 else best} at {values[best]:.0f}% {name}"
+        else:
+            if reference in values.index and reference != best:
+                worst = reference
+            text = f"at {at}: {best} {values[best]:.0f}% {name}; {worst} {values[worst]:.0f}%"
+        status = table.cells.status
+        not_learned = [
+            label for label in labels if (label, longest) in status.index and status[(label, longest)] == NOT_LEARNED
+        ]
+        return text + (f"; no seed learned it: {', '.join(not_learned)}" if not_learned else "")
+    base = key.train_len if key.train_len in table.lengths else table.lengths[0]
+    ratios = {}
+    for label in labels:
+        if (label, longest) in shown.index and (label, base) in shown.index and longest != base:
+            ratios[label] = shown[(label, longest)] / shown[(label, base)]
+    if not ratios:
+        return f"measured at {at} only"
+    ratios = pd.Series(ratios)
+    best, worst = ratios.idxmin(), ratios.idxmax()
+    if reference in ratios.index and reference != best:
+        worst = reference
+    if worst == best:
+        return f"at {at}: {best} {growth(ratios[best], metric.name).replace('rises least, to', 'rises to')}"
+    return f"at {at}: {best} {growth(ratios[best], metric.name)}; {worst} {ratios[worst]:.1f}x"
+
+
+def growth(ratio: float, noun: str) -> str:
+    """How a row's value at a length compares with its value at L_train, in words: within 5, 10 or 20% of it, else
+    the factor."""
+    for percent in (5, 10, 20):
+        if abs(ratio - 1) <= percent / 100:
+            return f"stays within {percent}% of its L_train {noun}"
+    if ratio < 1:
+        return f"falls to {ratio:.2f}x its L_train {noun}"
+    return f"rises least, to {ratio:.1f}x its L_train {noun}"
+
+
+def coverage(tables: list[tuple[Table, list[str]]], info: pd.DataFrame) -> tuple[str, dict]:
+    """What the means of ``tables``' drawn rows cover: a note for the figure ("mean ± std over 3 seeds", and where
+    runs that did not learn their task are kept out beyond L_train, that rule), and per (table key, label) what its
+    legend entry adds where the row's seeds differ from the note's (``[1 seed]``, ``[2 of 3 seeds learned it]``)."""
+    seeds, learned = {}, {}
+    for table, labels in tables:
+        counts = table.cells.n.groupby(level="label").max()
+        for label in labels:
+            total = int(counts.get(label, 0))
+            row = info.row[label] if label in info.index else label
+            excluded = set(table.not_learned.seed[table.not_learned.row == row])
+            seeds[table.key, label] = total
+            learned[table.key, label] = total - len(excluded) if excluded else None
+    common = Counter(seeds.values()).most_common(1)[0][0] if seeds else 0
+    marks = {}
+    for key, total in seeds.items():
+        if learned[key] is not None:
+            marks[key] = (
+                " [no seed learned it]" if learned[key] == 0 else f" [{learned[key]} of {total} seeds learned it]"
+            )
+        elif total != common:
+            marks[key] = f" [{total} seed{'s' * (total != 1)}]"
+    note = f"mean ± std over {common} seeds" if common > 1 else "one seed (no spread)"
+    if any(total != common for total in seeds.values()):
+        note += " (other counts in [ ])"
+    if any(value is not None for value in learned.values()):
+        note += (
+            f"; beyond L_train only the seeds that learned the task (exact match ≥ {LEARNED_AT:.0%} at L_train): "
+            "at L_train a mean covers every seed"
+        )
+    return note, marks
+
+
+def seed_marks(seeds: pd.Series, what: str) -> tuple[str, dict]:
+    """A note for curves of ``seeds`` seeds each (by label): "<what> over 3 seeds", and per label whose count
+    differs what its legend entry adds (``[1 seed]``)."""
+    common = Counter(seeds).most_common(1)[0][0]
+    marks = {label: f" [{n} seed{'s' * (n != 1)}]" for label, n in seeds.items() if n != common}
+    note = f"{what} over {common} seeds" if common > 1 else f"one seed ({what} of one run)"
+    return note + (" (other counts in [ ])" if marks else ""), marks
+
+
+# Drawing.
+
+
+def draw_rows(ax, table: Table, labels: list[str], styles: dict, scale: float = 1.0, names: dict | None = None):
+    """Each row's mean +- std over seeds against L_eval (``names``: its legend entry, where not its label)."""
     lengths = table.lengths
     for label in labels:
         cells = table.cells.xs(label, level="label").reindex(lengths)
         mean, std = cells["mean"].astype(float), cells["std"].astype(float).fillna(0)
-        ax.errorbar(lengths, mean * scale, yerr=std * scale, ms=3.5, lw=1.4, capsize=2, label=label, **styles[label])
+        name = (names or {}).get(label, label)
+        ax.errorbar(lengths, mean * scale, yerr=std * scale, ms=4, lw=1.5, capsize=2, label=name, **styles[label])
 
 
 def length_axis(ax, lengths: list) -> None:
@@ -128,30 +499,53 @@ def plain_log_values(ax) -> None:
     ax.yaxis.set_minor_formatter(FuncFormatter(lambda value, _: f"{value:g}" if f"{value:g}"[0] in "235" else ""))
 
 
-def mark_train_len(ax, train_len: int) -> None:
-    ax.axvline(train_len, color="grey", ls="--", lw=1)
+def value_axis(ax, low: float, high: float) -> None:
+    """The y axis for values from ``low`` to ``high``: log with plain labels where they span more than x3, else
+    linear in plain numbers (no offset, no scientific notation), at least 2% of the value tall, so that a
+    near-constant curve reads as constant."""
+    if low > 0 and high / low > 3:
+        ax.set_yscale("log")
+        plain_log_values(ax)
+        return
+    middle, span = (low + high) / 2, high - low
+    if span < 0.02 * abs(middle):
+        span = 0.02 * abs(middle) or 1.0
+        ax.set_ylim(middle - span, middle + span)
+    ax.ticklabel_format(axis="y", style="plain", useOffset=False)
+
+
+def mark_train_len(ax, train_len: int, label: str = "L_train", top: bool = True) -> None:
+    """A dotted line at ``train_len``, named at the top of the panel (``top``; else at its bottom: where curves of
+    accuracy are not)."""
+    ax.axvline(train_len, color="0.55", ls=":", lw=1.2, zorder=0)
     ax.annotate(
-        "L_train",
-        (train_len, 1),
+        label,
+        (train_len, 1 if top else 0),
         xycoords=("data", "axes fraction"),
-        xytext=(3, -12),
+        xytext=(3, -12 if top else 4),
         textcoords="offset points",
         fontsize=8,
-        color="grey",
+        color="0.35",
+        bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 0.5},
     )
 
 
-def legend_below(ax, entries: int) -> None:
-    ax.legend(
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.16),
-        ncol=1 + (entries > 4) + (entries > 12),
-        frameon=False,
-    )
+def legend_columns(names: list[str], width: float = PANEL_WIDTH) -> int:
+    """Legend columns that fit a panel ``width`` inches wide (9-point text)."""
+    room = int(width * 72 / (9 * 0.56))
+    longest = max((len(name) for name in names), default=1) + 6
+    return max(1, min(len(names), 3, room // longest))
+
+
+def legend_below(ax, entries: int | None = None) -> None:
+    """The panel's legend below its axes, in as many columns as fit its width."""
+    names = ax.get_legend_handles_labels()[1]
+    if names:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=legend_columns(names), frameon=False)
 
 
 def share_log_scale(axes) -> None:
-    """One value scale across the log-scaled panels that have data: families compare at a glance."""
+    """One value scale across the log-scaled panels that have data: they compare at a glance."""
     shown = [ax for ax in axes if ax.has_data() and ax.get_yscale() == "log"]
     if len(shown) > 1:
         low, high = min(ax.get_ylim()[0] for ax in shown), max(ax.get_ylim()[1] for ax in shown)
@@ -159,45 +553,155 @@ def share_log_scale(axes) -> None:
             ax.set_ylim(low, high)
 
 
-def draw_lengths(summary: Summary, tables: list[Table]):
-    """The metric against L_eval, mean +- std over seeds, each PE in its colour and its variants in line styles,
-    the legend below the data: a row of panels per table, a panel per PE family (``FAMILIES``) when a table has
-    more rows than ``FAMILY_PANELS_ABOVE``, else a panel per table (three to a row)."""
-    family = summary.labels.family
-    if max(len(table.index) for table in tables) > FAMILY_PANELS_ABOVE:
-        present = families_of([label for table in tables for label in table.index], family)
-        columns = len(present)
-        panels = [
-            (table, [label for label in table.index if family[label] == name], name)
-            for table in tables
-            for name in present
-        ]
-    else:
-        columns = min(3, len(tables))
-        panels = [(table, list(table.index), "") for table in tables]
-    fig, axes = grid(len(panels), columns, 4.6, 5.0)
-    for ax, (table, drawn, name) in zip(axes.flat, panels, strict=False):
-        key, metric = table.key, table.metric
-        draw_rows(ax, table, drawn, row_styles(roots_of(summary, drawn)), metric.scale)
-        mark_train_len(ax, key.train_len)
-        length_axis(ax, table.lengths)
-        ax.set(
-            yscale="linear" if metric.higher_is_better else "log",
-            xlabel="L_eval (tokens)",
-            ylabel=metric.name,
-            title=(f"{name}: " if name else "")
-            + (f"{key.task}, {metric.name.split(' ')[0]}" if key.task else key.protocol)
-            + f", L_train {key.train_len}",
+def wrapped(text: str, width: float = PANEL_WIDTH) -> str:
+    """``text`` in lines that fit a panel ``width`` inches wide (10-point text)."""
+    return "\n".join(textwrap.wrap(text, int(width * 72 / (10 * 0.62)), break_on_hyphens=False))
+
+
+def title(ax, holds: str, takeaway: str, width: float = PANEL_WIDTH) -> None:
+    """A panel's title: what it holds, then what it shows."""
+    ax.set_title(wrapped(holds, width) + "\n" + wrapped(takeaway, width), fontsize=10)
+
+
+@dataclass
+class Drawn:
+    """A panel to draw: its rows and how, and the lines its title and legend take (for the figure's height)."""
+
+    panel: Panel
+    context: object  # what the drawing function needs (a table, an L_train, ...)
+    names: dict
+    holds: str = ""
+    takeaway: str = ""
+    title_lines: int = 2
+
+
+def grid(panels: int, columns: int, width: float, height: float, **options):
+    """A figure of ``panels`` axes, ``columns`` to a row, each ``width`` x ``height`` inches; unused axes hidden.
+    Returns (figure, axes as a 2-D array)."""
+    rows = -(-panels // columns)
+    fig, axes = pyplot().subplots(
+        rows, columns, figsize=(width * columns, height * rows), squeeze=False, layout="constrained", **options
+    )
+    for ax in axes.flat[panels:]:
+        ax.axis("off")
+    return fig, axes
+
+
+def panel_grid(sections: list[list[Drawn]], note: str, width: float = PANEL_WIDTH, axes_height: float = AXES_HEIGHT):
+    """A figure of ``sections`` of panels, each section starting a row of at most ``COLUMNS``, each row as tall as
+    its longest title and legend need; ``note`` above. Returns (figure, [(axes, drawn)])."""
+    rows = [section[start : start + COLUMNS] for section in sections for start in range(0, len(section), COLUMNS)]
+    columns = max(len(row) for row in rows)
+    heights = []
+    for row in rows:
+        title_lines = max(drawn.title_lines for drawn in row)
+        legend_lines = max(
+            math.ceil(len(drawn.names) / legend_columns(list(drawn.names.values()), width)) for drawn in row
         )
+        heights.append(axes_height + 0.18 * title_lines + 0.19 * legend_lines + 0.85)
+    note = wrapped(note, width * columns * 1.1)
+    top = 0.2 + 0.17 * (note.count("\n") + 1)
+    fig, axes = pyplot().subplots(
+        len(rows),
+        columns,
+        figsize=(width * columns, sum(heights) + top),
+        squeeze=False,
+        layout="constrained",
+        gridspec_kw={"height_ratios": heights},
+    )
+    fig.suptitle(note, fontsize=9, color="0.25")
+    placed = []
+    for row, row_axes in zip(rows, axes, strict=True):
+        for ax in row_axes[len(row) :]:
+            ax.axis("off")
+        placed += list(zip(row_axes, row, strict=False))
+    return fig, placed
+
+
+def fit_height(fig) -> None:
+    """Draw ``fig`` until every legend and title lies inside it, growing it where one does not: the layout makes
+    room for the legends below the axes from where they were at its last run, which moves them."""
+    for _ in range(4):
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        boxes = [ax.get_legend().get_window_extent(renderer) for ax in fig.axes if ax.get_legend()]
+        boxes += [ax.title.get_window_extent(renderer) for ax in fig.axes if ax.get_title()]
+        if not boxes:
+            return
+        below = -min(box.y0 for box in boxes) / fig.dpi
+        above = max(box.y1 for box in boxes) / fig.dpi - fig.get_figheight()
+        if below <= 0 and above <= 0:
+            return
+        fig.set_figheight(fig.get_figheight() + max(below, 0) + max(above, 0) + 0.05)
+
+
+def title_lines(holds: str, takeaway: str) -> int:
+    return wrapped(holds).count("\n") + wrapped(takeaway).count("\n") + 2
+
+
+def draw_lengths(summary: Summary, tables: list[Table], pes_as_trained: bool = True):
+    """The metric against L_eval, mean +- std over seeds, L_train marked, the legend below each panel: a section
+    of panels per table, its rows split by ``split_rows``; one value scale across a table's panels."""
+    info = row_info(summary)
+    sections, drawn_tables = [], []
+    for table in tables:
+        panels = split_rows(info, list(table.index), pes_as_trained)
+        drawn_tables += [(table, panel.labels) for panel in panels]
+        sections.append([Drawn(panel, table, {}) for panel in panels])
+    note, marks = coverage(drawn_tables, info)
+    train_lens = {table.key.train_len for table in tables}
+    if len(train_lens) == 1:
+        note = f"L_train {train_lens.pop()} (dotted line); {note}"
+    for section in sections:
+        for drawn in section:
+            table = drawn.context
+            drawn.names = {label: label + marks.get((table.key, label), "") for label in drawn.panel.labels}
+            drawn.holds = f"{table_name(table, not note.startswith('L_train'))} · {drawn.panel.holds}"
+            drawn.takeaway = lengths_takeaway(table, drawn.panel.labels, reference(info, drawn.panel))
+            drawn.title_lines = title_lines(drawn.holds, drawn.takeaway)
+    if any(pd.notna(info.base.get(label)) for table in tables for label in table.index):
+        note += "; solid: the first stage's weights (as trained or scaled at evaluation), dashed: fine-tuned"
+    fig, placed = panel_grid(sections, note)
+    by_table: dict = {}
+    for ax, drawn in placed:
+        table, panel = drawn.context, drawn.panel
+        key, metric = table.key, table.metric
+        draw_rows(ax, table, panel.labels, line_styles(info, panel.labels, panel.by_method), metric.scale, drawn.names)
+        mark_train_len(ax, key.train_len, top=not metric.higher_is_better)
+        stage_lens = {int(info.stage_len[label]) for label in panel.labels if pd.notna(info.stage_len.get(label))}
+        for stage_len in sorted(stage_lens - {key.train_len}):
+            if stage_len > max(table.lengths):
+                continue
+            mark_train_len(ax, stage_len, f"L' {stage_len}", top=not metric.higher_is_better)
+        length_axis(ax, table.lengths)
+        ax.set(xlabel="L_eval (tokens)", ylabel=metric.name)
         if metric.higher_is_better:
-            ax.set_ylim(-2, 102)
+            ax.set_ylim(-3, 103)
         else:
+            ax.set_yscale("log")
             plain_log_values(ax)
-        if drawn:
-            legend_below(ax, len(drawn))
-    for row in axes:
-        share_log_scale(row)
+        title(ax, drawn.holds, drawn.takeaway)
+        legend_below(ax)
+        by_table.setdefault(key, []).append(ax)
+    for axes in by_table.values():
+        share_log_scale(axes)
+    fit_height(fig)
     return fig
+
+
+def reference(info: pd.DataFrame, panel: Panel) -> str | None:
+    """The row a panel of one PE's variants compares them with: the PE as trained."""
+    if not panel.by_method:
+        return None
+    trained = [label for label in panel.labels if pd.isna(info.base[label]) and pd.isna(info.variant[label])]
+    return trained[0] if trained else None
+
+
+def table_name(table: Table, train_len: bool = True) -> str:
+    """What a table holds in a few words: its task and metric (a probe's) or protocol, and its L_train."""
+    key = table.key
+    what = f"{key.task}, {table.metric.name.split(' ')[0]}" if key.task else key.protocol
+    return f"{what}, L_train {key.train_len}" if train_len else what
 
 
 @figure("ppl_vs_length.png")
@@ -209,131 +713,235 @@ def ppl_vs_length(summary: Summary):
 
 @figure("accuracy_vs_length.png")
 def accuracy_vs_length(summary: Summary):
-    """Probes: exact match and per-token accuracy (%) against L_eval, a panel per (task, metric)."""
+    """Probes: exact match and per-token accuracy (%) against L_eval, a section per (task, metric):
+    ``draw_lengths``."""
     tables = [table for key, table in summary.tables.items() if key.metric in ACCURACIES]
     return draw_lengths(summary, tables) if tables else None
 
 
 @figure("per_position.png")
 def per_position(summary: Summary):
-    """Mean loss per log-spaced position bin at the longest evaluated length, one line per row (mean over seeds):
-    a row of panels per L_train, split by PE family as ``draw_lengths`` splits."""
+    """Mean loss per log-spaced position bin at the longest evaluated length (mean over seeds), a section per
+    L_train split as ``draw_lengths`` splits; the title names the rows with the lowest and the highest loss in the
+    last bin, with their rise from L_train (``positions_takeaway``)."""
     binned = summary.positions
     if binned.empty:
         return None
-    family = pd.Series({label: summary.labels.family.get(label, OTHER_FAMILY) for label in binned.label.unique()})
-    panels = []  # (L_train, labels, family or "")
+    info = row_info(summary)
+    sections = []
+    several = binned.train_len.nunique() > 1
     for train_len, of_train_len in binned.groupby("train_len", sort=True):
         labels = list(of_train_len.label.unique())
-        if len(labels) > FAMILY_PANELS_ABOVE:
-            for name in families_of(labels, family):
-                panels.append((train_len, [label for label in labels if family[label] == name], name))
-        else:
-            panels.append((train_len, labels, ""))
-    fig, axes = grid(len(panels), min(3, len(panels)), 5.6, 5.8)
-    for ax, (train_len, labels, name) in zip(axes.flat, panels, strict=False):
-        styles = row_styles(roots_of(summary, labels))
-        for label in labels:
-            curve = binned[(binned.train_len == train_len) & (binned.label == label)]
+        section = []
+        for panel in split_rows(info, labels):
+            curves = {label: of_train_len[of_train_len.label == label] for label in panel.labels}
+            drawn = Drawn(panel, (train_len, curves), {})
+            drawn.holds = f"L_train {train_len} · {panel.holds}" if several else panel.holds
+            drawn.takeaway = positions_takeaway(curves, train_len, reference(info, panel))
+            drawn.title_lines = title_lines(drawn.holds, drawn.takeaway)
+            section.append(drawn)
+        sections.append(section)
+    note, marks = seed_marks(binned.groupby("label").seeds.max(), "mean")
+    for section in sections:
+        for drawn in section:
+            drawn.names = {label: label + marks.get(label, "") for label in drawn.panel.labels}
+    at = "" if several else f", L_train {binned.train_len.iloc[0]} (dotted line)"
+    note = f"loss per bin of positions (4 bins per octave) at the longest L_eval{at}; {note}"
+    fig, placed = panel_grid(sections, note)
+    for ax, drawn in placed:
+        train_len, curves = drawn.context
+        styles = line_styles(info, drawn.panel.labels, drawn.panel.by_method)
+        for label, curve in curves.items():
             center = ((curve.bin_start + 1) * curve.bin_end) ** 0.5  # geometric middle, in 1-based positions
-            ax.plot(center, curve.mean_nll, ms=3, lw=1, label=label, **styles[label])
+            ax.plot(center, curve.mean_nll, ms=3, lw=1.2, label=drawn.names[label], **styles[label])
         mark_train_len(ax, train_len)
-        ax.set(
-            xscale="log",
-            xlabel="position in window (1-based; 4 bins per octave)",
-            ylabel="mean loss in bin (nats)",
-        )
-        ax.set_title((f"{name}: " if name else "") + f"at the longest L_eval, L_train {train_len}")
-        legend_below(ax, len(labels))
-    shown = [ax for ax in axes.flat if ax.has_data()]
+        stage_lens = {int(info.stage_len[label]) for label in curves if pd.notna(info.stage_len.get(label))}
+        longest = max(int(curve.bin_end.max()) for curve in curves.values())
+        for stage_len in sorted(stage_lens - {train_len}):
+            if stage_len <= longest:
+                mark_train_len(ax, stage_len, f"L' {stage_len}")
+        ax.set(xscale="log", xlabel="position in window (1-based)", ylabel="mean loss in bin (nats)")
+        ax.xaxis.set_major_formatter(plain_number())
+        title(ax, drawn.holds, drawn.takeaway)
+        legend_below(ax)
+    shown = [ax for ax, _ in placed if ax.has_data()]
     low, high = min(ax.get_ylim()[0] for ax in shown), max(ax.get_ylim()[1] for ax in shown)
     for ax in shown:
         ax.set_ylim(low, high)
+    fit_height(fig)
     return fig
+
+
+def plain_number():
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda value, _: f"{value:g}")
+
+
+def positions_takeaway(curves: dict[str, pd.DataFrame], train_len: int, reference: str | None = None) -> str:
+    """The rows with the lowest and the highest loss in the last bin (``reference`` in place of the highest where a
+    panel compares one PE's variants), each with its rise from the last bin within L_train, in nats."""
+    end, rise, last = {}, {}, 0
+    for label, curve in curves.items():
+        within = curve[curve.bin_end <= train_len]
+        if within.empty or len(curve) == len(within):
+            continue
+        end[label] = curve.mean_nll.iloc[-1]
+        rise[label] = end[label] - within.mean_nll.iloc[-1]
+        last = max(last, int(curve.bin_end.iloc[-1]))
+    if not end:
+        return "no position beyond L_train"
+    end = pd.Series(end)
+    best, worst = end.idxmin(), end.idxmax()
+    if reference in end.index and reference != best:
+        worst = reference
+    text = f"last bin (to position {last}): {best} {end[best]:.2f} nats ({rise[best]:+.2f} from L_train)"
+    return text + (f"; {worst} {end[worst]:.2f} ({rise[worst]:+.2f})" if worst != best else "")
 
 
 @figure("extension.png")
 def extension(summary: Summary):
     """Second stages in the ``nonoverlap`` table (else each text table holding them), perplexity against L_eval,
-    mean +- std over seeds. A PE with zero-shot scalings gets two panels, its base and those scalings, then its
-    base and each method after fine-tuning, a method in one colour in both (PI is ``linear``); the PEs without any
-    share one panel, each in its colour. Fine-tuned rows are solid, the others dashed."""
+    mean +- std over seeds: the rows of each PE fine-tuned, split as ``split_rows`` splits them (a PE with variants
+    or several methods: its zero-shot variants, then its stages by length and positions, coloured by method, PI
+    as ``linear``; the PEs with one stage each beside their bases, coloured by PE)."""
     labels = summary.labels
     staged = [table for key, table in summary.tables.items() if not key.task and labels.base[table.index].notna().any()]
     if not staged:
         return None
-    panels = []  # (table, labels, title, colour of a label)
+    tables = []
     for table in [table for table in staged if table.key.protocol == "nonoverlap"] or staged:
         rows = labels.loc[table.index]
-        later = rows.base.notna()
-        plain = []
-        for root in dict.fromkeys(rows.root[later]):
-            of_root = rows.root == root
-            zero_shot = list(rows.index[of_root & ~later])
-            tuned = list(rows.index[of_root & (later | rows.variant.isna())])
-            if len(zero_shot) == 1:
-                plain += tuned
-                continue
-            methods = list(dict.fromkeys(rows.extension_method[zero_shot + tuned]))
-            colour = {label: f"C{methods.index(rows.extension_method[label]) % 10}" for label in zero_shot + tuned}
-            panels.append((table, zero_shot, f"{root}, zero-shot", colour))
-            panels.append((table, tuned, f"{root}, after fine-tuning", colour))
-        if plain:
-            roots = list(dict.fromkeys(rows.root[plain]))
-            colour = {label: f"C{roots.index(rows.root[label]) % 10}" for label in plain}
-            panels.append((table, plain, "the other PEs: base and direct fine-tuning", colour))
-    fig, axes = grid(len(panels), min(2, len(panels)), 6.4, 5.6, sharey=True)
-    for ax, (table, drawn, title, colour) in zip(axes.flat, panels, strict=False):
-        styles = {
-            label: {
-                "color": colour[label],
-                "ls": "-" if pd.notna(labels.base[label]) else "--",
-                "marker": "o" if pd.notna(labels.base[label]) else "s",
-            }
-            for label in drawn
-        }
-        draw_rows(ax, table, drawn, styles)
-        mark_train_len(ax, table.key.train_len)
-        length_axis(ax, table.lengths)
-        ax.set(yscale="log", xlabel="L_eval (tokens)", ylabel="perplexity")
-        plain_log_values(ax)
-        ax.set_title(f"{title} ({table.key.protocol})")
-        legend_below(ax, len(drawn))
-    return fig
+        fine_tuned = set(rows.root[rows.base.notna()])
+        kept = [label for label in table.index if rows.root[label] in fine_tuned]
+        tables.append(Table(table.key, table.cells.loc[kept], table.seeds, table.rows.loc[kept], table.not_learned))
+    return draw_lengths(summary, tables, pes_as_trained=False)
 
 
 @figure("adaptation.png")
 def adaptation(summary: Summary):
-    """Validation perplexity against fine-tuning steps, one panel per validation length (the PI paper's figure of
-    how fast each method adapts)."""
+    """Validation perplexity against fine-tuning steps (the PI paper's figure of how fast each method adapts), the
+    panels of each validation length side by side: a PE's several stages coloured by method, the PEs with one
+    stage each coloured by PE; the title names the lowest and highest after the first validation and how far
+    apart they end."""
     frame = summary.adaptation
     if frame.empty:
         return None
-    lengths = sorted(frame.val_len.unique())
-    fig, axes = grid(len(lengths), len(lengths), 7, 6)
-    styles = row_styles(roots_of(summary, frame.row.unique()))
-    for ax, length in zip(axes[0], lengths, strict=True):
-        for row, curve in frame[frame.val_len == length].groupby("row", sort=False):
-            ax.errorbar(curve.step, curve["mean"], yerr=curve["std"], ms=3, capsize=2, label=row, **styles[row])
-        ax.set(yscale="log", xlabel="fine-tuning step", ylabel=f"validation perplexity at L = {length}")
-        ax.set_title(f"second stages validating at their training length {length}")
-        legend_below(ax, frame[frame.val_len == length].row.nunique())
+    info = row_info(summary)
+    section = []  # few panels: side by side
+    for length in sorted(frame.val_len.unique()):
+        of_length = frame[frame.val_len == length]
+        rows = list(of_length.row.unique())
+        roots = roots_of(summary, rows)
+        several = [root for root, n in Counter(roots).items() if n > 1]
+        panels = [
+            Panel(part, True, f"{root}'s second stages")
+            for root in several
+            for part in chunks([[row] for row in roots.index[roots == root]])
+        ]
+        single = [[row] for row in rows if roots[row] not in several]
+        if single:
+            panels += by_family(info, single, "one second stage each", merge=True)
+        for panel in panels:
+            curves = {row: of_length[of_length.row == row] for row in panel.labels}
+            drawn = Drawn(panel, (length, curves), {})
+            drawn.holds = f"{panel.holds} · validating at L = {length}"
+            drawn.takeaway = adaptation_takeaway(curves)
+            drawn.title_lines = title_lines(drawn.holds, drawn.takeaway)
+            section.append(drawn)
+    note, marks = seed_marks(frame.groupby("row").seeds.max(), "mean ± std")
+    for drawn in section:
+        drawn.names = {row: row + marks.get(row, "") for row in drawn.panel.labels}
+    note += "; a stage validates at its own training length (L' at full length, L_train for PoSE)"
+    fig, placed = panel_grid([section], note)
+    for ax, drawn in placed:
+        _, curves = drawn.context
+        styles = line_styles(info, drawn.panel.labels, drawn.panel.by_method)
+        for row, curve in curves.items():
+            ax.errorbar(
+                curve.step,
+                curve["mean"],
+                yerr=curve["std"],
+                ms=4,
+                lw=1.5,
+                capsize=2,
+                label=drawn.names[row],
+                **styles[row],
+            )
+        values = pd.concat([curve["mean"] for curve in curves.values()])
+        value_axis(ax, float(values.min()), float(values.max()))
+        ax.set(xlabel="fine-tuning step", ylabel="validation perplexity")
+        title(ax, drawn.holds, drawn.takeaway)
+        legend_below(ax)
+    fit_height(fig)
     return fig
+
+
+def adaptation_takeaway(curves: dict[str, pd.DataFrame]) -> str:
+    """The lowest and highest validation perplexity at the first step logged, and their spread at the last; or
+    that every curve is at one value (to two decimals)."""
+    first = pd.Series({row: curve["mean"].iloc[0] for row, curve in curves.items()})
+    last = pd.Series({row: curve["mean"].iloc[-1] for row, curve in curves.items()})
+    start = min(int(curve.step.iloc[0]) for curve in curves.values())
+    end = max(int(curve.step.iloc[-1]) for curve in curves.values())
+    every = pd.concat([curve["mean"] for curve in curves.values()])
+    if round(every.min(), 2) == round(every.max(), 2):
+        return f"every curve at {every.min():.2f} from step {start} on: validation does not tell them apart"
+    if len(curves) == 1:
+        return f"{first.index[0]} {first.iloc[0]:.2f} at step {start}, {last.iloc[0]:.2f} at step {end}"
+    best, worst = first.idxmin(), first.idxmax()
+    spread = last.max() - last.min()
+    apart = f"{spread:.2f} apart" if spread >= 0.01 else "within 0.01"
+    lowest = f"{best} lowest at step {start} ({first[best]:.2f})"
+    return f"{lowest}, {worst} highest ({first[worst]:.2f}); {apart} at step {end}"
 
 
 @figure("passkey_depth.png")
 def passkey_depth(summary: Summary):
-    """Passkey's depth x length grid: exact match (mean over seeds) per cell, one panel per (L_train, row)."""
+    """Passkey's depth x length grid: exact match (mean over seeds) per cell, one panel per (L_train, row), in a
+    colour-blind-safe map; the title gives the mean over depths at the shortest and longest length."""
     depths = summary.depths
     if depths.empty:
         return None
     panels = list(depths.groupby(["train_len", "label"], sort=False))
-    fig, axes = grid(len(panels), min(4, len(panels)), 4, 3.4)
+    columns = min(4, len(panels))
+    width = 3.2
+    fig, axes = grid(len(panels), columns, width, 3.0)
+    info = row_info(summary)
+    drawn = {(train_len, label) for (train_len, label), _ in panels}
+    tables = [
+        (table, [label for label in table.index if (key.train_len, label) in drawn])
+        for key, table in summary.tables.items()
+        if key.task == "passkey" and key.metric == "exact_match"
+    ]
+    note, _ = coverage(tables, info) if tables else ("", {})
+    fig.suptitle(
+        wrapped(
+            note.replace("mean ± std", "exact match %, mean") + "; in a title, the mean over depths at the shortest "
+            "and the longest L_eval",
+            width * columns * 1.1,
+        ),
+        fontsize=9,
+        color="0.25",
+    )
     for ax, ((train_len, label), cells) in zip(axes.flat, panels, strict=False):
-        cells = cells.pivot(index="depth", columns="length", values="mean").sort_index(ascending=False)
-        image = ax.imshow(100 * cells.to_numpy(), vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(len(cells.columns)), [str(n) for n in cells.columns], fontsize=7)
-        ax.set_yticks(range(len(cells.index)), [f"{d:.1f}" for d in cells.index], fontsize=7)
-        ax.set(xlabel="L_eval", ylabel="passkey depth (from)", title=f"{label}, L_train = {train_len}")
+        grid_cells = cells.pivot(index="depth", columns="length", values="mean").sort_index(ascending=False)
+        image = ax.imshow(100 * grid_cells.to_numpy(), vmin=0, vmax=100, cmap=HEATMAP, aspect="auto")
+        ax.set_xticks(range(len(grid_cells.columns)), [str(n) for n in grid_cells.columns], fontsize=8)
+        ax.set_yticks(range(len(grid_cells.index)), [f"{d:.1f}" for d in grid_cells.index], fontsize=8)
+        by_length = 100 * grid_cells.mean()
+        shortest, longest = by_length.index[0], by_length.index[-1]
+        ax.set(xlabel="L_eval", ylabel="passkey depth (from)")
+        ax.set_title(
+            wrapped(f"{label}, L_train {train_len}", width)
+            + "\n"
+            + (
+                f"{by_length[shortest]:.0f}% at {shortest} → {by_length[longest]:.0f}% at {longest}"
+                if longest != shortest
+                else f"{by_length[shortest]:.0f}% at {shortest}; no values beyond"
+            ),
+            fontsize=9,
+        )
     fig.colorbar(image, ax=axes, label="exact match %", shrink=0.8)
+    fit_height(fig)
     return fig
