@@ -213,3 +213,22 @@ def test_a_lenext_model_trains_on_a_tokenizer_from_outside(
     stage = compose_train(*overrides, f"init_from={base}", "data.tokenizer=null", f"paths.output_dir={tmp_path / 's'}")
     with pytest.raises(ConfigError, match=r"^data.tokenizer=None is invalid for a second stage: .* data.tokenizer="):
         train(stage)
+
+
+def test_dynamic_ntk_follows_each_sequences_length_as_transformers_defines_it(tmp_path, tokenizer_folder):
+    """The dynamic variant's rotary module grows its base with the length of each forward pass: at 4C it holds
+    transformers' dynamic-NTK frequencies for seq_len 4C (factor 1, lenext's default), equal to lenext's own."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from lenext.pe.rope import rope_frequencies
+
+    net = HFLanguageModel(load_model(str(model_folder(tmp_path, tokenizer_folder, "llama"))))
+    with net.pe.variant("dynamic_ntk"):
+        tokens = torch.zeros(1, 4 * CONTEXT, dtype=torch.long)
+        net.token_nll(tokens, tokens)
+        rotary = net.model.model.rotary_emb
+        expected, _ = ROPE_INIT_FUNCTIONS["dynamic"](net.model.config, seq_len=4 * CONTEXT)
+        assert_close(rotary.inv_freq, expected)
+        head_dim = net.model.config.hidden_size // net.model.config.num_attention_heads
+        lenext, _ = rope_frequencies(head_dim, 10000.0, "dynamic_ntk", 1.0, 4 * CONTEXT, CONTEXT)
+        assert_close(rotary.inv_freq.double(), lenext, rtol=1e-6, atol=0)

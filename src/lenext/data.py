@@ -275,7 +275,7 @@ def byte_ends(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
     points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     widths = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)
     char_ends = np.concatenate([[0], np.cumsum(widths)])  # byte offset of each character boundary
-    ends = np.array([end for _, end in offsets], dtype=np.int64)
+    ends = np.fromiter((end for _, end in offsets), dtype=np.int64, count=len(offsets))
     return np.maximum.accumulate(char_ends[ends]) if len(ends) else ends
 
 
@@ -487,28 +487,28 @@ class LMDataModule(L.LightningDataModule):
             self.splits[split], self.byte_ends[split] = self._tokenize(split, docs, key, start)
 
     def _tokenize(self, split: str, docs: list[str], tokenizer_key: str, start: int):
-        """The split's documents as token ids, ``[start] + tokens``, and each token's ``byte_ends`` (the start
-        token spans none)."""
+        """The split's documents as token ids, ``[start] + tokens``, and for a held-out split each token's
+        ``byte_ends`` (the start token spans none; the training split needs none)."""
         import datasets
 
-        tokenizer = self.tokenizer
+        tokenizer, held_out = self.tokenizer, split != "train"
 
         def encode(batch):
             encoded = tokenizer.encode_batch(batch["text"], add_special_tokens=False)
-            return {
-                "ids": [[start] + e.ids for e in encoded],
-                "byte_ends": [
-                    [0, *byte_ends(t, e.offsets).tolist()] for t, e in zip(batch["text"], encoded, strict=True)
-                ],
-            }
+            columns = {"ids": [[start] + e.ids for e in encoded]}
+            if held_out:
+                pairs = zip(batch["text"], encoded, strict=True)
+                columns["byte_ends"] = [np.concatenate([[0], byte_ends(t, e.offsets)]) for t, e in pairs]
+            return columns
 
-        path = os.path.join(self.cache_dir, "tokens", f"{tokenizer_key}-{split}-{_digest(docs)}-bytes.arrow")
+        name = f"{tokenizer_key}-{split}-{_digest(docs)}" + ("-bytes" if held_out else "")
+        path = os.path.join(self.cache_dir, "tokens", f"{name}.arrow")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tokenized = datasets.Dataset.from_dict({"text": docs}).map(
             encode, batched=True, remove_columns=["text"], cache_file_name=path, desc=f"tokenize {split}"
-        )
+        ).with_format("numpy")
         ids = [np.asarray(row, dtype=np.int32) for row in tokenized["ids"]]
-        return ids, [np.asarray(row, dtype=np.int64) for row in tokenized["byte_ends"]]
+        return ids, [np.asarray(row, dtype=np.int64) for row in tokenized["byte_ends"]] if held_out else []
 
     def stream(self, split: str) -> np.ndarray:
         return np.concatenate(self.splits[split])
