@@ -22,7 +22,7 @@ CONTEXT = 32  # every tiny model's max_position_embeddings: eval.factors multipl
 def tiny_config(architecture: str):
     import transformers
 
-    shape = {"vocab_size": VOCAB}
+    shape = {"vocab_size": VOCAB, "initializer_range": 0.5}  # weights large enough that positions matter
     if architecture == "gpt2":
         return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=2 * CONTEXT, **shape)
     if architecture == "bloom":
@@ -177,6 +177,7 @@ def test_what_cannot_be_evaluated_is_refused_in_one_line_before_any_work(tmp_pat
         ("eval.variants=[ntk]",): r"^eval.variants=\['ntk'\] is invalid for a Hugging Face model: ntk is not a scaling",
         ("ckpt=x.ckpt",): r"^ckpt=x.ckpt and hf=.*: give one",
         ("data.tokenizer=/other",): r"^data.tokenizer=/other is invalid with hf=",
+        ("pe.scaling=yarn",): r"^pe.scaling applies to ckpt=; a Hugging Face model's scalings are eval.variants",
     }
     for overrides, message in refusals.items():
         with pytest.raises(ConfigError, match=message):
@@ -227,8 +228,46 @@ def test_dynamic_ntk_follows_each_sequences_length_as_transformers_defines_it(tm
         tokens = torch.zeros(1, 4 * CONTEXT, dtype=torch.long)
         net.token_nll(tokens, tokens)
         rotary = net.model.model.rotary_emb
-        expected, _ = ROPE_INIT_FUNCTIONS["dynamic"](net.model.config, seq_len=4 * CONTEXT)
+        expected, _ = ROPE_INIT_FUNCTIONS["dynamic"](rotary.config, seq_len=4 * CONTEXT)
         assert_close(rotary.inv_freq, expected)
         head_dim = net.model.config.hidden_size // net.model.config.num_attention_heads
         lenext, _ = rope_frequencies(head_dim, 10000.0, "dynamic_ntk", 1.0, 4 * CONTEXT, CONTEXT)
         assert_close(rotary.inv_freq.double(), lenext, rtol=1e-6, atol=0)
+
+
+def test_a_dynamic_row_is_the_model_as_trained_up_to_c_in_every_protocol(tmp_path, small_text_corpus, tokenizer_folder):
+    """Dynamic NTK grows its base with each sequence beyond C only: at L = C, after a longer length of another
+    protocol, its rows equal the model as trained (its module keeps no longer length)."""
+    folder = model_folder(tmp_path, tokenizer_folder, "llama")
+    overrides = ("eval.lengths=[32,128]", "eval.protocol=[nonoverlap,last_k]", "eval.variants=[dynamic_ntk]")
+    evaluate_hf(compose_hf(tmp_path, small_text_corpus, folder, *overrides, "eval.max_windows=4"))
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    at = {(r["protocol"], r["variant"], r["length"]): r["mean_nll"] for r in rows}
+    for protocol in ("nonoverlap", "last_k"):
+        assert at[(protocol, "dynamic_ntk", 32)] == pytest.approx(at[(protocol, None, 32)], rel=1e-6)
+        assert at[(protocol, "dynamic_ntk", 128)] != pytest.approx(at[(protocol, None, 128)], rel=1e-4)
+
+
+def test_partial_rotary_stays_partial_under_a_variant(tmp_path, tokenizer_folder):
+    """GPT-NeoX rotates a share of each head (rotary_pct): a scaling keeps that share."""
+    net = HFLanguageModel(load_model(str(model_folder(tmp_path, tokenizer_folder, "gpt_neox"))))
+    trained = net.model.base_model.rotary_emb.inv_freq.clone()
+    with net.pe.variant("yarn"):
+        tokens = torch.zeros(1, 4 * CONTEXT, dtype=torch.long)
+        net.token_nll(tokens, tokens)
+        assert net.model.base_model.rotary_emb.inv_freq.shape == trained.shape
+        assert not torch.equal(net.model.base_model.rotary_emb.inv_freq, trained)
+    assert torch.equal(net.model.base_model.rotary_emb.inv_freq, trained)
+
+
+def test_variants_of_a_model_without_rope_and_an_encoder_are_refused(tmp_path, small_text_corpus, tokenizer_folder):
+    import transformers
+
+    folder = model_folder(tmp_path, tokenizer_folder, "gpt2")
+    with pytest.raises(ConfigError, match=r"^eval.variants=\['yarn'\] is invalid for this model: it has no RoPE"):
+        evaluate_hf(compose_hf(tmp_path, small_text_corpus, folder, "eval.variants=[yarn]"))
+    bert = tmp_path / "bert"
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+    transformers.BertLMHeadModel(config).save_pretrained(bert)
+    with pytest.raises(ConfigError, match=r"is not causal \(a later token changes an earlier position's logits\)"):
+        load_model(str(bert))

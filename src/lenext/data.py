@@ -246,6 +246,8 @@ def external_tokenizer(path: str):
             tokenizer = Tokenizer.from_file(path)
         except Exception as e:  # tokenizers raises its own Exception for a file that is not a tokenizer
             raise ConfigError(f"{where} cannot be read as a tokenizer.json ({str(e).splitlines()[0]})") from None
+        tokenizer.no_truncation()  # a saved truncation or padding would cut or pad documents
+        tokenizer.no_padding()
         start = next((tokenizer.token_to_id(t) for t in END_OF_TEXT if tokenizer.token_to_id(t) is not None), None)
         if start is None:
             raise ConfigError(
@@ -266,7 +268,10 @@ def external_tokenizer(path: str):
     start = loaded.bos_token_id if loaded.bos_token_id is not None else loaded.eos_token_id
     if start is None:
         raise ConfigError(f"{where}: its tokenizer names neither a BOS nor an EOS token to start documents with")
-    return loaded.backend_tokenizer, start
+    tokenizer = loaded.backend_tokenizer
+    tokenizer.no_truncation()  # a saved truncation or padding would cut or pad documents
+    tokenizer.no_padding()
+    return tokenizer, start
 
 
 def byte_ends(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
@@ -443,7 +448,7 @@ class LMDataModule(L.LightningDataModule):
         """Any length: one that no document fills gets a "no windows" row in the sweep, saying why."""
 
     def evaluation(self, split: str) -> TextEvaluation:
-        return TextEvaluation(self.splits[split], self.byte_ends[split])
+        return TextEvaluation(self.splits[split], self.byte_ends.get(split) or None)  # train: bytes not kept
 
     @property
     def tokenizer_id(self) -> str:
@@ -468,7 +473,7 @@ class LMDataModule(L.LightningDataModule):
             if not any(d.strip() for d in docs):
                 raise DataError(f"corpus {self.corpus.name!r} has no {split} documents: check data.corpus")
         if self.tokenizer_source:
-            key = f"{self.corpus.name}-{_digest([self.tokenizer.to_str()])}"
+            key = f"{self.corpus.name}-{_digest([self.tokenizer.to_str(), str(start)])}"
             self.tokenizer_path = os.path.join(self.cache_dir, "tokenizers", f"{key}.json")
             if not os.path.exists(self.tokenizer_path):  # the tokenizer the run used, kept beside lenext's own
                 with atomic_path(self.tokenizer_path) as tmp:

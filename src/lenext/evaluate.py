@@ -96,7 +96,12 @@ class TextEvaluation:
         )
         bits = measured.metrics["mean_nll"] * measured.metrics["tokens"] / math.log(2)
         return dataclasses.replace(
-            measured, metrics={**measured.metrics, "bytes": scored_bytes, "bits_per_byte": bits / scored_bytes}
+            measured,
+            metrics={
+                **measured.metrics,
+                "bytes": scored_bytes,
+                "bits_per_byte": bits / scored_bytes if scored_bytes else None,
+            },
         )
 
 

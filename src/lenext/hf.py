@@ -13,6 +13,7 @@ does not define, and LongRoPE, whose factors are per dimension, are not HF varia
 """
 
 import contextlib
+import copy
 import dataclasses
 import os
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from torch import nn
 
 from lenext import schema
 from lenext.build import instantiate
+from lenext.data import external_tokenizer
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.evaluate import EvalSettings, sweep, sweep_plan
 from lenext.hardware import canonical_precision, machine_description
@@ -33,7 +35,10 @@ from lenext.results import code_commit, format_rows, write_results
 
 # lenext's variant -> transformers' rope_type: the scalings both define.
 ROPE_TYPES = {"none": "default", "linear": "linear", "dynamic_ntk": "dynamic", "yarn": "yarn", "llama3": "llama3"}
-VARIANT_OF = {rope_type: name for name, rope_type in ROPE_TYPES.items()}
+# A model's own rotary settings a scaling keeps (partial rotary, multimodal sections).
+KEPT_ROPE_KEYS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
+# Names of learned position tables (GPT-2, OPT, GPT-Neo, BioGPT, ...): lengths beyond them are n/a.
+POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 LOGIT_CHUNK_ELEMENTS = 2**22  # logits made at a time, as lenext's Decoder makes them on CPU
 
 
@@ -61,7 +66,26 @@ def load_model(source: str, trust_remote_code: bool = False):
         )
     except ValueError as e:
         raise ConfigError(f"{where}: {type(config).__name__} is not a causal LM ({str(e).splitlines()[0]})") from None
-    return model.eval()
+    except OSError as e:
+        raise ConfigError(f"{where} holds no weights transformers can load ({str(e).splitlines()[0]})") from None
+    model.eval()
+    if not sees_only_the_past(model, config.vocab_size):
+        raise ConfigError(
+            f"{where}: {type(model).__name__} is not causal (a later token changes an earlier position's logits): "
+            "lenext's protocols score each token from the ones before it"
+        )
+    return model
+
+
+@torch.no_grad()
+def sees_only_the_past(model, vocab_size: int) -> bool:
+    """Whether changing the last of 8 tokens leaves the first position's logits as they were (an encoder such as
+    BERT, which transformers also loads as a causal LM, sees the whole window)."""
+    tokens = torch.arange(8)[None] % vocab_size
+    changed = tokens.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % vocab_size
+    first = model(input_ids=tokens, use_cache=False).logits[0, 0]
+    return torch.allclose(first, model(input_ids=changed, use_cache=False).logits[0, 0], rtol=1e-4, atol=1e-5)
 
 
 def trained_context(config, given: int | None = None) -> int:
@@ -77,6 +101,14 @@ def trained_context(config, given: int | None = None) -> int:
     return int(context)
 
 
+def learned_positions(model) -> int | None:
+    """The positions a model's learned table serves (less OPT's offset), or None for a model without one."""
+    for path, module in model.named_modules():
+        if path.rpartition(".")[2] in POSITION_TABLES and isinstance(module, nn.Embedding):
+            return module.num_embeddings - getattr(module, "offset", 0)
+    return None
+
+
 class HFPositions:
     """What the sweep asks of a PE, for an HF model: its evaluation-time variants (RoPE's scalings, set through
     the model's config and its rotary modules rebuilt) and the factor each uses at a length."""
@@ -87,23 +119,29 @@ class HFPositions:
         self.rope = dict(rope) if isinstance(rope, dict) and "rope_type" in rope else None
         self.active: str | None = None  # the variant set, when not the model as trained
         self._built_for: tuple | None = None
-
-    @property
-    def trained(self) -> str | None:
-        """The model's own scaling, as lenext names it (``none`` for plain RoPE); None without RoPE."""
-        return VARIANT_OF.get(self.rope["rope_type"], self.rope["rope_type"]) if self.rope else None
+        self.trained_modules = {
+            path: module
+            for path, module in model.named_modules()
+            if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "inv_freq")
+        }
 
     def variants(self, asked: list[str] | None, longest: int) -> list[str | None]:
-        """The model as trained (None) first, then each asked scaling other than its own, zero-shot."""
-        if self.rope is None or not asked:
+        """The model as trained (None) first, then each asked scaling, zero-shot."""
+        if not asked:
             return [None]
+        if self.rope is None or not self.trained_modules:
+            raise ConfigError(
+                f"eval.variants={asked} is invalid for this model: it has no RoPE settings (rope_parameters) with "
+                "one rotary module set transformers can rebuild under a scaling"
+            )
         unknown = [name for name in asked if name not in ROPE_TYPES]
         if unknown:
             raise ConfigError(
                 f"eval.variants={asked} is invalid for a Hugging Face model: {', '.join(unknown)} is not a scaling "
                 f"transformers defines; its variants are {', '.join(ROPE_TYPES)}"
             )
-        return [None, *(name for name in asked if name != self.trained)]
+        plain = self.rope["rope_type"] == "default"  # then "none" is the model as trained
+        return [None, *(name for name in asked if not (plain and name == "none"))]
 
     @contextlib.contextmanager
     def variant(self, name: str | None) -> Iterator[None]:
@@ -124,23 +162,31 @@ class HFPositions:
         self._configure(self.active, length)
 
     def _configure(self, name: str | None, length: int) -> None:
-        key = None if name is None else (name, self.scaling_factor(length))
+        # Dynamic NTK's module keeps the longest length it saw: a fresh one for each length.
+        key = None if name is None else (name, self.scaling_factor(length), length if name == "dynamic_ntk" else 0)
         if key == self._built_for:
             return
-        parameters = dict(self.rope)
-        if name is not None:
-            parameters = {"rope_type": ROPE_TYPES[name], "rope_theta": self.rope["rope_theta"]}
+        if name is None:  # the model as trained: its own modules, put back
+            for path, module in self.trained_modules.items():
+                self._replace(path, module)
+        else:
+            config = copy.deepcopy(self.model.config)
+            config.max_position_embeddings = self.context  # dynamic NTK grows its base beyond C, as lenext's
+            # The model's own rotary settings (partial rotary, multimodal sections) kept; its scaling replaced.
+            kept = {k: v for k, v in self.rope.items() if k in KEPT_ROPE_KEYS}
+            parameters = {**kept, "rope_type": ROPE_TYPES[name]}
             if name != "none":
                 parameters |= {"factor": key[1], "original_max_position_embeddings": self.context}
             if name == "llama3":  # the constants lenext's llama3 scaling takes by default (Llama 3.1's)
                 parameters |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
-        self.model.config.rope_parameters = parameters
-        for name, module in list(self.model.named_modules()):
-            if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "inv_freq"):
-                parent, _, attribute = name.rpartition(".")
-                rebuilt = type(module)(config=self.model.config).to(module.inv_freq.device)
-                setattr(self.model.get_submodule(parent), attribute, rebuilt)
+            config.rope_parameters = parameters
+            for path, module in self.trained_modules.items():
+                self._replace(path, type(module)(config=config).to(module.inv_freq.device))
         self._built_for = key
+
+    def _replace(self, path: str, module: nn.Module) -> None:
+        parent, _, attribute = path.rpartition(".")
+        setattr(self.model.get_submodule(parent), attribute, module)
 
 
 class HFLanguageModel(nn.Module):
@@ -150,11 +196,18 @@ class HFLanguageModel(nn.Module):
     def __init__(self, model, context: int | None = None):
         super().__init__()
         self.model, self.pe = model, HFPositions(model, context)
-        config = model.config
-        head = model.get_output_embeddings()
-        transformed = any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale"))
-        self.plain_head = isinstance(head, nn.Linear) and not transformed
-        self.max_length = getattr(config, "n_positions", None) if getattr(config, "model_type", "") == "gpt2" else None
+        self.max_length = learned_positions(model)
+        self.plain_head = isinstance(model.get_output_embeddings(), nn.Linear) and self._head_is_plain()
+
+    @torch.no_grad()
+    def _head_is_plain(self) -> bool:
+        """Whether the model's logits are its output projection of its base model's last hidden state (many
+        models scale or cap them, or transform the state first): checked once, on 16 tokens."""
+        tokens = torch.arange(16)[None] % self.model.config.vocab_size
+        own = self.model(input_ids=tokens, use_cache=False).logits
+        hidden = self.model.base_model(input_ids=tokens, use_cache=False)[0]
+        projected = self.model.get_output_embeddings()(hidden)
+        return own.shape == projected.shape and torch.allclose(own, projected, rtol=1e-5, atol=1e-5)
 
     @property
     def embedding(self) -> nn.Embedding:
@@ -193,7 +246,13 @@ def evaluate_hf(cfg: DictConfig) -> str:
     schema.check(cfg, EvalScriptSettings, EVAL_NODES)
     if cfg.ckpt:
         raise ConfigError(f"ckpt={cfg.ckpt} and hf={cfg.hf}: give one, the lenext checkpoint or the HF model")
+    changed = [f"pe.{key}" for key, value in cfg.pe.items() if value != "as_trained"]
+    if changed:
+        raise ConfigError(f"{', '.join(changed)} applies to ckpt=; a Hugging Face model's scalings are eval.variants")
+    if cfg.get("data") and "corpus" not in cfg.data:
+        raise ConfigError("data= with hf= must be a text corpus (sotu, text_files, ...): a probe's tokens are not text")
     source = hf_folder(cfg.hf)
+    external_tokenizer(source)  # refused before the model loads: a folder without a tokenizer
     model = load_model(source, cfg.trust_remote_code)
     net = HFLanguageModel(model, cfg.context)
     data_node = cfg.data if cfg.get("data") else OmegaConf.load(resources.files("lenext.configs") / "data/sotu.yaml")
@@ -230,7 +289,15 @@ def evaluate_hf(cfg: DictConfig) -> str:
         "vocab_size": data.vocab_size,
         "parameters": sum(p.numel() for p in model.parameters()),
         "hf": {"model": cfg.hf, "folder": os.path.abspath(source), "trust_remote_code": cfg.trust_remote_code},
-        "identity": {"hf.model": os.path.abspath(source), "split": cfg.split, **flat_eval(settings)},
+        "identity": {
+            "hf.model": os.path.abspath(source),
+            "context": cfg.context,
+            "precision": precision,
+            "trust_remote_code": cfg.trust_remote_code,
+            "split": cfg.split,
+            **{f"data.{k}": v for k, v in flat(OmegaConf.to_container(data_node, resolve=True)).items()},
+            **flat_eval(settings),
+        },
         "git_commit": code_commit(),
         "device": str(device),
         "hardware": {**machine_description(), "training_precision": None},
@@ -261,3 +328,14 @@ def hf_folder(source: str) -> str:
 
 def flat_eval(settings) -> dict:
     return {f"eval.{key}": value for key, value in dataclasses.asdict(settings).items()}
+
+
+def flat(settings: dict, prefix: str = "") -> dict:
+    """Nested data settings as dotted keys, less where the cache lives (not what was measured)."""
+    out = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            out |= flat(value, f"{prefix}{key}.")
+        elif key != "cache_dir":
+            out[f"{prefix}{key}"] = value
+    return out
