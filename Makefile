@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: help install study extension train test test-slow lint bench gpu-wheels gpu-env gpu-check gpu-study docs docs-serve clean
+.PHONY: help install study study-all extension train test test-slow lint bench gpu-wheels gpu-env gpu-check gpu-study docs docs-serve clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -17,8 +17,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,cluster,ptb,docs]'
 	touch $@
 
+CLASSIC := logs/studies/classic
+study: install  ## the first study: NoPE, sinusoidal, learned, Shaw, T5, RoPE (+ NTK, YaRN), ALiBi, one seed, two jobs side by side, then the table and figures (docs/studies.md: the table it made, and its time)
+	$(PY) train.py experiment=classic $(ARGS)
+	$(PY) -m lenext.report $(CLASSIC) --out $(CLASSIC)/report
+
 QUICK := logs/studies/quick
-study: install  ## the quick comparison: the classic PEs and the 2024-26 ones (and nope, rope under SSMax; nope under stick-breaking), one seed, on the embedded corpus, then the table and plots (docs/performance.md: time by machine)
+study-all: install  ## the full zoo: the classic PEs and the 2024-26 ones (and nope, rope under SSMax; nope under stick-breaking), one seed (docs/performance.md: time by machine)
 	$(PY) train.py experiment=quick $(ARGS)
 	$(PY) train.py experiment=quick pe=nope,rope attention.scale=ssmax hydra.sweep.dir=$(QUICK)_ssmax $(ARGS)
 	$(PY) train.py experiment=quick pe=nope attention.normalizer=stick_breaking hydra.sweep.dir=$(QUICK)_stick_breaking $(ARGS)
