@@ -17,7 +17,9 @@ STUDIES = Path(__file__).resolve().parents[1] / "studies"
 SOURCES = {"reference_2024": ["reference", "reference_2024"]}
 
 
-@pytest.mark.parametrize("study", ["classic", "reference", "probes", "extension", "extension_passkey", "reference_2024"])
+@pytest.mark.parametrize(
+    "study", ["classic", "reference", "probes", "extension", "extension_passkey", "reference_2024"]
+)
 def test_committed_tables_are_recomputed_from_the_committed_results_files(study, tmp_path):
     folder = STUDIES / study
     if not (folder / "runs").is_dir():

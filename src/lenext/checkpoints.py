@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import OmegaConf
 
-from lenext.errors import CheckpointError
+from lenext.errors import CheckpointError, ConfigError
 from lenext.hardware import PRECISION_NAMES, canonical_precision
 from lenext.resolve import resolve, stored_pe_name
 from lenext.spec import RunSpec, Stage
@@ -21,7 +21,7 @@ def load_checkpoint(path: str, key: str | None = "ckpt") -> dict:
     """The checkpoint dict, or a CheckpointError that says what is wrong with the file (named as ``key``=path)."""
     named = f"{key}={path!r}" if key else path
     if key == "ckpt" and not path:
-        raise CheckpointError("ckpt is required: pass a .ckpt file from a training run, or hf=<model folder>")
+        raise ConfigError("ckpt is required: pass a .ckpt file from a training run, or hf=<model folder>")
     if path and os.path.isdir(path):
         found = sorted(glob.glob(os.path.join(path, "*.ckpt")) + glob.glob(os.path.join(path, "*", "*.ckpt")))
         found.sort(key=lambda file: os.path.basename(file) != "last.ckpt")  # a run's last checkpoint first
