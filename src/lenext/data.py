@@ -509,9 +509,11 @@ class LMDataModule(L.LightningDataModule):
         name = f"{tokenizer_key}-{split}-{_digest(docs)}" + ("-bytes" if held_out else "")
         path = os.path.join(self.cache_dir, "tokens", f"{name}.arrow")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tokenized = datasets.Dataset.from_dict({"text": docs}).map(
-            encode, batched=True, remove_columns=["text"], cache_file_name=path, desc=f"tokenize {split}"
-        ).with_format("numpy")
+        tokenized = (
+            datasets.Dataset.from_dict({"text": docs})
+            .map(encode, batched=True, remove_columns=["text"], cache_file_name=path, desc=f"tokenize {split}")
+            .with_format("numpy")
+        )
         ids = [np.asarray(row, dtype=np.int32) for row in tokenized["ids"]]
         return ids, [np.asarray(row, dtype=np.int64) for row in tokenized["byte_ends"]] if held_out else []
 
