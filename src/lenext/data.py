@@ -260,8 +260,10 @@ def external_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     try:
-        loaded = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        loaded = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):
+            raise ConfigError(f"{where}: its tokenizer's code is in the folder, which lenext does not run") from None
         raise ConfigError(f"{where} holds no tokenizer transformers can load ({str(e).splitlines()[0]})") from None
     if not loaded.is_fast:
         raise ConfigError(f"{where}: its tokenizer has no fast (tokenizers) version, which lenext tokenizes with")
