@@ -45,6 +45,7 @@ from importlib import resources
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import torch
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
@@ -90,7 +91,7 @@ DRAWN_ROWS = {  # RoPE trained at positions drawn anew every step
     "rope+pose": ["train.positions=pose"],
 }
 SAMPLING_TARGET = 0.02  # drawing positions: at most this share of a training step
-SECTIONS = ["training", "forward", "shaw", "lightning"]
+SECTIONS = ["training", "forward", "shaw", "lightning", "hf"]
 TARGETS = {  # training tokens/s vs nope
     "rope": 0.95,
     "alibi": 0.9,
@@ -767,6 +768,92 @@ def render_shaw(settings, shaw) -> list[str]:
     ]
 
 
+def bench_hf(precision, length, reps, log) -> dict:
+    """``eval.py hf=``'s evaluation of a Hugging Face model (lenext.hf.HFLanguageModel in lenext's
+    ``evaluate_length``) against a bare transformers loop over the same nonoverlap windows in the same batches: one
+    forward of the model, cross-entropy on its logits. A random Llama of the small model's width (transformers'
+    config, no download), random documents; wall time and peak extra memory, interleaved repetitions."""
+    import transformers
+
+    from lenext.evaluate import PeakMemory
+    from lenext.hf import HFLanguageModel
+    from lenext.protocols import NonOverlapping
+    from lenext.scoring import evaluate_length
+
+    torch.manual_seed(SEED)
+    config = transformers.LlamaConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=length,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    net = HFLanguageModel(model)
+    documents = [np.random.default_rng(d).integers(0, 8192, size=4 * length + 1).astype(np.int32) for d in range(4)]
+    windows = NonOverlapping().windows([len(d) for d in documents], length)
+    tokens_per_batch = 2 * length  # two windows a batch
+    dtype = "bf16-mixed" if precision == "bf16" else "32-true"
+
+    def lenext_path():
+        return evaluate_length(net, documents, windows, length, tokens_per_batch, False, dtype)["mean_nll"]
+
+    @torch.no_grad()
+    def bare_path():
+        total, count = 0.0, 0
+        for b in range(0, len(windows), 2):
+            group = windows[b : b + 2]
+            ids = torch.from_numpy(np.stack([documents[w.document][w.start : w.start + length + 1] for w in group]))
+            ids = ids.long()
+            with precision_autocast(torch.device("cpu"), dtype):
+                logits = model(input_ids=ids[:, :-1]).logits.float()
+            nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+            total, count = total + nll.item(), count + ids[:, 1:].numel()
+        return total / count
+
+    paths = {"lenext": lenext_path, "bare": bare_path}
+    values = {name: path() for name, path in paths.items()}  # warmup, and the same number both ways
+    times = {name: [] for name in paths}
+    peaks = {name: [] for name in paths}
+    for rep in range(reps):
+        for name, path in paths.items():
+            with PeakMemory(torch.device("cpu")) as memory:
+                start = time.perf_counter()
+                path()
+                times[name].append(time.perf_counter() - start)
+            peaks[name].append(memory.peak_mb)
+        log(f"  hf rep {rep + 1}/{reps}: " + ", ".join(f"{n} {1000 * t[-1]:.0f} ms" for n, t in times.items()))
+    ratios = [a / b for a, b in zip(times["lenext"], times["bare"], strict=True)]
+    return {
+        "length": length,
+        "windows": len(windows),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "lenext_ms": 1000 * statistics.median(times["lenext"]),
+        "bare_ms": 1000 * statistics.median(times["bare"]),
+        "ratio": statistics.median(ratios),
+        "ratio_range": (min(ratios), max(ratios)),
+        "lenext_mb": statistics.median(peaks["lenext"]),
+        "bare_mb": statistics.median(peaks["bare"]),
+        "nll_diff": abs(values["lenext"] - values["bare"]),
+    }
+
+
+def render_hf(settings, hf) -> list[str]:
+    low, high = hf["ratio_range"]
+    return [
+        "## `eval.py hf=` against a bare transformers loop",
+        "",
+        f"A random Llama ({hf['parameters'] / 1e6:.1f}M parameters, transformers' `LlamaForCausalLM`, vocabulary 8192) "
+        f"evaluated at L={hf['length']} on {hf['windows']} nonoverlap windows, two a batch, median of "
+        f"{settings['hf_reps']} interleaved runs: lenext's path (`lenext.hf.HFLanguageModel` in `evaluate_length`, "
+        f"logits a chunk of positions at a time) {hf['lenext_ms']:.0f} ms against a bare loop (the model's forward, "
+        f"cross-entropy on its full logits) {hf['bare_ms']:.0f} ms: **{hf['ratio']:.2f}x** the bare loop's time "
+        f"(paired {low:.2f}-{high:.2f}); peak extra memory {hf['lenext_mb']:.0f} MB against {hf['bare_mb']:.0f} MB; "
+        f"mean NLL equal within {hf['nll_diff']:.1e}. Target: within 10% of its time and of its memory.",
+    ]
+
+
 def render_lightning(info, settings, lightning) -> list[str]:
     chosen, other = lightning["precision"], lightning["other_precision"]
     step_ms = lightning["step_ms"]
@@ -822,6 +909,7 @@ SECTION_MARKERS = {  # heading -> the name docs/performance.md includes the sect
     "## Forward pass": "forward",
     "## Shaw attention": "shaw",
     "## The study's training step": "lightning",
+    "## `eval.py hf=`": "hf",
 }
 
 
@@ -843,7 +931,7 @@ def with_section_markers(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def render(info, settings, elapsed, training=None, forward=None, shaw=None, lightning=None) -> str:
+def render(info, settings, elapsed, training=None, forward=None, shaw=None, lightning=None, hf=None) -> str:
     sections = [render_header(info, settings, elapsed)]
     if training is not None:
         sections.append(render_training(settings, training))
@@ -853,6 +941,8 @@ def render(info, settings, elapsed, training=None, forward=None, shaw=None, ligh
         sections.append(render_shaw(settings, shaw))
     if lightning is not None:
         sections.append(render_lightning(info, settings, lightning))
+    if hf is not None:
+        sections.append(render_hf(settings, hf))
     return with_section_markers("\n\n".join("\n".join(lines) for lines in sections))
 
 
@@ -865,9 +955,18 @@ FULL = dict(
     shaw_reps=5,
     lightning_reps=6,
     lightning_steps=20,
+    hf_reps=5,
 )
 QUICK = dict(
-    train_batch=2, warmup=1, reps=2, steps=1, lengths=[512, 2048], shaw_reps=1, lightning_reps=1, lightning_steps=3
+    train_batch=2,
+    warmup=1,
+    reps=2,
+    steps=1,
+    lengths=[512, 2048],
+    shaw_reps=1,
+    lightning_reps=1,
+    lightning_steps=3,
+    hf_reps=1,
 )
 
 
@@ -970,7 +1069,8 @@ def main(argv=None) -> None:
         compiled=not args.quick,  # compiling takes minutes: not in a smoke test
     )
 
-    text = render(info, settings, time.perf_counter() - started, training, forward, shaw, lightning)
+    hf = measured("hf", bench_hf, args.precision, 1024, settings["hf_reps"], log)
+    text = render(info, settings, time.perf_counter() - started, training, forward, shaw, lightning, hf)
     write_atomic(out, text)
     print()
     print(text)
