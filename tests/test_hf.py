@@ -6,14 +6,13 @@ import math
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from torch.testing import assert_close
 
-from lenext.cli import CONFIG_PACKAGE
-from lenext.data import EOS, TextFiles
+from lenext.data import EOS, TextFiles, train_tokenizer
 from lenext.errors import ConfigError
 from lenext.hf import HFLanguageModel, evaluate_hf, load_model
+from tests.test_evaluate import compose_eval
 
 VOCAB = 300
 CONTEXT = 32  # every tiny model's max_position_embeddings: eval.factors multiply it
@@ -39,16 +38,7 @@ def tokenizer_folder(tmp_path_factory, small_text_corpus):
     """A byte-level BPE of VOCAB tokens as a transformers tokenizer folder (what a model folder holds)."""
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(TextFiles(str(small_text_corpus)).documents("train"), trainer=trainer)
+    tokenizer = train_tokenizer(TextFiles(str(small_text_corpus)).documents("train"), VOCAB)
     folder = tmp_path_factory.mktemp("tokenizer")
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOS, eos_token=EOS).save_pretrained(folder)
     return folder
@@ -65,20 +55,9 @@ def model_folder(tmp_path, tokenizer_folder, architecture: str):
 
 
 def compose_hf(tmp_path, corpus, folder, *overrides):
-    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
-        return compose(
-            "eval",
-            overrides=[
-                f"hf={folder}",
-                "data=text_files",
-                f"data.corpus.path={corpus}",
-                "data.corpus.holdout_every=4",
-                f"paths.root_dir={tmp_path}",
-                f"paths.output_dir={tmp_path / 'out'}",
-                f"paths.cache_dir={tmp_path / 'cache'}",
-                *overrides,
-            ],
-        )
+    """eval.py's config for ``hf=folder`` on the small text corpus, written to tmp_path/out."""
+    data = ("data=text_files", f"data.corpus.path={corpus}", "data.corpus.holdout_every=4")
+    return compose_eval(tmp_path, tmp_path / "out", "null", f"hf={folder}", *data, *overrides)
 
 
 def byte_lengths(tokenizer_folder) -> dict[int, int]:
@@ -187,7 +166,7 @@ def test_what_cannot_be_evaluated_is_refused_in_one_line_before_any_work(tmp_pat
         (tmp_path / "tokenizer_only" / name).write_text((folder / name).read_text())
     with pytest.raises(ConfigError, match=r"holds no model config transformers knows"):
         evaluate_hf(compose_hf(tmp_path, small_text_corpus, tmp_path / "tokenizer_only"))
-    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".cache").exists()
 
 
 def test_a_lenext_model_trains_on_a_tokenizer_from_outside(
@@ -209,7 +188,6 @@ def test_a_lenext_model_trains_on_a_tokenizer_from_outside(
     assert results["meta"]["vocab_size"] == VOCAB and results["meta"]["run"]["config"]["data"]["tokenizer"] == str(
         tokenizer_folder
     )
-    assert results["rows"][0]["bits_per_byte"] > 0
     base = tmp_path / "checkpoints" / "last.ckpt"
     stage = compose_train(*overrides, f"init_from={base}", "data.tokenizer=null", f"paths.output_dir={tmp_path / 's'}")
     with pytest.raises(ConfigError, match=r"^data.tokenizer=None is invalid for a second stage: .* data.tokenizer="):
@@ -271,3 +249,21 @@ def test_variants_of_a_model_without_rope_and_an_encoder_are_refused(tmp_path, s
     transformers.BertLMHeadModel(config).save_pretrained(bert)
     with pytest.raises(ConfigError, match=r"is not causal \(a later token changes an earlier position's logits\)"):
         load_model(str(bert))
+
+
+def test_bf16_evaluation_stays_near_fp32(tmp_path, small_text_corpus, tokenizer_folder):
+    """eval.py hf= precision=bf16-mixed (autocast, whatever this CPU prefers) against the fp32 rows: bf16's
+    rounding moves the mean NLL by well under 1%, and every row is measured."""
+    folder = model_folder(tmp_path, tokenizer_folder, "llama")
+    rows = {}
+    for precision in ("32-true", "bf16-mixed"):
+        evaluate_hf(
+            compose_hf(
+                tmp_path / precision, small_text_corpus, folder, "eval.lengths=[32,64]", f"precision={precision}"
+            )
+        )
+        results = json.loads((tmp_path / precision / "out" / "results.json").read_text())
+        assert results["meta"]["precision"] == precision
+        rows[precision] = [r["mean_nll"] for r in results["rows"]]
+    assert rows["bf16-mixed"] == pytest.approx(rows["32-true"], rel=1e-2)
+    assert rows["bf16-mixed"] != rows["32-true"]  # autocast did run in bf16

@@ -30,7 +30,8 @@ from lenext.data import external_tokenizer
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.evaluate import EvalSettings, sweep, sweep_plan
 from lenext.hardware import canonical_precision, machine_description
-from lenext.resolve import EVAL_NODES, EvalScriptSettings
+from lenext.model import LOGIT_CHUNK_ELEMENTS
+from lenext.resolve import EVAL_NODES, EvalScriptSettings, flat_settings
 from lenext.results import code_commit, format_rows, write_results
 
 # lenext's variant -> transformers' rope_type: the scalings both define.
@@ -39,7 +40,6 @@ ROPE_TYPES = {"none": "default", "linear": "linear", "dynamic_ntk": "dynamic", "
 KEPT_ROPE_KEYS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
 # Names of learned position tables (GPT-2, OPT, GPT-Neo, BioGPT, ...): lengths beyond them are n/a.
 POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
-LOGIT_CHUNK_ELEMENTS = 2**22  # logits made at a time, as lenext's Decoder makes them on CPU
 
 
 def load_model(source: str, trust_remote_code: bool = False):
@@ -226,7 +226,8 @@ class HFLanguageModel(nn.Module):
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
         hidden = self.model.base_model(input_ids=inputs, use_cache=False)[0]  # (B, L, d)
         head = self.model.get_output_embeddings()
-        span = max(1, LOGIT_CHUNK_ELEMENTS // (head.out_features * inputs.size(0)))
+        budget = LOGIT_CHUNK_ELEMENTS.get(hidden.device.type, LOGIT_CHUNK_ELEMENTS["cpu"])  # as lenext's Decoder
+        span = max(1, budget // (head.out_features * inputs.size(0)))
         nll = hidden.new_empty(targets.shape, dtype=torch.float32)
         for s in range(0, length, span):
             logits = head(hidden[:, s : s + span]).float()  # (B, span, V)
@@ -295,8 +296,10 @@ def evaluate_hf(cfg: DictConfig) -> str:
             "precision": precision,
             "trust_remote_code": cfg.trust_remote_code,
             "split": cfg.split,
-            **{f"data.{k}": v for k, v in flat(OmegaConf.to_container(data_node, resolve=True)).items()},
-            **flat_eval(settings),
+            **flat_settings(
+                {"data": OmegaConf.to_container(data_node, resolve=True), "eval": dataclasses.asdict(settings)},
+                ignore=("data.cache_dir",),  # where the cache lives, not what was measured
+            ),
         },
         "git_commit": code_commit(),
         "device": str(device),
@@ -324,18 +327,3 @@ def hf_folder(source: str) -> str:
         return snapshot_download(source)
     except (HFValidationError, OSError) as e:
         raise ConfigError(f"hf={source!r} is neither a local folder nor a hub id this machine reaches ({e})") from None
-
-
-def flat_eval(settings) -> dict:
-    return {f"eval.{key}": value for key, value in dataclasses.asdict(settings).items()}
-
-
-def flat(settings: dict, prefix: str = "") -> dict:
-    """Nested data settings as dotted keys, less where the cache lives (not what was measured)."""
-    out = {}
-    for key, value in settings.items():
-        if isinstance(value, dict):
-            out |= flat(value, f"{prefix}{key}.")
-        elif key != "cache_dir":
-            out[f"{prefix}{key}"] = value
-    return out
