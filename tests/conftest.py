@@ -3,6 +3,10 @@
 import os
 import subprocess
 import sys
+import tempfile
+
+# transformers copies a remote-code model's files here (lenext's exports): one folder per test process, not ~/.cache.
+os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="hf-modules-"))
 from importlib import resources
 from pathlib import Path
 

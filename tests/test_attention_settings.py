@@ -78,10 +78,10 @@ def test_length_scale_is_s_log_n_of_the_keys_attended():
     assert [p.shape for p in ssmax.parameters()] == [(HEADS,)] and not list(logn.parameters())
     expected = torch.log(torch.arange(1, 201, dtype=torch.float64)) / math.log(64)
     for module in (ssmax, logn):
-        assert_close(module(200, None)[0, :, :, 0].double(), expected.expand(HEADS, -1), atol=1e-6, rtol=1e-6)
-    windowed = logn(200, 50)[0, 0, :, 0].double()
+        assert_close(module(200, None, "cpu")[0, :, :, 0].double(), expected.expand(HEADS, -1), atol=1e-6, rtol=1e-6)
+    windowed = logn(200, 50, "cpu")[0, 0, :, 0].double()
     assert_close(windowed, torch.log(torch.arange(1, 201).clamp(max=50).double()) / math.log(64), atol=1e-6, rtol=0)
-    assert LengthScale(AttentionSettings(), HEADS, 64)(200, None) is None
+    assert LengthScale(AttentionSettings(), HEADS, 64)(200, None, "cpu") is None
 
 
 @pytest.mark.parametrize("window", [None, 6])
@@ -95,7 +95,7 @@ def test_ssmax_scales_the_whole_logit_on_every_path(fused, kind, length, window,
         explicit_path(monkeypatch)
     q, k, v = attention_inputs(length, seed=1)
     scale = row_scales("ssmax", length, window)
-    row_scale = scale(length, window)
+    row_scale = scale(length, window, q.device)
     got, expected, pe = run(kind, q, k, v, window, row_scale)
     assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
     unscaled, _, _ = run(kind, q, k, v, window)

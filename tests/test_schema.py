@@ -11,10 +11,11 @@ from omegaconf import OmegaConf
 
 from lenext.cli import CONFIG_PACKAGE
 from lenext.errors import ConfigError
+from lenext.ranges import Range
 from lenext.resolve import TRAIN_NODES, TrainSettings
 from lenext.run import evaluate_checkpoint, train
 from lenext.run_folder import preflight
-from lenext.schema import Range, conforms, describe
+from lenext.schema import conforms, describe
 from tests.conftest import CONFIG_FOLDER
 
 # Every option of every group is composed at least once: all PEs, corpora, loggers, trainers, presets.

@@ -27,7 +27,7 @@ from lenext.errors import ConfigError, DataError
 from lenext.evaluate import TextEvaluation
 from lenext.files import atomic_path
 from lenext.protocols import PROTOCOLS, NonOverlapping, cap_windows
-from lenext.schema import NonNegativeInt, PositiveInt, Range
+from lenext.ranges import NonNegativeInt, PositiveInt, Range
 
 SPLITS = ("train", "validation", "test")
 EOS = "<|endoftext|>"
@@ -490,6 +490,7 @@ class LMDataModule(L.LightningDataModule):
                 with atomic_path(self.tokenizer_path) as tmp:
                     self.tokenizer.save(tmp)
             start = self.tokenizer.token_to_id(EOS)
+        self.start_token = start  # every document's first token
         for split, docs in texts.items():
             self.splits[split], self.byte_ends[split] = self._tokenize(split, docs, key, start)
 

@@ -22,7 +22,7 @@ from lenext.hardware import release_freed_memory
 from lenext.pe import VARIANTS
 from lenext.positions import PositionScheme
 from lenext.protocols import PROTOCOL_NAMES, PROTOCOLS, TextProtocol, Window, cap_windows
-from lenext.schema import PositiveFloat, PositiveInt
+from lenext.ranges import PositiveFloat, PositiveInt
 from lenext.scoring import Measured
 
 log = logging.getLogger("lenext")

@@ -259,7 +259,8 @@ def evaluate_hf(cfg: DictConfig) -> str:
     data_node = cfg.data if cfg.get("data") else OmegaConf.load(resources.files("lenext.configs") / "data/sotu.yaml")
     if data_node.get("tokenizer") not in (None, cfg.hf, source):
         raise ConfigError(f"data.tokenizer={data_node.tokenizer} is invalid with hf=: the model's tokenizer is used")
-    data_node = OmegaConf.merge(data_node, {"tokenizer": source, "cache_dir": cfg.paths.cache_dir})
+    # seed: the training order, which evaluation does not use; the file's own reads a run's seed, which has none.
+    data_node = OmegaConf.merge(data_node, {"tokenizer": source, "cache_dir": cfg.paths.cache_dir, "seed": 0})
     data = instantiate(data_node, "data")
     settings = EvalSettings(**OmegaConf.to_container(cfg.eval, resolve=True))
     plan = sweep_plan(settings, net.pe.context, None, data.protocols)

@@ -16,11 +16,12 @@ from lenext.attention import AttentionSettings, LengthScale, causal_attention
 from lenext.errors import ConfigError
 from lenext.pe import AttentionShape, PositionalEncoding
 from lenext.pe.base import LayerPE, sequential_positions
-from lenext.schema import PositiveFloat, PositiveInt, Probability
+from lenext.ranges import PositiveFloat, PositiveInt, Probability
 
 # Logits made at a time, in floats: on CPU small enough for the heap to reuse each chunk instead of mapping it
 # afresh; CUDA's allocator reuses any size, so fewer launches there (docs/performance.md, "Memory").
 LOGIT_CHUNK_ELEMENTS = {"cpu": 2**22, "cuda": 2**24}
+NORM_EPS = 1e-5
 
 
 class SelfAttention(nn.Module):
@@ -59,7 +60,7 @@ class SelfAttention(nn.Module):
         q, k, v = self.qkv(x).view(batch, length, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, L, dh)
         q, k = self.pe.rotate(q, k, positions)
         terms = self.pe.terms(x, q, k, positions)
-        row_scale = self.length_scale(length, self.window)  # (1, H, L, 1) or None
+        row_scale = self.length_scale(length, self.window, x.device)  # (1, H, L, 1) or None
         y = causal_attention(q, k, v, terms, self.window, row_scale, self.stick_breaking)  # (B, H, L, dh)
         return self.dropout(self.out(y.transpose(1, 2).reshape(batch, length, width)))
 
@@ -81,12 +82,17 @@ class MLP(nn.Module):
         return self.dropout(self.down(hidden))
 
 
+def normalization(kind: str, d_model: int) -> nn.Module:
+    """LayerNorm (GPT-2, GPT-NeoX) or RMSNorm (Llama), both with LayerNorm's default epsilon (the exports name it)."""
+    return nn.LayerNorm(d_model, eps=NORM_EPS) if kind == "layernorm" else nn.RMSNorm(d_model, eps=NORM_EPS)
+
+
 class Block(nn.Module):
-    def __init__(self, d_model, n_heads, mlp_hidden, mlp, pe, attention, train_len, dropout):
+    def __init__(self, d_model, n_heads, mlp_hidden, mlp, norm, pe, attention, train_len, dropout):
         super().__init__()
-        self.attn_norm = nn.LayerNorm(d_model)
+        self.attn_norm = normalization(norm, d_model)
         self.attn = SelfAttention(d_model, n_heads, pe, attention, train_len, dropout)
-        self.mlp_norm = nn.LayerNorm(d_model)
+        self.mlp_norm = normalization(norm, d_model)
         self.mlp = MLP(d_model, mlp_hidden, mlp, dropout)
 
     def forward(self, x, positions):
@@ -109,6 +115,7 @@ class Decoder(nn.Module):
         n_heads: PositiveInt = 8,
         mlp: Literal["gelu", "swiglu"] = "gelu",
         mlp_ratio: PositiveFloat = 4.0,
+        norm: Literal["layernorm", "rmsnorm"] = "layernorm",
         dropout: Probability = 0.0,
         tie_embeddings: bool = False,
     ):
@@ -122,10 +129,10 @@ class Decoder(nn.Module):
         self.dropout = nn.Dropout(dropout)
         hidden = int(mlp_ratio * d_model * (2 / 3 if mlp == "swiglu" else 1))  # same parameter count either way
         self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, hidden, mlp, self.pe.layer(layer), attention, train_len, dropout)
+            Block(d_model, n_heads, hidden, mlp, norm, self.pe.layer(layer), attention, train_len, dropout)
             for layer in range(n_layers)
         )
-        self.norm = nn.LayerNorm(d_model)
+        self.norm = normalization(norm, d_model)
         self.head = None if tie_embeddings else nn.Linear(d_model, vocab_size, bias=False)
         self.apply(self._init_weights)
         # Unit-variance token embeddings put tokens and the sinusoidal PE (amplitude 1) on one scale.

@@ -17,7 +17,7 @@ from lenext.files import atomic_path
 from lenext.hardware import warn_if_precision_is_slow
 from lenext.model import Decoder
 from lenext.positions import PositionScheme, training_positions, window_positions
-from lenext.schema import NonNegativeFloat, NonNegativeInt, PositiveFloat, Probability, Range
+from lenext.ranges import NonNegativeFloat, NonNegativeInt, PositiveFloat, Probability, Range
 from lenext.scoring import answer_metrics, answers_per_sample, scored_targets
 
 

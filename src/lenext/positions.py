@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from lenext.errors import ConfigError
-from lenext.schema import PositiveInt, Range
+from lenext.ranges import PositiveInt, Range
 
 SCHEMES = ("sequential", "randomized", "pose")
 DEFAULT_REACH = 32  # null max_position / target_len: 32 x L_train, the longest default evaluation length

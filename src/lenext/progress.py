@@ -34,8 +34,8 @@ from hydra.experimental.callback import Callback
 from lightning.pytorch.callbacks import RichProgressBar
 from omegaconf import DictConfig
 
+from lenext.ranges import PositiveFloat
 from lenext.results import ERROR_FILE
-from lenext.schema import PositiveFloat
 from lenext.spec import RunSpec
 
 

@@ -25,7 +25,7 @@ from lenext.evaluate import EvalSettings, SweepPlan, sweep_plan
 from lenext.hardware import Precision, canonical_precision
 from lenext.pe import VARIANTS
 from lenext.positions import TrainPositions, position_scheme
-from lenext.schema import PositiveInt, Range
+from lenext.ranges import PositiveInt, Range
 from lenext.spec import RunSpec, first_stage_row, later_stage_row
 
 if TYPE_CHECKING:

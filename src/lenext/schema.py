@@ -20,7 +20,6 @@ import pathlib
 import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
 from hydra.utils import get_object
@@ -34,39 +33,16 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lenext.errors import ConfigError
 from lenext.hardware import Precision
+from lenext.ranges import (
+    Fraction,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    Range,
+)
 
 HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
 
-
-@dataclass(frozen=True)
-class Range:
-    """low <= value <= high (either bound optional; ``open_low`` / ``open_high`` make it strict)."""
-
-    low: float | None = None
-    high: float | None = None
-    open_low: bool = False
-    open_high: bool = False
-
-    def holds(self, value) -> bool:
-        if self.low is not None and (value <= self.low if self.open_low else value < self.low):
-            return False
-        return self.high is None or (value < self.high if self.open_high else value <= self.high)
-
-    def __str__(self) -> str:
-        low, high = (str(int(b)) if float(b).is_integer() else f"{b:g}" for b in (self.low or 0, self.high or 0))
-        if self.low is not None and self.high is not None:
-            return f"in {'(' if self.open_low else '['}{low}, {high}{')' if self.open_high else ']'}"
-        if self.low is not None:
-            return f"{'>' if self.open_low else '>='} {low}"
-        return f"{'<' if self.open_high else '<='} {high}"
-
-
-PositiveInt = Annotated[int, Range(1)]
-NonNegativeInt = Annotated[int, Range(0)]
-PositiveFloat = Annotated[float, Range(0, open_low=True)]
-NonNegativeFloat = Annotated[float, Range(0)]
-Probability = Annotated[float, Range(0, 1, open_high=True)]  # dropout: 1 would drop everything
-Fraction = Annotated[float, Range(0, 1, open_low=True)]
 
 # Lightning checks these only when its objects are built, some as a traceback; lenext checks them
 # first. Keyed by class, so that every path to it (lightning.Trainer, lightning.pytorch.Trainer) is checked.

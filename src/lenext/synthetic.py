@@ -39,7 +39,7 @@ from lenext.data import step_loader
 from lenext.errors import ConfigError
 from lenext.positions import generator
 from lenext.protocols import ACCURACY, Answers, cap_windows
-from lenext.schema import NonNegativeInt, PositiveInt
+from lenext.ranges import NonNegativeInt, PositiveInt
 from lenext.scoring import Measured, distributed, measure_answers
 
 PAD, BOS, SEP, KEY, FILL = range(5)

@@ -29,7 +29,7 @@ from lenext.attention.band import BandedAttention, band_mask, cpu_flash
 from lenext.attention.flex import causal_block_mask, compiled_flex_attention, flex_attention
 from lenext.errors import ConfigError
 from lenext.pe.base import NO_TERMS, Bias, Logits, LogitTerm, ScoreTerms, ValueTerm
-from lenext.schema import PositiveInt
+from lenext.ranges import PositiveInt
 
 # Float elements of mask per query block on the explicit path: small enough for the heap to reuse each block's
 # mask instead of mapping it afresh; the output is preallocated, as concatenated block outputs fragment the heap
@@ -62,20 +62,21 @@ class LengthScale(nn.Module):
 
     def __init__(self, settings: AttentionSettings, n_heads: int, train_len: int):
         super().__init__()
-        self.kind = settings.scale
-        start = torch.full((n_heads,), 1 / math.log(max(train_len, 2)))  # 1 at n = L_train
+        self.kind, self.n_heads = settings.scale, n_heads
+        self.start = 1 / math.log(max(train_len, 2))  # 1 at n = L_train
         if self.kind == "ssmax":
-            self.per_head = nn.Parameter(start)
-        else:
-            self.register_buffer("per_head", start, persistent=False)
+            self.per_head = nn.Parameter(torch.full((n_heads,), self.start))
 
-    def forward(self, length: int, window: int | None) -> torch.Tensor | None:
+    def forward(self, length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
         if self.kind == "none":
             return None
-        attended = torch.arange(1, length + 1, device=self.per_head.device, dtype=torch.float32)
+        attended = torch.arange(1, length + 1, device=device, dtype=torch.float32)
         if window is not None:
             attended = attended.clamp(max=window)
-        return (self.per_head.float()[:, None] * attended.log())[None, :, :, None]
+        per_head = (
+            self.per_head.float() if self.kind == "ssmax" else torch.full((self.n_heads,), self.start, device=device)
+        )
+        return (per_head[:, None] * attended.log())[None, :, :, None]
 
 
 @cache

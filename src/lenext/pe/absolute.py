@@ -5,7 +5,7 @@ from torch import nn
 
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.pe.base import AttentionShape, PositionalEncoding
-from lenext.schema import PositiveInt
+from lenext.ranges import PositiveInt
 
 
 def sinusoidal_table(length: int, dim: int) -> torch.Tensor:

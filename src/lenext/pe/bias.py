@@ -8,7 +8,7 @@ from torch import nn
 
 from lenext.errors import ConfigError
 from lenext.pe.base import AttentionShape, PositionalEncoding, band_distances, position_differences
-from lenext.schema import PositiveInt, Range
+from lenext.ranges import PositiveInt, Range
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
@@ -29,17 +29,27 @@ class ALiBi(PositionalEncoding):
 
     def __init__(self, shape: AttentionShape):
         super().__init__(shape)
-        self.register_buffer("slopes", alibi_slopes(shape.n_heads), persistent=False)
+        # Derived buffers are made on first use, as RoPE's tables: a model built on the meta device (as transformers
+        # loads one, lenext.export) holds none to restore.
+        self.register_buffer("slopes", torch.empty(0), persistent=False)
+
+    def head_slopes(self, device: torch.device) -> torch.Tensor:
+        """(H,) fp32 slopes m_h."""
+        if self.slopes.numel() != self.shape.n_heads or self.slopes.device != device:
+            self.slopes = alibi_slopes(self.shape.n_heads).to(device)
+        return self.slopes
 
     def key_bias(self, positions, layer):
         # -m (i - j) = m (j - last) - m (i - last): the second term is constant along a row and
         # softmax ignores it, so a key bias is exact (for any positions) and keeps SDPA fused.
         # Anchoring at the last key keeps the values of the keys that matter small, so fp32 stays exact.
         keys = (positions - positions[:, -1:]).float()  # (B or 1, K)
-        return self.slopes[None, :, None, None] * keys[:, None, None, :]  # (B or 1, H, 1, K), fp32 under bf16
+        return (
+            self.head_slopes(keys.device)[None, :, None, None] * keys[:, None, None, :]
+        )  # (B or 1, H, 1, K), fp32 under bf16
 
     def score_mod(self, q, positions, layer):
-        slopes = self.slopes  # fp32; flex adds it to fp32 scores, so -m (i - j) is exact as written
+        slopes = self.head_slopes(q.device)  # fp32; flex adds it to fp32 scores, so -m (i - j) is exact as written
         positions = positions.expand(q.size(0), -1)
 
         def alibi(score, b, h, q_idx, kv_idx):
@@ -88,11 +98,9 @@ class T5Bias(PositionalEncoding):
         self.table = nn.Parameter(torch.randn(shape.n_layers if per_layer else 1, num_buckets, shape.n_heads) * 0.02)
         self.register_buffer("buckets", torch.empty(0, dtype=torch.long), persistent=False)
         # Buckets of the distances 0 .. W, where W, the band's width, is the first distance of the last bucket.
-        in_last = t5_bucket(torch.arange(max_distance + 1), num_buckets, max_distance) == num_buckets - 1
-        self.band_width = width = int(in_last.nonzero()[0])
-        self.register_buffer(
-            "band_buckets", t5_bucket(torch.arange(width + 1), num_buckets, max_distance), persistent=False
-        )
+        in_last = t5_bucket(torch.arange(max_distance + 1, device="cpu"), num_buckets, max_distance) == num_buckets - 1
+        self.band_width = int(in_last.nonzero()[0])
+        self.register_buffer("band_buckets", torch.empty(0, dtype=torch.long), persistent=False)  # on first use
 
     def _by_distance(self, layer, end, device):
         """(end, H): the bias of each distance i - j in 0..end-1."""
@@ -103,6 +111,9 @@ class T5Bias(PositionalEncoding):
     def band_bias(self, q, positions, layer):
         table = self.table[layer if self.per_layer else 0]  # (buckets, H)
         width = self.band_width
+        if self.band_buckets.numel() != width + 1 or self.band_buckets.device != table.device:
+            distances = torch.arange(width + 1, device=table.device)
+            self.band_buckets = t5_bucket(distances, self.num_buckets, self.max_distance)
         by_distance = table[self.band_buckets] - table[-1]  # (W + 1, H): distance W and beyond: 0
         distances = band_distances(positions, width)  # (B or 1, L, W)
         if (distances == distances[:, -1:]).all():  # every row alike (0..L-1): one row, broadcast

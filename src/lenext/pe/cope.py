@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lenext.pe.base import AttentionShape, LayerPE, PositionalEncoding, ScoreTerms
-from lenext.schema import Range
+from lenext.ranges import Range
 
 
 class CoPE(PositionalEncoding):

@@ -16,7 +16,7 @@ from torch import nn
 
 from lenext.errors import ConfigError
 from lenext.pe.base import HIDDEN_ELEMENTS, AttentionShape, LayerPE, PositionalEncoding, ScoreTerms
-from lenext.schema import PositiveInt
+from lenext.ranges import PositiveInt
 
 
 class DAPE(PositionalEncoding):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lenext.pe.base import HIDDEN_ELEMENTS, AttentionShape, PositionalEncoding
-from lenext.schema import PositiveFloat, PositiveInt
+from lenext.ranges import PositiveFloat, PositiveInt
 
 EPS = 1e-6
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from lenext.errors import ConfigError
 from lenext.pe.base import NO_TERMS, AttentionShape, LayerPE, PositionalEncoding, ScoreTerms
-from lenext.schema import PositiveInt
+from lenext.ranges import PositiveInt
 
 
 class Members(PositionalEncoding):

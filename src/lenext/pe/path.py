@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lenext.pe.base import AttentionShape, LayerPE, PositionalEncoding, ScoreTerms
-from lenext.schema import PositiveInt
+from lenext.ranges import PositiveInt
 
 LOW_RANK = 32  # fla's low-rank w projection: d_model -> 32 -> d_model
 CHUNK = 64  # tokens a chunk: fla's chunk size

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lenext.pe.base import AttentionShape, PositionalEncoding
-from lenext.schema import PositiveFloat
+from lenext.ranges import PositiveFloat
 
 
 class PoPE(PositionalEncoding):

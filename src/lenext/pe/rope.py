@@ -50,7 +50,7 @@ import torch
 
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.pe.base import AttentionShape, Logits, PositionalEncoding, position_differences
-from lenext.schema import PositiveFloat, PositiveInt, Range
+from lenext.ranges import PositiveFloat, PositiveInt, Range
 
 
 @dataclass(frozen=True)

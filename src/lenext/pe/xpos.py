@@ -19,9 +19,10 @@ import torch
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.pe.base import AttentionShape
 from lenext.pe.rope import SCALINGS, RoPE, _rotate
-from lenext.schema import PositiveFloat, PositiveInt
+from lenext.ranges import PositiveFloat, PositiveInt
 
 LARGEST_LOG_FACTOR = 40.0  # e^40 per q or k: products of two stay below fp32's e^88
+SMALLEST_ZETA = 0.4 / 1.4  # zeta_0: the fastest decay, which bounds the length fp32 holds
 
 
 class XPos(RoPE):
@@ -43,26 +44,26 @@ class XPos(RoPE):
     ):
         super().__init__(shape, base=base, original_len=original_len)
         self.scale_base = scale_base
-        pairs = torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim
-        self.register_buffer("zeta", (pairs + 0.4) / 1.4, persistent=False)  # (d_head/2,)
         self._tables_key: tuple | None = None  # RoPE's rotation table the q and k tables were built from
         if self.max_length < shape.trained_positions:
             raise ConfigError(
                 f"pe.scale_base={scale_base:g} is invalid: xPos then serves at most {self.max_length} positions, "
                 f"fewer than the {shape.trained_positions} training uses; it must be at least "
-                f"{math.ceil(shape.trained_positions * -math.log(self.zeta[0].item()) / (2 * LARGEST_LOG_FACTOR))}"
+                f"{math.ceil(shape.trained_positions * -math.log(SMALLEST_ZETA) / (2 * LARGEST_LOG_FACTOR))}"
             )
 
     @property
     def max_length(self) -> int:
         """The longest sequence whose decay factors fp32 scores hold (see the module docstring)."""
-        return math.floor(2 * self.scale_base * LARGEST_LOG_FACTOR / -math.log(self.zeta[0].item()))
+        return math.floor(2 * self.scale_base * LARGEST_LOG_FACTOR / -math.log(SMALLEST_ZETA))
 
     def decay(self, length: int, device: torch.device) -> torch.Tensor:
         """(length, d_head/2) float64 zeta_t^((n - length // 2) / gamma) of positions n < length: the query's
         factor, 1 / it the key's."""
-        centred = torch.arange(length, dtype=torch.float64, device=self.zeta.device) - length // 2
-        return (self.zeta[None, :] ** (centred[:, None] / self.scale_base)).to(device)
+        pairs = torch.arange(0, self.shape.head_dim, 2, dtype=torch.float64) / self.shape.head_dim
+        zeta = (pairs + 0.4) / 1.4  # (d_head/2,)
+        centred = torch.arange(length, dtype=torch.float64) - length // 2
+        return (zeta[None, :] ** (centred[:, None] / self.scale_base)).to(device)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         length = int(positions.max()) + 1  # the span of the positions, what the centring and the bound are about

@@ -1,0 +1,170 @@
+"""``lenext-export <checkpoint> <folder>``: a lenext checkpoint as a Hugging Face model folder (config, safetensors
+weights, tokenizer) that ``AutoModelForCausalLM.from_pretrained`` loads without lenext.
+
+A model transformers computes exactly goes out as that architecture (``lenext.export.native``: RoPE as Llama or
+GPT-NeoX, learned positions as GPT-2); every other one with lenext's own code beside it (``lenext.export.remote``,
+loaded with ``trust_remote_code=True``). The folder is written aside, loaded back and checked against lenext's
+logits before it takes its name: a failed export leaves nothing.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from lenext.build import build_net, instantiate
+from lenext.checkpoints import load_checkpoint, net_state, stored_spec
+from lenext.errors import ConfigError, LenextError, print_one_line
+from lenext.export.native import NATIVE
+from lenext.export.remote import remote_config, write_code
+from lenext.model import Decoder
+
+ARCHITECTURES = ("auto", "remote", *NATIVE)
+# How far the exported model's logits may be from lenext's (relative, over the whole logits tensor): rounding only.
+TOLERANCE = 1e-5
+
+
+def choose_architecture(net: Decoder, asked: str) -> str:
+    """The architecture to write: ``asked``, refused in one line if it cannot hold the model exactly; ``auto``:
+    the first native one that can, else remote code."""
+    if asked == "auto":
+        return next((name for name, arch in NATIVE.items() if arch.refusal(net) is None), "remote")
+    if asked in NATIVE:
+        reason = NATIVE[asked].refusal(net)
+        if reason:
+            raise ConfigError(
+                f"--architecture {asked} is invalid for this checkpoint: {reason}; use --architecture auto (the "
+                "remote-code export holds every model)"
+            )
+    return asked
+
+
+def exported_tokenizer(spec, cache_dir: str):
+    """The run's tokenizer as a transformers tokenizer (its BOS the token each document starts with), or None for a
+    probe task's token ids."""
+    node = OmegaConf.create(spec.config["data"])
+    if "corpus" not in node:
+        return None
+    node.cache_dir = cache_dir
+    data = instantiate(node, "data")
+    data.load()
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    source = node.get("tokenizer")
+    if source and os.path.isdir(source):  # an HF tokenizer folder: its own settings
+        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    start = data.tokenizer.id_to_token(data.start_token)
+    return PreTrainedTokenizerFast(tokenizer_object=data.tokenizer, bos_token=start, eos_token=start)
+
+
+def write_model(net: Decoder, spec, architecture: str, folder: Path) -> None:
+    if architecture == "remote":
+        from safetensors.torch import save_file
+
+        write_code(folder)
+        config = remote_config(net, spec)
+        import transformers
+
+        config["transformers_version"] = transformers.__version__
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        weights = {f"model.net.{k}": v.detach().clone().contiguous() for k, v in net.state_dict().items()}
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    import transformers
+
+    target = NATIVE[architecture]
+    settings, state = target.convert(net)
+    model_class = getattr(transformers, target.model_class)
+    model = model_class(model_class.config_class(**settings))
+    missing, unexpected = model.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False)
+    left = [k for k in missing if k in dict(model.named_parameters())]
+    if left or unexpected:
+        raise RuntimeError(f"{architecture} export: weights missing {left}, unexpected {unexpected}")
+    model.save_pretrained(folder)
+
+
+def logit_error(net: Decoder, folder: Path, remote: bool, length: int) -> float:
+    """Relative distance between the exported model's logits and lenext's on one random sequence of ``length``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, local_files_only=True, trust_remote_code=remote, dtype=torch.float32
+    ).eval()
+    tokens = torch.randint(net.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = net.logits(net(tokens)).float()
+        theirs = model(input_ids=tokens, use_cache=False).logits.float()
+    return float((theirs - ours).norm() / ours.norm())
+
+
+def export(checkpoint: str, out: str, architecture: str = "auto", force: bool = False, cache_dir: str | None = None):
+    """Write ``checkpoint``'s model into the folder ``out``; returns the architecture written."""
+    if architecture not in ARCHITECTURES:
+        raise ConfigError(f"--architecture {architecture!r} is invalid: it must be one of {', '.join(ARCHITECTURES)}")
+    target = Path(out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not force:
+        raise ConfigError(f"{out} exists and is not an empty folder: give a new folder, or --force to replace it")
+    loaded = load_checkpoint(checkpoint, key=None)
+    spec = stored_spec(loaded, checkpoint)
+    state = net_state(loaded)
+    net = build_net(spec, state["embedding.weight"].size(0), state).eval()
+    chosen = choose_architecture(net, architecture)
+    cache = cache_dir or os.environ.get("LENEXT_CACHE") or os.path.join(os.environ.get("LENEXT_ROOT", "."), ".cache")
+    tokenizer = exported_tokenizer(spec, cache)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as tmp:
+        folder = Path(tmp) / target.name  # transformers names a remote-code module by its folder's name
+        folder.mkdir()
+        write_model(net, spec, chosen, folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        length = min(spec.train_len, net.pe.max_len) if hasattr(net.pe, "max_len") else spec.train_len
+        error = logit_error(net, folder, chosen == "remote", length)
+        if not error <= TOLERANCE:
+            raise RuntimeError(f"the {chosen} export's logits differ from lenext's by {error:.2e} (relative): a bug")
+        if target.exists():
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        os.replace(folder, target)
+    return chosen, error, tokenizer is not None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lenext-export",
+        description="Write a lenext checkpoint as a Hugging Face model folder (docs/export.md).",
+    )
+    parser.add_argument("checkpoint", help="a .ckpt file of a lenext run (its checkpoints/last.ckpt)")
+    parser.add_argument("out", help="the model folder to write (new or empty)")
+    parser.add_argument(
+        "--architecture",
+        default="auto",
+        help=f"one of {', '.join(ARCHITECTURES)}; auto: a native one where it computes exactly what lenext does, "
+        "else remote code (default: auto)",
+    )
+    parser.add_argument("--force", action="store_true", help="replace the folder if it holds something")
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="tokenizers' cache (default: $LENEXT_CACHE, else $LENEXT_ROOT/.cache or ./.cache)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        chosen, error, with_tokenizer = export(args.checkpoint, args.out, args.architecture, args.force, args.cache_dir)
+    except LenextError as e:
+        print_one_line(e)
+        sys.exit(e.exit_status)
+    remote = chosen == "remote"
+    print(
+        f"wrote {args.out}: {'remote code (lenext_*.py beside the config)' if remote else chosen}, logits within "
+        f"{error:.1e} of lenext's{'' if with_tokenizer else '; no tokenizer (a probe task: token ids)'}"
+    )
+    print(
+        f"load it: AutoModelForCausalLM.from_pretrained({args.out!r}{', trust_remote_code=True' if remote else ''}); "
+        f"evaluate it: python eval.py hf={args.out}{' trust_remote_code=true' if remote else ''}"
+    )

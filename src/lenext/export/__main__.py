@@ -1,0 +1,3 @@
+from lenext.export import main
+
+main()

@@ -1,0 +1,251 @@
+"""lenext-export: every PE's export gives lenext's logits at L_train and 8 x L_train (its own code, or a native
+transformers architecture where one computes the same), generates what lenext generates, and evaluates back to the
+checkpoint's results (docs/export.md)."""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lenext.build import build_net
+from lenext.errors import CheckpointError, ConfigError
+from lenext.export import export, main
+from lenext.hf import evaluate_hf
+from lenext.run import evaluate_checkpoint
+from lenext.run_folder import resolve_training
+from tests.conftest import CONFIG_FOLDER, small_corpus_overrides
+from tests.test_evaluate import compose_eval
+
+PES = sorted(path.stem for path in (CONFIG_FOLDER / "pe").glob("*.yaml"))
+TRAIN_LEN = 32
+
+
+def relative_error(theirs: torch.Tensor, ours: torch.Tensor) -> float:
+    return float((theirs.float() - ours.float()).norm() / ours.float().norm())
+
+
+@pytest.fixture
+def make_checkpoint(tmp_path, compose_train, small_text_corpus):
+    """make_checkpoint(*overrides) -> (checkpoint path, its net): a tiny run's model with every weight moved off
+    its initial value (a LayerNorm bias of 0 would hide a bias written to the wrong place), saved as a run saves."""
+
+    def make(*overrides):
+        cfg = compose_train(*small_corpus_overrides(small_text_corpus, *overrides))
+        spec, _ = resolve_training(cfg)
+        torch.manual_seed(0)
+        net = build_net(spec, 512)
+        with torch.no_grad():
+            for parameter in net.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.2)
+            net.pe.project_()  # back into the PE's domain (KERPLE's r1, r2 >= 0.01), as after a training step
+        path = tmp_path / f"{len(list(tmp_path.glob('*.ckpt')))}.ckpt"
+        state = {f"net.{k}": v for k, v in net.state_dict().items()}
+        torch.save({"hyper_parameters": {"run": spec.stored()}, "state_dict": state, "global_step": 1}, path)
+        return str(path), net.eval()
+
+    return make
+
+
+def load(folder, remote: bool):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=remote, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def logit_errors(net, model, lengths=(TRAIN_LEN, 8 * TRAIN_LEN)) -> list[float]:
+    errors = []
+    for length in lengths:
+        tokens = torch.randint(net.vocab_size, (2, length), generator=torch.Generator().manual_seed(length))
+        errors.append(relative_error(model(input_ids=tokens, use_cache=False).logits, net.logits(net(tokens))))
+    return errors
+
+
+@pytest.mark.parametrize("pe", PES)
+def test_every_pe_exports_with_its_own_code_and_gives_lenexts_logits(pe, tmp_path, make_checkpoint, cache_dir):
+    checkpoint, net = make_checkpoint(f"pe={pe}")
+    folder = tmp_path / "exported"
+    assert export(checkpoint, str(folder), "remote", cache_dir=cache_dir)[0] == "remote"
+    model = load(folder, remote=True)
+    if pe == "learned":  # its table ends at L_train: beyond it lenext's n/a, raised by the exported model too
+        assert logit_errors(net, model, (TRAIN_LEN,)) == [0.0]
+        with pytest.raises(Exception, match="learned positional embeddings exist for positions 0..31"):
+            logit_errors(net, model, (2 * TRAIN_LEN,))
+        assert model.config.position_limit == TRAIN_LEN
+    else:
+        assert logit_errors(net, model) == [0.0, 0.0]  # lenext's own code: the same operations, bit for bit
+    # No line of the folder's code imports lenext: transformers needs nothing but the folder.
+    for file in folder.glob("*.py"):
+        assert not re.search(r"^\s*(from|import) lenext\b", file.read_text(), flags=re.MULTILINE), file.name
+
+
+NATIVE_CASES = {
+    # overrides: the architecture auto picks, and the rope_type its config names
+    "rope": (("pe=rope",), "gpt_neox", "default"),
+    "rope_llama": (("pe=rope", "model=llama"), "llama", "default"),
+    "rope_tied": (("pe=rope", "model.tie_embeddings=true"), "gpt_neox", "default"),
+    "linear": (("pe=rope", "pe.scaling=linear", "pe.factor=4"), "gpt_neox", "linear"),
+    "ntk": (("pe=rope", "pe.scaling=ntk", "pe.factor=4"), "gpt_neox", "default"),
+    "yarn": (("pe=rope", "pe.scaling=yarn", "pe.factor=8", "model=llama"), "llama", "yarn"),
+    "llama3": (("pe=rope", "pe.scaling=llama3", "pe.factor=8", "model=llama"), "llama", "llama3"),
+    "dynamic_ntk": (("pe=rope", "pe.scaling=dynamic_ntk", "pe.factor=2"), "gpt_neox", "dynamic"),
+    "learned": (("pe=learned",), "gpt2", None),
+}
+
+
+@pytest.mark.parametrize("case", NATIVE_CASES)
+def test_a_model_transformers_computes_exports_natively_within_1e5(case, tmp_path, make_checkpoint, cache_dir):
+    overrides, architecture, rope_type = NATIVE_CASES[case]
+    checkpoint, net = make_checkpoint(*overrides)
+    folder = tmp_path / "exported"
+    assert export(checkpoint, str(folder), cache_dir=cache_dir)[0] == architecture
+    assert not list(folder.glob("*.py"))  # transformers' own code: nothing to trust
+    model = load(folder, remote=False)
+    if rope_type:
+        assert model.config.rope_parameters["rope_type"] == rope_type
+    lengths = (TRAIN_LEN,) if architecture == "gpt2" else (TRAIN_LEN, 8 * TRAIN_LEN)
+    assert max(logit_errors(net, model, lengths)) < 1e-5
+
+
+@torch.no_grad()
+def greedy(net, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """lenext's greedy continuation: the most likely next token, appended, the whole sequence scored again."""
+    tokens = prompt
+    for _ in range(steps):
+        tokens = torch.cat([tokens, net.logits(net(tokens))[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokens
+
+
+@pytest.mark.parametrize("pe", ["rope", "alibi"])
+def test_the_exported_models_generate_continues_as_lenext_does(pe, tmp_path, make_checkpoint, cache_dir):
+    checkpoint, net = make_checkpoint(f"pe={pe}")
+    chosen = export(checkpoint, str(tmp_path / "exported"), cache_dir=cache_dir)[0]
+    model = load(tmp_path / "exported", remote=chosen == "remote")
+    prompt = torch.randint(net.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    generated = model.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    assert torch.equal(generated, greedy(net, prompt, 40))
+
+
+@pytest.mark.parametrize("pe,architecture", [("rope", "gpt_neox"), ("rope", "remote"), ("t5", "auto")])
+def test_the_export_evaluates_back_to_the_checkpoints_results(
+    pe, architecture, tmp_path, make_checkpoint, cache_dir, small_text_corpus
+):
+    checkpoint, _ = make_checkpoint(f"pe={pe}")
+    folder = tmp_path / "exported"
+    remote = export(checkpoint, str(folder), architecture, cache_dir=cache_dir)[0] == "remote"
+    sweep = ("eval.lengths=[32,96]", "eval.protocol=[nonoverlap,sliding,last_k]", "eval.last_k=8", "eval.stride=16")
+    evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "ckpt", checkpoint, *sweep))
+    data = ("data=text_files", f"data.corpus.path={small_text_corpus}", "data.corpus.holdout_every=4")
+    trust = (f"trust_remote_code={str(remote).lower()}",)
+    evaluate_hf(compose_eval(tmp_path, tmp_path / "hf", "null", f"hf={folder}", *data, *trust, *sweep))
+    ours, theirs = (json.loads((tmp_path / run / "results.json").read_text()) for run in ("ckpt", "hf"))
+    assert [(r["protocol"], r["length"]) for r in ours["rows"]] == [
+        (r["protocol"], r["length"]) for r in theirs["rows"]
+    ]
+    for mine, exported in zip(ours["rows"], theirs["rows"], strict=True):
+        assert (mine["tokens"], mine["windows"]) == (exported["tokens"], exported["windows"])
+        assert f"{mine['ppl']:.3f}" == f"{exported['ppl']:.3f}"  # the printed digits
+        assert exported["mean_nll"] == pytest.approx(mine["mean_nll"], rel=1e-6)
+        assert exported["bits_per_byte"] == pytest.approx(mine["bits_per_byte"], rel=1e-6)
+
+
+def test_a_model_without_lenext_installed_loads_and_runs(tmp_path, make_checkpoint, cache_dir):
+    checkpoint, net = make_checkpoint("pe=fire")
+    export(checkpoint, str(tmp_path / "exported"), cache_dir=cache_dir)
+    tokens = torch.randint(net.vocab_size, (1, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = net.logits(net(tokens))[0, -1].argmax().item()
+    script = (
+        "import sys; sys.modules['lenext'] = None\n"  # `import lenext` fails here, as where lenext is not installed
+        "import torch\nfrom transformers import AutoModelForCausalLM\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'exported')!r}, trust_remote_code=True)\n"
+        f"tokens = torch.tensor([{tokens[0].tolist()}])\n"
+        "print(model(input_ids=tokens).logits[0, -1].argmax().item())\n"
+    )
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONPATH": ""}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) == expected
+
+
+def test_bad_input_is_refused_in_one_line_and_nothing_is_written(tmp_path, make_checkpoint, cache_dir, capsys):
+    checkpoint, _ = make_checkpoint("pe=rope")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"taken exists and is not an empty folder: give a new folder, or --force"):
+        export(checkpoint, str(taken), cache_dir=cache_dir)
+    assert [p.name for p in taken.iterdir()] == ["notes.txt"]
+    assert export(checkpoint, str(taken), force=True, cache_dir=cache_dir)[0] == "gpt_neox"
+    assert not (taken / "notes.txt").exists() and (taken / "config.json").exists()
+    with pytest.raises(ConfigError, match=r"^--architecture llama is invalid for this checkpoint: its blocks use "):
+        export(checkpoint, str(tmp_path / "a"), "llama", cache_dir=cache_dir)
+    with pytest.raises(ConfigError, match=r"^--architecture 'bloom' is invalid: it must be one of auto, remote, "):
+        export(checkpoint, str(tmp_path / "b"), "bloom", cache_dir=cache_dir)
+    alibi, _ = make_checkpoint("pe=alibi")
+    with pytest.raises(ConfigError, match=r"^--architecture gpt_neox is invalid for this checkpoint: its PE is ALiBi"):
+        export(alibi, str(tmp_path / "c"), "gpt_neox", cache_dir=cache_dir)
+    with pytest.raises(CheckpointError, match=r"does not exist"):
+        export(str(tmp_path / "missing.ckpt"), str(tmp_path / "d"), cache_dir=cache_dir)
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": {}}, foreign)
+    with pytest.raises(CheckpointError, match=r"is not a lenext checkpoint"):
+        export(str(foreign), str(tmp_path / "e"), cache_dir=cache_dir)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.suffix) == ["taken"]  # no folder, no leftover
+    # The command line: one line on stderr, a non-zero exit.
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main([checkpoint, str(taken), "--cache-dir", cache_dir])
+    assert exited.value.code != 0
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and "\n" not in error
+
+
+@pytest.mark.slow
+def test_lm_evaluation_harness_scores_an_export_as_lenext_does(tmp_path, make_checkpoint, cache_dir, small_text_corpus):
+    """`lm_eval --model hf` on a task from a local file: its perplexity of each continuation is lenext's."""
+    from transformers import AutoTokenizer
+
+    checkpoint, net = make_checkpoint("pe=alibi")  # remote code: the harness runs lenext's own modules
+    folder = tmp_path / "exported"
+    export(checkpoint, str(folder), cache_dir=cache_dir)
+    # One line each: the harness's templates drop a trailing newline.
+    texts = [" ".join(path.read_text()[:400].split()) for path in sorted(small_text_corpus.glob("*.txt"))[:6]]
+    contexts = [text[:200].rstrip() for text in texts]  # the harness moves a context's trailing spaces on
+    docs = [{"context": c, "continuation": text[len(c) : 260]} for c, text in zip(contexts, texts, strict=True)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "local.yaml").write_text(
+        "task: lenext_local\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'docs.jsonl'}\n"
+        "test_split: test\noutput_type: loglikelihood\ntarget_delimiter: ''\n"
+        'doc_to_text: "{{context}}"\ndoc_to_target: "{{continuation}}"\n'
+        "metric_list:\n  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n"
+    )
+    # max_length: the harness would cut each input to the config's max_position_embeddings (L_train) otherwise.
+    model_args = f"pretrained={folder},trust_remote_code=True,dtype=float32,max_length=512"
+    command = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", model_args, "--tasks", "lenext_local"]
+    command += ["--include_path", str(tmp_path / "tasks"), "--device", "cpu", "--batch_size", "1"]
+    command += ["--output_path", str(tmp_path / "harness")]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (results,) = tmp_path.glob("harness/**/results_*.json")
+    perplexity = json.loads(results.read_text())["results"]["lenext_local"]["perplexity,none"]
+    # lenext's: the harness's tokens (the context's own, then those of context + continuation after as many), the
+    # continuation's scored by the net.
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    log_likelihoods = []
+    for doc in docs:
+        context = tokenizer(doc["context"])["input_ids"]
+        tokens = context + tokenizer(doc["context"] + doc["continuation"])["input_ids"][len(context) :]
+        with torch.no_grad():
+            logits = net.logits(net(torch.tensor([tokens[:-1]])))[0].double()
+        scored = torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
+        log_likelihoods.append(scored[len(context) - 1 :].sum().item())
+    assert math.log(perplexity) == pytest.approx(-sum(log_likelihoods) / len(docs), rel=1e-6)
