@@ -229,7 +229,7 @@ def sweep(
                     log.info(  # progress only: the table at the end has the numbers
                         "evaluated %s%s at L=%d (%d windows, %.1f s)",
                         name,
-                        f" under {variant}" if len(variants) > 1 else "",
+                        f" under {variant or 'the model as trained'}" if len(variants) > 1 else "",
                         length,
                         measured_row["windows"],
                         measured_row["seconds"],

@@ -102,7 +102,10 @@ def trained_context(config, given: int | None = None) -> int:
 
 
 def learned_positions(model) -> int | None:
-    """The positions a model's learned table serves (less OPT's offset), or None for a model without one."""
+    """The positions a model's learned table serves (less OPT's offset; a lenext export's ``position_limit``), or
+    None for a model without one."""
+    if getattr(model.config, "position_limit", None):
+        return model.config.position_limit
     for path, module in model.named_modules():
         if path.rpartition(".")[2] in POSITION_TABLES and isinstance(module, nn.Embedding):
             return module.num_embeddings - getattr(module, "offset", 0)

@@ -8,7 +8,6 @@ logits before it takes its name: a failed export leaves nothing.
 """
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -22,7 +21,7 @@ from lenext.build import build_net, instantiate
 from lenext.checkpoints import load_checkpoint, net_state, stored_spec
 from lenext.errors import ConfigError, LenextError, print_one_line
 from lenext.export.native import NATIVE
-from lenext.export.remote import remote_config, write_code
+from lenext.export.remote import write_remote
 from lenext.model import Decoder
 
 ARCHITECTURES = ("auto", "remote", *NATIVE)
@@ -63,32 +62,6 @@ def exported_tokenizer(spec, cache_dir: str):
     return PreTrainedTokenizerFast(tokenizer_object=data.tokenizer, bos_token=start, eos_token=start)
 
 
-def write_model(net: Decoder, spec, architecture: str, folder: Path) -> None:
-    if architecture == "remote":
-        from safetensors.torch import save_file
-
-        write_code(folder)
-        config = remote_config(net, spec)
-        import transformers
-
-        config["transformers_version"] = transformers.__version__
-        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        weights = {f"model.net.{k}": v.detach().clone().contiguous() for k, v in net.state_dict().items()}
-        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        return
-    import transformers
-
-    target = NATIVE[architecture]
-    settings, state = target.convert(net)
-    model_class = getattr(transformers, target.model_class)
-    model = model_class(model_class.config_class(**settings))
-    missing, unexpected = model.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False)
-    left = [k for k in missing if k in dict(model.named_parameters())]
-    if left or unexpected:
-        raise RuntimeError(f"{architecture} export: weights missing {left}, unexpected {unexpected}")
-    model.save_pretrained(folder)
-
-
 def logit_error(net: Decoder, folder: Path, remote: bool, length: int) -> float:
     """Relative distance between the exported model's logits and lenext's on one random sequence of ``length``."""
     from transformers import AutoModelForCausalLM
@@ -104,7 +77,8 @@ def logit_error(net: Decoder, folder: Path, remote: bool, length: int) -> float:
 
 
 def export(checkpoint: str, out: str, architecture: str = "auto", force: bool = False, cache_dir: str | None = None):
-    """Write ``checkpoint``'s model into the folder ``out``; returns the architecture written."""
+    """Write ``checkpoint``'s model into the folder ``out``: (the architecture written, its logits' relative distance
+    from lenext's, whether a tokenizer went with it)."""
     if architecture not in ARCHITECTURES:
         raise ConfigError(f"--architecture {architecture!r} is invalid: it must be one of {', '.join(ARCHITECTURES)}")
     target = Path(out)
@@ -121,11 +95,13 @@ def export(checkpoint: str, out: str, architecture: str = "auto", force: bool = 
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as tmp:
         folder = Path(tmp) / target.name  # transformers names a remote-code module by its folder's name
         folder.mkdir()
-        write_model(net, spec, chosen, folder)
+        if chosen == "remote":
+            write_remote(net, spec, folder)
+        else:
+            NATIVE[chosen].write(net, folder)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
-        length = min(spec.train_len, net.pe.max_len) if hasattr(net.pe, "max_len") else spec.train_len
-        error = logit_error(net, folder, chosen == "remote", length)
+        error = logit_error(net, folder, chosen == "remote", spec.train_len)
         if not error <= TOLERANCE:
             raise RuntimeError(f"the {chosen} export's logits differ from lenext's by {error:.2e} (relative): a bug")
         if target.exists():
@@ -154,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
         help="tokenizers' cache (default: $LENEXT_CACHE, else $LENEXT_ROOT/.cache or ./.cache)",
     )
     args = parser.parse_args(argv)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # its bar of weights loaded, when the export is checked
     try:
         chosen, error, with_tokenizer = export(args.checkpoint, args.out, args.architecture, args.force, args.cache_dir)
     except LenextError as e:

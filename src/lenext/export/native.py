@@ -104,6 +104,19 @@ class Architecture:
         """(config keyword arguments, state dict in transformers' names)."""
         raise NotImplementedError
 
+    def write(self, net: Decoder, folder) -> None:
+        """The model as this architecture, saved by transformers into ``folder``."""
+        import transformers
+
+        settings, state = self.convert(net)
+        model_class = getattr(transformers, self.model_class)
+        model = model_class(model_class.config_class(**settings))
+        missing, unexpected = model.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False)
+        parameters = dict(model.named_parameters())
+        if unexpected or any(key in parameters for key in missing):  # buffers transformers makes are not weights
+            raise RuntimeError(f"{self.name} export: weights missing {missing}, unexpected {unexpected}")
+        model.save_pretrained(folder)
+
 
 class RotaryArchitecture(Architecture):
     norm: str

@@ -8,6 +8,7 @@ each lenext module the decoder needs becomes ``lenext_<dotted path>.py`` beside 
 
 import ast
 import importlib.util
+import json
 import re
 import shutil
 from importlib import resources
@@ -46,6 +47,18 @@ def needed_modules() -> dict[str, Path]:
             elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "lenext" for a in node.names):
                 raise RuntimeError(f"{name}: lenext-export vendors only `from lenext.x import name` imports")
     return found
+
+
+def write_remote(net: Decoder, spec, folder: Path) -> None:
+    """The code, config.json and weights (safetensors) of the model, into ``folder``."""
+    import transformers
+    from safetensors.torch import save_file
+
+    write_code(folder)
+    config = remote_config(net, spec) | {"transformers_version": transformers.__version__}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    weights = {f"model.net.{k}": v.detach().clone().contiguous() for k, v in net.state_dict().items()}
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def write_code(folder: Path) -> None:
