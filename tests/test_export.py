@@ -258,3 +258,30 @@ def test_lm_evaluation_harness_scores_an_export_as_lenext_does(tmp_path, make_ch
         scored = torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
         log_likelihoods.append(scored[len(context) - 1 :].sum().item())
     assert math.log(perplexity) == pytest.approx(-sum(log_likelihoods) / len(docs), rel=1e-6)
+
+
+def test_self_extend_on_a_hugging_face_model_is_lenexts(tmp_path, make_checkpoint, cache_dir, small_text_corpus):
+    """eval.variants=[self_extend] on a Llama export (transformers' code, patched through its attention interface)
+    gives the rows lenext's Self-Extend gives on the checkpoint: the same group sizes, the same NLL."""
+    checkpoint, _ = make_checkpoint("pe=rope", "model=llama")
+    folder = tmp_path / "exported"
+    assert export(checkpoint, str(folder), cache_dir=cache_dir)[0] == "llama"
+    sweep = (
+        "eval.lengths=[32,100,256]",
+        "eval.protocol=[nonoverlap,last_k]",
+        "eval.last_k=8",
+        "eval.variants=[self_extend]",
+    )
+    evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "ckpt", checkpoint, *sweep))
+    data = ("data=text_files", f"data.corpus.path={small_text_corpus}", "data.corpus.holdout_every=4")
+    evaluate_hf(compose_eval(tmp_path, tmp_path / "hf", "null", f"hf={folder}", *data, *sweep))
+    ours, theirs = (json.loads((tmp_path / run / "results.json").read_text())["rows"] for run in ("ckpt", "hf"))
+    extended = [row for row in theirs if row["variant"] == "self_extend"]
+    assert [(r["protocol"], r["length"], r["variant_factor"]) for r in ours] == [
+        (r["protocol"], r["length"], r["variant_factor"]) for r in extended
+    ]
+    assert [r["variant_factor"] for r in extended if r["protocol"] == "nonoverlap"] == [1.0, 4.0, 11.0]
+    for mine, exported in zip(ours, extended, strict=True):
+        assert exported["mean_nll"] == pytest.approx(mine["mean_nll"], rel=1e-6)
+    plain = {r["length"]: r["mean_nll"] for r in theirs if r["variant"] is None and r["protocol"] == "nonoverlap"}
+    assert extended[2]["mean_nll"] != pytest.approx(plain[256], rel=1e-3)  # grouping changed the scores beyond C

@@ -244,6 +244,10 @@ def test_variants_of_a_model_without_rope_and_an_encoder_are_refused(tmp_path, s
     folder = model_folder(tmp_path, tokenizer_folder, "gpt2")
     with pytest.raises(ConfigError, match=r"^eval.variants=\['yarn'\] is invalid for this model: it has no RoPE"):
         evaluate_hf(compose_hf(tmp_path, small_text_corpus, folder, "eval.variants=[yarn]"))
+    # Self-Extend undoes and redoes the model's rotation: a rotary module that turns part of the head is refused.
+    neox = model_folder(tmp_path, tokenizer_folder, "gpt_neox")  # rotary_pct 0.5
+    with pytest.raises(ConfigError, match=r"^eval.variants=\['self_extend'\] is invalid for this model: Self-Extend"):
+        evaluate_hf(compose_hf(tmp_path, small_text_corpus, neox, "eval.variants=[self_extend]"))
     bert = tmp_path / "bert"
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
     transformers.BertLMHeadModel(config).save_pretrained(bert)
@@ -267,3 +271,19 @@ def test_bf16_evaluation_stays_near_fp32(tmp_path, small_text_corpus, tokenizer_
         rows[precision] = [r["mean_nll"] for r in results["rows"]]
     assert rows["bf16-mixed"] == pytest.approx(rows["32-true"], rel=1e-2)
     assert rows["bf16-mixed"] != rows["32-true"]  # autocast did run in bf16
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_self_extend_patches_llama_like_models_and_is_the_model_within_c(
+    architecture, tmp_path, small_text_corpus, tokenizer_folder
+):
+    """Models with grouped-query attention (2 key heads for 4) take the patch; within C its group is 1 and its rows
+    are the model's own, beyond C they differ (lenext's Self-Extend itself: tests/test_export.py)."""
+    folder = model_folder(tmp_path, tokenizer_folder, architecture)
+    sweep = ("eval.lengths=[32,128]", "eval.variants=[self_extend]", "eval.max_windows=8")
+    evaluate_hf(compose_hf(tmp_path, small_text_corpus, folder, *sweep))
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    by = {(r["variant"], r["length"]): r for r in rows}
+    assert by["self_extend", 32]["variant_factor"] == 1.0 and by["self_extend", 128]["variant_factor"] > 1
+    assert by["self_extend", 32]["mean_nll"] == pytest.approx(by[None, 32]["mean_nll"], rel=1e-6)
+    assert by["self_extend", 128]["mean_nll"] != pytest.approx(by[None, 128]["mean_nll"], rel=1e-4)

@@ -8,8 +8,10 @@ bits per byte (models with different tokenizers share a table by the latter).
 
 A RoPE model's zero-shot scalings are its variants (``eval.variants``), set through the model's own config as
 transformers defines them (``ROPE_INIT_FUNCTIONS``): at each length L, the factor max(1, L / C) (dynamic NTK's
-is 1, as lenext's: it grows its base with the length itself). Static NTK and Self-Extend, which transformers
-does not define, and LongRoPE, whose factors are per dimension, are not HF variants.
+is 1, as lenext's: it grows its base with the length itself). Self-Extend, which transformers does not define, is
+lenext's, through the model's attention (``lenext.hf_self_extend``: Llama-like models). Static NTK (RoPE at another
+base, which a zero-shot variant of a trained model would not be asked for) and LongRoPE, whose factors are per
+dimension and searched per model, are not HF variants.
 """
 
 import contextlib
@@ -30,12 +32,16 @@ from lenext.data import external_tokenizer
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.evaluate import EvalSettings, sweep, sweep_plan
 from lenext.hardware import canonical_precision, machine_description
+from lenext.hf_self_extend import ATTENTION_NAME
+from lenext.hf_self_extend import install as install_self_extend
 from lenext.model import LOGIT_CHUNK_ELEMENTS
+from lenext.pe.rope import self_extend_group
 from lenext.resolve import EVAL_NODES, EvalScriptSettings, flat_settings
 from lenext.results import code_commit, format_rows, write_results
 
 # lenext's variant -> transformers' rope_type: the scalings both define.
 ROPE_TYPES = {"none": "default", "linear": "linear", "dynamic_ntk": "dynamic", "yarn": "yarn", "llama3": "llama3"}
+SELF_EXTEND = "self_extend"  # lenext's grouped positions, through the model's attention (lenext.hf_self_extend)
 # A model's own rotary settings a scaling keeps (partial rotary, multimodal sections).
 KEPT_ROPE_KEYS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
 # Names of learned position tables (GPT-2, OPT, GPT-Neo, BioGPT, ...): lengths beyond them are n/a.
@@ -121,6 +127,8 @@ class HFPositions:
         rope = getattr(model.config, "rope_parameters", None)
         self.rope = dict(rope) if isinstance(rope, dict) and "rope_type" in rope else None
         self.active: str | None = None  # the variant set, when not the model as trained
+        self.self_extend = None  # its attention function, once Self-Extend is asked for (lenext.hf_self_extend)
+        self.trained_attention = model.config._attn_implementation
         self._built_for: tuple | None = None
         self.trained_modules = {
             path: module
@@ -137,12 +145,20 @@ class HFPositions:
                 f"eval.variants={asked} is invalid for this model: it has no RoPE settings (rope_parameters) with "
                 "one rotary module set transformers can rebuild under a scaling"
             )
-        unknown = [name for name in asked if name not in ROPE_TYPES]
+        unknown = [name for name in asked if name not in (*ROPE_TYPES, SELF_EXTEND)]
         if unknown:
             raise ConfigError(
                 f"eval.variants={asked} is invalid for a Hugging Face model: {', '.join(unknown)} is not a scaling "
-                f"transformers defines; its variants are {', '.join(ROPE_TYPES)}"
+                f"transformers defines nor Self-Extend; its variants are {', '.join(ROPE_TYPES)}, {SELF_EXTEND}"
             )
+        if SELF_EXTEND in asked and self.self_extend is None:
+            reason = "it has several rotary modules" if len(self.trained_modules) > 1 else None
+            installed = reason or install_self_extend(self.model, *self.trained_modules.values(), self.context)
+            if isinstance(installed, str):
+                raise ConfigError(
+                    f"eval.variants={asked} is invalid for this model: Self-Extend cannot patch it, {installed}"
+                )
+            self.self_extend = installed
         plain = self.rope["rope_type"] == "default"  # then "none" is the model as trained
         return [None, *(name for name in asked if not (plain and name == "none"))]
 
@@ -158,6 +174,8 @@ class HFPositions:
     def scaling_factor(self, length: int) -> float | None:
         if self.active is None:
             return None
+        if self.active == SELF_EXTEND:  # its factor is the group size G
+            return float(self_extend_group(length, self.self_extend.window, self.context))
         return 1.0 if self.active in ("none", "dynamic_ntk") else max(1.0, length / self.context)
 
     def configure(self, length: int) -> None:
@@ -169,10 +187,15 @@ class HFPositions:
         key = None if name is None else (name, self.scaling_factor(length), length if name == "dynamic_ntk" else 0)
         if key == self._built_for:
             return
-        if name is None:  # the model as trained: its own modules, put back
+        if name in (None, SELF_EXTEND):  # the model as trained: its own modules, put back
             for path, module in self.trained_modules.items():
                 self._replace(path, module)
-        else:
+        if name == SELF_EXTEND:
+            self.self_extend.group = int(key[1])
+        attention = ATTENTION_NAME if name == SELF_EXTEND else self.trained_attention
+        if self.model.config._attn_implementation != attention:
+            self.model.set_attn_implementation(attention)
+        if name not in (None, SELF_EXTEND):
             config = copy.deepcopy(self.model.config)
             config.max_position_embeddings = self.context  # dynamic NTK grows its base beyond C, as lenext's
             # The model's own rotary settings (partial rotary, multimodal sections) kept; its scaling replaced.

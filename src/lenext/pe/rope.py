@@ -237,6 +237,26 @@ class SelfExtend(Rotation):
         return {"neighbor_window": rope.window}
 
 
+def self_extend_group(length: int, window: int, original_len: int) -> int:
+    """Self-Extend's smallest G whose grouped query positions, floor((length - 1) / G) + W - W / G, stay below C
+    (``original_len``): every relative position the grouped keys get was trained."""
+    limit = original_len - 1
+    if window >= limit:  # a variant from a context too short for the neighbour window
+        raise LengthNotSupported(
+            f"Self-Extend with neighbor_window {window} needs an original context of at least {window + 2} "
+            f"positions; this model's is {original_len}"
+        )
+    group = max(1, math.ceil((length - 1 - window) / (limit - window)))  # the bound without the floor
+    while group > 1 and (length - 1) // (group - 1) + window - window / (group - 1) <= limit:
+        group -= 1
+    return group
+
+
+def self_extend_window(original_len: int) -> int:
+    """Self-Extend's default neighbour window W: a quarter of C."""
+    return max(1, original_len // 4)
+
+
 PLAIN_ROTATION = Rotation()
 ROTATIONS = {"self_extend": SelfExtend()}  # a scaling not listed: PLAIN_ROTATION
 
@@ -324,21 +344,11 @@ class RoPE(PositionalEncoding):
     @property
     def window(self) -> int:
         """Self-Extend's W: ``neighbor_window``, or a quarter of C (of the span trained, in a variant)."""
-        return self.neighbor_window or max(1, self.original_len // 4)
+        return self.neighbor_window or self_extend_window(self.original_len)
 
     def group_size(self, length: int) -> int:
-        """Self-Extend's smallest G whose grouped query positions, floor((length - 1) / G) + W - W / G, stay
-        below C: every relative position the grouped keys get was trained."""
-        window, limit = self.window, self.original_len - 1
-        if window >= limit:  # a variant from a context too short for the neighbour window
-            raise LengthNotSupported(
-                f"Self-Extend with neighbor_window {window} needs an original context of at least {window + 2} "
-                f"positions; this model's is {self.original_len}"
-            )
-        group = max(1, math.ceil((length - 1 - window) / (limit - window)))  # the bound without the floor
-        while group > 1 and (length - 1) // (group - 1) + window - window / (group - 1) <= limit:
-            group -= 1
-        return group
+        """Self-Extend's group size G at ``length`` (``self_extend_group``)."""
+        return self_extend_group(length, self.window, self.original_len)
 
     @property
     def rotated_pairs(self) -> int:

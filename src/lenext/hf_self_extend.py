@@ -1,0 +1,94 @@
+"""Self-Extend (Jin et al. 2024) on a Hugging Face model, as lenext's RoPE computes it (``lenext.pe.rope``): keys
+fewer than W positions back scored at their true positions, farther ones with the query at floor(i / G) + W - W / G
+and the key at floor(j / G), W = C // 4 and G the smallest group whose grouped positions stay below C.
+
+It replaces the model's attention function through transformers' attention interface, which receives q and k as
+the model rotated them at 0..L-1: the function turns them back with the model's own rotary module and rotates them
+again at the grouped positions. That is exact for a model whose rotary module rotates every dimension of a head by
+halves (Llama, Qwen2, Mistral and their kin); ``supports`` checks it on the model itself before any work.
+"""
+
+import torch
+from torch import nn
+
+from lenext.model import LOGIT_CHUNK_ELEMENTS
+from lenext.pe.rope import self_extend_group, self_extend_window
+
+ATTENTION_NAME = "lenext_self_extend"
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the two halves of the last dimension: a quarter turn of each pair (t, t + d/2)."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class SelfExtendAttention:
+    """transformers' attention function (``AttentionInterface``) computing Self-Extend's logits; ``group`` is set
+    for each length."""
+
+    def __init__(self, rotary: nn.Module, context: int):
+        self.rotary, self.window, self.context, self.group = rotary, self_extend_window(context), context, 1
+
+    def set_length(self, length: int) -> int:
+        """G for sequences of ``length``, set; returned."""
+        self.group = self_extend_group(length, self.window, self.context)
+        return self.group
+
+    def rotated(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (B, H, L, d) rotated by halves at any (fractional) positions (L,), in float64, with the module's factor."""
+        angles = positions.double()[:, None] * self.rotary.inv_freq.double().to(x.device)  # (L, d/2)
+        angles = torch.cat((angles, angles), dim=-1)
+        scale = getattr(self.rotary, "attention_scaling", 1.0)
+        x = x.double()
+        return (x * angles.cos() + rotate_half(x) * angles.sin()) * scale
+
+    def __call__(self, module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+        # query (B, H, L, d), key and value (B, H_kv, L, d): q and k rotated at 0..L-1 by the model.
+        length, repeats = query.size(2), query.size(1) // key.size(1)
+        key, value = (t.repeat_interleave(repeats, dim=1) for t in (key, value))  # transformers' repeat_kv
+        positions = torch.arange(length, device=query.device)
+        cos, sin = self.rotary(query, positions[None])  # (1, L, d): the model's own rotation, undone
+        cos, sin = cos[:, None].double(), sin[:, None].double()
+        unscale = getattr(self.rotary, "attention_scaling", 1.0) ** 2
+        plain_q, plain_k = ((t.double() * cos - rotate_half(t.double()) * sin) / unscale for t in (query, key))
+        window, group = self.window, self.group
+        grouped = torch.div(positions, group, rounding_mode="floor")
+        far_q, far_k = self.rotated(plain_q, grouped + window - window / group), self.rotated(plain_k, grouped)
+        near_q, near_k = query.double(), key.double()
+        scaling = scaling if scaling is not None else query.size(-1) ** -0.5
+        rows = max(1, LOGIT_CHUNK_ELEMENTS["cpu"] // (query.size(0) * query.size(1) * length))
+        output = torch.empty_like(query)
+        for start in range(0, length, rows):
+            end = min(length, start + rows)
+            distance = positions[start:end, None] - positions[None, :end]  # (R, K)
+            near = near_q[:, :, start:end] @ near_k[:, :, :end].transpose(-2, -1)
+            far = far_q[:, :, start:end] @ far_k[:, :, :end].transpose(-2, -1)
+            logits = torch.where(distance < window, near, far) * scaling
+            logits = logits.masked_fill(distance < 0, float("-inf"))
+            probabilities = torch.softmax(logits, dim=-1)
+            output[:, :, start:end] = (probabilities @ value[:, :, :end].double()).to(query.dtype)
+        return output.transpose(1, 2).contiguous(), None  # (B, L, H, d), as transformers' attention functions
+
+
+def install(model, rotary: nn.Module, context: int) -> SelfExtendAttention | str:
+    """Self-Extend registered for ``model`` (set with ``model.set_attn_implementation(ATTENTION_NAME)``), or why it
+    cannot patch the model exactly: checked at G = 1, where it must give the model's own logits."""
+    from transformers import AttentionInterface
+
+    attention = SelfExtendAttention(rotary, context)
+    AttentionInterface.register(ATTENTION_NAME, attention)
+    tokens = torch.arange(24)[None] % model.config.vocab_size
+    trained = model.config._attn_implementation
+    try:
+        with torch.no_grad():
+            expected = model(input_ids=tokens, use_cache=False).logits
+            model.set_attn_implementation(ATTENTION_NAME)
+            got = model(input_ids=tokens, use_cache=False).logits
+    except Exception as e:  # noqa: BLE001 - any failure means the patch does not fit this architecture
+        return f"its attention does not take the patch ({type(e).__name__}: {str(e).splitlines()[0]})"
+    finally:
+        model.set_attn_implementation(trained)
+    if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
+        return "its rotary embedding is not the whole head rotated by halves (partial rotary, or another layout)"
+    return attention
