@@ -59,3 +59,28 @@ def test_every_pe_config_builds_and_runs_a_training_step_and_validation(compose_
     cfg = compose_train(*tiny_overrides(f"pe={pe}", "trainer.fast_dev_run=true"))
     metrics = train(cfg)
     assert 1 < metrics["val/ppl"] < 10 * 512  # finite, and not absurd for an untrained 512-token model
+
+
+@pytest.mark.parametrize("preset", ["llama_125m", "llama_350m", "llama_1b"])
+def test_the_scale_presets_have_the_parameters_their_files_state(preset):
+    """Each count its comment states, built on the meta device (no memory): the blocks and final norm, then the
+    whole model at vocabularies of 32,000 and 50,257."""
+    import re
+
+    import torch
+
+    from lenext.model import Decoder
+    from lenext.pe import RoPE
+
+    text = (CONFIG_FOLDER / "model" / f"{preset}.yaml").read_text()
+    stated = [int(n.replace(",", "")) for n in re.findall(r"\b\d{1,3}(?:,\d{3}){2,}\b", text)]  # the millions
+    settings = {k: v for k, v in OmegaConf.create(text).items() if k != "_target_"}
+    counts = []
+    for vocab in (32000, 50257):
+        with torch.device("meta"):
+            net = Decoder(vocab, 1024, RoPE, **settings)
+        total = sum(p.numel() for p in net.parameters())
+        counts.append(total)
+    embeddings = net.embedding.weight.numel() + net.head.weight.numel()
+    assert stated == [counts[1] - embeddings, *counts]
+    assert net.blocks[0].mlp.down.in_features % 256 == 0  # the MLP width GPUs tile well
