@@ -93,7 +93,7 @@ NATIVE_CASES = {
     "ntk": (("pe=rope", "pe.scaling=ntk", "pe.factor=4"), "gpt_neox", "default"),
     "yarn": (("pe=rope", "pe.scaling=yarn", "pe.factor=8", "model=llama"), "llama", "yarn"),
     "llama3": (("pe=rope", "pe.scaling=llama3", "pe.factor=8", "model=llama"), "llama", "llama3"),
-    "dynamic_ntk": (("pe=rope", "pe.scaling=dynamic_ntk", "pe.factor=2"), "gpt_neox", "dynamic"),
+    "randomized": (("pe=rope_randomized",), "gpt_neox", "default"),  # positions drawn up to 1024 in training
     "learned": (("pe=learned",), "gpt2", None),
 }
 
@@ -108,6 +108,7 @@ def test_a_model_transformers_computes_exports_natively_within_1e5(case, tmp_pat
     model = load(folder, remote=False)
     if rope_type:
         assert model.config.rope_parameters["rope_type"] == rope_type
+        assert model.config.max_position_embeddings == TRAIN_LEN  # the context eval.factors multiply, as lenext's
     lengths = (TRAIN_LEN,) if architecture == "gpt2" else (TRAIN_LEN, 8 * TRAIN_LEN)
     assert max(logit_errors(net, model, lengths)) < 1e-5
 
@@ -127,6 +128,8 @@ def test_the_exported_models_generate_continues_as_lenext_does(pe, tmp_path, mak
     chosen = export(checkpoint, str(tmp_path / "exported"), cache_dir=cache_dir)[0]
     model = load(tmp_path / "exported", remote=chosen == "remote")
     prompt = torch.randint(net.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    # Generation stops at the tokenizer's end of text (id 0 of lenext's BPE), not at transformers' default ids.
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == 0
     generated = model.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)
     assert torch.equal(generated, greedy(net, prompt, 40))
 
@@ -182,7 +185,9 @@ def test_a_model_without_lenext_installed_loads_and_runs(tmp_path, make_checkpoi
     assert int(done.stdout.split()[-1]) == expected
 
 
-def test_bad_input_is_refused_in_one_line_and_nothing_is_written(tmp_path, make_checkpoint, cache_dir, capsys):
+def test_bad_input_is_refused_in_one_line_and_nothing_is_written(
+    tmp_path, make_checkpoint, cache_dir, capsys, monkeypatch
+):
     checkpoint, _ = make_checkpoint("pe=rope")
     taken = tmp_path / "taken"
     taken.mkdir()
@@ -196,6 +201,9 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_written(tmp_path, make_
         export(checkpoint, str(tmp_path / "a"), "llama", cache_dir=cache_dir)
     with pytest.raises(ConfigError, match=r"^--architecture 'bloom' is invalid: it must be one of auto, remote, "):
         export(checkpoint, str(tmp_path / "b"), "bloom", cache_dir=cache_dir)
+    dynamic, _ = make_checkpoint("pe=rope", "pe.scaling=dynamic_ntk")  # transformers keeps the longest length's base
+    with pytest.raises(ConfigError, match=r"^--architecture gpt_neox is invalid for this checkpoint: pe.scaling=dyn"):
+        export(dynamic, str(tmp_path / "f"), "gpt_neox", cache_dir=cache_dir)
     alibi, _ = make_checkpoint("pe=alibi")
     with pytest.raises(ConfigError, match=r"^--architecture gpt_neox is invalid for this checkpoint: its PE is ALiBi"):
         export(alibi, str(tmp_path / "c"), "gpt_neox", cache_dir=cache_dir)
@@ -205,7 +213,22 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_written(tmp_path, make_
     torch.save({"state_dict": {}}, foreign)
     with pytest.raises(CheckpointError, match=r"is not a lenext checkpoint"):
         export(str(foreign), str(tmp_path / "e"), cache_dir=cache_dir)
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.suffix) == ["taken"]  # no folder, no leftover
+    # Folders whose writing would fail late or lose something: refused before any work.
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=r"a_file/sub is inside .*a_file, which is a file: give a folder path$"):
+        export(checkpoint, str(tmp_path / "a_file" / "sub"), cache_dir=cache_dir)
+    (tmp_path / "link").symlink_to(taken)
+    with pytest.raises(ConfigError, match=r"link is a symbolic link: give the folder itself, or a new folder$"):
+        export(checkpoint, str(tmp_path / "link"), force=True, cache_dir=cache_dir)
+    with pytest.raises(
+        ConfigError, match=r"holds the checkpoint .*: writing there would replace it; give a new folder"
+    ):
+        export(checkpoint, str(tmp_path), force=True, cache_dir=cache_dir)
+    monkeypatch.chdir(taken)
+    with pytest.raises(ConfigError, match=r"^\. is the folder this command runs in, or holds it: give a new folder$"):
+        export(checkpoint, ".", force=True, cache_dir=cache_dir)
+    leftovers = sorted(p.name for p in tmp_path.iterdir() if not p.suffix and p.name not in ("a_file", "link"))
+    assert leftovers == ["taken"] and (tmp_path / "taken" / "config.json").exists()  # no folder, no leftover
     # The command line: one line on stderr, a non-zero exit.
     capsys.readouterr()
     with pytest.raises(SystemExit) as exited:

@@ -466,33 +466,41 @@ class LMDataModule(L.LightningDataModule):
         """Read the corpus, train or reuse the tokenizer, tokenize or reuse each split. Idempotent."""
         if self.splits:
             return
-        from tokenizers import Tokenizer
-
         if self.tokenizer_source:  # read first: a bad path is refused before the corpus is read
-            self.tokenizer, start = external_tokenizer(self.tokenizer_source)
+            self.tokenizer, self.start_token = external_tokenizer(self.tokenizer_source)
         texts = {split: self.corpus.documents(split) for split in SPLITS}
         for split, docs in texts.items():
             if not any(d.strip() for d in docs):
                 raise DataError(f"corpus {self.corpus.name!r} has no {split} documents: check data.corpus")
+        key = self.load_tokenizer(texts["train"])
+        for split, docs in texts.items():
+            self.splits[split], self.byte_ends[split] = self._tokenize(split, docs, key, self.start_token)
+
+    def load_tokenizer(self, training_documents: list[str] | None = None) -> str:
+        """The tokenizer alone (``data.tokenizer``'s, else the BPE of the training split: reused from the cache, or
+        trained) and ``start_token``, every document's first; returns its cache key. The splits stay untokenized."""
+        from tokenizers import Tokenizer
+
         if self.tokenizer_source:
-            key = f"{self.corpus.name}-{_digest([self.tokenizer.to_str(), str(start)])}"
+            if self.tokenizer is None:
+                self.tokenizer, self.start_token = external_tokenizer(self.tokenizer_source)
+            key = f"{self.corpus.name}-{_digest([self.tokenizer.to_str(), str(self.start_token)])}"
             self.tokenizer_path = os.path.join(self.cache_dir, "tokenizers", f"{key}.json")
             if not os.path.exists(self.tokenizer_path):  # the tokenizer the run used, kept beside lenext's own
                 with atomic_path(self.tokenizer_path) as tmp:
                     self.tokenizer.save(tmp)
+            return key
+        documents = self.corpus.documents("train") if training_documents is None else training_documents
+        key = f"{self.corpus.name}-{_digest(documents)}-v{self.requested_vocab}"
+        self.tokenizer_path = os.path.join(self.cache_dir, "tokenizers", f"{key}.json")
+        if os.path.exists(self.tokenizer_path):
+            self.tokenizer = Tokenizer.from_file(self.tokenizer_path)
         else:
-            key = f"{self.corpus.name}-{_digest(texts['train'])}-v{self.requested_vocab}"
-            self.tokenizer_path = os.path.join(self.cache_dir, "tokenizers", f"{key}.json")
-            if os.path.exists(self.tokenizer_path):
-                self.tokenizer = Tokenizer.from_file(self.tokenizer_path)
-            else:
-                self.tokenizer = train_tokenizer(texts["train"], self.requested_vocab)
-                with atomic_path(self.tokenizer_path) as tmp:
-                    self.tokenizer.save(tmp)
-            start = self.tokenizer.token_to_id(EOS)
-        self.start_token = start  # every document's first token
-        for split, docs in texts.items():
-            self.splits[split], self.byte_ends[split] = self._tokenize(split, docs, key, start)
+            self.tokenizer = train_tokenizer(documents, self.requested_vocab)
+            with atomic_path(self.tokenizer_path) as tmp:
+                self.tokenizer.save(tmp)
+        self.start_token = self.tokenizer.token_to_id(EOS)
+        return key
 
     def _tokenize(self, split: str, docs: list[str], tokenizer_key: str, start: int):
         """The split's documents as token ids, ``[start] + tokens``, and for a held-out split each token's

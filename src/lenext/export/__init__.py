@@ -46,13 +46,13 @@ def choose_architecture(net: Decoder, asked: str) -> str:
 
 def exported_tokenizer(spec, cache_dir: str):
     """The run's tokenizer as a transformers tokenizer (its BOS the token each document starts with), or None for a
-    probe task's token ids."""
+    probe task's token ids. Only the tokenizer is loaded (from the cache, or trained again on the training split)."""
     node = OmegaConf.create(spec.config["data"])
     if "corpus" not in node:
         return None
     node.cache_dir = cache_dir
     data = instantiate(node, "data")
-    data.load()
+    data.load_tokenizer()
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     source = node.get("tokenizer")
@@ -60,6 +60,26 @@ def exported_tokenizer(spec, cache_dir: str):
         return AutoTokenizer.from_pretrained(source, local_files_only=True)
     start = data.tokenizer.id_to_token(data.start_token)
     return PreTrainedTokenizerFast(tokenizer_object=data.tokenizer, bos_token=start, eos_token=start)
+
+
+def refuse_unsafe_folder(out: str, checkpoint: str, force: bool) -> Path:
+    """The export's folder, resolved, refused in one line before any work where writing it would fail or lose
+    something: inside a file, a link, the folder the command runs in (or one holding it), one holding the
+    checkpoint, or one that holds something without ``--force``."""
+    target = Path(out).resolve()
+    if Path(out).is_symlink():
+        raise ConfigError(f"{out} is a symbolic link: give the folder itself, or a new folder")
+    blocking = next((parent for parent in target.parents if parent.exists() and not parent.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(f"{out} is inside {blocking}, which is a file: give a folder path")
+    here = Path.cwd().resolve()
+    if target == here or target in here.parents:
+        raise ConfigError(f"{out} is the folder this command runs in, or holds it: give a new folder")
+    if Path(checkpoint).resolve().is_relative_to(target):
+        raise ConfigError(f"{out} holds the checkpoint {checkpoint}: writing there would replace it; give a new folder")
+    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not force:
+        raise ConfigError(f"{out} exists and is not an empty folder: give a new folder, or --force to replace it")
+    return target
 
 
 def logit_error(net: Decoder, folder: Path, remote: bool, length: int) -> float:
@@ -81,9 +101,7 @@ def export(checkpoint: str, out: str, architecture: str = "auto", force: bool = 
     from lenext's, whether a tokenizer went with it)."""
     if architecture not in ARCHITECTURES:
         raise ConfigError(f"--architecture {architecture!r} is invalid: it must be one of {', '.join(ARCHITECTURES)}")
-    target = Path(out)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not force:
-        raise ConfigError(f"{out} exists and is not an empty folder: give a new folder, or --force to replace it")
+    target = refuse_unsafe_folder(out, checkpoint, force)
     loaded = load_checkpoint(checkpoint, key=None)
     spec = stored_spec(loaded, checkpoint)
     state = net_state(loaded)
@@ -91,14 +109,19 @@ def export(checkpoint: str, out: str, architecture: str = "auto", force: bool = 
     chosen = choose_architecture(net, architecture)
     cache = cache_dir or os.environ.get("LENEXT_CACHE") or os.path.join(os.environ.get("LENEXT_ROOT", "."), ".cache")
     tokenizer = exported_tokenizer(spec, cache)
+    # The ids generation starts and stops at (transformers' defaults are other tokens of this vocabulary, or none).
+    special_tokens = {
+        "bos_token_id": tokenizer.bos_token_id if tokenizer else None,
+        "eos_token_id": tokenizer.eos_token_id if tokenizer else None,
+    }
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as tmp:
         folder = Path(tmp) / target.name  # transformers names a remote-code module by its folder's name
         folder.mkdir()
         if chosen == "remote":
-            write_remote(net, spec, folder)
+            write_remote(net, spec, folder, special_tokens)
         else:
-            NATIVE[chosen].write(net, folder)
+            NATIVE[chosen].write(net, folder, spec.base_len, special_tokens)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         error = logit_error(net, folder, chosen == "remote", spec.train_len)

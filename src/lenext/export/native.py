@@ -6,7 +6,6 @@ x[t + d/2]): the rows of each head's q and k are reordered so that the pairs mee
 docs/export.md tables which PEs and models export natively.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -45,9 +44,10 @@ def rope_parameters(rope: RoPE) -> dict | str:
     if rope.fraction != 1:
         return "p-RoPE (pe.fraction < 1) leaves some pairs unrotated, which no transformers architecture does"
     if rope.scaling == "dynamic_ntk":
-        if rope.shape.trained_positions != rope.original_len:
-            return "dynamic NTK in a second stage: transformers grows its base from max_position_embeddings"
-        return {"rope_type": "dynamic", "rope_theta": rope.base, "factor": float(rope.factor or 1.0)}
+        return (
+            "pe.scaling=dynamic_ntk: transformers' dynamic RoPE keeps the frequencies of the longest sequence it saw, "
+            "so a shorter one after it is not scored as lenext scores it"
+        )
     if rope.scaling not in ROPE_TYPES:
         return f"pe.scaling={rope.scaling} is not a scaling transformers defines"
     if rope.scaling != "none" and rope.factor is None:
@@ -76,15 +76,6 @@ def half_rotation_order(n_heads: int, head_dim: int) -> torch.Tensor:
     return (torch.arange(n_heads)[:, None] * head_dim + within).flatten()
 
 
-def context_lengths(net: Decoder, rope: dict) -> dict:
-    """max_position_embeddings: the context trained (under a scaling, the scaled one, with the original kept)."""
-    trained = net.pe.shape.trained_positions
-    original = rope.get("original_max_position_embeddings")
-    if original is not None:
-        return {"max_position_embeddings": max(trained, math.ceil(original * rope["factor"]))}
-    return {"max_position_embeddings": trained}
-
-
 def output_head(net: Decoder) -> torch.Tensor:
     """The output projection (V, d): a tied one (T5's) holds the embedding scaled by d^-0.5."""
     return net.head.weight if net.head is not None else net.embedding.weight * net.d_model**-0.5
@@ -100,15 +91,18 @@ class Architecture:
     def refusal(self, net: Decoder) -> str | None:
         raise NotImplementedError
 
-    def convert(self, net: Decoder) -> tuple[dict, dict]:
-        """(config keyword arguments, state dict in transformers' names)."""
+    def convert(self, net: Decoder, context: int) -> tuple[dict, dict]:
+        """(config keyword arguments, state dict in transformers' names); ``context``: the run's first L_train, the
+        context eval.factors multiply (max_position_embeddings, where it is not a table's size)."""
         raise NotImplementedError
 
-    def write(self, net: Decoder, folder) -> None:
-        """The model as this architecture, saved by transformers into ``folder``."""
+    def write(self, net: Decoder, folder, context: int, special_tokens: dict) -> None:
+        """The model as this architecture, its config naming ``special_tokens`` (BOS and EOS ids), saved by
+        transformers into ``folder``."""
         import transformers
 
-        settings, state = self.convert(net)
+        settings, state = self.convert(net, context)
+        settings |= special_tokens
         model_class = getattr(transformers, self.model_class)
         model = model_class(model_class.config_class(**settings))
         missing, unexpected = model.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False)
@@ -145,7 +139,7 @@ class GPTNeoX(RotaryArchitecture):
 
     norm, mlp = "layernorm", "gelu"
 
-    def convert(self, net):
+    def convert(self, net, context):
         heads, d = net.blocks[0].attn.n_heads, net.d_model
         head_dim = d // heads
         rope = rope_parameters(net.pe)
@@ -161,7 +155,7 @@ class GPTNeoX(RotaryArchitecture):
             "rope_parameters": {**rope, "partial_rotary_factor": 1.0},
             "attention_bias": True,
             "tie_word_embeddings": False,
-            **context_lengths(net, rope),
+            "max_position_embeddings": context,
         }
         state = {"gpt_neox.embed_in.weight": net.embedding.weight, "lm_head.weight": output_head(net)}
         for i, (block, (q, k, v)) in enumerate(zip(net.blocks, self.rotary_rows(net), strict=True)):
@@ -191,7 +185,7 @@ class Llama(RotaryArchitecture):
 
     norm, mlp = "rmsnorm", "swiglu"
 
-    def convert(self, net):
+    def convert(self, net, context):
         heads, d = net.blocks[0].attn.n_heads, net.d_model
         rope = rope_parameters(net.pe)
         hidden = net.blocks[0].mlp.down.in_features
@@ -209,7 +203,7 @@ class Llama(RotaryArchitecture):
             "attention_bias": False,
             "mlp_bias": False,
             "tie_word_embeddings": False,
-            **context_lengths(net, rope),
+            "max_position_embeddings": context,
         }
         state = {"model.embed_tokens.weight": net.embedding.weight, "lm_head.weight": output_head(net)}
         for i, (block, (q, k, v)) in enumerate(zip(net.blocks, self.rotary_rows(net), strict=True)):
@@ -242,7 +236,7 @@ class GPT2(Architecture):
             return f"its blocks use {kind[0]} and {kind[1]}; GPT-2's use layernorm and gelu"
         return plain_attention(net)
 
-    def convert(self, net):
+    def convert(self, net, context):  # n_positions is its table's size: lengths beyond it are n/a
         heads, d = net.blocks[0].attn.n_heads, net.d_model
         hidden = net.blocks[0].mlp.down.in_features
         config = {

@@ -49,13 +49,14 @@ def needed_modules() -> dict[str, Path]:
     return found
 
 
-def write_remote(net: Decoder, spec, folder: Path) -> None:
-    """The code, config.json and weights (safetensors) of the model, into ``folder``."""
+def write_remote(net: Decoder, spec, folder: Path, special_tokens: dict) -> None:
+    """The code, config.json (naming ``special_tokens``: BOS and EOS ids) and weights (safetensors) of the model,
+    into ``folder``."""
     import transformers
     from safetensors.torch import save_file
 
     write_code(folder)
-    config = remote_config(net, spec) | {"transformers_version": transformers.__version__}
+    config = remote_config(net, spec) | special_tokens | {"transformers_version": transformers.__version__}
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     weights = {f"model.net.{k}": v.detach().clone().contiguous() for k, v in net.state_dict().items()}
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
