@@ -8,7 +8,8 @@ synthetic token stream (uint16 ids drawn chunk by chunk from a fixed seed) as di
 513 tokens (512 inputs + 1 target). Measures, with the repetitions interleaved (a, b, a, b):
 
 1. writing: wall time and peak memory, for 1 and 2 worker processes;
-2. reading every window once in shuffled order, batch 16, ``num_workers`` 0 and 2: windows/s, tokens/s, time to
+2. reading every window once in shuffled order (litdata also with a full permutation inside each chunk instead of
+   its default block shuffle), batch 16, ``num_workers`` 0 and 2: windows/s, tokens/s, time to
    the first batch (from opening the shards), peak memory; that every window came exactly once (64-bit window
    fingerprints compared as multisets); and how spread the shuffle is (how many 1% slices of the stream a batch,
    and the first 1,024 windows, touch);
@@ -24,16 +25,18 @@ such as memory-mapped shards) summed over the subprocess and its children, sampl
 Also checks, from PyPI's wheel metadata, whether mosaicml-streaming can be installed beside lenext.
 
 Usage (litdata installed apart, see the report):
-    PYTHONPATH=/tmp/litlibs .venv/bin/python scripts/bench_shards.py --tokens 50000000 --out benchmarks/bench-shards.md
+    PYTHONPATH=/tmp/litlibs .venv/bin/python scripts/bench_shards.py --tokens 100000000 --out benchmarks/bench-shards.md
 """
 
 import argparse
 import datetime
 import glob
+import importlib
 import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -56,6 +59,9 @@ LITDATA_CHUNK_WINDOWS = 8192  # windows per litdata chunk (8.4 MB of uint16)
 FIRST_WINDOWS = 1024  # the shuffle spread is also measured over the first this many windows read
 SLICES = 100  # ... in slices of 1% of the stream
 ENGINES = ("litdata", "datasets")
+# What reads the shards: each engine's loader, and litdata's with item_shuffle_window=0 (a full permutation inside
+# each chunk) instead of its default (blocks of 256 windows shuffled, then the windows inside each block).
+READERS = ("litdata", "litdata-fullchunk", "datasets")
 FINGERPRINT_WEIGHTS = np.random.default_rng(12345).integers(1, 2**62, size=WINDOW, dtype=np.int64)
 MOSAIC = "mosaicml-streaming==0.13.0"
 PACKAGES = ("torch", "numpy", "datasets", "pyarrow", "litdata", "lightning-utilities", "psutil")
@@ -131,8 +137,8 @@ def write_datasets(out: Path, n_tokens: int, seed: int, workers: int) -> dict:
     return {"generate_s": generated - start, "save_s": saved - generated}
 
 
-def shard_dir(engine: str, root: Path) -> Path:
-    return root / "shards" if engine == "datasets" else root
+def engine_of(reader: str) -> str:
+    return reader.split("-")[0]
 
 
 def stack_tokens(rows: list[dict]):
@@ -141,23 +147,30 @@ def stack_tokens(rows: list[dict]):
     return torch.from_numpy(np.stack([row["tokens"] for row in rows]))
 
 
-def open_loader(engine: str, root: Path, seed: int, num_workers: int, skip_batches: int = 0):
-    """The shuffled loader of batches of BATCH windows over ``engine``'s shards."""
-    if engine == "litdata":
+def open_loader(reader: str, root: Path, seed: int, num_workers: int, skip_batches: int = 0):
+    """``reader``'s shuffled loader of batches of BATCH windows over its engine's shards in ``root``."""
+    if engine_of(reader) == "litdata":
         from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 
         dataset = StreamingDataset(
-            str(root), item_loader=TokensLoader(block_size=WINDOW), shuffle=True, seed=seed, drop_last=False
+            str(root),
+            item_loader=TokensLoader(block_size=WINDOW),
+            shuffle=True,
+            seed=seed,
+            drop_last=False,
+            item_shuffle_window=0 if reader == "litdata-fullchunk" else None,
         )
         return StreamingDataLoader(dataset, batch_size=BATCH, num_workers=num_workers)
     import datasets
     import torch
     from torch.utils.data import DataLoader
 
-    dataset = datasets.load_from_disk(str(shard_dir(engine, root))).with_format("numpy")
+    dataset = datasets.load_from_disk(str(root / "shards")).with_format("numpy")
     # lenext.data.StepShuffler's order: one permutation per epoch drawn from seed + epoch, resumed by position.
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[skip_batches * BATCH :]
-    return DataLoader(dataset, batch_size=BATCH, sampler=order.tolist(), num_workers=num_workers, collate_fn=stack_tokens)
+    return DataLoader(
+        dataset, batch_size=BATCH, sampler=order.tolist(), num_workers=num_workers, collate_fn=stack_tokens
+    )
 
 
 def batch_fingerprints(loader, limit: int | None = None) -> list[np.ndarray]:
@@ -170,9 +183,9 @@ def batch_fingerprints(loader, limit: int | None = None) -> list[np.ndarray]:
     return batches
 
 
-def read(engine: str, root: Path, seed: int, num_workers: int, order_path: Path) -> dict:
+def read(reader: str, root: Path, seed: int, num_workers: int, order_path: Path) -> dict:
     start = time.perf_counter()
-    loader = open_loader(engine, root, seed, num_workers)
+    loader = open_loader(reader, root, seed, num_workers)
     first_batch_s, batches = None, []
     for batch in loader:
         first_batch_s = first_batch_s or time.perf_counter() - start
@@ -182,20 +195,20 @@ def read(engine: str, root: Path, seed: int, num_workers: int, order_path: Path)
     return {"seconds": seconds, "first_batch_s": first_batch_s, "batches": len(batches)}
 
 
-def resume(engine: str, root: Path, seed: int, num_workers: int) -> dict:
+def resume(reader: str, root: Path, seed: int, num_workers: int) -> dict:
     """Stop an epoch after about half its batches, restore a fresh loader, and compare with an uninterrupted one."""
-    uninterrupted = batch_fingerprints(open_loader(engine, root, seed, num_workers))
+    uninterrupted = batch_fingerprints(open_loader(reader, root, seed, num_workers))
     stop = len(uninterrupted) // 2 + 3
-    if engine == "litdata":
-        loader = open_loader(engine, root, seed, num_workers)
+    if engine_of(reader) == "litdata":
+        loader = open_loader(reader, root, seed, num_workers)
         head = batch_fingerprints(loader, limit=stop)
         state = json.loads(json.dumps(loader.state_dict()))  # as a checkpoint would store it
         del loader
-        restored = open_loader(engine, root, seed, num_workers)
+        restored = open_loader(reader, root, seed, num_workers)
         restored.load_state_dict(state)
     else:
-        head = batch_fingerprints(open_loader(engine, root, seed, num_workers), limit=stop)
-        restored = open_loader(engine, root, seed, num_workers, skip_batches=stop)
+        head = batch_fingerprints(open_loader(reader, root, seed, num_workers), limit=stop)
+        restored = open_loader(reader, root, seed, num_workers, skip_batches=stop)
     tail = batch_fingerprints(restored)
     resumed = head + tail
     identical = len(resumed) == len(uninterrupted) and all(map(np.array_equal, resumed, uninterrupted))
@@ -210,16 +223,18 @@ def resume(engine: str, root: Path, seed: int, num_workers: int) -> dict:
 
 def run_child(task: dict) -> None:
     """Run one measurement; write its result, with the process's VmHWM, to task["result"]."""
-    root, engine = Path(task["root"]), task["engine"]
+    root, name = Path(task["root"]), task["name"]
+    for module in ("torch", engine_of(name)):  # imported before the clock starts
+        importlib.import_module(module)
     start = time.perf_counter()
     if task["kind"] == "write":
-        writer = write_litdata if engine == "litdata" else write_datasets
+        writer = write_litdata if name == "litdata" else write_datasets
         result = writer(root, task["tokens"], task["seed"], task["workers"])
         result["seconds"] = time.perf_counter() - start
     elif task["kind"] == "read":
-        result = read(engine, root, task["seed"], task["workers"], Path(task["order"]))
+        result = read(name, root, task["seed"], task["workers"], Path(task["order"]))
     else:
-        result = resume(engine, root, task["seed"], task["workers"])
+        result = resume(name, root, task["seed"], task["workers"])
     result["main_hwm_mb"] = vm_hwm_mb()
     Path(task["result"]).write_text(json.dumps(result))
 
@@ -261,7 +276,7 @@ def run_measurement(task: dict, work: Path, log: Path) -> dict:
             peak_rss, peak_anon = max(peak_rss, rss), max(peak_anon, anon)
             time.sleep(0.05)
     if child.returncode:
-        raise RuntimeError(f"{task['kind']} {task['engine']} failed (exit {child.returncode}); see {log}")
+        raise RuntimeError(f"{task['kind']} {task['name']} failed (exit {child.returncode}); see {log}")
     return {**json.loads(Path(task["result"]).read_text()), "tree_rss_mb": peak_rss, "tree_anon_mb": peak_anon}
 
 
@@ -305,7 +320,9 @@ def mosaic_requirements() -> list[str]:
         with zipfile.ZipFile(wheels[0]) as wheel:
             meta = next(name for name in wheel.namelist() if name.endswith(".dist-info/METADATA"))
             lines = wheel.read(meta).decode().splitlines()
-    return [line.split(":", 1)[1].strip() for line in lines if line.startswith("Requires-Dist:") and "extra ==" not in line]
+    return [
+        line.split(":", 1)[1].strip() for line in lines if line.startswith("Requires-Dist:") and "extra ==" not in line
+    ]
 
 
 def version(package: str) -> str:
@@ -316,7 +333,16 @@ def version(package: str) -> str:
 
 
 def both(values: list[float], fmt: str) -> str:
+    """The repetitions' values, formatted, as one table cell."""
     return " / ".join(format(v, fmt) for v in values)
+
+
+def column(runs: list[dict], key: str, fmt: str) -> str:
+    return both([run[key] for run in runs], fmt)
+
+
+def row(*cells) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def report(args, results: dict, spreads: dict, disks: dict, resumes: dict, wall_s: float) -> str:
@@ -335,7 +361,8 @@ def report(args, results: dict, spreads: dict, disks: dict, resumes: dict, wall_
         "Command:",
         "",
         "```",
-        f"PYTHONPATH=/tmp/litlibs .venv/bin/python scripts/bench_shards.py --tokens {args.tokens} --out {args.out}",
+        f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} .venv/bin/python scripts/bench_shards.py"
+        f" {shlex.join(sys.argv[1:])}",
         "```",
         "",
         "Packages: " + ", ".join(f"{p} {version(p)}" for p in PACKAGES) + ".",
@@ -349,14 +376,17 @@ def report(args, results: dict, spreads: dict, disks: dict, resumes: dict, wall_
         f"- **litdata**: `optimize(fn, inputs=parts, chunk_size={LITDATA_CHUNK_WINDOWS}*{WINDOW},"
         " item_loader=TokensLoader())` (each part one uint16 array; chunks hold whole windows), read with"
         f" `StreamingDataset(item_loader=TokensLoader(block_size={WINDOW}), shuffle=True)` +"
-        f" `StreamingDataLoader(batch_size={BATCH})`.",
+        f" `StreamingDataLoader(batch_size={BATCH})`; its default shuffle permutes the chunks, then inside each"
+        " chunk blocks of 256 windows, then the windows inside each block (`item_shuffle_window`); the reader"
+        " **litdata-fullchunk** is the same with `item_shuffle_window=0`: a full permutation inside each chunk.",
         "- **datasets**: `Dataset.from_generator` (one row per window, feature `List(Value('uint16'),"
         f" length={WINDOW})`, `num_proc` = workers) then `save_to_disk`; the generator's cache is deleted after, so"
         " the write time counts writing the Arrow data twice (generate + save, split below). Read with"
         f" `load_from_disk(...).with_format('numpy')` (memory-mapped) through `torch.utils.data.DataLoader(batch_size="
         f"{BATCH}, sampler=<seeded torch.randperm>)`: every window once, uniformly shuffled.",
         "",
-        "Each cell is repetition 1 / repetition 2; the runs were interleaved litdata, datasets, litdata, datasets."
+        "Each cell lists the repetitions in the order run (a / b); they were interleaved (litdata, datasets, litdata,"
+        " datasets for the writes; litdata, litdata-fullchunk, datasets, again for the reads)."
         " Each write and each read ran in a fresh subprocess. *Main peak* is the main process's VmHWM; *tree peak* is"
         " the peak of the RSS summed over the process and its workers (sampled every 50 ms), *anon* the same without"
         " file-backed pages (mapped shards, libraries). The reads use the shards of the last write (2 workers).",
@@ -371,14 +401,21 @@ def report(args, results: dict, spreads: dict, disks: dict, resumes: dict, wall_
             runs = results["write", engine, workers]
             seconds = [r["seconds"] for r in runs]
             lines.append(
-                f"| {engine} | {workers} | {both(seconds, '.1f')} | {both([tokens / s / 1e6 for s in seconds], '.2f')}"
-                f" | {both([r['main_hwm_mb'] for r in runs], '.0f')} | {both([r['tree_rss_mb'] for r in runs], '.0f')}"
-                f" | {both([r['tree_anon_mb'] for r in runs], '.0f')} |"
+                row(
+                    engine,
+                    workers,
+                    both(seconds, ".1f"),
+                    both([tokens / s / 1e6 for s in seconds], ".2f"),
+                    column(runs, "main_hwm_mb", ".0f"),
+                    column(runs, "tree_rss_mb", ".0f"),
+                    column(runs, "tree_anon_mb", ".0f"),
+                )
             )
     splits = [
-        f"{workers} worker(s): generate {both([r['generate_s'] for r in results['write', 'datasets', workers]], '.1f')}"
-        f" s, save {both([r['save_s'] for r in results['write', 'datasets', workers]], '.1f')} s"
+        f"{workers} worker{'s' if workers > 1 else ''}: generate {column(runs, 'generate_s', '.1f')} s,"
+        f" save {column(runs, 'save_s', '.1f')} s"
         for workers in (1, 2)
+        for runs in [results["write", "datasets", workers]]
     ]
     lines += [
         "",
@@ -386,38 +423,52 @@ def report(args, results: dict, spreads: dict, disks: dict, resumes: dict, wall_
         "",
         "## Reading (every window once, shuffled, batch 16)",
         "",
-        "| engine | num_workers | epoch (s) | windows/s | M tokens/s | first batch (s) | main peak RSS (MB)"
+        "| reader | num_workers | epoch (s) | windows/s | M tokens/s | first batch (s) | main peak RSS (MB)"
         " | tree peak RSS (MB) | tree peak anon (MB) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for workers in (0, 2):
-        for engine in ENGINES:
-            runs = results["read", engine, workers]
+        for reader in READERS:
+            runs = results["read", reader, workers]
             seconds = [r["seconds"] for r in runs]
             lines.append(
-                f"| {engine} | {workers} | {both(seconds, '.1f')} | {both([windows / s for s in seconds], ',.0f')}"
-                f" | {both([tokens / s / 1e6 for s in seconds], '.2f')} | {both([r['first_batch_s'] for r in runs], '.2f')}"
-                f" | {both([r['main_hwm_mb'] for r in runs], '.0f')} | {both([r['tree_rss_mb'] for r in runs], '.0f')}"
-                f" | {both([r['tree_anon_mb'] for r in runs], '.0f')} |"
+                row(
+                    reader,
+                    workers,
+                    both(seconds, ".1f"),
+                    both([windows / s for s in seconds], ",.0f"),
+                    both([tokens / s / 1e6 for s in seconds], ".2f"),
+                    column(runs, "first_batch_s", ".2f"),
+                    column(runs, "main_hwm_mb", ".0f"),
+                    column(runs, "tree_rss_mb", ".0f"),
+                    column(runs, "tree_anon_mb", ".0f"),
+                )
             )
     lines += [
         "",
         "Every read above yielded every window exactly once (its windows' 64-bit fingerprints equal, as a multiset,"
-        " those of the stream): " + ("yes, all." if all(s["complete"] for s in spreads.values()) else "NO, see below."),
+        " those of the stream): "
+        + ("yes, all." if all(s["complete"] for s in spreads.values()) else "NO (see the column complete)."),
         "",
         f"Shuffle spread (uniform shuffle: ≈{SLICES * (1 - (1 - 1 / SLICES) ** BATCH):.1f} slices per batch,"
         f" ≈{SLICES * (1 - (1 - 1 / SLICES) ** FIRST_WINDOWS):.0f} in the first {FIRST_WINDOWS:,} windows):",
         "",
-        f"| engine | num_workers | complete | distinct 1% slices of the stream per batch | ... in the first"
+        f"| reader | num_workers | complete | distinct 1% slices of the stream per batch | ... in the first"
         f" {FIRST_WINDOWS:,} windows |",
         "|---|---|---|---|---|",
     ]
+    yes = {True: "yes", False: "NO"}
     for workers in (0, 2):
-        for engine in ENGINES:
-            runs = spreads[engine, workers]["runs"]
+        for reader in READERS:
+            spread = spreads[reader, workers]
             lines.append(
-                f"| {engine} | {workers} | {'yes' if spreads[engine, workers]['complete'] else 'NO'}"
-                f" | {both([r['batch_slices'] for r in runs], '.1f')} | {both([r['first_slices'] for r in runs], 'd')} |"
+                row(
+                    reader,
+                    workers,
+                    yes[spread["complete"]],
+                    column(spread["runs"], "batch_slices", ".1f"),
+                    column(spread["runs"], "first_slices", "d"),
+                )
             )
     lines += [
         "",
@@ -430,14 +481,21 @@ def report(args, results: dict, spreads: dict, disks: dict, resumes: dict, wall_
         " and the batches before the stop plus the restored loader's are compared, batch by batch, with the"
         " uninterrupted epoch's. Run once each (a correctness check, not a timing).",
         "",
-        "| engine | num_workers | batches | stopped after | batches after resume | same batches before stop"
+        "| reader | num_workers | batches | stopped after | batches after resume | same batches before stop"
         " | identical epoch |",
         "|---|---|---|---|---|---|---|",
     ]
-    for (engine, workers), r in resumes.items():
+    for (reader, workers), r in resumes.items():
         lines.append(
-            f"| {engine} | {workers} | {r['batches']} | {r['stopped_after']} | {r['resumed_batches']}"
-            f" | {'yes' if r['head_identical'] else 'NO'} | {'yes' if r['identical'] else 'NO'} |"
+            row(
+                reader,
+                workers,
+                r["batches"],
+                r["stopped_after"],
+                r["resumed_batches"],
+                yes[r["head_identical"]],
+                yes[r["identical"]],
+            )
         )
     lines += [
         "",
@@ -448,7 +506,7 @@ def report(args, results: dict, spreads: dict, disks: dict, resumes: dict, wall_
     ]
     for engine in ENGINES:
         disk = disks[engine]
-        lines.append(f"| {engine} | {disk['files']} | {disk['mb']:.1f} | {disk['mb'] * 1e6 / tokens:.3f} |")
+        lines.append(row(engine, disk["files"], f"{disk['mb']:.1f}", f"{disk['mb'] * 1e6 / tokens:.3f}"))
     requirements = mosaic_requirements()
     conflicts = [r for r in requirements if re.match(r"(numpy|transformers)\b", r)]
     lines += [
@@ -470,7 +528,7 @@ def report(args, results: dict, spreads: dict, disks: dict, resumes: dict, wall_
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=50_000_000, help="length of the token stream")
+    parser.add_argument("--tokens", type=int, default=100_000_000, help="length of the token stream")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/bench-shards.md"))
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -492,11 +550,12 @@ def main() -> None:
     common = {"tokens": args.tokens, "seed": args.seed}
     results: dict = {}
 
-    def measure(kind: str, engine: str, workers: int, **extra) -> dict:
-        task = {**common, **extra, "kind": kind, "engine": engine, "workers": workers, "root": str(work / engine)}
+    def measure(kind: str, name: str, workers: int, **extra) -> dict:
+        """Run a write (``name`` an engine), a read or a resume (``name`` a reader) in a fresh subprocess."""
+        task = {**common, **extra, "kind": kind, "name": name, "workers": workers, "root": str(work / engine_of(name))}
         result = run_measurement(task, work, log)
-        results.setdefault((kind, engine, workers), []).append(result)
-        print(kind, engine, workers, {k: round(v, 2) for k, v in result.items()}, flush=True)
+        results.setdefault((kind, name, workers), []).append(result)
+        print(kind, name, workers, {k: round(v, 2) for k, v in result.items()}, flush=True)
         return result
 
     for _ in range(args.repeats):
@@ -509,18 +568,18 @@ def main() -> None:
     spreads: dict = {}
     for _ in range(args.repeats):
         for workers in (0, 2):
-            for engine in ENGINES:
+            for reader in READERS:
                 order_path = work / "order.npy"
-                measure("read", engine, workers, order=str(order_path))
+                measure("read", reader, workers, order=str(order_path))
                 order = np.load(order_path)
-                spread = spreads.setdefault((engine, workers), {"runs": [], "complete": True})
+                spread = spreads.setdefault((reader, workers), {"runs": [], "complete": True})
                 spread["runs"].append(shuffle_spread(order, position, len(expected)))
-                spread["complete"] &= np.array_equal(np.sort(order), np.sort(expected))
+                spread["complete"] &= bool(np.array_equal(np.sort(order), np.sort(expected)))
 
     resumes = {}
     for workers in (0, 2):
-        for engine in ENGINES:
-            resumes[engine, workers] = measure("resume", engine, workers)
+        for reader in READERS:
+            resumes[reader, workers] = measure("resume", reader, workers)
     if {engine: disk_usage(work / engine) for engine in ENGINES} != disks:
         raise RuntimeError("the shards changed while being read")
 
