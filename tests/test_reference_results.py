@@ -18,7 +18,7 @@ SOURCES = {"reference_2024": ["reference", "reference_2024"]}
 
 
 @pytest.mark.parametrize(
-    "study", ["classic", "reference", "probes", "extension", "extension_passkey", "reference_2024"]
+    "study", ["classic", "classic/fp32", "reference", "probes", "extension", "extension_passkey", "reference_2024"]
 )
 def test_committed_tables_are_recomputed_from_the_committed_results_files(study, tmp_path):
     folder = STUDIES / study
