@@ -122,16 +122,22 @@ def greedy(net, prompt: torch.Tensor, steps: int) -> torch.Tensor:
     return tokens
 
 
-@pytest.mark.parametrize("pe", ["rope", "alibi"])
+@pytest.mark.parametrize("pe", PES)
 def test_the_exported_models_generate_continues_as_lenext_does(pe, tmp_path, make_checkpoint, cache_dir):
+    """Every PE, natively where it goes out natively (RoPE, learned), else by remote code: greedy ``generate``
+    (transformers' cache where the architecture has one) is lenext's greedy continuation, token for token, to
+    L_train (the learned table's end)."""
     checkpoint, net = make_checkpoint(f"pe={pe}")
     chosen = export(checkpoint, str(tmp_path / "exported"), cache_dir=cache_dir)[0]
     model = load(tmp_path / "exported", remote=chosen == "remote")
     prompt = torch.randint(net.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
     # Generation stops at the tokenizer's end of text (id 0 of lenext's BPE), not at transformers' default ids.
     assert model.config.eos_token_id == model.generation_config.eos_token_id == 0
-    generated = model.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)
-    assert torch.equal(generated, greedy(net, prompt, 40))
+    steps = TRAIN_LEN - prompt.size(1)
+    generated = model.generate(prompt, max_new_tokens=steps, do_sample=False, pad_token_id=0)
+    expected = greedy(net, prompt, steps)
+    assert torch.equal(generated, expected[:, : generated.size(1)])
+    assert generated.size(1) == expected.size(1) or generated[0, -1] == 0  # only an end of text stops it early
 
 
 @pytest.mark.parametrize(
