@@ -34,7 +34,7 @@ from lenext.evaluate import EvalSettings, sweep, sweep_plan
 from lenext.hardware import canonical_precision, machine_description
 from lenext.hf_self_extend import ATTENTION_NAME
 from lenext.hf_self_extend import install as install_self_extend
-from lenext.model import LOGIT_CHUNK_ELEMENTS
+from lenext.model import chunked_nll
 from lenext.pe.rope import self_extend_group
 from lenext.resolve import EVAL_NODES, EvalScriptSettings, flat_settings
 from lenext.results import code_commit, format_rows, write_results
@@ -252,14 +252,7 @@ class HFLanguageModel(nn.Module):
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
         hidden = self.model.base_model(input_ids=inputs, use_cache=False)[0]  # (B, L, d)
         head = self.model.get_output_embeddings()
-        budget = LOGIT_CHUNK_ELEMENTS.get(hidden.device.type, LOGIT_CHUNK_ELEMENTS["cpu"])  # as lenext's Decoder
-        span = max(1, budget // (head.out_features * inputs.size(0)))
-        nll = hidden.new_empty(targets.shape, dtype=torch.float32)
-        for s in range(0, length, span):
-            logits = head(hidden[:, s : s + span]).float()  # (B, span, V)
-            chunk = F.cross_entropy(logits.flatten(0, 1), targets[:, s : s + span].flatten(), reduction="none")
-            nll[:, s : s + span] = chunk.view(logits.shape[:2])
-        return nll
+        return chunked_nll(hidden, targets, head, head.out_features)  # as lenext's Decoder scores
 
 
 def row_name(source: str) -> str:

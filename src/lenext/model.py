@@ -172,17 +172,29 @@ class Decoder(nn.Module):
         The logits are made ``LOGIT_CHUNK_ELEMENTS`` at a time: all of a batch of long windows x a large vocabulary
         would cost gigabytes.
         """
-        hidden = self(tokens, positions)
-        budget = LOGIT_CHUNK_ELEMENTS.get(hidden.device.type, LOGIT_CHUNK_ELEMENTS["cpu"])
-        span = max(1, budget // (self.vocab_size * tokens.size(0)))  # positions per chunk
-        # One output written chunk by chunk: chunk outputs kept between the logits fragmented the heap.
-        nll = hidden.new_empty(targets.shape, dtype=torch.float32)
-        predicted = torch.empty_like(targets) if predictions else None
-        for s in range(0, tokens.size(1), span):
-            logits = self.logits(hidden[:, s : s + span]).float()  # (B, span, V)
-            # Rows of (B * span, V): on a (B, V, span) view log_softmax copies the logits and reduces a strided axis.
-            chunk_nll = F.cross_entropy(logits.flatten(0, 1), targets[:, s : s + span].flatten(), reduction="none")
-            nll[:, s : s + span] = chunk_nll.view(logits.shape[:2])
-            if predictions:
-                predicted[:, s : s + span] = logits.argmax(-1)
-        return (nll, predicted) if predictions else nll
+        return chunked_nll(self(tokens, positions), targets, self.logits, self.vocab_size, predictions)
+
+
+def chunked_nll(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    logits: Callable[[torch.Tensor], torch.Tensor],
+    vocab_size: int,
+    predictions: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-target NLL (B, L) in fp32 of the last hidden states (B, L, d) under the output projection ``logits``
+    (and with ``predictions`` the most likely tokens), the logits made ``LOGIT_CHUNK_ELEMENTS`` at a time: lenext's
+    Decoder and a Hugging Face model's plain head (lenext.hf) score through here."""
+    budget = LOGIT_CHUNK_ELEMENTS.get(hidden.device.type, LOGIT_CHUNK_ELEMENTS["cpu"])
+    span = max(1, budget // (vocab_size * targets.size(0)))  # positions per chunk
+    # One output written chunk by chunk: chunk outputs kept between the logits fragmented the heap.
+    nll = hidden.new_empty(targets.shape, dtype=torch.float32)
+    predicted = torch.empty_like(targets) if predictions else None
+    for s in range(0, targets.size(1), span):
+        chunk = logits(hidden[:, s : s + span]).float()  # (B, span, V)
+        # Rows of (B * span, V): on a (B, V, span) view log_softmax copies the logits and reduces a strided axis.
+        chunk_nll = F.cross_entropy(chunk.flatten(0, 1), targets[:, s : s + span].flatten(), reduction="none")
+        nll[:, s : s + span] = chunk_nll.view(chunk.shape[:2])
+        if predictions:
+            predicted[:, s : s + span] = chunk.argmax(-1)
+    return (nll, predicted) if predictions else nll
