@@ -101,6 +101,10 @@ def test_the_installed_wheel_trains_evaluates_and_reports_from_any_folder(tmp_pa
     (eval_dir,) = glob.glob(str(work / "logs" / "eval" / "runs" / "*"))
     assert json.loads(open(os.path.join(eval_dir, "results.json")).read())["rows"][0]["length"] == 32
 
+    # The export's code files are package data of the wheel: an ALiBi model goes out as remote code.
+    exported = run("lenext-export", os.path.join(run_dir, "checkpoints", "last.ckpt"), work / "exported")
+    assert exported.stdout.startswith("wrote ") and (work / "exported" / "modeling_lenext.py").exists()
+
     report = run("lenext-report", work / "logs", "--out", work / "report")
     assert "| my_alibi |" in report.stdout
     assert (work / "report" / "table.md").exists() and (work / "report" / "ppl_vs_length.png").exists()
