@@ -76,6 +76,18 @@ def half_rotation_order(n_heads: int, head_dim: int) -> torch.Tensor:
     return (torch.arange(n_heads)[:, None] * head_dim + within).flatten()
 
 
+def shape_settings(net: Decoder) -> dict:
+    """The model's shape in transformers' config names (Llama's, GPT-NeoX's; tools read them from any config)."""
+    return {
+        "vocab_size": net.vocab_size,
+        "hidden_size": net.d_model,
+        "num_hidden_layers": len(net.blocks),
+        "num_attention_heads": net.blocks[0].attn.n_heads,
+        "intermediate_size": net.blocks[0].mlp.down.in_features,
+        "tie_word_embeddings": False,  # a tied lenext head is written untied (``output_head``)
+    }
+
+
 def output_head(net: Decoder) -> torch.Tensor:
     """The output projection (V, d): a tied one (T5's) holds the embedding scaled by d^-0.5."""
     return net.head.weight if net.head is not None else net.embedding.weight * net.d_model**-0.5
@@ -144,17 +156,12 @@ class GPTNeoX(RotaryArchitecture):
         head_dim = d // heads
         rope = rope_parameters(net.pe)
         config = {
-            "vocab_size": net.vocab_size,
-            "hidden_size": d,
-            "num_hidden_layers": len(net.blocks),
-            "num_attention_heads": heads,
-            "intermediate_size": net.blocks[0].mlp.down.in_features,
+            **shape_settings(net),
             "hidden_act": "gelu",
             "layer_norm_eps": NORM_EPS,
             "use_parallel_residual": False,
             "rope_parameters": {**rope, "partial_rotary_factor": 1.0},
             "attention_bias": True,
-            "tie_word_embeddings": False,
             "max_position_embeddings": context,
         }
         state = {"gpt_neox.embed_in.weight": net.embedding.weight, "lm_head.weight": output_head(net)}
@@ -188,21 +195,15 @@ class Llama(RotaryArchitecture):
     def convert(self, net, context):
         heads, d = net.blocks[0].attn.n_heads, net.d_model
         rope = rope_parameters(net.pe)
-        hidden = net.blocks[0].mlp.down.in_features
         config = {
-            "vocab_size": net.vocab_size,
-            "hidden_size": d,
-            "num_hidden_layers": len(net.blocks),
-            "num_attention_heads": heads,
+            **shape_settings(net),
             "num_key_value_heads": heads,
             "head_dim": d // heads,
-            "intermediate_size": hidden,
             "hidden_act": "silu",
             "rms_norm_eps": NORM_EPS,
             "rope_parameters": rope,
             "attention_bias": False,
             "mlp_bias": False,
-            "tie_word_embeddings": False,
             "max_position_embeddings": context,
         }
         state = {"model.embed_tokens.weight": net.embedding.weight, "lm_head.weight": output_head(net)}

@@ -14,6 +14,7 @@ import shutil
 from importlib import resources
 from pathlib import Path
 
+from lenext.export.native import shape_settings
 from lenext.model import Decoder
 from lenext.pe import Learned
 
@@ -79,13 +80,8 @@ def remote_config(net: Decoder, spec) -> dict:
         "model_type": "lenext",
         "architectures": ["LenextForCausalLM"],
         "auto_map": AUTO_MAP,
-        "vocab_size": net.vocab_size,
-        # transformers' names of the shape, which tools read (generation's cache, lm-evaluation-harness, vLLM)
-        "hidden_size": net.d_model,
-        "num_hidden_layers": len(net.blocks),
-        "num_attention_heads": net.blocks[0].attn.n_heads,
+        **shape_settings(net),  # transformers' names, which tools read (generation, lm-evaluation-harness, vLLM)
         "max_position_embeddings": spec.base_len,  # the context eval.factors multiply, as for the checkpoint
-        "tie_word_embeddings": False,
         "lenext": {
             "model": config["model"],
             "pe": config["pe"],
