@@ -23,7 +23,13 @@ def test_unknown_pe_lists_the_available_ones(tmp_path):
     [
         (["pe=rop"], "error: pe=rop is not one of the pe configs (did you mean rope?); they are: alibi, "),
         (["-m", "pe=rope,alibx"], "error: pe=alibx is not one of the pe configs (did you mean alibi?); they are: "),
-        (["model=huge"], "error: model=huge is not one of the model configs; they are: compact, llama, llama_125m, llama_1b, llama_350m, small, tiny"),
+        (
+            ["model=huge"],
+            (
+                "error: model=huge is not one of the model configs; they are: compact, llama, llama_125m, llama_1b, "
+                "llama_350m, small, tiny"
+            ),
+        ),
         (["data.maxlen=64"], "error: data.maxlen is not a setting of data (did you mean data.max_len?); the settings"),
         (["pe=t5", "+pe.max_distanse=3"], "error: pe.max_distanse is not a setting of lenext.pe.T5Bias (did you mean"),
         (["pe=alibi", "+pe.slope=3"], "error: pe.slope is not a setting of lenext.pe.ALiBi; the settings there: none"),

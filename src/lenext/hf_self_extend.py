@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lenext.model import LOGIT_CHUNK_ELEMENTS
-from lenext.pe.rope import self_extend_group, self_extend_window
+from lenext.pe.rope import self_extend_window
 
 ATTENTION_NAME = "lenext_self_extend"
 
@@ -28,33 +28,39 @@ class SelfExtendAttention:
     for each length."""
 
     def __init__(self, rotary: nn.Module, context: int):
-        self.rotary, self.window, self.context, self.group = rotary, self_extend_window(context), context, 1
+        self.rotary, self.window, self.group = rotary, self_extend_window(context), 1
+        self._tables_key, self._tables = None, None
 
-    def set_length(self, length: int) -> int:
-        """G for sequences of ``length``, set; returned."""
-        self.group = self_extend_group(length, self.window, self.context)
-        return self.group
-
-    def rotated(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (B, H, L, d) rotated by halves at any (fractional) positions (L,), in float64, with the module's factor."""
-        angles = positions.double()[:, None] * self.rotary.inv_freq.double().to(x.device)  # (L, d/2)
-        angles = torch.cat((angles, angles), dim=-1)
-        scale = getattr(self.rotary, "attention_scaling", 1.0)
-        x = x.double()
-        return (x * angles.cos() + rotate_half(x) * angles.sin()) * scale
+    def tables(self, length: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """float64 (cos, sin) of the model's own rotation at 0..L-1 (1, 1, L, d), and of the grouped query and key
+        positions (L, d), each with the module's attention factor: once per length and group, not per layer."""
+        key = (length, self.group, dtype, device)
+        if key != self._tables_key:
+            positions = torch.arange(length, device=device)
+            cos, sin = self.rotary(torch.empty(0, dtype=dtype, device=device), positions[None])  # as the model did
+            grouped = torch.div(positions, self.group, rounding_mode="floor")
+            scale = getattr(self.rotary, "attention_scaling", 1.0)
+            inv_freq = self.rotary.inv_freq.double().to(device)
+            far = []
+            for at in (grouped + self.window - self.window / self.group, grouped):  # query's, key's
+                angles = at.double()[:, None] * inv_freq  # (L, d/2)
+                angles = torch.cat((angles, angles), dim=-1)
+                far += [angles.cos() * scale, angles.sin() * scale]
+            self._tables = (cos[:, None].double(), sin[:, None].double(), *far)
+            self._tables_key = key
+        return self._tables
 
     def __call__(self, module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
         # query (B, H, L, d), key and value (B, H_kv, L, d): q and k rotated at 0..L-1 by the model.
         length, repeats = query.size(2), query.size(1) // key.size(1)
         key, value = (t.repeat_interleave(repeats, dim=1) for t in (key, value))  # transformers' repeat_kv
-        positions = torch.arange(length, device=query.device)
-        cos, sin = self.rotary(query, positions[None])  # (1, L, d): the model's own rotation, undone
-        cos, sin = cos[:, None].double(), sin[:, None].double()
-        unscale = getattr(self.rotary, "attention_scaling", 1.0) ** 2
+        cos, sin, q_cos, q_sin, k_cos, k_sin = self.tables(length, query.dtype, query.device)
+        unscale = getattr(self.rotary, "attention_scaling", 1.0) ** 2  # the model's rotation undone
         plain_q, plain_k = ((t.double() * cos - rotate_half(t.double()) * sin) / unscale for t in (query, key))
-        window, group = self.window, self.group
-        grouped = torch.div(positions, group, rounding_mode="floor")
-        far_q, far_k = self.rotated(plain_q, grouped + window - window / group), self.rotated(plain_k, grouped)
+        far_q = plain_q * q_cos + rotate_half(plain_q) * q_sin  # at the grouped positions
+        far_k = plain_k * k_cos + rotate_half(plain_k) * k_sin
+        window = self.window
+        positions = torch.arange(length, device=query.device)
         near_q, near_k = query.double(), key.double()
         scaling = scaling if scaling is not None else query.size(-1) ** -0.5
         rows = max(1, LOGIT_CHUNK_ELEMENTS["cpu"] // (query.size(0) * query.size(1) * length))
