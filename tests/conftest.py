@@ -1,5 +1,6 @@
 """Shared fixtures: composed configs (as lightning-hydra-template does) and one tokenized corpus."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -50,7 +51,7 @@ def compose_train(tmp_path, cache_dir):
 def small_text_corpus(tmp_path_factory):
     """Twelve real addresses as a text_files corpus (3 validation documents): seconds to train and evaluate."""
     folder = tmp_path_factory.mktemp("corpus")
-    for i, text in enumerate(Sotu().documents("train")[:12]):
+    for i, text in enumerate(itertools.islice(Sotu().documents("train"), 12)):
         (folder / f"{i:02d}.txt").write_text(text)
     return folder
 

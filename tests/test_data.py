@@ -14,7 +14,7 @@ from tests.conftest import TEST_VOCAB
 
 def test_sotu_splits_are_disjoint_whole_documents_held_out_by_year():
     corpus = Sotu()
-    docs = {split: corpus.documents(split) for split in ("train", "validation", "test")}
+    docs = {split: list(corpus.documents(split)) for split in ("train", "validation", "test")}
     assert len(docs["train"]) > 150 and len(docs["validation"]) >= 20 and len(docs["test"]) >= 20
     sets = {split: set(d) for split, d in docs.items()}
     assert not sets["train"] & sets["validation"] and not sets["train"] & sets["test"]
@@ -25,7 +25,7 @@ def test_sotu_splits_are_disjoint_whole_documents_held_out_by_year():
 def test_held_out_splits_keep_documents_long_enough_for_32x_evaluation(sotu_data):
     # L_train 512 x 32 = 16k tokens must fit inside single validation and test documents.
     for split in ("validation", "test"):
-        assert sum(len(d) > 16385 for d in sotu_data.splits[split]) >= 2
+        assert sum(len(d) > 16385 for d in sotu_data.documents(split)) >= 2
 
 
 @pytest.mark.parametrize("text", ["The Congress shall assemble.", "café — “quotes” 1,234.5\n\n  tabs\t", "日本"])
@@ -45,18 +45,20 @@ def test_caches_are_reused_without_retraining(sotu_data, cache_dir, monkeypatch)
     again = LMDataModule(Sotu(), max_len=32, vocab_size=TEST_VOCAB, cache_dir=cache_dir)
     again.load()
     after = {os.path.join(d, f): os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(cache_dir) for f in fs}
-    assert after == files  # nothing rewritten: tokenized splits came from the datasets cache
-    for split in sotu_data.splits:
-        assert all(np.array_equal(a, b) for a, b in zip(again.splits[split], sotu_data.splits[split], strict=True))
+    assert after == files  # nothing rewritten: the splits came from their token shards
+    for split in lenext.data.SPLITS:
+        assert all(
+            np.array_equal(a, b) for a, b in zip(again.documents(split), sotu_data.documents(split), strict=True)
+        )
 
 
 def test_documents_start_with_eos_and_train_stream_holds_only_train_tokens(sotu_data):
     eos = sotu_data.tokenizer.token_to_id(lenext.data.EOS)
-    for docs in sotu_data.splits.values():
-        assert all(d[0] == eos and (d[1:] != eos).all() for d in docs)
-    stream = sotu_data.stream("train")
-    assert len(stream) == sum(len(d) for d in sotu_data.splits["train"])
-    assert (stream == eos).sum() == len(sotu_data.splits["train"])
+    for split in lenext.data.SPLITS:
+        assert all(d[0] == eos and (d[1:] != eos).all() for d in sotu_data.documents(split))
+    stream = sotu_data.stream("train")[:]
+    assert np.array_equal(stream, np.concatenate(sotu_data.documents("train")))
+    assert (stream == eos).sum() == len(sotu_data.documents("train"))
 
 
 def test_train_windows_are_consecutive_slices_with_shifted_targets():
@@ -87,14 +89,14 @@ def test_text_files_corpus_reads_txt_and_jsonl_and_holds_out_round_robin(tmp_pat
         (tmp_path / f"doc{i}.txt").write_text(f"document number {i} " * 5)
     (tmp_path / "more.jsonl").write_text("\n".join(json.dumps({"text": f"line doc {i}"}) for i in range(4)))
     corpus = TextFiles(str(tmp_path), holdout_every=4)
-    splits = {s: corpus.documents(s) for s in ("train", "validation", "test")}
+    splits = {s: list(corpus.documents(s)) for s in ("train", "validation", "test")}
     assert [len(v) for v in splits.values()] == [6, 3, 3]
     assert sum(splits.values(), []).count("line doc 0") == 1
 
 
 def test_empty_text_folder_is_a_clear_error(tmp_path):
-    with pytest.raises(DataError, match="no .txt or .jsonl files"):
-        TextFiles(str(tmp_path)).documents("train")
+    with pytest.raises(DataError, match=r"no .txt, .jsonl, .parquet files"):
+        list(TextFiles(str(tmp_path)).documents("train"))
 
 
 def test_hub_corpus_groups_wikitext_articles_from_a_local_dataset_of_the_same_schema(tmp_path):
@@ -114,7 +116,7 @@ def test_hub_corpus_groups_wikitext_articles_from_a_local_dataset_of_the_same_sc
         with open(files[split], "w") as f:
             f.writelines(json.dumps({"text": line}) + "\n" for line in lines)
     corpus = HubCorpus("json", data_files=files, wikitext_articles=True)
-    articles = corpus.documents("validation")
+    articles = list(corpus.documents("validation"))
     assert len(articles) == 2
     assert articles[0].startswith(" = Alpha = ") and "Section" in articles[0] and "more alpha" in articles[0]
     assert articles[1] == " = Beta = \n Beta text . \n"
@@ -124,7 +126,7 @@ def test_hub_corpus_one_document_per_row_as_in_pg19(tmp_path):
     path = tmp_path / "books.jsonl"
     path.write_text("\n".join(json.dumps({"short_book_title": f"B{i}", "text": f"book {i} text"}) for i in range(3)))
     corpus = HubCorpus("json", data_files={"train": str(path)}, split_names={"validation": "train", "test": "train"})
-    assert corpus.documents("test") == ["book 0 text", "book 1 text", "book 2 text"]
+    assert list(corpus.documents("test")) == ["book 0 text", "book 1 text", "book 2 text"]
 
 
 def test_corpus_with_an_empty_split_fails_before_tokenizing(tmp_path):

@@ -47,26 +47,26 @@ def test_a_corpus_file_that_is_not_documents_is_named_with_its_line(tmp_path, na
     (tmp_path / "a.txt").write_text(GOOD)
     (tmp_path / name).write_bytes(content)
     with pytest.raises(DataError, match=r"^data.corpus.path: .*" + expected):
-        TextFiles(str(tmp_path)).documents("train")
+        list(TextFiles(str(tmp_path)).documents("train"))
 
 
 def test_a_dangling_link_in_a_corpus_folder_is_named(tmp_path):
     (tmp_path / "a.txt").write_text(GOOD)
     os.symlink(tmp_path / "gone.txt", tmp_path / "b.txt")
     with pytest.raises(DataError, match=r"b.txt cannot be read \(a link to '.*gone.txt', which does not exist\)"):
-        TextFiles(str(tmp_path)).documents("train")
+        list(TextFiles(str(tmp_path)).documents("train"))
 
 
 def test_a_file_reached_twice_through_links_is_read_once(tmp_path):
     (tmp_path / "a.txt").write_text(GOOD)
     os.symlink(tmp_path / "a.txt", tmp_path / "b.txt")
     os.symlink(tmp_path, tmp_path / "loop")  # a link to a folder above the file
-    assert TextFiles(str(tmp_path), holdout_every=3).documents("train") == [GOOD]
+    assert list(TextFiles(str(tmp_path), holdout_every=3).documents("train")) == [GOOD]
 
 
 def test_json_lines_keep_characters_that_split_lines_elsewhere(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "one\u2028two"}, ensure_ascii=False) + "\n\n")
-    assert TextFiles(str(tmp_path), holdout_every=3).documents("train") == ["one\u2028two"]
+    assert list(TextFiles(str(tmp_path), holdout_every=3).documents("train")) == ["one\u2028two"]
 
 
 def test_a_bad_corpus_stops_the_command_before_training(tmp_path, small_text_corpus):

@@ -106,7 +106,7 @@ def test_each_protocol_equals_a_plain_transformers_loop(architecture, tmp_path, 
         TextFiles(str(small_text_corpus), holdout_every=4), tokenizer=str(folder), cache_dir=str(tmp_path / "c")
     )
     data.load()
-    documents = data.splits["validation"]
+    documents = data.documents("validation")
     sizes = byte_lengths(tokenizer_folder)
     for protocol in ("nonoverlap", "last_k"):
         served = [32, 64] if architecture == "gpt2" else [32, 64, 128]

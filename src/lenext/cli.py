@@ -23,12 +23,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lenext.build import hydra_config
+from lenext import schema
+from lenext.build import hydra_config, instantiate
+from lenext.data import LMDataModule
 from lenext.errors import ConfigError, LenextError, print_one_line
 from lenext.files import write_atomic
 from lenext.hardware import default_precision, keep_freed_memory
 from lenext.hf import evaluate_hf
-from lenext.resolve import RENAMED_KEYS
+from lenext.resolve import RENAMED_KEYS, TRAIN_NODES, TrainSettings
 from lenext.results import ERROR_FILE
 from lenext.run import evaluate_checkpoint, train
 from lenext.schema import HYDRA_KEYS, did_you_mean
@@ -156,3 +158,37 @@ def eval_main(cfg: DictConfig) -> str:
     keep_freed_memory()
     # The job's return value: None would read as a failed job in a study.
     return evaluate_hf(cfg) if cfg.get("hf") else evaluate_checkpoint(cfg)
+
+
+PREPARE_USAGE = """usage: lenext-prepare [override ...]
+
+Prepare the data of `python train.py [override ...]` and stop: the tokenizer (trained on the first
+data.tokenizer_sample_mb of the training split, or data.tokenizer's) and each split's token shards, in
+paths.cache_dir. Training does this itself on first use; a killed preparation resumes where it stopped.
+
+Example: lenext-prepare data=text_files data.corpus.path=/data/my_corpus"""
+
+
+def prepare_main() -> None:
+    """``lenext-prepare [overrides]``: the data of a training run prepared, nothing trained."""
+    overrides = sys.argv[1:]
+    if {"-h", "--help"} & set(overrides):
+        print(PREPARE_USAGE)
+        return
+    try:
+        check_overrides("train", overrides)
+        with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
+            cfg = compose("train", overrides=overrides)
+        scope = OmegaConf.masked_copy(cfg, ["data", "paths", "seed"])
+        scope.paths.output_dir = "."  # a run's folder: there is no run
+        schema.check(scope, TrainSettings, TRAIN_NODES)
+        data = instantiate(cfg.data, "data")
+        if not isinstance(data, LMDataModule):
+            print(f"{type(data).__name__} generates its data from a seed: there is nothing to prepare")
+            return
+        data.load()
+    except LenextError as e:
+        print_one_line(e)
+        sys.exit(e.exit_status)
+    for line in data.describe_preparation():
+        print(line)

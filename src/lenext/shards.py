@@ -1,0 +1,261 @@
+"""Token shards: a split of a corpus tokenized once into Arrow files on disk and read back memory-mapped.
+
+A split's folder holds ``shard-00000.arrow``, ``shard-00001.arrow``, ... and, once every document is in, a
+``manifest.json``. A shard is an Arrow IPC stream of whole documents, one row each (``ids``: the document's tokens;
+held-out splits also ``byte_ends``), closed at the first document boundary past ``SHARD_TOKENS`` tokens. Each shard
+is written aside and renamed into place, and its schema names the preparation it belongs to (``key``) and the
+documents it holds (``first``, ``count``): a killed preparation resumes after its last whole shard, and a shard of
+another preparation, or one that cannot be read, is refused naming its file.
+
+Shards are read with ``datasets``' ``MemoryMappedTable`` (as Hugging Face datasets reads its own cache): a
+document is a zero-copy numpy view of the mapped file, so memory holds the pages being read, not the corpus.
+The engine was chosen by measurement (docs/performance.md, "Token shards").
+"""
+
+import contextlib
+import fcntl
+import functools
+import json
+import os
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from lenext.errors import DataError
+from lenext.files import atomic_path, write_atomic
+
+SHARD_TOKENS = 1 << 24  # tokens per shard (32 MiB of uint16): small enough to rewrite after a kill
+FORMAT = 1  # bumped when the layout changes, so an older folder is refused rather than misread
+MANIFEST = "manifest.json"
+
+
+def token_type(vocab_size: int) -> pa.DataType:
+    return pa.uint16() if vocab_size <= 1 << 16 else pa.uint32()
+
+
+class SplitWriter:
+    """Writes one split's documents into shards, after the shards a killed run completed.
+
+    ``resume_from`` is the number of documents the folder already holds: the caller skips them in its source.
+    """
+
+    def __init__(self, folder: str, key: str, ids_type: pa.DataType, with_bytes: bool):
+        self.folder, self.key = folder, key
+        fields = [pa.field("ids", pa.list_(ids_type))] + [pa.field("byte_ends", pa.list_(pa.int64()))] * with_bytes
+        self.schema = pa.schema(fields, metadata={"lenext.key": key, "lenext.format": str(FORMAT)})
+        for name in os.listdir(folder):  # a shard a kill left half-written (the caller holds the folder's lock)
+            if name.startswith(".shard-") and name.endswith(".tmp"):
+                os.unlink(os.path.join(folder, name))
+        self.done = completed_shards(folder, key)
+        self.resume_from = sum(documents for _, documents, _ in self.done)
+
+    def write(self, documents: Iterable[dict[str, np.ndarray]]) -> None:
+        """Append ``documents`` (each {"ids": ..., "byte_ends": ...}) in order, then the manifest."""
+        rows, tokens, writer = [], 0, None
+        try:
+            for document in documents:
+                rows.append(document)
+                tokens += len(document["ids"])
+                if len(rows) == 1024 or tokens >= SHARD_TOKENS:  # a batch: memory holds at most one
+                    writer = writer or self._open()
+                    writer.write(rows)
+                    rows = []
+                if tokens >= SHARD_TOKENS:
+                    writer.close()
+                    writer, tokens = None, 0
+            if rows:
+                writer = writer or self._open()
+                writer.write(rows)
+        except BaseException:
+            if writer:
+                writer.abandon()
+            raise
+        if writer:
+            writer.close()
+        shards = [{"file": os.path.basename(p), "documents": d, "tokens": t} for p, d, t in self.done]
+        manifest = {"format": FORMAT, "key": self.key, "shards": shards}
+        write_atomic(os.path.join(self.folder, MANIFEST), json.dumps(manifest, indent=1) + "\n")
+
+    def _open(self) -> "_ShardFile":
+        return _ShardFile(os.path.join(self.folder, f"shard-{len(self.done):05d}.arrow"), self.schema, self.done)
+
+
+class _ShardFile:
+    """One shard being written: a temporary file renamed into place (and listed in ``done``) when closed."""
+
+    def __init__(self, path: str, schema: pa.Schema, done: list):
+        self.path, self.schema, self.done = path, schema, done
+        self._context = atomic_path(path)
+        self._tmp = self._context.__enter__()
+        self._stream = pa.ipc.new_stream(self._tmp, schema)
+        self.documents = self.tokens = 0
+
+    def write(self, rows: list[dict]) -> None:
+        arrays = [_list_array([row[f.name] for row in rows], f.type.value_type) for f in self.schema]
+        self._stream.write_batch(pa.record_batch(arrays, schema=self.schema))
+        self.documents += len(rows)
+        self.tokens += sum(len(row["ids"]) for row in rows)
+
+    def close(self) -> None:
+        self._stream.close()
+        self._context.__exit__(None, None, None)
+        self.done.append((self.path, self.documents, self.tokens))
+
+    def abandon(self) -> None:
+        """Remove the unfinished shard: the next run rewrites it from its first document."""
+        self._stream.close()
+        with contextlib.suppress(DataError):
+            self._context.__exit__(DataError, DataError("abandoned"), None)
+
+
+def _list_array(rows: list[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum([len(r) for r in rows], out=offsets[1:])
+    values = np.concatenate(rows).astype(value_type.to_pandas_dtype(), copy=False)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type))
+
+
+def completed_shards(folder: str, key: str) -> list[tuple[str, int, int]]:
+    """(path, documents, tokens) of each shard already in ``folder``, in order, each read and checked."""
+    names = sorted(n for n in os.listdir(folder) if n.startswith("shard-") and n.endswith(".arrow"))
+    for number, name in enumerate(names):
+        if name != f"shard-{number:05d}.arrow":
+            raise DataError(f"token shards in {folder}: shard-{number:05d}.arrow is missing; {_REMOVE.format(folder)}")
+    done = []
+    for name in names:
+        table = read_shard(os.path.join(folder, name), key)
+        done.append((os.path.join(folder, name), table.num_rows, _tokens(table)))
+    return done
+
+
+_REMOVE = "remove {} to prepare the split again"
+
+
+def read_shard(path: str, key: str) -> pa.Table:
+    """The shard at ``path``, memory-mapped, or a DataError naming it if it cannot be read or belongs elsewhere."""
+    from datasets.table import MemoryMappedTable
+
+    folder = os.path.dirname(path)
+    try:
+        table = MemoryMappedTable.from_file(path).table
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise DataError(f"token shard {path} cannot be read ({e}); {_REMOVE.format(folder)}") from None
+    meta = table.schema.metadata or {}
+    if meta.get(b"lenext.key") != key.encode() or meta.get(b"lenext.format") != str(FORMAT).encode():
+        found = (meta.get(b"lenext.key") or b"no lenext key").decode()
+        raise DataError(
+            f"token shard {path} belongs to another preparation ({found}, not {key}); {_REMOVE.format(folder)}"
+        )
+    return table
+
+
+def _tokens(table: pa.Table) -> int:
+    return sum(len(chunk.flatten()) for chunk in table.column("ids").chunks)
+
+
+def open_split(folder: str, key: str) -> "Split | None":
+    """The split prepared in ``folder`` (every shard checked against the manifest), or None if it is not complete."""
+    path = os.path.join(folder, MANIFEST)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path} cannot be read ({e}); {_REMOVE.format(folder)}") from None
+    if not isinstance(manifest, dict) or manifest.get("key") != key or manifest.get("format") != FORMAT:
+        raise DataError(f"{path} is not the manifest of {key} (format {FORMAT}); {_REMOVE.format(folder)}")
+    tables = []
+    for shard in manifest["shards"]:
+        table = read_shard(os.path.join(folder, shard["file"]), key)
+        if (table.num_rows, _tokens(table)) != (shard["documents"], shard["tokens"]):
+            raise DataError(
+                f"token shard {os.path.join(folder, shard['file'])} holds {table.num_rows} documents and "
+                f"{_tokens(table)} tokens, its manifest {shard['documents']} and {shard['tokens']}; "
+                + _REMOVE.format(folder)
+            )
+        tables.append(table)
+    return Split([os.path.join(folder, s["file"]) for s in manifest["shards"]], key, tables)
+
+
+class Split:
+    """A prepared split: its documents as zero-copy views of the memory-mapped shards.
+
+    Pickled (to a DataLoader worker) as its file names; the worker maps the files again.
+    """
+
+    def __init__(self, files: list[str], key: str, tables: list[pa.Table] | None = None):
+        self.files, self.key, self._tables = files, key, tables
+
+    def __getstate__(self) -> dict:
+        return {"files": self.files, "key": self.key, "_tables": None}
+
+    @property
+    def tables(self) -> list[pa.Table]:
+        if self._tables is None:
+            self._tables = [read_shard(path, self.key) for path in self.files]
+        return self._tables
+
+    def _chunks(self, column: str) -> Iterator[pa.ListArray]:
+        for table in self.tables:
+            yield from table.column(column).chunks
+
+    def pieces(self) -> list[np.ndarray]:
+        """The split's tokens, documents concatenated, as one zero-copy array per Arrow batch."""
+        return [chunk.flatten().to_numpy(zero_copy_only=True) for chunk in self._chunks("ids")]
+
+    def documents(self, column: str = "ids") -> list[np.ndarray]:
+        """Each document's ``column`` (token ids, or byte_ends), a zero-copy view."""
+        views = []
+        for chunk in self._chunks(column):
+            values = chunk.flatten().to_numpy(zero_copy_only=True)
+            offsets = chunk.offsets.to_numpy()
+            views.extend(np.split(values, offsets[1:-1] - offsets[0]))
+        return views
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(documents, tokens) of the split."""
+        return sum(t.num_rows for t in self.tables), sum(_tokens(t) for t in self.tables)
+
+    def stream(self) -> "TokenStream":
+        return TokenStream(self)
+
+
+class TokenStream:
+    """A split's documents as one token sequence, sliced across the shards' pieces without holding them in memory."""
+
+    def __init__(self, split: Split):
+        self.split = split
+        self.ends = np.cumsum([len(p) for p in split.pieces()])
+
+    def __getstate__(self) -> dict:
+        return {"split": self.split, "ends": self.ends}
+
+    @functools.cached_property
+    def _pieces(self) -> list[np.ndarray]:
+        return self.split.pieces()
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        start, stop, _ = span.indices(len(self))
+        first = int(np.searchsorted(self.ends, start, side="right"))
+        parts = []
+        while start < stop:
+            begin = int(self.ends[first - 1]) if first else 0
+            end = min(stop, int(self.ends[first]))
+            parts.append(self._pieces[first][start - begin : end - begin])
+            start, first = end, first + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+
+
+@contextlib.contextmanager
+def preparing(folder: str) -> Iterator[None]:
+    """Hold ``folder``'s preparation lock: a second process preparing the same split waits, then finds it done."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, ".prepare.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield

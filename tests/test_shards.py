@@ -1,0 +1,240 @@
+"""Token shards: what is prepared equals the corpus tokenized in memory; a killed preparation resumes to the same
+shards; a corrupt, foreign or missing shard is refused naming it; reading holds no copy of the corpus."""
+
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import lenext.data
+import lenext.shards
+from lenext.data import SPLITS, Corpus, HubCorpus, LMDataModule, TextFiles, TrainWindows, byte_ends
+from lenext.errors import DataError
+
+WORDS = "the of and to in a that is was he for it with as his on be at by had".split()
+
+
+def write_corpus(folder, documents: int = 60, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(documents):
+        words = rng.choice(WORDS, size=int(rng.integers(20, 400)))
+        (folder / f"{i:03d}.txt").write_text(" ".join(words) + (" café “quoted” 日本\n" if i % 7 == 0 else "\n"))
+
+
+@pytest.fixture
+def small_shards(monkeypatch):
+    """Shards of ~500 tokens and batches of 3 documents: every split spans several shards and batches."""
+    monkeypatch.setattr(lenext.shards, "SHARD_TOKENS", 500)
+    monkeypatch.setattr(lenext.data, "ENCODE_BATCH", 3)
+
+
+def prepared(corpus: Corpus, cache, **kwargs) -> LMDataModule:
+    data = LMDataModule(corpus, vocab_size=300, cache_dir=str(cache), **kwargs)
+    data.load()
+    return data
+
+
+def test_prepared_splits_equal_the_corpus_tokenized_in_memory(tmp_path, small_shards):
+    write_corpus(tmp_path / "corpus")
+    corpus = TextFiles(str(tmp_path / "corpus"), holdout_every=4)
+    data = prepared(corpus, tmp_path / "cache")
+    start = data.start_token
+    for split in SPLITS:
+        texts = list(corpus.documents(split))
+        encoded = [data.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        assert len(data.shards[split].files) > 1
+        got = data.documents(split)
+        assert len(got) == len(texts)
+        for document, e in zip(got, encoded, strict=True):
+            np.testing.assert_array_equal(document, [start, *e.ids])
+        if split != "train":
+            for ends, text, e in zip(data.documents(split, "byte_ends"), texts, encoded, strict=True):
+                np.testing.assert_array_equal(ends, np.concatenate([[0], byte_ends(text, e.offsets)]))
+                assert ends[-1] == len(text.encode())  # every byte of the text is spanned
+    stream = data.stream("train")
+    np.testing.assert_array_equal(stream[:], np.concatenate(data.documents("train")))
+
+
+def test_token_stream_slices_across_shards_as_one_array_and_pickles_without_its_tokens(tmp_path, small_shards):
+    write_corpus(tmp_path / "corpus")
+    data = prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache")
+    stream, whole = data.stream("train"), np.concatenate(data.documents("train"))
+    rng = np.random.default_rng(1)
+    for start, length in zip(rng.integers(0, len(whole), 200), rng.integers(0, 1500, 200), strict=True):
+        np.testing.assert_array_equal(stream[start : start + length], whole[start : start + length])
+    assert len(pickle.dumps(stream)) < 300 * len(data.shards["train"].files)  # names: a worker maps the files again
+    again = pickle.loads(pickle.dumps(stream))
+    np.testing.assert_array_equal(again[100:2100], whole[100:2100])
+    windows = TrainWindows(stream, 64)
+    assert len(windows) == (len(whole) - 1) // 64
+    np.testing.assert_array_equal(windows[len(windows) - 1]["tokens"], whole[(len(windows) - 1) * 64 :][:65])
+
+
+def test_reading_a_split_maps_its_shards_and_allocates_nothing(tmp_path, small_shards):
+    write_corpus(tmp_path / "corpus", documents=200)
+    prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache")
+    before = pa.total_allocated_bytes()
+    data = prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache")  # reused: read back from disk
+    tokens = data.stream("train")[:]
+    views = data.documents("validation")
+    assert sum(map(len, views)) > 2_000 and len(tokens) > 20_000
+    assert pa.total_allocated_bytes() - before < 10_000  # memory-mapped: no Arrow buffer holds the tokens
+    assert all(not view.flags.owndata and not view.flags.writeable for view in views)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_killed_preparation_resumes_after_its_whole_shards_to_the_same_shards(
+    tmp_path, small_shards, caplog, monkeypatch
+):
+    write_corpus(tmp_path / "corpus")
+    corpus = TextFiles(str(tmp_path / "corpus"), holdout_every=4)
+    encode = LMDataModule._encode
+
+    def killed(self, documents, held_out):  # the run stops mid-shard, after 20 training documents
+        for i, document in enumerate(encode(self, documents, held_out)):
+            if i == 20 and not held_out:
+                raise Interrupted
+            yield document
+
+    monkeypatch.setattr(LMDataModule, "_encode", killed)
+    with pytest.raises(Interrupted):
+        prepared(corpus, tmp_path / "cache")
+    monkeypatch.setattr(LMDataModule, "_encode", encode)
+    folder = next((tmp_path / "cache" / "shards").iterdir()) / "train"
+    kept = {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*.arrow")}
+    assert len(kept) >= 2 and not list(folder.glob(".*.tmp")) and not (folder / "manifest.json").exists()
+    caplog.set_level("INFO", logger="lenext")
+    resumed = prepared(corpus, tmp_path / "cache")
+    assert "resumed after" in caplog.text
+    assert all((folder / name).stat().st_mtime_ns == mtime for name, mtime in kept.items())  # not rewritten
+    fresh = prepared(corpus, tmp_path / "fresh")
+    for split in SPLITS:
+        for a, b in zip(resumed.documents(split), fresh.documents(split), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_preparation_killed_by_sigkill_resumes(tmp_path, small_text_corpus):
+    code = f"""
+import os, signal, lenext.shards as s
+from lenext.data import LMDataModule, TextFiles
+s.SHARD_TOKENS = 2000
+written = s._ShardFile.close
+def close(self):
+    written(self)
+    if len(self.done) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+s._ShardFile.close = close
+LMDataModule(TextFiles({str(small_text_corpus)!r}), vocab_size=300, cache_dir={str(tmp_path / "cache")!r}).load()
+"""
+    assert subprocess.run([sys.executable, "-c", code]).returncode == -9
+    resumed = prepared(TextFiles(str(small_text_corpus)), tmp_path / "cache")
+    fresh = prepared(TextFiles(str(small_text_corpus)), tmp_path / "fresh")
+    np.testing.assert_array_equal(resumed.stream("train")[:], fresh.stream("train")[:])
+
+
+@pytest.fixture
+def shard_folder(tmp_path, small_shards):
+    write_corpus(tmp_path / "corpus")
+    prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache")
+    return next((tmp_path / "cache" / "shards").iterdir()) / "train"
+
+
+def again(tmp_path):
+    return prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache")
+
+
+def test_a_truncated_shard_is_refused_naming_it(tmp_path, shard_folder):
+    shard = shard_folder / "shard-00001.arrow"
+    shard.write_bytes(shard.read_bytes()[:300])
+    with pytest.raises(DataError, match=rf"^token shard {shard} (cannot be read|holds).*remove {shard_folder} to"):
+        again(tmp_path)
+
+
+def test_a_shard_of_another_preparation_is_refused_naming_it(tmp_path, shard_folder):
+    other = tmp_path / "other"
+    write_corpus(other / "corpus", seed=1)
+    prepared(TextFiles(str(other / "corpus")), other / "cache")
+    foreign = next((other / "cache" / "shards").iterdir()) / "train" / "shard-00000.arrow"
+    (shard_folder / "shard-00000.arrow").write_bytes(foreign.read_bytes())
+    with pytest.raises(DataError, match=r"^token shard .*shard-00000.arrow belongs to another preparation"):
+        again(tmp_path)
+
+
+def test_a_missing_shard_or_a_foreign_manifest_is_refused(tmp_path, shard_folder):
+    manifest = json.loads((shard_folder / "manifest.json").read_text())
+    (shard_folder / "manifest.json").write_text(json.dumps({**manifest, "key": "elsewhere"}))
+    with pytest.raises(DataError, match=r"manifest.json is not the manifest of"):
+        again(tmp_path)
+    (shard_folder / "manifest.json").unlink()
+    (shard_folder / "shard-00001.arrow").unlink()  # and no manifest: the preparation resumes, but not past a gap
+    with pytest.raises(DataError, match=r"shard-00001.arrow is missing; remove .* to prepare the split again"):
+        again(tmp_path)
+
+
+def test_parquet_files_are_documents_and_a_null_row_is_named(tmp_path):
+    texts = [f"parquet document {i} " * 3 for i in range(5)]
+    pq.write_table(pa.table({"text": texts, "id": list(range(5))}), tmp_path / "a.parquet")
+    (tmp_path / "b.txt").write_text("a text file")
+    assert list(TextFiles(str(tmp_path), holdout_every=100).documents("train")) == [*texts, "a text file"]
+    pq.write_table(pa.table({"text": ["fine", None]}), tmp_path / "c.parquet")
+    with pytest.raises(DataError, match=r"c.parquet, row 2: its 'text' is null"):
+        list(TextFiles(str(tmp_path)).documents("train"))
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "c.parquet")
+    with pytest.raises(DataError, match=r"c.parquet: it has no 'text'; it must have a string column 'text'"):
+        list(TextFiles(str(tmp_path)).documents("train"))
+
+
+def test_a_streamed_hub_corpus_gives_the_documents_and_shards_of_a_downloaded_one(tmp_path, small_shards):
+    files = {}
+    for split, n in (("train", 40), ("validation", 5), ("test", 5)):
+        files[split] = str(tmp_path / f"{split}.jsonl")
+        rng = np.random.default_rng(len(split))
+        with open(files[split], "w") as f:
+            for _ in range(n):
+                f.write(json.dumps({"text": " ".join(rng.choice(WORDS, size=int(rng.integers(30, 200))))}) + "\n")
+    streamed, loaded = (HubCorpus("json", data_files=files, streaming=s) for s in (True, False))
+    for split in SPLITS:
+        assert list(streamed.documents(split)) == list(loaded.documents(split))
+    a, b = prepared(streamed, tmp_path / "a"), prepared(loaded, tmp_path / "b")
+    assert a.tokenizer.to_str() == b.tokenizer.to_str()
+    np.testing.assert_array_equal(a.stream("train")[:], b.stream("train")[:])
+
+
+def test_the_tokenizer_trains_on_a_bounded_sample_of_the_training_split(tmp_path, monkeypatch):
+    write_corpus(tmp_path / "corpus", documents=40)
+    corpus = TextFiles(str(tmp_path / "corpus"))
+    seen = []
+    train = lenext.data.train_tokenizer
+    monkeypatch.setattr(lenext.data, "train_tokenizer", lambda docs, vocab: train(seen.extend(docs) or seen, vocab))
+    prepared(corpus, tmp_path / "cache", tokenizer_sample_mb=0.002)  # 2,000 characters
+    documents = list(corpus.documents("train"))
+    assert seen == documents[: len(seen)] and 1 < len(seen) < len(documents)
+    assert sum(map(len, seen[:-1])) < 2000 <= sum(map(len, seen))
+
+
+def test_lenext_prepare_prepares_a_training_runs_data_and_refuses_bad_input(tmp_path, small_text_corpus):
+    env = {**os.environ, "LENEXT_ROOT": str(tmp_path)}
+    command = [sys.executable, "-c", "from lenext.cli import prepare_main; prepare_main()"]
+    corpus = ["data=text_files", f"data.corpus.path={small_text_corpus}", "data.vocab_size=300"]
+    done = subprocess.run([*command, *corpus], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"train: \d+ documents, [\d,]+ tokens in 1 shards", done.stdout)
+    assert (tmp_path / ".cache" / "shards").is_dir()
+    for bad, message in (
+        (["data.tokenizer_sample_mb=0"], "data.tokenizer_sample_mb=0 is invalid: it must be a finite number > 0"),
+        (["data=text_files"], "data.corpus.path is required"),
+        (["data=text_file"], "data=text_file is not one of the data configs"),
+    ):
+        failed = subprocess.run([*command, *bad], env=env, capture_output=True, text=True)
+        assert failed.returncode != 0 and message in failed.stdout + failed.stderr and "Traceback" not in failed.stderr
