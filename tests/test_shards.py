@@ -238,3 +238,28 @@ def test_lenext_prepare_prepares_a_training_runs_data_and_refuses_bad_input(tmp_
     ):
         failed = subprocess.run([*command, *bad], env=env, capture_output=True, text=True)
         assert failed.returncode != 0 and message in failed.stdout + failed.stderr and "Traceback" not in failed.stderr
+
+
+class Unreadable(Corpus):
+    """A corpus that can no longer be read (a hub corpus, offline), with the fingerprint it had when prepared."""
+
+    def __init__(self, corpus: Corpus):
+        self.corpus, self.name = corpus, corpus.name
+
+    def documents(self, split):
+        raise AssertionError(f"the {split} split was read again")
+
+    def fingerprint(self):
+        return self.corpus.fingerprint()
+
+
+def test_a_prepared_corpus_is_not_read_again(tmp_path, small_shards):
+    write_corpus(tmp_path / "corpus")
+    corpus = TextFiles(str(tmp_path / "corpus"))
+    first = prepared(corpus, tmp_path / "cache")
+    again = prepared(Unreadable(corpus), tmp_path / "cache")
+    assert again.tokenizer.to_str() == first.tokenizer.to_str()
+    np.testing.assert_array_equal(again.stream("train")[:], first.stream("train")[:])
+    (tmp_path / "corpus" / "000.txt").write_text("an edited document")  # another corpus: prepared anew
+    with pytest.raises(AssertionError, match="read again"):
+        prepared(Unreadable(TextFiles(str(tmp_path / "corpus"))), tmp_path / "cache")

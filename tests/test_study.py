@@ -157,6 +157,31 @@ def test_ddp_sim_trains_and_evaluates_like_one_process(small_text_corpus, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("pe", ["rope", "fire"])
+def test_trainer_fsdp_trains_and_evaluates_like_one_process_on_the_same_global_batches(pe, small_text_corpus, tmp_path):
+    common = [
+        *small_corpus_overrides(small_text_corpus, "trainer.max_steps=3", "eval.factors=[1,2]", f"pe={pe}"),
+        f"paths.cache_dir={tmp_path / '.cache'}",
+    ]
+    # Two ranks of 4 windows each see the global batch of 8 one process sees, in the same order (lenext.data); a
+    # step's gradients are one process's to 1e-5 (tests/test_scaling.py).
+    sharded = run_train(tmp_path, *common, "trainer=fsdp_sim", f"hydra.run.dir={tmp_path / 'fsdp'}")
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    single = run_train(tmp_path, *common, "data.batch_size=8", f"hydra.run.dir={tmp_path / 'one'}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert sharded.stdout.count("validation perplexity") == 1  # rank 0 speaks for the run
+    assert torch.load(tmp_path / "fsdp" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"].keys() == (
+        torch.load(tmp_path / "one" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"].keys()
+    )  # one file, gathered, read as any run's
+    # Validation (ranks' shares evened out with uncounted repeats) and the sweep (on the gathered net) count each
+    # window once, as one process does; the NLL agrees to Adam's amplification of rounding in near-zero gradients.
+    rows = [json.loads((tmp_path / run / "results.json").read_text())["rows"] for run in ("fsdp", "one")]
+    assert [(r["windows"], r["tokens"]) for r in rows[0]] == [(r["windows"], r["tokens"]) for r in rows[1]]
+    for sharded_row, single_row in zip(*rows, strict=True):
+        assert sharded_row["mean_nll"] == pytest.approx(single_row["mean_nll"], rel=1e-3)
+
+
+@pytest.mark.slow
 def test_submitit_local_launcher_runs_a_two_job_sweep(small_text_corpus, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     sweep = tmp_path / "sweep"

@@ -63,6 +63,18 @@ def build_net(spec, vocab_size: int, weights: dict | None = None):
     return net
 
 
+def unsharded(net, spec, vocab_size: int):
+    """``net`` itself, or, if FSDP sharded it (trainer=fsdp), a plain copy holding every parameter whole, on every
+    rank: the length sweep then runs as under DDP, each rank on its own windows, with no collective per forward."""
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in net.parameters()):
+        return net
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return build_net(spec, vocab_size, get_model_state_dict(net, options=StateDictOptions(full_state_dict=True)))
+
+
 def build_module(module_node, spec, net):
     """The LightningModule of a resolved run (configs/module) around its ``net``."""
     module = instantiate(module_node, "module", _partial_=True, _convert_="all")

@@ -8,6 +8,7 @@ lenext runs from any folder; a user adds a config folder of their own with
 
 import contextlib
 import functools
+import math
 import os
 import re
 import sys
@@ -42,6 +43,8 @@ OmegaConf.register_new_resolver("auto_precision", default_precision, replace=Tru
 # In run folder names: two sweeps started in the same second still get folders of their own. Cached, so that the
 # jobs a launcher runs in other processes (joblib) resolve the launching process's, as Hydra's ${now:}.
 OmegaConf.register_new_resolver("pid", os.getpid, replace=True, use_cache=True)
+# ${product:a,b}: trainer=fsdp's data-parallel size, devices x nodes (Lightning's "auto" would shard within nodes only).
+OmegaConf.register_new_resolver("product", lambda *factors: math.prod(factors), replace=True)
 # The launch folder, known before Hydra's own config (hydra:runtime.cwd is not, when a sweep folder resolves).
 OmegaConf.register_new_resolver("cwd", os.getcwd, replace=True)
 

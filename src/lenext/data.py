@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lenext.errors import ConfigError, DataError
 from lenext.evaluate import TextEvaluation
-from lenext.files import atomic_path
+from lenext.files import atomic_path, write_atomic
 from lenext.protocols import PROTOCOLS, NonOverlapping, cap_windows
 from lenext.ranges import NonNegativeInt, PositiveFloat, PositiveInt, Range
 from lenext.shards import Split, SplitWriter, TokenStream, open_split, preparing, token_type
@@ -409,6 +409,14 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int):
     return tokenizer
 
 
+def _read_if_exists(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
 def sample(documents: Iterable[str], megabytes: float) -> Iterator[str]:
     """The first documents of ``documents`` up to ``megabytes`` of text (the one that crosses the bound included)."""
     budget = megabytes * 1e6
@@ -595,23 +603,30 @@ class LMDataModule(L.LightningDataModule):
         self.load()
 
     def load(self) -> None:
-        """Train or reuse the tokenizer, then prepare each split into shards or reuse them. Idempotent."""
+        """Train or reuse the tokenizer, then prepare each split into shards or reuse them. Idempotent. A corpus
+        prepared before is not read again (a hub corpus needs no network then)."""
         if self.shards:
             return
         if self.tokenizer_source:  # read first: a bad path is refused before the corpus is read
             self.tokenizer, self.start_token = external_tokenizer(self.tokenizer_source)
-        for split in SPLITS:  # the first document of each: an empty split is refused before any work
-            if next(iter(self.corpus.documents(split)), None) is None:
-                raise DataError(f"corpus {self.corpus.name!r} has no {split} documents: check data.corpus")
-        key = self.load_tokenizer()
-        shard_key = f"{key}-{_digest([self.corpus.fingerprint()])}"
-        for split in SPLITS:
-            self.shards[split] = self._prepare(split, shard_key)
+        key = self.load_tokenizer(train=False)
+        if key is None or any(open_split(self._folder(key, split), self._shard_key(key)) is None for split in SPLITS):
+            for split in SPLITS:  # the first document of each: an empty split is refused before any work
+                if next(iter(self.corpus.documents(split)), None) is None:
+                    raise DataError(f"corpus {self.corpus.name!r} has no {split} documents: check data.corpus")
+            key = self.load_tokenizer()
+        self.shards = {split: self._prepare(split, key) for split in SPLITS}
 
-    def load_tokenizer(self) -> str:
+    def _shard_key(self, tokenizer_key: str) -> str:
+        return f"{tokenizer_key}-{_digest([self.corpus.fingerprint()])}"
+
+    def _folder(self, tokenizer_key: str, split: str) -> str:
+        return os.path.join(self.cache_dir, "shards", self._shard_key(tokenizer_key), split)
+
+    def load_tokenizer(self, train: bool = True) -> str | None:
         """The tokenizer alone (``data.tokenizer``'s, else the BPE of the training split's first
-        ``tokenizer_sample_mb``: reused from the cache, or trained) and ``start_token``, every document's first;
-        returns its cache key. The splits stay unread beyond the sample."""
+        ``tokenizer_sample_mb``: reused from the cache, or, if ``train``, trained) and ``start_token``, every
+        document's first; returns its cache key (None: not trained yet). The splits stay unread beyond the sample."""
         from tokenizers import Tokenizer
 
         if self.tokenizer_source:
@@ -627,7 +642,14 @@ class LMDataModule(L.LightningDataModule):
         def documents() -> Iterator[str]:  # read twice: to name the tokenizer, then (if new) to train it
             return sample(self.corpus.documents("train"), self.tokenizer_sample_mb)
 
-        key = f"{self.corpus.name}-{_digest(documents())}-v{self.requested_vocab}"
+        # The tokenizer is named by its training text; which text that is, the corpus's fingerprint says cheaply.
+        source = [self.corpus.fingerprint(), str(self.tokenizer_sample_mb), str(self.requested_vocab)]
+        index = os.path.join(self.cache_dir, "tokenizers", "by_source", f"{_digest(source)}.txt")
+        key = _read_if_exists(index)
+        if key is None or not os.path.exists(os.path.join(self.cache_dir, "tokenizers", f"{key}.json")):
+            if not train:
+                return None
+            key = f"{self.corpus.name}-{_digest(documents())}-v{self.requested_vocab}"
         self.tokenizer_path = os.path.join(self.cache_dir, "tokenizers", f"{key}.json")
         if os.path.exists(self.tokenizer_path):
             self.tokenizer = Tokenizer.from_file(self.tokenizer_path)
@@ -635,12 +657,14 @@ class LMDataModule(L.LightningDataModule):
             self.tokenizer = train_tokenizer(documents(), self.requested_vocab)
             with atomic_path(self.tokenizer_path) as tmp:
                 self.tokenizer.save(tmp)
+        if _read_if_exists(index) != key:
+            write_atomic(index, key)
         self.start_token = self.tokenizer.token_to_id(EOS)
         return key
 
-    def _prepare(self, split: str, key: str) -> Split:
+    def _prepare(self, split: str, tokenizer_key: str) -> Split:
         """The split's shards: reused, completed after a kill, or written."""
-        folder = os.path.join(self.cache_dir, "shards", key, split)
+        folder, key = self._folder(tokenizer_key, split), self._shard_key(tokenizer_key)
         prepared = open_split(folder, key)
         if prepared is not None:
             return prepared
@@ -700,11 +724,26 @@ class LMDataModule(L.LightningDataModule):
         windows = DocumentWindows(self.documents(split), length, self.validation_max_windows)
         if len(windows) == 0:
             raise DataError(f"no {split} document has {length + 1} tokens: use a shorter data.max_len")
-        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
-        # Under DDP each rank scores its own windows; the weighted metric counts each token once.
-        return DataLoader(
-            windows,
-            batch_size=self.eval_batch_size,
-            sampler=range(rank, len(windows), world),
-            num_workers=self.num_workers,
-        )
+        return evaluation_loader(windows, self.eval_batch_size, self.trainer, self.num_workers)
+
+
+class EqualShares(Dataset):
+    """``samples`` followed by repeats of them marked ``counted: False``, up to ``length``."""
+
+    def __init__(self, samples: Dataset, length: int):
+        self.samples, self.length = samples, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict:
+        return {**self.samples[i % len(self.samples)], "counted": torch.tensor(i < len(self.samples))}
+
+
+def evaluation_loader(samples: Dataset, batch_size: int, trainer, num_workers: int) -> DataLoader:
+    """Each rank its own share of ``samples`` (the metrics add the shares up: each sample counts once). The shares
+    are padded to one length with repeats that are scored but not counted: under FSDP every forward gathers the
+    parameters from all ranks, so every rank must run as many batches."""
+    rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+    padded = EqualShares(samples, -(-len(samples) // world) * world)
+    return DataLoader(padded, batch_size=batch_size, sampler=range(rank, len(padded), world), num_workers=num_workers)

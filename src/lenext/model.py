@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lenext.attention import AttentionSettings, LengthScale, causal_attention
 from lenext.errors import ConfigError
@@ -134,6 +135,7 @@ class Decoder(nn.Module):
         )
         self.norm = normalization(norm, d_model)
         self.head = None if tie_embeddings else nn.Linear(d_model, vocab_size, bias=False)
+        self.checkpoint_blocks = False  # True: each block's activations recomputed in the backward pass
         self.apply(self._init_weights)
         # Unit-variance token embeddings put tokens and the sinusoidal PE (amplitude 1) on one scale.
         nn.init.normal_(self.embedding.weight, std=1.0)
@@ -150,7 +152,10 @@ class Decoder(nn.Module):
         x = self.embedding(tokens)  # (B, L, d)
         x = self.dropout(self.pe.embed(x, positions))
         for block in self.blocks:
-            x = block(x, positions)
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                x = checkpoint(block, x, positions, use_reentrant=False)
+            else:
+                x = block(x, positions)
         return self.norm(x)  # (B, L, d)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

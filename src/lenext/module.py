@@ -82,6 +82,8 @@ class LanguageModel(L.LightningModule):
         scheme: PositionScheme | None = None,
         seed: int = 0,
         run: dict | None = None,
+        compile: bool = False,  # noqa: A002 (the switch's name in the config: module.compile)
+        activation_checkpointing: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["net", "scheme"])
@@ -92,6 +94,21 @@ class LanguageModel(L.LightningModule):
         self.val_windows = SumMetric()
         self.val_answers = answer_metrics(net.embedding.num_embeddings)  # probes: exact match, token accuracy
         self.train_seconds, self.train_tokens = 0.0, 0  # time inside training steps, for tokens/s (kept on resume)
+
+    def configure_model(self) -> None:
+        """How the net runs, applied once per block before training (Lightning's hook): activations recomputed in
+        the backward pass (``activation_checkpointing``), each block compiled (``compile``), then each block and
+        the net sharded across the data-parallel ranks under ``trainer=fsdp`` (FSDP2, Lightning's
+        ModelParallelStrategy). None of it changes what is computed."""
+        if getattr(self, "_configured", False):
+            return
+        self._configured = True
+        self.net.checkpoint_blocks = self.hparams.activation_checkpointing
+        for block in self.net.blocks:
+            if self.hparams.compile:
+                block.compile()
+        if self.device_mesh is not None:
+            shard(self.net, self.device_mesh["data_parallel"])
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["train_clock"] = {"seconds": self.train_seconds, "tokens": self.train_tokens}
@@ -145,17 +162,22 @@ class LanguageModel(L.LightningModule):
             metric.reset()
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
+        counted = batch.pop("counted")  # False: a repeat that evens out the ranks' shares (lenext.data)
+        if "answer" in batch:
+            batch["answer"] = batch["answer"].masked_fill(~counted[:, None], -1)
         tokens = batch["tokens"]
         windows = [tuple(w) for w in batch["window"].tolist()]
         positions = window_positions(self.scheme, tokens.size(1) - 1, self.hparams.seed, windows)
         if "answer" in batch:  # a probe: its answers alone, as the sweep's accuracy rows score them
             nll, predicted, targets = scored_targets(self.net, batch, positions, predictions=True)
-            _, span = answers_per_sample(batch["answer"])
-            self.val_answers.update(predicted.view(-1, span), targets.view(-1, span))
+            if nll.numel():
+                _, span = answers_per_sample(batch["answer"])
+                self.val_answers.update(predicted.view(-1, span), targets.view(-1, span))
         else:
-            nll = scored_targets(self.net, batch, positions)
-        self.val_nll.update(nll.mean(), weight=nll.numel())
-        self.val_windows.update(tokens.size(0))
+            nll = scored_targets(self.net, batch, positions)[counted]
+        if nll.numel():
+            self.val_nll.update(nll.mean(), weight=nll.numel())
+        self.val_windows.update(int(counted.sum()))
 
     def on_validation_epoch_end(self) -> None:
         loss, windows = self.val_nll.compute(), self.val_windows.compute()
@@ -176,6 +198,16 @@ class LanguageModel(L.LightningModule):
             self.net, total, hp.lr, hp.weight_decay, tuple(hp.betas), hp.warmup_steps, hp.min_lr_ratio
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def shard(net: Decoder, mesh) -> None:
+    """FSDP2 over ``mesh``: each block's parameters, gradients and optimizer state split across its ranks and
+    gathered while the block runs; the rest (embedding, head, PE tables) as one more group."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
 
 
 def adamw_with_schedule(

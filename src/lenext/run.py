@@ -11,12 +11,13 @@ import os
 import lightning as L
 import torch
 from hydra.types import RunMode
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lenext import schema
 from lenext.attention.flex import fresh_compile_state
-from lenext.build import build_module, build_net, hydra_config, instantiate
+from lenext.build import build_module, build_net, hydra_config, instantiate, unsharded
 from lenext.checkpoints import load_checkpoint, net_state, stored_spec
 from lenext.errors import ConfigError, Stopped
 from lenext.evaluate import sweep
@@ -57,7 +58,8 @@ def train(cfg: DictConfig) -> dict:
     del weights  # held by the module's net now
     n_params = sum(p.numel() for p in module.net.parameters())
     pe = ", ".join(f"{k} {v}" for k, v in module.net.pe.describe().items() if k != "name")
-    log.info(
+    say = print if rank_zero_only.rank == 0 else lambda *_: None  # under a subprocess launcher each rank runs this
+    (log.info if rank_zero_only.rank == 0 else log.debug)(
         "%s: %.2fM parameters, PE %s (%s), L_train %d, %s on %s",
         spec.row,
         n_params / 1e6,
@@ -86,13 +88,14 @@ def train(cfg: DictConfig) -> dict:
         spec, int(metrics["val/windows"]), len(datamodule.val_dataloader().dataset), datamodule.protocols
     )
     accuracy = f", exact match {metrics['val/exact_match']:.3f}" if "val/exact_match" in metrics else ""
-    print(
+    say(
         f"validation perplexity at L_train={spec.train_len} over {measured}: {metrics['val/ppl']:.2f} "
         f"(loss {metrics['val/loss']:.4f}{accuracy}, row {spec.row})"
     )
     if spec.plan and not cfg.trainer.get("fast_dev_run"):
         speed = module.train_tokens / module.train_seconds * trainer.world_size if module.train_seconds else None
-        net = module.net.to(trainer.strategy.root_device)  # fit's teardown leaves it on the CPU
+        # fit's teardown leaves the net on the CPU (and, under FSDP, sharded)
+        net = unsharded(module.net, spec, datamodule.vocab_size).to(trainer.strategy.root_device)
         extra = {"identity": identity, "train_tokens_per_s": speed}
         path = evaluate_and_write(spec, net, datamodule, "validation", tokens_trained(trainer, cfg.data), cfg, extra)
         log_results_to_wandb(trainer, path)

@@ -22,7 +22,14 @@ log = logging.getLogger("lenext")
 # What makes a run the run it is: resuming it under other values would mix two runs (the trainer's may change:
 # a longer max_steps continues a run). Left out: what only changes how data is read or how much memory a step takes.
 RUN_IDENTITY = ("model", "pe", "attention", "train", "module", "seed", "data", "init_from")
-NOT_IDENTITY = ("data.num_workers", "data.eval_batch_size", "data.cache_dir", "eval.tokens_per_batch")
+NOT_IDENTITY = (
+    "data.num_workers",
+    "data.eval_batch_size",
+    "data.cache_dir",
+    "eval.tokens_per_batch",
+    "module.compile",
+    "module.activation_checkpointing",
+)
 EVALUATION_ONLY = ("data.eval_samples",)  # a probe's evaluation samples: a resume may change them, a skip may not
 # A finished run is skipped only if it is what this command would make: its budget and evaluation included.
 FINISHED_IDENTITY = (*RUN_IDENTITY, "trainer.max_steps", "trainer.accumulate_grad_batches", "eval")

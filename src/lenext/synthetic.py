@@ -35,7 +35,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lenext.data import step_loader
+from lenext.data import evaluation_loader, step_loader
 from lenext.errors import ConfigError
 from lenext.positions import generator
 from lenext.protocols import ACCURACY, Answers, cap_windows
@@ -287,12 +287,5 @@ class SyntheticDataModule(L.LightningDataModule):
     def _loader(self, split: str) -> DataLoader:
         """The sweep's samples at L_train: validation during training is the sweep's 1x row."""
         indices = cap_windows(list(range(self.eval_samples)), self.validation_max_windows)
-        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         samples = EvaluationSamples(self.task, split, self.max_len + 1, indices)
-        # Under DDP each rank scores its own samples; the metrics count each once.
-        return DataLoader(
-            samples,
-            batch_size=self.eval_batch_size,
-            sampler=range(rank, len(samples), world),
-            num_workers=self.num_workers,
-        )
+        return evaluation_loader(samples, self.eval_batch_size, self.trainer, self.num_workers)

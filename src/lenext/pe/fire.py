@@ -24,9 +24,16 @@ class FireBias(nn.Module):
     def __init__(self, heads: int, hidden: int, init_c: float, init_threshold: float):
         super().__init__()
         self.mlp = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, heads))
-        self.c = nn.Parameter(torch.tensor(init_c))
+        # One-element vectors, not scalars: FSDP shards no scalar parameter (trainer=fsdp).
+        self.c = nn.Parameter(torch.tensor([init_c]))
         self.register_buffer("init_threshold", torch.tensor(init_threshold))
-        self.threshold_multiplier = nn.Parameter(torch.tensor(1.0))
+        self.threshold_multiplier = nn.Parameter(torch.tensor([1.0]))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in ("c", "threshold_multiplier"):  # checkpoints from before they were vectors
+            if state_dict.get(prefix + name) is not None and state_dict[prefix + name].dim() == 0:
+                state_dict[prefix + name] = state_dict[prefix + name].reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """Increasing query positions (R,), key positions (K,) -> (H, R, K) bias in the parameters' dtype (defined

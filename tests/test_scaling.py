@@ -1,0 +1,127 @@
+"""How a net runs at scale, none of which changes what it computes: activation checkpointing per block (every PE),
+torch.compile per block, and trainer=fsdp's configuration. The sharded step itself: tests/test_study.py (slow)."""
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+import lenext.cli  # noqa: F401 (registers the config resolvers)
+from lenext.build import build_net
+from lenext.model import Decoder
+from lenext.module import LanguageModel, shard
+from lenext.pe import FIRE, KERPLE, RoPE, T5Bias
+from lenext.run_folder import resolve_training
+from tests.conftest import CONFIG_FOLDER, tiny_overrides
+
+PES = sorted(path.stem for path in (CONFIG_FOLDER / "pe").glob("*.yaml"))
+
+
+def tiny_module(compose_train, pe: str, **switches) -> LanguageModel:
+    spec, _ = resolve_training(compose_train(*tiny_overrides(f"pe={pe}", "data.max_len=16")))
+    torch.manual_seed(0)
+    module = LanguageModel(build_net(spec, 64), **switches)
+    module.configure_model()
+    return module
+
+
+def loss_and_gradients(module: LanguageModel, precision: str) -> tuple[torch.Tensor, dict]:
+    tokens = torch.randint(64, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        hidden = module.net(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(
+            module.net.logits(hidden).flatten(0, 1).float(), tokens[:, 1:].flatten()
+        )
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in module.net.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("pe", PES)
+def test_activation_checkpointing_gives_every_pes_loss_and_gradients(pe, precision, compose_train):
+    plain = loss_and_gradients(tiny_module(compose_train, pe), precision)
+    recomputed = loss_and_gradients(tiny_module(compose_train, pe, activation_checkpointing=True), precision)
+    assert recomputed[0] == plain[0]
+    assert recomputed[1].keys() == plain[1].keys() and plain[1]
+    for name, gradient in plain[1].items():
+        torch.testing.assert_close(recomputed[1][name], gradient, rtol=0, atol=0, msg=name)
+
+
+def test_activation_checkpointing_is_off_in_evaluation_and_costs_no_state(compose_train):
+    module = tiny_module(compose_train, "rope", activation_checkpointing=True)
+    assert module.net.checkpoint_blocks
+    assert set(module.net.state_dict()) == set(tiny_module(compose_train, "rope").net.state_dict())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pe", ["rope", "alibi", "t5"])
+def test_compiled_blocks_compute_what_eager_blocks_do(pe, compose_train):
+    eager = loss_and_gradients(tiny_module(compose_train, pe), "fp32")
+    compiled = loss_and_gradients(tiny_module(compose_train, pe, compile=True), "fp32")
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6)
+    for name, gradient in eager[1].items():
+        torch.testing.assert_close(compiled[1][name], gradient, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_fsdp_shards_across_every_device_of_every_node():
+    with initialize_config_module(config_module="lenext.configs", version_base="1.3"):
+        cfg = compose("train", overrides=["trainer=fsdp", "trainer.devices=8", "trainer.num_nodes=4"])
+    strategy = OmegaConf.to_container(cfg.trainer.strategy, resolve=True)
+    assert strategy["data_parallel_size"] == 32 and strategy["tensor_parallel_size"] == 1
+    assert strategy["save_distributed_checkpoint"] is False  # last.ckpt: one file, read as any run's
+
+
+STEP_PES = {"rope": RoPE, "t5": T5Bias, "fire": FIRE, "kerple": KERPLE}
+
+
+def _decoder(pe: str) -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(64, 16, STEP_PES[pe], d_model=32, n_layers=2, n_heads=4)
+
+
+def _step(net: Decoder, tokens: torch.Tensor) -> dict:
+    """One training step's gradients (whole tensors) on ``tokens``, the loss a mean over them."""
+    loss = net.token_nll(tokens[:, :-1], tokens[:, 1:]).mean()
+    loss.backward()
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in net.named_parameters()}
+
+
+def _sharded_step(rank: int, world: int, port: int, pe: str, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    net = _decoder(pe)
+    shard(net, init_device_mesh("cpu", (world,)))
+    tokens = torch.randint(64, (8, 17), generator=torch.Generator().manual_seed(1))
+    gradients = _step(net, tokens[rank * 4 : (rank + 1) * 4])  # this rank's half of the global batch
+    if rank == 0:
+        torch.save(gradients, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("pe", sorted(STEP_PES))
+def test_a_sharded_step_on_two_ranks_gives_one_process_gradients(pe, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_sharded_step, args=(2, port, pe, str(tmp_path / "sharded.pt")), nprocs=2, join=True)
+    sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)
+    whole = _step(_decoder(pe), torch.randint(64, (8, 17), generator=torch.Generator().manual_seed(1)))
+    assert sharded.keys() == whole.keys()
+    for name, gradient in whole.items():
+        torch.testing.assert_close(sharded[name], gradient, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_fire_checkpoint_with_scalar_parameters_still_loads():
+    net = _decoder("fire")
+    state = {
+        k: (v.reshape(()) if k.endswith((".c", ".threshold_multiplier")) else v) for k, v in net.state_dict().items()
+    }
+    assert any(v.dim() == 0 for v in state.values())
+    again = _decoder("fire")
+    again.load_state_dict(state)
+    for name, value in net.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[name], value)
