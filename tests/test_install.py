@@ -73,6 +73,9 @@ def test_the_installed_wheel_trains_evaluates_and_reports_from_any_folder(tmp_pa
     )
     assert where.stdout.startswith(site), where.stdout + where.stderr  # the installed copy, not the checkout's
 
+    corpus = [f"data.corpus.path={small_text_corpus}", "data.corpus.holdout_every=4", f"data.vocab_size={TEST_VOCAB}"]
+    prepared = run("lenext-prepare", "data=text_files", *corpus)  # the run below finds its shards ready
+    assert "train: " in prepared.stdout and (work / ".cache" / "shards").is_dir()
     run(
         "lenext-train",
         f"hydra.searchpath=[file://{tmp_path / 'my_configs'}]",
@@ -82,9 +85,7 @@ def test_the_installed_wheel_trains_evaluates_and_reports_from_any_folder(tmp_pa
         "trainer.max_steps=4",
         "trainer.enable_progress_bar=false",
         "data=text_files",
-        f"data.corpus.path={small_text_corpus}",
-        "data.corpus.holdout_every=4",
-        f"data.vocab_size={TEST_VOCAB}",
+        *corpus,
         "data.max_len=32",
         "data.batch_size=4",
         "eval.factors=[1,2]",
