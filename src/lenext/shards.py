@@ -7,7 +7,7 @@ is written aside and renamed into place, and its schema names the preparation it
 documents it holds (``first``, ``count``): a killed preparation resumes after its last whole shard, and a shard of
 another preparation, or one that cannot be read, is refused naming its file.
 
-Shards are read with ``datasets``' ``MemoryMappedTable`` (as Hugging Face datasets reads its own cache): a
+Shards are read memory-mapped with pyarrow's IPC reader (as Hugging Face ``datasets`` reads its own Arrow cache): a
 document is a zero-copy numpy view of the mapped file, so memory holds the pages being read, not the corpus.
 The engine was chosen by measurement (docs/performance.md, "Token shards").
 """
@@ -134,18 +134,18 @@ _REMOVE = "remove {} to prepare the split again"
 
 def read_shard(path: str, key: str) -> pa.Table:
     """The shard at ``path``, memory-mapped, or a DataError naming it if it cannot be read or belongs elsewhere."""
-    from datasets.table import MemoryMappedTable
-
     folder = os.path.dirname(path)
     try:
-        table = MemoryMappedTable.from_file(path).table
+        with pa.memory_map(path) as source:  # the table's buffers stay views of the map after the block
+            table = pa.ipc.open_stream(source).read_all()
     except (pa.ArrowException, OSError, ValueError) as e:
         raise DataError(f"token shard {path} cannot be read ({e}); {_REMOVE.format(folder)}") from None
     meta = table.schema.metadata or {}
-    if meta.get(b"lenext.key") != key.encode() or meta.get(b"lenext.format") != str(FORMAT).encode():
-        found = (meta.get(b"lenext.key") or b"no lenext key").decode()
+    found = (meta.get(b"lenext.key") or b"no lenext key").decode(), (meta.get(b"lenext.format") or b"?").decode()
+    if found != (key, str(FORMAT)):
         raise DataError(
-            f"token shard {path} belongs to another preparation ({found}, not {key}); {_REMOVE.format(folder)}"
+            f"token shard {path} belongs to another preparation ({found[0]}, format {found[1]}; not {key}, format "
+            f"{FORMAT}); {_REMOVE.format(folder)}"
         )
     return table
 
