@@ -136,7 +136,7 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     if cfg.module.get("compile") and trainer.strategy.root_device.type == "cpu":
         raise ConfigError(
             "module.compile=true is invalid on a CPU: torch.compile's CPU backend crashed (SIGSEGV) in the backward "
-            "pass for DAPE, FIRE and RoPE under NTK in repeated tries (benchmarks/compile-check.md); it is for GPUs"
+            "pass in some tries (DAPE, FIRE, RoPE under NTK: benchmarks/compile-check.md); it is for GPUs"
         )
     fresh_compile_state()  # each run of a multirun compiles its own flex kernels
     L.seed_everything(spec.seed, workers=True)
