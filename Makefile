@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: help install study study-all extension train test test-slow lint bench gpu-wheels gpu-env gpu-check gpu-study docs docs-serve clean
+.PHONY: help install study study-all extension train test test-slow lint bench bench-prepare gpu-wheels gpu-env gpu-check gpu-study docs docs-serve clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -50,6 +50,9 @@ lint: install  ## ruff
 
 bench: install  ## PE speed/memory benchmark -> benchmarks/bench.md (ARGS="--precision bf16")
 	$(PY) scripts/bench.py $(ARGS)
+
+bench-prepare: install  ## data pipeline benchmark: prepare 1 GB and 5 GB of text, loader speed from shards -> benchmarks/bench-prepare.md
+	$(PY) scripts/bench_prepare.py $(ARGS)
 
 # The GPU check runs on a CUDA machine's own python3 (its CUDA torch, lightning, tokenizers, torchmetrics), adding
 # the pure-Python packages such images lack from .gpu-wheels/: made here, online, by `make gpu-wheels`.
