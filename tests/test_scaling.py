@@ -51,7 +51,7 @@ def test_activation_checkpointing_gives_every_pes_loss_and_gradients(pe, precisi
         torch.testing.assert_close(recomputed[1][name], gradient, rtol=0, atol=0, msg=name)
 
 
-def test_activation_checkpointing_is_off_in_evaluation_and_costs_no_state(compose_train):
+def test_activation_checkpointing_is_a_switch_that_adds_no_state(compose_train):
     module = tiny_module(compose_train, "rope", activation_checkpointing=True)
     assert module.net.checkpoint_blocks
     assert set(module.net.state_dict()) == set(tiny_module(compose_train, "rope").net.state_dict())
