@@ -13,10 +13,14 @@ docs/pes/index.md, "Attention paths"), never from its name:
 The PE gives biases; every mask (causal, the band's) is built here.
 
 The kernels live beside it: ``band`` (BandedAttention, CPU), ``flex`` (FlexAttention, CUDA).
+``recording(callback)`` sends every call down the explicit path and hands the callback each query block's
+weights (lenext.diagnostics).
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cache
 from typing import Literal
@@ -35,6 +39,26 @@ from lenext.ranges import PositiveInt
 # mask instead of mapping it afresh; the output is preallocated, as concatenated block outputs fragment the heap
 # (docs/performance.md, "Memory").
 SCORE_BLOCK_ELEMENTS = 2**22
+
+# Attention recording (lenext.diagnostics): the callback ``recording`` set, or None. Not part of the paths above.
+AttentionRecorder = Callable[[torch.Tensor, int, int, int], None]
+_recorder: ContextVar[AttentionRecorder | None] = ContextVar("lenext_attention_recorder", default=None)
+
+
+@contextmanager
+def recording(callback: AttentionRecorder) -> Iterator[None]:
+    """While the block runs, every ``causal_attention`` takes the explicit path (no fused kernel, no SDPA) and calls
+    ``callback(weights, start, end, first)`` with each query block's attention weights: (B, H, end - start,
+    end - first) in the scores' dtype (fp32; float64 for float64 q), detached, of query rows [start, end) against
+    keys [first, end), 0 on keys a row does not see; every PE's biases, value term, logits and logit terms, the
+    window, the length scale and the normalizer in them, as the layer computes them. Under stick-breaking the weight
+    a row leaves over (on its own value) is put on its own key, so each row sums to 1 as under softmax.
+    The callback must not keep the tensor beyond the call if memory matters: blocks are O(SCORE_BLOCK_ELEMENTS)."""
+    token = _recorder.set(callback)
+    try:
+        yield
+    finally:
+        _recorder.reset(token)
 
 
 @dataclass(frozen=True)
@@ -139,6 +163,7 @@ def causal_attention(
     if row_scale is not None:
         q = q * row_scale.to(q.dtype)  # exact for q.k; each bias path below scales its bias too, or is not taken
     fused = value_term is None and logits is None and window is None and not terms.logit_terms and not stick_breaking
+    fused = fused and _recorder.get() is None  # recording: the explicit path, which has the weights
     if fused and not biases:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if fused and row_scale is None and q.is_cuda and flex_attention is not None and all(b.flex for b in biases):
@@ -274,13 +299,14 @@ def _blocked_attention(
     else:  # a block of r rows sees r + W - 1 keys: the largest r with r (r + W - 1) <= budget
         rows = max(1, int((math.sqrt((window - 1) ** 2 + 4 * budget) - (window - 1)) / 2))
     out = q.new_empty(batch, heads, length, v.size(-1))  # written block by block: see SCORE_BLOCK_ELEMENTS
+    record = _recorder.get()
     for start in range(0, length, rows):  # query blocks attend to keys [first, end)
         end = min(start + rows, length)
         first = 0 if window is None else max(0, start - window + 1)
         q_block, k_seen, v_seen = q[:, :, start:end], k[:, :, first:end], v[:, :, first:end]
         mask = bias(start, end, first)
         plain = value_term is None and logits is None and not logit_terms and not stick_breaking
-        if plain and not mask.requires_grad and q.device.type == "cpu":
+        if plain and not mask.requires_grad and q.device.type == "cpu" and record is None:
             out[:, :, start:end] = _sdpa_keep_mask(q_block, k_seen, v_seen, attn_mask=mask)
             continue
         if logits is None:
@@ -299,12 +325,26 @@ def _blocked_attention(
             probs = weights.to(v.dtype)
             block = probs @ v_seen + left * v[:, :, start:end]
         else:
-            probs = scores.softmax(-1).to(v.dtype)  # (B, H, rows, end - first)
+            weights = scores.softmax(-1)
+            probs = weights.to(v.dtype)  # (B, H, rows, end - first)
             block = probs @ v_seen
+        if record is not None:
+            record(_recorded(weights.detach(), start, first, stick_breaking), start, end, first)
         if value_term is not None:
             block = block + value_term(F.pad(probs, (first, 0)) if first else probs, start, end)  # keys [0, end)
         out[:, :, start:end] = block
     return out
+
+
+def _recorded(weights: torch.Tensor, start: int, first: int, stick_breaking: bool) -> torch.Tensor:
+    """What ``recording`` hands over: the weights; under stick-breaking, each row's leftover on its own key."""
+    if not stick_breaking:
+        return weights
+    rows, keys = weights.shape[-2:]
+    own = torch.arange(start, start + rows, device=weights.device)[:, None] == torch.arange(
+        first, first + keys, device=weights.device
+    )
+    return weights + (1 - weights.sum(-1, keepdim=True)) * own
 
 
 def stick_breaking_weights(logits: torch.Tensor, start: int, first: int) -> torch.Tensor:

@@ -1,0 +1,369 @@
+"""lenext.diagnostics: the attention statistics against attention computed here by hand in float64, the recording
+hook on every PE's path, RoPE's rotation coverage against its formula, the distances each position scheme trains,
+and `python diagnose.py` end to end."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from functools import partial
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lenext.attention import AttentionSettings, recording
+from lenext.diagnostics import (
+    STATISTICS,
+    AttentionStatistics,
+    diagnose,
+    layer_windows,
+    record_statistics,
+    rotary_frequencies,
+    rotation_coverage,
+    trained_distances,
+)
+from lenext.errors import CheckpointError, ConfigError
+from lenext.model import Decoder
+from lenext.pe import ALiBi, NoPE, RoPE, T5Bias
+from lenext.positions import PoSE, PositionScheme, Randomized
+from lenext.run import train
+from tests.conftest import ROOT, hidden_keys, small_corpus_overrides
+from tests.test_pe import PES
+
+VOCAB, TRAIN_LEN, LENGTH, HEADS, LAYERS, D_MODEL = 64, 8, 20, 2, 2, 16
+
+
+def tiny_net(pe, attention: AttentionSettings | None = None, seed: int = 0) -> Decoder:
+    """A float64 decoder with weights large enough for peaked, head-specific attention."""
+    torch.manual_seed(seed)
+    net = Decoder(VOCAB, TRAIN_LEN, pe, attention, d_model=D_MODEL, n_layers=LAYERS, n_heads=HEADS)
+    with torch.no_grad():
+        for block in net.blocks:
+            block.attn.qkv.weight.normal_(std=0.6)
+        for param in net.pe.parameters():
+            param.normal_(std=1.0)
+    net.pe.project_()  # as after an optimizer step: KERPLE's r1, r2 back in their domain
+    return net.double().eval()
+
+
+def attention_inputs(net, tokens) -> list[torch.Tensor]:
+    """Each layer's attention input (the normalized residual stream), from the model's own forward pass."""
+    seen = []
+    hooks = [block.attn.register_forward_pre_hook(lambda m, args: seen.append(args[0])) for block in net.blocks]
+    with torch.no_grad():
+        net(tokens)
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+def rotated(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """RoPE by hand: pairs (2t, 2t+1) of x (B, H, L, d) turned by p theta_t at position p, theta_t = base^(-2t/d)."""
+    d, length = x.size(-1), x.size(-2)
+    theta = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = torch.arange(length, dtype=torch.float64)[:, None] * theta  # (L, d/2)
+    cos, sin = angle.cos(), angle.sin()
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = even * cos - odd * sin, even * sin + odd * cos
+    return out
+
+
+def t5_bucket_by_hand(n: int, buckets: int, max_distance: int) -> int:
+    """T5's causal bucket of a distance n >= 0 (Raffel et al. 2020), as the fp32 formula computes it."""
+    exact = buckets // 2
+    if n < exact:
+        return n
+    scaled = torch.log(torch.tensor(n / exact, dtype=torch.float32)) / math.log(max_distance / exact)
+    return min(buckets - 1, exact + int(scaled * (buckets - exact)))
+
+
+def hand_weights(net, pe_name: str, x: torch.Tensor, layer: int, window: int | None = None) -> torch.Tensor:
+    """(B, H, L, L) float64 softmax(q k^T / sqrt(d) + bias), causal (and windowed), from layer ``layer``'s input."""
+    batch, length, _ = x.shape
+    head_dim = D_MODEL // HEADS
+    q, k, _ = (x @ net.blocks[layer].attn.qkv.weight.T).view(batch, length, 3, HEADS, head_dim).permute(2, 0, 3, 1, 4)
+    if pe_name == "rope":
+        q, k = rotated(q), rotated(k)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    if pe_name == "alibi":
+        slopes = torch.tensor([2 ** (-8 * (h + 1) / HEADS) for h in range(HEADS)], dtype=torch.float64)
+        scores = scores - slopes[:, None, None] * (i - j).clamp(min=0)
+    if pe_name == "t5":
+        table = net.pe.table[0]  # (buckets, H), shared by the layers
+        buckets = torch.tensor(
+            [
+                [t5_bucket_by_hand(max(a - b, 0), net.pe.num_buckets, net.pe.max_distance) for b in range(length)]
+                for a in range(length)
+            ]
+        )
+        scores = scores + table[buckets].permute(2, 0, 1)
+    scores = scores.masked_fill(hidden_keys(length, window), float("-inf"))
+    return scores.softmax(-1)
+
+
+def hand_statistics(weights: torch.Tensor, window: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """Per head (H,), each statistic averaged over the batch's rows: all rows, and rows i >= TRAIN_LEN."""
+    length = weights.size(-1)
+    i = torch.arange(length, dtype=torch.float64)[:, None]
+    distance = i - torch.arange(length, dtype=torch.float64)[None, :]
+    n = (
+        torch.arange(1, length + 1, dtype=torch.float64)
+        if window is None
+        else torch.arange(1, length + 1).clamp(max=window).double()
+    )
+    a_log_a = torch.where(weights > 0, weights * weights.clamp(min=1e-300).log(), torch.zeros_like(weights))
+    entropy = -a_log_a.sum(-1)  # (B, H, L)
+    per_row = {
+        "entropy": entropy,
+        "normalized_entropy": entropy / n.log(),  # row 0: 0 / 0, left out below
+        "sink": weights[..., 0],
+        "distance": (weights * distance).sum(-1),
+        "beyond": (weights * (distance >= TRAIN_LEN)).sum(-1),
+    }
+    out = {}
+    for group, rows in (("all", torch.arange(length)), ("beyond_train", torch.arange(TRAIN_LEN, length))):
+        out[group] = {}
+        for name, value in per_row.items():
+            chosen = rows[rows >= 1] if name == "normalized_entropy" else rows  # row 0 attends 1 key: no log n
+            out[group][name] = value[:, :, chosen].mean(dim=(0, 2))
+    return out
+
+
+HAND_PES = {
+    "nope": (NoPE, None),
+    "alibi": (ALiBi, None),
+    "t5": (partial(T5Bias, num_buckets=8, max_distance=12), None),
+    "rope": (RoPE, None),
+    "window": (NoPE, 5),
+}
+
+
+@pytest.mark.parametrize("pe_name", HAND_PES)
+def test_statistics_equal_those_of_attention_computed_by_hand(pe_name):
+    pe, window = HAND_PES[pe_name]
+    net = tiny_net(pe, AttentionSettings(window=window))
+    tokens = torch.randint(0, VOCAB, (3, LENGTH), generator=torch.Generator().manual_seed(1))
+    statistics = AttentionStatistics(LAYERS, HEADS, TRAIN_LEN, layer_windows(net))
+    record_statistics(net, tokens, None, statistics)
+    means = statistics.means()
+    # RoPE's rotation tables are complex64 (lenext.pe.rope) and a band bias (T5) is fp32 (lenext.attention): their
+    # weights agree to fp32's precision; ALiBi's slopes and distances are exact in fp32
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if pe_name in ("rope", "t5") else {"rtol": 1e-9, "atol": 1e-11}
+    for layer, x in enumerate(attention_inputs(net, tokens)):
+        weights = hand_weights(net, pe_name if pe_name != "window" else "nope", x, layer, window)
+        expected = hand_statistics(weights, window)
+        for group in ("all", "beyond_train"):
+            for name in STATISTICS:
+                got = torch.tensor(means[group][name][layer], dtype=torch.float64)
+                torch.testing.assert_close(got, expected[group][name], **tolerance, msg=f"{group} {name} L{layer}")
+    assert statistics.max_row_error < 1e-12
+    # Peaked and head-specific, not near uniform: the comparison means something.
+    entropies = torch.tensor(means["all"]["normalized_entropy"])
+    assert entropies.min() < 0.9 and (entropies[:, 0] - entropies[:, 1]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("pe_name", list(PES))
+def test_recording_covers_every_row_once_with_weights_that_sum_to_one_and_changes_no_output(pe_name):
+    """On every PE's path (biases, Shaw's value term, Self-Extend's and PaTH's logits, CoPE's terms, windows), and
+    under the length scale and stick-breaking: each layer's rows recorded once, each row summing to 1, and the
+    model's output the same as without recording (the recorded path is the one the PE's scores take)."""
+    attentions = [AttentionSettings()]
+    if pe_name in ("nope", "kerple"):
+        attentions += [AttentionSettings(scale="ssmax"), AttentionSettings(normalizer="stick_breaking", window=6)]
+    for attention in attentions:
+        net = tiny_net(PES[pe_name], attention).float()
+        length = TRAIN_LEN if pe_name == "learned" else LENGTH  # its table ends at L_train
+        tokens = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(2))
+        blocks, layer = [], [0]
+        hooks = [
+            block.attn.register_forward_pre_hook(partial(lambda i, layer, *_: layer.__setitem__(0, i), i, layer))
+            for i, block in enumerate(net.blocks)
+        ]
+
+        def keep(weights, start, end, first, blocks=blocks, layer=layer):
+            assert weights.shape[:2] == (2, HEADS) and weights.shape[-2:] == (end - start, end - first)
+            blocks.append((layer[0], start, end, weights.sum(-1)))
+
+        with torch.no_grad():
+            plain = net(tokens)
+            with recording(keep):
+                recorded = net(tokens)
+        for hook in hooks:
+            hook.remove()
+        torch.testing.assert_close(recorded, plain, rtol=1e-4, atol=1e-4)
+        for index in range(LAYERS):
+            rows = sorted(r for layer_, start, end, _ in blocks if layer_ == index for r in range(start, end))
+            assert rows == list(range(length)), (pe_name, attention)
+        sums = torch.cat([s.flatten() for *_, s in blocks])
+        torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    length=st.integers(1, 40),
+    train_len=st.integers(1, 16),
+    window=st.one_of(st.none(), st.integers(1, 12)),
+    rows=st.integers(1, 9),
+)
+def test_uniform_attention_has_entropy_log_n_and_sink_one_over_n_in_any_blocks(length, train_len, window, rows):
+    """Uniform weights over the n_i keys a row sees, fed in blocks of any size: entropy log n_i exactly, normalized
+    1, sink 1/n_i (0 once the window has passed the first key), distance (n_i - 1) / 2, beyond the count of keys
+    i - j >= L_train over n_i."""
+    statistics = AttentionStatistics(1, 1, train_len, [window])
+    expected = {name: [] for name in STATISTICS}
+    for start in range(0, length, rows):
+        end = min(start + rows, length)
+        first = 0 if window is None else max(0, start - window + 1)
+        i = torch.arange(start, end)[:, None]
+        j = torch.arange(first, end)[None, :]
+        seen = (j <= i) & (True if window is None else (j > i - window))
+        n = seen.sum(-1, keepdim=True)
+        statistics.add(0, (seen.double() / n)[None, None], start, end, first)
+        for row in range(start, end):
+            count = min(row + 1, window or row + 1)
+            expected["entropy"].append(math.log(count))
+            expected["normalized_entropy"] += [1.0] if count > 1 else []
+            expected["sink"].append(1 / count if row < (window or row + 1) else 0.0)
+            expected["distance"].append((count - 1) / 2)
+            expected["beyond"].append(sum(1 for d in range(count) if d >= train_len) / count)
+    means = statistics.means()["all"]
+    for name in STATISTICS:
+        if not expected[name]:
+            assert means[name] is None
+            continue
+        assert means[name][0][0] == pytest.approx(sum(expected[name]) / len(expected[name]), rel=1e-12, abs=1e-12)
+    assert (statistics.means()["beyond_train"] is None) == (length <= train_len)
+
+
+def test_rotation_coverage_follows_its_formula_in_float64():
+    """theta_k = base^(-2k/d) for d = 8: the arc theta_k (span - 1), a full turn when it reaches 2 pi, and the share
+    of distances d < L whose angle theta'_k d mod 2 pi lies beyond the arc; PI's halved frequencies at 2x."""
+    span, lengths = 16, [16, 32, 64]
+    net = Decoder(VOCAB, span, RoPE, d_model=16, n_layers=1, n_heads=2)  # head dim 8
+    name, frequencies = rotary_frequencies(net)
+    theta = [10000.0 ** (-2 * k / 8) for k in range(4)]
+    torch.testing.assert_close(frequencies(span), torch.tensor(theta, dtype=torch.float64), rtol=1e-15, atol=0)
+    coverage = rotation_coverage(frequencies(span), {n: frequencies(n) for n in lengths}, span)
+    for k, entry in enumerate(coverage["frequencies"]):
+        arc = theta[k] * (span - 1)
+        assert entry["trained_arc"] == pytest.approx(arc, rel=1e-15)
+        assert entry["full_turn"] == (arc >= 2 * math.pi)
+        for n in lengths:
+            unseen = 0 if arc >= 2 * math.pi else sum(1 for d in range(n) if math.fmod(theta[k] * d, 2 * math.pi) > arc)
+            assert entry["unseen"][str(n)] == pytest.approx(unseen / n, abs=1e-15)
+    assert [f["full_turn"] for f in coverage["frequencies"]] == [True, False, False, False]  # theta_0 = 1: 15 rad
+    assert coverage["frequencies"][3]["unseen"] == {"16": 0.0, "32": 0.5, "64": 0.75}  # 0.001 d: no wrap by 64
+    by_length = {s["length"]: s["unseen_fraction"] for s in coverage["summary"]}
+    assert by_length[16] == 0.0 and by_length[64] > by_length[32] > 0
+    # Position interpolation (factor L / span at L): theta_k / 2 at 32, the lowest frequency's angles stay within the
+    # arc up to d = 30; d = 31 alone is beyond it.
+    linear = Decoder(VOCAB, span, partial(RoPE, scaling="linear"), d_model=16, n_layers=1, n_heads=2)
+    _, scaled = rotary_frequencies(linear)
+    pi = rotation_coverage(scaled(span), {32: scaled(32)}, span)
+    assert pi["frequencies"][3]["unseen"]["32"] == pytest.approx(1 / 32, abs=1e-15)
+    assert rotary_frequencies(Decoder(VOCAB, span, ALiBi, d_model=16, n_layers=1, n_heads=2)) is None
+
+
+def test_the_distances_training_gives_counted_by_hand():
+    sequential = trained_distances(PositionScheme(), 4, [4, 8])
+    assert sequential["counts"] == [4.0, 3.0, 2.0, 1.0]  # pairs (i, j), i >= j, at i - j = 0, 1, 2, 3
+    assert (sequential["span"], sequential["largest_distance"], sequential["beyond_train_fraction"]) == (4, 3, 0.0)
+    # A window of 8 at 0..7: 36 pairs, of which (8 - d) at each d = 4..7 never trained: 4 + 3 + 2 + 1 = 10.
+    assert sequential["untrained_pairs"] == [{"length": 4, "fraction": 0.0}, {"length": 8, "fraction": 10 / 36}]
+    for scheme in (Randomized(32, 4), PoSE(32, 2, 4)):
+        drawn = trained_distances(scheme, 4, [32, 64])
+        counts = torch.tensor(drawn["counts"])
+        assert len(counts) == 32 and counts[0] == 4 and counts.sum() == pytest.approx(10)  # 4 x 5 / 2 pairs
+        assert drawn["largest_distance"] > 3 and drawn["beyond_train_fraction"] > 0
+        assert drawn["untrained_pairs"][1]["fraction"] >= (32 * 33 / 2) / (64 * 65 / 2)  # d >= 32: never
+    # Randomized: E[count at d >= 1] = (N - d) L (L - 1) / (N (N - 1)), within the draws' noise.
+    counts = torch.tensor(trained_distances(Randomized(32, 4), 4, [32], draws=4096)["counts"])
+    expected = torch.tensor([(32 - d) * 12 / (32 * 31) for d in range(1, 32)])
+    torch.testing.assert_close(counts[1:], expected, rtol=0, atol=0.02)
+
+
+# The command.
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, small_text_corpus, cache_dir):
+    """A tiny RoPE run of 2 steps at L_train 32, no sweep: its folder."""
+    from hydra import compose, initialize_config_module
+
+    from lenext.cli import CONFIG_PACKAGE
+
+    folder = tmp_path_factory.mktemp("run")
+    overrides = small_corpus_overrides(small_text_corpus, "pe=rope", "trainer.max_steps=2", "eval.enabled=false")
+    paths = [f"paths.root_dir={folder}", f"paths.output_dir={folder}", f"paths.cache_dir={cache_dir}"]
+    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
+        train(compose("train", overrides=[*paths, *overrides]))
+    return folder
+
+
+def compose_diagnose(folder, output, *overrides):
+    from hydra import compose, initialize_config_module
+
+    from lenext.cli import CONFIG_PACKAGE
+
+    paths = [f"paths.root_dir={folder}", f"paths.output_dir={output}", f"paths.cache_dir={folder}/.cache"]
+    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
+        return compose("diagnose", overrides=[*paths, *overrides])
+
+
+def test_diagnose_writes_the_statistics_coverage_and_histogram_of_a_checkpoint(trained_run, tmp_path, cache_dir):
+    out = tmp_path / "out"
+    cfg = compose_diagnose(trained_run, out, f"ckpt={trained_run}", "lengths=[16,32,64]", "windows=2")
+    cfg.paths.cache_dir = cache_dir
+    diagnose(cfg)
+    result = json.loads((out / "diagnostics.json").read_text())
+    assert (out / "diagnostics.png").stat().st_size > 10_000
+    meta = result["meta"]
+    assert (meta["train_len"], meta["layers"], meta["heads"], meta["row"]) == (32, 2, 4, "rope")
+    assert meta["checkpoint"].endswith(os.path.join("checkpoints", "last.ckpt"))  # found in the run folder
+    assert [(e["length"], e["status"], e["windows"]) for e in result["lengths"]] == [
+        (16, "ok", 2),
+        (32, "ok", 2),
+        (64, "ok", 2),
+    ]
+    for entry in result["lengths"]:
+        stats = entry["rows"]["all"]
+        assert set(stats) == set(STATISTICS) and all(
+            len(stats[name]) == 2 and len(stats[name][0]) == 4 for name in stats
+        )
+        assert entry["max_row_sum_error"] < 1e-5
+        assert (entry["rows"]["beyond_train"] is None) == (entry["length"] <= 32)
+        beyond = torch.tensor(stats["beyond"])
+        assert (beyond == 0).all() if entry["length"] <= 32 else (beyond > 0).all()
+    coverage = result["rotation_coverage"]
+    assert coverage["trained_span"] == 32 and coverage["frequencies_count"] == 8  # head dim 16
+    assert [s["length"] for s in coverage["summary"]] == [16, 32, 64] and coverage["summary"][1]["unseen_fraction"] == 0
+    distances = result["trained_distances"]
+    assert distances["counts"] == [float(32 - d) for d in range(32)] and distances["scheme"] == "sequential"
+    # Bad input: refused before anything is read or written.
+    with pytest.raises(ConfigError, match=r"^lengths="):
+        diagnose(compose_diagnose(trained_run, tmp_path / "bad", f"ckpt={trained_run}", "lengths=[0,64]"))
+    with pytest.raises(CheckpointError, match=r"without a checkpoint"):
+        diagnose(compose_diagnose(trained_run, tmp_path / "bad", f"ckpt={tmp_path}"))
+    assert not (tmp_path / "bad").exists()
+
+
+def test_diagnose_py_answers_bad_input_in_one_line_and_has_help(tmp_path):
+    environment = {**os.environ, "LENEXT_ROOT": str(tmp_path)}
+    environment.pop("HYDRA_FULL_ERROR", None)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "diagnose.py"), f"ckpt={tmp_path / 'none.ckpt'}", "windows=0"],
+        capture_output=True,
+        text=True,
+        env=environment,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1 and result.stderr.strip().startswith("error: windows=0 is invalid"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not list(tmp_path.rglob("diagnostics.json"))
+    shown = subprocess.run([sys.executable, "diagnose.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert shown.returncode == 0 and "diagnose why" in shown.stdout.splitlines()[0], shown.stdout
+    assert "Examples:" in shown.stdout and "powered by Hydra" not in shown.stdout
