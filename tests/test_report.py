@@ -336,8 +336,9 @@ def test_dynamic_ntk_rows_equal_to_ntk_by_construction_are_not_shown_twice(tmp_p
     assert "stand for" not in report([str(tmp_path)], str(tmp_path / "out"))  # dynamic_ntk not asked: nothing to say
 
 
-def write_probe_run(folder, pe, seed, exact_by_length, train_len=32):
-    """A probe run's results: exact match and per-token accuracy (exact + 0.05) at each length."""
+def write_probe_run(folder, pe, seed, exact_by_length, train_len=32, task="copy", extra_rows=()):
+    """A probe run's results: exact match and per-token accuracy (exact + 0.05) at each length, then
+    ``extra_rows`` (passkey's depth rows)."""
     rows = [
         {
             "protocol": "accuracy",
@@ -350,10 +351,10 @@ def write_probe_run(folder, pe, seed, exact_by_length, train_len=32):
         }
         for length, exact in exact_by_length.items()
     ]
-    meta = {"pe": {"name": pe}, "pe_name": pe, "train_len": train_len, "seed": seed, "task": "copy"}
+    meta = {"pe": {"name": pe}, "pe_name": pe, "train_len": train_len, "seed": seed, "task": task}
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "results.json"), "w") as f:
-        json.dump({"complete": True, "meta": meta, "rows": rows}, f)
+        json.dump({"complete": True, "meta": meta, "rows": rows + list(extra_rows)}, f)
 
 
 def test_a_probe_run_that_did_not_learn_its_task_at_l_train_is_kept_out_of_the_means_beyond_it(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 from lenext.report import figures, report
 from tests.examples.longest_length import longest_length
 from tests.test_report import write_probe_run, write_run
+from tests.test_report_protocols import new_protocol_runs
 
 
 @pytest.fixture
@@ -281,16 +282,15 @@ def test_no_legend_or_title_is_cropped(tmp_path):
         for pe in ("rope", "alibi", "nope", "t5"):
             write_probe_run(tmp_path / "probe" / f"{pe}{seed}", pe, seed, {32: 1.0 - 0.3 * seed, 64: 0.5})
     summaries.append(summary_of(tmp_path / "probe"))
+    summaries.append(summary_of(new_protocol_runs(tmp_path / "haystack")))  # key tokens, a haystack, its depths
     for summary in summaries:
         for name, draw in figures.FIGURES.items():
-            fig = draw(summary)
-            if fig is None:
-                continue
-            fig.canvas.draw()
-            renderer, (width, height) = fig.canvas.get_renderer(), fig.canvas.get_width_height()
-            for ax in fig.axes:
-                shown = [ax.get_legend(), ax.title] if ax.get_legend() else [ax.title]
-                for artist in shown:
-                    box = artist.get_window_extent(renderer)
-                    assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= width and box.y1 <= height, name
-            figures.pyplot().close(fig)
+            for file, fig in figures.drawn_files(name, draw(summary)):  # a pattern's (*_depth.png): several
+                fig.canvas.draw()
+                renderer, (width, height) = fig.canvas.get_renderer(), fig.canvas.get_width_height()
+                for ax in fig.axes:
+                    shown = [ax.get_legend(), ax.title] if ax.get_legend() else [ax.title]
+                    for artist in shown:
+                        box = artist.get_window_extent(renderer)
+                        assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= width and box.y1 <= height, file
+                figures.pyplot().close(fig)

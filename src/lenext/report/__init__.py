@@ -4,9 +4,12 @@
 
 Reads every ``results.json`` below the given folders. A row of the table is a PE (RoPE evaluated under another
 scaling gets its own row, e.g. ``rope (ntk)``); columns are L_eval; cells are mean +- std over seeds, the best of
-each column marked (lowest perplexity; highest accuracy; none when several share it). One table per (L_train,
-protocol) for text, and per (task, L_train, metric) for the probes' ``accuracy`` rows (exact match, per-token
-accuracy). Runs without a complete results file are listed, not dropped.
+each column marked (lowest perplexity; highest accuracy; none when several share it, nor for a metric that
+describes rather than scores, as the share of key tokens). One table per (L_train, protocol, metric) for each
+metric the protocol declares (``lenext.protocols.METRICS_OF``, its headline first: perplexity; key-token
+perplexity and key-token share; a haystack's rank accuracy and exact match), and per (task, L_train, metric) for
+the probes' ``accuracy`` rows (exact match, per-token accuracy). A row measured without a value (no key token at
+L_train) shows ``-``. Runs without a complete results file are listed, not dropped.
 
 Which runs a mean pools: the seeds of one run description. Runs whose settings differ in anything but the seed
 (``meta.identity``, less the seed; older files: what they record) get rows of their own: where they share a row
@@ -55,6 +58,8 @@ from lenext.report.stats import (
     TableKey,
     adaptation,
     binned_positions,
+    depth_grids,
+    headline,
     log_bins,
     passkey_depths,
     separable,
@@ -74,10 +79,12 @@ __all__ = [
     "adaptation",
     "binned_positions",
     "collect",
+    "depth_grids",
     "extension_method",
     "family",
     "figure",
     "find_runs",
+    "headline",
     "load",
     "log_bins",
     "main",

@@ -5,10 +5,12 @@ import os
 import sys
 import tempfile
 
+import pandas as pd
+
 from lenext.files import write_atomic
 from lenext.report.figures import write_figures
 from lenext.report.load import load
-from lenext.report.stats import Summary
+from lenext.report.stats import DEPTH_KEY, Summary
 from lenext.report.tables import report_markdown, to_csv, to_latex
 from lenext.results import RESULTS_FILE
 
@@ -16,18 +18,33 @@ DESCRIPTION = "Results files -> paper-style tables (Markdown, LaTeX, CSV) and pl
 
 
 def data_files(summary: Summary) -> dict[str, str]:
-    """The figures' data as CSV, by file name, for the runs that have it: per_position.csv, adaptation.csv,
-    passkey_depth.csv (a row's label in the column ``pe``, as the tables' CSV names it; ``row`` for adaptation)."""
+    """The figures' data as CSV, by file name, for the runs that have it: per_position.csv, adaptation.csv, and
+    ``<name>_depth.csv`` per protocol with depth rows (``depth_csvs``), a row's label in the column ``pe``, as the
+    tables' CSV names it (``row`` for adaptation)."""
     frames = {
         "per_position.csv": (summary.positions, "%.6f"),
         "adaptation.csv": (summary.adaptation, "%.4f"),
-        "passkey_depth.csv": (summary.depths, "%.4f"),
+        **{name: (grid, "%.4f") for name, grid in depth_csvs(summary.depths).items()},
     }
     return {
         name: frame.rename(columns={"label": "pe"}).to_csv(index=False, float_format=float_format)
         for name, (frame, float_format) in frames.items()
         if not frame.empty
     }
+
+
+def depth_csvs(depths: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Each protocol's depth grid (``lenext.report.stats.depth_grids``) by file name, ``<name>_depth.csv`` (the
+    probe's task, else the protocol: ``passkey_depth.csv``, ``niah_single_depth.csv``): train_len, label, depth,
+    length, mean (the protocol's headline metric, a share), std, seeds, answers, and chance where the metric has
+    one."""
+    if depths.empty:
+        return {}
+    grids = {}
+    for name, grid in depths.groupby("name", sort=False):
+        unused = [*DEPTH_KEY[:3], *(["chance"] if grid.chance.isna().all() else [])]
+        grids[f"{name}_depth.csv"] = grid.drop(columns=unused).reset_index(drop=True)
+    return grids
 
 
 def report(folders: list[str], out: str) -> str:

@@ -1,7 +1,11 @@
 """Figures: renderers over the report's ``Summary``, in a registry.
 
 A figure is a function of the ``Summary`` that returns a matplotlib figure, or None when the runs have nothing it
-draws, registered under its file name by ``@figure("<name>.png")`` (docs/adding/figure.md).
+draws, registered under its file name by ``@figure("<name>.png")`` (docs/adding/figure.md); one drawn once per
+protocol registers a pattern (``@figure("*_depth.png")``) and returns {file name: figure} (``drawn_files``).
+Which figure draws a table follows its metric: perplexity (log axis), the probes' accuracies, a text protocol's
+headline accuracy with its chance level (linear 0-100% axis); a metric without a direction (the key-token share)
+is tabled only.
 ``write_figures`` draws every registered figure in ``FIGURE_STYLE`` and saves it into the report's folder.
 
 What every built-in figure keeps to, so that each panel says one thing:
@@ -34,10 +38,10 @@ import pandas as pd
 
 from lenext.files import atomic_path
 from lenext.pe import FAMILIES
-from lenext.report.load import ACCURACIES, LEARNED_AT, OTHER_FAMILY
-from lenext.report.stats import NOT_LEARNED, Summary, Table
+from lenext.report.load import LEARNED_AT, OTHER_FAMILY, metrics_of
+from lenext.report.stats import METRICS, NOT_LEARNED, Summary, Table, headline
 
-FIGURES: dict[str, Callable] = {}  # file name -> function(Summary) -> matplotlib figure or None, in drawing order
+FIGURES: dict[str, Callable] = {}  # file name (or pattern) -> function(Summary) -> figure(s) or None, in drawing order
 FIGURE_STYLE = {  # legible at README width: three panels to a row of at most 12.6 inches, text >= 9 pt
     "font.size": 10,
     "axes.titlesize": 10,
@@ -151,14 +155,21 @@ def write_figures(summary: Summary, out: str) -> list[str]:
     written = []
     for name, draw in FIGURES.items():
         with matplotlib.rc_context(FIGURE_STYLE):
-            drawn = draw(summary)
-            if drawn is None:
-                continue
-            with atomic_path(os.path.join(out, name), suffix=os.path.splitext(name)[1]) as tmp:
-                drawn.savefig(tmp, dpi=FIGURE_DPI)
-            plt.close(drawn)  # pyplot keeps every figure until it is closed
-        written.append(name)
+            for file, drawn in drawn_files(name, draw(summary)):
+                with atomic_path(os.path.join(out, file), suffix=os.path.splitext(file)[1]) as tmp:
+                    drawn.savefig(tmp, dpi=FIGURE_DPI)
+                plt.close(drawn)  # pyplot keeps every figure until it is closed
+                written.append(file)
     return written
+
+
+def drawn_files(name: str, drawn) -> list[tuple[str, object]]:
+    """(file name, figure) for what a registered figure returned: nothing for None, its registered ``name`` for a
+    figure, and for a figure registered under a pattern (``*_depth.png``: one file per protocol) each of the
+    {file name: figure} it returned."""
+    if drawn is None:
+        return []
+    return list(drawn.items()) if isinstance(drawn, dict) else [(name, drawn)]
 
 
 # Colours and styles.
@@ -374,10 +385,12 @@ def times_train_len(length: int, train_len: int) -> str:
 
 
 def lengths_takeaway(table: Table, labels: list[str], reference: str | None = None) -> str:
-    """What ``labels``' curves of ``table`` show at the longest length where they have values: for perplexity, the
-    row that grows least from its L_train value (within 5, 10 or 20% of it, or the factor) and the one that grows
-    most; for accuracy, the highest and the lowest, and the rows no seed of which learned the task. Where a panel
-    compares one PE's variants, ``reference`` (the PE as trained) in place of the worst."""
+    """What ``labels``' curves of ``table`` show at the longest length where they have values: for a share in %
+    (an accuracy), the highest and the lowest, the chance level where the metric has one, and the rows no seed of
+    which learned the task; for perplexity, the row that grows least from its L_train value (within 5, 10 or 20%
+    of it, or the factor) and the one that grows most, or where no row has a value at L_train (no key token
+    there) the lowest and the highest. Where a panel compares one PE's variants, ``reference`` (the PE as
+    trained) in place of the worst."""
     key, metric = table.key, table.metric
     means = table.cells["mean"].astype(float)
     shown = means[means.index.get_level_values("label").isin(labels)].dropna()
@@ -385,28 +398,40 @@ def lengths_takeaway(table: Table, labels: list[str], reference: str | None = No
         return "no values"
     longest = max(shown.index.get_level_values("length"))
     at = times_train_len(longest, key.train_len)
-    if metric.higher_is_better:
+    if metric.percent:
         values = (shown.xs(longest, level="length") * metric.scale).reindex(labels).dropna()
-        best, worst = values.idxmax(), values.idxmin()
-        name = metric.name.split(" ")[0]
+        best, worst = (
+            (values.idxmin(), values.idxmax())
+            if metric.higher_is_better is False
+            else (values.idxmax(), values.idxmin())
+        )
+        name = metric.short_name
         if values[best] == values[worst]:
             text = f"at {at}: {'every row' if len(values) > 1 else best} at {values[best]:.0f}% {name}"
         else:
             if reference in values.index and reference != best:
                 worst = reference
             text = f"at {at}: {best} {values[best]:.0f}% {name}; {worst} {values[worst]:.0f}%"
+        text += "".join(f" (chance {c * metric.scale:.0f}%)" for c in table.chance)
         status = table.cells.status
         not_learned = [
             label for label in labels if (label, longest) in status.index and status[(label, longest)] == NOT_LEARNED
         ]
         return text + (f"; no seed learned it: {', '.join(not_learned)}" if not_learned else "")
     base = key.train_len if key.train_len in table.lengths else table.lengths[0]
+    if longest == base:
+        return f"measured at {at} only"
     ratios = {}
     for label in labels:
-        if (label, longest) in shown.index and (label, base) in shown.index and longest != base:
+        if (label, longest) in shown.index and (label, base) in shown.index:
             ratios[label] = shown[(label, longest)] / shown[(label, base)]
-    if not ratios:
-        return f"measured at {at} only"
+    if not ratios:  # no value at L_train to grow from: the values themselves
+        values = shown.xs(longest, level="length").reindex(labels).dropna()
+        best, worst = values.idxmin(), values.idxmax()
+        if reference in values.index and reference != best:
+            worst = reference
+        text = f"at {at} (no value at L_train): {best} {metric.name} {values[best]:.{metric.digits}f}"
+        return text + (f"; {worst} {values[worst]:.{metric.digits}f}" if worst != best else "")
     ratios = pd.Series(ratios)
     best, worst = ratios.idxmin(), ratios.idxmax()
     if reference in ratios.index and reference != best:
@@ -447,6 +472,8 @@ def coverage(tables: list[tuple[Table, list[str]]], info: pd.DataFrame) -> tuple
             marks[key] = (
                 " [no seed learned it]" if learned[key] == 0 else f" [{learned[key]} of {total} seeds learned it]"
             )
+        elif total == 0:  # measured, without a value at any length (no key token)
+            marks[key] = " [no value]"
         elif total != common:
             marks[key] = f" [{total} seed{'s' * (total != 1)}]"
     note = f"mean ± std over {common} seeds" if common > 1 else "one seed (no spread)"
@@ -524,6 +551,22 @@ def mark_train_len(ax, train_len: int, label: str = "L_train", top: bool = True)
         xycoords=("data", "axes fraction"),
         xytext=(3, -12 if top else 4),
         textcoords="offset points",
+        fontsize=8,
+        color="0.35",
+        bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 0.5},
+    )
+
+
+def mark_chance(ax, level: float) -> None:
+    """A grey dash-dot line at a metric's chance ``level`` (as shown: in %), named at the panel's right."""
+    ax.axhline(level, color="0.45", ls="-.", lw=1.1, zorder=0)
+    ax.annotate(
+        f"chance {level:.0f}%",
+        (1, level),
+        xycoords=("axes fraction", "data"),
+        xytext=(-3, 3),
+        textcoords="offset points",
+        ha="right",
         fontsize=8,
         color="0.35",
         bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 0.5},
@@ -661,21 +704,25 @@ def draw_lengths(summary: Summary, tables: list[Table], pes_as_trained: bool = T
             drawn.title_lines = title_lines(drawn.holds, drawn.takeaway)
     if any(pd.notna(info.base.get(label)) for table in tables for label in table.index):
         note += "; solid: the first stage's weights (as trained or scaled at evaluation), dashed: fine-tuned"
+    if any(table.chance for table in tables):
+        note += "; chance level: grey dash-dot line"
     fig, placed = panel_grid(sections, note)
     by_table: dict = {}
     for ax, drawn in placed:
         table, panel = drawn.context, drawn.panel
         key, metric = table.key, table.metric
         draw_rows(ax, table, panel.labels, line_styles(info, panel.labels, panel.by_method), metric.scale, drawn.names)
-        mark_train_len(ax, key.train_len, top=not metric.higher_is_better)
+        mark_train_len(ax, key.train_len, top=not metric.percent)
         stage_lens = {int(info.stage_len[label]) for label in panel.labels if pd.notna(info.stage_len.get(label))}
         for stage_len in sorted(stage_lens - {key.train_len}):
             if stage_len > max(table.lengths):
                 continue
-            mark_train_len(ax, stage_len, f"L' {stage_len}", top=not metric.higher_is_better)
+            mark_train_len(ax, stage_len, f"L' {stage_len}", top=not metric.percent)
+        for chance in table.chance:
+            mark_chance(ax, chance * metric.scale)
         length_axis(ax, table.lengths)
         ax.set(xlabel="L_eval (tokens)", ylabel=metric.name)
-        if metric.higher_is_better:
+        if metric.percent:  # a share: 0-100%, linear; perplexity: log
             ax.set_ylim(-3, 103)
         else:
             ax.set_yscale("log")
@@ -700,7 +747,10 @@ def reference(info: pd.DataFrame, panel: Panel) -> str | None:
 def table_name(table: Table, train_len: bool = True) -> str:
     """What a table holds in a few words: its task and metric (a probe's) or protocol, and its L_train."""
     key = table.key
-    what = f"{key.task}, {table.metric.name.split(' ')[0]}" if key.task else key.protocol
+    if key.task:
+        what = f"{key.task}, {table.metric.short_name}"
+    else:  # a protocol of several metrics (key tokens, a haystack) names the table's
+        what = key.protocol + (f", {table.metric.short_name}" if len(metrics_of(key.protocol)) > 1 else "")
     return f"{what}, L_train {key.train_len}" if train_len else what
 
 
@@ -713,9 +763,21 @@ def ppl_vs_length(summary: Summary):
 
 @figure("accuracy_vs_length.png")
 def accuracy_vs_length(summary: Summary):
-    """Probes: exact match and per-token accuracy (%) against L_eval, a section per (task, metric):
+    """Probes: their metrics (exact match and per-token accuracy, %) against L_eval, a section per (task, metric):
     ``draw_lengths``."""
-    tables = [table for key, table in summary.tables.items() if key.metric in ACCURACIES]
+    tables = [table for key, table in summary.tables.items() if key.task]
+    return draw_lengths(summary, tables) if tables else None
+
+
+@figure("retrieval_vs_length.png")
+def retrieval_vs_length(summary: Summary):
+    """Text protocols whose headline metric is an accuracy (the haystack protocols' rank accuracy, %) against
+    L_eval, a section per (L_train, protocol), the chance level drawn as a line: ``draw_lengths``."""
+    tables = [
+        table
+        for key, table in summary.tables.items()
+        if not key.task and key.metric == headline(key.protocol) and table.metric.percent and table.metric.ranked
+    ]
     return draw_lengths(summary, tables) if tables else None
 
 
@@ -806,7 +868,11 @@ def extension(summary: Summary):
     or several methods: its zero-shot variants, then its stages by length and positions, coloured by method, PI
     as ``linear``; the PEs with one stage each beside their bases, coloured by PE)."""
     labels = summary.labels
-    staged = [table for key, table in summary.tables.items() if not key.task and labels.base[table.index].notna().any()]
+    staged = [
+        table
+        for key, table in summary.tables.items()
+        if key.metric == "ppl" and not key.task and labels.base[table.index].notna().any()
+    ]
     if not staged:
         return None
     tables = []
@@ -896,28 +962,41 @@ def adaptation_takeaway(curves: dict[str, pd.DataFrame]) -> str:
     return f"{lowest}, {worst} highest ({first[worst]:.2f}); {apart} at step {end}"
 
 
-@figure("passkey_depth.png")
-def passkey_depth(summary: Summary):
-    """Passkey's depth x length grid: exact match (mean over seeds) per cell, one panel per (L_train, row), in a
+@figure("*_depth.png")
+def depth_heatmaps(summary: Summary):
+    """Each protocol's depth x length grid (``Summary.depths``: passkey's, each haystack protocol's), in a file of
+    its own, ``<name>_depth.png`` (the probe's task, else the protocol): its headline metric (exact match for
+    passkey, rank accuracy for a haystack), mean over seeds, per cell, one panel per (L_train, row), in a
     colour-blind-safe map; the title gives the mean over depths at the shortest and longest length."""
     depths = summary.depths
     if depths.empty:
         return None
+    info = row_info(summary)
+    return {
+        f"{name}_depth.png": depth_heatmap(summary, info, name, grids)
+        for name, grids in depths.groupby("name", sort=False)
+    }
+
+
+def depth_heatmap(summary: Summary, info: pd.DataFrame, name: str, depths: pd.DataFrame):
+    """One protocol's depth grids (``depth_heatmaps``)."""
+    metric_name = depths.metric.iloc[0]
+    metric = METRICS[metric_name]
+    probe = depths.protocol.iloc[0] != name  # a probe's depths are buckets (their lower edge); a haystack's exact
     panels = list(depths.groupby(["train_len", "label"], sort=False))
     columns = min(4, len(panels))
     width = 3.2
     fig, axes = grid(len(panels), columns, width, 3.0)
-    info = row_info(summary)
     drawn = {(train_len, label) for (train_len, label), _ in panels}
     tables = [
         (table, [label for label in table.index if (key.train_len, label) in drawn])
         for key, table in summary.tables.items()
-        if key.task == "passkey" and key.metric == "exact_match"
+        if (key.task or key.protocol) == name and key.metric == metric_name
     ]
     note, _ = coverage(tables, info) if tables else ("", {})
     fig.suptitle(
         wrapped(
-            note.replace("mean ± std", "exact match %, mean") + "; in a title, the mean over depths at the shortest "
+            note.replace("mean ± std", f"{metric.name}, mean") + "; in a title, the mean over depths at the shortest "
             "and the longest L_eval",
             width * columns * 1.1,
         ),
@@ -926,12 +1005,15 @@ def passkey_depth(summary: Summary):
     )
     for ax, ((train_len, label), cells) in zip(axes.flat, panels, strict=False):
         grid_cells = cells.pivot(index="depth", columns="length", values="mean").sort_index(ascending=False)
-        image = ax.imshow(100 * grid_cells.to_numpy(), vmin=0, vmax=100, cmap=HEATMAP, aspect="auto")
+        shown = metric.scale * grid_cells.to_numpy()
+        image = ax.imshow(shown, vmin=0, vmax=100 if metric.percent else None, cmap=HEATMAP, aspect="auto")
         ax.set_xticks(range(len(grid_cells.columns)), [str(n) for n in grid_cells.columns], fontsize=8)
-        ax.set_yticks(range(len(grid_cells.index)), [f"{d:.1f}" for d in grid_cells.index], fontsize=8)
-        by_length = 100 * grid_cells.mean()
+        ax.set_yticks(
+            range(len(grid_cells.index)), [f"{d:.{1 if probe else 2}f}" for d in grid_cells.index], fontsize=8
+        )
+        by_length = metric.scale * grid_cells.mean()
         shortest, longest = by_length.index[0], by_length.index[-1]
-        ax.set(xlabel="L_eval", ylabel="passkey depth (from)")
+        ax.set(xlabel="L_eval", ylabel=f"{name} depth (from)" if probe else "needle depth")
         ax.set_title(
             wrapped(f"{label}, L_train {train_len}", width)
             + "\n"
@@ -942,6 +1024,9 @@ def passkey_depth(summary: Summary):
             ),
             fontsize=9,
         )
-    fig.colorbar(image, ax=axes, label="exact match %", shrink=0.8)
+    chance = depths.chance.dropna().unique()
+    bar = fig.colorbar(image, ax=axes, label=metric.name + (" (line: chance)" if len(chance) else ""), shrink=0.8)
+    for level in chance:
+        bar.ax.axhline(metric.scale * level, color="0.1", lw=1.5)
     fit_height(fig)
     return fig

@@ -22,12 +22,11 @@ from lenext.attention import AttentionSettings
 from lenext.evaluate import EvalSettings
 from lenext.pe import PE_CLASSES
 from lenext.pe.rope import redundant_variants
-from lenext.protocols import ACCURACY, PROTOCOLS
+from lenext.protocols import ACCURACY, METRICS_OF, PROTOCOLS
 from lenext.results import ERROR_FILE, POSITIONS_FILE, RESULTS_FILE, not_lenext_results
 from lenext.spec import METHOD_NAMES, STAGE_MARK, Row, first_stage_row
 
 LEARNED_AT = 0.9  # a probe run below this exact match at its own training length did not learn its task there
-ACCURACIES = ("exact_match", "token_accuracy")  # the metrics of a probe's rows; a text row's is ppl
 # A run with an attention setting (SSMax, a window, stick-breaking) is drawn with the 2024-26 methods whatever its PE.
 FRONTIER_FAMILY = "2024-26 methods"
 OTHER_FAMILY = "other PEs"  # a PE class lenext.pe does not list (renamed or removed since the file was written)
@@ -46,6 +45,13 @@ PROTOCOL_PARAMETERS = {name: set(protocol().parameters()) for name, protocol in 
 ALL_PROTOCOL_PARAMETERS = set().union(*PROTOCOL_PARAMETERS.values())
 # A stage's method in row names (pi, direct) -> what it does to the PE, as a variant is named (linear, none).
 STAGE_METHOD_AS_VARIANT = {shown: method for method, shown in METHOD_NAMES.items()}
+
+
+def metrics_of(protocol: str) -> tuple[str, ...]:
+    """The metrics the report tables of a protocol's rows, its headline first: what the protocol declares
+    (``lenext.protocols.METRICS_OF``); ``ppl`` for a protocol no longer known (renamed or removed since the file
+    was written)."""
+    return METRICS_OF.get(protocol, ("ppl",))
 
 
 def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[str, str]]]:
@@ -249,7 +255,9 @@ class Run:
     @cached_property
     def accuracy_as_trained(self) -> float | None:
         """A probe run's exact match at its own training length, as trained (no evaluation-time variant); None for
-        text, or when that length was not evaluated."""
+        text, or when that length was not evaluated. Only the probes' protocol: a probe trains its task, so a run
+        that failed it there has nothing to extrapolate; the haystack protocols' exact match measures a language
+        model zero-shot, and every value of it counts."""
         trained = (None, self.trained_variant)
         for row in self.rows:
             if (
@@ -392,28 +400,32 @@ def setting_text(value) -> str:
 COLUMNS = (
     *("run", "group", "row", "label", "pe", "positions", "attention", "base", "method", "stage_len", "root"),
     *("extension_method", "family", "display_name", "task", "train_len", "seed", "protocol", "variant", "metric"),
-    *("length", "depth", "value", "answers", "status", "counted", "peak_mem_mb", "train_tokens_per_s"),
+    *("length", "depth", "value", "answers", "chance", "status", "counted", "peak_mem_mb", "train_tokens_per_s"),
     *("accuracy_as_trained", "machine"),
 )
-FLOAT_COLUMNS = ("depth", "value", "answers", "peak_mem_mb", "train_tokens_per_s", "accuracy_as_trained")
+FLOAT_COLUMNS = ("depth", "value", "answers", "chance", "peak_mem_mb", "train_tokens_per_s", "accuracy_as_trained")
 
 
 def tidy(runs: list[Run]) -> pd.DataFrame:
-    """One record per (run, row, metric), in the order found (the sweep's): ``ppl`` for text, ``exact_match`` and
-    ``token_accuracy`` for a probe's rows (passkey's depth rows included, with their ``depth``).
+    """One record per (run, row, metric), in the order found (the sweep's): a row's metrics are those its protocol
+    declares (``metrics_of``: ``ppl`` for perplexity, ``ppl`` and ``key_share`` for key tokens, ``rank_accuracy``
+    and ``exact_match`` for the haystack protocols, ``exact_match`` and ``token_accuracy`` for a probe's rows),
+    depth rows included (passkey's, the haystack protocols'), with their ``depth``; ``value`` null where the row
+    has none (no key token at L_train).
 
     Columns: ``run`` (its folder), ``group`` (its settings: ``Run.group``), ``row`` (its row's label), ``label`` (the
     row label with the variant), the row's structure (``pe``, ``positions``, ``attention`` as ``+``-joined
     settings, ``base``, ``method``, ``stage_len``: ``lenext.spec.Row``), ``root``, ``extension_method``, ``family``,
     ``display_name``, ``task`` ("" for text), ``train_len`` (the first stage's), ``seed``, ``protocol``, ``variant``
     (the evaluation-time variant; null: the PE as trained), ``metric``, ``length``, ``depth``, ``value``,
-    ``answers``, ``status``, ``counted`` (whether means count it: ``Run.learned`` or within L_train),
-    ``peak_mem_mb``, ``train_tokens_per_s``, ``accuracy_as_trained``, ``machine``."""
+    ``answers``, ``chance`` (the row's chance level, where it records one), ``status``, ``counted`` (whether means
+    count it: ``Run.learned`` or within L_train), ``peak_mem_mb``, ``train_tokens_per_s``, ``accuracy_as_trained``,
+    ``machine``."""
     records = []
     for run in runs:
         fields, meta = run.fields, run.meta
         for row in run.rows:
-            for metric in ACCURACIES if row["protocol"] == ACCURACY else ("ppl",):
+            for metric in metrics_of(row["protocol"]):
                 records.append(
                     {
                         "run": run.folder,
@@ -440,6 +452,7 @@ def tidy(runs: list[Run]) -> pd.DataFrame:
                         "depth": row.get("depth"),
                         "value": row.get(metric),
                         "answers": row.get("answers"),
+                        "chance": row.get("chance"),
                         "status": row["status"],
                         "counted": run.learned or row["length"] <= run.table_len,
                         "peak_mem_mb": row.get("peak_mem_mb"),

@@ -1,5 +1,5 @@
 """Statistics over the tidy frame (``lenext.report.load.tidy``), by group-by: the tables' cells, and the data the
-per-position, adaptation and passkey depth figures draw. The rules are the package's (``lenext.report``)."""
+per-position, adaptation and depth (passkey, haystack) figures draw. The rules are the package's (``lenext.report``)."""
 
 import math
 from dataclasses import dataclass
@@ -9,24 +9,54 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from lenext.report.load import LEARNED_AT, Loaded, Run, positions_curve, validation_curve
+from lenext.report.load import LEARNED_AT, Loaded, Run, metrics_of, positions_curve, validation_curve
 
 BINS_PER_OCTAVE = 4
 NOT_LEARNED = "not learned"
+NO_VALUE = "no value"  # measured, without a value (no key token at L_train): shown as "-", as a length without windows
 
 
 class Metric(NamedTuple):
+    """How a row metric is shown and compared. ``higher_is_better`` None: the metric describes the rows rather
+    than scores them (the share of key tokens: more is neither better nor worse), so no cell is marked best and
+    none is tested for separability from a best."""
+
     name: str
     scale: float  # shown as value x scale
     digits: int
-    higher_is_better: bool
+    higher_is_better: bool | None
+    short: str = ""  # in a figure's title ("exact-match"); the name's first word where ""
+    chance: bool = False  # its rows record its chance level as ``chance`` (rank accuracy: 1 / (1 + candidates))
+
+    @property
+    def ranked(self) -> bool:
+        """Whether a best can be named: the metric has a direction."""
+        return self.higher_is_better is not None
+
+    @property
+    def percent(self) -> bool:
+        """A share shown in % (an accuracy, a share of tokens): drawn on a linear 0-100 axis; else a log axis."""
+        return self.scale == 100
+
+    @property
+    def short_name(self) -> str:
+        return self.short or self.name.split(" ")[0]
 
 
+# Every metric a protocol declares (lenext.protocols.METRICS_OF) has an entry; tests/test_report.py checks it.
 METRICS = {
     "ppl": Metric("perplexity", 1, 2, False),
     "exact_match": Metric("exact-match accuracy %", 100, 1, True),
     "token_accuracy": Metric("per-token accuracy %", 100, 1, True),
+    "rank_accuracy": Metric("rank accuracy %", 100, 1, True, short="rank accuracy", chance=True),
+    # Neither better: more key tokens says the windows hold more that long context helps, not that a PE is better.
+    "key_share": Metric("key-token share %", 100, 2, None, short="key-token share"),
 }
+
+
+def headline(protocol: str) -> str:
+    """A protocol's headline metric: the first it declares (``METRICS_OF``); ``ppl`` for one no longer known."""
+    return metrics_of(protocol)[0]
 
 
 class TableKey(NamedTuple):
@@ -46,16 +76,19 @@ CELL = ["label", "length"]
 class Table:
     """One table's statistics. ``cells``, indexed by (label, length): ``mean``, ``std`` (over seeds; 0 for one
     seed), ``n`` (seeds counted), ``status`` (``ok``, ``not learned`` where no seed learned, else the rows'),
-    ``best`` (the column's best), ``separable`` (from that best; null: not tested). ``seeds``: the values the means
-    count, by (label, length, seed). ``rows``: the labels in the sweep's order, with ``train_tokens_per_s`` (mean)
-    and ``eval_peak_mem_mb`` (max). ``not_learned``: the runs below ``LEARNED_AT`` at L_train (``row``, ``seed``,
-    ``accuracy_as_trained``)."""
+    ``best`` (the column's best; none for a metric without a direction), ``separable`` (from that best; null: not
+    tested). A cell whose rows are measured but have no value (``NO_VALUE``: no key token at L_train) has no mean.
+    ``seeds``: the values the means count, by (label, length, seed). ``rows``: the labels in the sweep's order,
+    with ``train_tokens_per_s`` (mean) and ``eval_peak_mem_mb`` (max). ``not_learned``: the runs below
+    ``LEARNED_AT`` at L_train (``row``, ``seed``, ``accuracy_as_trained``). ``chance``: the chance levels its rows
+    record, for a metric that has one (``Metric.chance``), in the order found."""
 
     key: TableKey
     cells: pd.DataFrame
     seeds: pd.Series
     rows: pd.DataFrame
     not_learned: pd.DataFrame
+    chance: tuple[float, ...] = ()
 
     @property
     def index(self) -> pd.Index:
@@ -76,12 +109,24 @@ class Table:
 
 
 def summarize(frame: pd.DataFrame) -> dict[TableKey, Table]:
-    """Every table, computed once from the tidy frame (passkey's depth rows are ``passkey_depths``')."""
+    """Every table, computed once from the tidy frame (depth rows are ``depth_grids``'): text ("" task) first, then
+    by L_train and protocol, a protocol's metrics in the order it declares them (its headline first)."""
     tables = {}
     for (task, train_len, protocol, metric), records in frame[frame.depth.isna()].groupby(TABLE_KEY):
         key = TableKey(int(train_len), protocol, metric, task)
         tables[key] = _table(key, records)
-    return tables
+    declared = {key: metrics_of(key.protocol) for key in tables}
+    order = sorted(
+        tables,
+        key=lambda key: (
+            key.task,
+            key.train_len,
+            key.protocol,
+            declared[key].index(key.metric) if key.metric in declared[key] else len(declared[key]),
+            key.metric,
+        ),
+    )
+    return {key: tables[key] for key in order}
 
 
 # A cell's mean and std are the Series' own, not the group-by's "mean"/"std", which round last bits otherwise.
@@ -94,15 +139,21 @@ def _std(values: pd.Series) -> float:
 
 
 def _table(key: TableKey, records: pd.DataFrame) -> Table:
-    counted = records[(records.status == "ok") & records.counted]
+    ok = records.status == "ok"
+    valued = ok & records.value.notna()  # a row measured without a value (no key token) counts in no mean
+    counted = records[valued & records.counted]
     spread = counted.groupby(CELL, sort=False).value.agg(mean=_mean, std=_std, n="size")
-    measured = records.assign(measured=records.status == "ok").groupby(CELL, sort=False)
-    cells = measured.agg(recorded=("status", "first"), measured=("measured", "any")).join(spread)
+    measured = records.assign(measured=ok, valued=valued).groupby(CELL, sort=False)
+    cells = measured.agg(recorded=("status", "first"), measured=("measured", "any"), valued=("valued", "any"))
+    cells = cells.join(spread)
     cells["n"] = cells.n.fillna(0).astype(int)
-    cells["status"] = np.select([cells.n > 0, cells.measured], ["ok", NOT_LEARNED], default=cells.recorded)
-    cells = cells.drop(columns=["recorded", "measured"])
+    cells["status"] = np.select(
+        [cells.n > 0, cells.valued, cells.measured], ["ok", NOT_LEARNED, NO_VALUE], default=cells.recorded
+    )
+    cells = cells.drop(columns=["recorded", "measured", "valued"])
+    metric = METRICS[key.metric]
     best = {
-        length: _best(means.droplevel("length"), METRICS[key.metric].higher_is_better)
+        length: _best(means.droplevel("length"), metric.higher_is_better)
         for length, means in cells["mean"].groupby(level="length")
     }
     cells["best"] = [label == best[length] for label, length in cells.index]
@@ -122,14 +173,15 @@ def _table(key: TableKey, records: pd.DataFrame) -> Table:
     )
     rows = rows.reindex(records.label.unique())
     not_learned = records[records.accuracy_as_trained < LEARNED_AT].drop_duplicates("run")
-    return Table(key, cells, seeds, rows, not_learned[["row", "seed", "accuracy_as_trained"]])
+    chance = tuple(float(c) for c in records.chance.dropna().unique()) if metric.chance else ()
+    return Table(key, cells, seeds, rows, not_learned[["row", "seed", "accuracy_as_trained"]], chance)
 
 
-def _best(means: pd.Series, higher_is_better: bool) -> str | None:
-    """The label with the best of ``means`` (by label); None when none has a value or several share the best
-    (accuracies often tie at 0% or 100%)."""
+def _best(means: pd.Series, higher_is_better: bool | None) -> str | None:
+    """The label with the best of ``means`` (by label); None when none has a value, several share the best
+    (accuracies often tie at 0% or 100%) or the metric has no direction (``higher_is_better`` None)."""
     means = means.dropna()
-    if means.empty:
+    if means.empty or higher_is_better is None:
         return None
     leaders = means.index[means == (means.max() if higher_is_better else means.min())]
     return leaders[0] if len(leaders) == 1 else None
@@ -240,24 +292,49 @@ def adaptation(runs: list[Run]) -> pd.DataFrame:
     return frame
 
 
-def passkey_depths(frame: pd.DataFrame) -> pd.DataFrame:
-    """Passkey's exact match per (L_train, label, depth bucket, L_eval), mean and std over seeds. Columns: train_len,
-    label, depth (the bucket's lower edge), length, mean, std, seeds, answers."""
-    depth_rows = frame[frame.depth.notna() & frame.counted & (frame.metric == "exact_match")]
+DEPTH_KEY = ["name", "protocol", "metric", "train_len", "label", "depth", "length"]
+
+
+def depth_grids(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per protocol with depth rows (passkey's, the haystack protocols'), its headline metric (``headline``: exact
+    match for passkey, rank accuracy for a haystack) per (L_train, label, depth, L_eval), mean and std over the
+    seeds means count. Columns: name (the probe's task, else the protocol: the grid's file is
+    ``<name>_depth.csv``), protocol, metric, train_len, label, depth (passkey: its bucket's lower edge; a
+    haystack: the needle's depth), length, mean, std, seeds, answers, chance (null where the metric has none)."""
+    headlines = frame.protocol.map(headline)
+    depth_rows = frame[
+        frame.depth.notna() & frame.counted & (frame.status == "ok") & frame.value.notna() & (frame.metric == headlines)
+    ]
     if depth_rows.empty:
         return pd.DataFrame()
-    grouped = depth_rows.groupby(["train_len", "label", "depth", "length"], sort=False)
+    depth_rows = depth_rows.assign(name=depth_rows.task.where(depth_rows.task != "", depth_rows.protocol))
+    grouped = depth_rows.groupby(DEPTH_KEY, sort=False)
     depths = grouped.agg(
-        mean=("value", "mean"), std=("value", "std"), seeds=("value", "count"), answers=("answers", "sum")
+        mean=("value", "mean"),
+        std=("value", "std"),
+        seeds=("value", "count"),
+        answers=("answers", "sum"),
+        chance=("chance", "first"),
     ).reset_index()
     depths["std"] = depths["std"].fillna(0.0)
     depths["answers"] = depths.answers.astype(int)
+    depths["chance"] = depths.chance.where([METRICS[m].chance for m in depths.metric])
     return depths
+
+
+def passkey_depths(frame: pd.DataFrame) -> pd.DataFrame:
+    """Passkey's grid of ``depth_grids``: exact match per (L_train, label, depth bucket, L_eval), mean and std over
+    seeds. Columns: train_len, label, depth (the bucket's lower edge), length, mean, std, seeds, answers."""
+    grids = depth_grids(frame)
+    if grids.empty:
+        return grids
+    return grids[grids.name == "passkey"].drop(columns=[*DEPTH_KEY[:3], "chance"]).reset_index(drop=True)
 
 
 class Summary:
     """Everything the report shows, from what ``load`` read: the tables, computed at once, and on first use what
-    figures draw by (``labels``) and the figures' own statistics (``positions``, ``adaptation``, ``depths``)."""
+    figures draw by (``labels``) and the figures' own statistics (``positions``, ``adaptation``, ``depths``: every
+    protocol's depth grid, ``depth_grids``)."""
 
     def __init__(self, loaded: Loaded):
         self.loaded = loaded
@@ -281,4 +358,4 @@ class Summary:
 
     @cached_property
     def depths(self) -> pd.DataFrame:
-        return passkey_depths(self.frame)
+        return depth_grids(self.frame)

@@ -5,7 +5,7 @@ import math
 import pandas as pd
 
 from lenext.pe.rope import SAME_AS
-from lenext.report.load import LEARNED_AT, Loaded
+from lenext.report.load import LEARNED_AT, Loaded, metrics_of
 from lenext.report.stats import METRICS, NOT_LEARNED, Table, TableKey, seed_range
 
 NOT_SEPARABLE = "~"
@@ -18,13 +18,28 @@ def title(key: TableKey) -> str:
     return (f"{key.task}, " if key.task else "") + f"L_train = {key.train_len}, protocol `{key.protocol}`"
 
 
+def several_metrics(key: TableKey) -> bool:
+    """Whether the table's protocol has tables of other metrics (a probe's; key tokens'; a haystack's): the
+    LaTeX comment then names the metric, as the Markdown heading always does."""
+    return bool(key.task) or len(metrics_of(key.protocol)) > 1
+
+
+def what_a_table_shows(table: Table, seeds: str) -> str:
+    """The parenthesis of a table's heading: the metric, its chance level where it has one, what a cell's mean
+    covers, and which cell is bold (none for a metric without a direction)."""
+    metric = table.metric
+    chance = "".join(f", chance {c * metric.scale:.{metric.digits}f}%" for c in table.chance)
+    marked = "best per column in bold" if metric.ranked else "describes the rows, no best marked"
+    return f"{metric.name}{chance}, mean +- std over {seeds}; {marked}"
+
+
 def cell_text(table: Table, label: str, length: int, marks: dict) -> str:
     """A cell as shown: mean (± std with several seeds), ``~`` when not separable from the best, the best bold;
     ``n/a``, ``not learned`` or ``-`` for a row without a value, "" where the row has no results at that length."""
     cell = table.cell(label, length)
     if cell is None:
         return ""
-    if cell.status != "ok":
+    if cell.status != "ok":  # "-": a length without windows, or a row without a value (no key token at L_train)
         return {"not applicable": "n/a", NOT_LEARNED: NOT_LEARNED}.get(cell.status, "-")
     metric = table.metric
     mean, std = cell["mean"] * metric.scale, cell["std"] * metric.scale
@@ -44,12 +59,10 @@ def to_markdown(tables: dict[TableKey, Table]) -> str:
         lengths = table.lengths
         fewest, most = seed_range(table)
         seeds = f"{most} seed{'s' if most != 1 else ''}" if fewest == most else f"{fewest}-{most} seeds"
-        parts.append(
-            f"### {title(key)} ({METRICS[key.metric].name}, mean +- std over {seeds}; best per column in bold)\n"
-        )
-        if most < 2:
+        parts.append(f"### {title(key)} ({what_a_table_shows(table, seeds)})\n")
+        if table.metric.ranked and most == 1:
             parts.append("One seed: no difference is tested for significance (that needs >= 2 seeds).\n")
-        else:
+        elif table.metric.ranked and most > 1:
             parts.append(
                 f"{NOT_SEPARABLE}: not separable from the column's best (means within 2 std, or paired differences "
                 "over seeds of both signs)."
@@ -128,7 +141,7 @@ def to_latex(tables: dict[TableKey, Table]) -> str:
     for key, table in tables.items():
         lengths = table.lengths
         parts += [
-            f"% {title(key).replace('`', '')}" + (f", {METRICS[key.metric].name}" if key.task else ""),
+            f"% {title(key).replace('`', '')}" + (f", {METRICS[key.metric].name}" if several_metrics(key) else ""),
             "\\begin{tabular}{l" + "r" * len(lengths) + "}",
             "\\toprule",
             "PE & " + " & ".join(str(n) for n in lengths) + " \\\\",
