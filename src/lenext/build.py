@@ -59,8 +59,21 @@ def build_net(spec, vocab_size: int, weights: dict | None = None):
     """The Decoder of a resolved run (``lenext.spec.RunSpec``), holding ``weights`` if given (a checkpoint's)."""
     net = build_decoder(spec.config, spec.train_len, spec.reach, vocab_size)
     if weights is not None:  # the base's weights only: optimizer, step and schedule start afresh
-        net.load_state_dict(weights)
+        load_weights(net, weights)
     return net
+
+
+# The parameters a second stage may add to its base's model: DroPE's QK-norm gains (attention.qk_norm).
+ADDED_BY_STAGE = (".attn.q_norm.weight", ".attn.k_norm.weight")
+
+
+def load_weights(net, weights: dict) -> None:
+    """A base's ``weights`` into a second stage's ``net``: every tensor of the net from them, but the QK-norm gains
+    a DroPE stage adds (``ADDED_BY_STAGE``), which keep their initial 1 where the base has none; anything else
+    missing or left over raises torch's RuntimeError, naming it."""
+    missing, unexpected = net.load_state_dict(weights, strict=False)
+    if unexpected or not all(key.endswith(ADDED_BY_STAGE) for key in missing):
+        net.load_state_dict(weights)
 
 
 def unsharded(net, spec, vocab_size: int):

@@ -24,6 +24,7 @@ from lenext.positions import PositionScheme
 from lenext.protocols import PROTOCOL_NAMES, PROTOCOLS, TextProtocol, Window, cap_windows
 from lenext.ranges import PositiveFloat, PositiveInt
 from lenext.scoring import Measured
+from lenext.temperature import TEMPERATURE, asks_temperature, describe_fit, fit_temperature, row_fields, variant_scope
 
 log = logging.getLogger("lenext")
 Protocol = Literal[PROTOCOL_NAMES]
@@ -115,7 +116,7 @@ class EvalSettings:
     factors: list[PositiveFloat] | None
     stride: PositiveInt | None
     last_k: PositiveInt | None
-    variants: list[Literal[VARIANTS]] | None  # evaluation-time variants of the PE (RoPE's scalings)
+    variants: list[Literal[(*VARIANTS, TEMPERATURE)]] | None  # evaluation-time variants (RoPE's scalings, temperature)
     max_windows: PositiveInt | None
     tokens_per_batch: PositiveInt
     per_position: bool
@@ -176,17 +177,24 @@ def sweep(
     precision: str = "32-true",
     scheme: PositionScheme | None = None,
     seed: int = 0,
+    fit_evaluation=None,
 ) -> tuple[list, list]:
     """Evaluate every (evaluation-time variant of the PE, protocol, length) of ``plan`` on ``evaluation`` (the
     data's ``TextEvaluation`` or probe), at the positions of the run's ``scheme`` (seeded by its ``seed``) or
-    0..L-1 (eval.positions). Returns (rows, per-position curve rows)."""
+    0..L-1 (eval.positions). Returns (rows, per-position curve rows). The ``temperature`` variant's c is fitted on
+    ``fit_evaluation``, the validation split's (``evaluation`` when None: the sweep's own is the validation split)."""
     evaluated_at = evaluation_positions(eval_cfg, scheme or PositionScheme())
     device = next(net.parameters()).device
     rows, curves = [], []
     net.eval()
     variants = net.pe.variants(eval_cfg.variants, evaluated_at.evaluation_span(max(plan.lengths)))
+    fit = None
+    if asks_temperature(eval_cfg.variants, net, plan.lengths):  # any PE: lenext.temperature
+        variants = [*variants, TEMPERATURE]
+        fit = fit_temperature(net, fit_evaluation or evaluation, plan, eval_cfg, precision, evaluated_at, seed)
+        log.info("%s", describe_fit(fit))
     for variant in variants:
-        with net.pe.variant(variant):
+        with variant_scope(net, variant, fit):
             for name in plan.protocols:
                 protocol = evaluation.protocol(name, plan)
                 for length in plan.lengths:
@@ -196,12 +204,15 @@ def sweep(
                         "variant": variant,
                         "length": length,
                         "length_factor": length / plan.base_len,
-                        "variant_factor": net.pe.scaling_factor(length) if variant else None,
+                        **row_fields(net, variant, length, fit),
                         **protocol.parameters(),
                     }
                     windows = cap_windows(windows, eval_cfg.max_windows)
                     row["windows"] = len(windows)
                     unmeasured = {"ppl": None, "mean_nll": None, "tokens": 0}
+                    if variant == TEMPERATURE and fit.c is None:
+                        rows.append({**row, "status": "not applicable", **unmeasured, "reason": fit.reason})
+                        continue
                     if not windows:
                         reason = evaluation.missing(protocol, length)
                         rows.append({**row, "status": "no windows", **unmeasured, "reason": reason})

@@ -37,6 +37,9 @@ class SelfAttention(nn.Module):
         self.pe = pe  # this layer's PE: its own parameters (FoX's gate) are the layer's
         self.window = pe.window if pe.window is not None else attention.window
         self.length_scale = LengthScale(attention, n_heads, train_len)
+        # QK-norm (attention.qk_norm): over the whole projection, as SakanaAI/DroPE's qk_norm_nope attention
+        self.q_norm = nn.RMSNorm(d_model, eps=NORM_EPS) if attention.qk_norm else None
+        self.k_norm = nn.RMSNorm(d_model, eps=NORM_EPS) if attention.qk_norm else None
         self.stick_breaking = attention.normalizer == "stick_breaking"
         if self.stick_breaking and pe.up_to_row_constant:
             raise ConfigError(
@@ -58,7 +61,11 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
-        q, k, v = self.qkv(x).view(batch, length, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, L, dh)
+        qkv = self.qkv(x)  # (B, L, 3 d): q, k, v
+        if self.q_norm is not None:
+            q, k, v = qkv.chunk(3, dim=-1)
+            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+        q, k, v = qkv.view(batch, length, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, L, dh)
         q, k = self.pe.rotate(q, k, positions)
         terms = self.pe.terms(x, q, k, positions)
         row_scale = self.length_scale(length, self.window, x.device)  # (1, H, L, 1) or None

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lenext import schema
 from lenext.attention import AttentionSettings
-from lenext.build import build_decoder, hydra_config, instantiate
+from lenext.build import build_decoder, hydra_config, instantiate, load_weights
 from lenext.errors import CheckpointError, ConfigError
 from lenext.evaluate import EvalSettings, SweepPlan, sweep_plan
 from lenext.hardware import Precision, canonical_precision
@@ -43,6 +43,7 @@ class TrainSettings:
     seed: Annotated[int, Range(0, 2**32 - 1)]  # what Lightning's seed_everything accepts
     ckpt_path: str | None
     init_from: str | None = None  # a second stage: the base checkpoint whose weights it starts from
+    drop_pe: bool = False  # a second stage: DroPE, its RoPE base's rotation dropped (docs/extension.md)
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,11 @@ def resolve(
     evaluation plan (when the run ``sweeps``), its lineage and row. A second stage names its ``base``
     (``lenext.checkpoints.Base``: refused here, in one line, if it cannot serve this stage); one ``resumed`` from its
     own checkpoint takes its PE and lineage from that: its base need not exist any more."""
+    if cfg.get("drop_pe") and not cfg.get("init_from"):
+        raise ConfigError(
+            "drop_pe=true is invalid without init_from: DroPE drops the rotation of a trained RoPE base "
+            "(init_from=<base>/checkpoints/last.ckpt, or extension=drope in a study)"
+        )
     positions = resolved_positions(cfg)
     scheme = position_scheme(dataclasses.asdict(positions), cfg.data.max_len)
     reach = scheme.span(cfg.data.max_len)
@@ -147,10 +153,14 @@ def resolve(
     elif cfg.get("init_from"):
         if base is None:
             raise ValueError("resolve: a second stage's base is read by its caller (lenext.checkpoints.read_base)")
-        config["pe"] = stage_pe_resolved(config, pe_name, base, reach)
+        dropped = bool(config.get("drop_pe"))
+        config["pe"] = (dropped_pe if dropped else stage_pe_resolved)(config, pe_name, base, reach)
         lineage, base_len = (*base.spec.lineage, base.stage), base.spec.base_len
         first = base.spec.row_fields or first_stage_row(base.spec.pe_name, "sequential")
         row = later_stage_row(base.spec.row, first.pe, config["pe"], scheme.name, reach)
+        if dropped:  # rope -> drope@64, rope -> drope+qk_norm@64
+            qk_norm = (config.get("attention") or {}).get("qk_norm")
+            row = dataclasses.replace(row, method="drope+qk_norm" if qk_norm else "drope")
         label = row.label
     else:
         config["pe"] = resolved_pe(config, cfg.data.max_len, reach)
@@ -208,7 +218,7 @@ def resolved_pe(config: dict, train_len: int, reach: int, base: "Base | None" = 
     net = build_decoder(config, train_len, reach, base.vocab_size if base else 256)
     if base is not None:
         try:
-            net.load_state_dict(base.state)
+            load_weights(net, base.state)
         except RuntimeError as e:
             raise CheckpointError(
                 f"init_from={base.stage.checkpoint}: its weights do not fit this stage's model "
@@ -253,6 +263,8 @@ def stage_pe(config: dict, pe_name: str, base: RunSpec, stage) -> dict:
                 )
     attention, base_attention = (flat_settings(c.get("attention") or {}, ()) for c in (config, base.config))
     for name in sorted(set(attention) | set(base_attention)):
+        if name == "qk_norm" and config.get("drop_pe"):  # DroPE may add QK-norm to the base's attention
+            continue
         if attention.get(name) != base_attention.get(name, AttentionSettings.__dataclass_fields__[name].default):
             raise ConfigError(
                 f"attention.{name}={attention.get(name)!r} is invalid for a second stage: {where} was trained with "
@@ -313,6 +325,30 @@ def stage_pe_resolved(config: dict, pe_name: str, base: "Base", reach: int) -> d
             f"{e}; but a second stage keeps the PE settings of init_from={base.stage.checkpoint}, which its weights "
             f"fit: this PE cannot be trained further at {reach} positions"
         ) from None
+
+
+DROPPED_PE = {"_target_": "lenext.pe.NoPE", "_partial_": True}  # what DroPE leaves: no PE
+
+
+def dropped_pe(config: dict, pe_name: str, base: "Base", reach: int) -> dict:
+    """The PE node of a DroPE stage (``drop_pe``; Gelberg et al. 2025, docs/extension.md): NoPE, its base's RoPE
+    rotation dropped in every layer, recalibrated at the base's length with the base's model, data and attention
+    (``stage_pe``'s checks; attention.qk_norm may be added). Refuses, in one line, a base that is not a RoPE run
+    and another length; the model built must hold the base's weights (new QK-norm gains aside: ``load_weights``)."""
+    where = f"init_from={base.stage.checkpoint}"
+    theirs = base.spec.config["pe"]["_target_"]
+    if imported(theirs) is not imported("lenext.pe.RoPE"):
+        raise ConfigError(
+            f"drop_pe=true is invalid for a second stage from {where}: DroPE drops a RoPE base's rotation, and that "
+            f"run was trained with pe={base.spec.pe_name} ({theirs}); start it from a pe=rope run"
+        )
+    stage_pe(config, pe_name, base.spec, base.stage)
+    if config["data"]["max_len"] != base.spec.train_len:
+        raise ConfigError(
+            f"data.max_len={config['data']['max_len']} is invalid for DroPE: it recalibrates at its base's length, "
+            f"and {where} was trained at data.max_len={base.spec.train_len}; repeat that length"
+        )
+    return resolved_pe({**config, "pe": dict(DROPPED_PE)}, config["data"]["max_len"], reach, base)
 
 
 def flat_settings(settings: dict, ignore: tuple[str, ...] = ()) -> dict:

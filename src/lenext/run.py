@@ -149,8 +149,9 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
 
 def evaluate_and_write(spec: RunSpec, net, datamodule, split: str, tokens, cfg: DictConfig, extra: dict) -> str:
     """Run the length sweep on ``split`` and write results.json (+ positions.csv) into the run's output folder."""
+    fit_on = datamodule.evaluation("validation") if split != "validation" else None  # the temperature's c
     rows, curves = sweep(
-        net, datamodule.evaluation(split), spec.plan, spec.eval, spec.precision, spec.scheme, spec.seed
+        net, datamodule.evaluation(split), spec.plan, spec.eval, spec.precision, spec.scheme, spec.seed, fit_on
     )
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank():
         return ""

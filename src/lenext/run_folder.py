@@ -21,7 +21,7 @@ log = logging.getLogger("lenext")
 
 # What makes a run the run it is: resuming it under other values would mix two runs (the trainer's may change:
 # a longer max_steps continues a run). Left out: what only changes how data is read or how much memory a step takes.
-RUN_IDENTITY = ("model", "pe", "attention", "train", "module", "seed", "data", "init_from")
+RUN_IDENTITY = ("model", "pe", "attention", "train", "module", "seed", "data", "init_from", "drop_pe")
 NOT_IDENTITY = (
     "data.num_workers",
     "data.eval_batch_size",

@@ -131,6 +131,8 @@ def first_stage_row(pe_name: str, scheme: str, attention: dict | None = None) ->
         settings.append(f"window{attention['window']}")
     if attention.get("normalizer", "softmax") != "softmax":
         settings.append(attention["normalizer"])
+    if attention.get("qk_norm"):
+        settings.append("qk_norm")
     return Row(pe_name, scheme, tuple(settings))
 
 

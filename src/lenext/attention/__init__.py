@@ -74,24 +74,46 @@ class AttentionSettings:
       2025): A_ij = sigmoid(z_ij) prod_{j < t < i} (1 - sigmoid(z_it)), a query not attending to itself, the
       weight left over (1 - sum_j A_ij) on its own value, as shawntan/stickbreaking-attention's ``sb_ref`` and
       its tests.
+    - ``qk_norm``: q and k each RMS-normalized over the layer's whole projection (all heads together), with a
+      learned gain per channel starting at 1, before the heads are split and the PE applied: SakanaAI/DroPE's
+      ``qk_norm_nope`` attention (custom_models/attention.py), which DroPE recalibrates with (docs/extension.md).
     """
 
     window: PositiveInt | None = None
     scale: Literal["none", "ssmax", "logn"] = "none"
     normalizer: Literal["softmax", "stick_breaking"] = "softmax"
+    qk_norm: bool = False
+
+
+def logit_temperature(c: float | None, length: int, train_len: int) -> float:
+    """The evaluation-time logit temperature beta(s) = 1 + c ln s, s = length / train_len, at sequences of
+    ``length`` tokens of a model trained at ``train_len``: 1 at s <= 1 and for c None (docs/evaluation.md)."""
+    if c is None or length <= train_len:
+        return 1.0
+    return 1.0 + c * math.log(length / train_len)
 
 
 class LengthScale(nn.Module):
-    """The row scale of ``AttentionSettings.scale`` for one layer: (1, H, L, 1) fp32, or None for ``none``."""
+    """The row scale of ``AttentionSettings.scale`` for one layer: (1, H, L, 1) fp32, or None for ``none``; times
+    the evaluation-time logit temperature beta(L / L_train) while ``temperature`` (its c) is set (``temperature``
+    in lenext.evaluate): (1, 1, L, 1) alone, None where beta is 1."""
 
     def __init__(self, settings: AttentionSettings, n_heads: int, train_len: int):
         super().__init__()
-        self.kind, self.n_heads = settings.scale, n_heads
+        self.kind, self.n_heads, self.train_len = settings.scale, n_heads, train_len
         self.start = 1 / math.log(max(train_len, 2))  # 1 at n = L_train
+        self.temperature: float | None = None  # c of beta(s) = 1 + c ln s; None: no temperature (training)
         if self.kind == "ssmax":
             self.per_head = nn.Parameter(torch.full((n_heads,), self.start))
 
     def forward(self, length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+        beta = logit_temperature(self.temperature, length, self.train_len)
+        scale = self._scale(length, window, device)
+        if beta == 1.0:
+            return scale
+        return torch.full((1, 1, length, 1), beta, device=device) if scale is None else scale * beta
+
+    def _scale(self, length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
         if self.kind == "none":
             return None
         attended = torch.arange(1, length + 1, device=device, dtype=torch.float32)

@@ -28,6 +28,8 @@ def plain_attention(net: Decoder) -> str | None:
         return f"attention.scale={attention.length_scale.kind}"
     if attention.stick_breaking:
         return "stick-breaking attention"
+    if attention.q_norm is not None:
+        return "QK-norm (attention.qk_norm)"
     return None
 
 
