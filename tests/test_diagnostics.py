@@ -20,10 +20,12 @@ from lenext.diagnostics import (
     AttentionStatistics,
     diagnose,
     layer_windows,
+    main,
     record_statistics,
     rotary_frequencies,
     rotation_coverage,
     trained_distances,
+    window_tokens,
 )
 from lenext.errors import CheckpointError, ConfigError
 from lenext.model import Decoder
@@ -287,6 +289,14 @@ def test_the_distances_training_gives_counted_by_hand():
     torch.testing.assert_close(counts[1:], expected, rtol=0, atol=0.02)
 
 
+def test_a_probe_is_diagnosed_on_its_samples_at_each_length():
+    from lenext.synthetic import SyntheticDataModule
+
+    data = SyntheticDataModule(task="passkey", max_len=32, eval_samples=9)
+    tokens, identities = window_tokens(data.evaluation("validation"), 64, 3)
+    assert tokens.shape == (3, 64) and identities == [(0, 0), (3, 0), (6, 0)]  # every 3rd sample, as cap_windows
+
+
 # The command.
 
 
@@ -352,7 +362,7 @@ def test_diagnose_writes_the_statistics_coverage_and_histogram_of_a_checkpoint(t
     assert not (tmp_path / "bad").exists()
 
 
-def test_diagnose_py_answers_bad_input_in_one_line_and_has_help(tmp_path):
+def test_diagnose_py_answers_bad_input_in_one_line_and_has_help(tmp_path, monkeypatch, capsys):
     environment = {**os.environ, "LENEXT_ROOT": str(tmp_path)}
     environment.pop("HYDRA_FULL_ERROR", None)
     result = subprocess.run(
@@ -364,6 +374,9 @@ def test_diagnose_py_answers_bad_input_in_one_line_and_has_help(tmp_path):
     )
     assert result.returncode == 1 and result.stderr.strip().startswith("error: windows=0 is invalid"), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not list(tmp_path.rglob("diagnostics.json"))
-    shown = subprocess.run([sys.executable, "diagnose.py", "--help"], cwd=ROOT, capture_output=True, text=True)
-    assert shown.returncode == 0 and "diagnose why" in shown.stdout.splitlines()[0], shown.stdout
-    assert "Examples:" in shown.stdout and "powered by Hydra" not in shown.stdout
+    monkeypatch.setattr(sys, "argv", ["diagnose.py", "--help"])  # in this process: a second start costs seconds
+    with pytest.raises(SystemExit) as exited:
+        main()
+    shown = capsys.readouterr().out
+    assert exited.value.code in (0, None)
+    assert "diagnose why" in shown.splitlines()[0] and "Examples:" in shown and "powered by Hydra" not in shown

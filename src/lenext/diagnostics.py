@@ -509,7 +509,9 @@ def write_figure(result: dict, path: str) -> None:
         counts = np.array(distances["counts"])
         ax.bar(np.arange(len(counts)), counts, width=1.0, color="#4c72b0")
         ax.axvline(meta["train_len"], color="grey", linewidth=0.8, linestyle=":")
-        ax.set_xlabel("relative distance p_i - p_j")
+        longest = max([entry["length"] for entry in result["lengths"]] + [len(counts)])
+        ax.set_xlim(-0.5, longest - 0.5)  # the distances evaluated beyond those trained: empty
+        ax.set_xlabel("relative distance p_i - p_j (up to the longest evaluated)")
         ax.set_ylabel("pairs per training window")
         ax.set_title(f"distances trained ({distances['scheme']} positions)", fontsize=9)
         coverage = result["rotation_coverage"]
