@@ -618,7 +618,8 @@ class LMDataModule(L.LightningDataModule):
         return self._views[split, column]
 
     def evaluation(self, split: str) -> TextEvaluation:
-        return TextEvaluation(self.documents(split), self.documents(split, "byte_ends") if split != "train" else None)
+        byte_ends = self.documents(split, "byte_ends") if split != "train" else None
+        return TextEvaluation(self.documents(split), byte_ends, self.tokenizer)
 
     @property
     def tokenizer_id(self) -> str:

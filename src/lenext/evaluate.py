@@ -7,7 +7,6 @@ alone); ``sweep_plan`` checks the settings against it before any work.
 
 import dataclasses
 import logging
-import math
 import resource
 import threading
 import time
@@ -19,10 +18,11 @@ import torch
 
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.hardware import release_freed_memory
+from lenext.haystack import HaystackText
 from lenext.pe import VARIANTS
 from lenext.positions import PositionScheme
 from lenext.protocols import PROTOCOL_NAMES, PROTOCOLS, TextProtocol, Window, cap_windows
-from lenext.ranges import PositiveFloat, PositiveInt
+from lenext.ranges import PositiveFloat, PositiveInt, Share
 from lenext.scoring import Measured
 from lenext.temperature import TEMPERATURE, asks_temperature, describe_fit, fit_temperature, row_fields, variant_scope
 
@@ -68,11 +68,21 @@ class PeakMemory:
 
 
 class TextEvaluation:
-    """The sweep's view of held-out documents: perplexity under the text protocols (lenext.protocols)."""
+    """The sweep's view of held-out documents: the text protocols (lenext.protocols) measured on them."""
 
-    def __init__(self, documents: list[np.ndarray], byte_ends: list[np.ndarray] | None = None):
-        """``byte_ends``: per document, the text's bytes up to each token's end (lenext.data), for bits per byte."""
+    def __init__(self, documents: list[np.ndarray], byte_ends: list[np.ndarray] | None = None, tokenizer=None):
+        """``byte_ends``: per document, the text's bytes up to each token's end (lenext.data), for bits per byte;
+        ``tokenizer`` (a tokenizers.Tokenizer): the one that wrote the documents, for the haystack protocols."""
         self.documents, self.byte_ends, self.lengths = documents, byte_ends, [len(d) for d in documents]
+        self.tokenizer, self._haystack = tokenizer, None
+
+    def haystack(self) -> HaystackText:
+        """The documents as haystack text, with the tokenizer that writes needles (made once)."""
+        if self.tokenizer is None:
+            raise ConfigError("eval.protocol: the haystack protocols need the data's tokenizer; this data has none")
+        if self._haystack is None:
+            self._haystack = HaystackText(self.documents, self.tokenizer)
+        return self._haystack
 
     @property
     def protocols(self) -> tuple[str, ...]:
@@ -88,22 +98,7 @@ class TextEvaluation:
         return f"needs documents of {protocol.needs(length)} targets; the longest has {max(self.lengths) - 1}"
 
     def measure(self, net, protocol: TextProtocol, windows, length, settings, precision, scheme, seed) -> Measured:
-        measured = protocol.measure(net, self.documents, windows, length, settings, precision, scheme, seed)
-        if self.byte_ends is None:
-            return measured
-        scored_bytes = sum(  # a window's scored targets are its tokens score_from + 1 .. L: contiguous
-            int(self.byte_ends[w.document][w.start + length] - self.byte_ends[w.document][w.start + w.score_from])
-            for w in windows
-        )
-        bits = measured.metrics["mean_nll"] * measured.metrics["tokens"] / math.log(2)
-        return dataclasses.replace(
-            measured,
-            metrics={
-                **measured.metrics,
-                "bytes": scored_bytes,
-                "bits_per_byte": bits / scored_bytes if scored_bytes else None,
-            },
-        )
+        return protocol.measure(net, self, windows, length, settings, precision, scheme, seed)
 
 
 @dataclass(frozen=True)
@@ -121,6 +116,13 @@ class EvalSettings:
     tokens_per_batch: PositiveInt
     per_position: bool
     positions: Literal["as_trained", "sequential"] = "as_trained"
+    # The protocols' own settings (null: the protocol's default, lenext.protocols).
+    key_context: PositiveInt | None = None  # key_tokens: the short context (null = L_train)
+    key_gain: float | None = None  # key_tokens: the least log-probability gain of a key token (nats)
+    key_floor: float | None = None  # key_tokens: the least log-probability of a key token with the long context
+    haystack_depths: list[Share] | None = None  # haystack protocols: the needle's depths
+    haystack_samples: PositiveInt | None = None  # haystacks per depth and length
+    haystack_candidates: PositiveInt | None = None  # distractor answers each answer is ranked against
 
     RENAMED = {"rope_scalings": "variants"}  # keys of earlier versions: refused naming the new key; stored: read
 
@@ -130,6 +132,17 @@ class EvalSettings:
         return cls(**{cls.RENAMED.get(key, key): value for key, value in stored.items()})
 
 
+# eval keys that protocols take (``from_plan``), each named by its protocol's prefix: null keeps its default.
+PROTOCOL_SETTINGS = (
+    "key_context",
+    "key_gain",
+    "key_floor",
+    "haystack_depths",
+    "haystack_samples",
+    "haystack_candidates",
+)
+
+
 @dataclass(frozen=True)
 class SweepPlan:
     protocols: list[str]
@@ -137,6 +150,7 @@ class SweepPlan:
     stride: int  # sliding: targets scored per window
     k: int  # last_k: targets scored per block
     base_len: int  # L_train of the run's first stage: rows' length_factor = length / base_len
+    protocol_settings: dict = dataclasses.field(default_factory=dict)  # PROTOCOL_SETTINGS given (not null)
 
 
 def evaluation_positions(eval_cfg, scheme: PositionScheme) -> PositionScheme:
@@ -166,7 +180,14 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
     if k > min(lengths):
         raise ConfigError(f"eval.last_k={k} is invalid: it must be at most the shortest length, {min(lengths)}")
     evaluation_positions(eval_cfg, scheme or PositionScheme()).check_evaluation_length(max(lengths))
-    return SweepPlan(plan_protocols, lengths, eval_cfg.stride or max(1, base_len // 2), k, base_len)
+    return SweepPlan(
+        plan_protocols,
+        lengths,
+        eval_cfg.stride or max(1, base_len // 2),
+        k,
+        base_len,
+        {key: value for key in PROTOCOL_SETTINGS if (value := getattr(eval_cfg, key, None)) is not None},
+    )
 
 
 def sweep(

@@ -1,8 +1,10 @@
 """Evaluation protocols (docs/evaluation.md): a registry of objects, each owning its parameters and its windows.
 
-A text protocol turns held-out documents and an evaluation length L into windows of L + 1 tokens (inputs +
+A perplexity protocol turns held-out documents and an evaluation length L into windows of L + 1 tokens (inputs +
 shifted targets) and says which targets of each window are scored. Windows never cross a document and are
-never padded: a length no document can fill gives no window, and ``missing`` says why.
+never padded: a length no document can fill gives no window, and ``missing`` says why. Key-token perplexity
+scores the targets a longer context helps (two passes); the haystack protocols write needles into the held-out
+text and score retrieval (lenext.haystack).
 
 A new protocol is one class here and its entry in ``PROTOCOLS`` (docs/adding/protocol.md).
 """
@@ -12,9 +14,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
+import torch
+from torchmetrics import SumMetric
 
+from lenext.haystack import measure_haystack
 from lenext.positions import PositionScheme
-from lenext.scoring import Measured, evaluate_length
+from lenext.scoring import Measured, distributed, evaluate_length, window_nll
 
 ACCURACY = "accuracy"  # the probes' protocol (lenext.synthetic): answers only, exact-match and per-token accuracy
 
@@ -32,6 +37,7 @@ class TextProtocol:
 
     name: ClassVar[str]
     per_position: ClassVar[bool] = False  # whether its rows have a per-position loss curve (eval.per_position)
+    metrics: ClassVar[tuple[str, ...]] = ("ppl",)  # the row metrics the report tables, the first its headline
 
     @classmethod
     def from_plan(cls, plan) -> "TextProtocol":
@@ -52,7 +58,7 @@ class TextProtocol:
     def measure(
         self,
         net,
-        documents: list[np.ndarray],
+        evaluation,  # lenext.evaluate.TextEvaluation: the documents, their bytes, the tokenizer
         windows: list[Window],
         length: int,
         settings,
@@ -60,14 +66,35 @@ class TextProtocol:
         scheme: PositionScheme,
         seed: int,
     ) -> Measured:
-        """Perplexity over the scored targets of ``windows`` (``settings``: the run's ``EvalSettings``), with the
-        per-position curve where the protocol has one and eval.per_position asks for it."""
+        """Perplexity over the scored targets of ``windows`` (``settings``: the run's ``EvalSettings``) and their
+        bits per byte where the documents' bytes are known, with the per-position curve where the protocol has one
+        and eval.per_position asks for it."""
         per_position = settings.per_position and self.per_position
         result = evaluate_length(
-            net, documents, windows, length, settings.tokens_per_batch, per_position, precision, scheme, seed
+            net, evaluation.documents, windows, length, settings.tokens_per_batch, per_position, precision, scheme, seed
         )
         metrics = {"ppl": math.exp(result["mean_nll"]), "mean_nll": result["mean_nll"], "tokens": result["tokens"]}
+        if evaluation.byte_ends is not None:
+            scored_bytes = sum(  # a window's scored targets are its tokens score_from + 1 .. L: contiguous
+                int(
+                    evaluation.byte_ends[w.document][w.start + length]
+                    - evaluation.byte_ends[w.document][w.start + w.score_from]
+                )
+                for w in windows
+            )
+            metrics |= bits_per_byte(result["mean_nll"] * result["tokens"], scored_bytes)
         return Measured(metrics, result["curve"], result["curve_counts"])
+
+
+def bits_per_byte(total_nll: float, scored_bytes: int) -> dict:
+    """The row's ``bytes`` and ``bits_per_byte``: the scored targets' NLL in bits per UTF-8 byte of their text."""
+    return {"bytes": scored_bytes, "bits_per_byte": total_nll / math.log(2) / scored_bytes if scored_bytes else None}
+
+
+def settings_of(plan, prefix: str, defaults: dict | None = None) -> dict:
+    """The settings the plan gives a protocol: its ``eval.<prefix>*`` keys that are not null, without the prefix."""
+    given = {key[len(prefix) :]: value for key, value in plan.protocol_settings.items() if key.startswith(prefix)}
+    return (defaults or {}) | given
 
 
 @dataclass(frozen=True)
@@ -144,17 +171,177 @@ class LastK(TextProtocol):
 
 
 @dataclass(frozen=True)
+class KeyTokens(TextProtocol):
+    """Perplexity over key tokens (LongPPL, Fang et al. 2025, arXiv 2410.23771): in disjoint windows of L, the
+    targets whose log-probability with the whole window before them exceeds by more than ``gain`` nats the one
+    with a short context of ``context`` tokens (windows of ``context`` advanced by a fifth of it, as LongPPL's
+    4096 + 1024: each target has 4/5 to all of ``context`` before it), and whose own log-probability is above
+    ``floor``. The model is its own evaluator (the paper's is a larger model: docs/evaluation.md)."""
+
+    name = "key_tokens"
+    metrics = ("ppl", "key_share")
+    context: int = 1  # the short context: L_train by default
+    gain: float = 2.0
+    floor: float = -2.0
+
+    @classmethod
+    def from_plan(cls, plan) -> "KeyTokens":
+        return cls(**settings_of(plan, "key_", {"context": plan.base_len}))
+
+    def parameters(self) -> dict:
+        return {"context": self.context, "gain": self.gain, "floor": self.floor}
+
+    def windows(self, document_lengths: list[int], length: int) -> list[Window]:
+        return NonOverlapping().windows(document_lengths, length)
+
+    def short_windows(self, window: Window, length: int) -> list[Window]:
+        """The short-context windows over ``window``'s targets: each scores targets none before it scored."""
+        if length <= self.context:
+            return [window]
+        stride = max(1, self.context // 5)
+        return [
+            Window(window.document, window.start + short.start, short.score_from)
+            for short in Sliding(stride).windows([length + 1], self.context)
+        ]
+
+    def measure(self, net, evaluation, windows, length, settings, precision, scheme, seed) -> Measured:
+        device = next(net.parameters()).device
+        rank, world = distributed()
+        counted = ("key_nll", "key_tokens", "targets", "all_nll", *(("key_bytes",) if evaluation.byte_ends else ()))
+        sums = {m: SumMetric().to(device) for m in counted}
+        for group, long_nll in window_nll(
+            net, evaluation.documents, windows[rank::world], length, settings.tokens_per_batch, precision, scheme, seed
+        ):
+            short_nll = torch.full_like(long_nll, float("nan"))  # every target gets its short-context NLL
+            owners = [(b, s.start - w.start) for b, w in enumerate(group) for s in self.short_windows(w, length)]
+            shorts = [s for w in group for s in self.short_windows(w, length)]
+            done = 0
+            for part, nll in window_nll(
+                net,
+                evaluation.documents,
+                shorts,
+                min(length, self.context),
+                settings.tokens_per_batch,
+                precision,
+                scheme,
+                seed,
+            ):
+                for s, row in zip(part, nll, strict=True):
+                    b, offset = owners[done]
+                    short_nll[b, offset + s.score_from : offset + len(row)] = row[s.score_from :]
+                    done += 1
+            key = (short_nll - long_nll > self.gain) & (-long_nll > self.floor)  # (B, L)
+            sums["key_nll"].update(long_nll[key].sum())
+            sums["key_tokens"].update(key.sum())
+            sums["targets"].update(key.numel())
+            sums["all_nll"].update(long_nll.sum())
+            if evaluation.byte_ends is not None:
+                for b, w in enumerate(group):
+                    ends = torch.from_numpy(
+                        evaluation.byte_ends[w.document][w.start : w.start + length + 1].astype(np.int64)
+                    )
+                    sums["key_bytes"].update(ends.diff()[key[b].cpu()].sum())
+        total = {m: float(v.compute().item()) for m, v in sums.items()}
+        count = int(total["key_tokens"])
+        mean_nll = total["key_nll"] / count if count else None
+        metrics = {
+            "ppl": math.exp(mean_nll) if count else None,
+            "mean_nll": mean_nll,
+            "tokens": count,
+            "key_share": count / total["targets"] if total["targets"] else None,
+            "all_ppl": math.exp(total["all_nll"] / total["targets"]) if total["targets"] else None,
+        }
+        if evaluation.byte_ends is not None:
+            metrics |= bits_per_byte(total["key_nll"], int(total["key_bytes"]))
+        return Measured(metrics)
+
+
+@dataclass(frozen=True)
+class Haystack(TextProtocol):
+    """Retrieval of needles written into the held-out text (lenext.haystack): ``samples`` haystacks at each of
+    ``depths``, each answer scored by exact match and by its rank among ``candidates`` distractors."""
+
+    task: ClassVar[str]
+    metrics = ("rank_accuracy", "exact_match")
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    samples: int = 8
+    candidates: int = 4
+
+    @classmethod
+    def from_plan(cls, plan) -> "Haystack":
+        given = settings_of(plan, "haystack_")
+        return cls(**given | ({"depths": tuple(given["depths"])} if "depths" in given else {}))
+
+    def parameters(self) -> dict:
+        return {"candidates": self.candidates}
+
+    def windows(self, document_lengths: list[int], length: int) -> list[tuple[int, int]]:
+        """(sample index, depth index), depths innermost: a capped list keeps every depth."""
+        return [(i, d) for i in range(self.samples) for d in range(len(self.depths))]
+
+    def measure(self, net, evaluation, windows, length, settings, precision, scheme, seed) -> Measured:
+        return measure_haystack(
+            net,
+            evaluation.haystack(),
+            self.task,
+            windows,
+            self.depths,
+            length,
+            self.candidates,
+            settings.tokens_per_batch,
+            precision,
+            scheme,
+            seed,
+        )
+
+
+class NeedleSingle(Haystack):
+    name, task = "niah_single", "single"
+
+
+class NeedleMultiKey(Haystack):
+    name, task = "niah_multikey", "multikey"
+
+
+class NeedleMultiValue(Haystack):
+    name, task = "niah_multivalue", "multivalue"
+
+
+class NeedleMultiQuery(Haystack):
+    name, task = "niah_multiquery", "multiquery"
+
+
+class VariableTracking(Haystack):
+    name, task = "variable_tracking", "variable_tracking"
+
+
+@dataclass(frozen=True)
 class Answers:
     """The probes' protocol: their answers alone, windows being samples (lenext.synthetic measures them)."""
 
     name: ClassVar[str] = ACCURACY
+    metrics: ClassVar[tuple[str, ...]] = ("exact_match", "token_accuracy")
 
     def parameters(self) -> dict:
         return {}
 
 
-PROTOCOLS: dict[str, type[TextProtocol]] = {p.name: p for p in (NonOverlapping, Sliding, LastK)}
+PROTOCOLS: dict[str, type[TextProtocol]] = {
+    p.name: p
+    for p in (
+        NonOverlapping,
+        Sliding,
+        LastK,
+        KeyTokens,
+        NeedleSingle,
+        NeedleMultiKey,
+        NeedleMultiValue,
+        NeedleMultiQuery,
+        VariableTracking,
+    )
+}
 PROTOCOL_NAMES = (*PROTOCOLS, ACCURACY)
+METRICS_OF = {name: protocol.metrics for name, protocol in (*PROTOCOLS.items(), (ACCURACY, Answers))}
 
 
 def cap_windows(windows: list, max_windows: int | None) -> list:

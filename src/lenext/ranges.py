@@ -35,3 +35,4 @@ PositiveFloat = Annotated[float, Range(0, open_low=True)]
 NonNegativeFloat = Annotated[float, Range(0)]
 Probability = Annotated[float, Range(0, 1, open_high=True)]  # dropout: 1 would drop everything
 Fraction = Annotated[float, Range(0, 1, open_low=True)]
+Share = Annotated[float, Range(0, 1)]  # a share of a whole, both ends included

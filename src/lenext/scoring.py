@@ -20,6 +20,31 @@ def distributed() -> tuple[int, int]:
     return 0, 1
 
 
+def window_nll(
+    net,
+    documents: list[np.ndarray],
+    windows: list,  # lenext.protocols.Window
+    length: int,
+    tokens_per_batch: int,
+    precision: str = "32-true",
+    scheme: PositionScheme | None = None,
+    seed: int = 0,
+):
+    """Yields (a batch of ``windows``, the NLL of each of their L targets (B, L) float64), at the positions
+    ``scheme`` draws for each window (seeded by the run's ``seed``; 0..L-1 by default)."""
+    device = next(net.parameters()).device
+    batch = max(1, tokens_per_batch // length)
+    autocast = precision_autocast(device, precision)
+    for b in range(0, len(windows), batch):
+        group = windows[b : b + batch]
+        ids = np.stack([documents[w.document][w.start : w.start + length + 1] for w in group]).astype(np.int64)
+        ids = torch.from_numpy(ids).to(device)
+        drawn = window_positions(scheme or PositionScheme(), length, seed, [(w.document, w.start) for w in group])
+        with autocast:
+            nll = net.token_nll(ids[:, :-1], ids[:, 1:], None if drawn is None else drawn.to(device))
+        yield group, nll.double()
+
+
 @torch.no_grad()
 def evaluate_length(
     net,
@@ -32,23 +57,15 @@ def evaluate_length(
     scheme: PositionScheme | None = None,
     seed: int = 0,
 ) -> dict:
-    """Mean NLL over the scored targets of ``windows`` (at the positions ``scheme`` draws for each, seeded by
-    the run's ``seed``; 0..L-1 by default); DDP ranks split windows, each token counted once."""
+    """Mean NLL over the scored targets of ``windows`` (``window_nll``); DDP ranks split windows, each token
+    counted once."""
     device = next(net.parameters()).device
     rank, world = distributed()
     nll_mean, tokens = MeanMetric().to(device), SumMetric().to(device)
     position_sum = torch.zeros(length, dtype=torch.float64, device=device)
     position_count = torch.zeros(length, dtype=torch.float64, device=device)
-    batch = max(1, tokens_per_batch // length)
     mine = windows[rank::world]
-    autocast = precision_autocast(device, precision)
-    for b in range(0, len(mine), batch):
-        group = mine[b : b + batch]
-        ids = np.stack([documents[w.document][w.start : w.start + length + 1] for w in group]).astype(np.int64)
-        ids = torch.from_numpy(ids).to(device)
-        drawn = window_positions(scheme or PositionScheme(), length, seed, [(w.document, w.start) for w in group])
-        with autocast:
-            nll = net.token_nll(ids[:, :-1], ids[:, 1:], None if drawn is None else drawn.to(device)).double()  # (B, L)
+    for group, nll in window_nll(net, documents, mine, length, tokens_per_batch, precision, scheme, seed):
         scored = (
             torch.arange(length, device=device)[None, :]
             >= torch.tensor([w.score_from for w in group], device=device)[:, None]

@@ -1,0 +1,305 @@
+"""Retrieval from a natural haystack (docs/evaluation.md, "Retrieval in a natural haystack"): RULER's needles
+(Hsieh et al. 2024, arXiv 2404.06654) put into held-out corpus text, scored by likelihood so that a base language
+model never trained on the task has a score.
+
+A sample of L inputs is L + 1 tokens: haystack text (consecutive tokens of the split's documents, crossing their
+boundaries as RULER's essays do) with the task's needles inserted at sentence ends near their depths, then the
+query, whose last tokens are the answers. An answer is scored three ways: exact match (every token the model's
+most likely one, which is what greedy decoding writes), the NLL of its tokens, and its rank by total
+log-likelihood among itself and ``candidates`` distractor answers of the same kind and token count, each put in
+its place in a copy of the sample (row c of a sample holds the c-th distractor of every answer). Every sample is
+a function of (task, L, index, depth) alone: every run and PE meets the same haystacks.
+"""
+
+import math
+import string
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torchmetrics import MeanMetric, SumMetric
+
+from lenext.errors import LengthNotSupported
+from lenext.hardware import precision_autocast
+from lenext.positions import PositionScheme, window_positions
+from lenext.scoring import Measured, distributed
+
+HAYSTACK_STREAM = 46  # seeds the samples' draws; no other stream uses it
+KEYS = (
+    "anchor apple arrow badge barrel basket beacon bridge candle canyon castle cedar cliff comet copper coral "
+    "crystal desert dragon engine falcon feather forest fountain garden glacier harbor island jacket jungle "
+    "ladder lantern marble meadow mirror mountain needle orchard palace pepper planet pocket river rocket saddle "
+    "shadow silver spider summit thunder tiger tower valley violet window winter"
+).split()
+VALUE_DIGITS = 7  # RULER's numbers
+NAME_LETTERS = 5  # RULER's variable names
+SENTENCE_ENDS = (".", "!", "?")
+
+
+@dataclass
+class Written:
+    """A sample as text: needles at depths in the haystack, then the query: pieces of text and answers."""
+
+    needles: list[tuple[float, str]]  # (depth: the share of the haystack before it, sentence)
+    query: list[str | int] = field(default_factory=list)  # text, or the index of an answer in ``answers``
+    answers: list[str] = field(default_factory=list)
+    kind: str = "value"  # what the answers are: a value (digits) or a name (letters)
+
+
+def value(rng: np.random.Generator) -> str:
+    return str(rng.integers(10 ** (VALUE_DIGITS - 1), 10**VALUE_DIGITS))
+
+
+def name(rng: np.random.Generator) -> str:
+    return "".join(rng.choice(list(string.ascii_uppercase), NAME_LETTERS))
+
+
+def keys(rng: np.random.Generator, n: int) -> list[str]:
+    return [str(k) for k in rng.choice(KEYS, n, replace=False)]
+
+
+def single(rng, depth: float) -> Written:
+    """One needle; the query asks for its value."""
+    (key,), answer = keys(rng, 1), value(rng)
+    return Written(
+        [(depth, f" The special value for {key} is {answer}.")], [f" The special value for {key} is", 0], [answer]
+    )
+
+
+def multikey(rng, depth: float, distractors: int = 3) -> Written:
+    """The needle and ``distractors`` needles of other keys at random depths; the query asks for the first key."""
+    key, *others = keys(rng, 1 + distractors)
+    answer = value(rng)
+    needles = [(depth, f" The special value for {key} is {answer}.")]
+    needles += [(float(rng.random()), f" The special value for {k} is {value(rng)}.") for k in others]
+    return Written(needles, [f" The special value for {key} is", 0], [answer])
+
+
+def multivalue(rng, depth: float, values: int = 4) -> Written:
+    """One key with ``values`` values, the first at the depth, the others at random ones; the query asks for all,
+    in the order the text gives them."""
+    (key,) = keys(rng, 1)
+    depths = [depth] + [float(d) for d in rng.random(values - 1)]
+    answers = [value(rng) for _ in range(values)]
+    needles = [(d, f" One of the special values for {key} is {v}.") for d, v in zip(depths, answers, strict=True)]
+    order = sorted(range(values), key=lambda i: (depths[i], i))
+    query: list[str | int] = [f" The special values for {key} are"]
+    for n, i in enumerate(order):
+        query += ([] if n == 0 else [" and" if n == values - 1 else ","]) + [i]
+    return Written(needles, query, answers)
+
+
+def multiquery(rng, depth: float, queries: int = 4) -> Written:
+    """``queries`` needles of distinct keys, the first at the depth, the others at random ones; the query asks for
+    each key's value in turn, in random order."""
+    chosen = keys(rng, queries)
+    answers = [value(rng) for _ in chosen]
+    depths = [depth] + [float(d) for d in rng.random(queries - 1)]
+    needles = [(d, f" The special value for {k} is {v}.") for d, k, v in zip(depths, chosen, answers, strict=True)]
+    query: list[str | int] = []
+    for i in rng.permutation(queries).tolist():
+        query += [f" The special value for {chosen[i]} is", i, "."]
+    return Written(needles, query[:-1], answers)
+
+
+def variable_tracking(rng, depth: float, hops: int = 4) -> Written:
+    """RULER's variable tracking: ``VAR X1 = v`` at the depth, then ``VAR X(i+1) = VAR Xi`` at later random depths;
+    the query asks for every variable holding v, in the order of the chain."""
+    names = []
+    while len(names) < hops + 1:
+        drawn = name(rng)
+        names += [drawn] if drawn not in names else []
+    held = value(rng)
+    depths = [depth] + sorted(float(d) for d in depth + (1 - depth) * rng.random(hops))
+    chain = [f" VAR {after} = VAR {before}." for before, after in zip(names, names[1:], strict=False)]
+    sentences = [f" VAR {names[0]} = {held}.", *chain]
+    query: list[str | int] = [f" The variables assigned the value {held} are"] + list(range(hops + 1))
+    return Written(list(zip(depths, sentences, strict=True)), query, names, kind="name")
+
+
+TASKS: dict[str, Callable[[np.random.Generator, float], Written]] = {
+    "single": single,
+    "multikey": multikey,
+    "multivalue": multivalue,
+    "multiquery": multiquery,
+    "variable_tracking": variable_tracking,
+}
+
+
+@dataclass(frozen=True)
+class Built:
+    """A sample as token rows: (1 + candidates, L + 1) ids, row 0 the true one; each answer's targets."""
+
+    rows: np.ndarray
+    answers: list[range]  # target indices (target t predicts token t + 1) of each answer, in order
+
+
+class HaystackText:
+    """A split's held-out documents as one stream of haystack tokens, and the tokenizer that writes needles."""
+
+    def __init__(self, documents: list[np.ndarray], tokenizer):
+        self.documents, self.tokenizer = documents, tokenizer
+        self.ends = np.cumsum([len(d) for d in documents])
+        pieces = [tokenizer.decode([i]) for i in range(tokenizer.get_vocab_size())]
+        self.ends_sentence = np.array([p.rstrip().endswith(SENTENCE_ENDS) for p in pieces])
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def tokens(self, start: int, n: int) -> np.ndarray:
+        """Tokens start..start + n - 1 of the documents laid end to end."""
+        first = int(np.searchsorted(self.ends, start, side="right"))
+        out, at = [], start
+        for d in range(first, len(self.documents)):
+            begin = at - (self.ends[d] - len(self.documents[d]))
+            piece = self.documents[d][begin : begin + n - sum(map(len, out))]
+            out.append(np.asarray(piece, dtype=np.int64))
+            at = self.ends[d]
+            if sum(map(len, out)) == n:
+                break
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def sentence_end_near(self, fill: np.ndarray, at: int) -> int:
+        """The token boundary nearest ``at`` that follows a sentence's end (or the haystack's start), within a
+        twentieth of the haystack; else ``at`` itself."""
+        reach = max(2, len(fill) // 20)
+        for offset in range(reach + 1):
+            for b in (at - offset, at + offset):
+                if 0 <= b <= len(fill) and (b == 0 or self.ends_sentence[fill[b - 1]]):
+                    return b
+        return at
+
+    def candidates(self, rng, answer: str, kind: str, width: int, count: int, taken: set[str]) -> list[list[int]]:
+        """``count`` distractor answers of ``kind``, as many tokens as the answer (``width``), none in ``taken``."""
+        draw = value if kind == "value" else name
+        found: list[list[int]] = []
+        for _ in range(200 * count):
+            text = draw(rng)
+            ids = self.encode(" " + text)
+            if text not in taken and len(ids) == width:
+                taken.add(text)
+                found.append(ids)
+                if len(found) == count:
+                    return found
+        raise LengthNotSupported(f"the tokenizer writes no {count} other {kind}s as {width} tokens as {answer!r}")
+
+    def build(self, written: Written, length: int, rng: np.random.Generator, candidates: int) -> Built:
+        needles = [(depth, self.encode(sentence)) for depth, sentence in written.needles]
+        answers = [self.encode(" " + a) for a in written.answers]
+        query = [answers[p] if isinstance(p, int) else self.encode(p) for p in written.query]
+        fixed = sum(len(ids) for _, ids in needles) + sum(len(ids) for ids in query)
+        fill_len = length + 1 - fixed
+        if fill_len < 0:
+            raise LengthNotSupported(f"its needles and query take {fixed} tokens, more than the {length + 1} of L + 1")
+        total = int(self.ends[-1])
+        if fill_len > total:
+            raise LengthNotSupported(f"the split has {total} tokens of haystack, fewer than the {fill_len} it needs")
+        fill = self.tokens(int(rng.integers(0, total - fill_len + 1)), fill_len)
+        places = [self.sentence_end_near(fill, round(depth * fill_len)) for depth, _ in needles]
+        order = sorted(range(len(needles)), key=lambda i: (places[i], i))
+        pieces, at = [], 0
+        for i in order:
+            pieces += [fill[at : places[i]], np.asarray(needles[i][1])]
+            at = places[i]
+        pieces.append(fill[at:])
+        body = np.concatenate(pieces)
+        taken = set(written.answers) | {word.strip(".") for _, s in written.needles for word in s.split()}
+        others = [
+            self.candidates(rng, text, written.kind, len(ids), candidates, taken)
+            for text, ids in zip(written.answers, answers, strict=True)
+        ]
+        rows, spans = [], []
+        for c in range(1 + candidates):
+            tail, position = [], len(body)
+            for p, ids in zip(written.query, query, strict=True):
+                if isinstance(p, int):
+                    ids = ids if c == 0 else others[p][c - 1]
+                    if c == 0:  # answer tokens position..: targets position - 1.. predict them
+                        spans.append(range(position - 1, position - 1 + len(ids)))
+                tail.append(np.asarray(ids))
+                position += len(ids)
+            rows.append(np.concatenate([body, *tail]))
+        return Built(np.stack(rows).astype(np.int64), spans)
+
+
+def sample_rng(task: str, length: int, index: int, depth_index: int) -> np.random.Generator:
+    return np.random.default_rng([HAYSTACK_STREAM, list(TASKS).index(task), length, index, depth_index])
+
+
+@torch.no_grad()
+def measure_haystack(
+    net,
+    text: HaystackText,
+    task: str,
+    samples: list[tuple[int, int]],  # (index, depth index) of each sample
+    depths: tuple[float, ...],
+    length: int,
+    candidates: int,
+    tokens_per_batch: int,
+    precision: str,
+    scheme: PositionScheme | None,
+    seed: int,
+) -> Measured:
+    """Exact match, rank accuracy and the answers' NLL over ``samples`` at ``length``, overall and per depth; under
+    DDP each rank its share, every metric summed over ranks."""
+    device = next(net.parameters()).device
+    rows_per_sample = 1 + candidates
+
+    def metrics() -> dict:
+        return {
+            **{m: MeanMetric().to(device) for m in ("exact_match", "token_accuracy", "rank_accuracy", "mean_nll")},
+            **{m: SumMetric().to(device) for m in ("answers", "tokens", "windows")},
+        }
+
+    overall, by_depth = metrics(), {d: metrics() for d in range(len(depths))}
+    rank, world = distributed()
+    mine = samples[rank::world]
+    batch = max(1, tokens_per_batch // (length * rows_per_sample))
+    autocast = precision_autocast(device, precision)
+    for b in range(0, len(mine), batch):
+        group = mine[b : b + batch]
+        built = [
+            text.build(TASKS[task](rng, depths[d]), length, rng, candidates)
+            for i, d in group
+            for rng in [sample_rng(task, length, i, d)]
+        ]
+        ids = torch.from_numpy(np.concatenate([s.rows for s in built])).to(device)  # (samples x rows, L + 1)
+        drawn = window_positions(scheme or PositionScheme(), length, seed, group)
+        if drawn is not None:
+            drawn = drawn.repeat_interleave(rows_per_sample, 0).to(device)
+        with autocast:
+            nll, predicted = net.token_nll(ids[:, :-1], ids[:, 1:], drawn, predictions=True)  # (R, L) each
+        nll = nll.double().view(len(built), rows_per_sample, length)
+        correct = (predicted == ids[:, 1:]).view(len(built), rows_per_sample, length)[:, 0]
+        for s, ((_, d), sample) in enumerate(zip(group, built, strict=True)):
+            for span in sample.answers:
+                targets = list(span)
+                scores = -nll[s, :, targets].sum(-1)  # (rows,): each candidate's log-likelihood
+                row = {
+                    "exact_match": float(correct[s, targets].all()),
+                    "token_accuracy": (correct[s, targets].double().mean(), len(targets)),
+                    "rank_accuracy": float(bool((scores[0] > scores[1:]).all())),
+                    "mean_nll": (nll[s, 0, targets].mean(), len(targets)),
+                }
+                for into in (overall, by_depth[d]):
+                    for m, v in row.items():
+                        into[m].update(*(v if isinstance(v, tuple) else (v,)))
+                    into["answers"].update(1)
+                    into["tokens"].update(len(targets))
+            for into in (overall, by_depth[d]):
+                into["windows"].update(1)
+
+    def computed(group: dict) -> dict:
+        with warnings.catch_warnings():  # a depth this rank has no sample of: its counts are 0, as they should be
+            warnings.filterwarnings("ignore", message=".*called before the ``update`` method")
+            counts = {c: int(group[c].compute().item()) for c in ("answers", "tokens", "windows")}
+        if not counts["answers"]:
+            return {}
+        values = {m: float(group[m].compute().item()) for m in ("exact_match", "token_accuracy", "rank_accuracy")}
+        mean_nll = float(group["mean_nll"].compute().item())
+        return {**values, "chance": 1 / rows_per_sample, "ppl": math.exp(mean_nll), "mean_nll": mean_nll, **counts}
+
+    breakdown = [{"depth": depths[d], **row} for d, group in by_depth.items() if (row := computed(group))]
+    return Measured(computed(overall), breakdown=breakdown)

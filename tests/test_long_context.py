@@ -1,0 +1,291 @@
+"""Key-token perplexity and natural-haystack retrieval (lenext.protocols, lenext.haystack) against their definitions
+computed here independently: a plain per-target loop in float64, and oracles whose retrieval is known."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from lenext.errors import LengthNotSupported
+from lenext.evaluate import TextEvaluation, sweep, sweep_plan
+from lenext.haystack import TASKS, HaystackText, measure_haystack, sample_rng
+from lenext.model import Decoder
+from lenext.pe import RoPE
+from lenext.protocols import PROTOCOLS, KeyTokens, Window
+
+
+def eval_cfg(**overrides):
+    base = {
+        "protocol": "nonoverlap",
+        "lengths": None,
+        "factors": [1, 2, 4],
+        "stride": None,
+        "last_k": None,
+        "variants": None,
+        "max_windows": None,
+        "tokens_per_batch": 256,
+        "per_position": False,
+    }
+    return OmegaConf.create({**base, **overrides})
+
+
+def tiny_net(vocab=50, train_len=16, seed=0):
+    torch.manual_seed(seed)
+    return Decoder(vocab_size=vocab, train_len=train_len, pe=RoPE, d_model=32, n_layers=2, n_heads=4).eval()
+
+
+# ---- key-token perplexity -------------------------------------------------------------------------------------------
+
+
+def short_context_start(t: int, length: int, context: int) -> int:
+    """The first token of target t's short context, from the definition: windows of ``context`` tokens advanced by
+    a fifth of it, the window scoring t the first that reaches it (t < context: the window from 0)."""
+    if t < context:
+        return 0
+    stride = max(1, context // 5)
+    end = min(length, context + math.ceil((t + 1 - context) / stride) * stride)
+    return end - context
+
+
+def nll_of(net, tokens: np.ndarray) -> np.ndarray:
+    """The NLL of tokens 1.. given those before, float64."""
+    ids = torch.from_numpy(tokens.astype(np.int64))[None]
+    with torch.no_grad():
+        logits = net.logits(net(ids[:, :-1])).double()
+    return (-logits.log_softmax(-1)[0].gather(-1, ids[0, 1:, None])[:, 0]).numpy()
+
+
+def test_key_token_perplexity_equals_the_definition_computed_target_by_target():
+    length = 40
+    net = tiny_net()
+    with torch.no_grad():  # weights large enough that a longer context moves predictions
+        for parameter in net.parameters():
+            parameter.normal_(0, 0.5)
+    rng = np.random.default_rng(1)
+    documents = [rng.integers(0, 50, n).astype(np.int32) for n in (90, 45)]
+    byte_ends = [np.cumsum(rng.integers(1, 4, len(d))) for d in documents]
+    protocol = KeyTokens(context=16, gain=0.05, floor=-6.0)
+    windows = protocol.windows([len(d) for d in documents], length)
+    key_nll, key_bytes, keys, targets = 0.0, 0, 0, 0
+    for w in windows:
+        tokens = documents[w.document][w.start : w.start + length + 1]
+        long = nll_of(net, tokens)
+        for t in range(length):
+            start = short_context_start(t, length, protocol.context)
+            short = nll_of(net, tokens[start : t + 2])[-1]
+            targets += 1
+            if short - long[t] > protocol.gain and -long[t] > protocol.floor:
+                keys += 1
+                key_nll += long[t]
+                ends = byte_ends[w.document]
+                key_bytes += int(ends[w.start + t + 1] - ends[w.start + t])
+    settings = eval_cfg(tokens_per_batch=64)
+    row = protocol.measure(net, TextEvaluation(documents, byte_ends), windows, length, settings, "32-true", None, 0)
+    assert keys > 5 and row.metrics["tokens"] == keys
+    assert row.metrics["key_share"] == pytest.approx(keys / targets)
+    assert row.metrics["ppl"] == pytest.approx(math.exp(key_nll / keys), rel=1e-5)
+    assert row.metrics["bytes"] == key_bytes
+    assert row.metrics["bits_per_byte"] == pytest.approx(key_nll / math.log(2) / key_bytes, rel=1e-5)
+
+
+def test_at_the_short_context_no_token_is_key():
+    net, documents = tiny_net(), [np.arange(100, dtype=np.int32) % 50]
+    protocol = KeyTokens(context=16, gain=-1.0)  # any gain at all would make a key token
+    windows = protocol.windows([100], 16)
+    row = protocol.measure(net, TextEvaluation(documents), windows, 16, eval_cfg(), "32-true", None, 0)
+    assert row.metrics["tokens"] == 0 and row.metrics["ppl"] is None and row.metrics["key_share"] == 0
+
+
+def test_every_target_of_a_key_token_window_gets_one_short_context_of_four_fifths_to_all_of_it():
+    protocol = KeyTokens(context=20)
+    window = Window(0, 7, 0)
+    scored = {}
+    for short in protocol.short_windows(window, 97):
+        for target in range(short.score_from, 20):
+            position = short.start - window.start + target
+            assert position not in scored
+            scored[position] = target + 1  # tokens of context
+    assert sorted(scored) == list(range(97))
+    assert all(context >= 16 for position, context in scored.items() if position >= 20)
+
+
+# ---- natural-haystack retrieval -------------------------------------------------------------------------------------
+
+
+class Copier(torch.nn.Module):
+    """An induction oracle: the next token is the one after the longest earlier match of the context's end, with
+    probability 0.9 (the rest spread evenly); no match: token 0."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # the device
+
+    @staticmethod
+    def continuation(sequence: list[int], t: int) -> int:
+        best, best_len = 0, 0
+        for j in range(t - 1, -1, -1):
+            k = 0
+            while k <= j and sequence[j - k] == sequence[t - k]:
+                k += 1
+            if k > best_len:
+                best, best_len = sequence[j + 1], k
+        return best
+
+    def token_nll(self, inputs, targets, positions=None, predictions=False):
+        predicted = torch.tensor([[self.continuation(row, t) for t in range(len(row))] for row in inputs.tolist()])
+        nll = torch.where(
+            predicted == targets, -math.log(0.9), -math.log(0.1 / (self.vocab_size - 1))
+        ).float()
+        return (nll, predicted) if predictions else nll
+
+
+class Blind(Copier):
+    """Every token equally likely; predicts token 0."""
+
+    def token_nll(self, inputs, targets, positions=None, predictions=False):
+        nll = torch.full(targets.shape, math.log(self.vocab_size))
+        return (nll, torch.zeros_like(targets)) if predictions else nll
+
+
+@pytest.fixture(scope="module")
+def haystack(sotu_data) -> HaystackText:
+    return HaystackText(sotu_data.documents("validation"), sotu_data.tokenizer)
+
+
+DEPTHS = (0.0, 0.5, 1.0)
+
+
+def measure(net, haystack, task, length, samples=2, candidates=3):
+    windows = [(i, d) for i in range(samples) for d in range(len(DEPTHS))]
+    return measure_haystack(net, haystack, task, windows, DEPTHS, length, candidates, 4096, "32-true", None, 0)
+
+
+@pytest.mark.parametrize("task", ["single", "multikey", "multiquery"])
+def test_a_model_that_copies_retrieves_every_needle_at_every_depth(haystack, sotu_data, task):
+    measured = measure(Copier(sotu_data.vocab_size), haystack, task, 200)
+    assert measured.metrics["exact_match"] == 1.0 and measured.metrics["rank_accuracy"] == 1.0
+    assert [row["depth"] for row in measured.breakdown] == list(DEPTHS)
+    assert all(row["rank_accuracy"] == 1.0 and row["windows"] == 2 for row in measured.breakdown)
+    assert measured.metrics["answers"] == (4 if task == "multiquery" else 1) * 2 * len(DEPTHS)
+
+
+def test_a_model_that_ignores_the_context_retrieves_nothing_ties_included(haystack, sotu_data):
+    measured = measure(Blind(sotu_data.vocab_size), haystack, "single", 120)
+    assert measured.metrics["rank_accuracy"] == 0.0 and measured.metrics["exact_match"] == 0.0
+    assert measured.metrics["chance"] == 0.25
+    assert measured.metrics["ppl"] == pytest.approx(sotu_data.vocab_size)
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_a_sample_is_the_haystack_with_its_needles_then_the_query_and_candidates_differ_only_in_answers(
+    haystack, sotu_data, task
+):
+    length, candidates = 300, 3
+    written = TASKS[task](sample_rng(task, length, 0, 1), 0.5)
+    built = haystack.build(written, length, sample_rng(task, length, 0, 1), candidates)
+    again = haystack.build(TASKS[task](sample_rng(task, length, 0, 1), 0.5), length, sample_rng(task, length, 0, 1), 3)
+    np.testing.assert_array_equal(built.rows, again.rows)  # a function of (task, L, index, depth) alone
+    assert built.rows.shape == (1 + candidates, length + 1)
+    encode = haystack.encode
+    true = built.rows[0].tolist()
+    for span, answer in zip(built.answers, answer_order(written), strict=True):
+        assert true[span.start + 1 : span.stop + 1] == encode(" " + answer)  # targets t predict tokens t + 1
+    assert built.answers[-1].stop == length  # the last answer ends the sample
+    answer_targets = {t for span in built.answers for t in span}
+    for row in built.rows[1:]:
+        differs = {t for t in range(length) if row[t + 1] != built.rows[0][t + 1]}
+        assert differs and differs <= answer_targets
+    body = true[: built.answers[0].start + 1 - len(encode(written.query[0]))]  # the haystack, before the query
+    for _, sentence in written.needles:
+        needle = encode(sentence)
+        starts = [i for i in range(len(body) - len(needle) + 1) if body[i : i + len(needle)] == needle]
+        assert len(starts) == 1
+    text = sotu_data.tokenizer.decode(true)
+    assert written.needles[0][1].strip() in text
+
+
+def answer_order(written) -> list[str]:
+    return [written.answers[p] for p in written.query if isinstance(p, int)]
+
+
+def test_the_controlled_needle_sits_at_its_depth_after_a_sentence_end(haystack):
+    length = 400
+    for depth in (0.0, 0.25, 0.5, 0.75, 1.0):
+        written = TASKS["single"](sample_rng("single", length, 3, 0), depth)
+        built = haystack.build(written, length, sample_rng("single", length, 3, 0), 2)
+        row = built.rows[0].tolist()
+        needle = haystack.encode(written.needles[0][1])
+        query_len = length + 1 - (built.answers[0].start + 1) + len(haystack.encode(" The special value for x is"))
+        start = next(i for i in range(len(row)) if row[i : i + len(needle)] == needle)
+        fill = length + 1 - len(needle) - (length + 1 - (built.answers[0].start + 1)) - len(
+            haystack.encode(written.query[0])
+        )
+        assert abs(start - depth * fill) <= max(2, fill // 20) + 1, (depth, start, fill, query_len)
+        assert start == 0 or haystack.ends_sentence[row[start - 1]] or abs(start - round(depth * fill)) == 0
+
+
+def test_metrics_equal_a_plain_loop_over_the_built_samples(haystack, sotu_data):
+    net = tiny_net(vocab=sotu_data.vocab_size, train_len=32)
+    length, candidates, task = 256, 3, "multiquery"
+    samples = [(i, d) for i in range(2) for d in range(len(DEPTHS))]
+    measured = measure_haystack(net, haystack, task, samples, DEPTHS, length, candidates, 1000, "32-true", None, 0)
+    exact, ranked, nll_sum, tokens, answers = 0, 0, 0.0, 0, 0
+    for i, d in samples:
+        rng = sample_rng(task, length, i, d)
+        built = haystack.build(TASKS[task](rng, DEPTHS[d]), length, rng, candidates)
+        scores = [nll_of(net, row) for row in built.rows]
+        with torch.no_grad():
+            ids = torch.from_numpy(built.rows[0])[None]
+            predicted = net.logits(net(ids[:, :-1])).argmax(-1)[0].numpy()
+        for span in built.answers:
+            targets = list(span)
+            answers += 1
+            tokens += len(targets)
+            nll_sum += scores[0][targets].sum()
+            exact += int((predicted[targets] == built.rows[0][1:][targets]).all())
+            likelihoods = [-s[targets].sum() for s in scores]
+            ranked += int(all(likelihoods[0] > other for other in likelihoods[1:]))
+    assert measured.metrics["answers"] == answers and measured.metrics["tokens"] == tokens
+    assert measured.metrics["exact_match"] == pytest.approx(exact / answers)
+    assert measured.metrics["rank_accuracy"] == pytest.approx(ranked / answers)
+    assert measured.metrics["mean_nll"] == pytest.approx(nll_sum / tokens, rel=1e-5)
+
+
+def test_a_length_too_short_for_the_needles_is_not_applicable_and_the_sweep_goes_on(sotu_data):
+    net = tiny_net(vocab=sotu_data.vocab_size, train_len=16)
+    evaluation = sotu_data.evaluation("validation")
+    settings = eval_cfg(
+        protocol=["niah_multiquery", "nonoverlap"], lengths=[16, 256], haystack_samples=1, haystack_candidates=2
+    )
+    plan = sweep_plan(settings, 16, None, evaluation.protocols)
+    rows, _ = sweep(net, evaluation, plan, settings)
+    status = {(r["protocol"], r["length"]): r["status"] for r in rows if r.get("depth") is None}
+    assert status == {
+        ("niah_multiquery", 16): "not applicable",
+        ("niah_multiquery", 256): "ok",
+        ("nonoverlap", 16): "ok",
+        ("nonoverlap", 256): "ok",
+    }
+    reason = next(r["reason"] for r in rows if r["status"] == "not applicable")
+    assert "needles and query take" in reason
+
+
+def test_the_haystack_protocols_need_a_tokenizer_and_say_so():
+    with pytest.raises(Exception, match="need the data's tokenizer"):
+        TextEvaluation([np.arange(10)]).haystack()
+
+
+def test_every_long_context_protocol_is_registered_with_its_metrics():
+    assert {"key_tokens", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking"} <= set(
+        PROTOCOLS
+    )
+    assert PROTOCOLS["niah_single"].metrics[0] == "rank_accuracy"
+
+
+def test_a_haystack_longer_than_the_split_is_refused_in_its_row(sotu_data):
+    tiny = HaystackText([np.arange(40, dtype=np.int32)], sotu_data.tokenizer)
+    with pytest.raises(LengthNotSupported, match="tokens of haystack"):
+        tiny.build(TASKS["single"](sample_rng("single", 400, 0, 0), 0.5), 400, sample_rng("single", 400, 0, 0), 2)
