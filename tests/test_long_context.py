@@ -136,9 +136,7 @@ class Copier(torch.nn.Module):
 
     def token_nll(self, inputs, targets, positions=None, predictions=False):
         predicted = torch.tensor([[self.continuation(row, t) for t in range(len(row))] for row in inputs.tolist()])
-        nll = torch.where(
-            predicted == targets, -math.log(0.9), -math.log(0.1 / (self.vocab_size - 1))
-        ).float()
+        nll = torch.where(predicted == targets, -math.log(0.9), -math.log(0.1 / (self.vocab_size - 1))).float()
         return (nll, predicted) if predictions else nll
 
 
@@ -220,8 +218,12 @@ def test_the_controlled_needle_sits_at_its_depth_after_a_sentence_end(haystack):
         needle = haystack.encode(written.needles[0][1])
         query_len = length + 1 - (built.answers[0].start + 1) + len(haystack.encode(" The special value for x is"))
         start = next(i for i in range(len(row)) if row[i : i + len(needle)] == needle)
-        fill = length + 1 - len(needle) - (length + 1 - (built.answers[0].start + 1)) - len(
-            haystack.encode(written.query[0])
+        fill = (
+            length
+            + 1
+            - len(needle)
+            - (length + 1 - (built.answers[0].start + 1))
+            - len(haystack.encode(written.query[0]))
         )
         assert abs(start - depth * fill) <= max(2, fill // 20) + 1, (depth, start, fill, query_len)
         assert start == 0 or haystack.ends_sentence[row[start - 1]] or abs(start - round(depth * fill)) == 0
@@ -279,9 +281,8 @@ def test_the_haystack_protocols_need_a_tokenizer_and_say_so():
 
 
 def test_every_long_context_protocol_is_registered_with_its_metrics():
-    assert {"key_tokens", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking"} <= set(
-        PROTOCOLS
-    )
+    haystack = {"niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking"}
+    assert {"key_tokens", *haystack} <= set(PROTOCOLS)
     assert PROTOCOLS["niah_single"].metrics[0] == "rank_accuracy"
 
 
