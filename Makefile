@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: help install study study-all extension train test test-slow lint bench bench-prepare gpu-wheels gpu-env gpu-check gpu-study docs docs-serve clean
+.PHONY: help install study study-all extension study-long-context train test test-slow lint bench bench-prepare gpu-wheels gpu-env gpu-check gpu-study docs docs-serve clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -35,6 +35,15 @@ extension: install  ## the context-extension study: RoPE bases + every method fi
 	$(PY) train.py experiment=extension_pes $(ARGS)
 	$(PY) -m lenext.report logs/studies/extension
 	$(PY) -m lenext.report logs/studies/extension_passkey
+
+LONG := logs/studies/long_context
+study-long-context: install  ## the long-context study: 8 PEs x 3 seeds by perplexity, key-token perplexity and haystack retrieval (as trained and under the fitted temperature; RoPE also under PI, NTK, YaRN, Self-Extend), DroPE from each RoPE base, the attention diagnostics of every run, then the report (docs/studies/long_context.md)
+	$(PY) train.py experiment=long_context $(ARGS)
+	$(PY) train.py experiment=long_context pe=rope extension=drope $(ARGS)
+	for run in $(LONG)/*_seed*; do \
+	  [ -f $$run/diagnostics/diagnostics.json ] || $(PY) diagnose.py ckpt=$$run factors=[1,2,4,8,16,32] hydra.run.dir=$$run/diagnostics || exit 1; \
+	done
+	$(PY) -m lenext.report $(LONG) --out $(LONG)/report
 
 train: install  ## train the default config on the embedded corpus (extra Hydra overrides: ARGS="pe=alibi")
 	$(PY) train.py $(ARGS)

@@ -182,15 +182,18 @@ def test_a_sample_is_the_haystack_with_its_needles_then_the_query_and_candidates
     haystack, sotu_data, task
 ):
     length, candidates = 300, 3
-    written = TASKS[task](sample_rng(task, length, 0, 1), 0.5)
-    built = haystack.build(written, length, sample_rng(task, length, 0, 1), candidates)
-    again = haystack.build(TASKS[task](sample_rng(task, length, 0, 1), 0.5), length, sample_rng(task, length, 0, 1), 3)
+    rng = sample_rng(task, length, 0, 1)
+    written = haystack.write(task, rng, 0.5)
+    built = haystack.build(written, length, rng, candidates)
+    rng = sample_rng(task, length, 0, 1)
+    again = haystack.build(haystack.write(task, rng, 0.5), length, rng, candidates)
     np.testing.assert_array_equal(built.rows, again.rows)  # a function of (task, L, index, depth) alone
     assert built.rows.shape == (1 + candidates, length + 1)
     encode = haystack.encode
     true = built.rows[0].tolist()
     for span, answer in zip(built.answers, answer_order(written), strict=True):
         assert true[span.start + 1 : span.stop + 1] == encode(" " + answer)  # targets t predict tokens t + 1
+        assert len(span) == haystack.widths[written.kind]  # every answer and candidate as long
     assert built.answers[-1].stop == length  # the last answer ends the sample
     answer_targets = {t for span in built.answers for t in span}
     for row in built.rows[1:]:
@@ -212,8 +215,9 @@ def answer_order(written) -> list[str]:
 def test_the_controlled_needle_sits_at_its_depth_after_a_sentence_end(haystack):
     length = 400
     for depth in (0.0, 0.25, 0.5, 0.75, 1.0):
-        written = TASKS["single"](sample_rng("single", length, 3, 0), depth)
-        built = haystack.build(written, length, sample_rng("single", length, 3, 0), 2)
+        rng = sample_rng("single", length, 3, 0)
+        written = haystack.write("single", rng, depth)
+        built = haystack.build(written, length, rng, 2)
         row = built.rows[0].tolist()
         needle = haystack.encode(written.needles[0][1])
         query_len = length + 1 - (built.answers[0].start + 1) + len(haystack.encode(" The special value for x is"))
@@ -237,7 +241,7 @@ def test_metrics_equal_a_plain_loop_over_the_built_samples(haystack, sotu_data):
     exact, ranked, nll_sum, tokens, answers = 0, 0, 0.0, 0, 0
     for i, d in samples:
         rng = sample_rng(task, length, i, d)
-        built = haystack.build(TASKS[task](rng, DEPTHS[d]), length, rng, candidates)
+        built = haystack.build(haystack.write(task, rng, DEPTHS[d]), length, rng, candidates)
         scores = [nll_of(net, row) for row in built.rows]
         with torch.no_grad():
             ids = torch.from_numpy(built.rows[0])[None]
@@ -289,4 +293,5 @@ def test_every_long_context_protocol_is_registered_with_its_metrics():
 def test_a_haystack_longer_than_the_split_is_refused_in_its_row(sotu_data):
     tiny = HaystackText([np.arange(40, dtype=np.int32)], sotu_data.tokenizer)
     with pytest.raises(LengthNotSupported, match="tokens of haystack"):
-        tiny.build(TASKS["single"](sample_rng("single", 400, 0, 0), 0.5), 400, sample_rng("single", 400, 0, 0), 2)
+        rng = sample_rng("single", 400, 0, 0)
+        tiny.build(tiny.write("single", rng, 0.5), 400, rng, 2)

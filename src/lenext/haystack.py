@@ -14,6 +14,7 @@ a function of (task, L, index, depth) alone: every run and PE meets the same hay
 import math
 import string
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -48,41 +49,40 @@ class Written:
     kind: str = "value"  # what the answers are: a value (digits) or a name (letters)
 
 
-def value(rng: np.random.Generator) -> str:
-    return str(rng.integers(10 ** (VALUE_DIGITS - 1), 10**VALUE_DIGITS))
-
-
-def name(rng: np.random.Generator) -> str:
-    return "".join(rng.choice(list(string.ascii_uppercase), NAME_LETTERS))
+DRAWS: dict[str, Callable[[np.random.Generator], str]] = {
+    "value": lambda rng: str(rng.integers(10 ** (VALUE_DIGITS - 1), 10**VALUE_DIGITS)),
+    "name": lambda rng: "".join(rng.choice(list(string.ascii_uppercase), NAME_LETTERS)),
+}
+Draw = Callable[[str], str]  # kind ("value" or "name") -> a fresh one, written in the tokenizer's usual token count
 
 
 def keys(rng: np.random.Generator, n: int) -> list[str]:
     return [str(k) for k in rng.choice(KEYS, n, replace=False)]
 
 
-def single(rng, depth: float) -> Written:
+def single(rng, depth: float, draw: Draw) -> Written:
     """One needle; the query asks for its value."""
-    (key,), answer = keys(rng, 1), value(rng)
+    (key,), answer = keys(rng, 1), draw("value")
     return Written(
         [(depth, f" The special value for {key} is {answer}.")], [f" The special value for {key} is", 0], [answer]
     )
 
 
-def multikey(rng, depth: float, distractors: int = 3) -> Written:
+def multikey(rng, depth: float, draw: Draw, distractors: int = 3) -> Written:
     """The needle and ``distractors`` needles of other keys at random depths; the query asks for the first key."""
     key, *others = keys(rng, 1 + distractors)
-    answer = value(rng)
+    answer = draw("value")
     needles = [(depth, f" The special value for {key} is {answer}.")]
-    needles += [(float(rng.random()), f" The special value for {k} is {value(rng)}.") for k in others]
+    needles += [(float(rng.random()), f" The special value for {k} is {draw('value')}.") for k in others]
     return Written(needles, [f" The special value for {key} is", 0], [answer])
 
 
-def multivalue(rng, depth: float, values: int = 4) -> Written:
+def multivalue(rng, depth: float, draw: Draw, values: int = 4) -> Written:
     """One key with ``values`` values, the first at the depth, the others at random ones; the query asks for all,
     in the order the text gives them."""
     (key,) = keys(rng, 1)
     depths = [depth] + [float(d) for d in rng.random(values - 1)]
-    answers = [value(rng) for _ in range(values)]
+    answers = [draw("value") for _ in range(values)]
     needles = [(d, f" One of the special values for {key} is {v}.") for d, v in zip(depths, answers, strict=True)]
     order = sorted(range(values), key=lambda i: (depths[i], i))
     query: list[str | int] = [f" The special values for {key} are"]
@@ -91,11 +91,11 @@ def multivalue(rng, depth: float, values: int = 4) -> Written:
     return Written(needles, query, answers)
 
 
-def multiquery(rng, depth: float, queries: int = 4) -> Written:
+def multiquery(rng, depth: float, draw: Draw, queries: int = 4) -> Written:
     """``queries`` needles of distinct keys, the first at the depth, the others at random ones; the query asks for
     each key's value in turn, in random order."""
     chosen = keys(rng, queries)
-    answers = [value(rng) for _ in chosen]
+    answers = [draw("value") for _ in chosen]
     depths = [depth] + [float(d) for d in rng.random(queries - 1)]
     needles = [(d, f" The special value for {k} is {v}.") for d, k, v in zip(depths, chosen, answers, strict=True)]
     query: list[str | int] = []
@@ -104,14 +104,14 @@ def multiquery(rng, depth: float, queries: int = 4) -> Written:
     return Written(needles, query[:-1], answers)
 
 
-def variable_tracking(rng, depth: float, hops: int = 4) -> Written:
+def variable_tracking(rng, depth: float, draw: Draw, hops: int = 4) -> Written:
     """RULER's variable tracking: ``VAR X1 = v`` at the depth, then ``VAR X(i+1) = VAR Xi`` at later random depths;
     the query asks for every variable holding v, in the order of the chain."""
     names = []
     while len(names) < hops + 1:
-        drawn = name(rng)
+        drawn = draw("name")
         names += [drawn] if drawn not in names else []
-    held = value(rng)
+    held = draw("value")
     depths = [depth] + sorted(float(d) for d in depth + (1 - depth) * rng.random(hops))
     chain = [f" VAR {after} = VAR {before}." for before, after in zip(names, names[1:], strict=False)]
     sentences = [f" VAR {names[0]} = {held}.", *chain]
@@ -119,7 +119,7 @@ def variable_tracking(rng, depth: float, hops: int = 4) -> Written:
     return Written(list(zip(depths, sentences, strict=True)), query, names, kind="name")
 
 
-TASKS: dict[str, Callable[[np.random.Generator, float], Written]] = {
+TASKS: dict[str, Callable[[np.random.Generator, float, Draw], Written]] = {
     "single": single,
     "multikey": multikey,
     "multivalue": multivalue,
@@ -144,9 +144,32 @@ class HaystackText:
         self.ends = np.cumsum([len(d) for d in documents])
         pieces = [tokenizer.decode([i]) for i in range(tokenizer.get_vocab_size())]
         self.ends_sentence = np.array([p.rstrip().endswith(SENTENCE_ENDS) for p in pieces])
+        # The token count most values (names) take: every answer and candidate takes it, so a sample's rows are
+        # equally long and each answer is ranked against distractors of its own length.
+        rng = np.random.default_rng(HAYSTACK_STREAM)
+        self.widths = {
+            kind: Counter(len(self.encode(" " + draw(rng))) for _ in range(256)).most_common(1)[0][0]
+            for kind, draw in DRAWS.items()
+        }
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def drawer(self, rng: np.random.Generator) -> Draw:
+        """Fresh values and names of ``width`` tokens, drawn from ``rng``."""
+
+        def draw(kind: str) -> str:
+            for _ in range(1000):
+                text = DRAWS[kind](rng)
+                if len(self.encode(" " + text)) == self.widths[kind]:
+                    return text
+            raise LengthNotSupported(f"the tokenizer writes few {kind}s as {self.widths[kind]} tokens")
+
+        return draw
+
+    def write(self, task: str, rng: np.random.Generator, depth: float) -> Written:
+        """A sample of ``task`` as text, its needle at ``depth``."""
+        return TASKS[task](rng, depth, self.drawer(rng))
 
     def tokens(self, start: int, n: int) -> np.ndarray:
         """Tokens start..start + n - 1 of the documents laid end to end."""
@@ -171,19 +194,15 @@ class HaystackText:
                     return b
         return at
 
-    def candidates(self, rng, answer: str, kind: str, width: int, count: int, taken: set[str]) -> list[list[int]]:
-        """``count`` distractor answers of ``kind``, as many tokens as the answer (``width``), none in ``taken``."""
-        draw = value if kind == "value" else name
-        found: list[list[int]] = []
-        for _ in range(200 * count):
-            text = draw(rng)
-            ids = self.encode(" " + text)
-            if text not in taken and len(ids) == width:
+    def candidates(self, rng, kind: str, count: int, taken: set[str]) -> list[list[int]]:
+        """``count`` distractor answers of ``kind``, none in ``taken`` (each then taken)."""
+        draw, found = self.drawer(rng), []
+        while len(found) < count:
+            text = draw(kind)
+            if text not in taken:
                 taken.add(text)
-                found.append(ids)
-                if len(found) == count:
-                    return found
-        raise LengthNotSupported(f"the tokenizer writes no {count} other {kind}s as {width} tokens as {answer!r}")
+                found.append(self.encode(" " + text))
+        return found
 
     def build(self, written: Written, length: int, rng: np.random.Generator, candidates: int) -> Built:
         needles = [(depth, self.encode(sentence)) for depth, sentence in written.needles]
@@ -206,10 +225,7 @@ class HaystackText:
         pieces.append(fill[at:])
         body = np.concatenate(pieces)
         taken = set(written.answers) | {word.strip(".") for _, s in written.needles for word in s.split()}
-        others = [
-            self.candidates(rng, text, written.kind, len(ids), candidates, taken)
-            for text, ids in zip(written.answers, answers, strict=True)
-        ]
+        others = [self.candidates(rng, written.kind, candidates, taken) for _ in written.answers]
         rows, spans = [], []
         for c in range(1 + candidates):
             tail, position = [], len(body)
@@ -261,7 +277,7 @@ def measure_haystack(
     for b in range(0, len(mine), batch):
         group = mine[b : b + batch]
         built = [
-            text.build(TASKS[task](rng, depths[d]), length, rng, candidates)
+            text.build(text.write(task, rng, depths[d]), length, rng, candidates)
             for i, d in group
             for rng in [sample_rng(task, length, i, d)]
         ]
