@@ -1,6 +1,6 @@
 """lenext.diagnostics: the attention statistics against attention computed here by hand in float64, the recording
-hook on every PE's path, RoPE's rotation coverage against its formula, the distances each position scheme trains,
-and `python diagnose.py` end to end."""
+hook on every PE's path, the copying score against a plain float64 loop and an induction oracle, RoPE's rotation
+coverage against its formula, the distances each position scheme trains, and `python diagnose.py` end to end."""
 
 import json
 import math
@@ -16,12 +16,16 @@ from hypothesis import strategies as st
 
 from lenext.attention import AttentionSettings, recording
 from lenext.diagnostics import (
+    COPYING,
     STATISTICS,
     AttentionStatistics,
+    CopyingScore,
+    copy_nll,
     diagnose,
     layer_windows,
     main,
     record_statistics,
+    repeated,
     rotary_frequencies,
     rotation_coverage,
     trained_distances,
@@ -242,6 +246,101 @@ def test_uniform_attention_has_entropy_log_n_and_sink_one_over_n_in_any_blocks(l
     assert (statistics.means()["beyond_train"] is None) == (length <= train_len)
 
 
+# In-context copying.
+
+
+@pytest.mark.parametrize(("pe_name", "length", "drawn"), [("rope", 12, False), ("alibi", 9, False), ("rope", 11, True)])
+def test_copying_score_equals_a_plain_float64_loop_over_prefixes(pe_name, length, drawn):
+    """The Decoder run on each prefix of the repeated window alone, its next-token log-probabilities in float64:
+    the same NLL at the first occurrence and at the repeat as ``copy_nll``, and ``CopyingScore``'s means, batch by
+    batch, those of all the windows' tokens. ``drawn``: at increasing positions with gaps, as randomized schemes."""
+    net = tiny_net(HAND_PES[pe_name][0])
+    windows = torch.randint(0, VOCAB, (3, length), generator=torch.Generator().manual_seed(3))
+    positions = torch.cumsum(torch.randint(1, 4, (1, length), generator=torch.Generator().manual_seed(4)), 1) - 1
+    positions = positions if drawn else None
+    h = length // 2
+    first, second = [], []
+    for window in windows.tolist():
+        sequence = window[:h] + window[:h] + window[h : length - h]  # odd L: w_h at the end
+        assert len(sequence) == length and sequence[h + 1 : 2 * h] == window[1:h]
+        nll = {}
+        for t in [*range(1, h), *range(h + 1, 2 * h)]:
+            prefix = torch.tensor([sequence[:t]])
+            with torch.no_grad():
+                hidden = net(prefix, None if positions is None else positions[:, :t])
+                log_p = net.logits(hidden[:, -1]).to(torch.float64).log_softmax(-1)[0]
+            nll[t] = -float(log_p[sequence[t]])
+        first.append([nll[t] for t in range(1, h)])
+        second.append([nll[t] for t in range(h + 1, 2 * h)])
+    first, second = torch.tensor(first, dtype=torch.float64), torch.tensor(second, dtype=torch.float64)
+    got_first, got_second = copy_nll(net, windows, positions)
+    assert got_first.dtype == torch.float64 and got_first.shape == got_second.shape == (3, h - 1)
+    torch.testing.assert_close(got_first, first, rtol=1e-6, atol=1e-6)  # token_nll's NLL is fp32
+    torch.testing.assert_close(got_second, second, rtol=1e-6, atol=1e-6)
+    score = CopyingScore(length)
+    for b in range(0, 3, 2):  # batches of 2 and 1 windows
+        score.add(*copy_nll(net, windows[b : b + 2], positions))
+    result = score.result()
+    assert set(COPYING) <= set(result) and (result["distance"], result["tokens"]) == (h, 3 * (h - 1))
+    assert result["first_half_nll"] == pytest.approx(float(first.mean()), rel=1e-6)
+    assert result["second_half_nll"] == pytest.approx(float(second.mean()), rel=1e-6)
+    assert result["gain"] == pytest.approx(float(first.mean() - second.mean()), abs=1e-5)
+
+
+class Inducer(torch.nn.Module):
+    """An induction oracle: the next token is the one after the longest earlier match of the context's end, with
+    probability 0.9 (the rest spread evenly over the other tokens); no earlier match: token 0."""
+
+    def __init__(self, vocab_size: int, copies: bool = True):
+        super().__init__()
+        self.vocab_size, self.copies = vocab_size, copies
+
+    @staticmethod
+    def continuation(sequence: list[int], t: int) -> int:
+        best, best_len = 0, 0
+        for j in range(t - 1, -1, -1):
+            k = 0
+            while k <= j and sequence[j - k] == sequence[t - k]:
+                k += 1
+            if k > best_len:
+                best, best_len = sequence[j + 1], k
+        return best
+
+    def token_nll(self, inputs, targets, positions=None):
+        if not self.copies:  # every token equally likely: the context does not matter
+            return torch.full(targets.shape, math.log(self.vocab_size))
+        predicted = torch.tensor([[self.continuation(row, t) for t in range(len(row))] for row in inputs.tolist()])
+        right, wrong = -math.log(0.9), -math.log(0.1 / (self.vocab_size - 1))
+        return torch.where(predicted == targets, right, wrong).float()
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), length=st.integers(4, 41), windows=st.integers(1, 3))
+def test_a_model_that_copies_gains_log_9_v_minus_1_and_one_that_ignores_the_context_nothing(data, length, windows):
+    """Windows of distinct tokens (no earlier match within a first half; token 0, the oracle's guess without a
+    match, left out): the oracle misses every first occurrence and predicts every repeat, a gain of
+    log(0.9 / (0.1 / (V - 1))) nats per token at any length; a model blind to the context gains exactly 0."""
+    vocab = 64
+    drawn = [data.draw(st.permutations(range(1, vocab)))[:length] for _ in range(windows)]
+    tokens = torch.tensor(drawn)
+    sequence = repeated(tokens)
+    assert torch.equal(sequence[:, length // 2 : 2 * (length // 2)], tokens[:, : length // 2])
+    score = CopyingScore(length)
+    score.add(*copy_nll(Inducer(vocab), tokens))
+    result = score.result()
+    assert result["second_half_nll"] == pytest.approx(-math.log(0.9), rel=1e-6)
+    assert result["first_half_nll"] == pytest.approx(-math.log(0.1 / (vocab - 1)), rel=1e-6)
+    assert result["gain"] == pytest.approx(math.log(9 * (vocab - 1)), rel=1e-6)  # 6.34 nats
+    blind = CopyingScore(length)
+    blind.add(*copy_nll(Inducer(vocab, copies=False), tokens))
+    assert blind.result()["gain"] == 0 and blind.result()["tokens"] == windows * (length // 2 - 1)
+
+
+def test_a_copying_score_needs_four_tokens():
+    with pytest.raises(ValueError, match="at least 4 tokens"):
+        copy_nll(Inducer(8), torch.zeros(1, 3, dtype=torch.long))
+
+
 def test_rotation_coverage_follows_its_formula_in_float64():
     """theta_k = base^(-2k/d) for d = 8: the arc theta_k (span - 1), a full turn when it reaches 2 pi, and the share
     of distances d < L whose angle theta'_k d mod 2 pi lies beyond the arc; PI's halved frequencies at 2x."""
@@ -349,6 +448,10 @@ def test_diagnose_writes_the_statistics_coverage_and_histogram_of_a_checkpoint(t
         assert (entry["rows"]["beyond_train"] is None) == (entry["length"] <= 32)
         beyond = torch.tensor(stats["beyond"])
         assert (beyond == 0).all() if entry["length"] <= 32 else (beyond > 0).all()
+        copying = entry["copying"]  # 2 windows of h - 1 tokens each half, the copy h = L / 2 back
+        assert (copying["distance"], copying["tokens"]) == (entry["length"] // 2, 2 * (entry["length"] // 2 - 1))
+        assert copying["gain"] == pytest.approx(copying["first_half_nll"] - copying["second_half_nll"], abs=1e-12)
+        assert 0 < copying["second_half_nll"] < 20 and 0 < copying["first_half_nll"] < 20
     coverage = result["rotation_coverage"]
     assert coverage["trained_span"] == 32 and coverage["frequencies_count"] == 8  # head dim 16
     assert [s["length"] for s in coverage["summary"]] == [16, 32, 64] and coverage["summary"][1]["unseen_fraction"] == 0

@@ -15,6 +15,11 @@ Statistics of a query row i with weights a_ij over the n_i keys it attends (i - 
 
 Each is averaged over all query rows of all windows at a length (``rows``: ``all``), and over the rows i >= L_train
 alone (``beyond_train``; none at a length <= L_train).
+
+And at each length L, the in-context copying score (``copying``; Olsson et al. 2022's induction measurement in
+spirit): each window's first h = L // 2 tokens w_0..w_{h-1} twice in a row (odd L: w_h at the end), and the mean NLL
+of the tokens w_1..w_{h-1} at their first occurrence and at the repeat, h positions later; the gain is their
+difference, nats per token: near 0 for a model without induction heads, large for one that copies.
 """
 
 import glob
@@ -50,6 +55,8 @@ ROWS = ("all", "beyond_train")  # all query rows; the rows i >= L_train
 DIAGNOSTICS_FILE, FIGURE_FILE = "diagnostics.json", "diagnostics.png"
 DIAGNOSTICS_STREAM = 2  # the distance histogram's draws: never training's (0) nor evaluation's (1) positions
 DISTANCE_DRAWS = 256  # training windows drawn for the distance histogram of a drawing scheme (randomized, PoSE)
+COPYING = ("first_half_nll", "second_half_nll", "gain")  # a length's copying score (nats per token)
+COPYING_SHORTEST = 4  # the shortest length with a copying score: h = L // 2 >= 2, so w_1..w_{h-1} is not empty
 
 
 class AttentionStatistics:
@@ -146,6 +153,61 @@ def record_statistics(
     finally:
         for hook in hooks:
             hook.remove()
+
+
+# In-context copying.
+
+
+def repeated(windows: torch.Tensor) -> torch.Tensor:
+    """(W, L) windows -> (W, L) sequences whose second half repeats the first: w_0..w_{h-1} w_0..w_{h-1}, h = L // 2,
+    and for odd L the window's next token w_h at the end (never scored)."""
+    h = windows.size(1) // 2
+    return torch.cat([windows[:, :h], windows[:, : windows.size(1) - h]], dim=1)
+
+
+@torch.no_grad()
+def copy_nll(
+    net, windows: torch.Tensor, positions: torch.Tensor | None = None, precision="32-true"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The NLL (W, h - 1), float64, of the tokens w_1..w_{h-1} of ``repeated(windows)`` at their first occurrence
+    (positions 1..h-1) and at the repeat (positions h+1..2h-1, h back from their copy), from ``net.token_nll`` (a
+    lenext Decoder, or any module with its signature) at ``positions`` (None: 0..L-1). w_0 is left out of both:
+    its first occurrence has no context and its second no cue that a repeat begins."""
+    length = windows.size(1)
+    h = length // 2
+    if length < COPYING_SHORTEST:
+        raise ValueError(f"a copying score needs windows of at least {COPYING_SHORTEST} tokens, not {length}")
+    sequence = repeated(windows)
+    targets = sequence.roll(-1, dims=1)  # nll[:, i] scores token i + 1; the last (wrapped round) is not used
+    with precision_autocast(sequence.device, precision):
+        nll = net.token_nll(sequence, targets, positions).to(torch.float64)
+    return nll[:, : h - 1], nll[:, h : 2 * h - 1]
+
+
+class CopyingScore:
+    """Sums of ``copy_nll`` over the windows at one length: ``add`` each batch, ``result`` the means."""
+
+    def __init__(self, length: int):
+        self.length, self.distance = length, length // 2
+        self.sums = [0.0, 0.0]  # first occurrence, repeat
+        self.tokens = 0
+
+    def add(self, first: torch.Tensor, second: torch.Tensor) -> None:
+        self.sums[0] += float(first.sum())
+        self.sums[1] += float(second.sum())
+        self.tokens += first.numel()
+
+    def result(self) -> dict:
+        """distance (h: how far back each repeated token's copy is), tokens (scored per half), first_half_nll,
+        second_half_nll (means over those tokens) and gain = first_half_nll - second_half_nll (nats per token)."""
+        first, second = (total / self.tokens for total in self.sums)
+        return {
+            "distance": self.distance,
+            "tokens": self.tokens,
+            "first_half_nll": first,
+            "second_half_nll": second,
+            "gain": first - second,
+        }
 
 
 def layer_windows(net) -> list[int | None]:
@@ -356,13 +418,17 @@ def diagnose(cfg: DictConfig) -> str:
             continue
         tokens, identities = found
         statistics = AttentionStatistics(n_layers, n_heads, spec.train_len, layer_windows(net))
+        copying = CopyingScore(length) if length >= COPYING_SHORTEST else None
         started = time.perf_counter()
         batch = max(1, spec.eval.tokens_per_batch // length)
         try:
             for b in range(0, len(tokens), batch):
                 drawn = window_positions(scheme, length, spec.seed, identities[b : b + batch])
                 drawn = None if drawn is None else drawn.to(device)
-                record_statistics(net, tokens[b : b + batch].to(device), drawn, statistics, spec.precision)
+                windows = tokens[b : b + batch].to(device)
+                record_statistics(net, windows, drawn, statistics, spec.precision)
+                if copying is not None:
+                    copying.add(*copy_nll(net, windows, drawn, spec.precision))
         except LengthNotSupported as e:
             per_length.append({**row, "status": "not applicable", "windows": len(tokens), "reason": str(e)})
             continue
@@ -375,6 +441,7 @@ def diagnose(cfg: DictConfig) -> str:
                 "max_row_sum_error": statistics.max_row_error,
                 "seconds": round(time.perf_counter() - started, 3),
                 "rows": statistics.means(),
+                "copying": None if copying is None else copying.result(),
             }
         )
         log.info("diagnosed L=%d (%d windows, %.1f s)", length, len(tokens), per_length[-1]["seconds"])
@@ -403,6 +470,7 @@ def diagnose(cfg: DictConfig) -> str:
             "attention_windows": layer_windows(net),
             "statistics": list(STATISTICS),
             "rows": list(ROWS),
+            "copying": list(COPYING),
         },
         "lengths": per_length,
         "rotation_coverage": coverage,
@@ -447,6 +515,14 @@ def summary_table(result: dict) -> str:
             lines.append(
                 f"{entry['length']:>7} {layer:>5} {cells[0]:>8} {cells[1]:>8} {cells[2]:>7} {cells[3]:>9} {cells[4]:>7}"
             )
+    copying = [entry for entry in result["lengths"] if entry.get("copying")]
+    if copying:
+        lines.append("copying (a window's first half repeated; the same tokens' NLL the first time and h later):")
+        lines += [
+            f"{entry['length']:>7} h={entry['copying']['distance']}: first {entry['copying']['first_half_nll']:.3f}, "
+            f"repeat {entry['copying']['second_half_nll']:.3f}, gain {entry['copying']['gain']:+.3f} nats/token"
+            for entry in copying
+        ]
     coverage = result["rotation_coverage"]
     if coverage:
         unseen = ", ".join(f"{s['length']}: {s['unseen_fraction']:.3f}" for s in coverage["summary"])
@@ -467,7 +543,8 @@ PANELS = (
 
 def write_figure(result: dict, path: str) -> None:
     """diagnostics.png: each statistic against evaluation length, one line per layer (mean over heads; dashed: the
-    rows i >= L_train), the rotation coverage (a rotary PE) and the trained distances' histogram."""
+    rows i >= L_train), the copying score against the distance back to the copy (h = L // 2), the trained
+    distances' histogram and the rotation coverage (a rotary PE)."""
     import matplotlib
 
     from lenext.report.figures import FIGURE_DPI, FIGURE_STYLE, pyplot
@@ -475,7 +552,7 @@ def write_figure(result: dict, path: str) -> None:
     plt = pyplot()
     meta = result["meta"]
     measured = [entry for entry in result["lengths"] if entry["status"] == "ok"]
-    panels = len(PANELS) + 1 + (result["rotation_coverage"] is not None)
+    panels = len(PANELS) + 2 + (result["rotation_coverage"] is not None)
     columns = 3
     with matplotlib.rc_context(FIGURE_STYLE):
         figure, axes = plt.subplots(
@@ -505,6 +582,30 @@ def write_figure(result: dict, path: str) -> None:
             ax.set_title(title, fontsize=9)
         axes[0].legend(fontsize=7, title="dashed: rows i >= L_train", title_fontsize=7)
         ax = axes[len(PANELS)]
+        copied = [entry for entry in measured if entry.get("copying")]
+        for name, label, style in (
+            ("first_half_nll", "NLL, first occurrence", ":"),
+            ("second_half_nll", "NLL, repeat", "--"),
+            ("gain", "gain (first - repeat)", "-"),
+        ):
+            ax.plot(
+                [e["copying"]["distance"] for e in copied],
+                [e["copying"][name] for e in copied],
+                style,
+                marker="o",
+                markersize=3,
+                color="#0072b2" if name == "gain" else "0.4",
+                label=label,
+            )
+        ax.axhline(0, color="grey", linewidth=0.6)
+        ax.axvline(meta["train_len"], color="grey", linewidth=0.8, linestyle=":")  # copies beyond: untrained distances
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("distance back to the copy, h = L // 2 (tokens)")
+        ax.set_ylabel("nats per token")
+        ax.set_title("in-context copying: a window's first half repeated", fontsize=9)
+        if copied:
+            ax.legend(fontsize=7)
+        ax = axes[len(PANELS) + 1]
         distances = result["trained_distances"]
         counts = np.array(distances["counts"])
         ax.bar(np.arange(len(counts)), counts, width=1.0, color="#4c72b0")
@@ -516,7 +617,7 @@ def write_figure(result: dict, path: str) -> None:
         ax.set_title(f"distances trained ({distances['scheme']} positions)", fontsize=9)
         coverage = result["rotation_coverage"]
         if coverage is not None:
-            ax = axes[len(PANELS) + 1]
+            ax = axes[len(PANELS) + 2]
             index = [f["index"] for f in coverage["frequencies"]]
             for s, summary in enumerate(coverage["summary"]):
                 length = str(summary["length"])
