@@ -30,6 +30,11 @@ curve from. Bin edges are round(2 ** (k / 4)) in 1-based positions (four bins pe
 dropped, so positions 1..7 get a bin each); a bin's loss is the mean of the positions' losses weighted by their
 token counts, then mean and std over seeds.
 
+Attention diagnostics (``diagnostics.csv``/``.png``): where a run folder holds ``diagnostics/diagnostics.json``
+(``python diagnose.py ckpt=<run> hydra.run.dir=<run>/diagnostics``), each statistic's mean over layers and heads
+per run, then mean and std over seeds per (L_train, row label, statistic, rows, L_eval); runs without are skipped
+(``lenext.report.stats.diagnostic_statistics``; docs/diagnostics.md).
+
 The report is data, then pictures: ``load`` reads and normalizes every results file once into ``Run`` objects and
 one tidy frame (``lenext.report.load``); ``summarize`` computes the statistics by group-by over it
 (``lenext.report.stats``); tables (``lenext.report.tables``) and figures (``lenext.report.figures``, a registry:

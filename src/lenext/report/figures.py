@@ -526,11 +526,11 @@ def plain_log_values(ax) -> None:
     ax.yaxis.set_minor_formatter(FuncFormatter(lambda value, _: f"{value:g}" if f"{value:g}"[0] in "235" else ""))
 
 
-def value_axis(ax, low: float, high: float) -> None:
-    """The y axis for values from ``low`` to ``high``: log with plain labels where they span more than x3, else
-    linear in plain numbers (no offset, no scientific notation), at least 2% of the value tall, so that a
-    near-constant curve reads as constant."""
-    if low > 0 and high / low > 3:
+def value_axis(ax, low: float, high: float, log: bool = True) -> None:
+    """The y axis for values from ``low`` to ``high``: log with plain labels where they span more than x3 (and
+    ``log``), else linear in plain numbers (no offset, no scientific notation), at least 2% of the value tall, so
+    that a near-constant curve reads as constant."""
+    if log and low > 0 and high / low > 3:
         ax.set_yscale("log")
         plain_log_values(ax)
         return
@@ -1030,3 +1030,124 @@ def depth_heatmap(summary: Summary, info: pd.DataFrame, name: str, depths: pd.Da
         bar.ax.axhline(metric.scale * level, color="0.1", lw=1.5)
     fit_height(fig)
     return fig
+
+
+# Attention diagnostics (docs/diagnostics.md): a panel per statistic, (statistic, rows, what it shows, y label).
+DIAGNOSTIC_PANELS = (
+    ("normalized_entropy", "all", "attention entropy / log n", "entropy / log n"),
+    ("entropy", "all", "attention entropy", "entropy (nats)"),
+    ("sink", "all", "attention on the first token (sink)", "weight on token 0"),
+    ("distance", "all", "mean attention distance", "distance (tokens)"),
+    ("beyond", "all", "attention mass at distances >= L_train", "weight at i - j >= L_train"),
+    (
+        "beyond",
+        "beyond_train",
+        "attention mass at distances >= L_train, rows i >= L_train",
+        "weight at i - j >= L_train",
+    ),
+    ("copying_gain", "", "copying gain: NLL drop on a repeat L/2 back", "gain (nats per token)"),
+    ("unseen_fraction", "", "rotary PEs: distances at unseen angles", "fraction of distances 0..L-1"),
+)
+COPYING_LEVEL = 0.1  # nats per token: a gain below it at every length is no in-context copying
+
+
+@figure("diagnostics.png")
+def diagnostics(summary: Summary):
+    """The runs' attention diagnostics (``Summary.diagnostics``, from ``<run>/diagnostics/diagnostics.json``), a
+    panel per statistic (``DIAGNOSTIC_PANELS``: entropy, normalized entropy, sink mass, mean distance, mass beyond
+    L_train over all rows and over the rows i >= L_train, the copying gain, the unseen-angle fraction of rotary
+    PEs) against L_eval, mean +- std over seeds of each run's mean over layers and heads, a curve per row label in
+    its PE's colour, the rows split as ``split_rows`` splits them (at most ``MAX_CURVES`` a panel), a section per
+    L_train; the title names the highest and the lowest row at the longest L_eval with their change from L_train
+    (``diagnostic_takeaway``). None when no run has diagnostics."""
+    frame = summary.diagnostics
+    if frame.empty:
+        return None
+    info = row_info(summary)
+    several = frame.train_len.nunique() > 1
+    sections = []
+    for train_len, of_train_len in frame.groupby("train_len", sort=True):
+        section = []
+        for panel in split_rows(info, list(of_train_len.label.unique())):
+            for statistic, rows, what, ylabel in DIAGNOSTIC_PANELS:
+                data = of_train_len[
+                    (of_train_len.statistic == statistic)
+                    & (of_train_len.rows == rows)
+                    & of_train_len.label.isin(panel.labels)
+                ]
+                if data.empty:
+                    continue
+                labels = [label for label in panel.labels if label in set(data.label)]
+                drawn = Drawn(Panel(labels, panel.by_method, panel.holds), (train_len, statistic, data, ylabel), {})
+                drawn.holds = f"{what} · " + (f"L_train {train_len} · " if several else "") + panel.holds
+                drawn.takeaway = diagnostic_takeaway(data, labels, train_len, statistic)
+                drawn.title_lines = title_lines(drawn.holds, drawn.takeaway)
+                section.append(drawn)
+        sections.append(section)
+    note, marks = seed_marks(frame.groupby("label").seeds.max(), "mean ± std")
+    at = "" if several else f"L_train {frame.train_len.iloc[0]} (dotted line); "
+    note = (
+        f"attention diagnostics ({at}docs/diagnostics.md): each run's mean over layers and heads of a statistic "
+        f"averaged over its windows' query rows, then {note}; copying gain: a window's first half repeated, the "
+        "same tokens' NLL the first time minus at the repeat"
+    )
+    for section in sections:
+        for drawn in section:
+            drawn.names = {label: label + marks.get(label, "") for label in drawn.panel.labels}
+    fig, placed = panel_grid(sections, note)
+    for ax, drawn in placed:
+        train_len, statistic, data, ylabel = drawn.context
+        styles = line_styles(info, drawn.panel.labels, drawn.panel.by_method)
+        for label in drawn.panel.labels:
+            curve = data[data.label == label].sort_values("length")
+            ax.errorbar(
+                curve.length,
+                curve["mean"],
+                yerr=curve["std"],
+                ms=4,
+                lw=1.5,
+                capsize=2,
+                label=drawn.names[label],
+                **styles[label],
+            )
+        if statistic == "copying_gain":
+            ax.axhline(0, color="0.45", lw=0.8, zorder=0)
+        mark_train_len(ax, train_len)
+        length_axis(ax, sorted(data.length.unique()))
+        value_axis(ax, float(data["mean"].min()), float(data["mean"].max()), log=False)  # shares, nats: linear
+        ax.set(xlabel="L_eval (tokens)", ylabel=ylabel)
+        title(ax, drawn.holds, drawn.takeaway)
+        legend_below(ax)
+    fit_height(fig)
+    return fig
+
+
+def diagnostic_takeaway(data: pd.DataFrame, labels: list[str], train_len: int, statistic: str) -> str:
+    """What a diagnostics panel shows at the longest L_eval its rows have values at: the highest and the lowest row
+    (or the one row), each with its change from its value at L_train where it has one; for the copying gain, that no
+    row copies (below ``COPYING_LEVEL`` at every length) where none does, else the copy's distance (L/2)."""
+    data = data[data.label.isin(labels)]
+    if data.empty:
+        return "no values"
+    digits = 1 if statistic == "distance" else 2 if statistic.startswith("copying") else 3
+    if statistic == "copying_gain" and data["mean"].max() < COPYING_LEVEL:
+        return f"no row gains {COPYING_LEVEL} nats per token on a repeat at any L_eval: no in-context copying"
+    longest = int(data.length.max())
+    at = times_train_len(longest, train_len)
+    if statistic == "copying_gain":
+        at += f" (copy {longest // 2} back)"
+    last = data[data.length == longest].set_index("label")["mean"].reindex(labels).dropna()
+    base = data[data.length == train_len].set_index("label")["mean"]
+
+    def shown(label: str) -> str:
+        text = f"{label} {last[label]:.{digits}f}"
+        if label in base.index and longest != train_len:
+            text += f" ({last[label] - base[label]:+.{digits}f} from L_train)"
+        return text
+
+    if len(last) == 1:
+        return f"at {at}: {shown(last.index[0])}"
+    highest, lowest = last.idxmax(), last.idxmin()
+    if round(last[highest], digits) == round(last[lowest], digits):
+        return f"at {at}: every row at {last[highest]:.{digits}f}"
+    return f"at {at}: highest {shown(highest)}; lowest {shown(lowest)}"

@@ -19,6 +19,7 @@ from functools import cached_property
 import pandas as pd
 
 from lenext.attention import AttentionSettings
+from lenext.diagnostics import DIAGNOSTICS_FILE
 from lenext.evaluate import EvalSettings
 from lenext.pe import PE_CLASSES
 from lenext.pe.rope import redundant_variants
@@ -36,6 +37,8 @@ PE_CLASS_BY_NAME = {name: pe for pe in PE_CLASSES for name in (pe.__name__, pe.D
 EVALUATED_BY = "evaluated_by"  # the setting that tells an eval.py re-evaluation from the run's own evaluation
 RE_EVALUATION = "eval.py"
 UNRECORDED = "?"  # a setting's value in a row label where the results file does not record it
+DIAGNOSTICS_FOLDER = "diagnostics"  # <run>/diagnostics/diagnostics.json: diagnose.py's output for the run
+DIAGNOSE_LOG = "diagnose.log"  # diagnose.py's log: a folder holding it (and no results) is no run
 
 # Keys of results files written before variants had a generic name.
 OLD_ROW_KEYS = {"scaling": "variant", "rope_factor": "variant_factor"}
@@ -67,6 +70,8 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
                 key=lambda d: (not d.isdigit(), int(d) if d.isdigit() else 0, d),
             )
             is_run = ".hydra" in os.listdir(root)
+            if diagnose_output(files):  # diagnose.py's folder (<run>/diagnostics): read with its run, no run itself
+                continue
             if ERROR_FILE in files and (
                 RESULTS_FILE not in files
                 or os.path.getmtime(os.path.join(root, ERROR_FILE)) > os.path.getmtime(os.path.join(root, RESULTS_FILE))
@@ -90,6 +95,28 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
             elif is_run and not any(d.isdigit() for d in dirs):
                 incomplete.append((root, f"no {RESULTS_FILE}: failed, interrupted or still running"))
     return complete, incomplete
+
+
+def diagnose_output(files: list[str]) -> bool:
+    """Whether a folder holding ``files`` is diagnose.py's output (its diagnostics.json or its log, no results)."""
+    return RESULTS_FILE not in files and ERROR_FILE not in files and bool({DIAGNOSTICS_FILE, DIAGNOSE_LOG} & set(files))
+
+
+def diagnostics_of(run: "Run") -> dict | None:
+    """The run's attention diagnostics (``<run>/diagnostics/diagnostics.json``, written by ``python diagnose.py
+    ckpt=<run> hydra.run.dir=<run>/diagnostics``), None where it has none or the file is unreadable or not
+    diagnose.py's (no ``meta`` or ``lengths``)."""
+    file = os.path.join(run.folder, DIAGNOSTICS_FOLDER, DIAGNOSTICS_FILE)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            result = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(result, dict) or not isinstance(result.get("meta"), dict) or "lengths" not in result:
+        return None
+    return result
 
 
 def normalized_row(row: dict) -> dict:

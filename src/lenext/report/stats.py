@@ -9,7 +9,16 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from lenext.report.load import LEARNED_AT, Loaded, Run, metrics_of, positions_curve, validation_curve
+from lenext.diagnostics import STATISTICS
+from lenext.report.load import (
+    LEARNED_AT,
+    Loaded,
+    Run,
+    diagnostics_of,
+    metrics_of,
+    positions_curve,
+    validation_curve,
+)
 
 BINS_PER_OCTAVE = 4
 NOT_LEARNED = "not learned"
@@ -331,10 +340,86 @@ def passkey_depths(frame: pd.DataFrame) -> pd.DataFrame:
     return grids[grids.name == "passkey"].drop(columns=[*DEPTH_KEY[:3], "chance"]).reset_index(drop=True)
 
 
+# The statistics of diagnostics.csv: each attention statistic (lenext.diagnostics.STATISTICS) over all query rows and
+# over the rows i >= L_train; the copying score's fields; RoPE's unseen-angle fraction. ``rows`` "" where the
+# statistic is not one of query rows.
+COPYING_STATISTICS = {
+    "copying_gain": "gain",
+    "copying_first_nll": "first_half_nll",
+    "copying_second_nll": "second_half_nll",
+}
+DIAGNOSTIC_STATISTICS = (*STATISTICS, *COPYING_STATISTICS, "unseen_fraction")
+DIAGNOSTIC_ROWS = ("all", "beyond_train", "")
+DIAGNOSTIC_KEY = ["train_len", "label", "statistic", "rows", "length"]
+
+
+def run_diagnostics(run: Run, result: dict) -> list[dict]:
+    """One record per (length, statistic, rows) of a run's diagnostics.json (``lenext.diagnostics``): an attention
+    statistic's mean over layers and heads (a value per layer and head, each a mean over the windows' query rows),
+    the copying score's fields, the unseen-angle fraction (a rotary PE, every length the coverage has); lengths
+    whose status is not ``ok`` and statistics without a value there are left out. The row's label is the run's, with the
+    variant the diagnostics evaluated (``meta.pe.scaling``: ``rope (yarn)``)."""
+    label = run.label((result["meta"].get("pe") or {}).get("scaling"))
+    base = {"train_len": run.table_len, "label": label, "seed": run.seed}
+    records = []
+    for entry in result["lengths"]:
+        if entry.get("status") != "ok":
+            continue
+        for rows in DIAGNOSTIC_ROWS[:2]:
+            statistics = (entry.get("rows") or {}).get(rows) or {}
+            for name in STATISTICS:
+                values = [value for layer in statistics.get(name) or () for value in layer]
+                if values:
+                    records.append(
+                        {**base, "statistic": name, "rows": rows, "length": entry["length"], "value": np.mean(values)}
+                    )
+        copying = entry.get("copying") or {}
+        for name, field in COPYING_STATISTICS.items():
+            if copying.get(field) is not None:
+                records.append(
+                    {**base, "statistic": name, "rows": "", "length": entry["length"], "value": copying[field]}
+                )
+    for summary in (result.get("rotation_coverage") or {}).get("summary", ()):
+        records.append(
+            {
+                **base,
+                "statistic": "unseen_fraction",
+                "rows": "",
+                "length": summary["length"],
+                "value": summary["unseen_fraction"],
+            }
+        )
+    return records
+
+
+def diagnostic_statistics(runs: list[Run]) -> pd.DataFrame:
+    """The runs' diagnostics (``<run>/diagnostics/diagnostics.json``; runs without are skipped), per (L_train, row
+    label, statistic, rows, L_eval): mean and std over seeds of each run's value (``run_diagnostics``: an attention
+    statistic's mean over layers and heads). Columns: train_len, label, statistic (``DIAGNOSTIC_STATISTICS``), rows
+    (``all``, ``beyond_train``: the query rows i >= L_train; "" for the copying score and the unseen fraction),
+    length, mean, std (0 for one seed), seeds; by L_train, the rows in the sweep's order, the statistics in
+    ``DIAGNOSTIC_STATISTICS``' order, then L_eval."""
+    records = [record for run in runs if (result := diagnostics_of(run)) for record in run_diagnostics(run, result)]
+    if not records:
+        return pd.DataFrame()
+    frame = pd.DataFrame(records)
+    grouped = frame.groupby(DIAGNOSTIC_KEY, sort=False).value
+    stats = grouped.agg(mean=_mean, std=_std, seeds="size").reset_index()
+    order = {
+        "label": {label: i for i, label in enumerate(dict.fromkeys(frame.label))},
+        "statistic": {name: i for i, name in enumerate(DIAGNOSTIC_STATISTICS)},
+        "rows": {rows: i for i, rows in enumerate(DIAGNOSTIC_ROWS)},
+    }
+    stats = stats.sort_values(
+        DIAGNOSTIC_KEY, key=lambda column: column.map(order[column.name]) if column.name in order else column
+    )
+    return stats.reset_index(drop=True)
+
+
 class Summary:
     """Everything the report shows, from what ``load`` read: the tables, computed at once, and on first use what
     figures draw by (``labels``) and the figures' own statistics (``positions``, ``adaptation``, ``depths``: every
-    protocol's depth grid, ``depth_grids``)."""
+    protocol's depth grid, ``depth_grids``; ``diagnostics``: the runs' diagnostics.json, ``diagnostic_statistics``)."""
 
     def __init__(self, loaded: Loaded):
         self.loaded = loaded
@@ -359,3 +444,8 @@ class Summary:
     @cached_property
     def depths(self) -> pd.DataFrame:
         return depth_grids(self.frame)
+
+    @cached_property
+    def diagnostics(self) -> pd.DataFrame:
+        """The runs' attention diagnostics and copying score, mean and std over seeds (``diagnostic_statistics``)."""
+        return diagnostic_statistics(self.loaded.runs)
