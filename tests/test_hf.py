@@ -291,3 +291,16 @@ def test_self_extend_patches_llama_like_models_and_is_the_model_within_c(
     within = 1e-6 if precision == "32-true" else 1e-2
     assert by["self_extend", 32]["mean_nll"] == pytest.approx(by[None, 32]["mean_nll"], rel=within)
     assert by["self_extend", 128]["mean_nll"] != pytest.approx(by[None, 128]["mean_nll"], rel=1e-4)
+
+
+def test_the_long_context_protocols_evaluate_a_hugging_face_model(tmp_path, small_text_corpus, tokenizer_folder):
+    """Key-token perplexity and haystack retrieval run on an HF model as on lenext's: rows of both, the answers'
+    greedy tokens from its own logits."""
+    folder = model_folder(tmp_path, tokenizer_folder, "llama")
+    overrides = ("eval.lengths=[32,256]", "eval.protocol=[key_tokens,niah_single]", "eval.haystack_samples=1")
+    evaluate_hf(compose_hf(tmp_path, small_text_corpus, folder, *overrides, "eval.max_windows=4"))
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    ok = {(r["protocol"], r["length"]) for r in rows if r["status"] == "ok" and r.get("depth") is None}
+    assert ("key_tokens", 256) in ok and ("niah_single", 256) in ok
+    retrieval = next(r for r in rows if r["protocol"] == "niah_single" and r["length"] == 256 and "depth" not in r)
+    assert retrieval["answers"] == retrieval["windows"] == 3 and 0 <= retrieval["rank_accuracy"] <= 1  # 5, capped to 4

@@ -8,7 +8,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from lenext.errors import LengthNotSupported
+from lenext import protocols
+from lenext.errors import ConfigError, LengthNotSupported
 from lenext.evaluate import TextEvaluation, sweep, sweep_plan
 from lenext.haystack import TASKS, HaystackText, measure_haystack, sample_rng
 from lenext.model import Decoder
@@ -57,26 +58,36 @@ def nll_of(net, tokens: np.ndarray) -> np.ndarray:
     return (-logits.log_softmax(-1)[0].gather(-1, ids[0, 1:, None])[:, 0]).numpy()
 
 
-def test_key_token_perplexity_equals_the_definition_computed_target_by_target():
-    length = 40
-    net = tiny_net()
-    with torch.no_grad():  # weights large enough that a longer context moves predictions
+def loud_net(seed: int):
+    """A tiny net with weights large enough that a longer context moves its predictions."""
+    net = tiny_net(seed=seed)
+    with torch.no_grad():
         for parameter in net.parameters():
             parameter.normal_(0, 0.5)
+    return net
+
+
+@pytest.mark.parametrize("evaluator", [None, "another model"])
+def test_key_token_perplexity_equals_the_definition_computed_target_by_target(evaluator, monkeypatch):
+    """The model's NLL over the targets its evaluator (itself, or another model) finds key, computed here one
+    target at a time: each target's short context rebuilt from the definition."""
+    length, net = 40, loud_net(0)
+    judge = net if evaluator is None else loud_net(1)
+    monkeypatch.setattr(protocols, "evaluator_net", lambda path, like: judge)
     rng = np.random.default_rng(1)
     documents = [rng.integers(0, 50, n).astype(np.int32) for n in (90, 45)]
     byte_ends = [np.cumsum(rng.integers(1, 4, len(d))) for d in documents]
-    protocol = KeyTokens(context=16, gain=0.05, floor=-6.0)
+    protocol = KeyTokens(context=16, gain=0.05, floor=-6.0, evaluator=evaluator)
     windows = protocol.windows([len(d) for d in documents], length)
     key_nll, key_bytes, keys, targets = 0.0, 0, 0, 0
     for w in windows:
         tokens = documents[w.document][w.start : w.start + length + 1]
-        long = nll_of(net, tokens)
+        long, judged = nll_of(net, tokens), nll_of(judge, tokens)
         for t in range(length):
             start = short_context_start(t, length, protocol.context)
-            short = nll_of(net, tokens[start : t + 2])[-1]
+            short = nll_of(judge, tokens[start : t + 2])[-1]
             targets += 1
-            if short - long[t] > protocol.gain and -long[t] > protocol.floor:
+            if short - judged[t] > protocol.gain and -judged[t] > protocol.floor:
                 keys += 1
                 key_nll += long[t]
                 ends = byte_ends[w.document]
@@ -90,9 +101,16 @@ def test_key_token_perplexity_equals_the_definition_computed_target_by_target():
     assert row.metrics["bits_per_byte"] == pytest.approx(key_nll / math.log(2) / key_bytes, rel=1e-5)
 
 
+def test_a_key_evaluator_that_does_not_exist_or_reads_another_vocabulary_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="eval.key_evaluator='nowhere' does not exist"):
+        sweep_plan(eval_cfg(protocol="key_tokens", key_evaluator="nowhere"), 16, None, tuple(PROTOCOLS))
+    with pytest.raises(ConfigError, match="eval.haystack_depths=\\[\\] is invalid"):
+        sweep_plan(eval_cfg(protocol="niah_single", haystack_depths=[]), 16, None, tuple(PROTOCOLS))
+
+
 def test_at_the_short_context_no_token_is_key():
     net, documents = tiny_net(), [np.arange(100, dtype=np.int32) % 50]
-    protocol = KeyTokens(context=16, gain=-1.0)  # any gain at all would make a key token
+    protocol = KeyTokens(context=16, gain=0.0, floor=-math.inf)  # any gain at all would make a key token
     windows = protocol.windows([100], 16)
     row = protocol.measure(net, TextEvaluation(documents), windows, 16, eval_cfg(), "32-true", None, 0)
     assert row.metrics["tokens"] == 0 and row.metrics["ppl"] is None and row.metrics["key_share"] == 0
@@ -188,28 +206,35 @@ def test_a_sample_is_the_haystack_with_its_needles_then_the_query_and_candidates
     rng = sample_rng(task, length, 0, 1)
     again = haystack.build(haystack.write(task, rng, 0.5), length, rng, candidates)
     np.testing.assert_array_equal(built.rows, again.rows)  # a function of (task, L, index, depth) alone
-    assert built.rows.shape == (1 + candidates, length + 1)
     encode = haystack.encode
     true = built.rows[0].tolist()
+    text = sotu_data.tokenizer.decode(true)
+    ANSWER_POSITION.update({v: text.find(f" {v}.") for v in written.answers})
     for span, answer in zip(built.answers, answer_order(written), strict=True):
         assert true[span.start + 1 : span.stop + 1] == encode(" " + answer)  # targets t predict tokens t + 1
         assert len(span) == haystack.widths[written.kind]  # every answer and candidate as long
     assert built.answers[-1].stop == length  # the last answer ends the sample
-    answer_targets = {t for span in built.answers for t in span}
-    for row in built.rows[1:]:
-        differs = {t for t in range(length) if row[t + 1] != built.rows[0][t + 1]}
-        assert differs and differs <= answer_targets
+    assert built.rows.shape == (1 + len(built.answers) * candidates, length + 1)
+    for span, others in zip(built.answers, built.distractor_rows, strict=True):
+        assert len(others) == candidates
+        for r in others:  # a distractor row is the true one with this answer alone replaced
+            differs = {t for t in range(length) if built.rows[r][t + 1] != built.rows[0][t + 1]}
+            assert differs and differs <= set(span)
     body = true[: built.answers[0].start + 1 - len(encode(written.query[0]))]  # the haystack, before the query
     for _, sentence in written.needles:
         needle = encode(sentence)
         starts = [i for i in range(len(body) - len(needle) + 1) if body[i : i + len(needle)] == needle]
         assert len(starts) == 1
-    text = sotu_data.tokenizer.decode(true)
     assert written.needles[0][1].strip() in text
 
 
 def answer_order(written) -> list[str]:
-    return [written.answers[p] for p in written.query if isinstance(p, int)]
+    """The answers in the order the query asks them: multivalue's in the order their needles stand in the text."""
+    slots = [written.answers[p] for p in written.query if isinstance(p, int)]
+    return slots if not written.in_text_order else sorted(slots, key=lambda v: ANSWER_POSITION[v])
+
+
+ANSWER_POSITION: dict[str, int] = {}
 
 
 def test_the_controlled_needle_sits_at_its_depth_after_a_sentence_end(haystack):
@@ -246,18 +271,42 @@ def test_metrics_equal_a_plain_loop_over_the_built_samples(haystack, sotu_data):
         with torch.no_grad():
             ids = torch.from_numpy(built.rows[0])[None]
             predicted = net.logits(net(ids[:, :-1])).argmax(-1)[0].numpy()
-        for span in built.answers:
+        for span, others in zip(built.answers, built.distractor_rows, strict=True):
             targets = list(span)
             answers += 1
             tokens += len(targets)
             nll_sum += scores[0][targets].sum()
             exact += int((predicted[targets] == built.rows[0][1:][targets]).all())
-            likelihoods = [-s[targets].sum() for s in scores]
-            ranked += int(all(likelihoods[0] > other for other in likelihoods[1:]))
+            ranked += int(all(-scores[0][targets].sum() > -scores[r][targets].sum() for r in others))
     assert measured.metrics["answers"] == answers and measured.metrics["tokens"] == tokens
     assert measured.metrics["exact_match"] == pytest.approx(exact / answers)
     assert measured.metrics["rank_accuracy"] == pytest.approx(ranked / answers)
     assert measured.metrics["mean_nll"] == pytest.approx(nll_sum / tokens, rel=1e-5)
+
+
+def test_distractors_are_the_other_values_in_the_text_before_fresh_ones(haystack):
+    """Multikey's and multiquery's answers are ranked against the values of the other keys they read: a model that
+    copies any value seen does not pass for one that finds the asked key's."""
+    for task, in_text in (("multikey", 3), ("multiquery", 3)):
+        rng = sample_rng(task, 512, 0, 0)
+        written = haystack.write(task, rng, 0.5)
+        built = haystack.build(written, 512, rng, 4)
+        for span, others in zip(built.answers, built.distractor_rows, strict=True):
+            asked = haystack.tokenizer.decode(built.rows[0][span.start + 1 : span.stop + 1].tolist()).strip()
+            ranked = [
+                haystack.tokenizer.decode(built.rows[r][span.start + 1 : span.stop + 1].tolist()).strip()
+                for r in others
+            ]
+            expected = [v for v in written.in_context if v != asked]
+            assert ranked[:in_text] == expected and len(set(ranked)) == 4 and asked not in ranked
+
+
+def test_a_capped_haystack_sample_list_keeps_every_depth():
+    protocol = PROTOCOLS["niah_single"](depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=8)
+    windows = protocol.windows([], 64)
+    for cap in (4, 5, 8, 10, 20, 39):
+        kept = protocol.capped(windows, cap)
+        assert {d for _, d in kept} == set(range(5)) and len(kept) == 5 * max(1, cap // 5)
 
 
 def test_a_length_too_short_for_the_needles_is_not_applicable_and_the_sweep_goes_on(sotu_data):
@@ -280,7 +329,7 @@ def test_a_length_too_short_for_the_needles_is_not_applicable_and_the_sweep_goes
 
 
 def test_the_haystack_protocols_need_a_tokenizer_and_say_so():
-    with pytest.raises(Exception, match="need the data's tokenizer"):
+    with pytest.raises(ConfigError, match="need the data's tokenizer"):
         TextEvaluation([np.arange(10)]).haystack()
 
 

@@ -7,6 +7,7 @@ alone); ``sweep_plan`` checks the settings against it before any work.
 
 import dataclasses
 import logging
+import os
 import resource
 import threading
 import time
@@ -21,8 +22,8 @@ from lenext.hardware import release_freed_memory
 from lenext.haystack import HaystackText
 from lenext.pe import VARIANTS
 from lenext.positions import PositionScheme
-from lenext.protocols import PROTOCOL_NAMES, PROTOCOLS, TextProtocol, Window, cap_windows
-from lenext.ranges import PositiveFloat, PositiveInt, Share
+from lenext.protocols import PROTOCOL_NAMES, PROTOCOLS, TextProtocol, Window
+from lenext.ranges import NonNegativeFloat, PositiveFloat, PositiveInt, Share
 from lenext.scoring import Measured
 from lenext.temperature import TEMPERATURE, asks_temperature, describe_fit, fit_temperature, row_fields, variant_scope
 
@@ -118,8 +119,9 @@ class EvalSettings:
     positions: Literal["as_trained", "sequential"] = "as_trained"
     # The protocols' own settings (null: the protocol's default, lenext.protocols).
     key_context: PositiveInt | None = None  # key_tokens: the short context (null = L_train)
-    key_gain: float | None = None  # key_tokens: the least log-probability gain of a key token (nats)
+    key_gain: NonNegativeFloat | None = None  # key_tokens: the least log-probability gain of a key token (nats)
     key_floor: float | None = None  # key_tokens: the least log-probability of a key token with the long context
+    key_evaluator: str | None = None  # key_tokens: the lenext checkpoint (or run folder) that picks key tokens
     haystack_depths: list[Share] | None = None  # haystack protocols: the needle's depths
     haystack_samples: PositiveInt | None = None  # haystacks per depth and length
     haystack_candidates: PositiveInt | None = None  # distractor answers each answer is ranked against
@@ -137,6 +139,7 @@ PROTOCOL_SETTINGS = (
     "key_context",
     "key_gain",
     "key_floor",
+    "key_evaluator",
     "haystack_depths",
     "haystack_samples",
     "haystack_candidates",
@@ -180,6 +183,14 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
     if k > min(lengths):
         raise ConfigError(f"eval.last_k={k} is invalid: it must be at most the shortest length, {min(lengths)}")
     evaluation_positions(eval_cfg, scheme or PositionScheme()).check_evaluation_length(max(lengths))
+    if getattr(eval_cfg, "haystack_depths", None) == []:
+        raise ConfigError("eval.haystack_depths=[] is invalid: give at least one depth in [0, 1], e.g. [0.5]")
+    evaluator = getattr(eval_cfg, "key_evaluator", None)
+    if evaluator is not None and not os.path.exists(evaluator):
+        raise ConfigError(
+            f"eval.key_evaluator={evaluator!r} does not exist: give a lenext checkpoint or run folder (or null: the "
+            "model itself)"
+        )
     return SweepPlan(
         plan_protocols,
         lengths,
@@ -228,7 +239,7 @@ def sweep(
                         **row_fields(net, variant, length, fit),
                         **protocol.parameters(),
                     }
-                    windows = cap_windows(windows, eval_cfg.max_windows)
+                    windows = protocol.capped(windows, eval_cfg.max_windows)
                     row["windows"] = len(windows)
                     unmeasured = {"ppl": None, "mean_nll": None, "tokens": 0}
                     if variant == TEMPERATURE and fit.c is None:

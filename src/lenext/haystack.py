@@ -47,6 +47,8 @@ class Written:
     query: list[str | int] = field(default_factory=list)  # text, or the index of an answer in ``answers``
     answers: list[str] = field(default_factory=list)
     kind: str = "value"  # what the answers are: a value (digits) or a name (letters)
+    in_text_order: bool = False  # the query's answers come in the order their needles (needle i: answer i) stand
+    in_context: list[str] = field(default_factory=list)  # values in the text each answer is also ranked against
 
 
 DRAWS: dict[str, Callable[[np.random.Generator], str]] = {
@@ -71,10 +73,12 @@ def single(rng, depth: float, draw: Draw) -> Written:
 def multikey(rng, depth: float, draw: Draw, distractors: int = 3) -> Written:
     """The needle and ``distractors`` needles of other keys at random depths; the query asks for the first key."""
     key, *others = keys(rng, 1 + distractors)
-    answer = draw("value")
+    answer, distracting = draw("value"), [draw("value") for _ in others]
     needles = [(depth, f" The special value for {key} is {answer}.")]
-    needles += [(float(rng.random()), f" The special value for {k} is {draw('value')}.") for k in others]
-    return Written(needles, [f" The special value for {key} is", 0], [answer])
+    needles += [
+        (float(rng.random()), f" The special value for {k} is {v}.") for k, v in zip(others, distracting, strict=True)
+    ]
+    return Written(needles, [f" The special value for {key} is", 0], [answer], in_context=distracting)
 
 
 def multivalue(rng, depth: float, draw: Draw, values: int = 4) -> Written:
@@ -84,11 +88,10 @@ def multivalue(rng, depth: float, draw: Draw, values: int = 4) -> Written:
     depths = [depth] + [float(d) for d in rng.random(values - 1)]
     answers = [draw("value") for _ in range(values)]
     needles = [(d, f" One of the special values for {key} is {v}.") for d, v in zip(depths, answers, strict=True)]
-    order = sorted(range(values), key=lambda i: (depths[i], i))
     query: list[str | int] = [f" The special values for {key} are"]
-    for n, i in enumerate(order):
-        query += ([] if n == 0 else [" and" if n == values - 1 else ","]) + [i]
-    return Written(needles, query, answers)
+    for n in range(values):
+        query += ([] if n == 0 else [" and" if n == values - 1 else ","]) + [n]
+    return Written(needles, query, answers, in_text_order=True)
 
 
 def multiquery(rng, depth: float, draw: Draw, queries: int = 4) -> Written:
@@ -101,7 +104,7 @@ def multiquery(rng, depth: float, draw: Draw, queries: int = 4) -> Written:
     query: list[str | int] = []
     for i in rng.permutation(queries).tolist():
         query += [f" The special value for {chosen[i]} is", i, "."]
-    return Written(needles, query[:-1], answers)
+    return Written(needles, query[:-1], answers, in_context=answers)
 
 
 def variable_tracking(rng, depth: float, draw: Draw, hops: int = 4) -> Written:
@@ -132,8 +135,9 @@ TASKS: dict[str, Callable[[np.random.Generator, float, Draw], Written]] = {
 class Built:
     """A sample as token rows: (1 + candidates, L + 1) ids, row 0 the true one; each answer's targets."""
 
-    rows: np.ndarray
+    rows: np.ndarray  # row 0 the true sample; then, per answer in order, one row per distractor in its place
     answers: list[range]  # target indices (target t predicts token t + 1) of each answer, in order
+    distractor_rows: list[range]  # the rows holding each answer's distractors
 
 
 class HaystackText:
@@ -194,9 +198,10 @@ class HaystackText:
                     return b
         return at
 
-    def candidates(self, rng, kind: str, count: int, taken: set[str]) -> list[list[int]]:
-        """``count`` distractor answers of ``kind``, none in ``taken`` (each then taken)."""
-        draw, found = self.drawer(rng), []
+    def candidates(self, rng, kind: str, count: int, first: list[str], taken: set[str]) -> list[list[int]]:
+        """``count`` distractor answers of ``kind``: those of ``first`` not in ``taken``, then fresh ones (each
+        then taken)."""
+        draw, found = self.drawer(rng), [self.encode(" " + text) for text in first if text not in taken][:count]
         while len(found) < count:
             text = draw(kind)
             if text not in taken:
@@ -207,8 +212,9 @@ class HaystackText:
     def build(self, written: Written, length: int, rng: np.random.Generator, candidates: int) -> Built:
         needles = [(depth, self.encode(sentence)) for depth, sentence in written.needles]
         answers = [self.encode(" " + a) for a in written.answers]
-        query = [answers[p] if isinstance(p, int) else self.encode(p) for p in written.query]
-        fixed = sum(len(ids) for _, ids in needles) + sum(len(ids) for ids in query)
+        fixed = sum(len(ids) for _, ids in needles) + sum(
+            len(answers[p]) if isinstance(p, int) else len(self.encode(p)) for p in written.query
+        )
         fill_len = length + 1 - fixed
         if fill_len < 0:
             raise LengthNotSupported(f"its needles and query take {fixed} tokens, more than the {length + 1} of L + 1")
@@ -224,20 +230,27 @@ class HaystackText:
             at = places[i]
         pieces.append(fill[at:])
         body = np.concatenate(pieces)
+        # The answer each slot of the query asks for, in the order the slots come.
+        slots = [p for p in written.query if isinstance(p, int)]
+        asked = [order[n] for n in range(len(slots))] if written.in_text_order else slots
+        tail, spans, position = [], [], len(body)
+        for p in written.query:
+            ids = answers[asked[len(spans)]] if isinstance(p, int) else self.encode(p)
+            if isinstance(p, int):  # answer tokens position..: targets position - 1.. predict them
+                spans.append(range(position - 1, position - 1 + len(ids)))
+            tail.append(np.asarray(ids, dtype=np.int64))
+            position += len(ids)
+        true = np.concatenate([body, *tail])
         taken = set(written.answers) | {word.strip(".") for _, s in written.needles for word in s.split()}
-        others = [self.candidates(rng, written.kind, candidates, taken) for _ in written.answers]
-        rows, spans = [], []
-        for c in range(1 + candidates):
-            tail, position = [], len(body)
-            for p, ids in zip(written.query, query, strict=True):
-                if isinstance(p, int):
-                    ids = ids if c == 0 else others[p][c - 1]
-                    if c == 0:  # answer tokens position..: targets position - 1.. predict them
-                        spans.append(range(position - 1, position - 1 + len(ids)))
-                tail.append(np.asarray(ids))
-                position += len(ids)
-            rows.append(np.concatenate([body, *tail]))
-        return Built(np.stack(rows).astype(np.int64), spans)
+        rows, distractor_rows = [true], []
+        for slot, span in enumerate(spans):
+            others = [v for v in written.in_context if v != written.answers[asked[slot]]]
+            distractor_rows.append(range(len(rows), len(rows) + candidates))
+            for ids in self.candidates(rng, written.kind, candidates, others, taken - set(others)):
+                row = true.copy()
+                row[span.start + 1 : span.stop + 1] = ids
+                rows.append(row)
+        return Built(np.stack(rows), spans, distractor_rows)
 
 
 def sample_rng(task: str, length: int, index: int, depth_index: int) -> np.random.Generator:
@@ -261,7 +274,6 @@ def measure_haystack(
     """Exact match, rank accuracy and the answers' NLL over ``samples`` at ``length``, overall and per depth; under
     DDP each rank its share, every metric summed over ranks."""
     device = next(net.parameters()).device
-    rows_per_sample = 1 + candidates
 
     def metrics() -> dict:
         return {
@@ -271,33 +283,27 @@ def measure_haystack(
 
     overall, by_depth = metrics(), {d: metrics() for d in range(len(depths))}
     rank, world = distributed()
-    mine = samples[rank::world]
-    batch = max(1, tokens_per_batch // (length * rows_per_sample))
     autocast = precision_autocast(device, precision)
-    for b in range(0, len(mine), batch):
-        group = mine[b : b + batch]
-        built = [
-            text.build(text.write(task, rng, depths[d]), length, rng, candidates)
-            for i, d in group
-            for rng in [sample_rng(task, length, i, d)]
-        ]
-        ids = torch.from_numpy(np.concatenate([s.rows for s in built])).to(device)  # (samples x rows, L + 1)
+
+    def score(group: list[tuple[int, int]], built: list[Built]) -> None:
+        ids = torch.from_numpy(np.concatenate([b.rows for b in built])).to(device)  # (rows of all, L + 1)
         drawn = window_positions(scheme or PositionScheme(), length, seed, group)
-        if drawn is not None:
-            drawn = drawn.repeat_interleave(rows_per_sample, 0).to(device)
+        if drawn is not None:  # a sample's rows at its positions
+            drawn = drawn.repeat_interleave(torch.tensor([len(b.rows) for b in built]), 0).to(device)
         with autocast:
             nll, predicted = net.token_nll(ids[:, :-1], ids[:, 1:], drawn, predictions=True)  # (R, L) each
-        nll = nll.double().view(len(built), rows_per_sample, length)
-        correct = (predicted == ids[:, 1:]).view(len(built), rows_per_sample, length)[:, 0]
-        for s, ((_, d), sample) in enumerate(zip(group, built, strict=True)):
-            for span in sample.answers:
+        nll, correct = nll.double(), predicted == ids[:, 1:]
+        first = 0
+        for (_, d), sample in zip(group, built, strict=True):
+            for span, others in zip(sample.answers, sample.distractor_rows, strict=True):
                 targets = list(span)
-                scores = -nll[s, :, targets].sum(-1)  # (rows,): each candidate's log-likelihood
+                true = -nll[first, targets].sum()
+                distracting = -nll[[first + r for r in others]][:, targets].sum(-1)
                 row = {
-                    "exact_match": float(correct[s, targets].all()),
-                    "token_accuracy": (correct[s, targets].double().mean(), len(targets)),
-                    "rank_accuracy": float(bool((scores[0] > scores[1:]).all())),
-                    "mean_nll": (nll[s, 0, targets].mean(), len(targets)),
+                    "exact_match": float(correct[first, targets].all()),
+                    "token_accuracy": (correct[first, targets].double().mean(), len(targets)),
+                    "rank_accuracy": float(bool((true > distracting).all())),  # a tie is not a retrieval
+                    "mean_nll": (nll[first, targets].mean(), len(targets)),
                 }
                 for into in (overall, by_depth[d]):
                     for m, v in row.items():
@@ -306,6 +312,18 @@ def measure_haystack(
                     into["tokens"].update(len(targets))
             for into in (overall, by_depth[d]):
                 into["windows"].update(1)
+            first += len(sample.rows)
+
+    group, built = [], []
+    for i, d in samples[rank::world]:
+        rng = sample_rng(task, length, i, d)
+        group.append((i, d))
+        built.append(text.build(text.write(task, rng, depths[d]), length, rng, candidates))
+        if sum(len(b.rows) for b in built) * length >= tokens_per_batch:
+            score(group, built)
+            group, built = [], []
+    if group:
+        score(group, built)
 
     def computed(group: dict) -> dict:
         with warnings.catch_warnings():  # a depth this rank has no sample of: its counts are 0, as they should be
@@ -315,7 +333,7 @@ def measure_haystack(
             return {}
         values = {m: float(group[m].compute().item()) for m in ("exact_match", "token_accuracy", "rank_accuracy")}
         mean_nll = float(group["mean_nll"].compute().item())
-        return {**values, "chance": 1 / rows_per_sample, "ppl": math.exp(mean_nll), "mean_nll": mean_nll, **counts}
+        return {**values, "chance": 1 / (1 + candidates), "ppl": math.exp(mean_nll), "mean_nll": mean_nll, **counts}
 
     breakdown = [{"depth": depths[d], **row} for d, group in by_depth.items() if (row := computed(group))]
     return Measured(computed(overall), breakdown=breakdown)

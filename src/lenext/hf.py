@@ -240,19 +240,21 @@ class HFLanguageModel(nn.Module):
         return self.model.get_input_embeddings()
 
     def token_nll(self, inputs: torch.Tensor, targets: torch.Tensor, positions=None, predictions: bool = False):
-        """(B, L) NLL of each target given the inputs before it; HF models are evaluated at positions 0..L-1."""
-        if positions is not None or predictions:
-            raise ValueError("Hugging Face models are evaluated at positions 0..L-1, on text")
+        """(B, L) NLL of each target given the inputs before it (with ``predictions``, also the most likely tokens);
+        HF models are evaluated at positions 0..L-1."""
+        if positions is not None:
+            raise ValueError("Hugging Face models are evaluated at positions 0..L-1")
         length = inputs.size(1)
         if self.max_length and length > self.max_length:
             raise LengthNotSupported(f"its learned positions serve at most {self.max_length} tokens")
         self.pe.configure(length)
         if not self.plain_head:
             logits = self.model(input_ids=inputs, use_cache=False).logits.float()
-            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+            nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+            return (nll, logits.argmax(-1)) if predictions else nll
         hidden = self.model.base_model(input_ids=inputs, use_cache=False)[0]  # (B, L, d)
         head = self.model.get_output_embeddings()
-        return chunked_nll(hidden, targets, head, head.out_features)  # as lenext's Decoder scores
+        return chunked_nll(hidden, targets, head, head.out_features, predictions)  # as lenext's Decoder scores
 
 
 def row_name(source: str) -> str:

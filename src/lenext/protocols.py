@@ -10,13 +10,16 @@ A new protocol is one class here and its entry in ``PROTOCOLS`` (docs/adding/pro
 """
 
 import math
+import os
 from dataclasses import dataclass
+from functools import cache
 from typing import ClassVar
 
 import numpy as np
 import torch
 from torchmetrics import SumMetric
 
+from lenext.errors import ConfigError
 from lenext.haystack import measure_haystack
 from lenext.positions import PositionScheme
 from lenext.scoring import Measured, distributed, evaluate_length, window_nll
@@ -54,6 +57,10 @@ class TextProtocol:
     def needs(self, length: int) -> int:
         """The targets a document must have to give a window at ``length``."""
         return length
+
+    def capped(self, windows: list, max_windows: int | None) -> list:
+        """At most ``max_windows`` of ``windows`` (eval.max_windows): ``cap_windows``'s even spread by default."""
+        return cap_windows(windows, max_windows)
 
     def measure(
         self,
@@ -176,71 +183,81 @@ class KeyTokens(TextProtocol):
     targets whose log-probability with the whole window before them exceeds by more than ``gain`` nats the one
     with a short context of ``context`` tokens (windows of ``context`` advanced by a fifth of it, as LongPPL's
     4096 + 1024: each target has 4/5 to all of ``context`` before it), and whose own log-probability is above
-    ``floor``. The model is its own evaluator (the paper's is a larger model: docs/evaluation.md)."""
+    ``floor``, both by the ``evaluator`` (a lenext checkpoint sharing the tokenizer; None: the model itself, whose
+    key-token perplexity is then below exp(-floor) by construction: docs/evaluation.md)."""
 
     name = "key_tokens"
     metrics = ("ppl", "key_share")
     context: int = 1  # the short context: L_train by default
     gain: float = 2.0
     floor: float = -2.0
+    evaluator: str | None = None
 
     @classmethod
     def from_plan(cls, plan) -> "KeyTokens":
         return cls(**settings_of(plan, "key_", {"context": plan.base_len}))
 
     def parameters(self) -> dict:
-        return {"context": self.context, "gain": self.gain, "floor": self.floor}
+        return {"context": self.context, "gain": self.gain, "floor": self.floor, "evaluator": self.evaluator}
 
     def windows(self, document_lengths: list[int], length: int) -> list[Window]:
         return NonOverlapping().windows(document_lengths, length)
 
     def short_windows(self, window: Window, length: int) -> list[Window]:
-        """The short-context windows over ``window``'s targets: each scores targets none before it scored."""
-        if length <= self.context:
-            return [window]
+        """The short-context windows over the targets of ``window`` (of ``length`` > ``context``): each scores
+        targets none before it scored."""
         stride = max(1, self.context // 5)
         return [
             Window(window.document, window.start + short.start, short.score_from)
             for short in Sliding(stride).windows([length + 1], self.context)
         ]
 
+    def key_targets(self, judge, documents, group, long_nll, length, settings, precision, scheme, seed):
+        """(B, L) bool: the key targets of the windows ``group``, by ``judge``, whose long NLL is ``long_nll``."""
+        short_nll = torch.full_like(long_nll, float("nan"))  # every target gets its short-context NLL
+        owners = [(b, s.start - w.start) for b, w in enumerate(group) for s in self.short_windows(w, length)]
+        shorts = [s for w in group for s in self.short_windows(w, length)]
+        done = 0
+        for part, nll in window_nll(
+            judge, documents, shorts, self.context, settings.tokens_per_batch, precision, scheme, seed
+        ):
+            for s, row in zip(part, nll, strict=True):
+                b, offset = owners[done]
+                short_nll[b, offset + s.score_from : offset + len(row)] = row[s.score_from :]
+                done += 1
+        return (short_nll - long_nll > self.gain) & (-long_nll > self.floor)
+
+    @torch.no_grad()
     def measure(self, net, evaluation, windows, length, settings, precision, scheme, seed) -> Measured:
         device = next(net.parameters()).device
+        judge = net if self.evaluator is None else evaluator_net(self.evaluator, net)
+        judge_scheme = scheme if judge is net else None  # the evaluator reads its windows at 0..L-1
         rank, world = distributed()
         counted = ("key_nll", "key_tokens", "targets", "all_nll", *(("key_bytes",) if evaluation.byte_ends else ()))
         sums = {m: SumMetric().to(device) for m in counted}
-        for group, long_nll in window_nll(
+        batches = window_nll(
             net, evaluation.documents, windows[rank::world], length, settings.tokens_per_batch, precision, scheme, seed
-        ):
-            short_nll = torch.full_like(long_nll, float("nan"))  # every target gets its short-context NLL
-            owners = [(b, s.start - w.start) for b, w in enumerate(group) for s in self.short_windows(w, length)]
-            shorts = [s for w in group for s in self.short_windows(w, length)]
-            done = 0
-            for part, nll in window_nll(
-                net,
-                evaluation.documents,
-                shorts,
-                min(length, self.context),
-                settings.tokens_per_batch,
-                precision,
-                scheme,
-                seed,
-            ):
-                for s, row in zip(part, nll, strict=True):
-                    b, offset = owners[done]
-                    short_nll[b, offset + s.score_from : offset + len(row)] = row[s.score_from :]
-                    done += 1
-            key = (short_nll - long_nll > self.gain) & (-long_nll > self.floor)  # (B, L)
+        )
+        for group, long_nll in batches:
+            if length <= self.context:  # every context is short already: no token gains
+                key = torch.zeros_like(long_nll, dtype=torch.bool)
+            else:
+                judged = long_nll
+                if judge is not net:  # the evaluator's own long pass, at 0..L-1
+                    ((_, judged),) = window_nll(
+                        judge, evaluation.documents, group, length, length * len(group), precision, None, seed
+                    )
+                key = self.key_targets(
+                    judge, evaluation.documents, group, judged, length, settings, precision, judge_scheme, seed
+                )
             sums["key_nll"].update(long_nll[key].sum())
             sums["key_tokens"].update(key.sum())
             sums["targets"].update(key.numel())
             sums["all_nll"].update(long_nll.sum())
             if evaluation.byte_ends is not None:
                 for b, w in enumerate(group):
-                    ends = torch.from_numpy(
-                        evaluation.byte_ends[w.document][w.start : w.start + length + 1].astype(np.int64)
-                    )
-                    sums["key_bytes"].update(ends.diff()[key[b].cpu()].sum())
+                    ends = evaluation.byte_ends[w.document][w.start : w.start + length + 1].astype(np.int64)
+                    sums["key_bytes"].update(int(np.diff(ends)[key[b].cpu().numpy()].sum()))
         total = {m: float(v.compute().item()) for m, v in sums.items()}
         count = int(total["key_tokens"])
         mean_nll = total["key_nll"] / count if count else None
@@ -254,6 +271,26 @@ class KeyTokens(TextProtocol):
         if evaluation.byte_ends is not None:
             metrics |= bits_per_byte(total["key_nll"], int(total["key_bytes"]))
         return Measured(metrics)
+
+
+@cache
+def evaluator_net(path: str, like):
+    """The model of the lenext checkpoint (or run folder) ``path`` that judges key tokens, on ``like``'s device;
+    a ConfigError unless its vocabulary is the evaluated model's."""
+    from lenext.build import build_net  # lenext.build reads configs through lenext.resolve, which imports this
+    from lenext.checkpoints import load_checkpoint, net_state, stored_spec
+
+    file = os.path.join(path, "checkpoints", "last.ckpt") if os.path.isdir(path) else path
+    checkpoint = load_checkpoint(file, "eval.key_evaluator")
+    state = net_state(checkpoint)
+    vocab = state["embedding.weight"].size(0)
+    if vocab != like.vocab_size:
+        raise ConfigError(
+            f"eval.key_evaluator={path!r} has a vocabulary of {vocab} tokens, the evaluated model {like.vocab_size}: "
+            "it must be a run on the same data and tokenizer"
+        )
+    judge = build_net(stored_spec(checkpoint, f"eval.key_evaluator={path}"), vocab, state)
+    return judge.to(next(like.parameters()).device).eval()
 
 
 @dataclass(frozen=True)
@@ -273,11 +310,18 @@ class Haystack(TextProtocol):
         return cls(**given | ({"depths": tuple(given["depths"])} if "depths" in given else {}))
 
     def parameters(self) -> dict:
-        return {"candidates": self.candidates}
+        return {"candidates": self.candidates, "samples": self.samples, "depths": list(self.depths)}
 
     def windows(self, document_lengths: list[int], length: int) -> list[tuple[int, int]]:
-        """(sample index, depth index), depths innermost: a capped list keeps every depth."""
+        """(sample index, depth index) of every sample."""
         return [(i, d) for i in range(self.samples) for d in range(len(self.depths))]
+
+    def capped(self, windows: list, max_windows: int | None) -> list:
+        """The first samples of every depth, as many of each as ``max_windows`` leaves (at least one)."""
+        if not max_windows or len(windows) <= max_windows:
+            return windows
+        per_depth = max(1, max_windows // len(self.depths))
+        return [(i, d) for i, d in windows if i < per_depth]
 
     def measure(self, net, evaluation, windows, length, settings, precision, scheme, seed) -> Measured:
         return measure_haystack(
@@ -324,6 +368,9 @@ class Answers:
 
     def parameters(self) -> dict:
         return {}
+
+    def capped(self, windows: list, max_windows: int | None) -> list:
+        return cap_windows(windows, max_windows)
 
 
 PROTOCOLS: dict[str, type[TextProtocol]] = {

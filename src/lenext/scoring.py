@@ -20,6 +20,7 @@ def distributed() -> tuple[int, int]:
     return 0, 1
 
 
+@torch.no_grad()
 def window_nll(
     net,
     documents: list[np.ndarray],
