@@ -107,7 +107,8 @@ class LengthScale(nn.Module):
             self.per_head = nn.Parameter(torch.full((n_heads,), self.start))
 
     def forward(self, length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
-        beta = logit_temperature(self.temperature, length, self.train_len)
+        # A windowed layer's rows attend at most W keys, however long the sequence: its logits dilute no further.
+        beta = logit_temperature(self.temperature, min(length, window or length), self.train_len)
         scale = self._scale(length, window, device)
         if beta == 1.0:
             return scale
