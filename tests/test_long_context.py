@@ -77,7 +77,7 @@ def test_key_token_perplexity_equals_the_definition_computed_target_by_target(ev
     rng = np.random.default_rng(1)
     documents = [rng.integers(0, 50, n).astype(np.int32) for n in (90, 45)]
     byte_ends = [np.cumsum(rng.integers(1, 4, len(d))) for d in documents]
-    protocol = KeyTokens(context=16, gain=0.05, floor=-6.0, evaluator=evaluator)
+    protocol = KeyTokens(context=16, gain=0.05, max_nll=6.0, evaluator=evaluator)
     windows = protocol.windows([len(d) for d in documents], length)
     key_nll, key_bytes, keys, targets = 0.0, 0, 0, 0
     for w in windows:
@@ -87,7 +87,7 @@ def test_key_token_perplexity_equals_the_definition_computed_target_by_target(ev
             start = short_context_start(t, length, protocol.context)
             short = nll_of(judge, tokens[start : t + 2])[-1]
             targets += 1
-            if short - judged[t] > protocol.gain and -judged[t] > protocol.floor:
+            if short - judged[t] > protocol.gain and judged[t] < protocol.max_nll:
                 keys += 1
                 key_nll += long[t]
                 ends = byte_ends[w.document]
@@ -110,7 +110,7 @@ def test_a_key_evaluator_that_does_not_exist_or_reads_another_vocabulary_is_refu
 
 def test_at_the_short_context_no_token_is_key():
     net, documents = tiny_net(), [np.arange(100, dtype=np.int32) % 50]
-    protocol = KeyTokens(context=16, gain=0.0, floor=-math.inf)  # any gain at all would make a key token
+    protocol = KeyTokens(context=16, gain=0.0, max_nll=math.inf)  # any gain at all would make a key token
     windows = protocol.windows([100], 16)
     row = protocol.measure(net, TextEvaluation(documents), windows, 16, eval_cfg(), "32-true", None, 0)
     assert row.metrics["tokens"] == 0 and row.metrics["ppl"] is None and row.metrics["key_share"] == 0

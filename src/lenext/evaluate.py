@@ -120,7 +120,7 @@ class EvalSettings:
     # The protocols' own settings (null: the protocol's default, lenext.protocols).
     key_context: PositiveInt | None = None  # key_tokens: the short context (null = L_train)
     key_gain: NonNegativeFloat | None = None  # key_tokens: the least log-probability gain of a key token (nats)
-    key_floor: float | None = None  # key_tokens: the least log-probability of a key token with the long context
+    key_max_nll: PositiveFloat | None = None  # key_tokens: the most NLL of a key token with the long context
     key_evaluator: str | None = None  # key_tokens: the lenext checkpoint (or run folder) that picks key tokens
     haystack_depths: list[Share] | None = None  # haystack protocols: the needle's depths
     haystack_samples: PositiveInt | None = None  # haystacks per depth and length
@@ -138,7 +138,7 @@ class EvalSettings:
 PROTOCOL_SETTINGS = (
     "key_context",
     "key_gain",
-    "key_floor",
+    "key_max_nll",
     "key_evaluator",
     "haystack_depths",
     "haystack_samples",

@@ -183,14 +183,14 @@ class KeyTokens(TextProtocol):
     targets whose log-probability with the whole window before them exceeds by more than ``gain`` nats the one
     with a short context of ``context`` tokens (windows of ``context`` advanced by a fifth of it, as LongPPL's
     4096 + 1024: each target has 4/5 to all of ``context`` before it), and whose own log-probability is above
-    ``floor``, both by the ``evaluator`` (a lenext checkpoint sharing the tokenizer; None: the model itself, whose
-    key-token perplexity is then below exp(-floor) by construction: docs/evaluation.md)."""
+    ``-max_nll``, both by the ``evaluator`` (a lenext checkpoint sharing the tokenizer; None: the model itself,
+    whose key-token perplexity is then below exp(max_nll) by construction: docs/evaluation.md)."""
 
     name = "key_tokens"
     metrics = ("ppl", "key_share")
     context: int = 1  # the short context: L_train by default
     gain: float = 2.0
-    floor: float = -2.0
+    max_nll: float = 2.0  # LongPPL's -beta
     evaluator: str | None = None
 
     @classmethod
@@ -198,7 +198,7 @@ class KeyTokens(TextProtocol):
         return cls(**settings_of(plan, "key_", {"context": plan.base_len}))
 
     def parameters(self) -> dict:
-        return {"context": self.context, "gain": self.gain, "floor": self.floor, "evaluator": self.evaluator}
+        return {"context": self.context, "gain": self.gain, "max_nll": self.max_nll, "evaluator": self.evaluator}
 
     def windows(self, document_lengths: list[int], length: int) -> list[Window]:
         return NonOverlapping().windows(document_lengths, length)
@@ -225,7 +225,7 @@ class KeyTokens(TextProtocol):
                 b, offset = owners[done]
                 short_nll[b, offset + s.score_from : offset + len(row)] = row[s.score_from :]
                 done += 1
-        return (short_nll - long_nll > self.gain) & (-long_nll > self.floor)
+        return (short_nll - long_nll > self.gain) & (long_nll < self.max_nll)
 
     @torch.no_grad()
     def measure(self, net, evaluation, windows, length, settings, precision, scheme, seed) -> Measured:
