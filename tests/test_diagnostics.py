@@ -37,6 +37,7 @@ from lenext.pe import ALiBi, NoPE, RoPE, T5Bias
 from lenext.positions import PoSE, PositionScheme, Randomized
 from lenext.run import train
 from tests.conftest import ROOT, hidden_keys, small_corpus_overrides
+from tests.test_long_context import Copier
 from tests.test_pe import PES
 
 VOCAB, TRAIN_LEN, LENGTH, HEADS, LAYERS, D_MODEL = 64, 8, 20, 2, 2, 16
@@ -295,16 +296,7 @@ class Inducer(torch.nn.Module):
         super().__init__()
         self.vocab_size, self.copies = vocab_size, copies
 
-    @staticmethod
-    def continuation(sequence: list[int], t: int) -> int:
-        best, best_len = 0, 0
-        for j in range(t - 1, -1, -1):
-            k = 0
-            while k <= j and sequence[j - k] == sequence[t - k]:
-                k += 1
-            if k > best_len:
-                best, best_len = sequence[j + 1], k
-        return best
+    continuation = staticmethod(Copier.continuation)
 
     def token_nll(self, inputs, targets, positions=None):
         if not self.copies:  # every token equally likely: the context does not matter

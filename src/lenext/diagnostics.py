@@ -40,7 +40,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from lenext import schema
 from lenext.attention import recording
-from lenext.checkpoints import load_checkpoint, net_state, stored_spec
 from lenext.errors import CheckpointError, ConfigError, LengthNotSupported
 from lenext.files import atomic_path, write_atomic
 from lenext.hardware import Precision, precision_autocast
@@ -386,22 +385,13 @@ def window_tokens(evaluation, length: int, windows: int) -> tuple[torch.Tensor, 
 def diagnose(cfg: DictConfig) -> str:
     """``lenext-diagnose``: every check first, then the statistics at each length, the coverage, the histogram;
     writes diagnostics.json and diagnostics.png into paths.output_dir. Returns the JSON's path."""
-    from lenext.build import build_net
     from lenext.evaluate import evaluation_positions
-    from lenext.resolve import EVAL_NODES, resolve_evaluation
+    from lenext.resolve import EVAL_NODES
+    from lenext.run import checkpoint_model
 
     schema.check(cfg, DiagnoseSettings, {k: v for k, v in EVAL_NODES.items() if k in ("paths", "pe")})
     path = checkpoint_file(cfg.ckpt)
-    checkpoint = load_checkpoint(path)
-    spec, data = resolve_evaluation(evaluation_config(cfg), stored_spec(checkpoint, f"ckpt={path}"))
-    state = net_state(checkpoint)
-    try:
-        net = build_net(spec, state["embedding.weight"].size(0), state)
-    except RuntimeError as e:  # a pe change that changes the PE's parameters, as eval.py refuses it
-        raise ConfigError(
-            f"the checkpoint's weights do not fit the PE built with these pe settings ({str(e).splitlines()[-1]}); "
-            "only settings that keep the PE's parameter shapes can change"
-        ) from None
+    spec, data, net, _ = checkpoint_model(evaluation_config(cfg), path)
     data.load()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     net.to(device).eval()

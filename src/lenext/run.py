@@ -163,13 +163,11 @@ def evaluate_and_write(spec: RunSpec, net, datamodule, split: str, tokens, cfg: 
     return path
 
 
-def evaluate_checkpoint(cfg: DictConfig) -> str:
-    """eval.py: rebuild the model from a checkpoint, with its PE as eval.py changes it, sweep, write results."""
-    schema.check(cfg, EvalScriptSettings, EVAL_NODES)
-    if cfg.get("data"):
-        raise ConfigError("data= applies to hf= evaluations: a checkpoint is evaluated on the data it was trained on")
-    checkpoint = load_checkpoint(cfg.ckpt)
-    spec, datamodule = resolve_evaluation(cfg, stored_spec(checkpoint, f"ckpt={cfg.ckpt}"))
+def checkpoint_model(cfg: DictConfig, path: str):
+    """(spec, data module, model, checkpoint) of the checkpoint at ``path``, its PE changed as ``cfg`` (eval.py's
+    config) asks; refused in one line where the change does not fit the checkpoint's weights."""
+    checkpoint = load_checkpoint(path)
+    spec, datamodule = resolve_evaluation(cfg, stored_spec(checkpoint, f"ckpt={path}"))
     state = net_state(checkpoint)
     net = build_net(spec, state["embedding.weight"].size(0))
     try:
@@ -180,6 +178,15 @@ def evaluate_checkpoint(cfg: DictConfig) -> str:
             f"{changed}: the checkpoint's weights do not fit the PE built with it ({str(e).splitlines()[-1].strip()}); "
             "only settings that keep the PE's parameter shapes can change at evaluation"
         ) from None
+    return spec, datamodule, net, checkpoint
+
+
+def evaluate_checkpoint(cfg: DictConfig) -> str:
+    """eval.py: rebuild the model from a checkpoint, with its PE as eval.py changes it, sweep, write results."""
+    schema.check(cfg, EvalScriptSettings, EVAL_NODES)
+    if cfg.get("data"):
+        raise ConfigError("data= applies to hf= evaluations: a checkpoint is evaluated on the data it was trained on")
+    spec, datamodule, net, checkpoint = checkpoint_model(cfg, cfg.ckpt)
     datamodule.load()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     identity = run_identity(OmegaConf.create(spec.config), FINISHED_IDENTITY)
