@@ -109,8 +109,8 @@ def test_every_eval_key_refuses_a_wrong_value(tmp_path):
     [
         (
             "eval.protocol=slidng",
-            "eval.protocol='slidng' is invalid: it must be one of 'nonoverlap', 'sliding', 'last_k', 'accuracy' or a "
-            "list of",
+            "eval.protocol='slidng' is invalid: it must be one of 'nonoverlap', 'sliding', 'last_k', 'key_tokens', "
+            "'niah_single',",
         ),
         ("eval.last_k=1000", "eval.last_k=1000 is invalid: it must be at most the shortest length, 128"),
         ("eval.variants=[ntk,bogus]", "eval.variants=['ntk', 'bogus'] is invalid"),
@@ -121,7 +121,10 @@ def test_every_eval_key_refuses_a_wrong_value(tmp_path):
             "+model.depth=3",
             "model.depth is not a setting of lenext.model.Decoder; the settings there: attention, d_model",
         ),
-        ("+foo=1", "foo is not a setting of this config; the settings there: ckpt_path, init_from, seed, task_name"),
+        (
+            "+foo=1",
+            "foo is not a setting of this config; the settings there: ckpt_path, drop_pe, init_from, seed, task_name",
+        ),
         ("trainer.max_steps=0", "trainer.max_steps=0 is invalid: it must be an integer >= 1"),
         ("data=text_files", "data.corpus.path is required: it must be a string; set it on the command line"),
     ],
