@@ -35,6 +35,21 @@ def sotu_data(cache_dir) -> LMDataModule:
     return data
 
 
+@pytest.fixture(scope="module")
+def compose_run(tmp_path_factory, cache_dir, small_text_corpus):
+    """compose_run(folder name, *overrides) -> a train config on the small corpus writing into its own folder of a
+    module-wide root (``compose_run.root``): the second-stage tests' runs and their bases."""
+    root = tmp_path_factory.mktemp("stages")
+
+    def _compose(name: str, *overrides: str):
+        paths = [f"paths.root_dir={root}", f"paths.output_dir={root / name}", f"paths.cache_dir={cache_dir}"]
+        with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
+            return compose("train", overrides=[*paths, *small_corpus_overrides(small_text_corpus, *overrides)])
+
+    _compose.root = root
+    return _compose
+
+
 @pytest.fixture
 def compose_train(tmp_path, cache_dir):
     """compose_train(*overrides) -> the train config, with paths inside tmp_path and the shared cache."""

@@ -11,38 +11,21 @@ import math
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 
 import lenext.data
 from lenext.attention import AttentionSettings
 from lenext.checkpoints import net_state
-from lenext.cli import CONFIG_PACKAGE
 from lenext.errors import ConfigError
 from lenext.model import NORM_EPS, SelfAttention
 from lenext.pe import NoPE
 from lenext.pe.base import LayerPE
 from lenext.run import build, evaluate_checkpoint, train
 from lenext.run_folder import resolve_training
-from tests.conftest import hidden_keys, small_corpus_overrides
+from tests.conftest import hidden_keys
 from tests.test_evaluate import compose_eval
 
 DROPE = ("extension=drope", "data.max_len=32")  # the preset, at the test base's length
 BASE_LEN, BASE_STEPS = 32, 4
-
-
-@pytest.fixture(scope="module")
-def compose_run(tmp_path_factory, cache_dir, small_text_corpus):
-    """compose_run(folder name, *overrides) -> a train config on the small corpus in its own folder (as
-    tests/test_extension.py's)."""
-    root = tmp_path_factory.mktemp("drope")
-
-    def _compose(name: str, *overrides: str):
-        paths = [f"paths.root_dir={root}", f"paths.output_dir={root / name}", f"paths.cache_dir={cache_dir}"]
-        with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
-            return compose("train", overrides=[*paths, *small_corpus_overrides(small_text_corpus, *overrides)])
-
-    _compose.root = root
-    return _compose
 
 
 def trained_base(compose_run, pe: str) -> str:

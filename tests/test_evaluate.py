@@ -61,9 +61,9 @@ def test_last_k_scores_the_identical_set_at_every_length():
     assert len(sets[0]) == len(expected) and set(sets[0]) == expected
 
 
-def tiny_net(pe=RoPE, train_len=16, seed=0):
+def tiny_net(pe=RoPE, train_len=16, seed=0, vocab=50):
     torch.manual_seed(seed)
-    return Decoder(vocab_size=50, train_len=train_len, pe=pe, d_model=32, n_layers=2, n_heads=4).eval()
+    return Decoder(vocab_size=vocab, train_len=train_len, pe=pe, d_model=32, n_layers=2, n_heads=4).eval()
 
 
 def random_documents(seed=0):

@@ -12,36 +12,20 @@ import shutil
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from torch.testing import assert_close
 
 import lenext.data
 from lenext import report
 from lenext.build import build_net
 from lenext.checkpoints import net_state
-from lenext.cli import CONFIG_PACKAGE
 from lenext.errors import CheckpointError, ConfigError
 from lenext.run import build, evaluate_checkpoint, train
 from lenext.run_folder import resolve_training
-from tests.conftest import run_train, small_corpus_overrides
+from tests.conftest import run_train
 from tests.test_evaluate import compose_eval
 from tests.test_pe import hf_config, hf_rope
 
 BASE_LEN, BASE_STEPS, BATCH = 32, 4, 4
-
-
-@pytest.fixture(scope="module")
-def compose_run(tmp_path_factory, cache_dir, small_text_corpus):
-    """compose_run(folder name, *overrides) -> a train config on the small corpus writing into its own folder."""
-    root = tmp_path_factory.mktemp("stages")
-
-    def _compose(name: str, *overrides: str):
-        paths = [f"paths.root_dir={root}", f"paths.output_dir={root / name}", f"paths.cache_dir={cache_dir}"]
-        with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
-            return compose("train", overrides=[*paths, *small_corpus_overrides(small_text_corpus, *overrides)])
-
-    _compose.root = root
-    return _compose
 
 
 def trained_base(compose_run, pe: str, *overrides: str) -> str:

@@ -6,36 +6,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from lenext import protocols
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.evaluate import TextEvaluation, sweep, sweep_plan
 from lenext.haystack import TASKS, HaystackText, measure_haystack, sample_rng
-from lenext.model import Decoder
-from lenext.pe import RoPE
 from lenext.protocols import PROTOCOLS, KeyTokens, Window
-
-
-def eval_cfg(**overrides):
-    base = {
-        "protocol": "nonoverlap",
-        "lengths": None,
-        "factors": [1, 2, 4],
-        "stride": None,
-        "last_k": None,
-        "variants": None,
-        "max_windows": None,
-        "tokens_per_batch": 256,
-        "per_position": False,
-    }
-    return OmegaConf.create({**base, **overrides})
-
-
-def tiny_net(vocab=50, train_len=16, seed=0):
-    torch.manual_seed(seed)
-    return Decoder(vocab_size=vocab, train_len=train_len, pe=RoPE, d_model=32, n_layers=2, n_heads=4).eval()
-
+from tests.test_evaluate import eval_cfg, tiny_net
 
 # ---- key-token perplexity -------------------------------------------------------------------------------------------
 

@@ -499,6 +499,11 @@ def seed_marks(seeds: pd.Series, what: str) -> tuple[str, dict]:
 # Drawing.
 
 
+def error_curve(ax, x, mean, std, label: str, style: dict) -> None:
+    """One row's curve: its mean with +- std bars, in the line style every figure of the report shares."""
+    ax.errorbar(x, mean, yerr=std, ms=4, lw=1.5, capsize=2, label=label, **style)
+
+
 def draw_rows(ax, table: Table, labels: list[str], styles: dict, scale: float = 1.0, names: dict | None = None):
     """Each row's mean +- std over seeds against L_eval (``names``: its legend entry, where not its label)."""
     lengths = table.lengths
@@ -506,7 +511,7 @@ def draw_rows(ax, table: Table, labels: list[str], styles: dict, scale: float = 
         cells = table.cells.xs(label, level="label").reindex(lengths)
         mean, std = cells["mean"].astype(float), cells["std"].astype(float).fillna(0)
         name = (names or {}).get(label, label)
-        ax.errorbar(lengths, mean * scale, yerr=std * scale, ms=4, lw=1.5, capsize=2, label=name, **styles[label])
+        error_curve(ax, lengths, mean * scale, std * scale, name, styles[label])
 
 
 def length_axis(ax, lengths: list) -> None:
@@ -924,16 +929,7 @@ def adaptation(summary: Summary):
         _, curves = drawn.context
         styles = line_styles(info, drawn.panel.labels, drawn.panel.by_method)
         for row, curve in curves.items():
-            ax.errorbar(
-                curve.step,
-                curve["mean"],
-                yerr=curve["std"],
-                ms=4,
-                lw=1.5,
-                capsize=2,
-                label=drawn.names[row],
-                **styles[row],
-            )
+            error_curve(ax, curve.step, curve["mean"], curve["std"], drawn.names[row], styles[row])
         values = pd.concat([curve["mean"] for curve in curves.values()])
         value_axis(ax, float(values.min()), float(values.max()))
         ax.set(xlabel="fine-tuning step", ylabel="validation perplexity")
@@ -1100,16 +1096,7 @@ def diagnostics(summary: Summary):
         styles = line_styles(info, drawn.panel.labels, drawn.panel.by_method)
         for label in drawn.panel.labels:
             curve = data[data.label == label].sort_values("length")
-            ax.errorbar(
-                curve.length,
-                curve["mean"],
-                yerr=curve["std"],
-                ms=4,
-                lw=1.5,
-                capsize=2,
-                label=drawn.names[label],
-                **styles[label],
-            )
+            error_curve(ax, curve.length, curve["mean"], curve["std"], drawn.names[label], styles[label])
         if statistic == "copying_gain":
             ax.axhline(0, color="0.45", lw=0.8, zorder=0)
         mark_train_len(ax, train_len)
