@@ -17,13 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lenext import schema
 from lenext.attention.flex import fresh_compile_state
-from lenext.build import (
-    build_module,
-    build_net,
-    hydra_config,
-    instantiate,
-    unsharded,
-)
+from lenext.build import build_module, build_net, hydra_config, instantiate, unsharded
 from lenext.checkpoints import load_checkpoint, net_state, stored_spec
 from lenext.errors import ConfigError, Stopped
 from lenext.evaluate import sweep
