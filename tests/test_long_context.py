@@ -321,3 +321,21 @@ def test_a_haystack_longer_than_the_split_is_refused_in_its_row(sotu_data):
     with pytest.raises(LengthNotSupported, match="tokens of haystack"):
         rng = sample_rng("single", 400, 0, 0)
         tiny.build(tiny.write("single", rng, 0.5), 400, rng, 2)
+
+
+@pytest.mark.parametrize("protocol", ["key_tokens", "niah_single"])
+def test_bf16_autocast_measures_what_fp32_does(protocol, sotu_data):
+    """Both protocols under bf16-mixed (what CPUs with native bf16 train in): the same rows, the NLL within bf16's
+    rounding of fp32's."""
+    net = tiny_net(vocab=sotu_data.vocab_size, train_len=32)
+    evaluation = sotu_data.evaluation("validation")
+    settings = eval_cfg(
+        protocol=protocol, lengths=[128], max_windows=8, haystack_samples=1, key_gain=0.0, key_max_nll=100.0
+    )
+    plan = sweep_plan(settings, 32, None, evaluation.protocols)
+    rows = {p: sweep(net, evaluation, plan, settings, p)[0][0] for p in ("32-true", "bf16-mixed")}
+    fp32, bf16 = rows["32-true"], rows["bf16-mixed"]
+    assert fp32["status"] == bf16["status"] == "ok" and fp32["windows"] == bf16["windows"]
+    assert fp32["tokens"] > 0 and bf16["mean_nll"] == pytest.approx(fp32["mean_nll"], rel=0.02)
+    if protocol == "key_tokens":  # a gain near 0 may cross the threshold under bf16: the share moves a little
+        assert bf16["key_share"] == pytest.approx(fp32["key_share"], abs=0.1)
