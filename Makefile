@@ -74,11 +74,12 @@ gpu-wheels:  ## the packages a CUDA image lacks, as Python 3.12 wheels -> .gpu-w
 		--platform manylinux2014_x86_64 -d .gpu-wheels $(GPU_WHEELS)
 	python3 -m pip wheel -q --no-deps -w .gpu-wheels antlr4-python3-runtime==4.9.3
 
-gpu-env:  ## on a CUDA machine: the wheels of .gpu-wheels/ into .gpu-env/ (gpu-check and gpu-study do it first)
+gpu-env:  ## on a CUDA machine: the wheels of .gpu-wheels/ and lenext (its configs as lenext.configs) into .gpu-env/
 	$(GPU_PY) -m pip install -q --no-index --no-deps --target .gpu-env --upgrade .gpu-wheels/*.whl
+	rm -rf .gpu-env/lenext && cp -r src/lenext .gpu-env/lenext && cp -r configs .gpu-env/lenext/configs
 
 gpu-check: gpu-env  ## on a CUDA machine: exactness and training speed of every PE -> benchmarks/gpu-check-run.md (docs/performance.md)
-	PYTHONPATH=.gpu-env:src $(GPU_PY) scripts/gpu_check.py $(ARGS)
+	PYTHONPATH=.gpu-env $(GPU_PY) scripts/gpu_check.py $(ARGS)
 
 # One seed of experiment=paper, one process per PE side by side: a small model leaves a large GPU mostly idle.
 # Each starts once the one before has built its model, so the first trains and caches the tokenizer the others read.
@@ -86,7 +87,7 @@ GPU_STUDY_PES ?= nope rope alibi t5
 gpu-study: gpu-env  ## on a CUDA machine: seed 0 of experiment=paper, PEs in parallel -> logs/studies/gpu_paper/<pe> (docs/performance.md)
 	@mkdir -p logs/studies/gpu_paper; pids=""; \
 	for pe in $(GPU_STUDY_PES); do \
-		PYTHONPATH=.gpu-env:src $(GPU_PY) train.py experiment=paper seed=0 pe=$$pe \
+		PYTHONPATH=.gpu-env $(GPU_PY) train.py experiment=paper seed=0 pe=$$pe \
 			hydra.sweep.dir=logs/studies/gpu_paper/$$pe $(ARGS) > logs/studies/gpu_paper/$$pe.log 2>&1 & \
 		pids="$$pids $$!"; \
 		while kill -0 $$! 2>/dev/null && ! grep -q "parameters, PE" logs/studies/gpu_paper/$$pe.log; do sleep 2; done; \

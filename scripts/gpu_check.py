@@ -76,16 +76,18 @@ def all_rows() -> list[str]:
     return [r for r in FIRST if r in rows] + [r for r in rows if r not in FIRST]
 
 
-def row_config(row: str):
-    """train.py's composed config for a row: ``<pe>`` or a variant (``rope_yarn``, ``nope+ssmax``)."""
+def row_config(row: str, model: str | None = None):
+    """train.py's composed config for a row: ``<pe>`` or a variant (``rope_yarn``, ``nope+ssmax``), with the
+    ``model`` preset if named."""
     pe = {"rope_yarn": "rope", "kerple_power": "kerple", "shaw_value": "shaw"}.get(row, row.partition("+")[0])
     with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
-        return compose("train", overrides=[f"pe={pe}", *VARIANTS.get(row, [])])
+        return compose("train", overrides=[f"pe={pe}", *VARIANTS.get(row, []), *([f"model={model}"] if model else [])])
 
 
-def build(row: str, train_len: int, shape: dict) -> Decoder:
-    """The row's model at ``shape`` (a vocabulary and model settings), built as a run builds it."""
-    cfg = row_config(row)
+def build(row: str, train_len: int, shape: dict, model: str | None = None) -> Decoder:
+    """The row's model at ``shape`` (a vocabulary and model settings; of a ``model`` preset, its vocabulary alone),
+    built as a run builds it."""
+    cfg = row_config(row, model)
     cfg.model.merge_with({key: value for key, value in shape.items() if key != "vocab_size"})
     config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, ["model", "pe", "attention"]), resolve=True)
     torch.manual_seed(bench.SEED)
@@ -239,15 +241,20 @@ def xtransformers_net(row: str, length: int):
 
 
 class Arm:
-    """One training row: a model, its optimizer and one step on a fixed batch."""
+    """One training row: a model, its optimizer and one step on a fixed batch. ``<row>@compile``: each block
+    compiled, as ``module.compile=true`` does."""
 
-    def __init__(self, row: str, length: int, batch: int, device: str):
+    def __init__(self, row: str, length: int, batch: int, device: str, model: str | None = None, vocab: int = 0):
         xt = row.startswith("xt:")
-        self.net = (xtransformers_net(row[3:], length) if xt else build(row, length, TRAIN_SHAPE)).to(device).train()
+        shape = {"vocab_size": vocab} if model else TRAIN_SHAPE
+        pe_row = row.removesuffix("@compile")
+        self.net = (xtransformers_net(row[3:], length) if xt else build(pe_row, length, shape, model)).to(device)
+        self.net.train()
+        if row.endswith("@compile"):
+            for block in self.net.blocks:
+                block.compile()
         self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4, fused=device == "cuda")
-        tokens = torch.randint(
-            0, TRAIN_SHAPE["vocab_size"], (batch, length + 1), generator=torch.Generator().manual_seed(0)
-        )
+        tokens = torch.randint(0, shape["vocab_size"], (batch, length + 1), generator=torch.Generator().manual_seed(0))
         self.tokens, self.targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
         self.xt, self.device = xt, device
         self.flops = None if xt else bench.training_flops_per_token(self.net, length)
@@ -267,7 +274,7 @@ class Arm:
         return loss.detach()
 
 
-def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log):
+def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log, model=None, vocab=0):
     start, arms, results = time.perf_counter(), {}, {"skipped": {}}
     # One compile state for the section: every row's flex kernel stays compiled for the timed repetitions.
     fresh_compile_state()
@@ -281,10 +288,11 @@ def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log
                 torch.cuda.reset_peak_memory_stats()
                 before = torch.cuda.memory_allocated()
             t0 = time.perf_counter()
-            arm = Arm(row, length, batch, device)
+            arm = Arm(row, length, batch, device, model, vocab)
             for _ in range(warmup):
                 loss = arm.step()
             sync(device)
+            arm.warmup_s = time.perf_counter() - t0  # the compiles (flex's kernel, @compile's blocks) and first steps
             arm.peak = torch.cuda.max_memory_allocated() - before if device == "cuda" else float("nan")
             arms[row] = arm
             log(f"  warmup {row:<22} {time.perf_counter() - t0:6.1f} s, loss {float(loss):.3f}")
@@ -307,7 +315,14 @@ def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log
             rates[name].append(steps * batch * length / (time.perf_counter() - t0))
         log(f"  rep {rep + 1}: " + ", ".join(f"{n} {rates[n][-1]:.0f}" for n in names))
     peak = gpu_gemm_peak(device) if device == "cuda" else float("nan")
+    nope = arms.get("nope")
     results.update(gemm_peak=peak, length=length, batch=batch, steps=steps, reps=len(rates[names[0]]) if names else 0)
+    results["model"] = (
+        f"{model or 'small'} ({sum(p.numel() for p in nope.net.parameters()):,} parameters, vocab "
+        f"{vocab or TRAIN_SHAPE['vocab_size']})"
+        if nope
+        else model or "small"
+    )
     for name in names:
         paired = [r / n for r, n in zip(rates[name], rates.get("nope", []), strict=False)]  # none: NoPE failed
         tokens_per_s = statistics.median(rates[name])
@@ -318,6 +333,8 @@ def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log
             "range": (min(paired), max(paired)) if paired else None,
             "mfu": tokens_per_s * flops / peak if flops else None,
             "peak_bytes": arms[name].peak,
+            "warmup_s": arms[name].warmup_s,
+            "warmup_steps": warmup,
         }
     return results
 
@@ -462,14 +479,16 @@ def render_training(training) -> list[str]:
         "## Training speed",
         "<!-- --8<-- [start:training] -->",
         "",
-        f"Small model (6 layers, d_model 256, 8 heads, vocab 8192), L {training['length']}, batch "
-        f"{training['batch']}, bf16 autocast, fused AdamW; {training['reps']} repetitions round-robin of "
-        f"{training['steps']} steps per row; median tokens/s, the ratio to NoPE paired per repetition. MFU: "
-        "PaLM's count (6 N + 6 layers d_model L per token, the PE's own work not counted) against this GPU's bf16 "
-        f"GEMM peak measured in the run ({training['gemm_peak'] / 1e12:.0f} TFLOP/s). `xt:`: x-transformers.",
+        f"Model {training.get('model', 'small (6 layers, d_model 256, 8 heads, vocab 8192)')}, L "
+        f"{training['length']}, batch {training['batch']}, bf16 autocast, fused AdamW; {training['reps']} "
+        f"repetitions round-robin of {training['steps']} steps per row; median tokens/s, the ratio to NoPE paired per "
+        "repetition. MFU: PaLM's count (6 N + 6 layers d_model L per token, the PE's own work not counted) against "
+        f"this GPU's bf16 GEMM peak measured in the run ({training['gemm_peak'] / 1e12:.0f} TFLOP/s). Warm-up: the "
+        "row's first steps, its compiles included (FlexAttention's kernel; `@compile`: every block compiled, as "
+        "`module.compile=true`), apart from the timed steps. `xt:`: x-transformers.",
         "",
-        "| row | tokens/s | ratio vs nope | range | MFU | peak memory (the row's own) |",
-        "|---|---:|---:|---|---:|---:|",
+        "| row | tokens/s | ratio vs nope | range | MFU | warm-up | peak memory (the row's own) |",
+        "|---|---:|---:|---|---:|---:|---:|",
     ]
     for name, r in training.items():
         if not isinstance(r, dict) or "tokens_per_s" not in r:
@@ -477,8 +496,10 @@ def render_training(training) -> list[str]:
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         spread = "-" if r["range"] is None else f"{r['range'][0]:.2f}-{r['range'][1]:.2f}"
+        warm = f"{r['warmup_s']:.1f} s ({r['warmup_steps']} steps)" if "warmup_s" in r else "-"
         lines.append(
-            f"| {name} | {r['tokens_per_s']:,.0f} | {ratio} | {spread} | {mfu} | {r['peak_bytes'] / 2**20:,.0f} MB |"
+            f"| {name} | {r['tokens_per_s']:,.0f} | {ratio} | {spread} | {mfu} | {warm} | "
+            f"{r['peak_bytes'] / 2**20:,.0f} MB |"
         )
     lines += [f"- {name}: not measured ({why})" for name, why in training["skipped"].items()]
     return lines + ["", "<!-- --8<-- [end:training] -->", ""]
@@ -509,6 +530,10 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", help="comma-separated rows (default: every PE config and variant)")
     parser.add_argument("--quick", action="store_true", help="tiny lengths and steps (a smoke test)")
     parser.add_argument("--budget", type=float, default=500, help="seconds for the whole run, shared by sections")
+    parser.add_argument("--model", help="training: a model preset (configs/model/), e.g. llama_125m (default: small)")
+    parser.add_argument("--vocab", type=int, default=32000, help="training: the vocabulary with --model")
+    parser.add_argument("--length", type=int, default=1024, help="training: L")
+    parser.add_argument("--batch", type=int, default=16, help="training: sequences per step")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device (torch.cuda.is_available() is False); --device cpu runs a smoke test")
@@ -540,13 +565,15 @@ def main(argv=None) -> None:
         save()
     if "training" in sections:
         quick = dict(length=128, batch=2, warmup=1, steps=1, reps=2) if args.quick else {}
-        settings_t = dict(length=1024, batch=16, warmup=3, steps=5, reps=5) | quick
-        xt = [f"xt:{r}" for r in XT_ROWS if r in rows]
+        settings_t = dict(length=args.length, batch=args.batch, warmup=3, steps=5, reps=5) | quick
+        xt = [] if args.model else [f"xt:{r}" for r in XT_ROWS if r in rows]  # x-transformers: the small shape
         results["training"] = bench_training(
             ["nope"] + [r for r in rows if r != "nope"] + xt,
             device=args.device,
             budget=budget["training"],
             log=log,
+            model=args.model,
+            vocab=args.vocab,
             **settings_t,
         )
         save()

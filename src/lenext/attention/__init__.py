@@ -4,12 +4,13 @@ Which path runs follows from the forms of score bias the PE provides (``lenext.p
 docs/pes/index.md, "Attention paths"), never from its name:
 
 - no score bias (NoPE, APEs, RoPE): SDPA ``is_causal``;
-- on CUDA, a ``score_mod``: compiled FlexAttention, no (L, L) tensor at all;
+- a key bias that needs a gradient (FoX's): SDPA ``is_causal`` in fp32, the bias as an extra channel of q and k;
+- on CUDA, a ``score_mod`` (and any sliding window, as a block mask): compiled FlexAttention, no (L, L) tensor;
 - a key bias (ALiBi): a (B or 1, H, 1, L) fp32 mask on SDPA's fused causal kernel;
 - a band bias (T5, Shaw) on CPU: ``BandedAttention``, the fused causal flash kernel for the
   keys beyond the band (bias 0) and the W band keys scored directly, in O(L W) extra memory;
 - otherwise (a pair bias: KERPLE, FIRE; a value term: Shaw's a^V; logits the PE computes itself:
-  Self-Extend; no fused kernel): explicit scores in query blocks, so no (L, L) tensor exists at once.
+  Self-Extend; a window on CPU; no fused kernel): explicit scores in query blocks, so no (L, L) tensor at once.
 The PE gives biases; every mask (causal, the band's) is built here.
 
 The kernels live beside it: ``band`` (BandedAttention, CPU), ``flex`` (FlexAttention, CUDA).
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lenext.attention.band import BandedAttention, band_mask, cpu_flash
-from lenext.attention.flex import causal_block_mask, compiled_flex_attention, flex_attention
+from lenext.attention.flex import causal_block_mask, compiled_flex_attention, flex_attention, window_block_mask
 from lenext.errors import ConfigError
 from lenext.pe.base import NO_TERMS, Bias, Logits, LogitTerm, ScoreTerms, ValueTerm
 from lenext.ranges import PositiveInt
@@ -39,6 +40,10 @@ from lenext.ranges import PositiveInt
 # mask instead of mapping it afresh; the output is preallocated, as concatenated block outputs fragment the heap
 # (docs/performance.md, "Memory").
 SCORE_BLOCK_ELEMENTS = 2**22
+
+# The head dims a device's fused SDPA kernels take: CUDA's flash and efficient kernels multiples of 8 only (else SDPA
+# runs its (L, L) math path), so ``key_bias_channels_attention`` pads its extra channels with zeros to one.
+HEAD_DIM_MULTIPLE = {"cuda": 8}
 
 # Attention recording (lenext.diagnostics): the callback ``recording`` set, or None. Not part of the paths above.
 AttentionRecorder = Callable[[torch.Tensor, int, int, int], None]
@@ -185,19 +190,29 @@ def causal_attention(
         )
     if row_scale is not None:
         q = q * row_scale.to(q.dtype)  # exact for q.k; each bias path below scales its bias too, or is not taken
-    fused = value_term is None and logits is None and window is None and not terms.logit_terms and not stick_breaking
-    fused = fused and _recorder.get() is None  # recording: the explicit path, which has the weights
+    if window is not None and window >= q.size(-2):
+        window = None  # every row sees all its keys
+    # scores of q . k plus biases alone: what the fused kernels compute (recording needs the explicit path's weights)
+    plain = value_term is None and logits is None and not terms.logit_terms and not stick_breaking
+    plain = plain and _recorder.get() is None
+    fused = plain and window is None
     if fused and not biases:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if fused and row_scale is None and q.is_cuda and flex_attention is not None and all(b.flex for b in biases):
+    length, key = q.size(-2), None
+    if fused and row_scale is None and all(b.key for b in biases):
+        key = sum(b.key(0, length) for b in biases)  # (B or 1, H, 1, L)
+    if key is not None and key.requires_grad and torch.is_grad_enabled():
+        return key_bias_channels_attention(q, k, v, key)
+    if plain and row_scale is None and q.is_cuda and flex_attention is not None and all(b.flex for b in biases):
         # Flex only on CUDA: on CPU it has no backward and compiles for seconds (docs/performance.md).
-        score_mod = summed_score_mods([b.flex() for b in biases])
-        block_mask = causal_block_mask(q.size(-2), q.device)
-        return compiled_flex_attention()(q, k, v, score_mod=score_mod, block_mask=block_mask)
-    if fused and row_scale is None and all(b.key for b in biases) and fused_mask_with_causal(q.device.type):
-        key = sum(b.key(0, q.size(-2)) for b in biases)  # (B or 1, H, 1, L)
-        if key.requires_grad and torch.is_grad_enabled():
-            return key_bias_channels_attention(q, k, v, key)
+        score_mods = [b.flex() for b in biases]
+        if all(score_mods):  # a PE may have no score_mod for these positions (FIRE past its threshold)
+            mask = (
+                causal_block_mask(length, q.device) if window is None else window_block_mask(length, window, q.device)
+            )
+            score_mod = summed_score_mods(score_mods) if score_mods else None
+            return compiled_flex_attention()(q, k, v, score_mod=score_mod, block_mask=mask)
+    if key is not None and fused_mask_with_causal(q.device.type):
         # O(L) memory at any length; a strided mask (FoX's, a view of (B, L, H) gates) sends SDPA to (H, L, L) scores
         return _sdpa_keep_mask(q, k, v, attn_mask=key.contiguous(), is_causal=True)
     if fused and len(biases) == 1 and biases[0].band and q.device.type == "cpu" and cpu_flash():
@@ -222,36 +237,31 @@ def summed_score_mods(score_mods: list) -> Callable:
 
 
 def key_bias_channels_attention(q, k, v, key: torch.Tensor) -> torch.Tensor:
-    """Fused causal SDPA with a key bias that needs a gradient (FoX's), carried as extra channels of q and k.
+    """Fused causal SDPA with a key bias that needs a gradient (FoX's), carried as an extra channel of q and k.
 
     SDPA refuses a mask that needs a gradient with is_causal, and without it runs its (L, L) math path. But a key
     bias is a product: q_i . k_j / sqrt(d) + b_j = [q_i, 1] . [k_j, b_j sqrt(d)] / sqrt(d), so the fused kernel
-    scores it and autograd carries dL/db through k's extra channel. In a 16-bit dtype the channel is split into
-    three (each the rest the ones before left) to keep b to fp32's precision. v gets zero channels: the kernel
-    is fused only when q, k and v have one head dim.
+    scores it and autograd carries dL/db through k's extra channel. In fp32 (float64 for float64 q) under any
+    autocast: a kernel's gradients come out in its dtype, and b's in bf16 (0.4% each) loses the gate's, which sums
+    them over the tokens, where they nearly cancel (docs/pes/fox.md). v gets a zero channel: the kernel is fused only
+    when q, k and v have one head dim (on CUDA, a multiple of 8: all three get zero channels to it).
     key: (B or 1, H, 1, L) fp32 (float64 with float64 q, k, v).
     """
-    head_dim = q.size(-1)
-    dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else q.dtype
-    wide = torch.promote_types(key.dtype, torch.float32)
-    rest, parts = key.transpose(-2, -1).to(wide) * head_dim**0.5, []  # (B or 1, H, L, 1)
-    for _ in range(1 if dtype.itemsize >= 4 else 3):
-        part = rest.to(dtype)
-        parts.append(part)
-        rest = rest - part.to(wide)
-    extra = len(parts)
-    batch, heads, length, _ = k.shape
-    ones = q.new_ones(*q.shape[:-1], extra, dtype=dtype)
-    channels = torch.cat(parts, -1).expand(batch, heads, length, extra)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    out = F.scaled_dot_product_attention(
-        torch.cat([q, ones], -1),
-        torch.cat([k, channels], -1),
-        torch.cat([v, v.new_zeros(*v.shape[:-1], extra)], -1),
-        is_causal=True,
-        scale=head_dim**-0.5,
-    )
-    return out[..., :head_dim]
+    head_dim, device = q.size(-1), q.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    wide = torch.promote_types(q.dtype, torch.float32)
+    zeros = -(head_dim + 1) % HEAD_DIM_MULTIPLE.get(device, 1)
+    channel = key.transpose(-2, -1).to(wide).expand(*k.shape[:-1], 1) * head_dim**0.5  # (B, H, L, 1)
+    q, k, v = q.to(wide), k.to(wide), v.to(wide)
+    with torch.autocast(device, enabled=False):
+        out = F.scaled_dot_product_attention(
+            F.pad(torch.cat([q, torch.ones_like(q[..., :1])], -1), (0, zeros)),
+            F.pad(torch.cat([k, channel], -1), (0, zeros)),
+            F.pad(v, (0, 1 + zeros)),
+            is_causal=True,
+            scale=head_dim**-0.5,
+        )
+    return out[..., :head_dim].to(dtype)
 
 
 def explicit_bias(

@@ -1,4 +1,4 @@
-"""FlexAttention glue: the compiled kernel and the causal BlockMask (CUDA score_mod path)."""
+"""FlexAttention glue: the compiled kernel and the causal and sliding-window BlockMasks (CUDA path)."""
 
 from functools import cache
 
@@ -8,7 +8,7 @@ import torch
 # version whose backward reaches tensors a score_mod captures (the T5 table, Shaw's q . a^K).
 flex_attention = None
 if torch.__version__ >= "2.6":
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 FLEX_BLOCK = 128  # FlexAttention's sparse block size (its default)
 
@@ -54,3 +54,14 @@ def causal_block_mask(length: int, device: torch.device) -> "BlockMask":
         mask_mod=causal,
         seq_lengths=(length, length),
     )
+
+
+@cache
+def window_block_mask(length: int, window: int, device: torch.device) -> "BlockMask":
+    """The causal BlockMask of a sliding window: query i sees keys i - window + 1 .. i; flex skips every block
+    outside the band, so the work is O(L W)."""
+
+    def in_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return create_block_mask(in_window, None, None, length, length, device=device, BLOCK_SIZE=FLEX_BLOCK)

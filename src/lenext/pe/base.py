@@ -60,7 +60,7 @@ class Bias:
     - ``band()``: (B or 1, H, L, W), ``PositionalEncoding.band_bias``'s form.
     - ``pair(start, end, first)``: (B or 1, H, end - start, end - first) fp32 bias of query rows [start, end)
       against keys [first, end), for j <= i (values at j > i must be finite; the attention masks them).
-    - ``flex()``: a FlexAttention score_mod adding the bias (CUDA).
+    - ``flex()``: a FlexAttention score_mod adding the bias (CUDA), or None where it has none for these positions.
     Forms that cost work are functions, called only by the path that uses them.
     """
 
@@ -206,7 +206,8 @@ class PositionalEncoding(nn.Module):
         """The whole score bias as a FlexAttention score_mod ``(score, b, h, q_idx, kv_idx) -> score + bias``.
 
         q: (B, H, L, d_head), positions (B or 1, L) (index them with b only when B > 1). Flex
-        applies the causal mask after it, so it may return anything (in bounds) for kv_idx > q_idx.
+        applies the causal mask after it, so it may return anything (in bounds) for kv_idx > q_idx. None: no
+        score_mod for these positions (FIRE past its threshold), the attention takes another path.
         """
         return None
 

@@ -6,7 +6,8 @@ the distance is normalised by the query's position once the query is past the th
 1 -> ``hidden`` (ReLU) -> one output per head; c (init 0.1) and L_thr = |multiplier| * init_threshold
 (multiplier init 1) are learned, with eps 1e-6 in the denominator, as in the paper's reference code.
 One FIRE per attention layer (``per_layer``), as each layer owns one there. ``init_threshold: null``
-starts L_thr at L_train. The bias depends on i itself, not only on i - j: a pair bias, scored in query blocks.
+starts L_thr at L_train. The bias depends on i itself, not only on i - j: a pair bias, scored in query blocks;
+while every query is below L_thr it is a function of i - j alone, which FlexAttention looks up on CUDA.
 """
 
 import torch
@@ -44,7 +45,7 @@ class FireBias(nn.Module):
         Later rows run it per (i, j), in chunks of rows that keep its hidden activations
         (rows, K, hidden) within the attention's per-block budget at any length.
         """
-        threshold = (self.threshold_multiplier * self.init_threshold).abs()
+        threshold = self.threshold()
         below = int((query_positions < threshold).sum())  # a prefix: positions increase
         parts = [self._by_distance(query_positions[:below], key_positions, threshold)] if below else []
         rows = max(1, HIDDEN_ELEMENTS // (key_positions.numel() * self.mlp[0].out_features))
@@ -60,10 +61,25 @@ class FireBias(nn.Module):
         with torch.autocast(x.device.type, enabled=False):  # a tiny MLP: fp32 whatever the model runs in
             return self.mlp(x[..., None]).movedim(-1, 0)
 
+    def threshold(self) -> torch.Tensor:
+        return (self.threshold_multiplier * self.init_threshold).abs()
+
+    def distance_table(self, longest: int) -> torch.Tensor | None:
+        """(longest, H): the bias of distances 0..longest-1 when every query position is below ``longest`` and
+        the threshold (the bias then depends on the distance alone); None when some query reaches the threshold."""
+        threshold = self.threshold()
+        if longest - 1 >= threshold:
+            return None
+        return self._distance_table(longest, threshold).T
+
+    def _distance_table(self, count: int, threshold: torch.Tensor) -> torch.Tensor:
+        """(H, count): the bias of distances 0..count-1 for queries below the threshold."""
+        distances = self._psi(torch.arange(count, device=self.c.device).to(self.c.dtype))
+        return self._mlp(distances / (self._psi(threshold) + EPS))
+
     def _by_distance(self, query_positions, key_positions, threshold) -> torch.Tensor:
         distance = (query_positions[:, None] - key_positions[None, :]).clamp(min=0)  # future keys: masked later
-        by_distance = self._psi(torch.arange(int(distance.max()) + 1, device=distance.device).to(self.c.dtype))
-        return self._mlp(by_distance / (self._psi(threshold) + EPS))[:, distance]
+        return self._distance_table(int(distance.max()) + 1, threshold)[:, distance]
 
     def _by_pair(self, query_positions, key_positions, threshold) -> torch.Tensor:
         i, j = query_positions.to(self.c.dtype)[:, None], key_positions.to(self.c.dtype)[None, :]
@@ -99,6 +115,18 @@ class FIRE(PositionalEncoding):
             return torch.stack([fire(i, j) for i, j in zip(rows, keys, strict=True)])
 
         return bias
+
+    def score_mod(self, q, positions, layer):
+        # Only while every query is below the threshold (training at L_train, as it starts): a lookup by distance.
+        table = self.layers[layer if len(self.layers) > 1 else 0].distance_table(int(positions.max()) + 1)
+        if table is None:
+            return None
+        positions = positions.expand(q.size(0), -1)
+
+        def fire(score, b, h, q_idx, kv_idx):  # clamp: j > i (masked) stays in bounds
+            return score + table[(positions[b, q_idx] - positions[b, kv_idx]).clamp(min=0), h]
+
+        return fire
 
     def describe(self) -> dict:
         return {"name": "FIRE", "hidden": self.layers[0].mlp[0].out_features, "per_layer": len(self.layers) > 1}
