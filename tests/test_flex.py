@@ -12,7 +12,7 @@ from torch.testing import assert_close
 
 import lenext.attention as attention_module
 from lenext.attention import causal_attention, causal_block_mask
-from lenext.attention.flex import window_block_mask
+from lenext.attention.flex import key_score_mod, window_block_mask
 from lenext.pe import FIRE, KERPLE, ALiBi, AttentionShape, NoPE, ShawRelative, T5Bias
 from lenext.pe.base import sequential_positions
 from lenext.positions import generator, randomized_positions
@@ -108,6 +108,20 @@ def test_window_block_mask_matches_windowed_causal_attention(kind, window, lengt
         got = eager_flex(q, k, v, pe.score_mod(q, positions, 0), window)
         expected = causal_attention(q, k, v, pe.layer(0).terms(None, q, k, positions), window)
     assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, BATCH])
+@pytest.mark.parametrize("length", [64, 300])
+def test_key_score_mod_matches_the_key_bias_on_sdpa(length, batch):
+    """FoX's key bias (one per sequence, or shared) as a score_mod, against SDPA with it as a mask."""
+    gen = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen) for _ in range(3))
+    cumulative = (-1 + torch.rand(batch, HEADS, 1, length, generator=gen)).cumsum(-1)
+    key = cumulative[..., -1:] - cumulative  # (B or 1, H, 1, L)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=key.expand(-1, -1, length, -1).masked_fill(torch.ones(length, length).triu(1).bool(), -1e9)
+    )
+    assert_close(eager_flex(q, k, v, key_score_mod(key)), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_pes_flex_cannot_express_return_no_score_mod():

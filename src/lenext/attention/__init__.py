@@ -4,7 +4,8 @@ Which path runs follows from the forms of score bias the PE provides (``lenext.p
 docs/pes/index.md, "Attention paths"), never from its name:
 
 - no score bias (NoPE, APEs, RoPE): SDPA ``is_causal``;
-- a key bias that needs a gradient (FoX's): SDPA ``is_causal`` in fp32, the bias as an extra channel of q and k;
+- a key bias that needs a gradient (FoX's): on CUDA in fp32 compiled FlexAttention; otherwise SDPA ``is_causal``
+  in fp32 (also under bf16), the bias as an extra channel of q and k;
 - on CUDA, a ``score_mod`` (and any sliding window, as a block mask): compiled FlexAttention, no (L, L) tensor;
 - a key bias (ALiBi): a (B or 1, H, 1, L) fp32 mask on SDPA's fused causal kernel;
 - a band bias (T5, Shaw) on CPU: ``BandedAttention``, the fused causal flash kernel for the
@@ -31,7 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from lenext.attention.band import BandedAttention, band_mask, cpu_flash
-from lenext.attention.flex import causal_block_mask, compiled_flex_attention, flex_attention, window_block_mask
+from lenext.attention.flex import (
+    causal_block_mask,
+    compiled_flex_attention,
+    flex_attention,
+    key_score_mod,
+    window_block_mask,
+)
 from lenext.errors import ConfigError
 from lenext.pe.base import NO_TERMS, Bias, Logits, LogitTerm, ScoreTerms, ValueTerm
 from lenext.ranges import PositiveInt
@@ -202,6 +209,10 @@ def causal_attention(
     if fused and row_scale is None and all(b.key for b in biases):
         key = sum(b.key(0, length) for b in biases)  # (B or 1, H, 1, L)
     if key is not None and key.requires_grad and torch.is_grad_enabled():
+        # flex in fp32 only: from bf16 scores its gradient of FoX's gate bias is 80% off (docs/performance.md)
+        if q.is_cuda and flex_attention is not None and q.dtype.itemsize >= 4:
+            mask = causal_block_mask(length, q.device)
+            return compiled_flex_attention()(q, k, v, score_mod=key_score_mod(key), block_mask=mask)
         return key_bias_channels_attention(q, k, v, key)
     if plain and row_scale is None and q.is_cuda and flex_attention is not None and all(b.flex for b in biases):
         # Flex only on CUDA: on CPU it has no backward and compiles for seconds (docs/performance.md).

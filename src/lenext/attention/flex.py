@@ -65,3 +65,19 @@ def window_block_mask(length: int, window: int, device: torch.device) -> "BlockM
         return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
     return create_block_mask(in_window, None, None, length, length, device=device, BLOCK_SIZE=FLEX_BLOCK)
+
+
+def key_score_mod(key: torch.Tensor):
+    """A key bias (B or 1, H, 1, L) as a score_mod: flex's backward adds each score's gradient into it in fp32."""
+    key = key[:, :, 0].contiguous()  # (B or 1, H, L)
+    if key.size(0) == 1:
+
+        def shared(score, b, h, q_idx, kv_idx):
+            return score + key[0, h, kv_idx]
+
+        return shared
+
+    def per_sequence(score, b, h, q_idx, kv_idx):
+        return score + key[b, h, kv_idx]
+
+    return per_sequence

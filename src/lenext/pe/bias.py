@@ -122,12 +122,14 @@ class T5Bias(PositionalEncoding):
 
     def score_mod(self, q, positions, layer):
         # Looked up per distance, not per bucket: the backward scatters gradients into this (L, H)
-        # tensor with atomic adds, and far fewer of them collide than on the (buckets, H) table.
+        # tensor with atomic adds, and far fewer of them collide than on the (buckets, H) table. The masked scores
+        # of the diagonal blocks (j > i) are read at |i - j|, not all at distance 0: their zero gradients spread
+        # too (docs/performance.md, "GPU speed").
         by_distance = self._by_distance(layer, int(positions.max()) + 1, q.device)
         positions = positions.expand(q.size(0), -1)
 
-        def t5(score, b, h, q_idx, kv_idx):  # clamp: j > i (masked) stays in bounds
-            return score + by_distance[(positions[b, q_idx] - positions[b, kv_idx]).clamp(min=0), h]
+        def t5(score, b, h, q_idx, kv_idx):  # abs: j > i (masked) stays in bounds
+            return score + by_distance[(positions[b, q_idx] - positions[b, kv_idx]).abs(), h]
 
         return t5
 

@@ -123,8 +123,8 @@ class FIRE(PositionalEncoding):
             return None
         positions = positions.expand(q.size(0), -1)
 
-        def fire(score, b, h, q_idx, kv_idx):  # clamp: j > i (masked) stays in bounds
-            return score + table[(positions[b, q_idx] - positions[b, kv_idx]).clamp(min=0), h]
+        def fire(score, b, h, q_idx, kv_idx):  # abs: j > i (masked) stays in bounds, its zero gradients spread (T5)
+            return score + table[(positions[b, q_idx] - positions[b, kv_idx]).abs(), h]
 
         return fire
 
