@@ -57,11 +57,17 @@ def test_activation_checkpointing_is_a_switch_that_adds_no_state(compose_train):
     assert set(module.net.state_dict()) == set(tiny_module(compose_train, "rope").net.state_dict())
 
 
-def test_fsdp_shards_across_every_device_of_every_node():
+@pytest.mark.parametrize(
+    "devices, gpus, expected",
+    [("8", 0, 32), ("auto", 8, 32), ("-1", 2, 8), ("[0,1,2]", 0, 12), ("'0,1'", 0, 8)],
+)
+def test_fsdp_shards_across_every_device_of_every_node(devices, gpus, expected, monkeypatch):
+    """Every form of trainer.devices Lightning takes (a count, auto and -1: every GPU, indices) times 4 nodes."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     with initialize_config_module(config_module="lenext.configs", version_base="1.3"):
-        cfg = compose("train", overrides=["trainer=fsdp", "trainer.devices=8", "trainer.num_nodes=4"])
+        cfg = compose("train", overrides=["trainer=fsdp", f"trainer.devices={devices}", "trainer.num_nodes=4"])
     strategy = OmegaConf.to_container(cfg.trainer.strategy, resolve=True)
-    assert strategy["data_parallel_size"] == 32 and strategy["tensor_parallel_size"] == 1
+    assert strategy["data_parallel_size"] == expected and strategy["tensor_parallel_size"] == 1
     assert strategy["save_distributed_checkpoint"] is False  # last.ckpt: one file, read as any run's
 
 

@@ -154,6 +154,28 @@ def again(tmp_path):
     return prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache")
 
 
+def test_every_shard_is_on_disk_before_its_name_appears(tmp_path, small_shards, monkeypatch):
+    """Each shard's temporary file is fsynced before it is renamed to its name (a crash keeps no shard whose name
+    promises data a lost page cache never wrote)."""
+    synced, renamed = set(), []
+
+    def fsync(descriptor):
+        synced.add(os.path.realpath(f"/proc/self/fd/{descriptor}"))
+
+    def replace(source, target):
+        if os.path.basename(target).startswith("shard-"):
+            assert os.path.realpath(source) in synced, f"{target} renamed before it was synced"
+            renamed.append(target)
+        original_replace(source, target)
+
+    original_replace = os.replace
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    write_corpus(tmp_path / "corpus")
+    prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache")
+    assert len(renamed) > 3  # every split, several shards each
+
+
 def test_a_truncated_shard_is_refused_naming_it(tmp_path, shard_folder):
     shard = shard_folder / "shard-00001.arrow"
     shard.write_bytes(shard.read_bytes()[:300])

@@ -9,7 +9,6 @@ lenext runs from any folder; a user adds a config folder of their own with
 import contextlib
 import functools
 import logging
-import math
 import os
 import re
 import sys
@@ -17,6 +16,7 @@ from collections.abc import Callable
 from importlib import resources
 
 import hydra
+import torch
 from hydra import compose, initialize_config_module
 from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -44,8 +44,23 @@ OmegaConf.register_new_resolver("auto_precision", default_precision, replace=Tru
 # In run folder names: two sweeps started in the same second still get folders of their own. Cached, so that the
 # jobs a launcher runs in other processes (joblib) resolve the launching process's, as Hydra's ${now:}.
 OmegaConf.register_new_resolver("pid", os.getpid, replace=True, use_cache=True)
-# ${product:a,b}: trainer=fsdp's data-parallel size, devices x nodes (Lightning's "auto" would shard within nodes only).
-OmegaConf.register_new_resolver("product", lambda *factors: math.prod(factors), replace=True)
+
+
+def all_devices(devices, num_nodes) -> int:
+    """trainer=fsdp's data-parallel size: every device of every node (Lightning's "auto" would shard within nodes
+    only). ``devices`` as Lightning takes it: a count, -1 or "auto" (every GPU of the node), indices ([0, 1], "0,1")."""
+    if devices in ("auto", -1, "-1"):
+        per_node = torch.cuda.device_count()
+    elif isinstance(devices, str):
+        per_node = len([index for index in devices.split(",") if index.strip()]) if "," in devices else int(devices)
+    elif isinstance(devices, int):
+        per_node = devices
+    else:
+        per_node = len(devices)
+    return per_node * int(num_nodes)
+
+
+OmegaConf.register_new_resolver("all_devices", all_devices, replace=True)
 # The launch folder, known before Hydra's own config (hydra:runtime.cwd is not, when a sweep folder resolves).
 OmegaConf.register_new_resolver("cwd", os.getcwd, replace=True)
 

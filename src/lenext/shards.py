@@ -99,6 +99,11 @@ class _ShardFile:
 
     def close(self) -> None:
         self._stream.close()
+        descriptor = os.open(self._tmp, os.O_RDONLY)
+        try:  # on disk before the rename: a crash leaves no shard whose name promises data it lacks
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
         self._context.__exit__(None, None, None)
         self.done.append((self.path, self.documents, self.tokens))
 
