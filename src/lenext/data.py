@@ -34,6 +34,7 @@ from lenext.evaluate import TextEvaluation
 from lenext.files import atomic_path, write_atomic
 from lenext.protocols import PROTOCOLS, NonOverlapping, cap_windows
 from lenext.ranges import NonNegativeInt, PositiveFloat, PositiveInt, Range
+from lenext.remote import RemoteCache
 from lenext.shards import Split, SplitWriter, TokenStream, open_split, preparing, token_type
 
 log = logging.getLogger("lenext")
@@ -584,12 +585,14 @@ class LMDataModule(L.LightningDataModule):
         validation_max_windows: PositiveInt | None = None,
         tokenizer: str | None = None,  # a tokenizer.json or HF tokenizer folder; null: a BPE trained on the corpus
         tokenizer_sample_mb: PositiveFloat | None = None,  # null: the whole training split (runs before it existed)
+        remote: str | None = None,  # an fsspec URL mirroring the cache's tokenizers and shards (lenext.remote)
     ):
         super().__init__()
         self.seed, self.validation_max_windows, self.tokenizer_source = seed, validation_max_windows, tokenizer
         self.corpus, self.max_len, self.requested_vocab = corpus, max_len, vocab_size
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.num_workers, self.cache_dir, self.tokenizer_sample_mb = num_workers, cache_dir, tokenizer_sample_mb
+        self.remote = RemoteCache(remote) if remote else None  # a bad URL refused here, before any work
         self.tokenizer = None
         self.shards: dict[str, Split] = {}
         self._views: dict[tuple[str, str], list[np.ndarray]] = {}
@@ -639,18 +642,36 @@ class LMDataModule(L.LightningDataModule):
         if self.tokenizer_source:  # read first: a bad path is refused before the corpus is read
             self.tokenizer, self.start_token = external_tokenizer(self.tokenizer_source)
         key = self.load_tokenizer(train=False)
+        if key is not None and self.remote:
+            for split in SPLITS:
+                with preparing(self._folder(key, split)):  # the ranks of a node: one pulls, the rest find it pulled
+                    self.remote.pull_split(self.cache_dir, self._relative_folder(key, split))
         if key is None or any(open_split(self._folder(key, split), self._shard_key(key)) is None for split in SPLITS):
             for split in SPLITS:  # the first document of each: an empty split is refused before any work
                 if next(iter(self.corpus.documents(split)), None) is None:
                     raise DataError(f"corpus {self.corpus.name!r} has no {split} documents: check data.corpus")
             key = self.load_tokenizer()
         self.shards = {split: self._prepare(split, key) for split in SPLITS}
+        if self.remote:  # what this machine prepared, for the others
+            for relative in self._tokenizer_files:
+                self.remote.push_file(self.cache_dir, relative)
+            for split in SPLITS:
+                self.remote.push_split(self.cache_dir, self._relative_folder(key, split))
 
     def _shard_key(self, tokenizer_key: str) -> str:
         return f"{tokenizer_key}-{_digest([self.corpus.fingerprint()])}"
 
+    def _relative_folder(self, tokenizer_key: str, split: str) -> str:
+        return f"shards/{self._shard_key(tokenizer_key)}/{split}"
+
     def _folder(self, tokenizer_key: str, split: str) -> str:
-        return os.path.join(self.cache_dir, "shards", self._shard_key(tokenizer_key), split)
+        return os.path.join(self.cache_dir, self._relative_folder(tokenizer_key, split))
+
+    def _pull(self, relative: str) -> str:
+        """The cache's path of ``relative``, pulled from ``data.remote`` first if the cache lacks it."""
+        if self.remote:
+            self.remote.pull_file(self.cache_dir, relative)
+        return os.path.join(self.cache_dir, relative)
 
     def load_tokenizer(self, train: bool = True) -> str | None:
         """The tokenizer alone (``data.tokenizer``'s, else the BPE of the training split's first
@@ -663,6 +684,7 @@ class LMDataModule(L.LightningDataModule):
                 self.tokenizer, self.start_token = external_tokenizer(self.tokenizer_source)
             key = f"{self.corpus.name}-{_digest([self.tokenizer.to_str(), str(self.start_token)])}"
             self.tokenizer_path = os.path.join(self.cache_dir, "tokenizers", f"{key}.json")
+            self._tokenizer_files = []  # data.tokenizer's: the remote needs no copy
             if not os.path.exists(self.tokenizer_path):  # the tokenizer the run used, kept beside lenext's own
                 with atomic_path(self.tokenizer_path) as tmp:
                     self.tokenizer.save(tmp)
@@ -673,12 +695,13 @@ class LMDataModule(L.LightningDataModule):
 
         # The tokenizer is named by its training text; which text that is, the corpus's fingerprint says cheaply.
         source = [self.corpus.fingerprint(), str(self.tokenizer_sample_mb), str(self.requested_vocab)]
-        index = os.path.join(self.cache_dir, "tokenizers", "by_source", f"{_digest(source)}.txt")
+        index = self._pull(f"tokenizers/by_source/{_digest(source)}.txt")
         key = _read_if_exists(index)
-        if key is None or not os.path.exists(os.path.join(self.cache_dir, "tokenizers", f"{key}.json")):
+        if key is None or not os.path.exists(self._pull(f"tokenizers/{key}.json")):
             if not train:
                 return None
             key = f"{self.corpus.name}-{_digest(documents())}-v{self.requested_vocab}"
+        self._tokenizer_files = [f"tokenizers/{key}.json", f"tokenizers/by_source/{_digest(source)}.txt"]
         self.tokenizer_path = os.path.join(self.cache_dir, "tokenizers", f"{key}.json")
         with preparing(os.path.dirname(self.tokenizer_path)):  # ranks starting together: one trains, the rest wait
             if not os.path.exists(self.tokenizer_path):

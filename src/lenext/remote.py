@@ -1,0 +1,76 @@
+"""``data.remote``: an object store (any fsspec URL: s3://, gs://, az://, hf://) that mirrors the cache's tokenizers
+and token shards, so a corpus prepared once is fetched by every machine that trains on it (docs/data.md).
+
+Runs read shards memory-mapped from the local cache (``data.cache_dir``); the remote copy is what a machine without
+it pulls from. A split folder counts as present, locally or remotely, once its manifest is there: its shards are
+copied first and the manifest last, each file under a temporary name until whole, so a copy cut short is never
+taken for a whole one. A pulled folder is checked as a locally prepared one is (``lenext.shards.open_split``).
+"""
+
+import os
+
+import fsspec
+
+from lenext.errors import ConfigError, DataError
+from lenext.files import atomic_path
+from lenext.shards import MANIFEST
+
+
+class RemoteCache:
+    """The cache's mirror at ``url``. Each method takes a path relative to both roots: a file, or a split folder."""
+
+    def __init__(self, url: str):
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url)
+        except (ImportError, ValueError) as e:  # an unknown protocol, or its package (s3fs, gcsfs, adlfs) missing
+            raise ConfigError(f"data.remote={url!r} cannot be opened: {e}") from None
+        self.url, self.root = url.rstrip("/"), root.rstrip("/")
+
+    def pull_file(self, cache_dir: str, relative: str) -> None:
+        """The remote's copy of a file into the cache, if the cache lacks it and the remote has it."""
+        if not os.path.exists(os.path.join(cache_dir, relative)) and self._exists(relative):
+            self._get(relative, cache_dir)
+
+    def pull_split(self, cache_dir: str, relative: str) -> None:
+        """The remote's split folder into the cache, if the cache has no manifest there and the remote has one."""
+        if os.path.exists(os.path.join(cache_dir, relative, MANIFEST)) or not self._exists(f"{relative}/{MANIFEST}"):
+            return
+        paths = self._call(relative, self.fs.ls, self._path(relative), detail=False)
+        for name in sorted((os.path.basename(p) for p in paths), key=lambda n: n == MANIFEST):  # the manifest last
+            self._get(f"{relative}/{name}", cache_dir)
+
+    def push_file(self, cache_dir: str, relative: str) -> None:
+        """A cached file onto the remote, if the remote lacks it."""
+        if not self._exists(relative):
+            self._put(cache_dir, relative)
+
+    def push_split(self, cache_dir: str, relative: str) -> None:
+        """A prepared split folder onto the remote, if the remote has no manifest there: shards, then the manifest."""
+        if self._exists(f"{relative}/{MANIFEST}"):
+            return
+        names = [n for n in os.listdir(os.path.join(cache_dir, relative)) if not n.startswith(".")]  # not the lock
+        for name in sorted(names, key=lambda n: n == MANIFEST):
+            self._put(cache_dir, f"{relative}/{name}")
+
+    def _path(self, relative: str) -> str:
+        return f"{self.root}/{relative}"
+
+    def _exists(self, relative: str) -> bool:
+        return self._call(relative, self.fs.exists, self._path(relative))
+
+    def _get(self, relative: str, cache_dir: str) -> None:
+        with atomic_path(os.path.join(cache_dir, relative)) as tmp:
+            self._call(relative, self.fs.get_file, self._path(relative), tmp)
+
+    def _put(self, cache_dir: str, relative: str) -> None:
+        target = self._path(relative)
+        self._call(relative, self.fs.makedirs, target.rpartition("/")[0], exist_ok=True)
+        self._call(relative, self.fs.put_file, os.path.join(cache_dir, relative), f"{target}.partial")
+        self._call(relative, self.fs.mv, f"{target}.partial", target)
+
+    def _call(self, relative: str, method, *args, **kwargs):
+        """``method(*args, **kwargs)`` on the remote, a failure named in one line by ``relative``."""
+        try:
+            return method(*args, **kwargs)
+        except OSError as e:
+            raise DataError(f"data.remote: {self.url}/{relative} failed ({type(e).__name__}: {e})") from None
