@@ -13,7 +13,7 @@ from torch.testing import assert_close
 import lenext.attention as attention_module
 from lenext.attention import causal_attention, causal_block_mask
 from lenext.attention.flex import key_score_mod, window_block_mask
-from lenext.pe import FIRE, KERPLE, ALiBi, AttentionShape, NoPE, ShawRelative, T5Bias
+from lenext.pe import FIRE, KERPLE, ALiBi, AttentionShape, FoX, NoPE, ShawRelative, T5Bias
 from lenext.pe.base import sequential_positions
 from lenext.positions import generator, randomized_positions
 
@@ -85,11 +85,12 @@ def test_fire_score_mod_below_its_threshold_matches_causal_attention(length, pos
             )
 
 
-def test_fire_has_no_score_mod_once_a_query_reaches_its_threshold():
-    """From L_thr on the bias depends on i as well: no lookup by distance; the attention scores it in blocks."""
-    pe, q = FIRE(SHAPE, init_threshold=40.0), torch.randn(1, HEADS, 41, HEAD_DIM)
-    assert pe.score_mod(q[:, :, :40], sequential_positions(40), 0) is not None
-    assert pe.score_mod(q, sequential_positions(41), 0) is None
+def test_fire_has_no_score_mod_once_a_query_is_past_its_threshold():
+    """Past L_thr the bias depends on i as well: no lookup by distance; the attention scores it in blocks. A query at
+    L_thr still has the normaliser psi(L_thr)."""
+    pe, q = FIRE(SHAPE, init_threshold=40.0), torch.randn(1, HEADS, 42, HEAD_DIM)
+    assert pe.score_mod(q[:, :, :41], sequential_positions(41), 0) is not None  # positions 0..40
+    assert pe.score_mod(q, sequential_positions(42), 0) is None
 
 
 @pytest.mark.parametrize("length", [64, 300])
@@ -122,6 +123,101 @@ def test_key_score_mod_matches_the_key_bias_on_sdpa(length, batch):
         q, k, v, attn_mask=key.expand(-1, -1, length, -1).masked_fill(torch.ones(length, length).triu(1).bool(), -1e9)
     )
     assert_close(eager_flex(q, k, v, key_score_mod(key)), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length, window", [(300, 1), (300, 7), (300, 128), (300, 200), (1024, 300), (129, 128)])
+def test_window_block_mask_visits_exactly_the_blocks_the_window_reaches(length, window):
+    """Its blocks, full and partial, against the element mask reduced to blocks (full: all of a block seen)."""
+    mask = window_block_mask(length, window, torch.device("cpu"))
+    rows, keys = torch.arange(length)[:, None], torch.arange(length)
+    seen = (keys <= rows) & (keys > rows - window)  # (L, L)
+    blocks = -(-length // 128)
+    padded = torch.zeros(blocks * 128, blocks * 128, dtype=torch.bool)
+    padded[:length, :length] = seen
+    per_block = padded.reshape(blocks, 128, blocks, 128).transpose(1, 2)
+    in_range = torch.zeros_like(padded)
+    in_range[:length, :length] = True
+    whole = (per_block | ~in_range.reshape(blocks, 128, blocks, 128).transpose(1, 2)).flatten(2).all(-1)
+    assert torch.equal(mask.to_dense()[0, 0].bool(), per_block.flatten(2).any(-1))
+    full = torch.zeros(blocks, blocks, dtype=torch.bool)
+    for row in range(blocks):
+        full[row, mask.full_kv_indices[0, 0, row, : mask.full_kv_num_blocks[0, 0, row]].long()] = True
+    assert torch.equal(full, whole & per_block.flatten(2).any(-1))
+
+
+@pytest.fixture
+def flex_on_cpu(monkeypatch):
+    """``causal_attention``'s CUDA FlexAttention branch taken on the CPU, through eager flex on detached inputs
+    (forward only: CPU flex has no backward); each call's block mask recorded."""
+    calls = []
+
+    def eager(q, k, v, score_mod=None, block_mask=None):
+        calls.append(block_mask)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return attention_module.flex_attention(
+                q.detach(), k.detach(), v.detach(), score_mod=score_mod, block_mask=block_mask
+            )
+
+    monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
+    monkeypatch.setattr(attention_module, "compiled_flex_attention", lambda: eager)
+    return calls
+
+
+def explicit(q, k, v, terms, window=None):
+    """The explicit query blocks' output (what attention recording runs), the reference of the dispatch tests."""
+    with attention_module.recording(lambda *weights: None):
+        return causal_attention(q, k, v, terms, window)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("kind", [None, "alibi", "t5", "kerple"])
+def test_the_dispatcher_sends_biases_and_windows_to_flex(kind, window, flex_on_cpu):
+    pe, positions, length = (PES[kind]() if kind else NoPE(SHAPE)), sequential_positions(100), 100
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM) for _ in range(3))
+    with torch.no_grad():
+        terms = pe.layer(0).terms(None, q, k, positions)
+        got = causal_attention(q, k, v, terms, window)
+        assert_close(got, explicit(q, k, v, terms, window), atol=1e-5, rtol=1e-5)
+    assert len(flex_on_cpu) == (0 if kind is None and window is None else 1)  # no bias, no window: SDPA
+
+
+def test_the_dispatcher_sends_foxs_key_bias_to_flex_in_evaluation_and_fp32_training(flex_on_cpu):
+    """FoX's key bias has no score_mod of its own: flex takes it as one (``key_score_mod``), without a gradient and
+    with one in fp32; under bf16 autocast with a gradient it stays on the fp32 channels."""
+    layer = FoX(SHAPE).layer(0)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        layer.gate.weight.normal_(std=0.5)
+    x = torch.randn(BATCH, 80, HEADS * HEAD_DIM)
+    q, k, v = (torch.randn(BATCH, HEADS, 80, HEAD_DIM) for _ in range(3))
+    positions = sequential_positions(80)
+    with torch.no_grad():
+        terms = layer.terms(x, q, k, positions)
+        assert_close(causal_attention(q, k, v, terms), explicit(q, k, v, terms), atol=1e-5, rtol=1e-5)
+    assert len(flex_on_cpu) == 1
+    got = causal_attention(q, k, v, layer.terms(x, q, k, positions))  # the gate's gradient wanted, fp32: flex
+    assert len(flex_on_cpu) == 2
+    assert_close(got, explicit(q, k, v, layer.terms(x, q, k, positions)).detach(), atol=1e-5, rtol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = [t.bfloat16() for t in (q, k, v)]
+        causal_attention(*half, layer.terms(x, *half[:2], positions))
+    assert len(flex_on_cpu) == 2  # bf16 with a gradient: the channels
+
+
+def test_the_dispatcher_falls_back_when_fire_passes_its_threshold(flex_on_cpu):
+    pe = FIRE(SHAPE, init_threshold=60.0)
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(BATCH, HEADS, 100, HEAD_DIM) for _ in range(3))
+    with torch.no_grad():
+        for length, flexed in ((61, 1), (100, 1)):  # 0..60, none past L_thr 60: flex; 0..99: the explicit blocks
+            terms = pe.layer(0).terms(None, q[:, :, :length], k[:, :, :length], sequential_positions(length))
+            got = causal_attention(q[:, :, :length], k[:, :, :length], v[:, :, :length], terms)
+            assert_close(
+                got, explicit(q[:, :, :length], k[:, :, :length], v[:, :, :length], terms), atol=1e-5, rtol=1e-5
+            )
+            assert len(flex_on_cpu) == flexed
 
 
 def test_pes_flex_cannot_express_return_no_score_mod():

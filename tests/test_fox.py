@@ -105,26 +105,28 @@ def inputs(length: int, dtype=torch.float32, requires_grad=True):
     return [t.requires_grad_(requires_grad) for t in (x, q, k, v)]
 
 
-# fused: SDPA's causal kernel (the key bias as channels of q and k with a gradient, else a mask); cuda_channels: the
-# channels padded with zeros to a head dim of a multiple of 8, as CUDA's kernels need; explicit: query blocks (what
-# attention recording runs: the fused paths need no other switch off)
+# fused: SDPA's causal kernel (the key bias as a channel of q and k with a gradient, else a mask); cuda_channels: the
+# channels padded with zeros to a head dim of a multiple of 8, as CUDA's kernels need; explicit: query blocks (with
+# a gradient what attention recording runs, without one each block's mask on SDPA)
 PATHS = ("fused", "cuda_channels", "explicit", "explicit_small_blocks")
 
 
-def use_path(path: str, monkeypatch, length: int) -> contextlib.AbstractContextManager:
+def use_path(path: str, monkeypatch, length: int, grad: bool = True) -> contextlib.AbstractContextManager:
     if path == "cuda_channels":
         monkeypatch.setattr(attention_module, "HEAD_DIM_MULTIPLE", {"cpu": 8})
     if path == "explicit_small_blocks":
         monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", BATCH * HEADS * length * max(2, length // 5))
         monkeypatch.setattr(band_module, "BAND_ROWS", 3)
-    return recording(lambda *weights: None) if path.startswith("explicit") else contextlib.nullcontext()
+    if path.startswith("explicit") and not grad:
+        monkeypatch.setattr(attention_module, "fused_mask_with_causal", lambda device_type: False)
+    return recording(lambda *weights: None) if path.startswith("explicit") and grad else contextlib.nullcontext()
 
 
 def run_fox(path, length, grad, window, dtype, monkeypatch):
     """lenext's output and gradients (of x, q, k, v, the gate's weight and bias) and fla's reference's (float64)."""
     layer = fox_layer().to(dtype)
     x, q, k, v = inputs(length, dtype, requires_grad=grad)
-    with torch.set_grad_enabled(grad), use_path(path, monkeypatch, length):
+    with torch.set_grad_enabled(grad), use_path(path, monkeypatch, length, grad):
         got = causal_attention(q, k, v, layer.terms(x, q, k, sequential_positions(length)), window)
     log_forget = F.logsigmoid(F.linear(x.double(), layer.gate.weight.double(), layer.gate.bias.double()))
     expected = fla_reference(q, k, v, log_forget, window)
@@ -187,7 +189,7 @@ def test_fox_key_bias_channels_keep_fp32_precision_in_bf16(length):
 
 
 @pytest.mark.parametrize("path", ["fused", "explicit"])
-def test_fox_gate_gradients_under_bf16_autocast(path):
+def test_fox_gate_gradients_under_bf16_autocast(path, monkeypatch):
     """A FoX model under bf16 autocast (as bf16-mixed trains): every gradient, the gates' included, within 5% of its
     tensor's scale of float64's. The gate bias's sums each key's bias gradient over the tokens, where they nearly
     cancel: from a bf16 kernel it was 45-70% off."""
@@ -199,13 +201,21 @@ def test_fox_gate_gradients_under_bf16_autocast(path):
             block.attn.pe.gate.bias.normal_(mean=1.0, std=0.5)
     tokens = torch.randint(0, 97, (BATCH, 129), generator=torch.Generator().manual_seed(1))
 
+    channels = []  # the calls of the fused path's kernel
+    monkeypatch.setattr(
+        attention_module,
+        "key_bias_channels_attention",
+        lambda *args, original=key_bias_channels_attention: channels.append(1) or original(*args),
+    )
+
     def gradients(dtype, bf16):
         model = copy.deepcopy(net).to(dtype)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), use_path(path, None, 128):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), use_path(path, monkeypatch, 128):
             model.token_nll(tokens[:, :-1], tokens[:, 1:]).mean().backward()
         return {name: p.grad.double() for name, p in model.named_parameters()}
 
     expected, got = gradients(torch.float64, False), gradients(torch.float32, True)
+    assert len(channels) == (4 if path == "fused" else 0)  # 2 layers, 2 runs: the path named is the path taken
     for name, grad in expected.items():
         assert_close(got[name], grad, atol=0.05 * grad.abs().max().item(), rtol=0, msg=name)
 

@@ -71,6 +71,14 @@ def test_fsdp_shards_across_every_device_of_every_node(devices, gpus, expected, 
     assert strategy["save_distributed_checkpoint"] is False  # last.ckpt: one file, read as any run's
 
 
+def test_fsdp_on_every_gpu_of_a_machine_without_one_says_so(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with initialize_config_module(config_module="lenext.configs", version_base="1.3"):
+        cfg = compose("train", overrides=["trainer=fsdp", "trainer.devices=auto"])
+    with pytest.raises(Exception, match="trainer.devices=auto finds no CUDA GPU: trainer=fsdp shards over GPUs"):
+        OmegaConf.to_container(cfg.trainer.strategy, resolve=True)
+
+
 STEP_PES = {"rope": RoPE, "t5": T5Bias, "fire": FIRE, "kerple": KERPLE}
 
 

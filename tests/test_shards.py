@@ -375,3 +375,31 @@ def test_a_remote_that_cannot_be_opened_is_refused_before_any_work(tmp_path):
     for url in urls:
         with pytest.raises(ConfigError, match=rf"^data.remote={re.escape(repr(url))} cannot be opened: \S"):
             LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote=url)
+
+
+def test_machines_pushing_the_same_split_at_once_both_succeed(tmp_path, small_shards):
+    """Two machines that prepared the same corpus push it together: each upload under its own temporary name, the
+    split whole on the remote after both."""
+    import threading
+
+    from lenext.remote import RemoteCache
+
+    write_corpus(tmp_path / "corpus")
+    data = prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache")
+    split = os.path.relpath(os.path.dirname(data.shards["train"].files[0]), tmp_path / "cache")
+    remote, errors = RemoteCache((tmp_path / "remote").as_uri()), []
+
+    def push():
+        try:
+            remote.push(str(tmp_path / "cache"), split)
+        except Exception as e:  # noqa: BLE001 (collected for the assertion)
+            errors.append(e)
+
+    threads = [threading.Thread(target=push) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    pushed = sorted(os.listdir(tmp_path / "remote" / split))
+    assert pushed == sorted(n for n in os.listdir(tmp_path / "cache" / split) if not n.startswith("."))

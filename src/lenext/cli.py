@@ -51,6 +51,8 @@ def all_devices(devices, num_nodes) -> int:
     only). ``devices`` as Lightning takes it: a count, -1 or "auto" (every GPU of the node), indices ([0, 1], "0,1")."""
     if devices in ("auto", -1, "-1"):
         per_node = torch.cuda.device_count()
+        if per_node == 0:
+            raise ConfigError(f"trainer.devices={devices} finds no CUDA GPU: trainer=fsdp shards over GPUs")
     elif isinstance(devices, str):
         per_node = len([index for index in devices.split(",") if index.strip()]) if "," in devices else int(devices)
     elif isinstance(devices, int):

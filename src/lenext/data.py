@@ -593,6 +593,7 @@ class LMDataModule(L.LightningDataModule):
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.num_workers, self.cache_dir, self.tokenizer_sample_mb = num_workers, cache_dir, tokenizer_sample_mb
         self.remote = RemoteCache(remote) if remote else None  # a bad URL refused here, before any work
+        self._made: list[str] = []  # what this process trained or prepared, relative to the cache
         self.tokenizer = None
         self.shards: dict[str, Split] = {}
         self._views: dict[tuple[str, str], list[np.ndarray]] = {}
@@ -652,11 +653,9 @@ class LMDataModule(L.LightningDataModule):
                     raise DataError(f"corpus {self.corpus.name!r} has no {split} documents: check data.corpus")
             key = self.load_tokenizer()
         self.shards = {split: self._prepare(split, key) for split in SPLITS}
-        if self.remote:  # what this machine prepared, for the others
-            for relative in self._tokenizer_files:
-                self.remote.push_file(self.cache_dir, relative)
-            for split in SPLITS:
-                self.remote.push_split(self.cache_dir, self._relative_folder(key, split))
+        if self.remote:  # what this process made, for the other machines
+            for relative in self._made:
+                self.remote.push(self.cache_dir, relative)
 
     def _shard_key(self, tokenizer_key: str) -> str:
         return f"{tokenizer_key}-{_digest([self.corpus.fingerprint()])}"
@@ -684,7 +683,6 @@ class LMDataModule(L.LightningDataModule):
                 self.tokenizer, self.start_token = external_tokenizer(self.tokenizer_source)
             key = f"{self.corpus.name}-{_digest([self.tokenizer.to_str(), str(self.start_token)])}"
             self.tokenizer_path = os.path.join(self.cache_dir, "tokenizers", f"{key}.json")
-            self._tokenizer_files = []  # data.tokenizer's: the remote needs no copy
             if not os.path.exists(self.tokenizer_path):  # the tokenizer the run used, kept beside lenext's own
                 with atomic_path(self.tokenizer_path) as tmp:
                     self.tokenizer.save(tmp)
@@ -701,16 +699,17 @@ class LMDataModule(L.LightningDataModule):
             if not train:
                 return None
             key = f"{self.corpus.name}-{_digest(documents())}-v{self.requested_vocab}"
-        self._tokenizer_files = [f"tokenizers/{key}.json", f"tokenizers/by_source/{_digest(source)}.txt"]
         self.tokenizer_path = os.path.join(self.cache_dir, "tokenizers", f"{key}.json")
         with preparing(os.path.dirname(self.tokenizer_path)):  # ranks starting together: one trains, the rest wait
             if not os.path.exists(self.tokenizer_path):
                 tokenizer = train_tokenizer(documents(), self.requested_vocab)
                 with atomic_path(self.tokenizer_path) as tmp:
                     tokenizer.save(tmp)
+                self._made.append(f"tokenizers/{key}.json")
         self.tokenizer = Tokenizer.from_file(self.tokenizer_path)
         if _read_if_exists(index) != key:
             write_atomic(index, key)
+            self._made.append(os.path.relpath(index, self.cache_dir))
         self.start_token = self.tokenizer.token_to_id(EOS)
         return key
 
@@ -731,6 +730,7 @@ class LMDataModule(L.LightningDataModule):
             log.info("preparing the %s split of %s into %s%s", split, self.corpus.name, folder, done)
             documents = itertools.islice(self.corpus.documents(split), writer.resume_from, None)
             writer.write(self._encode(documents, held_out))
+            self._made.append(self._relative_folder(tokenizer_key, split))
             return open_split(folder, key)
 
     def describe_preparation(self) -> list[str]:

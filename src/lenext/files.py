@@ -31,6 +31,15 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[str]:
         raise
 
 
+def fsync(path: str | os.PathLike) -> None:
+    """``path``'s data on disk (before a rename names it whole)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def write_atomic(path: str | os.PathLike, text: str) -> None:
     """``text`` into ``path`` through ``atomic_path``, flushed to disk before the rename."""
     with atomic_path(path) as tmp, open(tmp, "w") as f:

@@ -8,11 +8,12 @@ taken for a whole one. A pulled folder is checked as a locally prepared one is (
 """
 
 import os
+import uuid
 
 import fsspec
 
 from lenext.errors import ConfigError, DataError
-from lenext.files import atomic_path
+from lenext.files import atomic_path, fsync
 from lenext.shards import MANIFEST
 
 
@@ -36,21 +37,29 @@ class RemoteCache:
         if os.path.exists(os.path.join(cache_dir, relative, MANIFEST)) or not self._exists(f"{relative}/{MANIFEST}"):
             return
         paths = self._call(relative, self.fs.ls, self._path(relative), detail=False)
-        for name in sorted((os.path.basename(p) for p in paths), key=lambda n: n == MANIFEST):  # the manifest last
+        names = [os.path.basename(p) for p in paths if not p.endswith(".partial")]  # not another machine's upload
+        for name in sorted(names, key=lambda n: n == MANIFEST):  # the manifest last
             self._get(f"{relative}/{name}", cache_dir)
 
-    def push_file(self, cache_dir: str, relative: str) -> None:
-        """A cached file onto the remote, if the remote lacks it."""
-        if not self._exists(relative):
-            self._put(cache_dir, relative)
-
-    def push_split(self, cache_dir: str, relative: str) -> None:
-        """A prepared split folder onto the remote, if the remote has no manifest there: shards, then the manifest."""
-        if self._exists(f"{relative}/{MANIFEST}"):
+    def push(self, cache_dir: str, relative: str) -> None:
+        """A cached file, or a prepared split folder (shards, then the manifest), onto the remote if it lacks it.
+        Machines preparing the same corpus at once may push the same files: each under a name of its own until whole,
+        and the same bytes either way."""
+        local = os.path.join(cache_dir, relative)
+        folder = os.path.isdir(local)
+        if self._exists(f"{relative}/{MANIFEST}" if folder else relative):
             return
-        names = [n for n in os.listdir(os.path.join(cache_dir, relative)) if not n.startswith(".")]  # not the lock
-        for name in sorted(names, key=lambda n: n == MANIFEST):
-            self._put(cache_dir, f"{relative}/{name}")
+        names = [n for n in os.listdir(local) if not n.startswith(".")] if folder else []  # not the lock
+        for file in [f"{relative}/{n}" for n in sorted(names, key=lambda n: n == MANIFEST)] if folder else [relative]:
+            target = self._path(file)
+            partial = f"{target}.{uuid.uuid4().hex}.partial"
+            self._call(file, self.fs.makedirs, target.rpartition("/")[0], exist_ok=True)
+            self._call(file, self.fs.put_file, os.path.join(cache_dir, file), partial)
+            try:
+                self.fs.mv(partial, target)
+            except Exception:  # noqa: BLE001 (a store's own errors): another machine's copy may have landed first
+                if not self._exists(file):
+                    raise DataError(f"data.remote: {self.url}/{file} could not be written") from None
 
     def _path(self, relative: str) -> str:
         return f"{self.root}/{relative}"
@@ -61,16 +70,11 @@ class RemoteCache:
     def _get(self, relative: str, cache_dir: str) -> None:
         with atomic_path(os.path.join(cache_dir, relative)) as tmp:
             self._call(relative, self.fs.get_file, self._path(relative), tmp)
-
-    def _put(self, cache_dir: str, relative: str) -> None:
-        target = self._path(relative)
-        self._call(relative, self.fs.makedirs, target.rpartition("/")[0], exist_ok=True)
-        self._call(relative, self.fs.put_file, os.path.join(cache_dir, relative), f"{target}.partial")
-        self._call(relative, self.fs.mv, f"{target}.partial", target)
+            fsync(tmp)
 
     def _call(self, relative: str, method, *args, **kwargs):
         """``method(*args, **kwargs)`` on the remote, a failure named in one line by ``relative``."""
         try:
             return method(*args, **kwargs)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 (each store has its own: botocore's, google-auth's, HTTP errors)
             raise DataError(f"data.remote: {self.url}/{relative} failed ({type(e).__name__}: {e})") from None

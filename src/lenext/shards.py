@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from lenext.errors import DataError
-from lenext.files import atomic_path, write_atomic
+from lenext.files import atomic_path, fsync, write_atomic
 
 SHARD_TOKENS = 1 << 24  # tokens per shard (32 MiB of uint16): small enough to rewrite after a kill
 FORMAT = 1  # bumped when the layout changes, so an older folder is refused rather than misread
@@ -98,12 +98,12 @@ class _ShardFile:
         self.tokens += sum(len(row["ids"]) for row in rows)
 
     def close(self) -> None:
-        self._stream.close()
-        descriptor = os.open(self._tmp, os.O_RDONLY)
-        try:  # on disk before the rename: a crash leaves no shard whose name promises data it lacks
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        try:
+            self._stream.close()
+            fsync(self._tmp)  # on disk before the rename: a crash leaves no shard whose name promises data it lacks
+        except OSError as e:  # the temporary removed, the failure in one line
+            self._context.__exit__(type(e), e, e.__traceback__)
+            raise DataError(f"token shard {self.path} could not be written ({e})") from None
         self._context.__exit__(None, None, None)
         self.done.append((self.path, self.documents, self.tokens))
 

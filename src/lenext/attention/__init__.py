@@ -4,15 +4,16 @@ Which path runs follows from the forms of score bias the PE provides (``lenext.p
 docs/pes/index.md, "Attention paths"), never from its name:
 
 - no score bias (NoPE, APEs, RoPE): SDPA ``is_causal``;
-- a key bias that needs a gradient (FoX's): on CUDA in fp32 compiled FlexAttention; otherwise SDPA ``is_causal``
-  in fp32 (also under bf16), the bias as an extra channel of q and k;
-- on CUDA, a ``score_mod`` (and any sliding window, as a block mask): compiled FlexAttention, no (L, L) tensor;
+- a key bias that needs a gradient (FoX's), but on CUDA in fp32: SDPA ``is_causal`` in fp32 (also under bf16), the
+  bias as an extra channel of q and k;
+- on CUDA, biases that each have a ``score_mod`` or a key form, and any sliding window (as a block mask): compiled
+  FlexAttention, no (L, L) tensor;
 - a key bias (ALiBi): a (B or 1, H, 1, L) fp32 mask on SDPA's fused causal kernel;
 - a band bias (T5, Shaw) on CPU: ``BandedAttention``, the fused causal flash kernel for the
   keys beyond the band (bias 0) and the W band keys scored directly, in O(L W) extra memory;
 - otherwise (a pair bias: KERPLE, FIRE; a value term: Shaw's a^V; logits the PE computes itself:
   Self-Extend; a window on CPU; no fused kernel): explicit scores in query blocks, so no (L, L) tensor at once.
-The PE gives biases; every mask (causal, the band's) is built here.
+The PE gives biases; every mask (causal, the band's, a window's) is built here or in ``flex``.
 
 The kernels live beside it: ``band`` (BandedAttention, CPU), ``flex`` (FlexAttention, CUDA).
 ``recording(callback)`` sends every call down the explicit path and hands the callback each query block's
@@ -157,9 +158,9 @@ def _sdpa_keep_mask(q, k, v, attn_mask: torch.Tensor, is_causal: bool = False) -
 
     Autocast (and a cast to q's dtype) would round the mask to bf16, whose 8-bit mantissa loses
     ALiBi's key offsets m * (j - anchor) beyond 256 positions: logit errors of order 1 at long lengths.
-    SDPA accepts an fp32 mask with bf16 q, k, v on CPU (with or without is_causal) and on CUDA only with is_causal
-    (torch 2.11). With float64 q, k, v and an fp32 mask its CPU kernel returns wrong values (torch 2.13, no error):
-    the mask goes up to float64 there.
+    SDPA accepts an fp32 mask with bf16 q, k, v on CPU (with or without is_causal); on CUDA it refuses any mask
+    together with is_causal (torch 2.11, probed on an H100: ``fused_mask_with_causal``). With float64 q, k, v and
+    an fp32 mask its CPU kernel returns wrong values (torch 2.13, no error): the mask goes up to float64 there.
     """
     mask = attn_mask.to(torch.promote_types(q.dtype, attn_mask.dtype))
     with torch.autocast(q.device.type, enabled=False):
@@ -208,15 +209,12 @@ def causal_attention(
     length, key = q.size(-2), None
     if fused and row_scale is None and all(b.key for b in biases):
         key = sum(b.key(0, length) for b in biases)  # (B or 1, H, 1, L)
-    if key is not None and key.requires_grad and torch.is_grad_enabled():
+    flex = plain and row_scale is None and flex_available(q) and all(b.flex or b.key for b in biases)
+    if key is not None and key.requires_grad and torch.is_grad_enabled() and not (flex and q.dtype.itemsize >= 4):
         # flex in fp32 only: from bf16 scores its gradient of FoX's gate bias is 80% off (docs/performance.md)
-        if q.is_cuda and flex_attention is not None and q.dtype.itemsize >= 4:
-            mask = causal_block_mask(length, q.device)
-            return compiled_flex_attention()(q, k, v, score_mod=key_score_mod(key), block_mask=mask)
         return key_bias_channels_attention(q, k, v, key)
-    if plain and row_scale is None and q.is_cuda and flex_attention is not None and all(b.flex for b in biases):
-        # Flex only on CUDA: on CPU it has no backward and compiles for seconds (docs/performance.md).
-        score_mods = [b.flex() for b in biases]
+    if flex:  # a key bias without a score_mod of its own (FoX's) as one; CUDA's SDPA takes no mask with is_causal
+        score_mods = [b.flex() if b.flex else key_score_mod(b.key(0, length)) for b in biases]
         if all(score_mods):  # a PE may have no score_mod for these positions (FIRE past its threshold)
             mask = (
                 causal_block_mask(length, q.device) if window is None else window_block_mask(length, window, q.device)
@@ -232,6 +230,12 @@ def causal_attention(
             return BandedAttention.apply(q, k, v, band if row_scale is None else band * row_scale)
     bias = explicit_bias(biases, q, window, row_scale)
     return _blocked_attention(q, k, v, bias, value_term, logits, row_scale, window, terms.logit_terms, stick_breaking)
+
+
+def flex_available(q: torch.Tensor) -> bool:
+    """Whether compiled FlexAttention serves q's device: CUDA only (on CPU it has no backward and compiles for
+    seconds: docs/performance.md)."""
+    return q.is_cuda and flex_attention is not None
 
 
 def summed_score_mods(score_mods: list) -> Callable:

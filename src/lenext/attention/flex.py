@@ -8,7 +8,7 @@ import torch
 # version whose backward reaches tensors a score_mod captures (the T5 table, Shaw's q . a^K).
 flex_attention = None
 if torch.__version__ >= "2.6":
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 FLEX_BLOCK = 128  # FlexAttention's sparse block size (its default)
 
@@ -58,13 +58,37 @@ def causal_block_mask(length: int, device: torch.device) -> "BlockMask":
 
 @cache
 def window_block_mask(length: int, window: int, device: torch.device) -> "BlockMask":
-    """The causal BlockMask of a sliding window: query i sees keys i - window + 1 .. i; flex skips every block
-    outside the band, so the work is O(L W)."""
+    """The causal BlockMask of a sliding window (query i sees keys i - window + 1 .. i), from its block structure
+    (create_block_mask would evaluate the mask at all L^2 positions): flex skips every block outside the band, so
+    the work is O(L W). A block whose every row sees every key is full; one that some row sees in part, partial."""
+    blocks = -(-length // FLEX_BLOCK)
+    first = torch.arange(blocks, device=device) * FLEX_BLOCK  # each block's first row (as queries) or key
+    last = (first + FLEX_BLOCK - 1).clamp(max=length - 1)
+    rows_first, rows_last, keys_first, keys_last = first[:, None], last[:, None], first[None], last[None]
+    seen = (keys_first <= rows_last) & (keys_last > rows_first - window)  # some row sees some key
+    full = (keys_last <= rows_first) & (keys_first > rows_last - window)  # every row sees every key
+    partial_count, partial_index = _listed(seen & ~full)
+    full_count, full_index = _listed(full)
 
     def in_window(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
-    return create_block_mask(in_window, None, None, length, length, device=device, BLOCK_SIZE=FLEX_BLOCK)
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks=partial_count,
+        kv_indices=partial_index,
+        full_kv_num_blocks=full_count,
+        full_kv_indices=full_index,
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=in_window,
+        seq_lengths=(length, length),
+    )
+
+
+def _listed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, n) bool of the key blocks each query block visits -> their count (1, 1, n) and indices (1, 1, n, n),
+    each row's listed first, in order."""
+    order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)
+    return blocks.sum(-1).to(torch.int32)[None, None], order.to(torch.int32)[None, None].contiguous()
 
 
 def key_score_mod(key: torch.Tensor):

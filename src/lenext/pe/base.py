@@ -326,6 +326,18 @@ def position_differences(query_positions: torch.Tensor, key_positions: torch.Ten
     return query_positions[..., :, None] - key_positions[..., None, :]
 
 
+def distance_score_mod(table: torch.Tensor, positions: torch.Tensor, batch: int) -> Callable:
+    """A score_mod adding ``table`` (N, H) looked up at |p_i - p_j| (positions (B or 1, L), N above the largest).
+    |i - j|, not max(i - j, 0): the masked scores (j > i) of the diagonal blocks then spread their zero gradients
+    over the table, instead of flex's backward adding them all atomically at distance 0 (T5 trained 3x slower)."""
+    positions = positions.expand(batch, -1)
+
+    def by_distance(score, b, h, q_idx, kv_idx):
+        return score + table[(positions[b, q_idx] - positions[b, kv_idx]).abs(), h]
+
+    return by_distance
+
+
 def band_distances(positions: torch.Tensor, width: int) -> torch.Tensor:
     """(B or 1, L, W) i - j for each query i and the W keys j = i - W + 1 .. i of its band.
 

@@ -7,7 +7,13 @@ import torch
 from torch import nn
 
 from lenext.errors import ConfigError
-from lenext.pe.base import AttentionShape, PositionalEncoding, band_distances, position_differences
+from lenext.pe.base import (
+    AttentionShape,
+    PositionalEncoding,
+    band_distances,
+    distance_score_mod,
+    position_differences,
+)
 from lenext.ranges import PositiveInt, Range
 
 
@@ -122,16 +128,8 @@ class T5Bias(PositionalEncoding):
 
     def score_mod(self, q, positions, layer):
         # Looked up per distance, not per bucket: the backward scatters gradients into this (L, H)
-        # tensor with atomic adds, and far fewer of them collide than on the (buckets, H) table. The masked scores
-        # of the diagonal blocks (j > i) are read at |i - j|, not all at distance 0: their zero gradients spread
-        # too (docs/performance.md, "GPU speed").
-        by_distance = self._by_distance(layer, int(positions.max()) + 1, q.device)
-        positions = positions.expand(q.size(0), -1)
-
-        def t5(score, b, h, q_idx, kv_idx):  # abs: j > i (masked) stays in bounds
-            return score + by_distance[(positions[b, q_idx] - positions[b, kv_idx]).abs(), h]
-
-        return t5
+        # tensor with atomic adds, and far fewer of them collide than on the (buckets, H) table.
+        return distance_score_mod(self._by_distance(layer, int(positions.max()) + 1, q.device), positions, q.size(0))
 
     def describe(self) -> dict:
         return {

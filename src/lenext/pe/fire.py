@@ -13,7 +13,7 @@ while every query is below L_thr it is a function of i - j alone, which FlexAtte
 import torch
 from torch import nn
 
-from lenext.pe.base import HIDDEN_ELEMENTS, AttentionShape, PositionalEncoding
+from lenext.pe.base import HIDDEN_ELEMENTS, AttentionShape, PositionalEncoding, distance_score_mod
 from lenext.ranges import PositiveFloat, PositiveInt
 
 EPS = 1e-6
@@ -65,10 +65,11 @@ class FireBias(nn.Module):
         return (self.threshold_multiplier * self.init_threshold).abs()
 
     def distance_table(self, longest: int) -> torch.Tensor | None:
-        """(longest, H): the bias of distances 0..longest-1 when every query position is below ``longest`` and
-        the threshold (the bias then depends on the distance alone); None when some query reaches the threshold."""
+        """(longest, H): the bias of distances 0..longest-1 when every query position (below ``longest``) is at most
+        the threshold, where the normaliser is psi(L_thr) and the bias a function of the distance alone; None when
+        some query is past it."""
         threshold = self.threshold()
-        if longest - 1 >= threshold:
+        if longest - 1 > threshold:
             return None
         return self._distance_table(longest, threshold).T
 
@@ -117,16 +118,9 @@ class FIRE(PositionalEncoding):
         return bias
 
     def score_mod(self, q, positions, layer):
-        # Only while every query is below the threshold (training at L_train, as it starts): a lookup by distance.
+        # Only while no query is past the threshold (training at L_train, as it starts): a lookup by distance.
         table = self.layers[layer if len(self.layers) > 1 else 0].distance_table(int(positions.max()) + 1)
-        if table is None:
-            return None
-        positions = positions.expand(q.size(0), -1)
-
-        def fire(score, b, h, q_idx, kv_idx):  # abs: j > i (masked) stays in bounds, its zero gradients spread (T5)
-            return score + table[(positions[b, q_idx] - positions[b, kv_idx]).abs(), h]
-
-        return fire
+        return None if table is None else distance_score_mod(table, positions, q.size(0))
 
     def describe(self) -> dict:
         return {"name": "FIRE", "hidden": self.layers[0].mlp[0].out_features, "per_layer": len(self.layers) > 1}

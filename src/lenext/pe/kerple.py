@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lenext.pe.base import AttentionShape, PositionalEncoding, position_differences
+from lenext.pe.base import AttentionShape, PositionalEncoding, distance_score_mod, position_differences
 
 FLOOR = 1e-2  # the official code's lower bound for r1 and r2
 
@@ -67,13 +67,7 @@ class KERPLE(PositionalEncoding):
         # table instead of adding all L^2 of them atomically into r1 and r2 (slower and less exact: docs/pes/kerple.md).
         r1, r2 = self.kernel_parameters(layer)
         distance = torch.arange(int(positions.max()) + 1, device=q.device, dtype=torch.float32)[:, None]
-        by_distance = kerple_kernel(distance, r1, r2, self.kernel)  # (N, H)
-        positions = positions.expand(q.size(0), -1)
-
-        def kerple(score, b, h, q_idx, kv_idx):  # abs: j > i (masked) stays in bounds
-            return score + by_distance[(positions[b, q_idx] - positions[b, kv_idx]).abs(), h]
-
-        return kerple
+        return distance_score_mod(kerple_kernel(distance, r1, r2, self.kernel), positions, q.size(0))  # (N, H)
 
     def describe(self) -> dict:
         return {"name": "KERPLE", "kernel": self.kernel, "per_layer": self.per_layer}
