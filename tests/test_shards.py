@@ -403,3 +403,16 @@ def test_machines_pushing_the_same_split_at_once_both_succeed(tmp_path, small_sh
     assert errors == []
     pushed = sorted(os.listdir(tmp_path / "remote" / split))
     assert pushed == sorted(n for n in os.listdir(tmp_path / "cache" / split) if not n.startswith("."))
+
+
+def test_a_remote_is_not_part_of_what_a_run_is():
+    """Where prepared data is fetched from does not change it: a run resumes, skips and pools over seeds with or
+    without data.remote."""
+    from hydra import compose, initialize_config_module
+
+    from lenext.run_folder import FINISHED_IDENTITY, run_identity
+
+    with initialize_config_module(config_module="lenext.configs", version_base="1.3"):
+        local = compose("train", overrides=["paths.root_dir=/tmp"])
+        remote = compose("train", overrides=["paths.root_dir=/tmp", "data.remote=s3://bucket/prefix"])
+    assert run_identity(local, FINISHED_IDENTITY) == run_identity(remote, FINISHED_IDENTITY)

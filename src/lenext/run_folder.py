@@ -26,6 +26,7 @@ NOT_IDENTITY = (
     "data.num_workers",
     "data.eval_batch_size",
     "data.cache_dir",
+    "data.remote",
     "data.corpus.streaming",
     "eval.tokens_per_batch",
     "module.compile",
