@@ -18,6 +18,8 @@ section's size is fixed):
 3. lightning: lenext's LightningModule under lightning.Trainer against a bare loop doing the same training
    (``bench.bare_steps`` on the GPU), RoPE, the small model at L 512, batch 16, arms interleaved.
 4. x-transformers: the same shape built by x-transformers, interleaved with lenext's rows, nope, rope, alibi, t5.
+5. fsdp (asked by name): FSDP2 as trainer=fsdp shards against DDP, one rank, NoPE at the training shape
+   (``--model``, ``--length``, ``--batch``): two steps' parameters compared, tokens/s interleaved, peak memory.
 
     PYTHONPATH=src python scripts/gpu_check.py --out benchmarks/gpu-check-<date>.md
     .venv/bin/python scripts/gpu_check.py --device cpu --quick   # smoke test of the script itself
@@ -386,6 +388,111 @@ def bench_lightning(length, batch, steps, reps, device, log):
 
 
 # --------------------------------------------------------------------------------------------
+# 5. FSDP against DDP on one device
+
+
+class MeanNLL(torch.nn.Module):
+    """A net's mean next-token loss as a module's forward (what DDP wraps)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, tokens, targets):
+        return self.net.token_nll(tokens, targets).mean()
+
+
+class ShardedArm:
+    """One training step of ``net`` wrapped as ``kind``: "ddp" (DistributedDataParallel) or "fsdp" (FSDP2 as
+    trainer=fsdp shards it, ``lenext.module.shard``), on a process group of one rank, bf16 autocast, AdamW."""
+
+    def __init__(self, kind: str, net, tokens, device: str):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.nn.parallel import DistributedDataParallel
+
+        from lenext.module import shard
+
+        self.net, self.kind, self.device = copy.deepcopy(net).to(device).train(), kind, device
+        if kind == "ddp":  # its gradient sync hangs on its forward: the loss, through a module that computes it
+            self.loss_of = DistributedDataParallel(MeanNLL(self.net), device_ids=[0] if device == "cuda" else None)
+        else:
+            shard(self.net, init_device_mesh(device, (1,), mesh_dim_names=("data_parallel",))["data_parallel"])
+            self.loss_of = MeanNLL(self.net)
+        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4)
+        self.tokens, self.targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+    def step(self) -> torch.Tensor:
+        with torch.autocast(self.device, dtype=torch.bfloat16):
+            loss = self.loss_of(self.tokens, self.targets)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def parameters(self) -> dict:
+        return {
+            name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double().cpu()
+            for name, p in self.net.named_parameters()
+        }
+
+
+def bench_fsdp(model, vocab, length, batch, steps, reps, device, log) -> dict:
+    """FSDP2 against DDP on one device: the same net and batch, one step's loss and parameters compared, then
+    interleaved repetitions of ``steps`` steps (median tokens/s), each arm's peak memory."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )
+    try:
+        net = build("nope", length, {"vocab_size": vocab} if model else TRAIN_SHAPE, model)
+        tokens = torch.randint(0, net.vocab_size, (batch, length + 1), generator=torch.Generator().manual_seed(0))
+        arms, peaks = {}, {}
+        for kind in ("ddp", "fsdp"):
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            arms[kind] = ShardedArm(kind, net, tokens, device)
+            arms[kind].loss = float(arms[kind].step())  # the first step: compared below, then warm
+            arms[kind].step()
+            sync(device)
+            peaks[kind] = torch.cuda.max_memory_allocated() - before if device == "cuda" else float("nan")
+            log(f"  {kind}: first loss {arms[kind].loss:.6f}")
+        ddp, fsdp = arms["ddp"].parameters(), arms["fsdp"].parameters()
+        worst = max(((fsdp[n] - p).abs().max() / p.abs().max().clamp(min=1e-12)).item() for n, p in ddp.items())
+        rates = {kind: [] for kind in arms}
+        for rep in range(reps):
+            for kind in list(arms) if rep % 2 == 0 else list(reversed(arms)):
+                sync(device)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    arms[kind].step()
+                sync(device)
+                rates[kind].append(steps * batch * length / (time.perf_counter() - t0))
+            log(f"  rep {rep + 1}: " + ", ".join(f"{k} {rates[k][-1]:.0f}" for k in rates))
+        return {
+            "model": model or "small",
+            "parameters": sum(p.numel() for p in net.parameters()),
+            "length": length,
+            "batch": batch,
+            "steps": steps,
+            "reps": reps,
+            "loss": {kind: arm.loss for kind, arm in arms.items()},
+            "worst_parameter_error": worst,
+            "tokens_per_s": {kind: statistics.median(r) for kind, r in rates.items()},
+            "ratio": statistics.median(f / d for f, d in zip(rates["fsdp"], rates["ddp"], strict=True)),
+            "peak_bytes": peaks,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
 # The report
 
 
@@ -421,7 +528,7 @@ def _git(*args) -> str | None:
     return _run("git", "-C", str(bench.REPO), *args)
 
 
-def render(info, settings, exact=None, training=None, lightning=None) -> str:
+def render(info, settings, exact=None, training=None, lightning=None, fsdp=None) -> str:
     lines = ["# lenext GPU check", ""]
     lines += [f"- {key}: {value}" for key, value in info.items()]
     lines += [f"- command: `{settings['command']}`", f"- elapsed: {settings['elapsed']:.0f} s", ""]
@@ -431,7 +538,29 @@ def render(info, settings, exact=None, training=None, lightning=None) -> str:
         lines += render_training(training)
     if lightning is not None:
         lines += render_lightning(lightning)
+    if fsdp is not None:
+        lines += render_fsdp(fsdp)
     return "\n".join(lines) + "\n"
+
+
+def render_fsdp(r) -> list[str]:
+    mb = {kind: f"{peak / 2**20:,.0f} MB" for kind, peak in r["peak_bytes"].items()}
+    return [
+        "## FSDP against DDP on one device",
+        "",
+        f"Model {r['model']} ({r['parameters']:,} parameters), NoPE, L {r['length']}, batch {r['batch']}, bf16 "
+        f"autocast, AdamW; one process group of one rank; FSDP2 as `trainer=fsdp` shards (each block, then the net). "
+        f"{r['reps']} repetitions of {r['steps']} steps, the arms alternating.",
+        "",
+        "| arm | tokens/s | first loss | peak memory |",
+        "|---|---:|---:|---:|",
+        *(f"| {k} | {r['tokens_per_s'][k]:,.0f} | {r['loss'][k]:.6f} | {mb[k]} |" for k in ("ddp", "fsdp")),
+        "",
+        f"FSDP's tokens/s over DDP's (median of the paired repetitions): {r['ratio']:.3f} (target: within 10%). After "
+        f"two identical steps, the largest difference of any parameter, relative to its tensor's largest entry: "
+        f"{r['worst_parameter_error']:.1e}.",
+        "",
+    ]
 
 
 def render_exactness(exact) -> list[str]:
@@ -526,7 +655,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of the script")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/gpu-check-run.md"))
-    parser.add_argument("--sections", default="exactness,training,lightning")
+    parser.add_argument(
+        "--sections", default="exactness,training,lightning", help="of exactness,training,lightning,fsdp"
+    )
     parser.add_argument("--rows", help="comma-separated rows (default: every PE config and variant)")
     parser.add_argument("--quick", action="store_true", help="tiny lengths and steps (a smoke test)")
     parser.add_argument("--budget", type=float, default=500, help="seconds for the whole run, shared by sections")
@@ -556,7 +687,7 @@ def main(argv=None) -> None:
         write_atomic(args.out, render(info, settings, **results))
         write_atomic(args.out.with_suffix(".json"), json.dumps({"info": info, **results}, indent=1, default=str))
 
-    shares = {"exactness": 0.55, "training": 0.3, "lightning": 0.15}  # lightning: kept free for its fixed size
+    shares = {"exactness": 0.55, "training": 0.3, "lightning": 0.15, "fsdp": 0.15}  # lightning, fsdp: fixed sizes
     budget = {s: args.budget * shares[s] / sum(shares[t] for t in sections) for s in sections}
     log(f"{info}; budgets {budget}")
     if "exactness" in sections:
@@ -583,6 +714,11 @@ def main(argv=None) -> None:
             dict(length=64, batch=2, steps=3, reps=2) if args.quick else dict(length=512, batch=16, steps=30, reps=4)
         )
         results["lightning"] = bench_lightning(device=args.device, log=log, **quick)
+        save()
+    if "fsdp" in sections:
+        quick = dict(length=64, batch=2, steps=2, reps=2) if args.quick else dict(steps=5, reps=6)
+        sizes = dict(length=args.length, batch=args.batch) | quick
+        results["fsdp"] = bench_fsdp(args.model, args.vocab, device=args.device, log=log, **sizes)
         save()
     save()
     log(f"wrote {args.out} in {time.perf_counter() - started:.0f} s")

@@ -2,6 +2,7 @@
 names the machine."""
 
 import importlib.util
+import json
 import logging
 
 import pytest
@@ -107,3 +108,24 @@ def test_rows_asked_keep_nope_for_the_training_ratios_and_an_unknown_row_is_refu
         bench.main(["--rows", "cope,copy"])
     assert exit_info.value.code == 2
     assert "--rows: copy not a row; rows are " in capsys.readouterr().err
+
+
+def test_the_gpu_check_runs_its_sections_on_a_cpu(tmp_path):
+    """scripts/gpu_check.py on the CPU (its smoke test): an exactness row asked with ``@compile`` is checked as its PE,
+    the training table lists the rows, and FSDP on one rank equals DDP after two steps (the GPU time it is run on is
+    scarce: a script error found there costs a lent machine)."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    exact, trained = tmp_path / "exact.md", tmp_path / "trained.md"
+    gpu_check.main(
+        ["--device", "cpu", "--quick", "--sections", "exactness", "--rows", "fox@compile", "--out", str(exact)]
+    )
+    assert "| fox | L 16, L 40, L 40, drawn |" in exact.read_text() and "**no**" not in exact.read_text()
+    gpu_check.main(
+        ["--device", "cpu", "--quick", "--sections", "training,fsdp", "--rows", "nope,t5", "--out", str(trained)]
+    )
+    report = trained.read_text()
+    assert "| t5 |" in report and "| xt:t5 |" in report
+    fsdp = json.loads(trained.with_suffix(".json").read_text())["fsdp"]
+    assert fsdp["loss"]["ddp"] == fsdp["loss"]["fsdp"] and fsdp["worst_parameter_error"] < 1e-6
