@@ -69,6 +69,20 @@ def alibi_base(compose_run) -> str:  # noqa: F811
     return trained_base(compose_run, "alibi")
 
 
+def test_only_a_stage_from_its_base_may_lack_the_qk_norm_gains():
+    """The gains DroPE adds start at 1 when a stage loads its base; a checkpoint of a QK-norm model that lacks them
+    (damaged, or another model's) is refused naming them, not loaded with gains of 1."""
+    from lenext.build import load_weights
+    from lenext.model import Decoder
+
+    torch.manual_seed(0)
+    with_norm = Decoder(64, 16, NoPE, d_model=32, n_layers=2, n_heads=4, attention=AttentionSettings(qk_norm=True))
+    without = {k: v for k, v in with_norm.state_dict().items() if not k.endswith(("q_norm.weight", "k_norm.weight"))}
+    load_weights(with_norm, without, from_base=True)
+    with pytest.raises(RuntimeError, match="q_norm.weight"):
+        load_weights(with_norm, without)
+
+
 @pytest.mark.parametrize(
     "base, overrides, message",
     [

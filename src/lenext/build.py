@@ -56,10 +56,11 @@ def build_decoder(config: dict, train_len: int, reach: int, vocab_size: int):
 
 
 def build_net(spec, vocab_size: int, weights: dict | None = None):
-    """The Decoder of a resolved run (``lenext.spec.RunSpec``), holding ``weights`` if given (a checkpoint's)."""
+    """The Decoder of a resolved run (``lenext.spec.RunSpec``), holding ``weights`` if given: a checkpoint's own, or
+    a second stage's base's (optimizer, step and schedule start afresh)."""
     net = build_decoder(spec.config, spec.train_len, spec.reach, vocab_size)
-    if weights is not None:  # the base's weights only: optimizer, step and schedule start afresh
-        load_weights(net, weights)
+    if weights is not None:
+        load_weights(net, weights, from_base=spec.start == "init_from")
     return net
 
 
@@ -67,13 +68,14 @@ def build_net(spec, vocab_size: int, weights: dict | None = None):
 ADDED_BY_STAGE = (".attn.q_norm.weight", ".attn.k_norm.weight")
 
 
-def load_weights(net, weights: dict) -> None:
-    """A base's ``weights`` into a second stage's ``net``: every tensor of the net from them, but the QK-norm gains
-    a DroPE stage adds (``ADDED_BY_STAGE``), which keep their initial 1 where the base has none; anything else
-    missing or left over raises torch's RuntimeError, naming it."""
+def load_weights(net, weights: dict, from_base: bool = False) -> None:
+    """``weights`` into ``net``, every tensor of it; ``from_base`` (a second stage's net from its base's weights)
+    but the QK-norm gains a DroPE stage adds (``ADDED_BY_STAGE``), which keep their initial 1 where the base has
+    none. Anything else missing or left over raises torch's RuntimeError, naming it."""
     missing, unexpected = net.load_state_dict(weights, strict=False)
-    if unexpected or not all(key.endswith(ADDED_BY_STAGE) for key in missing):
-        net.load_state_dict(weights)
+    tolerated = from_base and all(key.endswith(ADDED_BY_STAGE) for key in missing)
+    if unexpected or (missing and not tolerated):
+        net.load_state_dict(weights)  # raises, naming them
 
 
 def unsharded(net, spec, vocab_size: int):

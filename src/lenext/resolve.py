@@ -218,7 +218,7 @@ def resolved_pe(config: dict, train_len: int, reach: int, base: "Base | None" = 
     net = build_decoder(config, train_len, reach, base.vocab_size if base else 256)
     if base is not None:
         try:
-            load_weights(net, base.state)
+            load_weights(net, base.state, from_base=True)
         except RuntimeError as e:
             raise CheckpointError(
                 f"init_from={base.stage.checkpoint}: its weights do not fit this stage's model "
