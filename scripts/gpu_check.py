@@ -276,6 +276,16 @@ class Arm:
         return loss.detach()
 
 
+def tokens_per_second(arm, steps: int, tokens_per_step: int, device: str) -> float:
+    """``steps`` of ``arm`` timed, the device synchronised before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        arm.step()
+    sync(device)
+    return steps * tokens_per_step / (time.perf_counter() - t0)
+
+
 def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log, model=None, vocab=0):
     start, arms, results = time.perf_counter(), {}, {"skipped": {}}
     # One compile state for the section: every row's flex kernel stays compiled for the timed repetitions.
@@ -309,12 +319,7 @@ def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log
         if rep > 1 and time.perf_counter() - start > budget:
             break
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                arms[name].step()
-            sync(device)
-            rates[name].append(steps * batch * length / (time.perf_counter() - t0))
+            rates[name].append(tokens_per_second(arms[name], steps, batch * length, device))
         log(f"  rep {rep + 1}: " + ", ".join(f"{n} {rates[n][-1]:.0f}" for n in names))
     peak = gpu_gemm_peak(device) if device == "cuda" else float("nan")
     nope = arms.get("nope")
@@ -468,12 +473,7 @@ def bench_fsdp(model, vocab, length, batch, steps, reps, device, log) -> dict:
         rates = {kind: [] for kind in arms}
         for rep in range(reps):
             for kind in list(arms) if rep % 2 == 0 else list(reversed(arms)):
-                sync(device)
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    arms[kind].step()
-                sync(device)
-                rates[kind].append(steps * batch * length / (time.perf_counter() - t0))
+                rates[kind].append(tokens_per_second(arms[kind], steps, batch * length, device))
             log(f"  rep {rep + 1}: " + ", ".join(f"{k} {rates[k][-1]:.0f}" for k in rates))
         return {
             "model": model or "small",
