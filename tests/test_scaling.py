@@ -151,3 +151,31 @@ def test_resuming_a_fire_run_from_before_its_vectors_reshapes_their_adamw_state(
     module.on_load_checkpoint(checkpoint)
     state = checkpoint["optimizer_states"][0]["state"][0]
     assert state["exp_avg"].shape == state["exp_avg_sq"].shape == (1,) and state["step"].dim() == 0
+
+
+@pytest.mark.parametrize(
+    "pe", ["nope", "rope", "p_rope", "rope_ntk", "xpos", "rope_nope", "rnope_swa", "fox", "fox_rope", "alibi", "kerple"]
+)
+def test_a_block_traces_as_one_graph(pe, compose_train):
+    """What module.compile compiles, a block, traces whole: no graph break (a PE's table span is read once per
+    forward by the decoder, not inside a block; attention recording is a plain global). FIRE's learned threshold,
+    read per forward, and T5's and Shaw's CPU band kernel are the known exceptions (docs/scaling.md)."""
+    import torch._dynamo
+
+    from lenext.pe.base import forward_span
+
+    net = tiny_module(compose_train, pe).net
+    x, positions = torch.randn(2, 16, net.d_model), torch.arange(16)[None]
+    torch._dynamo.reset()
+    with forward_span(positions):
+        explained = torch._dynamo.explain(net.blocks[0])(x, positions)
+    assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
+
+
+def test_a_pes_span_is_read_from_its_positions_outside_a_compiled_block():
+    """position_span is the forward's span only while torch.compile traces; elsewhere, the positions given."""
+    from lenext.pe.base import forward_span, position_span
+
+    with forward_span(torch.arange(64)[None]):
+        assert position_span(torch.arange(10)[None]) == 10
+    assert position_span(torch.tensor([[0, 5, 900]])) == 901

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from lenext.attention import AttentionSettings, LengthScale, causal_attention
 from lenext.errors import ConfigError
 from lenext.pe import AttentionShape, PositionalEncoding
-from lenext.pe.base import LayerPE, sequential_positions
+from lenext.pe.base import LayerPE, forward_span, sequential_positions
 from lenext.ranges import PositiveFloat, PositiveInt, Probability
 
 # Logits made at a time, in floats: on CPU small enough for the heap to reuse each chunk instead of mapping it
@@ -158,11 +158,12 @@ class Decoder(nn.Module):
             positions = sequential_positions(tokens.size(1), tokens.device)
         x = self.embedding(tokens)  # (B, L, d)
         x = self.dropout(self.pe.embed(x, positions))
-        for block in self.blocks:
-            if self.checkpoint_blocks and torch.is_grad_enabled():
-                x = checkpoint(block, x, positions, use_reentrant=False)
-            else:
-                x = block(x, positions)
+        with forward_span(positions):  # read once here: a compiled block reads no tensor's value
+            for block in self.blocks:
+                if self.checkpoint_blocks and torch.is_grad_enabled():
+                    x = checkpoint(block, x, positions, use_reentrant=False)
+                else:
+                    x = block(x, positions)
         return self.norm(x)  # (B, L, d)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

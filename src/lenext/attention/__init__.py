@@ -23,7 +23,6 @@ weights (lenext.diagnostics).
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cache
 from typing import Literal
@@ -55,7 +54,7 @@ HEAD_DIM_MULTIPLE = {"cuda": 8}
 
 # Attention recording (lenext.diagnostics): the callback ``recording`` set, or None. Not part of the paths above.
 AttentionRecorder = Callable[[torch.Tensor, int, int, int], None]
-_recorder: ContextVar[AttentionRecorder | None] = ContextVar("lenext_attention_recorder", default=None)
+_recorder: AttentionRecorder | None = None  # a module global, not a ContextVar: torch.compile traces a global
 
 
 @contextmanager
@@ -67,11 +66,12 @@ def recording(callback: AttentionRecorder) -> Iterator[None]:
     window, the length scale and the normalizer in them, as the layer computes them. Under stick-breaking the weight
     a row leaves over (on its own value) is put on its own key, so each row sums to 1 as under softmax.
     The callback must not keep the tensor beyond the call if memory matters: blocks are O(SCORE_BLOCK_ELEMENTS)."""
-    token = _recorder.set(callback)
+    global _recorder
+    previous, _recorder = _recorder, callback
     try:
         yield
     finally:
-        _recorder.reset(token)
+        _recorder = previous
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ def causal_attention(
         window = None  # every row sees all its keys
     # scores of q . k plus biases alone: what the fused kernels compute (recording needs the explicit path's weights)
     plain = value_term is None and logits is None and not terms.logit_terms and not stick_breaking
-    plain = plain and _recorder.get() is None
+    plain = plain and _recorder is None
     fused = plain and window is None
     if fused and not biases:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -347,7 +347,7 @@ def _blocked_attention(
     else:  # a block of r rows sees r + W - 1 keys: the largest r with r (r + W - 1) <= budget
         rows = max(1, int((math.sqrt((window - 1) ** 2 + 4 * budget) - (window - 1)) / 2))
     out = q.new_empty(batch, heads, length, v.size(-1))  # written block by block: see SCORE_BLOCK_ELEMENTS
-    record = _recorder.get()
+    record = _recorder
     for start in range(0, length, rows):  # query blocks attend to keys [first, end)
         end = min(start + rows, length)
         first = 0 if window is None else max(0, start - window + 1)

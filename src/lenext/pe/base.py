@@ -123,6 +123,30 @@ class AttentionShape:
         return self.max_position or self.train_len
 
 
+# 1 + the largest position of the forward the decoder is running (``forward_span``), or None outside one.
+_forward_span: int | None = None
+
+
+@contextmanager
+def forward_span(positions: torch.Tensor) -> Iterator[None]:
+    """Inside the block, ``position_span`` of a compiled block is the span of ``positions``, read here once, before
+    the blocks run (Decoder.forward)."""
+    global _forward_span
+    previous, _forward_span = _forward_span, int(positions.max()) + 1
+    try:
+        yield
+    finally:
+        _forward_span = previous
+
+
+def position_span(positions: torch.Tensor) -> int:
+    """1 + the largest of ``positions`` (B or 1, L): the positions a PE's tables must cover. While torch.compile
+    traces a block, the span the decoder read before its blocks: reading it there (.item()) breaks the graph."""
+    if torch.compiler.is_compiling() and _forward_span is not None:
+        return _forward_span
+    return int(positions.max()) + 1
+
+
 def sequential_positions(length: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """(1, L): positions 0..L-1, what every sequence gets unless training draws others."""
     return torch.arange(length, device=device)[None]

@@ -13,6 +13,7 @@ from lenext.pe.base import (
     band_distances,
     distance_score_mod,
     position_differences,
+    position_span,
 )
 from lenext.ranges import PositiveInt, Range
 
@@ -129,7 +130,7 @@ class T5Bias(PositionalEncoding):
     def score_mod(self, q, positions, layer):
         # Looked up per distance, not per bucket: the backward scatters gradients into this (L, H)
         # tensor with atomic adds, and far fewer of them collide than on the (buckets, H) table.
-        return distance_score_mod(self._by_distance(layer, int(positions.max()) + 1, q.device), positions, q.size(0))
+        return distance_score_mod(self._by_distance(layer, position_span(positions), q.device), positions, q.size(0))
 
     def describe(self) -> dict:
         return {

@@ -13,7 +13,7 @@ while every query is below L_thr it is a function of i - j alone, which FlexAtte
 import torch
 from torch import nn
 
-from lenext.pe.base import HIDDEN_ELEMENTS, AttentionShape, PositionalEncoding, distance_score_mod
+from lenext.pe.base import HIDDEN_ELEMENTS, AttentionShape, PositionalEncoding, distance_score_mod, position_span
 from lenext.ranges import PositiveFloat, PositiveInt
 
 EPS = 1e-6
@@ -119,7 +119,7 @@ class FIRE(PositionalEncoding):
 
     def score_mod(self, q, positions, layer):
         # Only while no query is past the threshold (training at L_train, as it starts): a lookup by distance.
-        table = self.layers[layer if len(self.layers) > 1 else 0].distance_table(int(positions.max()) + 1)
+        table = self.layers[layer if len(self.layers) > 1 else 0].distance_table(position_span(positions))
         return None if table is None else distance_score_mod(table, positions, q.size(0))
 
     def describe(self) -> dict:

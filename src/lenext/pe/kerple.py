@@ -19,7 +19,13 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lenext.pe.base import AttentionShape, PositionalEncoding, distance_score_mod, position_differences
+from lenext.pe.base import (
+    AttentionShape,
+    PositionalEncoding,
+    distance_score_mod,
+    position_differences,
+    position_span,
+)
 
 FLOOR = 1e-2  # the official code's lower bound for r1 and r2
 
@@ -66,7 +72,7 @@ class KERPLE(PositionalEncoding):
         # Looked up per distance, as T5's bias: flex's backward scatters each score's gradient into this (N, H)
         # table instead of adding all L^2 of them atomically into r1 and r2 (slower and less exact: docs/pes/kerple.md).
         r1, r2 = self.kernel_parameters(layer)
-        distance = torch.arange(int(positions.max()) + 1, device=q.device, dtype=torch.float32)[:, None]
+        distance = torch.arange(position_span(positions), device=q.device, dtype=torch.float32)[:, None]
         return distance_score_mod(kerple_kernel(distance, r1, r2, self.kernel), positions, q.size(0))  # (N, H)
 
     def describe(self) -> dict:

@@ -49,7 +49,7 @@ from typing import Annotated, Literal
 import torch
 
 from lenext.errors import ConfigError, LengthNotSupported
-from lenext.pe.base import AttentionShape, Logits, PositionalEncoding, position_differences
+from lenext.pe.base import AttentionShape, Logits, PositionalEncoding, position_differences, position_span
 from lenext.ranges import PositiveFloat, PositiveInt, Range
 
 
@@ -380,7 +380,7 @@ class RoPE(PositionalEncoding):
     def _span(self, positions: torch.Tensor) -> int:
         # At least every position training reached: the scalings are the identity within them, so one table
         # serves drawn positions, whose span changes every step.
-        return max(int(positions.max()) + 1, self.shape.trained_positions)
+        return max(position_span(positions), self.shape.trained_positions)
 
     def logits(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> Logits | None:
         return self.rotation.logits(self, q, k, positions)

@@ -17,7 +17,7 @@ import math
 import torch
 
 from lenext.errors import ConfigError, LengthNotSupported
-from lenext.pe.base import AttentionShape
+from lenext.pe.base import AttentionShape, position_span
 from lenext.pe.rope import SCALINGS, RoPE, _rotate
 from lenext.ranges import PositiveFloat, PositiveInt
 
@@ -66,7 +66,7 @@ class XPos(RoPE):
         return (zeta[None, :] ** (centred[:, None] / self.scale_base)).to(device)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        length = int(positions.max()) + 1  # the span of the positions, what the centring and the bound are about
+        length = position_span(positions)  # what the centring and the bound are about
         if length > self.max_length:
             raise LengthNotSupported(
                 f"xPos with scale_base {self.scale_base:g} serves at most {self.max_length} positions: its decay "
