@@ -6,9 +6,9 @@ state and crashes isolated; a per-PE timeout), on the tiny model of the tests (`
 4 heads; vocabulary 64; L_train 16), fp32, weights from seed 0, one fixed batch of (2, 16) tokens at positions
 0..15, this measures:
 
-1. graph breaks: ``torch._dynamo.explain`` on block 0's forward (its inputs captured from an eager forward) and on
-   the whole decoder's forward: ``graph_break_count`` and the first of ``break_reasons`` (one line, with the
-   innermost lenext source line it was raised at);
+1. graph breaks: ``torch._dynamo.explain`` on block 0's forward (its inputs captured from an eager forward, called as
+   the decoder calls it, inside ``forward_span``) and on the whole decoder's forward: ``graph_break_count`` and the
+   first of ``break_reasons`` (one line, with the innermost lenext source line it was raised at);
 2. per-block compile (what ``module.compile=true`` does): a second net, same seed, each block ``.compile()``-d;
    forward + backward of the next-token loss. Whether it compiles (else the exception's type and the first line
    of its message, the inner exception's for ``BackendCompilerFailed``, or the signal that killed the process,
@@ -209,6 +209,8 @@ def stage(name: str, phase: str | None = None) -> None:
 def worker(pe: str, steps: int, threads: int, parts: list[str]) -> dict:
     import torch
 
+    from lenext.pe.base import forward_span
+
     torch.set_num_threads(threads)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
     row = {"pe": pe, "done": []}
@@ -229,7 +231,9 @@ def worker(pe: str, steps: int, threads: int, parts: list[str]) -> dict:
             with torch.no_grad():
                 eager(tokens[:, :-1])
             hook.remove()
-            row["explain_block"] = explain(eager.blocks[0], *(a.detach() for a in captured["args"]))
+            block_args = [a.detach() for a in captured["args"]]
+            with forward_span(block_args[1]):  # as Decoder.forward calls its blocks: the positions' span read once
+                row["explain_block"] = explain(eager.blocks[0], *block_args)
             row["explain_decoder"] = explain(eager, tokens[:, :-1])
             row["done"].append("explain")
             emit(row)

@@ -5,6 +5,7 @@ on q and k, and its score bias inside the attention, each given the tokens' posi
 training draws others). The model never asks which PE it holds.
 """
 
+import contextlib
 from collections.abc import Callable
 from typing import Literal
 
@@ -158,7 +159,9 @@ class Decoder(nn.Module):
             positions = sequential_positions(tokens.size(1), tokens.device)
         x = self.embedding(tokens)  # (B, L, d)
         x = self.dropout(self.pe.embed(x, positions))
-        with forward_span(positions):  # read once here: a compiled block reads no tensor's value
+        # The positions' span read once here, so a compiled block reads no tensor's value (a whole compiled decoder
+        # reads it where a PE needs it)
+        with contextlib.nullcontext() if torch.compiler.is_compiling() else forward_span(positions):
             for block in self.blocks:
                 if self.checkpoint_blocks and torch.is_grad_enabled():
                     x = checkpoint(block, x, positions, use_reentrant=False)
