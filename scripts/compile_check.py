@@ -1,6 +1,6 @@
 """The compile check: which positional encodings (PEs) torch.compile takes on CPU, as ``module.compile=true`` uses it.
 
-``lenext.module.LanguageModel(compile=True)`` compiles each transformer block in place (``block.compile()`` in
+``lenext.module.LanguageModel(compile=True)`` compiles each transformer block in place (``Decoder.compile_blocks`` in
 ``configure_model``). For every PE config in ``configs/pe/``, each in a fresh subprocess (compile caches, dynamo
 state and crashes isolated; a per-PE timeout), on the tiny model of the tests (``model=tiny``: 2 layers, width 64,
 4 heads; vocabulary 64; L_train 16), fp32, weights from seed 0, one fixed batch of (2, 16) tokens at positions
@@ -9,7 +9,7 @@ state and crashes isolated; a per-PE timeout), on the tiny model of the tests (`
 1. graph breaks: ``torch._dynamo.explain`` on block 0's forward (its inputs captured from an eager forward, called as
    the decoder calls it, inside ``forward_span``) and on the whole decoder's forward: ``graph_break_count`` and the
    first of ``break_reasons`` (one line, with the innermost lenext source line it was raised at);
-2. per-block compile (what ``module.compile=true`` does): a second net, same seed, each block ``.compile()``-d;
+2. per-block compile (what ``module.compile=true`` does): a second net, same seed, ``compile_blocks()``;
    forward + backward of the next-token loss. Whether it compiles (else the exception's type and the first line
    of its message, the inner exception's for ``BackendCompilerFailed``, or the signal that killed the process,
    and in which phase of the first step), the loss's and the gradients' relative error against the eager net
@@ -243,8 +243,7 @@ def worker(pe: str, steps: int, threads: int, parts: list[str]) -> dict:
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             compiled = build(pe, folder)
-            for block in compiled.blocks:
-                block.compile()
+            compiled.compile_blocks()
             started = time.perf_counter()
             try:
                 result = step(compiled, tokens, lambda phase: stage("block", phase))

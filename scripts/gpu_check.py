@@ -253,8 +253,7 @@ class Arm:
         self.net = (xtransformers_net(row[3:], length) if xt else build(pe_row, length, shape, model)).to(device)
         self.net.train()
         if row.endswith("@compile"):
-            for block in self.net.blocks:
-                block.compile()
+            self.net.compile_blocks()
         self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4, fused=device == "cuda")
         tokens = torch.randint(0, shape["vocab_size"], (batch, length + 1), generator=torch.Generator().manual_seed(0))
         self.tokens, self.targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)

@@ -144,6 +144,7 @@ class Decoder(nn.Module):
         self.norm = normalization(norm, d_model)
         self.head = None if tie_embeddings else nn.Linear(d_model, vocab_size, bias=False)
         self.checkpoint_blocks = False  # True: each block's activations recomputed in the backward pass
+        self.compiled_blocks = False  # True: each block compiled (``compile_blocks``)
         self.apply(self._init_weights)
         # Unit-variance token embeddings put tokens and the sinusoidal PE (amplitude 1) on one scale.
         nn.init.normal_(self.embedding.weight, std=1.0)
@@ -153,15 +154,22 @@ class Decoder(nn.Module):
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=0.02)
 
+    def compile_blocks(self) -> None:
+        """Each block compiled with torch.compile (``module.compile=true``): the decoder then reads the positions'
+        span once per forward, before its blocks, so a compiled block reads no tensor's value (``forward_span``)."""
+        for block in self.blocks:
+            block.compile()
+        self.compiled_blocks = True
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, L) at positions (B or 1, L), strictly increasing; None: 0..L-1."""
         if positions is None:
             positions = sequential_positions(tokens.size(1), tokens.device)
         x = self.embedding(tokens)  # (B, L, d)
         x = self.dropout(self.pe.embed(x, positions))
-        # The positions' span read once here, so a compiled block reads no tensor's value (a whole compiled decoder
-        # reads it where a PE needs it)
-        with contextlib.nullcontext() if torch.compiler.is_compiling() else forward_span(positions):
+        # Eager, and a whole compiled decoder, read the span where a PE needs it
+        span = self.compiled_blocks and not torch.compiler.is_compiling()
+        with forward_span(positions) if span else contextlib.nullcontext():
             for block in self.blocks:
                 if self.checkpoint_blocks and torch.is_grad_enabled():
                     x = checkpoint(block, x, positions, use_reentrant=False)

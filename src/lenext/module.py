@@ -104,9 +104,8 @@ class LanguageModel(L.LightningModule):
             return
         self._configured = True
         self.net.checkpoint_blocks = self.hparams.activation_checkpointing
-        for block in self.net.blocks:
-            if self.hparams.compile:
-                block.compile()
+        if self.hparams.compile:
+            self.net.compile_blocks()
         if self.device_mesh is not None:
             shard(self.net, self.device_mesh["data_parallel"])
 

@@ -206,15 +206,19 @@ def causal_attention(
     fused = plain and window is None
     if fused and not biases:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    length, key = q.size(-2), None
-    if fused and row_scale is None and all(b.key for b in biases):
-        key = sum(b.key(0, length) for b in biases)  # (B or 1, H, 1, L)
+    length = q.size(-2)
     flex = plain and row_scale is None and flex_available(q) and all(b.flex or b.key for b in biases)
+    # The keys' sum, unless flex takes every bias by its own score_mod (ALiBi's on CUDA)
+    keyed = fused and row_scale is None and all(b.key for b in biases) and not (flex and all(b.flex for b in biases))
+    key = sum(b.key(0, length) for b in biases) if keyed else None  # (B or 1, H, 1, L)
     if key is not None and key.requires_grad and torch.is_grad_enabled() and not (flex and q.dtype.itemsize >= 4):
         # flex in fp32 only: from bf16 scores its gradient of FoX's gate bias is 80% off (docs/performance.md)
         return key_bias_channels_attention(q, k, v, key)
     if flex:  # a key bias without a score_mod of its own (FoX's) as one; CUDA's SDPA takes no mask with is_causal
-        score_mods = [b.flex() if b.flex else key_score_mod(b.key(0, length)) for b in biases]
+        if key is not None and not any(b.flex for b in biases):
+            score_mods = [key_score_mod(key)]  # the keys' sum, made above
+        else:
+            score_mods = [b.flex() if b.flex else key_score_mod(b.key(0, length)) for b in biases]
         if all(score_mods):  # a PE may have no score_mod for these positions (FIRE past its threshold)
             mask = (
                 causal_block_mask(length, q.device) if window is None else window_block_mask(length, window, q.device)
