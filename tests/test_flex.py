@@ -85,12 +85,35 @@ def test_fire_score_mod_below_its_threshold_matches_causal_attention(length, pos
             )
 
 
-def test_fire_has_no_score_mod_once_a_query_is_past_its_threshold():
-    """Past L_thr the bias depends on i as well: no lookup by distance; the attention scores it in blocks. A query at
-    L_thr still has the normaliser psi(L_thr)."""
+@pytest.mark.parametrize("positions", ["sequential", "randomized"])
+@pytest.mark.parametrize("length", [100, 300])
+def test_fire_score_mod_past_its_threshold_matches_causal_attention(length, positions):
+    """Past L_thr, in evaluation (no gradient), flex runs FIRE's MLP on each score: the same attention as the pair
+    bias scored in query blocks, the normaliser psi(max(i, L_thr)) included."""
+    pe, positions = FIRE(SHAPE, init_threshold=40.0), POSITIONS[positions](length)
+    torch.manual_seed(length)
+    with torch.no_grad():
+        for layer in pe.layers:
+            for param in layer.parameters():
+                param.normal_(std=0.5)
+            layer.c.abs_()
+        q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM) for _ in range(3))
+        for layer in range(LAYERS):
+            assert pe.layers[layer].distance_table(length) is None  # queries past the threshold: no lookup
+            got = eager_flex(q, k, v, pe.score_mod(q, positions, layer))
+            assert_close(
+                got, causal_attention(q, k, v, pe.layer(layer).terms(None, q, k, positions)), atol=1e-5, rtol=1e-5
+            )
+
+
+def test_fire_has_no_score_mod_past_its_threshold_with_a_gradient():
+    """Training past L_thr: every score's gradient would land on the MLP's few weights at once; the attention scores
+    it in blocks. A query at L_thr still has the normaliser psi(L_thr): a lookup."""
     pe, q = FIRE(SHAPE, init_threshold=40.0), torch.randn(1, HEADS, 42, HEAD_DIM)
     assert pe.score_mod(q[:, :, :41], sequential_positions(41), 0) is not None  # positions 0..40
     assert pe.score_mod(q, sequential_positions(42), 0) is None
+    with torch.no_grad():
+        assert pe.score_mod(q, sequential_positions(42), 0) is not None
 
 
 @pytest.mark.parametrize("length", [64, 300])
@@ -206,18 +229,17 @@ def test_the_dispatcher_sends_foxs_key_bias_to_flex_in_evaluation_and_fp32_train
     assert len(flex_on_cpu) == 2  # bf16 with a gradient: the channels
 
 
-def test_the_dispatcher_falls_back_when_fire_passes_its_threshold(flex_on_cpu):
+def test_the_dispatcher_takes_flex_for_fire_past_its_threshold_only_without_a_gradient(flex_on_cpu):
     pe = FIRE(SHAPE, init_threshold=60.0)
     torch.manual_seed(3)
     q, k, v = (torch.randn(BATCH, HEADS, 100, HEAD_DIM) for _ in range(3))
-    with torch.no_grad():
-        for length, flexed in ((61, 1), (100, 1)):  # 0..60, none past L_thr 60: flex; 0..99: the explicit blocks
+    for length, grad, flexed in ((61, True, 1), (100, True, 1), (100, False, 2)):  # 0..99 with a gradient: blocks
+        with torch.set_grad_enabled(grad):
             terms = pe.layer(0).terms(None, q[:, :, :length], k[:, :, :length], sequential_positions(length))
             got = causal_attention(q[:, :, :length], k[:, :, :length], v[:, :, :length], terms)
-            assert_close(
-                got, explicit(q[:, :, :length], k[:, :, :length], v[:, :, :length], terms), atol=1e-5, rtol=1e-5
-            )
-            assert len(flex_on_cpu) == flexed
+            want = explicit(q[:, :, :length], k[:, :, :length], v[:, :, :length], terms)
+        assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert len(flex_on_cpu) == flexed
 
 
 def test_pes_flex_cannot_express_return_no_score_mod():

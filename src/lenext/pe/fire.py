@@ -7,8 +7,12 @@ the distance is normalised by the query's position once the query is past the th
 (multiplier init 1) are learned, with eps 1e-6 in the denominator, as in the paper's reference code.
 One FIRE per attention layer (``per_layer``), as each layer owns one there. ``init_threshold: null``
 starts L_thr at L_train. The bias depends on i itself, not only on i - j: a pair bias, scored in query blocks;
-while every query is below L_thr it is a function of i - j alone, which FlexAttention looks up on CUDA.
+while every query is below L_thr it is a function of i - j alone, which FlexAttention looks up on CUDA. Past it,
+without a gradient (evaluation beyond L_train), FlexAttention runs the MLP itself on each score; with one, the
+query blocks (every score's gradient would be added onto the MLP's few weights at once).
 """
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -78,6 +82,25 @@ class FireBias(nn.Module):
         distances = self._psi(torch.arange(count, device=self.c.device).to(self.c.dtype))
         return self._mlp(distances / (self._psi(threshold) + EPS))
 
+    def pair_score_mod(self, positions: torch.Tensor, batch: int) -> Callable:
+        """A score_mod adding b(i, j) computed per score (positions (B or 1, L)): the MLP unrolled over its hidden
+        units, in fp32, the same formula as ``_by_pair``."""
+        positions, (first, _, second) = positions.expand(batch, -1), self.mlp
+        w1, b1, w2, b2 = (t.float() for t in (first.weight[:, 0], first.bias, second.weight, second.bias))
+        c, normaliser_floor = self.c.float()[0], self.threshold().float()[0]
+
+        def by_pair(score, b, h, q_idx, kv_idx):
+            i, j = positions[b, q_idx].float(), positions[b, kv_idx].float()
+            x = torch.log(torch.abs(c * (i - j)) + 1) / (
+                torch.log(torch.abs(c * torch.maximum(i, normaliser_floor)) + 1) + EPS
+            )
+            bias = b2[h]
+            for unit in range(w1.numel()):
+                bias = bias + w2[h, unit] * torch.relu(w1[unit] * x + b1[unit])
+            return score + bias
+
+        return by_pair
+
     def _by_distance(self, query_positions, key_positions, threshold) -> torch.Tensor:
         distance = (query_positions[:, None] - key_positions[None, :]).clamp(min=0)  # future keys: masked later
         return self._distance_table(int(distance.max()) + 1, threshold)[:, distance]
@@ -118,9 +141,11 @@ class FIRE(PositionalEncoding):
         return bias
 
     def score_mod(self, q, positions, layer):
-        # Only while no query is past the threshold (training at L_train, as it starts): a lookup by distance.
-        table = self.layers[layer if len(self.layers) > 1 else 0].distance_table(position_span(positions))
-        return None if table is None else distance_score_mod(table, positions, q.size(0))
+        fire = self.layers[layer if len(self.layers) > 1 else 0]
+        table = fire.distance_table(position_span(positions))  # no query past the threshold: a lookup by distance
+        if table is not None:
+            return distance_score_mod(table, positions, q.size(0))
+        return None if torch.is_grad_enabled() else fire.pair_score_mod(positions, q.size(0))
 
     def describe(self) -> dict:
         return {"name": "FIRE", "hidden": self.layers[0].mlp[0].out_features, "per_layer": len(self.layers) > 1}
