@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 CLASSIC := logs/studies/classic
-study: install  ## the first study: NoPE, sinusoidal, learned, Shaw, T5, RoPE (+ NTK, YaRN), ALiBi, one seed, two jobs side by side, then the table and figures (docs/studies.md: the table it made, and its time)
+study: install  ## the first study: NoPE, sinusoidal, learned, Shaw, T5, RoPE (+ NTK, YaRN), ALiBi, one seed, two jobs side by side, then the table and figures (studies/classic/README.md: the table it made, and its time)
 	$(PY) train.py experiment=classic $(ARGS)
 	$(PY) -m lenext.report $(CLASSIC) --out $(CLASSIC)/report
 

@@ -31,6 +31,7 @@ def test_unknown_pe_lists_the_available_ones(tmp_path):
             ),
         ),
         (["data.maxlen=64"], "error: data.maxlen is not a setting of data (did you mean data.max_len?); the settings"),
+        (["mdoel=tiny"], "error: mdoel is not a setting of this config (did you mean model?); the settings there: "),
         (["pe=t5", "+pe.max_distanse=3"], "error: pe.max_distanse is not a setting of lenext.pe.T5Bias (did you mean"),
         (["pe=alibi", "+pe.slope=3"], "error: pe.slope is not a setting of lenext.pe.ALiBi; the settings there: none"),
     ],

@@ -26,6 +26,19 @@ def test_short_training_beats_uniform_baseline_by_4x(compose_train, tmp_path):
     assert (tmp_path / "csv" / "metrics.csv").read_text().count("train/loss") == 1
 
 
+def test_a_run_shorter_than_its_validation_interval_writes_best_ckpt(compose_train, tmp_path):
+    """best.ckpt (the lowest val/loss) is written by the validations during training: a run of fewer steps than
+    trainer.val_check_interval still validates once, at its end."""
+    cfg = compose_train(
+        *tiny_overrides(
+            "trainer.max_steps=4", "trainer.val_check_interval=250", "trainer.limit_val_batches=2", "eval.enabled=false"
+        )
+    )
+    train(cfg)
+    assert (tmp_path / "checkpoints" / "best.ckpt").exists()
+    assert "val/loss" in (tmp_path / "csv" / "metrics.csv").read_text().splitlines()[0]
+
+
 def test_tokens_trained_counts_every_rank_and_accumulated_batch():
     from types import SimpleNamespace
 

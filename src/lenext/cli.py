@@ -148,7 +148,8 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
                 return  # Hydra's own message says it
             path, _, name = unknown.group(1).rpartition(".")
             rest = [line for line in first_values if not line.lstrip("+~").startswith(unknown.group(1) + "=")]
-            node = OmegaConf.select(compose(config_name, overrides=rest), path) if path else None
+            root = compose(config_name, overrides=rest)
+            node = OmegaConf.select(root, path) if path else root
             known = sorted(k for k in node if k not in HYDRA_KEYS) if isinstance(node, DictConfig) else []
             raise ConfigError(
                 f"{unknown.group(1)} is not a setting of {path or 'this config'}{did_you_mean(name, known, path)}; "

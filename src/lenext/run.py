@@ -126,7 +126,11 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     callbacks = [instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items()]
     callbacks += [StepsBar()] if cfg.trainer.get("enable_progress_bar", True) else []
     loggers = [instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items()]
-    trainer = instantiate(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False)
+    interval, steps = cfg.trainer.get("val_check_interval"), cfg.trainer.get("max_steps")
+    last_validation = {}  # a run shorter than its validation interval still validates at its end: best.ckpt
+    if isinstance(interval, int) and isinstance(steps, int) and 0 < steps < interval:
+        last_validation["val_check_interval"] = steps
+    trainer = instantiate(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False, **last_validation)
     if cfg.module.get("compile") and trainer.strategy.root_device.type == "cpu":
         raise ConfigError(
             "module.compile=true is invalid on a CPU: torch.compile's CPU backend crashed (SIGSEGV) in the backward "
