@@ -143,3 +143,65 @@ def test_diagnostics_figure_draws_a_panel_per_statistic_in_the_pes_colours_with_
     assert figures.diagnostic_takeaway(
         pd.DataFrame({"label": ["a", "a"], "length": [64, 128], "mean": [0.05, -0.3]}), ["a"], 64, "copying_gain"
     ).endswith("no in-context copying")
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rho by its definition, in float64: Pearson's correlation of the ranks (ties at their mean)."""
+
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        ranked = [0.0] * len(values)
+        start = 0
+        while start < len(order):
+            end = start
+            while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+                end += 1
+            for i in order[start : end + 1]:
+                ranked[i] = (start + end) / 2 + 1
+            start = end + 1
+        return ranked
+
+    rx, ry = ranks(x), ranks(y)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    return cov / math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+
+
+def test_diagnostics_vs_ppl_is_each_statistics_rank_correlation_with_the_perplexity_ratio(tmp_path):
+    """diagnostics_vs_ppl.csv against Spearman's rho computed here: four PEs whose perplexity grows by 1, 1.5, 3 and
+    2 times from 64 to 128, whose attention statistics are 0.25 + shift (shifts 0, 0.3, 0.1, 0.2; over the rows past
+    L_train twice that) at every length, and whose copying gain changes by 0.4, 0.1, 0.2, 0.3 from 64 to 128: rho of
+    the statistics' values; rho_change of the copying gain's change (the statistics do not change: no rho_change)."""
+    pes, ratios, shifts, changes = (
+        ["nope", "rope", "alibi", "t5"],
+        [1.0, 1.5, 3.0, 2.0],
+        [0, 0.3, 0.1, 0.2],
+        [
+            0.4,
+            0.1,
+            0.2,
+            0.3,
+        ],
+    )
+    runs = tmp_path / "runs"
+    for job, (pe, ratio, shift, change) in enumerate(zip(pes, ratios, shifts, changes, strict=True)):
+        write_run(runs / str(job), pe, 0, {64: 20.0, 128: 20.0 * ratio})
+        write_diagnostics(runs / str(job), shift, {64: 0.0, 128: change})
+    report([str(runs)], str(tmp_path / "out"))
+    table = pd.read_csv(tmp_path / "out" / "diagnostics_vs_ppl.csv").set_index(["statistic", "rows"])
+    assert set(table.length) == {128} and set(table.labels) == {4} and set(table.train_len) == {64}
+    values = [0.25 + shift for shift in shifts]
+    for statistic in STATISTICS:
+        for rows in ("all", "beyond_train"):
+            assert table.loc[(statistic, rows), "rho"] == pytest.approx(spearman(values, ratios), abs=1e-4)
+        assert table.loc[(statistic, "all"), "rho_change"] != table.loc[(statistic, "all"), "rho_change"]  # NaN
+    copying = table.xs("copying_gain", level="statistic")
+    assert copying.rho_change.iloc[0] == pytest.approx(spearman(changes, ratios), abs=1e-4)
+    assert copying.rho.iloc[0] == pytest.approx(spearman(changes, ratios), abs=1e-4)
+    assert spearman(values, ratios) == pytest.approx(
+        0.2
+    )  # the oracle itself: 1 - 6 * 8 / (4 * 15), ranks (1,4,2,3), (1,2,4,3)
+    fig = figures.FIGURES["diagnostics_vs_ppl.png"](Summary(load([str(runs)])))
+    titles = [ax.get_title().replace("\n", " ") for ax in fig.axes if ax.get_title()]
+    assert len(titles) == 7  # 5 statistics, beyond over rows >= L_train, copying gain; no unseen fraction (no rope)
+    assert sum(f"Spearman rho {spearman(values, ratios):+.2f}" in t for t in titles) == 6

@@ -33,7 +33,10 @@ token counts, then mean and std over seeds.
 Attention diagnostics (``diagnostics.csv``/``.png``): where a run folder holds ``diagnostics/diagnostics.json``
 (``python diagnose.py ckpt=<run> hydra.run.dir=<run>/diagnostics``), each statistic's mean over layers and heads
 per run, then mean and std over seeds per (L_train, row label, statistic, rows, L_eval); runs without are skipped
-(``lenext.report.stats.diagnostic_statistics``; docs/diagnostics.md).
+(``lenext.report.stats.diagnostic_statistics``; docs/diagnostics.md). ``diagnostics_vs_ppl.csv``/``.png``: which
+diagnostic goes with perplexity leaving its L_train level, Spearman's rank correlation across rows between each
+statistic at an L_eval and the ``nonoverlap`` perplexity ratio ppl(L_eval) / ppl(L_train)
+(``lenext.report.stats.diagnostic_correlations``).
 
 The report is data, then pictures: ``load`` reads and normalizes every results file once into ``Run`` objects and
 one tidy frame (``lenext.report.load``); ``summarize`` computes the statistics by group-by over it

@@ -19,13 +19,15 @@ DESCRIPTION = "Results files -> paper-style tables (Markdown, LaTeX, CSV) and pl
 
 def data_files(summary: Summary) -> dict[str, str]:
     """The figures' data as CSV, by file name, for the runs that have it: per_position.csv, adaptation.csv,
-    ``<name>_depth.csv`` per protocol with depth rows (``depth_csvs``) and diagnostics.csv (the runs' attention
-    diagnostics and copying score: ``lenext.report.stats.diagnostic_statistics``), a row's label in the column
-    ``pe``, as the tables' CSV names it (``row`` for adaptation)."""
+    ``<name>_depth.csv`` per protocol with depth rows (``depth_csvs``), diagnostics.csv (the runs' attention
+    diagnostics and copying score: ``lenext.report.stats.diagnostic_statistics``) and diagnostics_vs_ppl.csv (each
+    diagnostic's rank correlation with the perplexity ratio: ``diagnostic_correlations``), a row's label in the
+    column ``pe``, as the tables' CSV names it (``row`` for adaptation)."""
     frames = {
         "per_position.csv": (summary.positions, "%.6f"),
         "adaptation.csv": (summary.adaptation, "%.4f"),
         "diagnostics.csv": (summary.diagnostics, "%.6f"),
+        "diagnostics_vs_ppl.csv": (summary.diagnostic_correlations, "%.4f"),
         **{name: (grid, "%.4f") for name, grid in depth_csvs(summary.depths).items()},
     }
     return {

@@ -416,6 +416,62 @@ def diagnostic_statistics(runs: list[Run]) -> pd.DataFrame:
     return stats.reset_index(drop=True)
 
 
+def rank_correlation(x: pd.Series, y: pd.Series) -> float:
+    """Spearman's rank correlation of two series on one index: Pearson's of their ranks (ties at their mean rank)."""
+    rx, ry = x.rank(), y.rank()
+    if rx.nunique() < 2 or ry.nunique() < 2:
+        return float("nan")
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def diagnostic_correlations(diagnostics: pd.DataFrame, tables: dict[TableKey, Table]) -> pd.DataFrame:
+    """Which diagnostic goes with perplexity leaving its L_train level: per (L_train, statistic, rows, L_eval past
+    L_train), over the row labels that have both (at least 3), Spearman's rank correlation between the statistic's
+    mean and the perplexity ratio ppl(L_eval) / ppl(L_train) of the ``nonoverlap`` table (as trained: the
+    diagnostics are), ``rho``; and with the statistic's change from its value at L_train where it has one
+    (``rho_change``). Columns: train_len, statistic, rows, length, labels, rho, rho_change."""
+    records = []
+    if diagnostics.empty:
+        return pd.DataFrame()
+    for (train_len, statistic, rows, length), group in diagnostics.groupby(
+        ["train_len", "statistic", "rows", "length"], sort=False
+    ):
+        table = tables.get(TableKey(int(train_len), "nonoverlap"))
+        if table is None or length <= train_len:
+            continue
+        means = table.cells["mean"]
+        ratio = pd.Series(
+            {
+                label: means[(label, length)] / means[(label, train_len)]
+                for label in group.label
+                if (label, length) in means.index and (label, train_len) in means.index
+            },
+            dtype=float,
+        ).dropna()
+        if len(ratio) < 3:
+            continue
+        value = group.set_index("label")["mean"].reindex(ratio.index)
+        at_train = diagnostics[
+            (diagnostics.train_len == train_len)
+            & (diagnostics.statistic == statistic)
+            & (diagnostics.rows == rows)
+            & (diagnostics.length == train_len)
+        ].set_index("label")["mean"]
+        change = (value - at_train.reindex(ratio.index)).dropna()
+        records.append(
+            {
+                "train_len": train_len,
+                "statistic": statistic,
+                "rows": rows,
+                "length": length,
+                "labels": len(ratio),
+                "rho": rank_correlation(value, ratio),
+                "rho_change": rank_correlation(change, ratio[change.index]) if len(change) >= 3 else float("nan"),
+            }
+        )
+    return pd.DataFrame(records)
+
+
 class Summary:
     """Everything the report shows, from what ``load`` read: the tables, computed at once, and on first use what
     figures draw by (``labels``) and the figures' own statistics (``positions``, ``adaptation``, ``depths``: every
@@ -449,3 +505,8 @@ class Summary:
     def diagnostics(self) -> pd.DataFrame:
         """The runs' attention diagnostics and copying score, mean and std over seeds (``diagnostic_statistics``)."""
         return diagnostic_statistics(self.loaded.runs)
+
+    @cached_property
+    def diagnostic_correlations(self) -> pd.DataFrame:
+        """Each diagnostic's rank correlation with the perplexity ratio across rows (``diagnostic_correlations``)."""
+        return diagnostic_correlations(self.diagnostics, self.tables)
