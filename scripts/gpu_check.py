@@ -594,8 +594,9 @@ def render_exactness(exact) -> list[str]:
         f"Model: {EXACT_SHAPE['n_layers']} layers, d_model {EXACT_SHAPE['d_model']}, {EXACT_SHAPE['n_heads']} heads, "
         f"vocab {EXACT_SHAPE['vocab_size']}, L_train {EXACT_TRAIN_LEN}, batch 2, PE parameters at std 0.5. "
         "Each cell: the largest error of the per-token NLL (absolute) / of any parameter's gradient (relative to "
-        "that tensor's largest entry), over the cases; `no grad`: the NLL under no_grad, evaluation's paths (FIRE "
-        "past its threshold, FoX's score_mod). Passes: fp32 within "
+        "that tensor's largest entry), over the cases; `no grad`: the NLL under no_grad, evaluation's paths (on CUDA "
+        "FIRE past its threshold and FoX through flex score_mods; on the CPU the query blocks through SDPA). "
+        "Passes: fp32 within "
         f"{nll_fp32:g} / {grad_fp32:g}, bf16 within {nll_bf16:g} / {grad_bf16:g}.",
         "",
     ]

@@ -94,9 +94,8 @@ def test_fire_score_mod_past_its_threshold_matches_causal_attention(length, posi
     torch.manual_seed(length)
     with torch.no_grad():
         for layer in pe.layers:
-            for param in layer.parameters():
-                param.normal_(std=0.5)
-            layer.c.abs_()
+            for param in layer.mlp.parameters():
+                param.normal_(std=0.5)  # c and the threshold as initialised: rows on both sides of L_thr 40
         q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM) for _ in range(3))
         for layer in range(LAYERS):
             assert pe.layers[layer].distance_table(length) is None  # queries past the threshold: no lookup

@@ -126,10 +126,12 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     callbacks = [instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items()]
     callbacks += [StepsBar()] if cfg.trainer.get("enable_progress_bar", True) else []
     loggers = [instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items()]
+    # A run shorter than its validation interval (counted in batches) still validates at its end: best.ckpt.
     interval, steps = cfg.trainer.get("val_check_interval"), cfg.trainer.get("max_steps")
-    last_validation = {}  # a run shorter than its validation interval still validates at its end: best.ckpt
-    if isinstance(interval, int) and isinstance(steps, int) and 0 < steps < interval:
-        last_validation["val_check_interval"] = steps
+    batches = steps * (cfg.trainer.get("accumulate_grad_batches") or 1) if isinstance(steps, int) else None
+    last_validation = {}
+    if isinstance(interval, int) and batches and 0 < batches < interval:
+        last_validation["val_check_interval"] = batches
     trainer = instantiate(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False, **last_validation)
     if cfg.module.get("compile") and trainer.strategy.root_device.type == "cpu":
         raise ConfigError(

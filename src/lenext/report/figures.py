@@ -39,7 +39,7 @@ import pandas as pd
 from lenext.files import atomic_path
 from lenext.pe import FAMILIES
 from lenext.report.load import LEARNED_AT, OTHER_FAMILY, metrics_of
-from lenext.report.stats import METRICS, NOT_LEARNED, Summary, Table, TableKey, headline
+from lenext.report.stats import METRICS, NOT_LEARNED, Summary, Table, headline, perplexity_ratio
 
 FIGURES: dict[str, Callable] = {}  # file name (or pattern) -> function(Summary) -> figure(s) or None, in drawing order
 FIGURE_STYLE = {  # legible at README width: three panels to a row of at most 12.6 inches, text >= 9 pt
@@ -1112,47 +1112,45 @@ def diagnostics(summary: Summary):
 @figure("diagnostics_vs_ppl.png")
 def diagnostics_vs_ppl(summary: Summary):
     """Which diagnostic goes with perplexity leaving its L_train level: a panel per statistic of
-    ``DIAGNOSTIC_PANELS``, at the longest L_eval, each row with diagnostics a point (its PE's colour and marker): the
-    statistic's mean over seeds against its ``nonoverlap`` perplexity ratio ppl(L_eval) / ppl(L_train); the title
-    gives Spearman's rank correlation across the rows (``Summary.diagnostic_correlations``). None without
-    correlations."""
+    ``DIAGNOSTIC_PANELS``, at the longest L_eval it has a correlation at, each row with diagnostics a point (its PE's
+    colour and marker): the statistic's mean over seeds against its ``nonoverlap`` perplexity ratio
+    ppl(L_eval) / ppl(L_train) (``perplexity_ratio``); the title gives Spearman's rank correlation across the rows
+    (``Summary.diagnostic_correlations``). None without correlations."""
     correlations = summary.diagnostic_correlations
     if correlations.empty:
         return None
     info, frame = row_info(summary), summary.diagnostics
     sections = []
     for train_len, of_train_len in correlations.groupby("train_len", sort=True):
-        longest = int(of_train_len.length.max())
-        means = summary.tables[TableKey(int(train_len), "nonoverlap")].cells["mean"]
-        both = [label for label in frame.label.unique() if {(label, longest), (label, train_len)} <= set(means.index)]
         section = []
         for statistic, rows, what, xlabel in DIAGNOSTIC_PANELS:
-            found = of_train_len[
-                (of_train_len.statistic == statistic) & (of_train_len.rows == rows) & (of_train_len.length == longest)
-            ]
+            found = of_train_len[(of_train_len.statistic == statistic) & (of_train_len.rows == rows)]
             if found.empty:
                 continue
+            found = found.loc[found.length.idxmax()]
+            longest = int(found.length)
+            ratio = perplexity_ratio(summary.tables, int(train_len), longest)
             data = frame[
                 (frame.train_len == train_len)
                 & (frame.statistic == statistic)
                 & (frame.rows == rows)
                 & (frame.length == longest)
-                & frame.label.isin(both)
-            ]
+                & frame.label.isin(ratio.index)
+            ].dropna(subset=["mean"])
             labels = list(data.label)
-            ratio = {label: means[(label, longest)] / means[(label, train_len)] for label in labels}
             drawn = Drawn(Panel(labels, False, what), (data, ratio, xlabel, train_len, longest), {})
             drawn.holds = f"{what} at {times_train_len(longest, train_len)}"
-            rho = found.rho.iloc[0]
-            drawn.takeaway = f"Spearman rho {rho:+.2f} with the perplexity ratio over {len(labels)} rows"
+            order = "no order (a constant)" if pd.isna(found.rho) else f"Spearman rho {found.rho:+.2f}"
+            drawn.takeaway = f"{order} with the perplexity ratio over {int(found.labels)} rows"
             drawn.title_lines = title_lines(drawn.holds, drawn.takeaway)
             drawn.names = {label: label for label in labels}
             section.append(drawn)
         sections.append(section)
     note = (
         "each row's diagnostic (mean over seeds of its mean over layers and heads, docs/diagnostics.md) against its "
-        "perplexity at the longest L_eval over its perplexity at L_train (nonoverlap, as trained); rho: Spearman's "
-        "rank correlation across the rows, +1 when the statistic orders them as their perplexity's growth does"
+        "perplexity at that L_eval over its perplexity at L_train (nonoverlap, as trained, mean over seeds); rho: "
+        "Spearman's rank correlation across the rows, +1 when the statistic orders them as their perplexity's "
+        "growth does"
     )
     fig, placed = panel_grid(sections, note)
     for ax, drawn in placed:
@@ -1165,8 +1163,8 @@ def diagnostics_vs_ppl(summary: Summary):
                 value["mean"], [ratio[label]], xerr=value["std"], ms=6, capsize=2, ls="none", label=label, **style
             )
         ax.axhline(1, color="0.45", lw=0.8, zorder=0)
-        low, high = min(ratio.values()), max(ratio.values())
-        value_axis(ax, min(low, 1.0), max(high, 1.0))
+        shown = ratio[drawn.panel.labels]
+        value_axis(ax, min(shown.min(), 1.0), max(shown.max(), 1.0))
         ax.set(xlabel=xlabel, ylabel=f"ppl at {times_train_len(longest, train_len)} / at L_train")
         title(ax, drawn.holds, drawn.takeaway)
         legend_below(ax)

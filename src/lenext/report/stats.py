@@ -417,11 +417,12 @@ def diagnostic_statistics(runs: list[Run]) -> pd.DataFrame:
 
 
 def rank_correlation(x: pd.Series, y: pd.Series) -> float:
-    """Spearman's rank correlation of two series on one index: Pearson's of their ranks (ties at their mean rank)."""
-    rx, ry = x.rank(), y.rank()
-    if rx.nunique() < 2 or ry.nunique() < 2:
+    """Spearman's rank correlation of two series, paired by index where both have a value: Pearson's of their ranks
+    (ties at their mean rank); NaN where either is constant."""
+    ranks = pd.concat([x, y], axis=1, join="inner").dropna().rank()
+    if len(ranks) < 2 or ranks.nunique().min() < 2:
         return float("nan")
-    return float(np.corrcoef(rx, ry)[0, 1])
+    return float(np.corrcoef(ranks.iloc[:, 0], ranks.iloc[:, 1])[0, 1])
 
 
 def diagnostic_correlations(diagnostics: pd.DataFrame, tables: dict[TableKey, Table]) -> pd.DataFrame:
@@ -430,46 +431,41 @@ def diagnostic_correlations(diagnostics: pd.DataFrame, tables: dict[TableKey, Ta
     mean and the perplexity ratio ppl(L_eval) / ppl(L_train) of the ``nonoverlap`` table (as trained: the
     diagnostics are), ``rho``; and with the statistic's change from its value at L_train where it has one
     (``rho_change``). Columns: train_len, statistic, rows, length, labels, rho, rho_change."""
-    records = []
     if diagnostics.empty:
         return pd.DataFrame()
-    for (train_len, statistic, rows, length), group in diagnostics.groupby(
-        ["train_len", "statistic", "rows", "length"], sort=False
-    ):
-        table = tables.get(TableKey(int(train_len), "nonoverlap"))
-        if table is None or length <= train_len:
+    key = ["train_len", "statistic", "rows"]
+    at_train = diagnostics[diagnostics.length == diagnostics.train_len].set_index([*key, "label"])["mean"]
+    records = []
+    for (train_len, statistic, rows, length), group in diagnostics.groupby([*key, "length"], sort=False):
+        ratio = perplexity_ratio(tables, int(train_len), int(length))
+        value = group.set_index("label")["mean"]
+        paired = pd.concat([value, ratio], axis=1, join="inner").dropna()
+        if length <= train_len or len(paired) < 3:
             continue
-        means = table.cells["mean"]
-        ratio = pd.Series(
-            {
-                label: means[(label, length)] / means[(label, train_len)]
-                for label in group.label
-                if (label, length) in means.index and (label, train_len) in means.index
-            },
-            dtype=float,
-        ).dropna()
-        if len(ratio) < 3:
-            continue
-        value = group.set_index("label")["mean"].reindex(ratio.index)
-        at_train = diagnostics[
-            (diagnostics.train_len == train_len)
-            & (diagnostics.statistic == statistic)
-            & (diagnostics.rows == rows)
-            & (diagnostics.length == train_len)
-        ].set_index("label")["mean"]
-        change = (value - at_train.reindex(ratio.index)).dropna()
+        start = at_train.get((train_len, statistic, rows), pd.Series(dtype=float))
+        change = value - start.reindex(value.index)
         records.append(
             {
                 "train_len": train_len,
                 "statistic": statistic,
                 "rows": rows,
                 "length": length,
-                "labels": len(ratio),
+                "labels": len(paired),
                 "rho": rank_correlation(value, ratio),
-                "rho_change": rank_correlation(change, ratio[change.index]) if len(change) >= 3 else float("nan"),
+                "rho_change": rank_correlation(change, ratio) if change.notna().sum() >= 3 else float("nan"),
             }
         )
     return pd.DataFrame(records)
+
+
+def perplexity_ratio(tables: dict[TableKey, Table], train_len: int, length: int) -> pd.Series:
+    """Per row label, its ``nonoverlap`` perplexity at ``length`` over its perplexity at ``train_len`` (means over
+    seeds); the labels with both."""
+    table = tables.get(TableKey(train_len, "nonoverlap"))
+    if table is None or not {length, train_len} <= set(table.lengths):
+        return pd.Series(dtype=float)
+    means = table.cells["mean"].astype(float)
+    return (means.xs(length, level="length") / means.xs(train_len, level="length")).dropna()
 
 
 class Summary:
