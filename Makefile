@@ -40,9 +40,7 @@ LONG := logs/studies/long_context
 study-long-context: install  ## the long-context study: 8 PEs x 3 seeds by perplexity, key-token perplexity and haystack retrieval (as trained and under the fitted temperature; RoPE also under PI, NTK, YaRN, Self-Extend), DroPE from each RoPE base, the attention diagnostics of every run, then the report (docs/studies/long_context.md)
 	$(PY) train.py experiment=long_context $(ARGS)
 	$(PY) train.py experiment=long_context pe=rope extension=drope $(ARGS)
-	for run in $(LONG)/*_seed*; do \
-	  [ -f $$run/diagnostics/diagnostics.json ] || $(PY) diagnose.py ckpt=$$run factors=[1,2,4,8,16,32] hydra.run.dir=$$run/diagnostics || exit 1; \
-	done
+	ls -d $(LONG)/*_seed* | xargs -P 2 -I RUN sh -c '[ -f RUN/diagnostics/diagnostics.json ] || $(PY) diagnose.py ckpt=RUN factors=[1,2,4,8,16,32] hydra.run.dir=RUN/diagnostics > /dev/null'
 	$(PY) -m lenext.report $(LONG) --out $(LONG)/report
 
 train: install  ## train the default config on the embedded corpus (extra Hydra overrides: ARGS="pe=alibi")

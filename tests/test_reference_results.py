@@ -18,7 +18,17 @@ SOURCES = {"reference_2024": ["reference", "reference_2024"]}
 
 
 @pytest.mark.parametrize(
-    "study", ["classic", "classic/fp32", "reference", "probes", "extension", "extension_passkey", "reference_2024"]
+    "study",
+    [
+        "classic",
+        "classic/fp32",
+        "reference",
+        "probes",
+        "extension",
+        "extension_passkey",
+        "reference_2024",
+        "long_context",
+    ],
 )
 def test_committed_tables_are_recomputed_from_the_committed_results_files(study, tmp_path):
     folder = STUDIES / study

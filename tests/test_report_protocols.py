@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 
 from lenext.protocols import METRICS_OF
-from lenext.report import METRICS, TableKey, collect, figures, find_runs, report, summarize
+from lenext.report import METRICS, TableKey, collect, figures, find_runs, load, report, summarize
+from lenext.report.stats import Summary
 from tests.test_report import write_probe_run, write_run
 
 HAYSTACKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking")
@@ -226,3 +227,20 @@ def test_the_haystack_figure_draws_rank_accuracy_with_the_chance_level_and_says_
     assert expected in titles and len(titles) == 2
     for drawn in (fig, heatmap):
         figures.pyplot().close(drawn)
+
+
+def test_a_panel_whose_rows_have_no_value_at_any_length_says_so_on_an_empty_axis(tmp_path):
+    """A PE without a key token at any length (ALiBi, KERPLE, FoX judged by themselves): its key-token panel draws
+    no scale (a log axis of no data ticked 1e-37 .. 1e-296 before) and says "no values"."""
+    for seed in range(2):
+        write_run(
+            tmp_path / f"k{seed}",
+            "kerple",
+            seed,
+            {64: 30.0, 128: 29.0},
+            extra_rows=key_token_rows({64: (None, 0.0), 128: (None, 0.0)}),
+        )
+    fig = figures.FIGURES["ppl_vs_length.png"](Summary(load([str(tmp_path)])))
+    key_axes = [ax for ax in fig.axes if ax.get_title().startswith("key_tokens")]
+    assert len(key_axes) == 1 and list(key_axes[0].get_yticks()) == []
+    assert [text.get_text() for text in key_axes[0].texts if text.get_text() == "no values"] == ["no values"]

@@ -727,14 +727,17 @@ def draw_lengths(summary: Summary, tables: list[Table], pes_as_trained: bool = T
             mark_chance(ax, chance * metric.scale)
         length_axis(ax, table.lengths)
         ax.set(xlabel="L_eval (tokens)", ylabel=metric.name)
-        if metric.percent:  # a share: 0-100%, linear; perplexity: log
+        if not table.cells.loc[panel.labels, "mean"].notna().any():  # no key token at any length: an empty frame
+            ax.set_yticks([])
+            ax.text(0.5, 0.5, "no values", transform=ax.transAxes, ha="center", va="center", color="0.35")
+        elif metric.percent:  # a share: 0-100%, linear; perplexity: log
             ax.set_ylim(-3, 103)
         else:
             ax.set_yscale("log")
             plain_log_values(ax)
+            by_table.setdefault(key, []).append(ax)
         title(ax, drawn.holds, drawn.takeaway)
         legend_below(ax)
-        by_table.setdefault(key, []).append(ax)
     for axes in by_table.values():
         share_log_scale(axes)
     fit_height(fig)
@@ -1116,6 +1119,8 @@ def diagnostics_vs_ppl(summary: Summary):
     colour and marker): the statistic's mean over seeds against its ``nonoverlap`` perplexity ratio
     ppl(L_eval) / ppl(L_train) (``perplexity_ratio``); the title gives Spearman's rank correlation across the rows
     (``Summary.diagnostic_correlations``). None without correlations."""
+    from matplotlib.ticker import MaxNLocator
+
     correlations = summary.diagnostic_correlations
     if correlations.empty:
         return None
@@ -1159,9 +1164,12 @@ def diagnostics_vs_ppl(summary: Summary):
         for label in drawn.panel.labels:
             value = data[data.label == label]
             style = {k: v for k, v in styles[label].items() if k != "ls"}
+            if styles[label]["ls"] == SECOND_STAGE:  # a second stage has its base's colour: hollow, as dashed lines
+                style["mfc"] = "none"
             ax.errorbar(
                 value["mean"], [ratio[label]], xerr=value["std"], ms=6, capsize=2, ls="none", label=label, **style
             )
+        ax.xaxis.set_major_locator(MaxNLocator(5))
         ax.axhline(1, color="0.45", lw=0.8, zorder=0)
         shown = ratio[drawn.panel.labels]
         value_axis(ax, min(shown.min(), 1.0), max(shown.max(), 1.0))
