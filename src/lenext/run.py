@@ -78,6 +78,7 @@ def train(cfg: DictConfig) -> dict:
         metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
         if trainer.received_sigterm:
             raise SIGTERMException
+        keep_a_best_checkpoint(trainer)
     except SIGTERMException:  # saved by lenext.module.CheckpointOnSigterm, or at the end of training
         raise Stopped(
             f"training stopped by SIGTERM at step {trainer.global_step} of {trainer.max_steps}; "
@@ -105,6 +106,14 @@ def train(cfg: DictConfig) -> dict:
     return metrics
 
 
+def keep_a_best_checkpoint(trainer) -> None:
+    """A run shorter than its validation interval never validated while training, so a monitoring ModelCheckpoint
+    (``best.ckpt``) wrote nothing: its final weights, the only ones validated, are its best."""
+    for callback in trainer.checkpoint_callbacks:
+        if callback.monitor and not callback.best_model_path and callback.dirpath:
+            trainer.save_checkpoint(os.path.join(callback.dirpath, callback.filename + callback.FILE_EXTENSION))
+
+
 def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     """Data module, LightningModule and Trainer of a resolved run, its net holding ``weights`` (a second stage's
     base's) if given; the corpus is read here, after every check."""
@@ -126,13 +135,7 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     callbacks = [instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items()]
     callbacks += [StepsBar()] if cfg.trainer.get("enable_progress_bar", True) else []
     loggers = [instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items()]
-    # A run shorter than its validation interval (counted in batches) still validates at its end: best.ckpt.
-    interval, steps = cfg.trainer.get("val_check_interval"), cfg.trainer.get("max_steps")
-    batches = steps * (cfg.trainer.get("accumulate_grad_batches") or 1) if isinstance(steps, int) else None
-    last_validation = {}
-    if isinstance(interval, int) and batches and 0 < batches < interval:
-        last_validation["val_check_interval"] = batches
-    trainer = instantiate(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False, **last_validation)
+    trainer = instantiate(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False)
     if cfg.module.get("compile") and trainer.strategy.root_device.type == "cpu":
         raise ConfigError(
             "module.compile=true is invalid on a CPU: torch.compile's CPU backend crashed (SIGSEGV) in the backward "
