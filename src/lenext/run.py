@@ -7,6 +7,7 @@ seconds, never a training run. The run's folder decides whether it is skipped or
 
 import logging
 import os
+import shutil
 
 import lightning as L
 import torch
@@ -21,6 +22,7 @@ from lenext.build import build_module, build_net, hydra_config, instantiate, uns
 from lenext.checkpoints import load_checkpoint, net_state, stored_spec
 from lenext.errors import ConfigError, Stopped
 from lenext.evaluate import sweep
+from lenext.files import atomic_path
 from lenext.loggers import log_results_to_wandb
 from lenext.module import tokens_trained
 from lenext.progress import StepsBar, next_steps, validation_scope
@@ -108,10 +110,14 @@ def train(cfg: DictConfig) -> dict:
 
 def keep_a_best_checkpoint(trainer) -> None:
     """A run shorter than its validation interval never validated while training, so a monitoring ModelCheckpoint
-    (``best.ckpt``) wrote nothing: its final weights, the only ones validated, are its best."""
+    (``best.ckpt``) wrote nothing: its final weights (``last.ckpt``), the only ones validated, are its best."""
+    last = next((c.last_model_path for c in trainer.checkpoint_callbacks if c.last_model_path), None)
+    if not trainer.is_global_zero or not last or not os.path.exists(last):
+        return
     for callback in trainer.checkpoint_callbacks:
         if callback.monitor and not callback.best_model_path and callback.dirpath:
-            trainer.save_checkpoint(os.path.join(callback.dirpath, callback.filename + callback.FILE_EXTENSION))
+            with atomic_path(os.path.join(callback.dirpath, callback.filename + callback.FILE_EXTENSION)) as tmp:
+                shutil.copyfile(last, tmp)
 
 
 def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
