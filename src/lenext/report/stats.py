@@ -435,12 +435,15 @@ def diagnostic_correlations(diagnostics: pd.DataFrame, tables: dict[TableKey, Ta
         return pd.DataFrame()
     key = ["train_len", "statistic", "rows"]
     at_train = diagnostics[diagnostics.length == diagnostics.train_len].set_index([*key, "label"])["mean"]
-    records = []
+    records, ratios = [], {}
     for (train_len, statistic, rows, length), group in diagnostics.groupby([*key, "length"], sort=False):
-        ratio = perplexity_ratio(tables, int(train_len), int(length))
-        value = group.set_index("label")["mean"]
+        if length <= train_len:
+            continue
+        if (train_len, length) not in ratios:  # one per length, shared by every statistic
+            ratios[train_len, length] = perplexity_ratio(tables, int(train_len), int(length))
+        ratio, value = ratios[train_len, length], group.set_index("label")["mean"]
         paired = pd.concat([value, ratio], axis=1, join="inner").dropna()
-        if length <= train_len or len(paired) < 3:
+        if len(paired) < 3:
             continue
         start = at_train.get((train_len, statistic, rows), pd.Series(dtype=float))
         change = value - start.reindex(value.index)
