@@ -2,12 +2,14 @@
 biases included, for any PE, c fitted on the validation split.
 
 Pinned: beta exactly; attention under it against logits computed independently in float64 for a bias PE (ALiBi) and
-RoPE; the fit recovering a known c and being the argmin of the NLL over the grid it tried (brute force); its rows
+RoPE; the fit recovering a known c and being the argmin of the NLL over the grid it tried (brute force), its coarse
+scan ending at the first rise; at c = 0 the model as trained's rows, not measured again; its rows
 in a sweep of a PE without variants; c fitted on the evaluation it is given (the validation split's) whatever the
 sweep reports on; a PE it cannot serve gets rows that say why; the keys refused in one line.
 """
 
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -23,7 +25,16 @@ from lenext.model import Decoder
 from lenext.pe import DAPE, FIRE, ALiBi, NoPE, RoPE, alibi_slopes
 from lenext.resolve import TRAIN_NODES, TrainSettings
 from lenext.scoring import Measured
-from lenext.temperature import COARSE, FINE_STEP, TEMPERATURE, fit_temperature, grid_fit, length_scales, temperature
+from lenext.temperature import (
+    COARSE,
+    FINE_STEP,
+    TEMPERATURE,
+    TemperatureFit,
+    fit_temperature,
+    grid_fit,
+    length_scales,
+    temperature,
+)
 from tests.conftest import hidden_keys
 
 TRAIN_LEN, VOCAB = 8, 64
@@ -125,7 +136,23 @@ def test_the_fit_recovers_a_known_c(optimum):
     fit = fit_temperature(decoder(NoPE), evaluation, plan(8, 16, 32), settings(), "32-true", None, 0)
     assert fit.c == pytest.approx(optimum) and fit.reason is None
     assert fit.lengths == (16, 32) and fit.protocol == "nonoverlap"  # the lengths beyond L_train only
-    assert set(COARSE) <= set(dict(fit.losses))
+    nll = {c: (c - optimum) ** 2 + 1 for c in COARSE}  # KnownOptimum's, the same at every length
+    first_rise = next(c for before, c in itertools.pairwise(COARSE) if nll[c] > nll[before])
+    assert [c for c in dict(fit.losses) if c in COARSE] == [c for c in COARSE if c <= first_rise]
+
+
+def test_the_coarse_scan_stops_at_the_first_rise_and_finds_the_grid_minimum_of_one_dip():
+    asked = []
+
+    def objective(c: float) -> float:
+        asked.append(c)
+        return abs(c - 0.3)
+
+    c, losses = grid_fit(objective)
+    assert c == pytest.approx(0.3)
+    assert asked[:5] == [0.0, 0.1, 0.2, 0.3, 0.4]  # 0.4 rises above 0.3: the coarse scan ends there
+    assert sorted(set(asked[5:])) == [0.225, 0.25, 0.275, 0.325, 0.35, 0.375]
+    assert len(asked) == len(set(asked)) == len(losses)  # no c evaluated twice
 
 
 def random_documents(seed: int = 0) -> TextEvaluation:
@@ -156,7 +183,7 @@ def test_the_fit_is_the_argmin_of_the_nll_over_its_grid():
     brute_force = {c: brute(c) for c in tried}
     assert tried == pytest.approx(brute_force, rel=1e-6)
     assert fit.c == min(brute_force, key=lambda c: (brute_force[c], c))
-    coarse_best = min(COARSE, key=lambda c: (brute_force[c], c))
+    coarse_best = min(set(COARSE) & set(tried), key=lambda c: (brute_force[c], c))
     assert set(tried) - set(COARSE) <= {round(coarse_best + k * FINE_STEP, 10) for k in range(-3, 4)}
 
 
@@ -179,6 +206,25 @@ def test_the_variant_gives_rows_for_a_pe_without_variants_and_fits_on_the_evalua
         assert row["temperature_fitted_on"] == "validation"
     assert by_variant[TEMPERATURE, 8]["mean_nll"] == by_variant[None, 8]["mean_nll"]  # beta = 1 at L_train
     assert all(scale.temperature is None for scale in length_scales(net))
+
+
+def test_at_c_zero_the_rows_are_the_model_as_trained_measured_once(monkeypatch):
+    class Counted(TextEvaluation):
+        def measure(self, net, *args):
+            temperatures.append(length_scales(net)[0].temperature)
+            return super().measure(net, *args)
+
+    temperatures, evaluation = [], Counted(random_documents().documents)
+    fitted = TemperatureFit(0.0, None, (16, 32), "nonoverlap", ((0.0, 1.0),))
+    monkeypatch.setattr("lenext.evaluate.fit_temperature", lambda *args: fitted)
+    rows, curves = sweep(decoder(NoPE), evaluation, plan(8, 16, 32), settings(per_position=True))
+    by_variant = {(r["variant"], r["length"]): r for r in rows}
+    for length in (8, 16, 32):
+        as_trained, warmer = by_variant[None, length], by_variant[TEMPERATURE, length]
+        assert warmer["temperature_c"] == 0.0 and warmer["mean_nll"] == as_trained["mean_nll"]
+        assert warmer["tokens"] == as_trained["tokens"] > 0
+    assert temperatures == [None] * 3  # each length measured once, as trained, not again at beta = 1
+    assert [c[1:] for c in curves if c[0] == TEMPERATURE] == [c[1:] for c in curves if c[0] is None]
 
 
 def test_no_variant_row_unless_asked_or_beyond_l_train():

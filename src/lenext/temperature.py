@@ -5,8 +5,8 @@ s <= 1), through the attention's row scale (``lenext.attention.LengthScale``), s
 c is fitted on the validation split, always (also when the sweep reports the test split): the c of lowest mean NLL
 (the mean over the lengths beyond L_train of each length's mean NLL per token) under ``nonoverlap`` (a probe: its
 ``accuracy`` protocol's NLL of the answers), at
-the sweep's lengths beyond L_train and its windows (eval.max_windows), on the grid ``COARSE``, then in steps of
-``FINE_STEP`` within ``FINE_SPAN`` steps of the best; ties go to the smaller c.
+the sweep's lengths beyond L_train and its windows (eval.max_windows), on the grid ``COARSE`` scanned upward until
+the NLL first rises, then in steps of ``FINE_STEP`` within ``FINE_SPAN`` steps of the best; ties go to the smaller c.
 """
 
 from collections.abc import Iterator
@@ -79,15 +79,18 @@ def asks_temperature(asked: list[str] | None, net, lengths: list[int]) -> bool:
 
 
 def grid_fit(objective, coarse=COARSE, step: float = FINE_STEP, span: int = FINE_SPAN) -> tuple[float, dict]:
-    """The c of least ``objective(c)`` on the ``coarse`` grid, then on steps of ``step`` within ``span`` steps of
-    its best (c >= 0); ties to the smaller c. Returns (c, {c: objective} of every c tried, in order)."""
+    """The c of least ``objective(c)`` on the ``coarse`` grid, scanned upward until the objective first rises above
+    its value at the c before (one minimum in c is assumed), then on steps of ``step`` within ``span`` steps of its
+    best (c >= 0); ties to the smaller c. Returns (c, {c: objective} of every c tried, in order)."""
     losses: dict[float, float] = {}
 
     def best() -> float:
         return min(losses, key=lambda c: (losses[c], c))
 
-    for c in coarse:
+    for k, c in enumerate(coarse):
         losses[c] = objective(c)
+        if k and losses[c] > losses[coarse[k - 1]]:
+            break
     centre = best()
     for k in range(-span, span + 1):
         c = round(centre + k * step, 10)
