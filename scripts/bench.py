@@ -16,7 +16,10 @@ overrides, resolved by ``lenext.resolve`` and built by ``lenext.build.build_net`
    bare PyTorch loop doing the same training, at the machine's default precision, and the bare loop at
    the other precision (bf16 autocast vs fp32), and the bare loop with the model under torch.compile,
    and a second stage (``init_from`` the first arm's checkpoint, YaRN x4) under the same Trainer;
-   the arms interleaved.
+   the arms interleaved;
+5. ``eval.py hf=``'s evaluation of a Hugging Face Llama against a bare transformers loop;
+6. training throughput against a peer, x-transformers, on the same shape, step and batch as section 1, for the
+   PEs both have: each PE's lenext and x-transformers arms interleaved, their ratio paired by repetition.
 
 Every report names the CPU, its ISA and whether it computes bf16 natively (lenext.hardware).
 
@@ -26,6 +29,7 @@ Usage:
     .venv/bin/python scripts/bench.py --quick           # smoke test
     .venv/bin/python scripts/bench.py --sections lightning --out benchmarks/bench-lightning.md  # section 4
     .venv/bin/python scripts/bench.py --sections training,forward --rows cope,fox,nope+ssmax  # some rows only
+    .venv/bin/python scripts/bench.py --sections peer --out benchmarks/bench-peer.md  # section 6
 """
 
 import argparse
@@ -91,7 +95,7 @@ DRAWN_ROWS = {  # RoPE trained at positions drawn anew every step
     "rope+pose": ["train.positions=pose"],
 }
 SAMPLING_TARGET = 0.02  # drawing positions: at most this share of a training step
-SECTIONS = ["training", "forward", "shaw", "lightning", "hf"]
+SECTIONS = ["training", "forward", "shaw", "lightning", "hf", "peer"]
 TARGETS = {  # training tokens/s vs nope
     "rope": 0.95,
     "alibi": 0.9,
@@ -270,6 +274,130 @@ def bench_training(precision, batch, warmup, steps, reps, log, rows):
             "rates": rates[row],
         }
     return results
+
+
+# --------------------------------------------------------------------------------------------
+# 6. Against a peer: x-transformers trains the same model
+
+# x-transformers' settings for each PE both have; its xPos is RoPE with xPos's scale (rotary_xpos).
+PEER_PES = {
+    "nope": {},
+    "rope": {"rotary_pos_emb": True},
+    "xpos": {"rotary_pos_emb": True, "rotary_xpos": True},
+    "alibi": {"alibi_pos_bias": True},
+    "t5": {"rel_pos_bias": True},
+}
+PEER_TARGET = 1.5  # lenext's training tokens/s over x-transformers' on every PE both have
+
+
+def xtransformers_net(row: str, length: int, shape: dict | None = None):
+    """x-transformers' decoder of the small model's shape (GELU, ff x4, pre-norm LayerNorm, lenext's head width
+    d_model / heads: x-transformers' default of 64 would train a larger attention; untied output head), this row's
+    PE, seeded."""
+    from x_transformers import Decoder as XDecoder
+    from x_transformers import TransformerWrapper
+
+    shape = shape or small_shape()
+    torch.manual_seed(SEED)
+    layers = XDecoder(
+        dim=shape["d_model"],
+        depth=shape["n_layers"],
+        heads=shape["n_heads"],
+        attn_dim_head=shape["d_model"] // shape["n_heads"],
+        attn_flash=row != "t5",  # x-transformers refuses flash with its T5 bias
+        **PEER_PES[row],
+    )
+    return TransformerWrapper(
+        num_tokens=shape["vocab_size"], max_seq_len=length, attn_layers=layers, use_abs_pos_emb=False
+    )
+
+
+class PeerRow:
+    """x-transformers' model of a row with AdamW, stepping as ``TrainingRow`` does: forward, cross-entropy over
+    its logits (its own way to a loss), backward, AdamW step, zero_grad."""
+
+    def __init__(self, row: str, precision: str):
+        self.net = xtransformers_net(row, TRAIN_LEN)
+        self.net.train()
+        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4)
+        self.precision = precision
+
+    def train(self, tokens: torch.Tensor, targets: torch.Tensor, steps: int) -> float:
+        for _ in range(steps):
+            with autocast(self.precision):
+                logits = self.net(tokens)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+
+def bench_peer(precision, batch, warmup, steps, reps, log, rows):
+    """Per PE: lenext's and x-transformers' tokens/s (medians) and lenext / x-transformers paired by repetition."""
+    arms = {}
+    for row in rows:
+        arms[row], arms[f"xt:{row}"] = TrainingRow(row, precision), PeerRow(row, precision)
+    names = list(arms)
+    tokens, targets = random_batch(batch, TRAIN_LEN, small_shape()["vocab_size"])
+    for name, arm in arms.items():
+        start = time.perf_counter()
+        loss = arm.train(tokens, targets, warmup)
+        log(f"  warmup {name:<10} {warmup} steps, {time.perf_counter() - start:6.1f} s, loss {loss:.3f}")
+    rates = {name: [] for name in names}
+    for rep in range(reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:  # rotate the start
+            start = time.perf_counter()
+            arms[name].train(tokens, targets, steps)
+            rates[name].append(steps * batch * TRAIN_LEN / (time.perf_counter() - start))
+        log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{name} {rates[name][-1]:.0f}" for name in names))
+    results = {"rows": rows, "gemm_peak": gemm_peak(precision)}
+    for row in rows:
+        paired = [ours / theirs for ours, theirs in zip(rates[row], rates[f"xt:{row}"], strict=True)]
+        flops = training_flops_per_token(arms[row].net, TRAIN_LEN)  # the same model: one count for both
+        results[row] = {
+            "mfu": statistics.median(rates[row]) * flops / results["gemm_peak"],
+            "peer_mfu": statistics.median(rates[f"xt:{row}"]) * flops / results["gemm_peak"],
+            "tokens_per_s": statistics.median(rates[row]),
+            "peer_tokens_per_s": statistics.median(rates[f"xt:{row}"]),
+            "ratio": statistics.median(paired),
+            "ratio_min": min(paired),
+            "ratio_max": max(paired),
+        }
+    return results
+
+
+def render_peer(settings, peer) -> list[str]:
+    from importlib.metadata import version
+
+    model = settings["model"]
+    lines = [
+        "## Against x-transformers",
+        "",
+        f"x-transformers {version('x-transformers')} trains the model of section 1 (the small model: "
+        f"{model['n_layers']} layers, d_model {model['d_model']}, {model['n_heads']} heads of "
+        f"{model['d_model'] // model['n_heads']}, GELU, "
+        f"untied head) with each PE both have, at L={settings['train_length']}, batch {settings['train_batch']}, "
+        "on the same random batch: its forward, cross-entropy over its logits, backward, AdamW step. Its xPos is "
+        "`rotary_xpos`; its T5 bias runs without flash attention (it refuses the two together). Every PE's two "
+        f"arms interleaved round-robin over {settings['reps']} repetitions of {settings['steps']} timed "
+        f"step{'s' if settings['steps'] > 1 else ''} after {settings['warmup']} warmup steps; tokens/s: medians; "
+        "ratio: median over repetitions of lenext / x-transformers in the same repetition, with its range. MFU: "
+        "as in section 1 (PaLM's FLOP count of the model, the same for both, over the GEMM peak measured in this "
+        f"precision, {peer['gemm_peak'] / 1e9:.0f} GFLOP/s).",
+        "",
+        "| PE | lenext tokens/s | x-transformers tokens/s | lenext / x-transformers | range | target | meets "
+        "| MFU lenext | MFU x-transformers |",
+        "|---|---:|---:|---:|---|---:|---|---:|---:|",
+    ]
+    for name in peer["rows"]:
+        row = peer[name]
+        lines.append(
+            f"| {name} | {row['tokens_per_s']:.0f} | {row['peer_tokens_per_s']:.0f} | {row['ratio']:.2f} | "
+            f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f} | >= {PEER_TARGET} | "
+            f"{'yes' if row['ratio'] >= PEER_TARGET else '**no**'} | {row['mfu']:.2f} | {row['peer_mfu']:.2f} |"
+        )
+    return lines
 
 
 # --------------------------------------------------------------------------------------------
@@ -910,6 +1038,7 @@ SECTION_MARKERS = {  # heading -> the name docs/performance.md includes the sect
     "## Shaw attention": "shaw",
     "## The study's training step": "lightning",
     "## `eval.py hf=`": "hf",
+    "## Against x-transformers": "peer",
 }
 
 
@@ -931,7 +1060,7 @@ def with_section_markers(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def render(info, settings, elapsed, training=None, forward=None, shaw=None, lightning=None, hf=None) -> str:
+def render(info, settings, elapsed, training=None, forward=None, shaw=None, lightning=None, hf=None, peer=None) -> str:
     sections = [render_header(info, settings, elapsed)]
     if training is not None:
         sections.append(render_training(settings, training))
@@ -943,6 +1072,8 @@ def render(info, settings, elapsed, training=None, forward=None, shaw=None, ligh
         sections.append(render_lightning(info, settings, lightning))
     if hf is not None:
         sections.append(render_hf(settings, hf))
+    if peer is not None:
+        sections.append(render_peer(settings, peer))
     return with_section_markers("\n\n".join("\n".join(lines) for lines in sections))
 
 
@@ -1070,7 +1201,18 @@ def main(argv=None) -> None:
     )
 
     hf = measured("hf", bench_hf, args.precision, 1024, settings["hf_reps"], log)
-    text = render(info, settings, time.perf_counter() - started, training, forward, shaw, lightning, hf)
+    peer = measured(
+        "peer",
+        bench_peer,
+        args.precision,
+        settings["train_batch"],
+        settings["warmup"],
+        settings["steps"],
+        settings["reps"],
+        log,
+        [row for row in PEER_PES if row in (args.rows or PEER_PES)],
+    )
+    text = render(info, settings, time.perf_counter() - started, training, forward, shaw, lightning, hf, peer)
     write_atomic(out, text)
     print()
     print(text)

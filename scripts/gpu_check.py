@@ -245,25 +245,6 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def xtransformers_net(row: str, length: int):
-    """x-transformers' decoder of the small model's shape (GELU, ff x4, pre-norm, untied), this row's PE."""
-    from x_transformers import Decoder as XDecoder
-    from x_transformers import TransformerWrapper
-
-    pe = {"nope": {}, "rope": {"rotary_pos_emb": True}, "alibi": {"alibi_pos_bias": True}, "t5": {"rel_pos_bias": True}}
-    torch.manual_seed(bench.SEED)
-    layers = XDecoder(
-        dim=TRAIN_SHAPE["d_model"],
-        depth=TRAIN_SHAPE["n_layers"],
-        heads=TRAIN_SHAPE["n_heads"],
-        attn_flash=row != "t5",  # x-transformers refuses flash with its T5 bias
-        **pe[row],
-    )
-    return TransformerWrapper(
-        num_tokens=TRAIN_SHAPE["vocab_size"], max_seq_len=length, attn_layers=layers, use_abs_pos_emb=False
-    )
-
-
 class Arm:
     """One training row: a model, its optimizer and one step on a fixed batch. ``<row>@compile``: each block
     compiled, as ``module.compile=true`` does."""
@@ -272,7 +253,9 @@ class Arm:
         xt = row.startswith("xt:")
         shape = {"vocab_size": vocab} if model else TRAIN_SHAPE
         pe_row = row.removesuffix("@compile")
-        self.net = (xtransformers_net(row[3:], length) if xt else build(pe_row, length, shape, model)).to(device)
+        self.net = (
+            bench.xtransformers_net(row[3:], length, TRAIN_SHAPE) if xt else build(pe_row, length, shape, model)
+        ).to(device)
         self.net.train()
         if row.endswith("@compile"):
             self.net.compile_blocks()

@@ -130,3 +130,26 @@ def test_the_gpu_check_runs_its_sections_on_a_cpu(tmp_path):
     assert "| t5 |" in report and "| xt:t5 |" in report
     fsdp = json.loads(trained.with_suffix(".json").read_text())["fsdp"]
     assert fsdp["loss"]["ddp"] == fsdp["loss"]["fsdp"] and fsdp["worst_parameter_error"] < 1e-6
+
+
+@pytest.mark.parametrize("row", ["nope", "rope", "xpos", "alibi", "t5"])
+def test_the_peer_trains_a_model_of_lenexts_shape(bench, row):
+    """x-transformers' model in the ``peer`` section has lenext's widths (its default head width, 64, once made its
+    attention twice as wide): the same parameter count but for a few norm and bias vectors."""
+    ours, _ = bench.row_model(row)
+    theirs = bench.xtransformers_net(row, bench.TRAIN_LEN)
+    count = lambda net: sum(p.numel() for p in net.parameters())  # noqa: E731
+    assert abs(count(theirs) - count(ours)) < 1e-3 * count(ours), (count(theirs), count(ours))
+    widths = {m.out_features for name, m in theirs.named_modules() if name.endswith("to_q")}
+    assert widths == {bench.small_shape()["d_model"]}
+
+
+def test_the_peer_section_reports_each_pe_with_its_ratio_and_mfu(bench):
+    peer = bench.bench_peer("fp32", batch=1, warmup=1, steps=1, reps=2, log=lambda line: None, rows=["nope"])
+    settings = {"model": bench.small_shape(), "train_length": bench.TRAIN_LEN, "train_batch": 1}
+    settings |= {"reps": 2, "steps": 1, "warmup": 1}
+    (row,) = [line for line in bench.render_peer(settings, peer) if line.startswith("| nope |")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert float(cells[3]) == pytest.approx(peer["nope"]["ratio"], abs=0.005) and peer["nope"]["ratio"] > 0
+    assert 0 < peer["nope"]["mfu"] and 0 < peer["nope"]["peer_mfu"]
+    assert "8 heads of 32" in " ".join(bench.render_peer(settings, peer))
