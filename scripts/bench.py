@@ -240,20 +240,28 @@ def sampling_ms(schemes: dict, batch: int, length: int, draws: int = 50) -> dict
     return times
 
 
-def bench_training(precision, batch, warmup, steps, reps, log, rows):
-    arms = {row: TrainingRow(row, precision) for row in rows}
-    tokens, targets = random_batch(batch, TRAIN_LEN, arms["nope"].net.vocab_size)
-    for row, arm in arms.items():
+def interleaved_rates(arms: dict, batch: int, warmup: int, steps: int, reps: int, log) -> dict[str, list[float]]:
+    """Each arm's tokens/s in every repetition: ``warmup`` steps each, then ``reps`` rounds of ``steps`` timed steps
+    of every arm in turn on the same random batch, the first arm of a round rotating."""
+    names = list(arms)
+    tokens, targets = random_batch(batch, TRAIN_LEN, small_shape()["vocab_size"])
+    for name, arm in arms.items():
         start = time.perf_counter()
         loss = arm.train(tokens, targets, warmup)
-        log(f"  warmup {row:<15} {warmup} steps, {time.perf_counter() - start:6.1f} s, loss {loss:.3f}")
-    rates = {row: [] for row in rows}
+        log(f"  warmup {name:<15} {warmup} steps, {time.perf_counter() - start:6.1f} s, loss {loss:.3f}")
+    rates = {name: [] for name in names}
     for rep in range(reps):
-        for row in rows[rep % len(rows) :] + rows[: rep % len(rows)]:  # rotate the start
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
             start = time.perf_counter()
-            arms[row].train(tokens, targets, steps)
-            rates[row].append(steps * batch * TRAIN_LEN / (time.perf_counter() - start))
-        log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{row} {rates[row][-1]:.0f}" for row in rows))
+            arms[name].train(tokens, targets, steps)
+            rates[name].append(steps * batch * TRAIN_LEN / (time.perf_counter() - start))
+        log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{name} {rates[name][-1]:.0f}" for name in names))
+    return rates
+
+
+def bench_training(precision, batch, warmup, steps, reps, log, rows):
+    arms = {row: TrainingRow(row, precision) for row in rows}
+    rates = interleaved_rates(arms, batch, warmup, steps, reps, log)
     drawn = {row: arm.scheme for row, arm in arms.items() if arm.scheme.reach}
     results = {
         "rows": rows,
@@ -293,19 +301,22 @@ PEER_TARGET = 1.5  # lenext's training tokens/s over x-transformers' on every PE
 def xtransformers_net(row: str, length: int, shape: dict | None = None):
     """x-transformers' decoder of the small model's shape (GELU, ff x4, pre-norm LayerNorm, lenext's head width
     d_model / heads: x-transformers' default of 64 would train a larger attention; untied output head), this row's
-    PE, seeded."""
+    PE, rotating the whole head as lenext does (x-transformers' default: half of it), seeded."""
     from x_transformers import Decoder as XDecoder
     from x_transformers import TransformerWrapper
 
     shape = shape or small_shape()
+    head = shape["d_model"] // shape["n_heads"]
+    rotary = {"rotary_emb_dim": head} if PEER_PES[row].get("rotary_pos_emb") else {}  # all of a head, as lenext's
     torch.manual_seed(SEED)
     layers = XDecoder(
         dim=shape["d_model"],
         depth=shape["n_layers"],
         heads=shape["n_heads"],
-        attn_dim_head=shape["d_model"] // shape["n_heads"],
+        attn_dim_head=head,
         attn_flash=row != "t5",  # x-transformers refuses flash with its T5 bias
         **PEER_PES[row],
+        **rotary,
     )
     return TransformerWrapper(
         num_tokens=shape["vocab_size"], max_seq_len=length, attn_layers=layers, use_abs_pos_emb=False
@@ -338,19 +349,7 @@ def bench_peer(precision, batch, warmup, steps, reps, log, rows):
     arms = {}
     for row in rows:
         arms[row], arms[f"xt:{row}"] = TrainingRow(row, precision), PeerRow(row, precision)
-    names = list(arms)
-    tokens, targets = random_batch(batch, TRAIN_LEN, small_shape()["vocab_size"])
-    for name, arm in arms.items():
-        start = time.perf_counter()
-        loss = arm.train(tokens, targets, warmup)
-        log(f"  warmup {name:<10} {warmup} steps, {time.perf_counter() - start:6.1f} s, loss {loss:.3f}")
-    rates = {name: [] for name in names}
-    for rep in range(reps):
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:  # rotate the start
-            start = time.perf_counter()
-            arms[name].train(tokens, targets, steps)
-            rates[name].append(steps * batch * TRAIN_LEN / (time.perf_counter() - start))
-        log(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{name} {rates[name][-1]:.0f}" for name in names))
+    rates = interleaved_rates(arms, batch, warmup, steps, reps, log)
     results = {"rows": rows, "gemm_peak": gemm_peak(precision)}
     for row in rows:
         paired = [ours / theirs for ours, theirs in zip(rates[row], rates[f"xt:{row}"], strict=True)]
@@ -378,8 +377,9 @@ def render_peer(settings, peer) -> list[str]:
         f"{model['n_layers']} layers, d_model {model['d_model']}, {model['n_heads']} heads of "
         f"{model['d_model'] // model['n_heads']}, GELU, "
         f"untied head) with each PE both have, at L={settings['train_length']}, batch {settings['train_batch']}, "
-        "on the same random batch: its forward, cross-entropy over its logits, backward, AdamW step. Its xPos is "
-        "`rotary_xpos`; its T5 bias runs without flash attention (it refuses the two together). Every PE's two "
+        "on the same random batch: its forward, cross-entropy over its logits, backward, AdamW step. Its RoPE "
+        "rotates the whole head (`rotary_emb_dim`), as lenext's does; its xPos is `rotary_xpos`; its T5 bias runs "
+        "without flash attention (it refuses the two together). Every PE's two "
         f"arms interleaved round-robin over {settings['reps']} repetitions of {settings['steps']} timed "
         f"step{'s' if settings['steps'] > 1 else ''} after {settings['warmup']} warmup steps; tokens/s: medians; "
         "ratio: median over repetitions of lenext / x-transformers in the same repetition, with its range. MFU: "
@@ -1122,7 +1122,7 @@ def main(argv=None) -> None:
         "--rows",
         type=lambda s: s.split(","),
         help="comma-separated rows of the training and forward sections, e.g. cope,fox,nope+ssmax (default: all; "
-        "training always runs nope, its baseline)",
+        "training always runs nope, its baseline), and those of them the peer section has",
     )
     parser.add_argument("--_forward-worker", dest="forward_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1170,6 +1170,10 @@ def main(argv=None) -> None:
         )
         return result
 
+    peer_rows = [row for row in PEER_PES if row in (args.rows or PEER_PES)]
+    if "peer" in args.sections and not peer_rows:
+        log(f"peer: skipped, --rows names none of its PEs ({', '.join(PEER_PES)})")
+        args.sections = [section for section in args.sections if section != "peer"]
     training = measured(
         "training",
         bench_training,
@@ -1210,7 +1214,7 @@ def main(argv=None) -> None:
         settings["steps"],
         settings["reps"],
         log,
-        [row for row in PEER_PES if row in (args.rows or PEER_PES)],
+        peer_rows,
     )
     text = render(info, settings, time.perf_counter() - started, training, forward, shaw, lightning, hf, peer)
     write_atomic(out, text)

@@ -130,14 +130,14 @@ def settings(**changes) -> EvalSettings:
     return EvalSettings(**(values | changes))
 
 
-@pytest.mark.parametrize("optimum", [0.35, 0.6, 0.0])
+@pytest.mark.parametrize("optimum", [0.35, 0.6, 0.0, 1.0])
 def test_the_fit_recovers_a_known_c(optimum):
     evaluation = KnownOptimum(optimum)
     fit = fit_temperature(decoder(NoPE), evaluation, plan(8, 16, 32), settings(), "32-true", None, 0)
     assert fit.c == pytest.approx(optimum) and fit.reason is None
     assert fit.lengths == (16, 32) and fit.protocol == "nonoverlap"  # the lengths beyond L_train only
     nll = {c: (c - optimum) ** 2 + 1 for c in COARSE}  # KnownOptimum's, the same at every length
-    first_rise = next(c for before, c in itertools.pairwise(COARSE) if nll[c] > nll[before])
+    first_rise = next((c for before, c in itertools.pairwise(COARSE) if nll[c] > nll[before]), COARSE[-1])
     assert [c for c in dict(fit.losses) if c in COARSE] == [c for c in COARSE if c <= first_rise]
 
 
@@ -225,6 +225,28 @@ def test_at_c_zero_the_rows_are_the_model_as_trained_measured_once(monkeypatch):
         assert warmer["tokens"] == as_trained["tokens"] > 0
     assert temperatures == [None] * 3  # each length measured once, as trained, not again at beta = 1
     assert [c[1:] for c in curves if c[0] == TEMPERATURE] == [c[1:] for c in curves if c[0] is None]
+
+
+def test_at_c_zero_the_rows_repeat_the_pe_as_trained_whichever_variant_comes_first(monkeypatch):
+    fitted = TemperatureFit(0.0, None, (16, 32), "nonoverlap", ((0.0, 1.0),))
+    monkeypatch.setattr("lenext.evaluate.fit_temperature", lambda *args: fitted)
+    net = decoder(RoPE)
+    with torch.no_grad():  # sharper attention than at init, so that the scaling matters
+        for block in net.blocks:
+            block.attn.qkv.weight.mul_(8)
+    rows, _ = sweep(net, random_documents(), plan(8, 16, 32), settings(variants=["ntk", "none", TEMPERATURE]))
+    by_variant = {(r["variant"], r["length"]): r for r in rows}
+    assert by_variant["ntk", 32]["mean_nll"] != by_variant["none", 32]["mean_nll"]  # the two differ at 4x
+    for length in (16, 32):
+        assert by_variant[TEMPERATURE, length]["mean_nll"] == by_variant["none", length]["mean_nll"]
+    rows, _ = sweep(net, random_documents(), plan(8, 16, 32), settings(variants=["ntk", TEMPERATURE]))
+    by_variant = {(r["variant"], r["length"]): r for r in rows}  # the PE as trained not asked: measured at beta = 1
+    with temperature(net, 0.0):
+        evaluation = random_documents()
+        protocol = evaluation.protocol("nonoverlap", plan(8, 16, 32))
+        windows = protocol.capped(evaluation.windows(protocol, 32), 4)
+        expected = evaluation.measure(net, protocol, windows, 32, settings(), "32-true", None, 0).metrics["mean_nll"]
+    assert by_variant[TEMPERATURE, 32]["mean_nll"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_no_variant_row_unless_asked_or_beyond_l_train():

@@ -219,13 +219,16 @@ def sweep(
     device = next(net.parameters()).device
     rows, curves = [], []
     net.eval()
-    variants = net.pe.variants(eval_cfg.variants, evaluated_at.evaluation_span(max(plan.lengths)))
+    span = evaluated_at.evaluation_span(max(plan.lengths))
+    variants = net.pe.variants(eval_cfg.variants, span)
+    trained = net.pe.variants(None, span)[0]  # the PE as trained (a RoPE stage's own scaling), wherever asked
     fit = None
     if asks_temperature(eval_cfg.variants, net, plan.lengths):  # any PE: lenext.temperature
         variants = [*variants, TEMPERATURE]
         fit = fit_temperature(net, fit_evaluation or evaluation, plan, eval_cfg, precision, evaluated_at, seed)
         log.info("%s", describe_fit(fit))
-    as_trained = {}  # (protocol, length): the model as trained's measurement, which c = 0 (beta = 1) repeats exactly
+    reuse = fit is not None and fit.c == 0  # beta = 1 at every length: the model as trained, measured once
+    as_trained = {}  # (protocol, length): the model as trained's measurement and peak memory
     for variant in variants:
         with variant_scope(net, variant, fit):
             for name in plan.protocols:
@@ -250,11 +253,11 @@ def sweep(
                         reason = evaluation.missing(protocol, length)
                         rows.append({**row, "status": "no windows", **unmeasured, "reason": reason})
                         continue
-                    started = time.perf_counter()
-                    repeated = variant == TEMPERATURE and fit.c == 0 and (name, length) in as_trained
-                    if repeated:
-                        measured, peak_mb = as_trained[name, length]
+                    repeated = reuse and variant == TEMPERATURE and (name, length) in as_trained
+                    if repeated:  # its rows whole, the time and memory it took included
+                        measured, cost = as_trained[name, length]
                     else:
+                        started = time.perf_counter()
                         try:
                             with PeakMemory(device) as memory:
                                 measured = evaluation.measure(
@@ -263,17 +266,13 @@ def sweep(
                         except LengthNotSupported as e:
                             rows.append({**row, "status": "not applicable", **unmeasured, "reason": str(e)})
                             continue
-                        peak_mb = memory.peak_mb
-                    if variant == variants[0]:
-                        as_trained[name, length] = measured, peak_mb
-                    measured_row = {
-                        **row,
-                        "status": "ok",
-                        **measured.metrics,
-                        "seconds": round(time.perf_counter() - started, 3),
-                        "peak_mem_mb": round(peak_mb, 1),
-                        "reason": None,
-                    }
+                        cost = {
+                            "seconds": round(time.perf_counter() - started, 3),
+                            "peak_mem_mb": round(memory.peak_mb, 1),
+                        }
+                    if reuse and variant == trained:
+                        as_trained[name, length] = measured, cost
+                    measured_row = {**row, "status": "ok", **measured.metrics, **cost, "reason": None}
                     rows += [measured_row] + [
                         {**row, "status": "ok", **part, "reason": None} for part in measured.breakdown
                     ]

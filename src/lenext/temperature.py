@@ -87,10 +87,12 @@ def grid_fit(objective, coarse=COARSE, step: float = FINE_STEP, span: int = FINE
     def best() -> float:
         return min(losses, key=lambda c: (losses[c], c))
 
-    for k, c in enumerate(coarse):
+    before = None
+    for c in coarse:
         losses[c] = objective(c)
-        if k and losses[c] > losses[coarse[k - 1]]:
+        if before is not None and losses[c] > before:
             break
+        before = losses[c]
     centre = best()
     for k in range(-span, span + 1):
         c = round(centre + k * step, 10)
