@@ -4,6 +4,7 @@
 BlockMask go through eager (uncompiled) flex_attention on CPU, forward only, which torch 2.13 runs.
 """
 
+import logging
 import warnings
 
 import pytest
@@ -113,6 +114,18 @@ def test_fire_has_no_score_mod_past_its_threshold_with_a_gradient():
     assert pe.score_mod(q, sequential_positions(42), 0) is None
     with torch.no_grad():
         assert pe.score_mod(q, sequential_positions(42), 0) is not None
+
+
+def test_fire_says_once_when_training_leaves_flex_past_its_threshold(caplog):
+    """A learned threshold can drift below the trained span: the slow path is then said, once, not taken silently."""
+    pe, q = FIRE(SHAPE, init_threshold=40.0), torch.randn(1, HEADS, 42, HEAD_DIM)
+    with caplog.at_level(logging.WARNING, logger="lenext"):
+        pe.score_mod(q[:, :, :41], sequential_positions(41), 0)  # within the threshold: nothing to say
+        assert not caplog.records
+        pe.score_mod(q, sequential_positions(42), 0)
+        pe.score_mod(q, sequential_positions(42), 1)
+    (record,) = caplog.records
+    assert "L_thr = 40.0" in record.getMessage() and "span 42" in record.getMessage()
 
 
 @pytest.mark.parametrize("length", [64, 300])

@@ -12,6 +12,7 @@ without a gradient (evaluation beyond L_train), FlexAttention runs the MLP itsel
 query blocks (every score's gradient would be added onto the MLP's few weights at once).
 """
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -21,6 +22,7 @@ from lenext.pe.base import HIDDEN_ELEMENTS, AttentionShape, PositionalEncoding, 
 from lenext.ranges import PositiveFloat, PositiveInt
 
 EPS = 1e-6
+log = logging.getLogger("lenext")
 
 
 class FireBias(nn.Module):
@@ -126,6 +128,7 @@ class FIRE(PositionalEncoding):
         super().__init__(shape)
         self.hidden, self.init_c, self.per_layer = hidden, init_c, per_layer
         self.init_threshold = threshold = float(init_threshold or shape.train_len)
+        self.warned_past_threshold = False
         self.layers = nn.ModuleList(
             FireBias(shape.n_heads, hidden, init_c, threshold) for _ in range(shape.n_layers if per_layer else 1)
         )
@@ -142,10 +145,22 @@ class FIRE(PositionalEncoding):
 
     def score_mod(self, q, positions, layer):
         fire = self.layers[layer if len(self.layers) > 1 else 0]
-        table = fire.distance_table(position_span(positions))  # no query past the threshold: a lookup by distance
+        span = position_span(positions)
+        table = fire.distance_table(span)  # no query past the threshold: a lookup by distance
         if table is not None:
             return distance_score_mod(table, positions, q.size(0))
-        return None if torch.is_grad_enabled() else fire.pair_score_mod(positions, q.size(0))
+        if not torch.is_grad_enabled():
+            return fire.pair_score_mod(positions, q.size(0))
+        if not self.warned_past_threshold:  # once: a learned threshold can drift below L_train in training
+            self.warned_past_threshold = True
+            log.warning(
+                "FIRE: training with queries past the learned threshold L_thr = %.1f (positions span %d): its "
+                "attention leaves FlexAttention for the explicit query blocks, far slower on a GPU "
+                "(docs/performance.md)",
+                float(fire.threshold().max()),
+                span,
+            )
+        return None
 
     def describe(self) -> dict:
         return {"name": "FIRE", "hidden": self.layers[0].mlp[0].out_features, "per_layer": len(self.layers) > 1}
