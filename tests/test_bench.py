@@ -154,4 +154,8 @@ def test_the_peer_section_reports_each_pe_with_its_ratio_and_mfu(bench):
     (row,) = [line for line in bench.render_peer(settings, peer) if line.startswith("| nope |")]
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert float(cells[3]) == pytest.approx(peer["nope"]["ratio"], abs=0.005) and peer["nope"]["ratio"] > 0
-    assert 0 < peer["nope"]["mfu"] and 0 < peer["nope"]["peer_mfu"]
+    nope = peer["nope"]
+    assert nope["ratio_min"] <= nope["ratio"] <= nope["ratio_max"]
+    # one FLOP count for both arms: their MFUs stand as their speeds do
+    assert nope["mfu"] / nope["peer_mfu"] == pytest.approx(nope["tokens_per_s"] / nope["peer_tokens_per_s"])
+    assert 0 < nope["peer_mfu"] < 1.5  # against the machine's measured GEMM peak
