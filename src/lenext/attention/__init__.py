@@ -4,6 +4,8 @@ Which path runs follows from the forms of score bias the PE provides (``lenext.p
 docs/pes/index.md, "Attention paths"), never from its name:
 
 - no score bias (NoPE, APEs, RoPE): SDPA ``is_causal``;
+- while training on CUDA with fla installed, log gates (FoX's) and Householder products (PaTH's), alone or together:
+  fla's kernels (``fla_kernels``);
 - a key bias that needs a gradient (FoX's), but on CUDA in fp32: SDPA ``is_causal`` in fp32 (also under bf16), the
   bias as an extra channel of q and k;
 - on CUDA, biases that each have a ``score_mod`` or a key form, and any sliding window (as a block mask): compiled
@@ -15,7 +17,8 @@ docs/pes/index.md, "Attention paths"), never from its name:
   Self-Extend; a window on CPU; no fused kernel): explicit scores in query blocks, so no (L, L) tensor at once.
 The PE gives biases; every mask (causal, the band's, a window's) is built here or in ``flex``.
 
-The kernels live beside it: ``band`` (BandedAttention, CPU), ``flex`` (FlexAttention, CUDA).
+The kernels live beside it: ``band`` (BandedAttention, CPU), ``flex`` (FlexAttention, CUDA), ``fla_kernels``
+(fla's Triton kernels, CUDA).
 ``recording(callback)`` sends every call down the explicit path and hands the callback each query block's
 weights (lenext.diagnostics).
 """
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lenext.attention.band import BandedAttention, band_mask, cpu_flash
+from lenext.attention.fla_kernels import fla_attention, fla_serves
 from lenext.attention.flex import (
     causal_block_mask,
     compiled_flex_attention,
@@ -200,12 +204,15 @@ def causal_attention(
         q = q * row_scale.to(q.dtype)  # exact for q.k; each bias path below scales its bias too, or is not taken
     if window is not None and window >= q.size(-2):
         window = None  # every row sees all its keys
-    # scores of q . k plus biases alone: what the fused kernels compute (recording needs the explicit path's weights)
-    plain = value_term is None and logits is None and not terms.logit_terms and not stick_breaking
-    plain = plain and _recorder is None
+    # scores of q . k or the PE's logits, plus biases alone: what fused kernels compute (recording needs the explicit
+    # path's weights)
+    scores_only = value_term is None and not terms.logit_terms and not stick_breaking and _recorder is None
+    plain = scores_only and logits is None
     fused = plain and window is None
     if fused and not biases:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if scores_only and row_scale is None and torch.is_grad_enabled() and fla_serves(q, terms, window):
+        return fla_attention(q, k, v, terms, window)
     length = q.size(-2)
     flex = plain and row_scale is None and flex_available(q) and all(b.flex or b.key for b in biases)
     # The keys' sum, unless flex takes every bias by its own score_mod (ALiBi's on CUDA)

@@ -61,6 +61,8 @@ class Bias:
     - ``pair(start, end, first)``: (B or 1, H, end - start, end - first) fp32 bias of query rows [start, end)
       against keys [first, end), for j <= i (values at j > i must be finite; the attention masks them).
     - ``flex()``: a FlexAttention score_mod adding the bias (CUDA), or None where it has none for these positions.
+    - ``gates()``: (B, L, H) fp32 log gates g, for a bias(i, j) = sum_{t = j+1..i} g_t (FoX's forget gates):
+      fla's forgetting-attention kernel while training on CUDA (``lenext.attention.fla_kernels``).
     Forms that cost work are functions, called only by the path that uses them.
     """
 
@@ -68,6 +70,7 @@ class Bias:
     band: Callable[[], torch.Tensor] | None = None
     pair: Callable[[int, int, int], torch.Tensor] | None = None
     flex: Callable[[], ScoreMod] | None = None
+    gates: Callable[[], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -78,12 +81,15 @@ class ScoreTerms:
     A logit term ``(logits, start, end, first) -> (B, H, end - start, end - first)`` is added to the logits of query
     rows [start, end) against keys [first, end), computed from them as the softmax would see them (every bias
     and mask in, -inf on keys a row does not see): CoPE's contextual positions.
+    ``householders()``: PaTH's w (B, H, L, d) unit vectors and beta (B, H, L), fp32, of which its ``logits`` are
+    made: fla's PaTH kernel while training on CUDA (``lenext.attention.fla_kernels``).
     """
 
     biases: tuple[Bias, ...] = ()
     value: ValueTerm | None = None
     logits: Logits | None = None
     logit_terms: tuple[LogitTerm, ...] = ()
+    householders: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __add__(self, other: "ScoreTerms") -> "ScoreTerms":
         """Both PEs' terms: biases summed, value terms added; one PE at most computes the logits."""
@@ -97,7 +103,8 @@ class ScoreTerms:
                 return first(probs, start, end) + second(probs, start, end)
 
         logit_terms = self.logit_terms + other.logit_terms
-        return ScoreTerms(self.biases + other.biases, value, self.logits or other.logits, logit_terms)
+        householders = self.householders or other.householders
+        return ScoreTerms(self.biases + other.biases, value, self.logits or other.logits, logit_terms, householders)
 
 
 NO_TERMS = ScoreTerms()

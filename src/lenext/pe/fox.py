@@ -4,9 +4,10 @@ Each head of each layer has a forget gate computed from the layer's input x_t (B
 f_t = sigmoid(w . x_t + b), and the logit of query i and key j gains sum_{l = j+1..i} log f_l = F_i - F_j, with
 F the cumulative sum of log f over the tokens (not their positions). Softmax drops the row's F_i, so the bias
 is one of the key alone, -F_j, with a gradient into the gate: it rides SDPA's fused causal kernel (as channels of
-q and k while training, ``lenext.attention.key_bias_channels_attention``). As fla's layer (``f_proj``): one
-``nn.Linear(d_model, H)`` per layer, its bias starting at 0. FoX alone has no other PE (``pe=fox``); with RoPE
-it is ``pe=fox_rope`` (``Compose``).
+q and k while training, ``lenext.attention.key_bias_channels_attention``), or, while training on CUDA with fla
+installed, fla's forgetting-attention kernel, which takes the log gates themselves (``Bias.gates``). As fla's
+layer (``f_proj``): one ``nn.Linear(d_model, H)`` per layer, its bias starting at 0. FoX alone has no other PE
+(``pe=fox``); with RoPE it is ``pe=fox_rope`` (``Compose``).
 """
 
 import torch
@@ -41,13 +42,14 @@ class ForgetGate(LayerPE):
         return F.logsigmoid(gate.to(torch.promote_types(gate.dtype, torch.float32)))
 
     def terms(self, x, q, k, positions) -> ScoreTerms:
+        log_forget = self.log_forget(x)
         # (B, H, 1, L) F_j, summed in float64: in fp32, F of 16k tokens (about -0.7 each at the start) would carry
         # absolute errors near 1e-3 into every difference F_i - F_j.
-        cumulative = self.log_forget(x).double().cumsum(1).transpose(1, 2)[:, :, None, :]
+        cumulative = log_forget.double().cumsum(1).transpose(1, 2)[:, :, None, :]
         wide = torch.promote_types(x.dtype, torch.float32)  # fp32; float64 for a float64 model (tests)
 
         def key(first: int, end: int) -> torch.Tensor:
             # F_{end-1} - F_j: anchored at the last key, so the keys near the queries keep fp32's precision.
             return (cumulative[..., end - 1 : end] - cumulative[..., first:end]).to(wide)
 
-        return ScoreTerms((Bias(key=key),))
+        return ScoreTerms((Bias(key=key, gates=lambda: log_forget),))

@@ -11,7 +11,8 @@ as flash-linear-attention's ``PaTHAttention`` layer (``use_low_rank_w``, ``use_w
 FoX's, composed: ``pe=path_fox``) and its ``naive_path_attn`` reference. No position enters: PaTH is what the
 content makes of the order. The logits are computed here in chunks of 64 tokens with the UT transform, as fla's
 chunked algorithm (``path_logits``): O(L^2 d) work in L / 64 - 1 sequential steps, and the logits of a sequence are
-held whole: (B, H, L, L) memory.
+held whole: (B, H, L, L) memory. While training on CUDA with fla installed, fla's fused PaTH kernel runs instead
+(``ScoreTerms.householders``; lenext.attention.fla_kernels).
 """
 
 import math
@@ -71,7 +72,7 @@ class Householders(LayerPE):
                 cached.append(path_logits(q, k, w, beta))
             return cached[0][..., start:end, :end]
 
-        return ScoreTerms(logits=logits)
+        return ScoreTerms(logits=logits, householders=lambda: (w, beta))
 
 
 def path_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:

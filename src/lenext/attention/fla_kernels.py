@@ -1,0 +1,76 @@
+"""fla's Triton kernels (flash-linear-attention's ``fla-core``, ``pip install 'lenext[kernels]'``): the fused
+training paths of the PEs they serve, on CUDA.
+
+- FoX's forget gates (``Bias.gates``): ``parallel_forgetting_attn`` takes the log gates themselves and does their
+  cumulative sum, the causal softmax and the gates' gradient in one kernel, accumulating in fp32, so its gate
+  gradient is not the one a bf16 kernel's bias gradient loses (docs/pes/fox.md). Any window; head dims to 256.
+- PaTH's Householder products (``ScoreTerms.householders``), FoX's gates with them or not: ``parallel_path_attn``,
+  no (B, H, L, L) logits (it carries queries across its chunks in fp16). No window; head dims 16, 32, 64 or 128.
+
+Training under bf16 or fp16 autocast only: Triton's dots take fp32 as TF32 (fp32 training keeps lenext's exact
+paths), and evaluation, far past L_train, keeps lenext's (FoX's key bias summed in float64). Triton's interpreter
+(``TRITON_INTERPRET=1``) runs the same kernels on the CPU, slowly, with exact fp32 dots and no bf16: there they serve
+fp32, which is how the tests check them without a GPU (``make test-kernels``).
+"""
+
+import os
+from functools import cache
+from types import SimpleNamespace
+
+import torch
+
+from lenext.pe.base import ScoreTerms
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 256  # fla's forgetting-attention kernel's
+PATH_HEAD_DIMS = (16, 32, 64, 128)  # the head dims fla's PaTH kernel is built for
+
+
+@cache
+def kernels() -> SimpleNamespace | None:
+    """fla's kernels (``forgetting``, ``path``), or None without fla (imported on first use: fla imports Triton)."""
+    try:
+        from fla.ops.forgetting_attn import parallel_forgetting_attn
+        from fla.ops.path_attn import parallel_path_attn
+    except ImportError:
+        return None
+    return SimpleNamespace(forgetting=parallel_forgetting_attn, path=parallel_path_attn)
+
+
+def kernel_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in: the autocast dtype, else q's."""
+    device = q.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+
+
+def fla_serves(q: torch.Tensor, terms: ScoreTerms, window: int | None) -> bool:
+    """Whether one of fla's kernels computes attention with these terms as exactly as the dtype allows, with fla
+    installed: on CUDA in bf16 or fp16, or under Triton's interpreter in fp32. The caller has checked that nothing
+    else is on the scores (no value term, logit term, row scale, stick-breaking or recording)."""
+    if q.is_cuda:
+        served = kernel_dtype(q) in HALF_DTYPES
+    else:
+        served = os.environ.get("TRITON_INTERPRET") == "1" and kernel_dtype(q) == torch.float32
+    if not served or kernels() is None:
+        return False
+    gated = len(terms.biases) == 1 and terms.biases[0].gates is not None  # FoX's gates and no other bias
+    if terms.householders is None:
+        return gated and terms.logits is None and q.size(-1) <= MAX_HEAD_DIM
+    return (gated or not terms.biases) and window is None and q.size(-1) in PATH_HEAD_DIMS
+
+
+def fla_attention(q, k, v, terms: ScoreTerms, window: int | None) -> torch.Tensor:
+    """Causal softmax attention with the terms ``fla_serves`` took: q, k, v (B, H, L, d) -> (B, H, L, d) in the
+    autocast dtype (else q's)."""
+    dtype = kernel_dtype(q)
+    q, k, v = (t.to(dtype).transpose(1, 2) for t in (q, k, v))  # fla's (B, L, H, d); RoPE may leave q, k fp32
+    scale = q.size(-1) ** -0.5
+    log_forget = terms.biases[0].gates().float() if terms.biases else None  # (B, L, H)
+    if terms.householders is None:
+        out = kernels().forgetting(q, k, v, log_forget, scale=scale, window_size=window)
+    else:
+        w, beta = terms.householders()
+        # fla's PaTH kernel scales g with the logits by 1/sqrt(d) (its naive reference too); FoX's gate is unscaled
+        g = None if log_forget is None else log_forget / scale
+        out, _ = kernels().path(q, k, v, w.float().transpose(1, 2), beta.float().transpose(1, 2), g, scale=scale)
+    return out.transpose(1, 2)
