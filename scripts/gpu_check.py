@@ -549,10 +549,12 @@ def environment(device: str) -> dict:
             import triton
 
             info["triton"] = triton.__version__
-        if fla_kernels.kernels() is not None:
-            import fla
+    if fla_kernels.kernels() is not None:
+        import fla
 
-            info["fla"] = fla.__version__  # FoX's and PaTH's training rows (not @nofla) and CUDA arms run its kernels
+        # FoX's and PaTH's bf16 training rows (not @nofla) and CUDA bf16 arms run its kernels; under Triton's
+        # interpreter (TRITON_INTERPRET=1) the CPU's fp32 arm does
+        info["fla"] = fla.__version__ + (", Triton's interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "")
     return info
 
 
@@ -708,6 +710,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device (torch.cuda.is_available() is False); --device cpu runs a smoke test")
+    if os.environ.get("TRITON_INTERPRET") == "1":  # fla's kernels on the CPU: the interpreter has no driver to time
+        from triton.runtime.autotuner import Autotuner  # an autotuner's configs, so each kernel takes its first
+
+        prune = Autotuner.prune_configs
+        Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
     rows = args.rows.split(",") if args.rows else all_rows()
     sections = args.sections.split(",")
     started = time.perf_counter()
