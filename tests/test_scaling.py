@@ -172,6 +172,26 @@ def test_a_block_traces_as_one_graph(pe, compose_train):
     assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
 
 
+@pytest.mark.parametrize("pe", ["t5", "shaw", "alibi", "kerple"])
+def test_a_block_on_the_gpus_flexattention_path_traces_as_one_graph(pe, compose_train, monkeypatch):
+    """On CUDA T5's and Shaw's band bias, ALiBi's and KERPLE's go to FlexAttention as score_mods: that path, chosen
+    here on the CPU, traces as one graph too (without a gradient: flex has no backward on a CPU), flex_attention
+    compiled with the block (calling torch.compile in it, as Lightning wraps it, broke the graph 5 times). FIRE's
+    does not: its learned threshold decides, per forward, which rows take the score_mod (docs/scaling.md)."""
+    import torch._dynamo
+
+    import lenext.attention as attention_module
+    from lenext.pe.base import forward_span
+
+    monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
+    net = tiny_module(compose_train, pe).net
+    x, positions = torch.randn(2, 16, net.d_model), torch.arange(16)[None]
+    torch._dynamo.reset()
+    with forward_span(positions), torch.no_grad():
+        explained = torch._dynamo.explain(net.blocks[0])(x, positions)
+    assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
+
+
 def test_a_pes_span_is_read_from_its_positions_outside_a_compiled_block():
     """position_span is the forward's span only while torch.compile traces; elsewhere, the positions given."""
     from lenext.pe.base import forward_span, position_span

@@ -231,7 +231,10 @@ def causal_attention(
                 causal_block_mask(length, q.device) if window is None else window_block_mask(length, window, q.device)
             )
             score_mod = summed_score_mods(score_mods) if score_mods else None
-            return compiled_flex_attention()(q, k, v, score_mod=score_mod, block_mask=mask)
+            # in a block torch.compile traces, flex_attention itself, which dynamo compiles with the block (a call
+            # of torch.compile there, which Lightning wraps, would break the block's graph)
+            kernel = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+            return kernel(q, k, v, score_mod=score_mod, block_mask=mask)
     if key is not None and fused_mask_with_causal(q.device.type):
         # O(L) memory at any length; a strided mask (FoX's, a view of (B, L, H) gates) sends SDPA to (H, L, L) scores
         return _sdpa_keep_mask(q, k, v, attn_mask=key.contiguous(), is_causal=True)
