@@ -172,10 +172,11 @@ def test_a_block_traces_as_one_graph(pe, compose_train):
     assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
 
 
-@pytest.mark.parametrize("pe", ["t5", "shaw", "alibi", "kerple"])
+@pytest.mark.parametrize("pe", ["t5", "shaw", "alibi", "kerple", "rnope_swa", "fox"])
 def test_a_block_on_the_gpus_flexattention_path_traces_as_one_graph(pe, compose_train, monkeypatch):
-    """On CUDA T5's and Shaw's band bias, ALiBi's and KERPLE's go to FlexAttention as score_mods: that path, chosen
-    here on the CPU, traces as one graph too (without a gradient: flex has no backward on a CPU), flex_attention
+    """On CUDA T5's and Shaw's band bias, ALiBi's and KERPLE's, sliding windows (RNoPE-SWA's, at 300 tokens past its
+    window) and FoX's key bias in evaluation go to FlexAttention: that path, chosen here on the CPU, traces as one
+    graph too (without a gradient: flex has no backward on a CPU), flex_attention
     compiled with the block (calling torch.compile in it, as Lightning wraps it, broke the graph 5 times). FIRE's
     does not: its learned threshold decides, per forward, which rows take the score_mod (docs/scaling.md)."""
     import torch._dynamo
@@ -185,7 +186,8 @@ def test_a_block_on_the_gpus_flexattention_path_traces_as_one_graph(pe, compose_
 
     monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
     net = tiny_module(compose_train, pe).net
-    x, positions = torch.randn(2, 16, net.d_model), torch.arange(16)[None]
+    x, positions = torch.randn(2, 300, net.d_model), torch.arange(300)[None]
+    assert net.blocks[0].attn.window is None or net.blocks[0].attn.window < 300
     torch._dynamo.reset()
     with forward_span(positions), torch.no_grad():
         explained = torch._dynamo.explain(net.blocks[0])(x, positions)
