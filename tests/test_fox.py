@@ -1,7 +1,7 @@
 """FoX (the Forgetting Transformer) against flash-linear-attention's naive reference, on every attention path.
 
 The oracle is fla's ``naive_forgetting_attn`` (fla/ops/forgetting_attn/naive.py, commit bc3b101), copied
-verbatim below (fla needs triton, so it is not installed); the inputs go to it in float64.
+verbatim below (fla needs Triton, which `make test` does not install); the inputs go to it in float64.
 """
 
 import contextlib

@@ -1,7 +1,7 @@
 """PaTH attention against flash-linear-attention's naive reference (fla-core 0.6.0,
 fla/ops/path_attn/naive.py, MIT, Songlin Yang, Yu Zhang, Zhiyuan Li), copied below with its float32 casts made
-float64 (fla needs triton, so it is not installed): outputs and gradients, through lenext's attention paths; the
-layer's w and beta as fla's ``PaTHAttention`` makes them."""
+float64 (fla needs Triton, which `make test` does not install): outputs and gradients, through lenext's attention
+paths; the layer's w and beta as fla's ``PaTHAttention`` makes them."""
 
 import math
 
