@@ -79,10 +79,16 @@ LIGHTNING_TARGET = 1.05
 FLA_ROWS = ["fox", "fox_rope", "path", "path_fox"]
 
 
+ROW_SUFFIXES = {"compile", "nofla"}  # <row>@compile, <row>@nofla (training rows; Arm)
+
+
 def all_rows() -> list[str]:
+    """Every PE config and variant, the newest first; with fla installed, each row fla serves followed by itself
+    without fla."""
     rows = bench.PE_NAMES + list(VARIANTS)
-    without_fla = [f"{r}@nofla" for r in FLA_ROWS] if fla_kernels.kernels() is not None else []
-    return [r for r in FIRST if r in rows] + [r for r in rows if r not in FIRST] + without_fla
+    ordered = [r for r in FIRST if r in rows] + [r for r in rows if r not in FIRST]
+    fla = fla_kernels.kernels() is not None
+    return [r for row in ordered for r in ([row, f"{row}@nofla"] if fla and row in FLA_ROWS else [row])]
 
 
 def pe_of(row: str) -> str:
@@ -545,16 +551,16 @@ def environment(device: str) -> dict:
             cuda=torch.version.cuda,
             driver=_run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader") or "unknown",
         )
-        with contextlib.suppress(ImportError):
-            import triton
-
-            info["triton"] = triton.__version__
     if fla_kernels.kernels() is not None:
         import fla
 
         # FoX's and PaTH's bf16 training rows (not @nofla) and CUDA bf16 arms run its kernels; under Triton's
         # interpreter (TRITON_INTERPRET=1) the CPU's fp32 arm does
         info["fla"] = fla.__version__ + (", Triton's interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "")
+    with contextlib.suppress(ImportError):
+        import triton
+
+        info["triton"] = triton.__version__
     return info
 
 
@@ -616,7 +622,8 @@ def render_exactness(exact) -> list[str]:
         "Each cell: the largest error of the per-token NLL (absolute) / of any parameter's gradient (relative to "
         "that tensor's largest entry), over the cases; `no grad`: the NLL under no_grad, evaluation's paths (on CUDA "
         "FIRE past its threshold and FoX through flex score_mods; on the CPU the query blocks through SDPA). "
-        "Passes: fp32 within "
+        "With fla installed, FoX's and PaTH's `cuda bf16` arm (under Triton's interpreter, their `cpu fp32` arm) runs "
+        "fla's kernels, and `fla off` lenext's own paths. Passes: fp32 within "
         f"{nll_fp32:g} / {grad_fp32:g}, bf16 within {nll_bf16:g} / {grad_bf16:g}.",
         "",
     ]
@@ -711,11 +718,18 @@ def main(argv=None) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device (torch.cuda.is_available() is False); --device cpu runs a smoke test")
     if os.environ.get("TRITON_INTERPRET") == "1":  # fla's kernels on the CPU: the interpreter has no driver to time
-        from triton.runtime.autotuner import Autotuner  # an autotuner's configs, so each kernel takes its first
+        if args.device == "cuda":  # an autotuner's configs, so each kernel takes its first
+            sys.exit("gpu_check: TRITON_INTERPRET=1 is for --device cpu (fla's kernels on the CPU)")
+        from triton.runtime.autotuner import Autotuner
 
         prune = Autotuner.prune_configs
-        Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
+        Autotuner.prune_configs = lambda self, *args, **kwargs: prune(self, *args, **kwargs)[:1]
     rows = args.rows.split(",") if args.rows else all_rows()
+    for row in rows:
+        unknown = set(row.split("@")[1:]) - ROW_SUFFIXES
+        if unknown:
+            suffixes = ", ".join(f"@{s}" for s in sorted(unknown))
+            sys.exit(f"gpu_check: --rows {row}: {suffixes} is not a row suffix; they are @compile and @nofla")
     sections = args.sections.split(",")
     started = time.perf_counter()
     settings = {"command": " ".join(["python scripts/gpu_check.py", *(argv or sys.argv[1:])]), "elapsed": 0.0}

@@ -140,6 +140,22 @@ def test_the_gpu_check_runs_its_sections_on_a_cpu(tmp_path):
     assert "| t5 |" in report and "| xt:t5 |" in report and "| fox@nofla |" in report
     fsdp = json.loads(trained.with_suffix(".json").read_text())["fsdp"]
     assert fsdp["loss"]["ddp"] == fsdp["loss"]["fsdp"] and fsdp["worst_parameter_error"] < 1e-6
+    with pytest.raises(SystemExit, match="fox@nofal: @nofal is not a row suffix"):
+        gpu_check.main(["--device", "cpu", "--quick", "--rows", "fox@nofal", "--out", str(trained)])
+
+
+def test_the_gpu_checks_default_rows_put_each_row_without_fla_beside_its_row(monkeypatch):
+    """With fla installed the default rows time each row fla serves and, next to it (before a budget can end the
+    section), the same row without fla; without fla, no such rows."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setattr(gpu_check.fla_kernels, "kernels", lambda: None)
+    assert not any(row.endswith("@nofla") for row in gpu_check.all_rows())
+    monkeypatch.setattr(gpu_check.fla_kernels, "kernels", lambda: object())
+    rows = gpu_check.all_rows()
+    for row in gpu_check.FLA_ROWS:
+        assert rows[rows.index(row) + 1] == f"{row}@nofla"
 
 
 @pytest.mark.parametrize("row", ["nope", "rope", "xpos", "alibi", "t5"])
