@@ -270,3 +270,37 @@ def test_causal_block_mask_is_causal(length):
     dense = mask.to_dense()[0, 0].bool()  # (blocks, blocks): which blocks are visited at all
     assert torch.equal(dense, torch.ones_like(dense).tril())
     assert causal_block_mask(length, torch.device("cpu")) is mask  # built once per (length, device)
+
+
+@pytest.mark.parametrize("pe", ["alibi", "t5", "kerple", "fox", "fire"])
+def test_an_evaluation_sweep_compiles_flex_a_bounded_number_of_times_not_once_per_length(pe, monkeypatch):
+    """Over a sweep's lengths (64 to 2048, past FIRE's threshold) the compiled kernel's graphs stop at 3: the first
+    length, the next (one query block: torch specializes a size of 1), then dynamic shapes for every longer one.
+    Counted as dynamo's graphs (the eager backend; inductor's CPU flex template does not build in torch 2.13 here),
+    which is what a GPU's inductor compiles once each."""
+    from functools import cache
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from lenext.model import Decoder
+
+    @cache
+    def compiled():
+        return torch.compile(attention_module.flex_attention, backend="eager")
+
+    monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
+    monkeypatch.setattr(attention_module, "compiled_flex_attention", compiled)
+    pes = {"alibi": ALiBi, "t5": T5Bias, "kerple": KERPLE, "fox": FoX, "fire": FIRE}
+    torch.manual_seed(0)
+    net = Decoder(vocab_size=97, d_model=64, n_layers=2, n_heads=4, train_len=64, pe=pes[pe]).eval()
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    for length in (64, 128, 256, 512, 1024, 2048):
+        tokens = torch.randint(0, 97, (1, length + 1), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            net.token_nll(tokens[:, :-1], tokens[:, 1:])
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 2, 3, 3, 3, 3]
