@@ -139,9 +139,12 @@ def exact_net(row: str) -> Decoder:
     return net.train()
 
 
-def nll_and_grads(net, tokens, targets, positions, device, dtype, bf16=False):
-    """Per-token NLL and every parameter's gradient of its mean, in float64 on the CPU."""
+def nll_and_grads(net, tokens, targets, positions, device, dtype, bf16=False, compiled=False):
+    """Per-token NLL and every parameter's gradient of its mean, in float64 on the CPU; ``compiled``: every block
+    compiled, as module.compile=true."""
     net = copy.deepcopy(net).to(device=device, dtype=dtype)
+    if compiled:
+        net.compile_blocks()
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
         nll = net.token_nll(tokens.to(device), targets.to(device), None if positions is None else positions.to(device))
     nll.mean().backward()
@@ -177,7 +180,7 @@ def errors(arm, ref) -> dict:
     return {"nll": (nll - ref_nll).abs().max().item(), "grad": worst, "grad_param": worst_name}
 
 
-def exactness_case(net, length, drawn, device, fla_row=False):
+def exactness_case(net, length, drawn, device, fla_row=False, compiled=False):
     tokens = torch.randint(0, EXACT_SHAPE["vocab_size"], (2, length + 1), generator=torch.Generator().manual_seed(1))
     tokens, targets = tokens[:, :-1], tokens[:, 1:]
     positions = randomized_positions(2, length, 3 * length, generator(0, length)) if drawn else None
@@ -190,6 +193,10 @@ def exactness_case(net, length, drawn, device, fla_row=False):
         arms["cuda fp32"] = lambda: nll_and_grads(net, tokens, targets, positions, device, torch.float32)
         arms["cuda fp32, flex off"] = lambda: _flex_off(nll_and_grads, net, tokens, targets, positions, device)
         arms["cuda bf16"] = lambda: nll_and_grads(net, tokens, targets, positions, device, torch.float32, bf16=True)
+        if compiled and length > EXACT_TRAIN_LEN and not drawn:  # asked with @compile: its numbers too (one case)
+            arms["cuda fp32, compiled"] = lambda: nll_and_grads(
+                net, tokens, targets, positions, device, torch.float32, compiled=True
+            )
         if fla_row and fla_kernels.kernels() is not None:  # the arm above ran fla's kernel; lenext's own paths:
             arms["cuda bf16, fla off"] = lambda: _fla_off(nll_and_grads, net, tokens, targets, positions, device)
         arms["cuda fp32, no grad"] = lambda: nll_without_grad(net, tokens, targets, positions, device)
@@ -222,7 +229,7 @@ def passes(arm: str, err: dict) -> bool:
     return err["nll"] <= nll_tol and (err["grad"] is None or err["grad"] <= grad_tol)
 
 
-def bench_exactness(rows, lengths, device, budget, log):
+def bench_exactness(rows, lengths, device, budget, log, compiled=()):
     start, results = time.perf_counter(), {}
     cases = [(lengths[0], False)] + [(length, drawn) for length in lengths[1:] for drawn in (False, True)]
     for row in rows:
@@ -235,7 +242,7 @@ def bench_exactness(rows, lengths, device, budget, log):
             case = f"L {length}" + (", drawn" if drawn else "")
             t0 = time.perf_counter()
             try:
-                results[row][case] = exactness_case(net, length, drawn, device, row in FLA_ROWS)
+                results[row][case] = exactness_case(net, length, drawn, device, row in FLA_ROWS, row in compiled)
             except LengthNotSupported as e:
                 results[row][case] = {"refused": str(e).splitlines()[0]}
             except Exception as e:  # noqa: BLE001  (the report names it; the other rows still run)
@@ -753,8 +760,9 @@ def main(argv=None) -> None:
     log(f"{info}; budgets {budget}")
     if "exactness" in sections:
         lengths = (16, 40) if args.quick else (EXACT_TRAIN_LEN, 8 * EXACT_TRAIN_LEN)
-        exact_rows = list(dict.fromkeys(pe_of(r) for r in rows))  # compiling, fla off: training's matters
-        results["exact"] = bench_exactness(exact_rows, lengths, args.device, budget["exactness"], log)
+        exact_rows = list(dict.fromkeys(pe_of(r) for r in rows))  # fla off: training's matter
+        compiled = {pe_of(r) for r in rows if "compile" in r.split("@")}  # also checked compiled (on CUDA)
+        results["exact"] = bench_exactness(exact_rows, lengths, args.device, budget["exactness"], log, compiled)
         save()
     if "training" in sections:
         quick = dict(length=128, batch=2, warmup=1, steps=1, reps=2) if args.quick else {}
