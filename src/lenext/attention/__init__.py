@@ -4,8 +4,8 @@ Which path runs follows from the forms of score bias the PE provides (``lenext.p
 docs/pes/index.md, "Attention paths"), never from its name:
 
 - no score bias (NoPE, APEs, RoPE): SDPA ``is_causal``;
-- while training on CUDA with fla installed, log gates (FoX's) and Householder products (PaTH's), alone or together:
-  fla's kernels (``fla_kernels``);
+- while training on CUDA under bf16 (or fp16) with fla installed, log gates (FoX's) and Householder products
+  (PaTH's), alone or together: fla's kernels (``fla_kernels``);
 - a key bias that needs a gradient (FoX's), but on CUDA in fp32: SDPA ``is_causal`` in fp32 (also under bf16), the
   bias as an extra channel of q and k;
 - on CUDA, biases that each have a ``score_mod`` or a key form, and any sliding window (as a block mask): compiled

@@ -4,8 +4,8 @@ Each head of each layer has a forget gate computed from the layer's input x_t (B
 f_t = sigmoid(w . x_t + b), and the logit of query i and key j gains sum_{l = j+1..i} log f_l = F_i - F_j, with
 F the cumulative sum of log f over the tokens (not their positions). Softmax drops the row's F_i, so the bias
 is one of the key alone, -F_j, with a gradient into the gate: it rides SDPA's fused causal kernel (as channels of
-q and k while training, ``lenext.attention.key_bias_channels_attention``), or, while training on CUDA with fla
-installed, fla's forgetting-attention kernel, which takes the log gates themselves (``Bias.gates``). As fla's
+q and k while training, ``lenext.attention.key_bias_channels_attention``), or, while training on CUDA under bf16
+with fla installed, fla's forgetting-attention kernel, which takes the log gates themselves (``Bias.gates``). As fla's
 layer (``f_proj``): one ``nn.Linear(d_model, H)`` per layer, its bias starting at 0. FoX alone has no other PE
 (``pe=fox``); with RoPE it is ``pe=fox_rope`` (``Compose``).
 """

@@ -11,7 +11,7 @@ as flash-linear-attention's ``PaTHAttention`` layer (``use_low_rank_w``, ``use_w
 FoX's, composed: ``pe=path_fox``) and its ``naive_path_attn`` reference. No position enters: PaTH is what the
 content makes of the order. The logits are computed here in chunks of 64 tokens with the UT transform, as fla's
 chunked algorithm (``path_logits``): O(L^2 d) work in L / 64 - 1 sequential steps, and the logits of a sequence are
-held whole: (B, H, L, L) memory. While training on CUDA with fla installed, fla's fused PaTH kernel runs instead
+held whole: (B, H, L, L) memory. While training on CUDA under bf16 with fla installed, fla's PaTH kernel runs instead
 (``ScoreTerms.householders``; lenext.attention.fla_kernels).
 """
 
