@@ -366,6 +366,16 @@ def bench_peer(precision, batch, warmup, steps, reps, log, rows):
     return results
 
 
+def model_words(model: dict) -> str:
+    """'<n> layers, d_model <d>, <h> heads': the model in the renderers' prose."""
+    return f"{model['n_layers']} layers, d_model {model['d_model']}, {model['n_heads']} heads"
+
+
+def timed_steps(settings) -> str:
+    """'<n> timed step(s)': the steps each repetition times, in the renderers' prose."""
+    return f"{settings['steps']} timed step{'s' if settings['steps'] > 1 else ''}"
+
+
 def render_peer(settings, peer) -> list[str]:
     from importlib.metadata import version
 
@@ -374,14 +384,13 @@ def render_peer(settings, peer) -> list[str]:
         "## Against x-transformers",
         "",
         f"x-transformers {version('x-transformers')} trains the model of section 1 (the small model: "
-        f"{model['n_layers']} layers, d_model {model['d_model']}, {model['n_heads']} heads of "
-        f"{model['d_model'] // model['n_heads']}, GELU, "
+        f"{model_words(model)} of {model['d_model'] // model['n_heads']}, GELU, "
         f"untied head) with each PE both have, at L={settings['train_length']}, batch {settings['train_batch']}, "
         "on the same random batch: its forward, cross-entropy over its logits, backward, AdamW step. Its RoPE "
         "rotates the whole head (`rotary_emb_dim`), as lenext's does; its xPos is `rotary_xpos`; its T5 bias runs "
         "without flash attention (it refuses the two together). Every PE's two "
-        f"arms interleaved round-robin over {settings['reps']} repetitions of {settings['steps']} timed "
-        f"step{'s' if settings['steps'] > 1 else ''} after {settings['warmup']} warmup steps; tokens/s: medians; "
+        f"arms interleaved round-robin over {settings['reps']} repetitions of {timed_steps(settings)} after "
+        f"{settings['warmup']} warmup steps; tokens/s: medians; "
         "ratio: median over repetitions of lenext / x-transformers in the same repetition, with its range. MFU: "
         "as in section 1 (PaLM's FLOP count of the model, the same for both, over the GEMM peak measured in this "
         f"precision, {peer['gemm_peak'] / 1e9:.0f} GFLOP/s).",
@@ -811,11 +820,11 @@ def render_training(settings, training) -> list[str]:
     lines = [
         "## Training throughput",
         "",
-        f"Small model ({model['n_layers']} layers, d_model {model['d_model']}, {model['n_heads']} heads, "
-        f"vocab {model['vocab_size']}), L={settings['train_length']}, batch {settings['train_batch']}, "
+        f"Small model ({model_words(model)}, vocab {model['vocab_size']}), "
+        f"L={settings['train_length']}, batch {settings['train_batch']}, "
         "one step = forward `token_nll().mean()`, backward, AdamW step, zero_grad; same random batch for "
         f"every PE. {settings['warmup']} warmup steps per PE, then {settings['reps']} repetitions "
-        f"round-robin over the PEs of {settings['steps']} timed step{'s' if settings['steps'] > 1 else ''} each. "
+        f"round-robin over the PEs of {timed_steps(settings)} each. "
         "tokens/s: median over repetitions; ratio: median over repetitions of (PE / nope in the same repetition), "
         "with the min-max range. MFU: model FLOPs per second (PaLM's count: 6 N per token for the weights, N "
         "without the token embedding, plus 6 x layers x d_model x L for causal attention; a PE's own work "
