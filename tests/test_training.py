@@ -1,6 +1,7 @@
 """A short real training run learns: validation perplexity falls far below the uniform baseline."""
 
 import pandas as pd
+import pytest
 import torch
 
 from lenext.run import train
@@ -29,17 +30,22 @@ def test_short_training_beats_uniform_baseline_by_4x(compose_train, tmp_path):
     assert (tmp_path / "csv" / "metrics.csv").read_text().count("train/loss") == 1
 
 
-def test_a_run_shorter_than_its_validation_interval_writes_best_ckpt(compose_train, tmp_path):
+@pytest.mark.parametrize("filename", ["best", "best-{epoch}-{step}"])
+def test_a_run_shorter_than_its_validation_interval_writes_best_ckpt(filename, compose_train, tmp_path):
     """best.ckpt (the lowest val/loss) is written by the validations during training: a run of fewer steps than
     trainer.val_check_interval, which never validated while training, keeps its final weights as best.ckpt,
-    validated once (at its end)."""
+    validated once (at its end), named as the callback names its checkpoints (a user's fields filled)."""
     cfg = compose_train(
         *tiny_overrides(
             "trainer.max_steps=4", "trainer.val_check_interval=250", "trainer.limit_val_batches=2", "eval.enabled=false"
-        )
+        ),
+        f"callbacks.best_checkpoint.filename='{filename}'",
     )
     train(cfg)
-    best = torch.load(tmp_path / "checkpoints" / "best.ckpt", map_location="cpu", weights_only=False)
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    written = filename.format(epoch=last["epoch"], step=last["global_step"]) + ".ckpt"
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == sorted([written, "last.ckpt"])
+    best = torch.load(tmp_path / "checkpoints" / written, map_location="cpu", weights_only=False)
     assert best["global_step"] == 4
     logged = pd.read_csv(tmp_path / "csv" / "metrics.csv")
     assert logged.dropna(subset=["val/loss"]).step.tolist() == [4]

@@ -114,9 +114,12 @@ def keep_a_best_checkpoint(trainer) -> None:
     last = next((c.last_model_path for c in trainer.checkpoint_callbacks if c.last_model_path), None)
     if not trainer.is_global_zero or not last or not os.path.exists(last):
         return
+    metrics = {**trainer.callback_metrics, "epoch": trainer.current_epoch, "step": trainer.global_step}
     for callback in trainer.checkpoint_callbacks:
         if callback.monitor and not callback.best_model_path and callback.dirpath:
-            with atomic_path(os.path.join(callback.dirpath, callback.filename + callback.FILE_EXTENSION)) as tmp:
+            path = callback.format_checkpoint_name(metrics)  # its filename's fields filled, as Lightning's own
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with atomic_path(path) as tmp:
                 shutil.copyfile(last, tmp)
 
 
