@@ -1,6 +1,6 @@
 """The compile check: which positional encodings (PEs) torch.compile takes on CPU, as ``module.compile=true`` uses it.
 
-``lenext.module.LanguageModel(compile=True)`` compiles each transformer block in place (``Decoder.compile_blocks`` in
+``lenext.module.LanguageModel(compile=True)`` compiles each block for training (``Decoder.compile_blocks`` in
 ``configure_model``). For every PE config in ``configs/pe/``, each in a fresh subprocess (compile caches, dynamo
 state and crashes isolated; a per-PE timeout), on the tiny model of the tests (``model=tiny``: 2 layers, width 64,
 4 heads; vocabulary 64; L_train 16), fp32, weights from seed 0, one fixed batch of (2, 16) tokens at positions
@@ -516,7 +516,7 @@ def report(rows: list[dict], pending: list[str], header: dict, command: str) -> 
         f"{LENGTH}) tokens at positions 0..{LENGTH - 1}, forward + backward of the next-token loss. Each PE in its "
         "own process with a cold inductor cache.",
         "",
-        "- **per block**: each block `.compile()`-d, as `module.compile=true` does; forward + backward ran.",
+        "- **per block**: each block `torch.compile`d, as `module.compile=true` does; forward + backward ran.",
         "- **breaks**: `torch._dynamo.explain` graph breaks in block 0's forward / in the whole decoder's forward.",
         "- **fullgraph**: `torch.compile(net, fullgraph=True)` ran forward + backward.",
         "- **reason**: why per-block compile fails, else the first graph break's reason (explain's, one line).",

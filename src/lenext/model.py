@@ -144,7 +144,7 @@ class Decoder(nn.Module):
         self.norm = normalization(norm, d_model)
         self.head = None if tie_embeddings else nn.Linear(d_model, vocab_size, bias=False)
         self.checkpoint_blocks = False  # True: each block's activations recomputed in the backward pass
-        self.compiled_blocks = False  # True: each block compiled (``compile_blocks``)
+        self.compiled_blocks: tuple | None = None  # each block compiled, for training (``compile_blocks``)
         self.apply(self._init_weights)
         # Unit-variance token embeddings put tokens and the sinusoidal PE (amplitude 1) on one scale.
         nn.init.normal_(self.embedding.weight, std=1.0)
@@ -155,11 +155,11 @@ class Decoder(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
 
     def compile_blocks(self) -> None:
-        """Each block compiled with torch.compile (``module.compile=true``): the decoder then reads the positions'
-        span once per forward, before its blocks, so a compiled block reads no tensor's value (``forward_span``)."""
-        for block in self.blocks:
-            block.compile()
-        self.compiled_blocks = True
+        """Each block compiled with torch.compile (``module.compile=true``), for training: forwards with a gradient
+        run the compiled blocks, at the training length; evaluation runs the blocks as they are, so a sweep over
+        lengths does not recompile them per length (docs/scaling.md). The decoder then reads the positions' span
+        once per forward, before its blocks, so a compiled block reads no tensor's value (``forward_span``)."""
+        self.compiled_blocks = tuple(torch.compile(block) for block in self.blocks)  # not submodules: no state
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, L) at positions (B or 1, L), strictly increasing; None: 0..L-1."""
@@ -167,10 +167,11 @@ class Decoder(nn.Module):
             positions = sequential_positions(tokens.size(1), tokens.device)
         x = self.embedding(tokens)  # (B, L, d)
         x = self.dropout(self.pe.embed(x, positions))
+        compiled = self.compiled_blocks is not None and torch.is_grad_enabled()
         # Eager, and a whole compiled decoder, read the span where a PE needs it
-        span = self.compiled_blocks and not torch.compiler.is_compiling()
+        span = compiled and not torch.compiler.is_compiling()
         with forward_span(positions) if span else contextlib.nullcontext():
-            for block in self.blocks:
+            for block in self.compiled_blocks if compiled else self.blocks:
                 if self.checkpoint_blocks and torch.is_grad_enabled():
                     x = checkpoint(block, x, positions, use_reentrant=False)
                 else:
