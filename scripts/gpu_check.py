@@ -79,7 +79,7 @@ LIGHTNING_TARGET = 1.05
 FLA_ROWS = ["fox", "fox_rope", "path", "path_fox"]
 
 
-ROW_SUFFIXES = {"compile", "nofla"}  # <row>@compile, <row>@nofla (training rows; Arm)
+ROW_SUFFIXES = {"compile", "nofla", "ckpt"}  # <row>@compile, <row>@nofla, <row>@ckpt (training rows; Arm)
 
 
 def all_rows() -> list[str]:
@@ -92,7 +92,7 @@ def all_rows() -> list[str]:
 
 
 def pe_of(row: str) -> str:
-    """The row without its training suffix (``@compile``, ``@nofla``)."""
+    """The row without its training suffixes (``@compile``, ``@nofla``, ``@ckpt``)."""
     return row.partition("@")[0]
 
 
@@ -290,7 +290,9 @@ def sync(device: str) -> None:
 
 class Arm:
     """One training row: a model, its optimizer and one step on a fixed batch. ``<row>@compile``: each block
-    compiled, as ``module.compile=true`` does; ``<row>@nofla``: without fla's kernels (FoX's, PaTH's)."""
+    compiled, as ``module.compile=true`` does; ``<row>@nofla``: without fla's kernels (FoX's, PaTH's);
+    ``<row>@ckpt``: each block's activations recomputed in the backward, as ``module.activation_checkpointing=true``
+    (suffixes combine: ``cope@compile@ckpt``)."""
 
     def __init__(self, row: str, length: int, batch: int, device: str, model: str | None = None, vocab: int = 0):
         xt = row.startswith("xt:")
@@ -303,6 +305,8 @@ class Arm:
         self.net.train()
         if "compile" in row.split("@"):
             self.net.compile_blocks()
+        if "ckpt" in row.split("@"):
+            self.net.checkpoint_blocks = True
         self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4, fused=device == "cuda")
         tokens = torch.randint(0, shape["vocab_size"], (batch, length + 1), generator=torch.Generator().manual_seed(0))
         self.tokens, self.targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
@@ -736,7 +740,7 @@ def main(argv=None) -> None:
         unknown = set(row.split("@")[1:]) - ROW_SUFFIXES
         if unknown:
             suffixes = ", ".join(f"@{s}" for s in sorted(unknown))
-            sys.exit(f"gpu_check: --rows {row}: {suffixes} is not a row suffix; they are @compile and @nofla")
+            sys.exit(f"gpu_check: --rows {row}: {suffixes} is not a row suffix; they are @compile, @nofla and @ckpt")
     sections = args.sections.split(",")
     started = time.perf_counter()
     settings = {"command": " ".join(["python scripts/gpu_check.py", *(argv or sys.argv[1:])]), "elapsed": 0.0}

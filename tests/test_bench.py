@@ -144,6 +144,26 @@ def test_the_gpu_check_runs_its_sections_on_a_cpu(tmp_path):
         gpu_check.main(["--device", "cpu", "--quick", "--rows", "fox@nofal", "--out", str(trained)])
 
 
+def test_a_gpu_check_row_asked_with_ckpt_recomputes_each_block_and_trains_the_same(monkeypatch):
+    """``<row>@ckpt`` (CoPE's and DAPE's saved scores outgrow a GPU at 125M): the same loss and parameters after a
+    step, each block run twice (forward, then again in the backward)."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setattr(gpu_check, "TRAIN_SHAPE", dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4))
+    runs = {}
+    for row in ("cope", "cope@ckpt"):
+        torch.manual_seed(0)
+        arm = gpu_check.Arm(row, 24, 2, "cpu")
+        calls = []
+        arm.net.blocks[0].register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
+        runs[row] = arm.step(), len(calls), [p.detach().clone() for p in arm.net.parameters()]
+    (loss, calls, after), (ckpt_loss, ckpt_calls, ckpt_after) = runs["cope"], runs["cope@ckpt"]
+    assert (calls, ckpt_calls) == (1, 2) and loss == ckpt_loss
+    for plain, recomputed in zip(after, ckpt_after, strict=True):
+        torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=1e-6)
+
+
 def test_the_gpu_checks_default_rows_put_each_row_without_fla_beside_its_row(monkeypatch):
     """With fla installed the default rows time each row fla serves and, next to it (before a budget can end the
     section), the same row without fla; without fla, no such rows."""
