@@ -46,7 +46,7 @@ def test_sliding_window_matches_naive_reference(fused, kind, length, window, mon
     PE's parameters equal the naive reference's (a window of 1: every row is its own value)."""
     if not fused:
         explicit_path(monkeypatch)
-    monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", BATCH * HEADS * length * 16)  # several blocks
+    monkeypatch.setitem(attention_module.SCORE_BLOCK_ELEMENTS, "cpu", BATCH * HEADS * length * 16)  # several blocks
     q, k, v = attention_inputs(length)
     got, expected, pe = run(kind, q, k, v, window)
     assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
@@ -339,7 +339,7 @@ def stick_breaking_reference(q, k, v, window=None):
 def test_stick_breaking_matches_the_reference_code_in_float64(length, rows, window, monkeypatch):
     """Outputs and gradients of q, k, v equal sb_ref's to 1e-10, in one block, single rows and blocks of 7."""
     if rows is not None:
-        monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", BATCH * HEADS * length * rows)
+        monkeypatch.setitem(attention_module.SCORE_BLOCK_ELEMENTS, "cpu", BATCH * HEADS * length * rows)
     gen = torch.Generator().manual_seed(length)
     q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen, dtype=torch.float64) for _ in "qkv")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -407,7 +407,24 @@ def test_windowed_blocks_keep_to_the_mask_budget(window, monkeypatch):
     """A block of r query rows sees r + W - 1 keys: the rows are chosen so that its mask stays within the
     budget (O(L W) in all), not as if each row saw W keys (which put all 2048 rows in one (L, L) block)."""
     budget_per_head = 4096
-    monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", BATCH * HEADS * budget_per_head)
+    monkeypatch.setitem(attention_module.SCORE_BLOCK_ELEMENTS, "cpu", BATCH * HEADS * budget_per_head)
+    blocks = spy_blocks(monkeypatch)
+    q, k, v = (t.detach() for t in attention_inputs(2048))
+    causal_attention(q, k, v, window=window)
+    assert max(rows * keys for rows, keys in blocks) <= budget_per_head and len(blocks) > 1
+
+
+def test_query_blocks_are_of_equal_size(monkeypatch):
+    """The fewest blocks within the budget, of equal size: 1024 rows with room for 341 a block are 4 blocks of 256,
+    not 3 of 341 and 1 of 1 (a compiled block would compile that one apart)."""
+    monkeypatch.setitem(attention_module.SCORE_BLOCK_ELEMENTS, "cpu", BATCH * HEADS * 1024 * 341)
+    blocks = spy_blocks(monkeypatch)
+    run("kerple", *(t.detach() for t in attention_inputs(1024)))  # a pair bias: the explicit path
+    assert [rows for rows, _ in blocks] == [256] * 4
+
+
+def spy_blocks(monkeypatch) -> list[tuple[int, int]]:
+    """The (query rows, keys) of each block the explicit path builds a bias for, appended as it runs."""
     blocks = []
     real = attention_module.explicit_bias
 
@@ -415,15 +432,13 @@ def test_windowed_blocks_keep_to_the_mask_budget(window, monkeypatch):
         bias = real(*args, **kwargs)
 
         def block(start, end, first):
-            blocks.append((end - start) * (end - first))
+            blocks.append((end - start, end - first))
             return bias(start, end, first)
 
         return block
 
     monkeypatch.setattr(attention_module, "explicit_bias", spy)
-    q, k, v = (t.detach() for t in attention_inputs(2048))
-    causal_attention(q, k, v, window=window)
-    assert max(blocks) <= budget_per_head and len(blocks) > 1
+    return blocks
 
 
 @pytest.mark.parametrize("kind, window", [("nope", 5), ("alibi", None), ("kerple", None), ("kerple", 5)])

@@ -53,7 +53,7 @@ def test_cope_matches_x_transformers_in_float64(length, npos_max, rows, window, 
     """Positions below and at the cap (npos_max 16: rows of 60 keys count past it), the explicit path in one
     block, single rows and blocks of 7: outputs and gradients of q, k, v and the position embeddings to 1e-10."""
     if rows is not None:
-        monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", BATCH * HEADS * length * rows)
+        monkeypatch.setitem(attention_module.SCORE_BLOCK_ELEMENTS, "cpu", BATCH * HEADS * length * rows)
     layer = cope_layer(npos_max)
     q, k, v = inputs(length, torch.float64)
     got = causal_attention(q, k, v, layer.terms(None, q, k, sequential_positions(length)), window)

@@ -59,8 +59,8 @@ def test_dape_matches_its_formula_in_float64(length, rows, window, monkeypatch):
     """The explicit path in one block, single rows and blocks of 7 (and the MLP in chunks of 3 rows): outputs and
     gradients of q, k, v, both MLP layers and KERPLE's r1, r2 to 1e-10."""
     if rows is not None:
-        monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", BATCH * HEADS * length * rows)
-        monkeypatch.setattr(dape_module, "HIDDEN_ELEMENTS", BATCH * length * WIDTH * 3)
+        monkeypatch.setitem(attention_module.SCORE_BLOCK_ELEMENTS, "cpu", BATCH * HEADS * length * rows)
+        monkeypatch.setitem(dape_module.HIDDEN_ELEMENTS, "cpu", BATCH * length * WIDTH * 3)
     pe, layer = dape_layer()
     q, k, v = inputs(length, torch.float64)
     got = causal_attention(q, k, v, layer.terms(None, q, k, sequential_positions(length)), window)

@@ -147,7 +147,7 @@ def test_query_chunked_evaluation_equals_unchunked(pe, monkeypatch):
     # Blocks of 5 rows: BandedAttention's steps (T5), the explicit path's query blocks (Shaw with a^V,
     # and ALiBi once its fused kernel is taken away).
     monkeypatch.setattr(lenext.attention.band, "BAND_ROWS", 5)
-    monkeypatch.setattr(lenext.attention, "SCORE_BLOCK_ELEMENTS", 4 * 64 * 5)
+    monkeypatch.setitem(lenext.attention.SCORE_BLOCK_ELEMENTS, "cpu", 4 * 64 * 5)
     monkeypatch.setattr(lenext.attention, "fused_mask_with_causal", lambda device_type: False)
     chunked = evaluate_length(net, docs, windows, 64, 256, per_position=True)
     assert chunked["mean_nll"] == pytest.approx(whole["mean_nll"], rel=1e-5)

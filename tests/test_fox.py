@@ -115,7 +115,7 @@ def use_path(path: str, monkeypatch, length: int, grad: bool = True) -> contextl
     if path == "cuda_channels":
         monkeypatch.setattr(attention_module, "HEAD_DIM_MULTIPLE", {"cpu": 8})
     if path == "explicit_small_blocks":
-        monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", BATCH * HEADS * length * max(2, length // 5))
+        monkeypatch.setitem(attention_module.SCORE_BLOCK_ELEMENTS, "cpu", BATCH * HEADS * length * max(2, length // 5))
         monkeypatch.setattr(band_module, "BAND_ROWS", 3)
     if path.startswith("explicit") and not grad:
         monkeypatch.setattr(attention_module, "fused_mask_with_causal", lambda device_type: False)

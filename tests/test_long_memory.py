@@ -75,7 +75,7 @@ def peak_mb_in_a_fresh_process(overrides: list[str], length: int) -> float:
     long test worker glibc's adapted mmap threshold serves the blocks' temporaries from a heap they fragment
     (DAPE at 8192: 266 MB there, 60-65 MB in a fresh process)."""
     script = (
-        "import lenext.attention as a; a.SCORE_BLOCK_ELEMENTS = 2**18\n"
+        "import lenext.attention as a; a.SCORE_BLOCK_ELEMENTS['cpu'] = 2**18\n"
         "from tests.test_long_memory import peak_mb\n"
         f"print(peak_mb({overrides!r}, {length}))"
     )

@@ -145,7 +145,7 @@ def test_path_matches_fla_naive_in_float64(length, rows, chunk, monkeypatch):
     q, k, v and every parameter of the layer to 1e-10."""
     monkeypatch.setattr(path_module, "CHUNK", chunk)
     if rows is not None:
-        monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", BATCH * HEADS * length * rows)
+        monkeypatch.setitem(attention_module.SCORE_BLOCK_ELEMENTS, "cpu", BATCH * HEADS * length * rows)
     layer = path_layer()
     x, q, k, v = inputs(length)
     got = causal_attention(q, k, v, layer.terms(x, q, k, sequential_positions(length)))

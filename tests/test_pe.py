@@ -714,7 +714,7 @@ def use_blocking(monkeypatch, blocking: str, length: int, batch: int = BATCH) ->
     band_rows, query_rows = BLOCKINGS[blocking](length)
     monkeypatch.setattr(band_module, "BAND_ROWS", band_rows)
     if query_rows is not None:
-        monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", batch * HEADS * length * query_rows)
+        monkeypatch.setitem(attention_module.SCORE_BLOCK_ELEMENTS, "cpu", batch * HEADS * length * query_rows)
 
 
 def explicit_path(monkeypatch) -> None:
@@ -832,7 +832,7 @@ def test_fire_bias_is_the_same_when_its_mlp_runs_in_row_chunks(monkeypatch):
 
     pe = make_bias_pe("fire")
     whole = pe.layers[1](torch.arange(30), torch.arange(40))
-    monkeypatch.setattr(fire_module, "HIDDEN_ELEMENTS", 3 * 40 * 8)  # 3 rows per chunk, the last one partial
+    monkeypatch.setitem(fire_module.HIDDEN_ELEMENTS, "cpu", 3 * 40 * 8)  # 3 rows per chunk, the last one partial
     # To an fp32 ulp, not bitwise: the GEMM's kernel for a block of rows depends on how many rows it gets (MKL
     # capped at AVX2 rounded 2 of 4800 values differently); a chunking mistake moves rows, far beyond this.
     assert_close(pe.layers[1](torch.arange(30), torch.arange(40)), whole, rtol=1e-6, atol=1e-6)
@@ -903,7 +903,7 @@ def test_alibi_under_bf16_autocast_keeps_long_offsets(monkeypatch):
     for fused in (True, False):  # the fused key-only path, then query blocks of 512 rows
         if not fused:
             explicit_path(monkeypatch)
-            monkeypatch.setattr(attention_module, "SCORE_BLOCK_ELEMENTS", HEADS * length * 512)
+            monkeypatch.setitem(attention_module.SCORE_BLOCK_ELEMENTS, "cpu", HEADS * length * 512)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got = causal_attention(q, k, v, pe.layer(0).terms(None, q, k, sequential_positions(q.size(-2))))
         assert (got.double() - expected).abs().max() < 0.06

@@ -154,12 +154,17 @@ def test_resuming_a_fire_run_from_before_its_vectors_reshapes_their_adamw_state(
 
 
 @pytest.mark.parametrize(
-    "pe", ["nope", "rope", "p_rope", "rope_ntk", "xpos", "rope_nope", "rnope_swa", "fox", "fox_rope", "alibi", "kerple"]
+    "pe",
+    [
+        *("nope", "sinusoidal", "learned", "rope", "p_rope", "rope_ntk", "xpos", "rope_nope", "rnope_swa", "pope"),
+        *("fox", "fox_rope", "alibi", "kerple", "cope", "dape", "path", "path_fox"),
+    ],
 )
 def test_a_block_traces_as_one_graph(pe, compose_train):
     """What module.compile compiles, a block, traces whole: no graph break (a PE's table span is read once per
-    forward by the decoder, not inside a block; attention recording is a plain global). FIRE's learned threshold,
-    read per forward, and T5's and Shaw's CPU band kernel are the known exceptions (docs/scaling.md)."""
+    forward by the decoder, not inside a block; attention recording is a plain global; CoPE's and DAPE's logit terms
+    are counted with len(), as dynamo cannot take `not` of a tuple of functions). FIRE's learned threshold, read per
+    forward, and T5's and Shaw's CPU band kernel are the known exceptions (docs/scaling.md)."""
     import torch._dynamo
 
     from lenext.pe.base import forward_span
@@ -170,6 +175,36 @@ def test_a_block_traces_as_one_graph(pe, compose_train):
     with forward_span(positions):
         explained = torch._dynamo.explain(net.blocks[0])(x, positions)
     assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
+
+
+@pytest.mark.parametrize("pe", ["rope", "kerple", "cope"])
+def test_evaluation_runs_compiled_blocks_as_they_are_so_a_sweep_compiles_nothing_per_length(
+    pe, compose_train, monkeypatch
+):
+    """module.compile=true compiles the blocks for training: a forward with a gradient runs them compiled, with the
+    eager NLL; forwards without one (evaluation's, at 6 lengths) compile nothing. Compiled at every length, RoPE's
+    and KERPLE's blocks were recompiled per length (a guard on the span) until dynamo's limit of 8, CoPE's too (its
+    query blocks unrolled). Counted as dynamo's graphs, compiled by its eager backend (the same graphs)."""
+    import functools
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    module = tiny_module(compose_train, pe)
+    tokens = torch.randint(64, (2, 17), generator=torch.Generator().manual_seed(1))
+    eager = module.net.token_nll(tokens[:, :-1], tokens[:, 1:])
+    module.net.compile_blocks()
+    torch._dynamo.reset()
+    counters.clear()
+    for length in (16, 32, 64, 128, 256, 512):
+        long = torch.randint(64, (1, length + 1), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            module.net.token_nll(long[:, :-1], long[:, 1:])
+    assert counters["stats"]["unique_graphs"] == 0
+    compiled = module.net.token_nll(tokens[:, :-1], tokens[:, 1:])
+    assert counters["stats"]["unique_graphs"] >= 1 and compiled.requires_grad
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.skipif(torch.__version__ < "2.6", reason="lenext's FlexAttention path needs torch >= 2.6")

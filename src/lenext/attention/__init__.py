@@ -47,10 +47,10 @@ from lenext.errors import ConfigError
 from lenext.pe.base import NO_TERMS, Bias, Logits, LogitTerm, ScoreTerms, ValueTerm
 from lenext.ranges import PositiveInt
 
-# Float elements of mask per query block on the explicit path: small enough for the heap to reuse each block's
-# mask instead of mapping it afresh; the output is preallocated, as concatenated block outputs fragment the heap
-# (docs/performance.md, "Memory").
-SCORE_BLOCK_ELEMENTS = 2**22
+# Float elements of mask per query block on the explicit path, by device. CPU: small enough for the heap to reuse
+# each block's mask instead of mapping it afresh; the output is preallocated, as concatenated block outputs fragment
+# the heap (docs/performance.md, "Memory"). CUDA: large enough that a block's kernels are not launch-bound.
+SCORE_BLOCK_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}
 
 # The head dims a device's fused SDPA kernels take: CUDA's flash and efficient kernels multiples of 8 only (else SDPA
 # runs its (L, L) math path), so ``key_bias_channels_attention`` pads its extra channels with zeros to one.
@@ -206,7 +206,7 @@ def causal_attention(
         window = None  # every row sees all its keys
     # scores of q . k or the PE's logits, plus biases alone: what fused kernels compute (recording needs the explicit
     # path's weights)
-    scores_only = value_term is None and not terms.logit_terms and not stick_breaking and _recorder is None
+    scores_only = value_term is None and len(terms.logit_terms) == 0 and not stick_breaking and _recorder is None
     plain = scores_only and logits is None
     fused = plain and window is None
     if fused and not biases:
@@ -355,11 +355,12 @@ def _blocked_attention(
     """
     batch, heads, length, head_dim = q.shape
     wide = torch.promote_types(q.dtype, torch.float32)  # the scores' dtype: fp32 (float64 for float64 q)
-    budget = SCORE_BLOCK_ELEMENTS // (batch * heads)  # mask elements per head
+    budget = SCORE_BLOCK_ELEMENTS.get(q.device.type, SCORE_BLOCK_ELEMENTS["cpu"]) // (batch * heads)  # per head
     if window is None or window >= length:
         rows = max(1, budget // length)  # masks of (rows, at most L)
     else:  # a block of r rows sees r + W - 1 keys: the largest r with r (r + W - 1) <= budget
         rows = max(1, int((math.sqrt((window - 1) ** 2 + 4 * budget) - (window - 1)) / 2))
+    rows = -(-length // -(-length // rows))  # blocks of equal size (a compiled block has no odd last one)
     out = q.new_empty(batch, heads, length, v.size(-1))  # written block by block: see SCORE_BLOCK_ELEMENTS
     record = _recorder
     for start in range(0, length, rows):  # query blocks attend to keys [first, end)
@@ -367,7 +368,7 @@ def _blocked_attention(
         first = 0 if window is None else max(0, start - window + 1)
         q_block, k_seen, v_seen = q[:, :, start:end], k[:, :, first:end], v[:, :, first:end]
         mask = bias(start, end, first)
-        plain = value_term is None and logits is None and not logit_terms and not stick_breaking
+        plain = value_term is None and logits is None and len(logit_terms) == 0 and not stick_breaking
         if plain and not mask.requires_grad and q.device.type == "cpu" and record is None:
             out[:, :, start:end] = _sdpa_keep_mask(q_block, k_seen, v_seen, attn_mask=mask)
             continue

@@ -41,7 +41,9 @@ from lenext.errors import ConfigError
 
 # The PE families of the report's figures, in the order of their panels.
 FAMILIES = ("no PE or absolute", "additive bias", "rotary", "2024-26 methods")
-HIDDEN_ELEMENTS = 2**22  # floats of a PE's MLP activations per chunk of query rows (16 MiB, as attention's blocks)
+# Floats of a PE's MLP activations per chunk of query rows, by device: as attention's score blocks
+# (lenext.attention.SCORE_BLOCK_ELEMENTS)
+HIDDEN_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}
 
 PairBias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ValueTerm = Callable[[torch.Tensor, int, int], torch.Tensor]

@@ -70,7 +70,8 @@ class AdaptiveBias(LayerPE):
             scores = torch.where(seen, logits - pair, 0.0)  # s_ij: the logit without the base bias
             features = torch.cat([scores, pair], dim=1).movedim(1, -1)  # (B, rows, keys, 2H)
             # Under bf16 autocast the MLP runs in bf16 (it is most of DAPE's work); its output joins fp32 logits.
-            rows = max(1, HIDDEN_ELEMENTS // (features.shape[0] * features.shape[2] * self.mlp[0].out_features))
+            budget = HIDDEN_ELEMENTS.get(features.device.type, HIDDEN_ELEMENTS["cpu"])
+            rows = max(1, budget // (features.shape[0] * features.shape[2] * self.mlp[0].out_features))
             return torch.cat([self.mlp(chunk) for chunk in features.split(rows, dim=1)], dim=1).movedim(-1, 1)
 
         return ScoreTerms(base.biases, base.value, base.logits, base.logit_terms + (adaptive,))

@@ -54,7 +54,8 @@ class FireBias(nn.Module):
         threshold = self.threshold()
         below = int((query_positions < threshold).sum())  # a prefix: positions increase
         parts = [self._by_distance(query_positions[:below], key_positions, threshold)] if below else []
-        rows = max(1, HIDDEN_ELEMENTS // (key_positions.numel() * self.mlp[0].out_features))
+        budget = HIDDEN_ELEMENTS.get(key_positions.device.type, HIDDEN_ELEMENTS["cpu"])
+        rows = max(1, budget // (key_positions.numel() * self.mlp[0].out_features))
         starts = range(below, len(query_positions), rows)
         parts += [self._by_pair(query_positions[r : r + rows], key_positions, threshold) for r in starts]
         return torch.cat(parts, dim=1)
