@@ -130,10 +130,11 @@ def flex_off():
 
 
 def exact_net(row: str) -> Decoder:
-    """The row's 2-layer model, PE parameters at std 0.5 (as tests/test_pe.py: a wrong position shows)."""
+    """The row's 2-layer model, every PE parameter (its layers' too: CoPE's embeddings start at 0) at std 0.5 (as
+    tests/test_pe.py: a wrong position shows)."""
     net = build(row, EXACT_TRAIN_LEN, EXACT_SHAPE)
     with torch.no_grad():
-        for param in net.pe.parameters():
+        for param in net.pe_parameters():
             param.normal_(std=0.5)
     net.pe.project_()
     return net.train()
@@ -745,6 +746,7 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     settings = {"command": " ".join(["python scripts/gpu_check.py", *(argv or sys.argv[1:])]), "elapsed": 0.0}
     info, results = environment(args.device), {}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     log_file = args.out.with_suffix(".log")
     log_file.unlink(missing_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 exactness means fp32

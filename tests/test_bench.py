@@ -117,7 +117,7 @@ def test_the_gpu_check_runs_its_sections_on_a_cpu(tmp_path):
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
-    exact, trained = tmp_path / "exact.md", tmp_path / "trained.md"
+    exact, trained = tmp_path / "reports" / "exact.md", tmp_path / "trained.md"  # a folder not made yet: made
     gpu_check.main(
         ["--device", "cpu", "--quick", "--sections", "exactness", "--rows", "fox@compile", "--out", str(exact)]
     )

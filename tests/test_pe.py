@@ -91,7 +91,7 @@ def tiny_decoder(pe, seed: int = 0) -> Decoder:
     net = Decoder(vocab_size=VOCAB, train_len=TRAIN_LEN, pe=pe, d_model=32, n_layers=2, n_heads=4)
     # PE parameters (learned APE, T5, Shaw tables) start at std 0.02: make a wrong position visible.
     with torch.no_grad():
-        for param in net.pe.parameters():
+        for param in net.pe_parameters():
             param.normal_(std=0.5)
     net.pe.project_()  # as after an optimizer step: KERPLE's r1, r2 back in their domain
     return net.eval()
@@ -1074,6 +1074,16 @@ def test_bias_rows_of_a_block_equal_rows_of_the_full_bias(kind):
 # --------------------------------------------------------------------------------------------
 # The decoder with every PE: causality, long inputs, caches, bf16
 # --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", PES)
+def test_pe_parameters_are_the_shared_ones_and_every_layers(name):
+    """What the oracles draw at std 0.5: CoPE's embeddings (0 at init, so a check that skipped them checked NoPE),
+    FoX's gates, DAPE's MLP, PaTH's projections live in the blocks."""
+    net = Decoder(vocab_size=VOCAB, train_len=TRAIN_LEN, pe=PES[name], d_model=32, n_layers=2, n_heads=4)
+    names = {id(p): n for n, p in net.named_parameters()}
+    expected = {n for n in names.values() if n.startswith("pe.") or ".attn.pe." in n}
+    assert [names[id(p)] for p in net.pe_parameters()] == sorted(expected, key=list(names.values()).index)
 
 
 @pytest.mark.parametrize("name", PES)

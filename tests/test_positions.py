@@ -338,7 +338,7 @@ def tiny_decoder(pe, seed: int = 0) -> Decoder:
     # PE parameters (learned APE, T5, Shaw tables) start at std 0.02: make a wrong position visible.
     # So do q and k: at std 0.02 every score is ~0, attention is uniform, and RoPE's rotation vanishes.
     with torch.no_grad():
-        for param in net.pe.parameters():
+        for param in net.pe_parameters():
             param.normal_(std=0.5)
         for block in net.blocks:
             block.attn.qkv.weight.normal_(std=0.3)

@@ -6,7 +6,7 @@ training draws others). The model never asks which PE it holds.
 """
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
@@ -153,6 +153,13 @@ class Decoder(nn.Module):
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=0.02)
+
+    def pe_parameters(self) -> Iterator[nn.Parameter]:
+        """Every parameter of the PE: its shared ones (``pe``) and each layer's (``block.attn.pe``: FoX's gates,
+        CoPE's embeddings, DAPE's MLP, PaTH's projections)."""
+        yield from self.pe.parameters()
+        for block in self.blocks:
+            yield from block.attn.pe.parameters()
 
     def compile_blocks(self) -> None:
         """Each block compiled with torch.compile (``module.compile=true``), for training: forwards with a gradient
