@@ -414,13 +414,14 @@ def test_windowed_blocks_keep_to_the_mask_budget(window, monkeypatch):
     assert max(rows * keys for rows, keys in blocks) <= budget_per_head and len(blocks) > 1
 
 
-def test_query_blocks_are_of_equal_size(monkeypatch):
-    """The fewest blocks within the budget, of equal size: 1024 rows with room for 341 a block are 4 blocks of 256,
-    not 3 of 341 and 1 of 1 (a compiled block would compile that one apart)."""
-    monkeypatch.setitem(attention_module.SCORE_BLOCK_ELEMENTS, "cpu", BATCH * HEADS * 1024 * 341)
+@pytest.mark.parametrize("length, room, expected", [(1024, 341, [256] * 4), (10, 3, [2, 3, 2, 3]), (7, 7, [7])])
+def test_query_blocks_are_the_fewest_within_the_budget_their_rows_spread_evenly(length, room, expected, monkeypatch):
+    """1024 rows with room for 341 a block are 4 blocks of 256, not 3 of 341 and a last one of 1 row (a block's
+    launches for almost no work); 10 with room for 3 are 2, 3, 2, 3."""
+    monkeypatch.setitem(attention_module.SCORE_BLOCK_ELEMENTS, "cpu", BATCH * HEADS * length * room)
     blocks = spy_blocks(monkeypatch)
-    run("kerple", *(t.detach() for t in attention_inputs(1024)))  # a pair bias: the explicit path
-    assert [rows for rows, _ in blocks] == [256] * 4
+    run("kerple", *(t.detach() for t in attention_inputs(length)))  # a pair bias: the explicit path
+    assert [rows for rows, _ in blocks] == expected
 
 
 def spy_blocks(monkeypatch) -> list[tuple[int, int]]:

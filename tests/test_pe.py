@@ -1077,13 +1077,15 @@ def test_bias_rows_of_a_block_equal_rows_of_the_full_bias(kind):
 
 
 @pytest.mark.parametrize("name", PES)
-def test_pe_parameters_are_the_shared_ones_and_every_layers(name):
-    """What the oracles draw at std 0.5: CoPE's embeddings (0 at init, so a check that skipped them checked NoPE),
-    FoX's gates, DAPE's MLP, PaTH's projections live in the blocks."""
-    net = Decoder(vocab_size=VOCAB, train_len=TRAIN_LEN, pe=PES[name], d_model=32, n_layers=2, n_heads=4)
-    names = {id(p): n for n, p in net.named_parameters()}
-    expected = {n for n in names.values() if n.startswith("pe.") or ".attn.pe." in n}
-    assert [names[id(p)] for p in net.pe_parameters()] == sorted(expected, key=list(names.values()).index)
+def test_pe_parameters_are_every_parameter_a_nope_decoder_lacks(name):
+    """What the oracles draw at std 0.5 (``tiny_decoder``): the shared tables and each layer's (FoX's gates, DAPE's MLP,
+    PaTH's projections, CoPE's embeddings, which start at 0: a check that skipped them checked NoPE), none left at 0."""
+    net = tiny_decoder(PES[name])
+    nope = Decoder(vocab_size=VOCAB, train_len=TRAIN_LEN, pe=NoPE, d_model=32, n_layers=2, n_heads=4)
+    model_only = {n for n, _ in nope.named_parameters()}
+    expected = [p for n, p in net.named_parameters() if n not in model_only]
+    assert {id(p) for p in net.pe_parameters()} == {id(p) for p in expected}
+    assert all(p.abs().max() > 0 for p in net.pe_parameters())
 
 
 @pytest.mark.parametrize("name", PES)

@@ -144,7 +144,7 @@ class Decoder(nn.Module):
         self.norm = normalization(norm, d_model)
         self.head = None if tie_embeddings else nn.Linear(d_model, vocab_size, bias=False)
         self.checkpoint_blocks = False  # True: each block's activations recomputed in the backward pass
-        self.compiled_blocks: tuple | None = None  # each block compiled, for training (``compile_blocks``)
+        self.compiled_blocks: tuple[nn.Module, ...] | None = None  # for training (``compile_blocks``)
         self.apply(self._init_weights)
         # Unit-variance token embeddings put tokens and the sinusoidal PE (amplitude 1) on one scale.
         nn.init.normal_(self.embedding.weight, std=1.0)

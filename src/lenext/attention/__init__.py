@@ -360,11 +360,11 @@ def _blocked_attention(
         rows = max(1, budget // length)  # masks of (rows, at most L)
     else:  # a block of r rows sees r + W - 1 keys: the largest r with r (r + W - 1) <= budget
         rows = max(1, int((math.sqrt((window - 1) ** 2 + 4 * budget) - (window - 1)) / 2))
-    rows = -(-length // -(-length // rows))  # blocks of equal size (a compiled block has no odd last one)
+    blocks = -(-length // rows)  # the fewest within the budget, their rows spread evenly (no runt last block)
     out = q.new_empty(batch, heads, length, v.size(-1))  # written block by block: see SCORE_BLOCK_ELEMENTS
     record = _recorder
-    for start in range(0, length, rows):  # query blocks attend to keys [first, end)
-        end = min(start + rows, length)
+    for index in range(blocks):  # query blocks attend to keys [first, end)
+        start, end = length * index // blocks, length * (index + 1) // blocks
         first = 0 if window is None else max(0, start - window + 1)
         q_block, k_seen, v_seen = q[:, :, start:end], k[:, :, first:end], v[:, :, first:end]
         mask = bias(start, end, first)

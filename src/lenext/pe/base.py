@@ -41,8 +41,8 @@ from lenext.errors import ConfigError
 
 # The PE families of the report's figures, in the order of their panels.
 FAMILIES = ("no PE or absolute", "additive bias", "rotary", "2024-26 methods")
-# Floats of a PE's MLP activations per chunk of query rows, by device: as attention's score blocks
-# (lenext.attention.SCORE_BLOCK_ELEMENTS)
+# Floats of a PE's MLP activations per chunk of query rows, by device, for the reasons of attention's score blocks
+# (lenext.attention.SCORE_BLOCK_ELEMENTS: the CPU's heap, CUDA's kernel launches)
 HIDDEN_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}
 
 PairBias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

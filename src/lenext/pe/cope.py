@@ -48,34 +48,40 @@ class ContextualPositions(LayerPE):
 
         def contextual(logits: torch.Tensor, start: int, end: int, first: int) -> torch.Tensor:
             gates = logits.sigmoid()  # (B, H, rows, keys); 0 on masked keys
-            counted = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.npos_max - 1)  # p_ij = sum_{t >= j} g_it
-            return Interpolated.apply(by_position[:, :, start:end].to(logits.dtype), counted)
+            counted = gates.flip(-1).cumsum(-1).flip(-1)  # p_ij = sum_{t >= j} g_it
+            return Interpolated.apply(by_position[:, :, start:end], counted, self.npos_max - 1)
 
         return ScoreTerms(logit_terms=(contextual,))
 
 
 class Interpolated(torch.autograd.Function):
-    """(1 - w) s[floor p] + w s[ceil p], w = p - floor p, of each row's scores s (..., P) at its positions p
-    (..., K), the gradient flowing to s and to p through w. Saves s and p only, and gathers again in the backward:
-    autograd's gathers kept their two int64 indices and both terms' factors, 8 times p's bytes (CoPE's scores, kept
-    for the backward, are what bounds its memory and speed on a GPU: docs/scaling.md)."""
+    """(1 - w) s[floor p] + w s[ceil p], w = p - floor p, of each row's scores s (..., P) at its positions p (..., K)
+    capped at ``cap`` (an integer), in p's dtype; the gradient flows to s and to p (through w). Saves s (a view, in
+    its own dtype) and p only, and gathers again in the backward: autograd kept the cap's input, the gathers' int64
+    indices, both terms' factors and s cast to p's dtype (what CoPE keeps for the backward bounds its memory and its
+    speed on a GPU: docs/scaling.md)."""
 
     @staticmethod
-    def forward(ctx, scores: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, scores: torch.Tensor, counted: torch.Tensor, cap: int) -> torch.Tensor:
         ctx.save_for_backward(scores, counted)
-        below, above, weight = Interpolated.corners(counted)
-        return scores.gather(-1, above) * weight + scores.gather(-1, below) * (1 - weight)
+        ctx.cap = cap
+        below, above, weight = Interpolated.corners(counted, cap)
+        wide = scores.to(counted.dtype)  # (..., P), not kept
+        return wide.gather(-1, above) * weight + wide.gather(-1, below) * (1 - weight)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         scores, counted = ctx.saved_tensors
-        below, above, weight = Interpolated.corners(counted)
-        grad_counted = grad * (scores.gather(-1, above) - scores.gather(-1, below))
-        grad_scores = torch.zeros_like(scores).scatter_add_(-1, below, grad * (1 - weight))
-        return grad_scores.scatter_add_(-1, above, grad * weight), grad_counted
+        below, above, weight = Interpolated.corners(counted, ctx.cap)
+        wide = scores.to(grad.dtype)
+        difference = wide.gather(-1, above) - wide.gather(-1, below)
+        grad_counted = grad * difference  # 0 above the cap, where both corners are the cap
+        grad_scores = grad.new_zeros(scores.shape).scatter_add_(-1, below, grad * (1 - weight))
+        return grad_scores.scatter_add_(-1, above, grad * weight).to(scores.dtype), grad_counted, None
 
     @staticmethod
-    def corners(counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The integer positions below and above p, and p's weight on the one above."""
-        below = counted.floor()
-        return below.long(), counted.ceil().long(), counted - below
+    def corners(counted: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The integer positions below and above p capped, and its weight on the one above."""
+        capped = counted.clamp(max=cap)
+        below = capped.floor()
+        return below.long(), capped.ceil().long(), capped - below
