@@ -20,6 +20,10 @@ section's size is fixed):
 4. x-transformers: the same shape built by x-transformers, interleaved with lenext's rows, nope, rope, alibi, t5.
 5. fsdp (asked by name): FSDP2 as trainer=fsdp shards against DDP, one rank, NoPE at the training shape
    (``--model``, ``--length``, ``--batch``): two steps' parameters compared, tokens/s interleaved, peak memory.
+6. export (asked by name): a model as ``lenext-export`` writes it (transformers' Llama, GPT-NeoX and GPT-2, and
+   lenext's own code for ALiBi), loaded by transformers on the device, run in fp32 and under bf16 autocast (lenext's
+   net beside it): its logits and the gradient of its loss for the token embeddings against lenext's in float64 on
+   the CPU, at L_train 64 and 512.
 
     PYTHONPATH=src python scripts/gpu_check.py --out benchmarks/gpu-check-<date>.md
     .venv/bin/python scripts/gpu_check.py --device cpu --quick   # smoke test of the script itself
@@ -49,12 +53,15 @@ import bench  # noqa: E402  (the CPU benchmark's rows, model sizes and FLOP coun
 import lenext.attention as attention_module  # noqa: E402
 import lenext.attention.fla_kernels as fla_kernels  # noqa: E402
 from lenext.attention.flex import fresh_compile_state  # noqa: E402
-from lenext.build import build_decoder  # noqa: E402
+from lenext.build import build_decoder, build_net  # noqa: E402
 from lenext.cli import CONFIG_PACKAGE  # noqa: E402
 from lenext.errors import LengthNotSupported  # noqa: E402
+from lenext.export.native import NATIVE  # noqa: E402
+from lenext.export.remote import write_remote  # noqa: E402
 from lenext.files import write_atomic  # noqa: E402
 from lenext.model import Decoder  # noqa: E402
 from lenext.positions import generator, randomized_positions  # noqa: E402
+from lenext.run_folder import resolve_training  # noqa: E402
 
 # The PEs added since the last check first (benchmarks/gpu-check.md, 2026-11-23), then the rest.
 FIRST = ["dape", "pope", "path", "path_fox", "cope", "fox", "fox_rope", "p_rope", "rope_nope", "rnope_swa"]
@@ -78,6 +85,9 @@ LIGHTNING_TARGET = 1.05
 # also checked and timed without them.
 FLA_ROWS = ["fox", "fox_rope", "path", "path_fox"]
 
+
+# The sections, each with its share of --budget (lightning, fsdp and export have fixed sizes).
+SECTIONS = {"exactness": 0.55, "training": 0.3, "lightning": 0.15, "fsdp": 0.15, "export": 0.05}
 
 ROW_SUFFIXES = {"compile", "nofla", "ckpt"}  # <row>@compile, <row>@nofla, <row>@ckpt (training rows; Arm)
 
@@ -587,7 +597,129 @@ def _git(*args) -> str | None:
     return _run("git", "-C", str(bench.REPO), *args)
 
 
-def render(info, settings, exact=None, training=None, lightning=None, fsdp=None) -> str:
+# --------------------------------------------------------------------------------------------
+# 6. An exported model on the device
+
+EXPORT_CASES = {  # the architecture lenext-export writes ("remote": lenext's own code): the run's overrides
+    "llama": ["pe=rope", "model=llama"],
+    "gpt_neox": ["pe=rope"],
+    "gpt2": ["pe=learned"],
+    "remote": ["pe=alibi"],
+}
+
+
+def exported_net(case: str, folder: Path) -> Decoder:
+    """A run's model (L_train ``EXACT_TRAIN_LEN``, every weight moved off its initial value, as tests/test_export.py
+    makes them), written into ``folder`` as lenext-export writes ``case``."""
+    overrides = [f"data.max_len={EXACT_TRAIN_LEN}", f"paths.root_dir={folder}", f"paths.output_dir={folder}"]
+    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
+        spec, _ = resolve_training(compose("train", overrides=[*EXPORT_CASES[case], *overrides]))
+    torch.manual_seed(bench.SEED)
+    net = build_net(spec, EXACT_SHAPE["vocab_size"])
+    with torch.no_grad():
+        for parameter in net.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.2)
+    net.pe.project_()
+    no_tokenizer = {"bos_token_id": None, "eos_token_id": None}
+    if case == "remote":
+        write_remote(net, spec, folder, no_tokenizer)
+    else:
+        NATIVE[case].write(net, folder, spec.base_len, no_tokenizer)
+    return net.eval()
+
+
+def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.double().cpu() - expected).norm() / expected.norm())
+
+
+def export_case(net: Decoder, folder: Path, remote: bool, length: int, device: str) -> dict:
+    """The exported model's logits and the gradient of its mean next-token loss for the token embeddings, loaded in
+    fp32 on ``device`` and run in fp32 and under bf16 autocast (as lenext runs bf16), and lenext's net under bf16
+    autocast there too, each against lenext's net in float64 on the CPU (relative, over the whole tensors)."""
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(0, net.vocab_size, (2, length + 1), generator=torch.Generator().manual_seed(length))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].flatten()
+    reference = copy.deepcopy(net).double()
+    expected = reference.logits(reference(inputs))
+    torch.nn.functional.cross_entropy(expected.flatten(0, 1), targets).backward()
+    options = dict(local_files_only=True, trust_remote_code=remote, dtype=torch.float32)
+    errors = {}
+    for arm in ("fp32", "bf16", "lenext bf16"):
+        ours = arm.startswith("lenext")
+        model = (copy.deepcopy(net) if ours else AutoModelForCausalLM.from_pretrained(folder, **options)).to(device)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled="bf16" in arm):
+            ids = inputs.to(device)
+            logits = model.logits(model(ids)) if ours else model(input_ids=ids, use_cache=False).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.to(device)).backward()
+        embedding = model.embedding if ours else model.get_input_embeddings()
+        errors[f"{device} {arm}"] = {
+            "nll": relative(logits.detach(), expected.detach()),  # the logits' error, in the NLL's column
+            "grad": relative(embedding.weight.grad, reference.embedding.weight.grad),
+        }
+    return errors
+
+
+def bench_export(device, log) -> dict:
+    results = {}
+    for case in EXPORT_CASES:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                net = exported_net(case, Path(tmp))
+                lengths = [EXACT_TRAIN_LEN] + ([] if case == "gpt2" else [8 * EXACT_TRAIN_LEN])  # GPT-2: a table
+                results[case] = {f"L {n}": export_case(net, Path(tmp), case == "remote", n, device) for n in lengths}
+            except Exception as e:  # noqa: BLE001  (the report names it; the other cases still run)
+                results[case] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+                log(traceback.format_exc())
+        log(f"  export {case:<10} {results[case]}")
+    return results
+
+
+def worst_errors(case: dict) -> dict:
+    """{arm: {"nll": error, "grad": error}}: each arm's largest errors over a case's lengths."""
+    arms = next(iter(case.values()))
+    return {a: {k: max(length[a][k] for length in case.values()) for k in ("nll", "grad")} for a in arms}
+
+
+def export_passes(arm: str, worst: dict) -> bool:
+    """fp32 within the exactness section's tolerance; the export under bf16 autocast at most twice lenext's own error
+    there (bf16's error is the dtype's, not the export's)."""
+    if "bf16" not in arm:
+        return passes(arm, worst[arm])
+    if "lenext" in arm:
+        return True
+    ours = worst[arm.replace("bf16", "lenext bf16")]
+    return all(worst[arm][k] <= 2 * ours[k] for k in ("nll", "grad"))
+
+
+def render_export(export) -> list[str]:
+    runs = ", ".join(f"{case}: `{' '.join(overrides)}`" for case, overrides in EXPORT_CASES.items())
+    lines = [
+        "## An exported model on the device",
+        "",
+        f"A run's model ({runs}; L_train {EXACT_TRAIN_LEN}, vocab {EXACT_SHAPE['vocab_size']}, every weight moved "
+        "off its initial value) written as `lenext-export` writes it (transformers' own classes; `remote`: lenext's "
+        "code beside the weights), loaded by `AutoModelForCausalLM` in fp32 on the device, run in fp32 and under bf16 "
+        "autocast; `lenext bf16`: lenext's net there under bf16 autocast. Each cell: the relative error of the "
+        "logits / of the gradient of the mean next-token loss for the token embeddings, against lenext's net in "
+        "float64 on the CPU, the worse over the lengths. Passes: fp32 within 0.0001 / 0.001; bf16 at most twice "
+        "lenext's own bf16 errors (bf16's error is the dtype's, not the export's).",
+        "",
+    ]
+    arms = list(dict.fromkeys(arm for r in export.values() if "error" not in r for arm in worst_errors(r)))
+    lines += ["| case | lengths | " + " | ".join(arms) + " | passes |", "|---|---|" + "---|" * len(arms) + "---|"]
+    for case, r in export.items():
+        if "error" in r:
+            lines.append(f"| {case} | | {r['error']} |" + " |" * len(arms))
+            continue
+        worst = worst_errors(r)
+        cells = [f"{worst[a]['nll']:.1e} / {worst[a]['grad']:.1e}" for a in arms]
+        ok = all(export_passes(a, worst) for a in arms)
+        lines.append(f"| {case} | {', '.join(r)} | " + " | ".join(cells) + f" | {'yes' if ok else '**no**'} |")
+    return [*lines, ""]
+
+
+def render(info, settings, exact=None, training=None, lightning=None, fsdp=None, export=None) -> str:
     lines = ["# lenext GPU check", ""]
     lines += [f"- {key}: {value}" for key, value in info.items()]
     lines += [f"- command: `{settings['command']}`", f"- elapsed: {settings['elapsed']:.0f} s", ""]
@@ -599,6 +731,8 @@ def render(info, settings, exact=None, training=None, lightning=None, fsdp=None)
         lines += render_lightning(lightning)
     if fsdp is not None:
         lines += render_fsdp(fsdp)
+    if export is not None:
+        lines += render_export(export)
     return "\n".join(lines) + "\n"
 
 
@@ -716,9 +850,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of the script")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/gpu-check-run.md"))
-    parser.add_argument(
-        "--sections", default="exactness,training,lightning", help="of exactness,training,lightning,fsdp"
-    )
+    parser.add_argument("--sections", default="exactness,training,lightning", help=f"of {','.join(SECTIONS)}")
     parser.add_argument("--rows", help="comma-separated rows (default: every PE config and variant)")
     parser.add_argument("--quick", action="store_true", help="tiny lengths and steps (a smoke test)")
     parser.add_argument("--budget", type=float, default=500, help="seconds for the whole run, shared by sections")
@@ -743,6 +875,9 @@ def main(argv=None) -> None:
             suffixes = ", ".join(f"@{s}" for s in sorted(unknown))
             sys.exit(f"gpu_check: --rows {row}: {suffixes} is not a row suffix; they are @compile, @nofla and @ckpt")
     sections = args.sections.split(",")
+    unknown = [section for section in sections if section not in SECTIONS]
+    if unknown:
+        sys.exit(f"gpu_check: --sections {','.join(unknown)} is not a section; they are {', '.join(SECTIONS)}")
     started = time.perf_counter()
     settings = {"command": " ".join(["python scripts/gpu_check.py", *(argv or sys.argv[1:])]), "elapsed": 0.0}
     info, results = environment(args.device), {}
@@ -761,8 +896,7 @@ def main(argv=None) -> None:
         write_atomic(args.out, render(info, settings, **results))
         write_atomic(args.out.with_suffix(".json"), json.dumps({"info": info, **results}, indent=1, default=str))
 
-    shares = {"exactness": 0.55, "training": 0.3, "lightning": 0.15, "fsdp": 0.15}  # lightning, fsdp: fixed sizes
-    budget = {s: args.budget * shares[s] / sum(shares[t] for t in sections) for s in sections}
+    budget = {s: args.budget * SECTIONS[s] / sum(SECTIONS[t] for t in sections) for s in sections}
     log(f"{info}; budgets {budget}")
     if "exactness" in sections:
         lengths = (16, 40) if args.quick else (EXACT_TRAIN_LEN, 8 * EXACT_TRAIN_LEN)
@@ -794,6 +928,9 @@ def main(argv=None) -> None:
         quick = dict(length=64, batch=2, steps=2, reps=2) if args.quick else dict(steps=5, reps=6)
         sizes = dict(length=args.length, batch=args.batch) | quick
         results["fsdp"] = bench_fsdp(args.model, args.vocab, device=args.device, log=log, **sizes)
+        save()
+    if "export" in sections:
+        results["export"] = bench_export(args.device, log)
         save()
     save()
     log(f"wrote {args.out} in {time.perf_counter() - started:.0f} s")

@@ -142,6 +142,25 @@ def test_the_gpu_check_runs_its_sections_on_a_cpu(tmp_path):
     assert fsdp["loss"]["ddp"] == fsdp["loss"]["fsdp"] and fsdp["worst_parameter_error"] < 1e-6
     with pytest.raises(SystemExit, match="fox@nofal: @nofal is not a row suffix"):
         gpu_check.main(["--device", "cpu", "--quick", "--rows", "fox@nofal", "--out", str(trained)])
+    with pytest.raises(SystemExit, match="--sections exprt is not a section; they are exactness, training"):
+        gpu_check.main(["--device", "cpu", "--quick", "--sections", "training,exprt", "--out", str(trained)])
+
+
+def test_the_gpu_checks_export_section_loads_each_export_and_computes_lenexts_numbers(tmp_path):
+    """Each architecture lenext-export writes, loaded by transformers (here on the CPU): fp32 logits and embedding
+    gradients within 1e-4 / 1e-3 of float64, and under bf16 autocast no worse than twice lenext's own."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    out = tmp_path / "export.md"
+    gpu_check.main(["--device", "cpu", "--quick", "--sections", "export", "--out", str(out)])
+    export = json.loads(out.with_suffix(".json").read_text())["export"]
+    assert list(export) == ["llama", "gpt_neox", "gpt2", "remote"]
+    for case in export.values():
+        worst = gpu_check.worst_errors(case)
+        assert worst["cpu fp32"]["nll"] < 1e-4 and worst["cpu fp32"]["grad"] < 1e-3
+        assert all(gpu_check.export_passes(arm, worst) for arm in worst)
+    assert "**no**" not in out.read_text()
 
 
 def test_a_gpu_check_row_asked_with_ckpt_recomputes_each_block_and_trains_the_same(monkeypatch):
