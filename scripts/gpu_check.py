@@ -83,7 +83,7 @@ LIGHTNING_TARGET = 1.05
 
 # The rows fla's kernels serve while training in bf16 (lenext.attention.fla_kernels): with fla installed, each is
 # also checked and timed without them.
-FLA_ROWS = ["fox", "fox_rope", "path", "path_fox"]
+FLA_ROWS = ["fox", "fox_rope", "path", "path_fox", "nope+stick_breaking"]
 
 
 # The sections, each with its share of --budget (lightning, fsdp and export have fixed sizes).
@@ -216,7 +216,8 @@ def exactness_case(net, length, drawn, device, fla_row=False, compiled=False):
 
 @contextlib.contextmanager
 def fla_off():
-    """The paths without fla's kernels (FoX's key bias on SDPA or FlexAttention, PaTH's logits in chunks)."""
+    """The paths without fla's kernels (FoX's key bias on SDPA or FlexAttention, PaTH's logits in chunks,
+    stick-breaking's explicit blocks)."""
     saved = fla_kernels.kernels
     fla_kernels.kernels = lambda: None
     try:

@@ -21,10 +21,11 @@ import triton.runtime.autotuner as autotuner  # noqa: E402
 from torch.testing import assert_close  # noqa: E402
 
 import lenext.attention.fla_kernels as fla_kernels  # noqa: E402
-from lenext.attention import causal_attention, recording  # noqa: E402
+from lenext.attention import AttentionSettings, causal_attention, recording  # noqa: E402
 from lenext.model import Decoder  # noqa: E402
-from lenext.pe import AttentionShape, Compose, FoX, PaTH, RoPE  # noqa: E402
+from lenext.pe import KERPLE, AttentionShape, Compose, FoX, NoPE, PaTH, RoPE  # noqa: E402
 from lenext.pe.base import Bias, ScoreTerms, sequential_positions  # noqa: E402
+from tests.test_attention_settings import stick_breaking_reference  # noqa: E402
 from tests.test_fox import fla_reference, run_fox  # noqa: E402
 
 # The interpreter computes masked lanes too (exp2 of -inf, 0 * inf), which numpy warns of; fla warns of the CPU.
@@ -40,8 +41,8 @@ def first_configs(monkeypatch):
 
 @pytest.fixture
 def fla_calls(monkeypatch) -> list:
-    """The calls of fla's kernels during the test, as ("forgetting", window) or ("path", gated): the dispatcher must
-    send FoX and PaTH there."""
+    """The calls of fla's kernels during the test, as ("forgetting", window), ("path", gated) or ("stick_breaking",
+    attend_current): the dispatcher must send FoX, PaTH and stick-breaking there."""
     calls, real = [], fla_kernels.kernels()
 
     def forgetting(*args, **kwargs):
@@ -52,7 +53,11 @@ def fla_calls(monkeypatch) -> list:
         calls.append(("path", g is not None))
         return real.path(q, k, v, w, beta, g, **kwargs)
 
-    counted = SimpleNamespace(forgetting=forgetting, path=path)
+    def stick_breaking(*args, **kwargs):
+        calls.append(("stick_breaking", kwargs["attend_current"]))
+        return real.stick_breaking(*args, **kwargs)
+
+    counted = SimpleNamespace(forgetting=forgetting, path=path, stick_breaking=stick_breaking)
     monkeypatch.setattr(fla_kernels, "kernels", lambda: counted)
     return calls
 
@@ -229,3 +234,80 @@ def test_fla_does_not_serve_a_layer_with_more_on_its_scores(case, pe, fla_calls)
         terms = layer.terms(x, q, k, sequential_positions(24))
     out = NOT_SERVED[case](terms, q, k, v)
     assert fla_calls == [] and out.isfinite().all()
+
+
+@pytest.mark.parametrize("length", [7, 70, 200])
+def test_stick_breaking_training_takes_fla_and_matches_the_reference_code(length, fla_calls):
+    """Stick-breaking of q . k alone through the call site with a gradient: fla's kernel runs (the query not
+    attended), its leftover stick goes to the query's own value, and the output and the gradients of q, k, v equal
+    the stick-breaking package's reference code in float64."""
+    gen = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(2, 2, length, 32, generator=gen, requires_grad=True) for _ in "qkv")
+    got = causal_attention(q, k, v, stick_breaking=True)
+    assert fla_calls == [("stick_breaking", False)]
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = stick_breaking_reference(*leaves)
+    assert_close(got.double(), expected.detach(), atol=1e-5, rtol=1e-5)
+    weight = torch.randn(got.shape, generator=gen, dtype=torch.float64)
+    got_grads = torch.autograd.grad((got.double() * weight).sum(), [q, k, v])
+    expected_grads = torch.autograd.grad((expected * weight).sum(), leaves)
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        assert_close(g.double(), e, atol=1e-4 * e.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("pe", [NoPE, RoPE], ids=["nope", "rope"])
+def test_a_stick_breaking_model_trains_through_fla_as_in_float64(pe, fla_calls):
+    """A 2-layer decoder under stick-breaking (NoPE; RoPE, which rotates q and k first) in fp32 through fla's kernel:
+    its per-token NLL and every parameter's gradient equal the same model's in float64 (lenext's explicit path)."""
+    torch.manual_seed(0)
+    settings = AttentionSettings(normalizer="stick_breaking")
+    net = Decoder(vocab_size=97, d_model=64, n_layers=2, n_heads=4, train_len=96, pe=pe, attention=settings)
+    tokens = torch.randint(0, 97, (2, 97), generator=torch.Generator().manual_seed(1))
+
+    def step(dtype):
+        model = copy.deepcopy(net).to(dtype)
+        nll = model.token_nll(tokens[:, :-1], tokens[:, 1:])
+        grads = torch.autograd.grad(nll.mean(), list(model.parameters()))
+        return nll.detach().double(), [g.double() for g in grads]
+
+    nll, grads = step(torch.float32)
+    assert fla_calls == [("stick_breaking", False)] * 2  # one call a layer
+    expected_nll, expected_grads = step(torch.float64)
+    assert_close(nll, expected_nll, atol=1e-4, rtol=0)
+    for g, e in zip(grads, expected_grads, strict=True):
+        assert_close(g, e, atol=1e-3 * e.abs().max().item() + 1e-7, rtol=0)
+
+
+def _kerple_terms(q, k):
+    shape = AttentionShape(d_model=64, n_heads=2, n_layers=2, train_len=16)
+    return KERPLE(shape).layer(1).terms(None, q, k, sequential_positions(q.size(-2)))
+
+
+STICK_BREAKING_NOT_SERVED = {
+    "a bias (KERPLE's)": lambda q, k, v: causal_attention(q, k, v, _kerple_terms(q, k), stick_breaking=True),
+    "a window": lambda q, k, v: causal_attention(q, k, v, window=5, stick_breaking=True),
+    "a row scale (SSMax)": lambda q, k, v: causal_attention(
+        q, k, v, row_scale=torch.full((1, 2, 24, 1), 1.1), stick_breaking=True
+    ),
+    "recording": lambda q, k, v: _recorded(causal_attention, q, k, v, ScoreTerms(), None, None, True),
+    "no gradient": lambda q, k, v: _no_grad(causal_attention, q, k, v, stick_breaking=True),
+}
+
+
+def _no_grad(fn, *args, **kwargs):
+    with torch.no_grad():
+        return fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("case", list(STICK_BREAKING_NOT_SERVED))
+def test_stick_breaking_with_more_than_q_k_keeps_lenexts_path(case, fla_calls):
+    """fla's kernel scores q . k alone: a bias, a window, a row scale, recording, and evaluation keep lenext's
+    explicit stick-breaking, with the reference's numbers where the reference has the case."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 24, 32, generator=gen, requires_grad=True) for _ in "qkv")
+    out = STICK_BREAKING_NOT_SERVED[case](q, k, v)
+    assert fla_calls == [] and out.isfinite().all()
+    if case in ("a window", "recording", "no gradient"):
+        window = 5 if case == "a window" else None
+        expected = stick_breaking_reference(*(t.detach().double() for t in (q, k, v)), window)
+        assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

@@ -205,14 +205,15 @@ def causal_attention(
     if window is not None and window >= q.size(-2):
         window = None  # every row sees all its keys
     # scores of q . k or the PE's logits, plus biases alone: what fused kernels compute (recording needs the explicit
-    # path's weights)
-    scores_only = value_term is None and len(terms.logit_terms) == 0 and not stick_breaking and _recorder is None
+    # path's weights); under softmax, scores_only
+    bare = value_term is None and len(terms.logit_terms) == 0 and _recorder is None
+    scores_only = bare and not stick_breaking
     plain = scores_only and logits is None
     fused = plain and window is None
     if fused and not biases:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if scores_only and row_scale is None and torch.is_grad_enabled() and fla_serves(q, terms, window):
-        return fla_attention(q, k, v, terms, window)
+    if bare and row_scale is None and torch.is_grad_enabled() and fla_serves(q, terms, window, stick_breaking):
+        return fla_attention(q, k, v, terms, window, stick_breaking)
     length = q.size(-2)
     flex = plain and row_scale is None and flex_available(q) and all(b.flex or b.key for b in biases)
     # The keys' sum, unless flex takes every bias by its own score_mod (ALiBi's on CUDA)

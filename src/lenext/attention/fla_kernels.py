@@ -6,6 +6,9 @@ training paths of the PEs they serve, on CUDA.
   gradient is not the one a bf16 kernel's bias gradient loses (docs/pes/fox.md). Any window; head dims to 256.
 - PaTH's Householder products (``ScoreTerms.householders``), FoX's gates with them or not: ``parallel_path_attn``,
   no (B, H, L, L) logits (it carries queries across its chunks in fp16). No window; head dims 16, 32, 64 or 128.
+- Stick-breaking weights (``attention.normalizer=stick_breaking``) of q . k alone (no bias, no window):
+  ``parallel_stickbreaking_attn``, which returns each query's leftover stick with its output and takes that
+  leftover's gradient, so lenext's leftover on the query's own value stays exact.
 
 Training under bf16 or fp16 autocast only: Triton's dots take fp32 as TF32 (fp32 training keeps lenext's exact
 paths), and evaluation, far past L_train, keeps lenext's (FoX's key bias summed in float64). Triton's interpreter
@@ -28,13 +31,17 @@ PATH_HEAD_DIMS = (16, 32, 64, 128)  # the head dims fla's PaTH kernel is built f
 
 @cache
 def kernels() -> SimpleNamespace | None:
-    """fla's kernels (``forgetting``, ``path``), or None without fla (imported on first use: fla imports Triton)."""
+    """fla's kernels (``forgetting``, ``path``, ``stick_breaking``), or None without fla (imported on first use: fla
+    imports Triton)."""
     try:
         from fla.ops.forgetting_attn import parallel_forgetting_attn
         from fla.ops.path_attn import parallel_path_attn
+        from fla.ops.stickbreaking_attn import parallel_stickbreaking_attn
     except ImportError:
         return None
-    return SimpleNamespace(forgetting=parallel_forgetting_attn, path=parallel_path_attn)
+    return SimpleNamespace(
+        forgetting=parallel_forgetting_attn, path=parallel_path_attn, stick_breaking=parallel_stickbreaking_attn
+    )
 
 
 def kernel_dtype(q: torch.Tensor) -> torch.dtype:
@@ -43,30 +50,35 @@ def kernel_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
 
 
-def fla_serves(q: torch.Tensor, terms: ScoreTerms, window: int | None) -> bool:
-    """Whether one of fla's kernels computes attention with these terms as exactly as the dtype allows, with fla
-    installed: on CUDA in bf16 or fp16, or under Triton's interpreter in fp32. The caller has checked that nothing
-    else is on the scores (no value term, logit term, row scale, stick-breaking or recording)."""
+def fla_serves(q: torch.Tensor, terms: ScoreTerms, window: int | None, stick_breaking: bool = False) -> bool:
+    """Whether one of fla's kernels computes attention with these terms (and normalizer) as exactly as the dtype
+    allows, with fla installed: on CUDA in bf16 or fp16, or under Triton's interpreter in fp32. The caller has
+    checked that nothing else is on the scores (no value term, logit term, row scale or recording)."""
     if q.is_cuda:
         served = kernel_dtype(q) in HALF_DTYPES
     else:
         served = os.environ.get("TRITON_INTERPRET") == "1" and kernel_dtype(q) == torch.float32
     if not served or kernels() is None:
         return False
+    if stick_breaking:
+        return not terms.biases and terms.householders is None and terms.logits is None and window is None
     gated = len(terms.biases) == 1 and terms.biases[0].gates is not None  # FoX's gates and no other bias
     if terms.householders is None:
         return gated and terms.logits is None and q.size(-1) <= MAX_HEAD_DIM
     return (gated or not terms.biases) and window is None and q.size(-1) in PATH_HEAD_DIMS
 
 
-def fla_attention(q, k, v, terms: ScoreTerms, window: int | None) -> torch.Tensor:
-    """Causal softmax attention with the terms ``fla_serves`` took: q, k, v (B, H, L, d) -> (B, H, L, d) in the
-    autocast dtype (else q's)."""
+def fla_attention(q, k, v, terms: ScoreTerms, window: int | None, stick_breaking: bool = False) -> torch.Tensor:
+    """Causal attention with the terms ``fla_serves`` took: q, k, v (B, H, L, d) -> (B, H, L, d) in the autocast
+    dtype (else q's)."""
     dtype = kernel_dtype(q)
     q, k, v = (t.to(dtype).transpose(1, 2) for t in (q, k, v))  # fla's (B, L, H, d); RoPE may leave q, k fp32
     scale = q.size(-1) ** -0.5
     log_forget = terms.biases[0].gates().float() if terms.biases else None  # (B, L, H)
-    if terms.householders is None:
+    if stick_breaking:  # the stick a query leaves over goes to its own value, as lenext's explicit path
+        out, left = kernels().stick_breaking(q, k, v, scale=scale, attend_current=False)
+        out = out + left[..., None].to(v.dtype) * v
+    elif terms.householders is None:
         out = kernels().forgetting(q, k, v, log_forget, scale=scale, window_size=window)
     else:
         w, beta = terms.householders()
