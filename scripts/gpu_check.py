@@ -70,6 +70,7 @@ VARIANTS = {  # rows beside the PE configs: "<row>": (pe config, overrides)
     "kerple_power": ["pe.kernel=power"],
     "shaw_value": ["pe.value_term=true"],
     **bench.ATTENTION_ROWS,
+    "rope+stick_breaking": ["attention.normalizer=stick_breaking"],  # fla's kernel after RoPE's rotation
 }
 EXACT_SHAPE = dict(vocab_size=97, d_model=64, n_layers=2, n_heads=4)
 EXACT_TRAIN_LEN = 64
@@ -83,7 +84,7 @@ LIGHTNING_TARGET = 1.05
 
 # The rows fla's kernels serve while training in bf16 (lenext.attention.fla_kernels): with fla installed, each is
 # also checked and timed without them.
-FLA_ROWS = ["fox", "fox_rope", "path", "path_fox", "nope+stick_breaking"]
+FLA_ROWS = ["fox", "fox_rope", "path", "path_fox", "nope+stick_breaking", "rope+stick_breaking"]
 
 
 # The sections, each with its share of --budget (lightning, fsdp and export have fixed sizes).
@@ -870,7 +871,10 @@ def main(argv=None) -> None:
         prune = Autotuner.prune_configs
         Autotuner.prune_configs = lambda self, *args, **kwargs: prune(self, *args, **kwargs)[:1]
     rows = args.rows.split(",") if args.rows else all_rows()
+    known = bench.PE_NAMES + list(VARIANTS)
     for row in rows:
+        if pe_of(row) not in known:
+            sys.exit(f"gpu_check: --rows {row}: {pe_of(row)} is not a row; rows are {', '.join(known)}")
         unknown = set(row.split("@")[1:]) - ROW_SUFFIXES
         if unknown:
             suffixes = ", ".join(f"@{s}" for s in sorted(unknown))

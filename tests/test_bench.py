@@ -142,6 +142,8 @@ def test_the_gpu_check_runs_its_sections_on_a_cpu(tmp_path):
     assert fsdp["loss"]["ddp"] == fsdp["loss"]["fsdp"] and fsdp["worst_parameter_error"] < 1e-6
     with pytest.raises(SystemExit, match="fox@nofal: @nofal is not a row suffix"):
         gpu_check.main(["--device", "cpu", "--quick", "--rows", "fox@nofal", "--out", str(trained)])
+    with pytest.raises(SystemExit, match=r"--rows rope\+sb@compile: rope\+sb is not a row; rows are alibi, cope, "):
+        gpu_check.main(["--device", "cpu", "--quick", "--rows", "rope+sb@compile", "--out", str(trained)])
     with pytest.raises(SystemExit, match="--sections exprt is not a section; they are exactness, training"):
         gpu_check.main(["--device", "cpu", "--quick", "--sections", "training,exprt", "--out", str(trained)])
 
