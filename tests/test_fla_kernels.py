@@ -23,7 +23,7 @@ from torch.testing import assert_close  # noqa: E402
 import lenext.attention.fla_kernels as fla_kernels  # noqa: E402
 from lenext.attention import AttentionSettings, causal_attention, recording  # noqa: E402
 from lenext.model import Decoder  # noqa: E402
-from lenext.pe import KERPLE, AttentionShape, Compose, FoX, NoPE, PaTH, RoPE  # noqa: E402
+from lenext.pe import KERPLE, AttentionShape, Compose, CoPE, FoX, NoPE, PaTH, PoPE, RoPE  # noqa: E402
 from lenext.pe.base import Bias, ScoreTerms, sequential_positions  # noqa: E402
 from tests.test_attention_settings import stick_breaking_reference  # noqa: E402
 from tests.test_fox import fla_reference, run_fox  # noqa: E402
@@ -255,10 +255,11 @@ def test_stick_breaking_training_takes_fla_and_matches_the_reference_code(length
         assert_close(g.double(), e, atol=1e-4 * e.abs().max().item(), rtol=0)
 
 
-@pytest.mark.parametrize("pe", [NoPE, RoPE], ids=["nope", "rope"])
+@pytest.mark.parametrize("pe", [NoPE, RoPE, PoPE], ids=["nope", "rope", "pope"])
 def test_a_stick_breaking_model_trains_through_fla_as_in_float64(pe, fla_calls):
-    """A 2-layer decoder under stick-breaking (NoPE; RoPE, which rotates q and k first) in fp32 through fla's kernel:
-    its per-token NLL and every parameter's gradient equal the same model's in float64 (lenext's explicit path)."""
+    """A 2-layer decoder under stick-breaking (NoPE; RoPE, which rotates q and k first; PoPE, whose q and k are twice
+    v's width) in fp32 through fla's kernel: its per-token NLL and every parameter's gradient equal the same model's
+    in float64 (lenext's explicit path)."""
     torch.manual_seed(0)
     settings = AttentionSettings(normalizer="stick_breaking")
     net = Decoder(vocab_size=97, d_model=64, n_layers=2, n_heads=4, train_len=96, pe=pe, attention=settings)
@@ -311,3 +312,19 @@ def test_stick_breaking_with_more_than_q_k_keeps_lenexts_path(case, fla_calls):
         window = 5 if case == "a window" else None
         expected = stick_breaking_reference(*(t.detach().double() for t in (q, k, v)), window)
         assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pe", ["path", "self_extend", "cope"])
+def test_stick_breaking_on_a_pes_own_logits_keeps_lenexts_path(pe, fla_calls):
+    """PaTH's and Self-Extend's logits and CoPE's logit term are not q . k: stick-breaking on them keeps lenext's
+    explicit path."""
+    shape = AttentionShape(d_model=32, n_heads=2, n_layers=2, train_len=8)
+    layer, x, q, k, v = path_case(24, PaTH)
+    if pe == "self_extend":
+        layer = RoPE(shape, scaling="self_extend", factor=4.0, neighbor_window=4).layer(1)
+    elif pe == "cope":
+        layer = CoPE(shape).layer(1)
+    terms = layer.terms(x, q, k, sequential_positions(24))
+    assert (terms.logits is not None) == (pe != "cope")
+    out = causal_attention(q, k, v, terms, stick_breaking=True)
+    assert fla_calls == [] and out.isfinite().all()

@@ -5,7 +5,7 @@ docs/pes/index.md, "Attention paths"), never from its name:
 
 - no score bias (NoPE, APEs, RoPE): SDPA ``is_causal``;
 - while training on CUDA under bf16 (or fp16) with fla installed, log gates (FoX's) and Householder products
-  (PaTH's), alone or together: fla's kernels (``fla_kernels``);
+  (PaTH's), alone or together, and stick-breaking of q . k alone: fla's kernels (``fla_kernels``);
 - a key bias that needs a gradient (FoX's), but on CUDA in fp32: SDPA ``is_causal`` in fp32 (also under bf16), the
   bias as an extra channel of q and k;
 - on CUDA, biases that each have a ``score_mod`` or a key form, and any sliding window (as a block mask): compiled
@@ -205,7 +205,7 @@ def causal_attention(
     if window is not None and window >= q.size(-2):
         window = None  # every row sees all its keys
     # scores of q . k or the PE's logits, plus biases alone: what fused kernels compute (recording needs the explicit
-    # path's weights); under softmax, scores_only
+    # path's weights); scores_only: bare under softmax (fla's kernel is stick-breaking's only fused path)
     bare = value_term is None and len(terms.logit_terms) == 0 and _recorder is None
     scores_only = bare and not stick_breaking
     plain = scores_only and logits is None

@@ -25,7 +25,7 @@ import torch
 from lenext.pe.base import ScoreTerms
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-MAX_HEAD_DIM = 256  # fla's forgetting-attention kernel's
+MAX_HEAD_DIM = 256  # fla's forgetting-attention and stick-breaking kernels'
 PATH_HEAD_DIMS = (16, 32, 64, 128)  # the head dims fla's PaTH kernel is built for
 
 
@@ -60,8 +60,9 @@ def fla_serves(q: torch.Tensor, terms: ScoreTerms, window: int | None, stick_bre
         served = os.environ.get("TRITON_INTERPRET") == "1" and kernel_dtype(q) == torch.float32
     if not served or kernels() is None:
         return False
-    if stick_breaking:
-        return not terms.biases and terms.householders is None and terms.logits is None and window is None
+    if stick_breaking:  # q . k alone (no bias, no PE's logits), head dims to fla's 256
+        plain = not terms.biases and terms.householders is None and terms.logits is None
+        return plain and window is None and q.size(-1) <= MAX_HEAD_DIM
     gated = len(terms.biases) == 1 and terms.biases[0].gates is not None  # FoX's gates and no other bias
     if terms.householders is None:
         return gated and terms.logits is None and q.size(-1) <= MAX_HEAD_DIM
