@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from lenext.attention import AttentionSettings, LengthScale, causal_attention
 from lenext.errors import ConfigError
 from lenext.pe import AttentionShape, PositionalEncoding
-from lenext.pe.base import LayerPE, forward_span, sequential_positions
+from lenext.pe.base import LayerPE, device_budget, forward_span, sequential_positions
 from lenext.ranges import PositiveFloat, PositiveInt, Probability
 
 # Logits made at a time, in floats: on CPU small enough for the heap to reuse each chunk instead of mapping it
@@ -217,7 +217,7 @@ def chunked_nll(
     """Per-target NLL (B, L) in fp32 of the last hidden states (B, L, d) under the output projection ``logits``
     (and with ``predictions`` the most likely tokens), the logits made ``LOGIT_CHUNK_ELEMENTS`` at a time: lenext's
     Decoder and a Hugging Face model's plain head (lenext.hf) score through here."""
-    budget = LOGIT_CHUNK_ELEMENTS.get(hidden.device.type, LOGIT_CHUNK_ELEMENTS["cpu"])
+    budget = device_budget(LOGIT_CHUNK_ELEMENTS, hidden.device)
     span = max(1, budget // (vocab_size * targets.size(0)))  # positions per chunk
     # One output written chunk by chunk: chunk outputs kept between the logits fragmented the heap.
     nll = hidden.new_empty(targets.shape, dtype=torch.float32)

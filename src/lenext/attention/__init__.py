@@ -44,7 +44,7 @@ from lenext.attention.flex import (
     window_block_mask,
 )
 from lenext.errors import ConfigError
-from lenext.pe.base import NO_TERMS, Bias, Logits, LogitTerm, ScoreTerms, ValueTerm
+from lenext.pe.base import NO_TERMS, Bias, Logits, LogitTerm, ScoreTerms, ValueTerm, device_budget
 from lenext.ranges import PositiveInt
 
 # Float elements of mask per query block on the explicit path, by device. CPU: small enough for the heap to reuse
@@ -356,7 +356,7 @@ def _blocked_attention(
     """
     batch, heads, length, head_dim = q.shape
     wide = torch.promote_types(q.dtype, torch.float32)  # the scores' dtype: fp32 (float64 for float64 q)
-    budget = SCORE_BLOCK_ELEMENTS.get(q.device.type, SCORE_BLOCK_ELEMENTS["cpu"]) // (batch * heads)  # per head
+    budget = device_budget(SCORE_BLOCK_ELEMENTS, q.device) // (batch * heads)  # mask elements per head
     if window is None or window >= length:
         rows = max(1, budget // length)  # masks of (rows, at most L)
     else:  # a block of r rows sees r + W - 1 keys: the largest r with r (r + W - 1) <= budget
@@ -364,12 +364,12 @@ def _blocked_attention(
     blocks = -(-length // rows)  # the fewest within the budget, their rows spread evenly (no runt last block)
     out = q.new_empty(batch, heads, length, v.size(-1))  # written block by block: see SCORE_BLOCK_ELEMENTS
     record = _recorder
+    plain = value_term is None and logits is None and len(logit_terms) == 0 and not stick_breaking
     for index in range(blocks):  # query blocks attend to keys [first, end)
         start, end = length * index // blocks, length * (index + 1) // blocks
         first = 0 if window is None else max(0, start - window + 1)
         q_block, k_seen, v_seen = q[:, :, start:end], k[:, :, first:end], v[:, :, first:end]
         mask = bias(start, end, first)
-        plain = value_term is None and logits is None and len(logit_terms) == 0 and not stick_breaking
         if plain and not mask.requires_grad and q.device.type == "cpu" and record is None:
             out[:, :, start:end] = _sdpa_keep_mask(q_block, k_seen, v_seen, attn_mask=mask)
             continue

@@ -45,6 +45,13 @@ FAMILIES = ("no PE or absolute", "additive bias", "rotary", "2024-26 methods")
 # (lenext.attention.SCORE_BLOCK_ELEMENTS: the CPU's heap, CUDA's kernel launches)
 HIDDEN_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}
 
+
+def device_budget(budgets: dict[str, int], device: torch.device) -> int:
+    """A per-device budget of elements (``HIDDEN_ELEMENTS``, attention's score blocks, the loss's logits) for
+    ``device``: the CPU's on any device the table does not name."""
+    return budgets.get(device.type, budgets["cpu"])
+
+
 PairBias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ValueTerm = Callable[[torch.Tensor, int, int], torch.Tensor]
 Logits = Callable[[int, int], torch.Tensor]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lenext.errors import ConfigError
-from lenext.pe.base import HIDDEN_ELEMENTS, AttentionShape, LayerPE, PositionalEncoding, ScoreTerms
+from lenext.pe.base import HIDDEN_ELEMENTS, AttentionShape, LayerPE, PositionalEncoding, ScoreTerms, device_budget
 from lenext.ranges import PositiveInt
 
 
@@ -70,7 +70,7 @@ class AdaptiveBias(LayerPE):
             scores = torch.where(seen, logits - pair, 0.0)  # s_ij: the logit without the base bias
             features = torch.cat([scores, pair], dim=1).movedim(1, -1)  # (B, rows, keys, 2H)
             # Under bf16 autocast the MLP runs in bf16 (it is most of DAPE's work); its output joins fp32 logits.
-            budget = HIDDEN_ELEMENTS.get(features.device.type, HIDDEN_ELEMENTS["cpu"])
+            budget = device_budget(HIDDEN_ELEMENTS, features.device)
             rows = max(1, budget // (features.shape[0] * features.shape[2] * self.mlp[0].out_features))
             return torch.cat([self.mlp(chunk) for chunk in features.split(rows, dim=1)], dim=1).movedim(-1, 1)
 

@@ -18,7 +18,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lenext.pe.base import HIDDEN_ELEMENTS, AttentionShape, PositionalEncoding, distance_score_mod, position_span
+from lenext.pe.base import (
+    HIDDEN_ELEMENTS,
+    AttentionShape,
+    PositionalEncoding,
+    device_budget,
+    distance_score_mod,
+    position_span,
+)
 from lenext.ranges import PositiveFloat, PositiveInt
 
 EPS = 1e-6
@@ -54,7 +61,7 @@ class FireBias(nn.Module):
         threshold = self.threshold()
         below = int((query_positions < threshold).sum())  # a prefix: positions increase
         parts = [self._by_distance(query_positions[:below], key_positions, threshold)] if below else []
-        budget = HIDDEN_ELEMENTS.get(key_positions.device.type, HIDDEN_ELEMENTS["cpu"])
+        budget = device_budget(HIDDEN_ELEMENTS, key_positions.device)
         rows = max(1, budget // (key_positions.numel() * self.mlp[0].out_features))
         starts = range(below, len(query_positions), rows)
         parts += [self._by_pair(query_positions[r : r + rows], key_positions, threshold) for r in starts]
