@@ -52,9 +52,9 @@ test: install  ## the test suite CI runs (excludes tests marked slow), one pytes
 test-slow: install  ## only the tests marked slow (DDP, submitit launcher, kill and resume): CI runs them after `make test`
 	$(PY) -m pytest -q -m slow $(ARGS)
 
-# Triton's interpreter runs fla's kernels on the CPU: Triton 3.9's does (3.4's and 3.6's fail on fla-core 0.6's
+# Triton's interpreter runs the Triton kernels on the CPU: Triton 3.9's does (3.4's and 3.6's fail on fla-core 0.6's
 # kernels). Beside a CPU torch only: a CUDA torch pins its own Triton, and there `make gpu-check` runs the kernels.
-test-kernels: install  ## fla's kernels (FoX's, PaTH's) against float64 under Triton's interpreter on the CPU (installs fla-core and Triton 3.9, ~1 GB; about 1 min): CI runs it
+test-kernels: install  ## the Triton kernels (fla's for FoX, PaTH, stick-breaking; lenext's for CoPE) against float64 under Triton's interpreter on the CPU (installs fla-core and Triton 3.9, ~1 GB; about 2 min): CI runs it
 	@if $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
 		$(PY) -m pip install -q -e '.[kernels]' 'triton==3.9.0' && TRITON_INTERPRET=1 $(PY) -m pytest -q -m kernels $(ARGS); \
 	else echo "test-kernels: a CUDA torch pins its own Triton; make gpu-check runs fla's kernels on the GPU"; fi

@@ -4,7 +4,8 @@ Run on a machine with a CUDA GPU: ``make gpu-check`` (it installs what the machi
 ``.gpu-wheels/``, made here by ``make gpu-wheels``). Sections, each written to the report as soon as it ends, so a
 run cut off keeps what it measured; exactness and training take no new row once their share of ``--budget`` is
 spent, and say which rows they did not reach (training still times at least two repetitions; the Lightning
-section's size is fixed):
+section's size is fixed). Each section's share is of the time left when it starts: what a section leaves unspent
+goes to the sections after it.
 
 1. exactness: every PE config (and the attention settings' rows), a 2-layer model at L_train 64, its per-token NLL
    and every parameter's gradient on CUDA against float64 on the CPU: fp32 (TF32 off) on the automatic path,
@@ -82,15 +83,17 @@ XT_ROWS = ["nope", "rope", "alibi", "t5"]
 LIGHTNING_TARGET = 1.05
 
 
-# The rows fla's kernels serve while training in bf16 (lenext.attention.fla_kernels): with fla installed, each is
-# also checked and timed without them.
+# The rows Triton kernels serve in bf16 on CUDA: fla's (lenext.attention.fla_kernels) and lenext's CoPE kernel
+# (lenext.attention.contextual); with the kernel at hand, each is also checked and timed without it.
 FLA_ROWS = ["fox", "fox_rope", "path", "path_fox", "nope+stick_breaking", "rope+stick_breaking"]
+KERNEL_ROWS = [*FLA_ROWS, "cope"]
 
 
-# The sections, each with its share of --budget (lightning, fsdp and export have fixed sizes).
-SECTIONS = {"exactness": 0.55, "training": 0.3, "lightning": 0.15, "fsdp": 0.15, "export": 0.05}
+# The sections, in the order they run, each with its share of the --budget left when it starts (lightning, fsdp and
+# export have fixed sizes: their shares hold time back for them).
+SECTIONS = {"exactness": 0.4, "training": 0.45, "lightning": 0.15, "fsdp": 0.15, "export": 0.05}
 
-ROW_SUFFIXES = {"compile", "nofla", "ckpt"}  # <row>@compile, <row>@nofla, <row>@ckpt (training rows; Arm)
+ROW_SUFFIXES = {"compile", "nokernels", "ckpt"}  # <row>@compile, <row>@nokernels, <row>@ckpt (training rows; Arm)
 
 
 def all_rows() -> list[str]:
@@ -98,12 +101,18 @@ def all_rows() -> list[str]:
     without fla."""
     rows = bench.PE_NAMES + list(VARIANTS)
     ordered = [r for r in FIRST if r in rows] + [r for r in rows if r not in FIRST]
-    fla = fla_kernels.kernels() is not None
-    return [r for row in ordered for r in ([row, f"{row}@nofla"] if fla and row in FLA_ROWS else [row])]
+    return [r for row in ordered for r in ([row, f"{row}@nokernels"] if kernel_at_hand(row) else [row])]
+
+
+def kernel_at_hand(row: str) -> bool:
+    """Whether a Triton kernel serves the row here (fla's with fla installed; lenext's CoPE kernel with Triton)."""
+    if row in FLA_ROWS:
+        return fla_kernels.kernels() is not None
+    return row in KERNEL_ROWS and attention_module.contextual_kernel() is not None
 
 
 def pe_of(row: str) -> str:
-    """The row without its training suffixes (``@compile``, ``@nofla``, ``@ckpt``)."""
+    """The row without its training suffixes (``@compile``, ``@nokernels``, ``@ckpt``)."""
     return row.partition("@")[0]
 
 
@@ -192,7 +201,7 @@ def errors(arm, ref) -> dict:
     return {"nll": (nll - ref_nll).abs().max().item(), "grad": worst, "grad_param": worst_name}
 
 
-def exactness_case(net, length, drawn, device, fla_row=False, compiled=False):
+def exactness_case(net, length, drawn, device, kernel_row=False, compiled=False):
     tokens = torch.randint(0, EXACT_SHAPE["vocab_size"], (2, length + 1), generator=torch.Generator().manual_seed(1))
     tokens, targets = tokens[:, :-1], tokens[:, 1:]
     positions = randomized_positions(2, length, 3 * length, generator(0, length)) if drawn else None
@@ -209,26 +218,28 @@ def exactness_case(net, length, drawn, device, fla_row=False, compiled=False):
             arms["cuda fp32, compiled"] = lambda: nll_and_grads(
                 net, tokens, targets, positions, device, torch.float32, compiled=True
             )
-        if fla_row and fla_kernels.kernels() is not None:  # the arm above ran fla's kernel; lenext's own paths:
-            arms["cuda bf16, fla off"] = lambda: _fla_off(nll_and_grads, net, tokens, targets, positions, device)
+        if kernel_row:  # the arm above ran a Triton kernel; lenext's paths without it:
+            arms["cuda bf16, kernels off"] = lambda: _kernels_off(
+                nll_and_grads, net, tokens, targets, positions, device
+            )
         arms["cuda fp32, no grad"] = lambda: nll_without_grad(net, tokens, targets, positions, device)
     return {name: errors(arm(), ref) for name, arm in arms.items()}
 
 
 @contextlib.contextmanager
-def fla_off():
-    """The paths without fla's kernels (FoX's key bias on SDPA or FlexAttention, PaTH's logits in chunks,
-    stick-breaking's explicit blocks)."""
-    saved = fla_kernels.kernels
-    fla_kernels.kernels = lambda: None
+def kernels_off():
+    """The paths without Triton kernels (FoX's key bias on SDPA or FlexAttention, PaTH's logits in chunks,
+    stick-breaking's and CoPE's explicit blocks)."""
+    saved = fla_kernels.kernels, attention_module.contextual_kernel
+    fla_kernels.kernels = attention_module.contextual_kernel = lambda: None
     try:
         yield
     finally:
-        fla_kernels.kernels = saved
+        fla_kernels.kernels, attention_module.contextual_kernel = saved
 
 
-def _fla_off(fn, *args):
-    with fla_off():
+def _kernels_off(fn, *args):
+    with kernels_off():
         return fn(*args, torch.float32, bf16=True)
 
 
@@ -255,7 +266,7 @@ def bench_exactness(rows, lengths, device, budget, log, compiled=()):
             case = f"L {length}" + (", drawn" if drawn else "")
             t0 = time.perf_counter()
             try:
-                results[row][case] = exactness_case(net, length, drawn, device, row in FLA_ROWS, row in compiled)
+                results[row][case] = exactness_case(net, length, drawn, device, kernel_at_hand(row), row in compiled)
             except LengthNotSupported as e:
                 results[row][case] = {"refused": str(e).splitlines()[0]}
             except Exception as e:  # noqa: BLE001  (the report names it; the other rows still run)
@@ -303,14 +314,15 @@ def sync(device: str) -> None:
 
 class Arm:
     """One training row: a model, its optimizer and one step on a fixed batch. ``<row>@compile``: each block
-    compiled, as ``module.compile=true`` does; ``<row>@nofla``: without fla's kernels (FoX's, PaTH's, stick-breaking's);
+    compiled, as ``module.compile=true`` does; ``<row>@nokernels``: without Triton kernels (fla's for FoX, PaTH and
+    stick-breaking; lenext's for CoPE);
     ``<row>@ckpt``: each block's activations recomputed in the backward, as ``module.activation_checkpointing=true``
     (suffixes combine: ``cope@compile@ckpt``)."""
 
     def __init__(self, row: str, length: int, batch: int, device: str, model: str | None = None, vocab: int = 0):
         xt = row.startswith("xt:")
         shape = {"vocab_size": vocab} if model else TRAIN_SHAPE
-        self.kernels = fla_off if "nofla" in row.split("@") else contextlib.nullcontext
+        self.kernels = kernels_off if "nokernels" in row.split("@") else contextlib.nullcontext
         pe_row = pe_of(row)
         self.net = (
             bench.xtransformers_net(row[3:], length, TRAIN_SHAPE) if xt else build(pe_row, length, shape, model)
@@ -578,7 +590,7 @@ def environment(device: str) -> dict:
     if fla_kernels.kernels() is not None:
         import fla
 
-        # FoX's, PaTH's and stick-breaking's bf16 training rows (not @nofla) and CUDA bf16 arms run its kernels;
+        # FoX's, PaTH's and stick-breaking's bf16 training rows (not @nokernels) and CUDA bf16 arms run its kernels;
         # under Triton's interpreter (TRITON_INTERPRET=1) the CPU's fp32 arm does
         info["fla"] = fla.__version__ + (", Triton's interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "")
     with contextlib.suppress(ImportError):
@@ -772,8 +784,9 @@ def render_exactness(exact) -> list[str]:
         "Each cell: the largest error of the per-token NLL (absolute) / of any parameter's gradient (relative to "
         "that tensor's largest entry), over the cases; `no grad`: the NLL under no_grad, evaluation's paths (on CUDA "
         "FIRE past its threshold and FoX through flex score_mods; on the CPU the query blocks through SDPA). "
-        "With fla installed, the `cuda bf16` arm of FoX, PaTH and stick-breaking (under Triton's interpreter, their "
-        "`cpu fp32` arm) runs fla's kernels, and `fla off` lenext's own paths. Passes: fp32 within "
+        "The `cuda bf16` arm of FoX, PaTH and stick-breaking runs fla's kernels (with fla installed), CoPE's lenext's "
+        "CoPE kernel (under Triton's interpreter, their `cpu fp32` arm), and `kernels off` the paths without them. "
+        "Passes: fp32 within "
         f"{nll_fp32:g} / {grad_fp32:g}, bf16 within {nll_bf16:g} / {grad_bf16:g}.",
         "",
     ]
@@ -880,7 +893,9 @@ def main(argv=None) -> None:
         unknown = set(row.split("@")[1:]) - ROW_SUFFIXES
         if unknown:
             suffixes = ", ".join(f"@{s}" for s in sorted(unknown))
-            sys.exit(f"gpu_check: --rows {row}: {suffixes} is not a row suffix; they are @compile, @nofla and @ckpt")
+            sys.exit(
+                f"gpu_check: --rows {row}: {suffixes} is not a row suffix; they are @compile, @nokernels and @ckpt"
+            )
     sections = args.sections.split(",")
     unknown = [section for section in sections if section not in SECTIONS]
     if unknown:
@@ -903,13 +918,24 @@ def main(argv=None) -> None:
         write_atomic(args.out, render(info, settings, **results))
         write_atomic(args.out.with_suffix(".json"), json.dumps({"info": info, **results}, indent=1, default=str))
 
-    budget = {s: args.budget * SECTIONS[s] / sum(SECTIONS[t] for t in sections) for s in sections}
-    log(f"{info}; budgets {budget}")
+    log(f"{info}; sections {', '.join(s for s in SECTIONS if s in sections)}, budget {args.budget:.0f} s")
+
+    def budget(section: str) -> float:
+        """The section's share of the time left, shared with the sections after it."""
+        left = [s for s in list(SECTIONS)[list(SECTIONS).index(section) :] if s in sections]
+        seconds = (
+            max(0.0, args.budget - (time.perf_counter() - started)) * SECTIONS[section] / sum(SECTIONS[s] for s in left)
+        )
+        log(f"{section}: {seconds:.0f} s")
+        return seconds
+
     if "exactness" in sections:
         lengths = (16, 40) if args.quick else (EXACT_TRAIN_LEN, 8 * EXACT_TRAIN_LEN)
-        exact_rows = list(dict.fromkeys(pe_of(r) for r in rows))  # fla off: training's matter
+        exact_rows = list(dict.fromkeys(pe_of(r) for r in rows))  # kernels off: training's matter
         compiled = {pe_of(r) for r in rows if "compile" in r.split("@")}  # also checked compiled (on CUDA)
-        results["exact"] = bench_exactness(exact_rows, lengths, args.device, budget["exactness"], log, compiled)
+        results["exact"] = bench_exactness(
+            exact_rows, lengths, args.device, budget=budget("exactness"), log=log, compiled=compiled
+        )
         save()
     if "training" in sections:
         quick = dict(length=128, batch=2, warmup=1, steps=1, reps=2) if args.quick else {}
@@ -918,7 +944,7 @@ def main(argv=None) -> None:
         results["training"] = bench_training(
             ["nope"] + [r for r in rows if r != "nope"] + xt,
             device=args.device,
-            budget=budget["training"],
+            budget=budget("training"),
             log=log,
             model=args.model,
             vocab=args.vocab,

@@ -131,13 +131,13 @@ def test_the_gpu_check_runs_its_sections_on_a_cpu(tmp_path):
             "--sections",
             "training,fsdp",
             "--rows",
-            "nope,t5,fox@nofla",
+            "nope,t5,fox@nokernels",
             "--out",
             str(trained),
         ]
     )
     report = trained.read_text()
-    assert "| t5 |" in report and "| xt:t5 |" in report and "| fox@nofla |" in report
+    assert "| t5 |" in report and "| xt:t5 |" in report and "| fox@nokernels |" in report
     fsdp = json.loads(trained.with_suffix(".json").read_text())["fsdp"]
     assert fsdp["loss"]["ddp"] == fsdp["loss"]["fsdp"] and fsdp["worst_parameter_error"] < 1e-6
     with pytest.raises(SystemExit, match="fox@nofal: @nofal is not a row suffix"):
@@ -185,18 +185,20 @@ def test_a_gpu_check_row_asked_with_ckpt_recomputes_each_block_and_trains_the_sa
         torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=1e-6)
 
 
-def test_the_gpu_checks_default_rows_put_each_row_without_fla_beside_its_row(monkeypatch):
-    """With fla installed the default rows time each row fla serves and, next to it (before a budget can end the
-    section), the same row without fla; without fla, no such rows."""
+def test_the_gpu_checks_default_rows_put_each_row_without_its_kernel_beside_it(monkeypatch):
+    """With the kernels at hand (fla's, lenext's CoPE kernel) the default rows time each row a kernel serves and,
+    next to it (before a budget can end the section), the same row without; without them, no such rows."""
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     monkeypatch.setattr(gpu_check.fla_kernels, "kernels", lambda: None)
-    assert not any(row.endswith("@nofla") for row in gpu_check.all_rows())
+    monkeypatch.setattr(gpu_check.attention_module, "contextual_kernel", lambda: None)
+    assert not any(row.endswith("@nokernels") for row in gpu_check.all_rows())
     monkeypatch.setattr(gpu_check.fla_kernels, "kernels", lambda: object())
+    monkeypatch.setattr(gpu_check.attention_module, "contextual_kernel", lambda: object())
     rows = gpu_check.all_rows()
-    for row in gpu_check.FLA_ROWS:
-        assert rows[rows.index(row) + 1] == f"{row}@nofla"
+    for row in gpu_check.KERNEL_ROWS:
+        assert rows[rows.index(row) + 1] == f"{row}@nokernels"
 
 
 @pytest.mark.parametrize("row", ["nope", "rope", "xpos", "alibi", "t5"])
@@ -226,3 +228,32 @@ def test_the_peer_section_reports_each_pe_with_its_ratio_and_mfu(bench):
     # one FLOP count for both arms: their MFUs stand as their speeds do
     assert nope["mfu"] / nope["peer_mfu"] == pytest.approx(nope["tokens_per_s"] / nope["peer_tokens_per_s"])
     assert 0 < nope["peer_mfu"] < 1.5  # against the machine's measured GEMM peak
+
+
+def test_the_gpu_checks_sections_share_the_time_left_so_what_one_leaves_goes_to_the_next(monkeypatch, tmp_path):
+    """A section that ends early leaves its unspent share to the sections after it: GPU time is scarce."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    given, now = {}, [0.0]
+    monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: now[0])
+
+    def section(name, result, seconds):
+        def run(*args, **kwargs):
+            given[name] = kwargs.get("budget")
+            now[0] += seconds
+            return result
+
+        return run
+
+    monkeypatch.setattr(gpu_check, "bench_exactness", section("exactness", {}, 20))
+    monkeypatch.setattr(gpu_check, "bench_training", section("training", {"skipped": {}}, 100))
+    monkeypatch.setattr(gpu_check, "bench_fsdp", section("fsdp", {}, 0))
+    monkeypatch.setattr(gpu_check, "render", lambda *args, **kwargs: "")
+    argv = ["--device", "cpu", "--sections", "exactness,training,fsdp", "--budget", "200", "--out", str(tmp_path / "c")]
+    gpu_check.main(argv)
+    share = gpu_check.SECTIONS
+    assert given["exactness"] == pytest.approx(
+        200 * share["exactness"] / (share["exactness"] + share["training"] + share["fsdp"])
+    )
+    assert given["training"] == pytest.approx(180 * share["training"] / (share["training"] + share["fsdp"]))

@@ -6,6 +6,8 @@ docs/pes/index.md, "Attention paths"), never from its name:
 - no score bias (NoPE, APEs, RoPE): SDPA ``is_causal``;
 - while training on CUDA under bf16 (or fp16) with fla installed, log gates (FoX's) and Householder products
   (PaTH's), alone or together, and stick-breaking of q . k alone: fla's kernels (``fla_kernels``);
+- CoPE's logit term alone, on CUDA under bf16 (or fp16): lenext's CoPE kernel (``contextual``), its scores kept
+  on chip;
 - a key bias that needs a gradient (FoX's), but on CUDA in fp32: SDPA ``is_causal`` in fp32 (also under bf16), the
   bias as an extra channel of q and k;
 - on CUDA, biases that each have a ``score_mod`` or a key form, and any sliding window (as a block mask): compiled
@@ -18,7 +20,7 @@ docs/pes/index.md, "Attention paths"), never from its name:
 The PE gives biases; every mask (causal, the band's, a window's) is built here or in ``flex``.
 
 The kernels live beside it: ``band`` (BandedAttention, CPU), ``flex`` (FlexAttention, CUDA), ``fla_kernels``
-(fla's Triton kernels, CUDA).
+(fla's Triton kernels, CUDA), ``contextual`` (lenext's CoPE kernel in Triton, CUDA).
 ``recording(callback)`` sends every call down the explicit path and hands the callback each query block's
 weights (lenext.diagnostics).
 """
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lenext.attention.band import BandedAttention, band_mask, cpu_flash
-from lenext.attention.fla_kernels import fla_attention, fla_serves
+from lenext.attention.fla_kernels import fla_attention, fla_serves, triton_serves
 from lenext.attention.flex import (
     causal_block_mask,
     compiled_flex_attention,
@@ -55,6 +57,10 @@ SCORE_BLOCK_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}
 # The head dims a device's fused SDPA kernels take: CUDA's flash and efficient kernels multiples of 8 only (else SDPA
 # runs its (L, L) math path), so ``key_bias_channels_attention`` pads its extra channels with zeros to one.
 HEAD_DIM_MULTIPLE = {"cuda": 8}
+
+# The head dims lenext's CoPE kernel has tiles for (lenext.attention.contextual, which imports Triton): powers of
+# two, from tl.dot's least, 16.
+CONTEXTUAL_HEAD_DIMS = (16, 32, 64, 128)
 
 # Attention recording (lenext.diagnostics): the callback ``recording`` set, or None. Not part of the paths above.
 AttentionRecorder = Callable[[torch.Tensor, int, int, int], None]
@@ -214,6 +220,8 @@ def causal_attention(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if bare and row_scale is None and torch.is_grad_enabled() and fla_serves(q, terms, window, stick_breaking):
         return fla_attention(q, k, v, terms, window, stick_breaking)
+    if contextual_serves(q, terms, window, row_scale, stick_breaking):
+        return contextual_kernel()(q, k, v, terms.contextual())
     length = q.size(-2)
     flex = plain and row_scale is None and flex_available(q) and all(b.flex or b.key for b in biases)
     # The keys' sum, unless flex takes every bias by its own score_mod (ALiBi's on CUDA)
@@ -245,6 +253,28 @@ def causal_attention(
             return BandedAttention.apply(q, k, v, band if row_scale is None else band * row_scale)
     bias = explicit_bias(biases, q, window, row_scale)
     return _blocked_attention(q, k, v, bias, value_term, logits, row_scale, window, terms.logit_terms, stick_breaking)
+
+
+def contextual_serves(q, terms: ScoreTerms, window, row_scale, stick_breaking: bool) -> bool:
+    """Whether lenext's CoPE kernel computes attention with these terms: CoPE's logit term alone on the scores (no
+    bias, value term, logits of a PE's own, window, row scale or recording), under softmax, a head dim the kernel
+    has tiles for, where Triton kernels serve q's device and dtype (``triton_serves``) and Triton is installed."""
+    if terms.contextual is None:
+        return False
+    # len(), not truthiness: dynamo does not trace ``not`` of a tuple of functions (a block compiles whole)
+    alone = len(terms.biases) == 0 and terms.value is None and terms.logits is None and len(terms.logit_terms) == 1
+    plain = alone and window is None and row_scale is None and not stick_breaking and _recorder is None
+    return plain and q.size(-1) in CONTEXTUAL_HEAD_DIMS and triton_serves(q) and contextual_kernel() is not None
+
+
+@cache
+def contextual_kernel() -> Callable | None:
+    """``lenext.attention.contextual.contextual_attention``, or None without Triton (imported on first use)."""
+    try:
+        from lenext.attention.contextual import contextual_attention
+    except ImportError:
+        return None
+    return contextual_attention
 
 
 def flex_available(q: torch.Tensor) -> bool:

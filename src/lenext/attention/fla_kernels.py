@@ -50,15 +50,19 @@ def kernel_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
 
 
+def triton_serves(q: torch.Tensor) -> bool:
+    """Whether Triton kernels (fla's, lenext's CoPE kernel) may compute attention for q: on CUDA in bf16 or fp16
+    (Triton's dots take fp32 as TF32), or under Triton's interpreter in fp32 (its dots exact; it has no bf16)."""
+    if q.is_cuda:
+        return kernel_dtype(q) in HALF_DTYPES
+    return os.environ.get("TRITON_INTERPRET") == "1" and kernel_dtype(q) == torch.float32
+
+
 def fla_serves(q: torch.Tensor, terms: ScoreTerms, window: int | None, stick_breaking: bool = False) -> bool:
     """Whether one of fla's kernels computes attention with these terms (and normalizer) as exactly as the dtype
     allows, with fla installed: on CUDA in bf16 or fp16, or under Triton's interpreter in fp32. The caller has
     checked that nothing else is on the scores (no value term, logit term, row scale or recording)."""
-    if q.is_cuda:
-        served = kernel_dtype(q) in HALF_DTYPES
-    else:
-        served = os.environ.get("TRITON_INTERPRET") == "1" and kernel_dtype(q) == torch.float32
-    if not served or kernels() is None:
+    if not triton_serves(q) or kernels() is None:
         return False
     if stick_breaking:  # q . k alone (no bias, no PE's logits), head dims to fla's 256
         plain = not terms.biases and terms.householders is None and terms.logits is None

@@ -92,6 +92,8 @@ class ScoreTerms:
     and mask in, -inf on keys a row does not see): CoPE's contextual positions.
     ``householders()``: PaTH's w (B, H, L, d) unit vectors and beta (B, H, L), fp32, of which its ``logits`` are
     made: fla's PaTH kernel while training on CUDA (``lenext.attention.fla_kernels``).
+    ``contextual()``: CoPE's per-position scores q_i . e[p] (B, H, L, P), which its logit term interpolates at the
+    positions its gates count (capped at P - 1): lenext's CoPE kernel on CUDA (``lenext.attention.contextual``).
     """
 
     biases: tuple[Bias, ...] = ()
@@ -99,6 +101,7 @@ class ScoreTerms:
     logits: Logits | None = None
     logit_terms: tuple[LogitTerm, ...] = ()
     householders: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    contextual: Callable[[], torch.Tensor] | None = None
 
     def __add__(self, other: "ScoreTerms") -> "ScoreTerms":
         """Both PEs' terms: biases summed, value terms added; one PE at most computes the logits."""
@@ -113,7 +116,10 @@ class ScoreTerms:
 
         logit_terms = self.logit_terms + other.logit_terms
         householders = self.householders or other.householders
-        return ScoreTerms(self.biases + other.biases, value, self.logits or other.logits, logit_terms, householders)
+        contextual = self.contextual or other.contextual
+        return ScoreTerms(
+            self.biases + other.biases, value, self.logits or other.logits, logit_terms, householders, contextual
+        )
 
 
 NO_TERMS = ScoreTerms()

@@ -5,8 +5,9 @@ key j, and key j's position for query i is p_ij = sum_{t = j..i} g_it (fractiona
 A learned embedding e[p] per integer position (per layer, shared by the heads) is interpolated at p_ij and
 scored against the query: z_ij += q_i . ((1 - w) e[floor p_ij] + w e[ceil p_ij]), w = p_ij - floor p_ij. As the
 paper's Appendix B code and x-transformers' ``CoPE``: q unscaled, the gates from the logits as the softmax would
-see them (future keys masked: gate 0), e starting at 0. Only the explicit query blocks compute it (the gates
-need every logit of a row), so memory is O(rows x keys) per block.
+see them (future keys masked: gate 0), e starting at 0. The explicit query blocks compute it (the gates need
+every logit of a row), so memory is O(rows x keys) per block; alone on the scores on CUDA, lenext's CoPE kernel
+(``lenext.attention.contextual``), which keeps them on chip.
 """
 
 from typing import Annotated
@@ -51,7 +52,7 @@ class ContextualPositions(LayerPE):
             counted = gates.flip(-1).cumsum(-1).flip(-1)  # p_ij = sum_{t >= j} g_it
             return Interpolated.apply(by_position[:, :, start:end], counted, self.npos_max - 1)
 
-        return ScoreTerms(logit_terms=(contextual,))
+        return ScoreTerms(logit_terms=(contextual,), contextual=lambda: by_position)
 
 
 class Interpolated(torch.autograd.Function):
