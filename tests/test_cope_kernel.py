@@ -2,12 +2,13 @@
 tests/test_cope.py holds to x-transformers' CoPE.
 
 On the CPU under Triton's interpreter, which runs the kernel's own code in fp32 with exact dots: ``make
-test-kernels`` runs this module with TRITON_INTERPRET=1; elsewhere it is skipped. Its tiles are 16 rows there (64
-on a GPU), so these lengths span several; bf16 on CUDA is the GPU check's (scripts/gpu_check.py).
+test-kernels`` runs this module with TRITON_INTERPRET=1; elsewhere it is skipped. Its tiles are half a GPU's there
+(16 to 32 rows and keys), so these lengths span several; bf16 on CUDA is the GPU check's (scripts/gpu_check.py).
 """
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,8 +19,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton", reason="Triton is not installed (make test-kernels installs it)")
 
 from torch.testing import assert_close  # noqa: E402
+from triton.runtime.interpreter import InterpreterBuilder  # noqa: E402
 
 import lenext.attention as attention  # noqa: E402
+import lenext.attention.contextual as contextual  # noqa: E402
 from lenext.attention import AttentionSettings, causal_attention  # noqa: E402
 from lenext.model import Decoder  # noqa: E402
 from lenext.pe import KERPLE, Compose, CoPE  # noqa: E402
@@ -43,6 +46,59 @@ def kernel_calls(monkeypatch) -> list:
     return calls
 
 
+@pytest.fixture
+def accesses_outside(monkeypatch) -> list:
+    """Every load, store or atomic add of the kernels, unmasked, that falls outside the tensors the kernel was
+    launched with (on a GPU, an illegal memory access or a silent overwrite; the interpreter reads host memory
+    without complaint): the number of such addresses per access."""
+    ranges, outside = [], []
+
+    class Launcher:  # records the bytes of every tensor a kernel is launched with
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tensors = [t for t in args if torch.is_tensor(t)]
+                ranges[:] = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    def check(pointers, mask) -> None:
+        addresses = pointers.data[mask.data.astype(bool)]
+        inside = np.zeros(addresses.shape, dtype=bool)
+        for low, high in ranges:
+            inside |= (addresses >= low) & (addresses < high)
+        if not inside.all():
+            outside.append(int((~inside).sum()))
+
+    load, store, atomic = (
+        InterpreterBuilder.create_masked_load,
+        InterpreterBuilder.create_masked_store,
+        InterpreterBuilder.create_atomic_rmw,
+    )
+
+    def checked_load(self, pointers, mask, *args):
+        check(pointers, mask)
+        return load(self, pointers, mask, *args)
+
+    def checked_store(self, pointers, value, mask, *args):
+        check(pointers, mask)
+        return store(self, pointers, value, mask, *args)
+
+    def checked_atomic(self, op, pointers, value, mask, *args):
+        check(pointers, mask)
+        return atomic(self, op, pointers, value, mask, *args)
+
+    for name in ("_forward", "_backward"):
+        monkeypatch.setattr(contextual, name, Launcher(getattr(contextual, name)))
+    monkeypatch.setattr(InterpreterBuilder, "create_masked_load", checked_load)
+    monkeypatch.setattr(InterpreterBuilder, "create_masked_store", checked_store)
+    monkeypatch.setattr(InterpreterBuilder, "create_atomic_rmw", checked_atomic)
+    return outside
+
+
 def cope_layer(length: int, positions: int, dtype=torch.float64):
     """A CoPE layer of head dim 16 with its embeddings drawn (they start at 0: the term would vanish), and inputs."""
     torch.manual_seed(positions)
@@ -63,16 +119,29 @@ def attend(layer, q, k, v, settings: dict | None = None):
     return out.double(), [g.double() for g in grads]
 
 
-# Lengths across tiles (16 rows) and not their multiples; positions below the length (the cap reached) and above.
+# (query rows, keys) of the forward's and the backward's tiles: as on a GPU (the forward's rows twice its keys:
+# rows that see no key in their first tile), square, and fewer rows than keys.
+TILES = {"as_on_a_gpu": ((32, 16), (16, 16)), "square": ((16, 16), (16, 16)), "keys_over_rows": ((16, 32), (16, 32))}
+
+
+# Lengths across tiles and not their multiples; positions below the length (the cap reached) and above.
+@pytest.mark.parametrize("tiles", list(TILES))
 @pytest.mark.parametrize(("length", "positions"), [(7, 24), (40, 24), (40, 64), (101, 30)])
-def test_cope_kernel_matches_the_explicit_path_in_float64(length, positions, kernel_calls):
+def test_cope_kernel_matches_the_explicit_path_in_float64(
+    length, positions, tiles, kernel_calls, accesses_outside, monkeypatch
+):
     """Output and the gradients of q, k, v and the position embeddings (through the kernel's per-position scores):
-    the kernel in fp32 against lenext's explicit query blocks in float64, to fp32's rounding."""
+    the kernel in fp32 against lenext's explicit query blocks in float64, to fp32's rounding, for any tiles; no
+    access outside the kernel's tensors (the last tile's rows past the sequence read nothing)."""
+    (forward, backward) = TILES[tiles]
+    monkeypatch.setitem(contextual.TILES["forward"], "cpu", (*forward, 4))
+    monkeypatch.setitem(contextual.TILES["backward"], "cpu", (*backward, 4))
     layer, q, k, v = cope_layer(length, positions)
     expected, expected_grads = attend(layer, q, k, v)
     assert kernel_calls == []  # float64: the explicit path
     got, grads = attend(layer.float(), q.float(), k.float(), v.float())
     assert kernel_calls == [("contextual",)]
+    assert accesses_outside == []
     assert_close(got, expected, atol=1e-5, rtol=0)
     for name, g, e in zip("q k v embedding".split(), grads, expected_grads, strict=True):
         assert_close(g, e, atol=1e-4 * e.abs().max().item(), rtol=0, msg=lambda m, name=name: f"{name}: {m}")

@@ -3,11 +3,13 @@
 No library has one (docs/scaling.md, "GPU speed per PE"). Query i's position of key j is the suffix sum
 p_ij = sum_{t = j..i} g_it of the gates g_it = sigmoid(z_it) of its scaled logits z, capped at P - 1, and its
 logit gains the row's per-position score s_i[p] = q_i . e[p] (``by_position``, (B, H, L, P)) interpolated at
-p_ij. The forward walks a block of query rows leftwards over the key blocks from the diagonal, carrying the
-row's gate sum, as a flash kernel carries its running maximum; it keeps the row's log-sum-exp and its gate total.
-The backward walks rightwards, the positions recounted as the total less the gates to the left, and carries the
-prefix sums of dL/dp that give each gate its gradient (dL/dg_it = sum_{j <= t} dL/dp_ij); key and value gradients
-and the per-position scores' are added atomically in fp32. Imported only where Triton is (``lenext.attention``).
+p_ij. The forward walks a tile of query rows leftwards over the key tiles from the diagonal, carrying the rows'
+gate sums, as a flash kernel carries its running maximum; it keeps the rows' log-sum-exp and, when a gradient is
+wanted, the sum it carried into each key tile (L / 32 numbers a row), so the backward, walking rightwards, counts
+each position as the forward did, and carries the prefix sums of dL/dp that give each gate its gradient
+(dL/dg_it = sum_{j <= t} dL/dp_ij); key and value gradients and the per-position scores' are added atomically in
+fp32 (so their order of summation, and their last bits, vary from run to run). Imported only where Triton is
+(``lenext.attention``).
 """
 
 import torch
@@ -16,12 +18,18 @@ import triton.language as tl
 
 from lenext.attention.fla_kernels import kernel_dtype
 
+# Tiles (query rows, keys) and warps, by where the kernel runs: on a GPU the largest with which neither kernel
+# spills registers at head dims 16-128 (compiled for sm_90 ahead of time with Triton 3.9; not yet timed); under
+# Triton's interpreter half as large, so short test sequences span several. The backward counts positions per key
+# tile as the forward did: one tile of keys for both.
+TILES = {"forward": {"cuda": (64, 32, 8), "cpu": (32, 16, 4)}, "backward": {"cuda": (32, 32, 8), "cpu": (16, 16, 4)}}
+
 
 @triton.jit
 def _interpolated(counted, seen, s_rows, cap):
     """Each pair's score s_i[p] interpolated at its position p (capped at ``cap``): (score, weight on the corner
     above, the two corners' indices, the two corners' scores)."""
-    capped = tl.minimum(tl.maximum(counted, 0.0), cap)
+    capped = tl.minimum(counted, cap)
     below = tl.floor(capped)
     weight = capped - below
     below_index, above_index = below.to(tl.int32), tl.ceil(capped).to(tl.int32)
@@ -31,91 +39,94 @@ def _interpolated(counted, seen, s_rows, cap):
 
 
 @triton.jit
-def _forward(Q, K, V, S, OUT, LSE, TOTAL, scale, length, positions, cap, D: tl.constexpr, BLOCK: tl.constexpr):
+def _forward(
+    Q, K, V, S, OUT, LSE, CARRIED, scale, length, positions, cap,
+    D: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr, KEEP: tl.constexpr,
+):  # fmt: skip
     block, head = tl.program_id(0), tl.program_id(1).to(tl.int64)  # head: batch x heads (offsets past 2^31)
-    rows, cols0, dims = block * BLOCK + tl.arange(0, BLOCK), tl.arange(0, BLOCK), tl.arange(0, D)
+    rows, keys, dims = block * ROWS + tl.arange(0, ROWS), tl.arange(0, KEYS), tl.arange(0, D)
+    valid = rows < length
     offset = head * length * D
-    q = tl.load(Q + offset + rows[:, None] * D + dims[None, :], mask=rows[:, None] < length, other=0.0)
-    s_rows = S + head * length * positions + rows[:, None] * positions  # (BLOCK, 1) pointers to each row's s_i
-    to_the_right = tl.zeros([BLOCK], tl.float32)  # each row's gate sum over the keys after the tile
-    row_max = tl.full([BLOCK], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK], tl.float32)
-    acc = tl.zeros([BLOCK, D], tl.float32)
-    for step in range(0, block + 1):  # the key blocks from the diagonal leftwards
-        cols = (block - step) * BLOCK + cols0
+    q = tl.load(Q + offset + rows[:, None] * D + dims[None, :], mask=valid[:, None], other=0.0)
+    s_rows = S + head * length * positions + rows.to(tl.int64)[:, None] * positions  # (ROWS, 1): each row's s_i
+    key_tiles = tl.cdiv(length, KEYS)
+    carried = CARRIED + head * length * key_tiles + rows * key_tiles  # (ROWS,): each row's carried gate sums
+    to_the_right = tl.zeros([ROWS], tl.float32)  # each row's gate sum over the keys after the tile
+    row_max = tl.full([ROWS], float("-inf"), tl.float32)
+    row_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    last = tl.minimum((block * ROWS + ROWS - 1) // KEYS, key_tiles - 1)  # the tile of the last row's key
+    for step in range(0, last + 1):  # the key tiles from the diagonal leftwards
+        n = last - step
+        cols = n * KEYS + keys
         k = tl.load(K + offset + cols[:, None] * D + dims[None, :], mask=cols[:, None] < length, other=0.0)
         v = tl.load(V + offset + cols[:, None] * D + dims[None, :], mask=cols[:, None] < length, other=0.0)
         z = tl.dot(q, tl.trans(k)) * scale
-        seen = (cols[None, :] <= rows[:, None]) & (cols[None, :] < length)
+        seen = (cols[None, :] <= rows[:, None]) & valid[:, None]
         gates = tl.where(seen, tl.sigmoid(z), 0.0)
         counted = tl.cumsum(gates, axis=1, reverse=True) + to_the_right[:, None]
+        if KEEP:  # for the backward, which counts each position as here
+            tl.store(carried + n, to_the_right, mask=valid)
         to_the_right += tl.sum(gates, axis=1)
         term, _, _, _, _, _ = _interpolated(counted, seen, s_rows, cap)
         score = tl.where(seen, z + term, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(score, axis=1))  # finite: each row sees a key of the diagonal block
-        rescale = tl.exp(row_max - new_max)
-        weights = tl.exp(score - new_max[:, None])
+        new_max = tl.maximum(row_max, tl.max(score, axis=1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that has seen no key yet: weights 0
+        rescale = tl.exp(row_max - shift)
+        weights = tl.exp(score - shift[:, None])
         row_sum = row_sum * rescale + tl.sum(weights, axis=1)
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
         row_max = new_max
-    valid = rows < length
     out = (acc / row_sum[:, None]).to(OUT.dtype.element_ty)
     tl.store(OUT + offset + rows[:, None] * D + dims[None, :], out, mask=valid[:, None])
     tl.store(LSE + head * length + rows, row_max + tl.log(row_sum), mask=valid)
-    tl.store(TOTAL + head * length + rows, to_the_right, mask=valid)
 
 
 @triton.jit
 def _backward(
-    Q, K, V, S, DO, LSE, DELTA, TOTAL, DQ, DK, DV, DS, scale, length, positions, cap,
-    D: tl.constexpr, BLOCK: tl.constexpr,
+    Q, K, V, S, DO, LSE, DELTA, CARRIED, DQ, DK, DV, DS, scale, length, positions, cap,
+    D: tl.constexpr, ROWS: tl.constexpr, KEYS: tl.constexpr,
 ):  # fmt: skip
     block, head = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    rows, cols0, dims = block * BLOCK + tl.arange(0, BLOCK), tl.arange(0, BLOCK), tl.arange(0, D)
-    offset = head * length * D
+    rows, keys, dims = block * ROWS + tl.arange(0, ROWS), tl.arange(0, KEYS), tl.arange(0, D)
     valid = rows < length
+    offset = head * length * D
     q = tl.load(Q + offset + rows[:, None] * D + dims[None, :], mask=valid[:, None], other=0.0)
     do = tl.load(DO + offset + rows[:, None] * D + dims[None, :], mask=valid[:, None], other=0.0)
     lse = tl.load(LSE + head * length + rows, mask=valid, other=0.0)
     delta = tl.load(DELTA + head * length + rows, mask=valid, other=0.0)
-    total = tl.load(TOTAL + head * length + rows, mask=valid, other=0.0)
-    s_rows = S + head * length * positions + rows[:, None] * positions
-    ds_rows = DS + head * length * positions + rows[:, None] * positions
-    to_the_left = tl.zeros([BLOCK], tl.float32)  # each row's gate sum over the keys before the tile
-    dcounted_before = tl.zeros([BLOCK], tl.float32)  # and of dL/dp
-    dq = tl.zeros([BLOCK, D], tl.float32)
-    for n in range(0, block + 1):  # the key blocks from the first rightwards
-        cols = n * BLOCK + cols0
+    s_rows = S + head * length * positions + rows.to(tl.int64)[:, None] * positions
+    ds_rows = DS + head * length * positions + rows.to(tl.int64)[:, None] * positions
+    key_tiles = tl.cdiv(length, KEYS)
+    carried = CARRIED + head * length * key_tiles + rows * key_tiles
+    dcounted_before = tl.zeros([ROWS], tl.float32)  # each row's sum of dL/dp over the keys before the tile
+    dq = tl.zeros([ROWS, D], tl.float32)
+    last = tl.minimum((block * ROWS + ROWS - 1) // KEYS, key_tiles - 1)
+    for n in range(0, last + 1):  # the key tiles from the first rightwards
+        cols = n * KEYS + keys
         key_mask = cols[:, None] < length
         k = tl.load(K + offset + cols[:, None] * D + dims[None, :], mask=key_mask, other=0.0)
         v = tl.load(V + offset + cols[:, None] * D + dims[None, :], mask=key_mask, other=0.0)
         z = tl.dot(q, tl.trans(k)) * scale
         seen = (cols[None, :] <= rows[:, None]) & valid[:, None]
         gates = tl.where(seen, tl.sigmoid(z), 0.0)
-        counted = total[:, None] - to_the_left[:, None] - tl.cumsum(gates, axis=1) + gates  # sum over t >= j
-        to_the_left += tl.sum(gates, axis=1)
+        to_the_right = tl.load(carried + n, mask=valid, other=0.0)
+        counted = tl.cumsum(gates, axis=1, reverse=True) + to_the_right[:, None]  # as the forward counted it
         term, weight, below, above, s_below, s_above = _interpolated(counted, seen, s_rows, cap)
         probs = tl.where(seen, tl.exp(z + term - lse[:, None]), 0.0)
         dscore = probs * (tl.dot(do, tl.trans(v)) - delta[:, None])  # dL/dz through the softmax
-        tl.atomic_add(
-            DV + offset + cols[:, None] * D + dims[None, :], tl.dot(tl.trans(probs.to(do.dtype)), do), mask=key_mask
-        )
-        tl.atomic_add(ds_rows + below, dscore * (1 - weight), mask=seen)
-        tl.atomic_add(ds_rows + above, dscore * weight, mask=seen)
+        dv = tl.dot(tl.trans(probs.to(do.dtype)), do)
+        tl.atomic_add(DV + offset + cols[:, None] * D + dims[None, :], dv, mask=key_mask, sem="relaxed")
+        tl.atomic_add(ds_rows + below, dscore * (1 - weight), mask=seen, sem="relaxed")
+        tl.atomic_add(ds_rows + above, dscore * weight, mask=seen & (weight > 0), sem="relaxed")
         dcounted = dscore * (s_above - s_below)  # 0 past the cap, where both corners are the cap
         dgates = dcounted_before[:, None] + tl.cumsum(dcounted, axis=1)  # dL/dg_it = sum_{j <= t} dL/dp_ij
         dcounted_before += tl.sum(dcounted, axis=1)
         dz = (dscore + dgates * gates * (1 - gates)) * scale
         dq += tl.dot(dz.to(k.dtype), k)
-        tl.atomic_add(
-            DK + offset + cols[:, None] * D + dims[None, :], tl.dot(tl.trans(dz.to(q.dtype)), q), mask=key_mask
-        )
+        dk = tl.dot(tl.trans(dz.to(q.dtype)), q)
+        tl.atomic_add(DK + offset + cols[:, None] * D + dims[None, :], dk, mask=key_mask, sem="relaxed")
     tl.store(DQ + offset + rows[:, None] * D + dims[None, :], dq, mask=valid[:, None])
-
-
-def block_size(q: torch.Tensor) -> int:
-    """Query and key rows a tile: 64 on a GPU; 16 under Triton's interpreter, so short test sequences span blocks."""
-    return 64 if q.is_cuda else 16
 
 
 class ContextualAttention(torch.autograd.Function):
@@ -126,32 +137,32 @@ class ContextualAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, by_position):
         batch, heads, length, head_dim = q.shape
         q, k, v, by_position = (t.contiguous() for t in (q, k, v, by_position))
+        rows, keys, warps = TILES["forward"][q.device.type]
+        keep = any(ctx.needs_input_grad)  # the gate sums carried into each key tile, for the backward
+        carried = q.new_empty((batch, heads, length, triton.cdiv(length, keys)) if keep else (1,), dtype=torch.float32)
         out = torch.empty_like(q)
-        lse, total = (q.new_empty(batch, heads, length, dtype=torch.float32) for _ in range(2))
-        block = block_size(q)
-        grid = (triton.cdiv(length, block), batch * heads)
+        lse = q.new_empty(batch, heads, length, dtype=torch.float32)
         positions = by_position.size(-1)
-        _forward[grid](
-            q, k, v, by_position, out, lse, total, head_dim**-0.5, length, positions, float(positions - 1),
-            D=head_dim, BLOCK=block,
+        _forward[(triton.cdiv(length, rows), batch * heads)](
+            q, k, v, by_position, out, lse, carried, head_dim**-0.5, length, positions, float(positions - 1),
+            D=head_dim, ROWS=rows, KEYS=keys, KEEP=keep, num_warps=warps,
         )  # fmt: skip
-        ctx.save_for_backward(q, k, v, by_position, out, lse, total)
+        ctx.save_for_backward(q, k, v, by_position, out, lse, carried)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, by_position, out, lse, total = ctx.saved_tensors
+        q, k, v, by_position, out, lse, carried = ctx.saved_tensors
         batch, heads, length, head_dim = q.shape
         grad_out = grad_out.to(q.dtype).contiguous()
         delta = (grad_out.float() * out.float()).sum(-1)  # (B, H, L): sum_j P_ij dL/dP_ij
         dq = torch.empty_like(q, dtype=torch.float32)
         dk, dv, dby_position = (torch.zeros_like(t, dtype=torch.float32) for t in (k, v, by_position))
-        block = block_size(q)
-        grid = (triton.cdiv(length, block), batch * heads)
+        rows, keys, warps = TILES["backward"][q.device.type]
         positions = by_position.size(-1)
-        _backward[grid](
-            q, k, v, by_position, grad_out, lse, delta, total, dq, dk, dv, dby_position, head_dim**-0.5, length,
-            positions, float(positions - 1), D=head_dim, BLOCK=block,
+        _backward[(triton.cdiv(length, rows), batch * heads)](
+            q, k, v, by_position, grad_out, lse, delta, carried, dq, dk, dv, dby_position, head_dim**-0.5, length,
+            positions, float(positions - 1), D=head_dim, ROWS=rows, KEYS=keys, num_warps=warps,
         )  # fmt: skip
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dby_position.to(by_position.dtype)
 
