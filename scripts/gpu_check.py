@@ -75,6 +75,8 @@ VARIANTS = {  # rows beside the PE configs: "<row>": (pe config, overrides)
 }
 EXACT_SHAPE = dict(vocab_size=97, d_model=64, n_layers=2, n_heads=4)
 EXACT_TRAIN_LEN = 64
+# The rows a Triton kernel serves: also one head of 64 (the 125M preset's head dim) at a length no tile divides.
+KERNEL_CASE = (100, dict(EXACT_SHAPE, n_heads=1))
 # Worst error allowed against float64: per-token NLL (absolute) and a gradient relative to its tensor's largest.
 TOLERANCE = {"fp32": (1e-4, 1e-3), "bf16": (0.1, 0.1)}
 TRAIN_SHAPE = bench.small_shape()
@@ -149,10 +151,10 @@ def flex_off():
 # 1. Exactness
 
 
-def exact_net(row: str) -> Decoder:
+def exact_net(row: str, shape: dict = EXACT_SHAPE) -> Decoder:
     """The row's 2-layer model, every PE parameter (its layers' too: CoPE's embeddings start at 0) at std 0.5 (as
     tests/test_pe.py: a wrong position shows)."""
-    net = build(row, EXACT_TRAIN_LEN, EXACT_SHAPE)
+    net = build(row, EXACT_TRAIN_LEN, shape)
     with torch.no_grad():
         for param in net.pe_parameters():
             param.normal_(std=0.5)
@@ -261,12 +263,16 @@ def bench_exactness(rows, lengths, device, budget, log, compiled=()):
             results[row] = {"skipped": "time budget"}
             continue
         fresh_compile_state()
-        results[row], net = {}, exact_net(row)
-        for length, drawn in cases:
-            case = f"L {length}" + (", drawn" if drawn else "")
+        results[row], net, kernel = {}, exact_net(row), kernel_at_hand(row)
+        runs = [(f"L {length}" + (", drawn" if drawn else ""), net, length, drawn) for length, drawn in cases]
+        if kernel:  # a Triton kernel's row: also a wider head at a length no tile divides
+            length, shape = KERNEL_CASE
+            head_dim = shape["d_model"] // shape["n_heads"]
+            runs.append((f"L {length}, head dim {head_dim}", exact_net(row, shape), length, False))
+        for case, case_net, length, drawn in runs:
             t0 = time.perf_counter()
             try:
-                results[row][case] = exactness_case(net, length, drawn, device, kernel_at_hand(row), row in compiled)
+                results[row][case] = exactness_case(case_net, length, drawn, device, kernel, row in compiled)
             except LengthNotSupported as e:
                 results[row][case] = {"refused": str(e).splitlines()[0]}
             except Exception as e:  # noqa: BLE001  (the report names it; the other rows still run)
