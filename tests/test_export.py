@@ -173,13 +173,15 @@ def test_the_export_evaluates_back_to_the_checkpoints_results(
 
 
 def test_a_model_without_lenext_installed_loads_and_runs(tmp_path, make_checkpoint, cache_dir):
+    """Nor Triton and fla (the GPU kernels' packages, optional): transformers refuses remote code whose files import
+    a package that is missing, unless in a try block."""
     checkpoint, net = make_checkpoint("pe=fire")
     export(checkpoint, str(tmp_path / "exported"), cache_dir=cache_dir)
     tokens = torch.randint(net.vocab_size, (1, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = net.logits(net(tokens))[0, -1].argmax().item()
     script = (
-        "import sys; sys.modules['lenext'] = None\n"  # `import lenext` fails here, as where lenext is not installed
+        "import sys; sys.modules.update(lenext=None, triton=None, fla=None)\n"  # as where they are not installed
         "import torch\nfrom transformers import AutoModelForCausalLM\n"
         f"model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'exported')!r}, trust_remote_code=True)\n"
         f"tokens = torch.tensor([{tokens[0].tolist()}])\n"
