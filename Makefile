@@ -52,7 +52,7 @@ test: install  ## the test suite CI runs (excludes tests marked slow), one pytes
 test-slow: install  ## only the tests marked slow (DDP, submitit launcher, kill and resume): CI runs them after `make test`
 	$(PY) -m pytest -q -m slow $(ARGS)
 
-# Triton's interpreter runs the Triton kernels on the CPU: Triton 3.9's does (3.4's and 3.6's fail on fla-core 0.6's
+# Triton's interpreter runs the Triton kernels (fla's, lenext's CoPE kernel) on the CPU: Triton 3.9's does (3.4's and 3.6's fail on fla-core 0.6's
 # kernels). Beside a CPU torch only: a CUDA torch pins its own Triton, and there `make gpu-check` runs the kernels.
 test-kernels: install  ## the Triton kernels (fla's for FoX, PaTH, stick-breaking; lenext's for CoPE) against float64 under Triton's interpreter on the CPU (installs fla-core and Triton 3.9, ~1 GB; about 2 min): CI runs it
 	@if $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \

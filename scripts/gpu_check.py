@@ -10,7 +10,8 @@ goes to the sections after it.
 1. exactness: every PE config (and the attention settings' rows), a 2-layer model at L_train 64, its per-token NLL
    and every parameter's gradient on CUDA against float64 on the CPU: fp32 (TF32 off) on the automatic path,
    fp32 with FlexAttention switched off (the SDPA-mask and explicit-block paths), and bf16 autocast; the CPU's
-   fp32 path beside them. At L 64 and 512, positions 0..L-1, and at 512 positions drawn from [0, 1536).
+   fp32 path beside them. At L 64 and 512, positions 0..L-1, and at 512 positions drawn from [0, 1536); the rows a
+   Triton kernel serves also with one head of 64 at L 100.
 2. training: the small model (the largest preset: 6 x 256, 8 heads, vocab 8192), L 1024, batch 16, bf16
    autocast, one AdamW step per iteration; every row warmed up (FlexAttention compiles there) and run once more
    untimed, then interleaved round-robin (median of repetitions): tokens/s,
@@ -85,8 +86,8 @@ XT_ROWS = ["nope", "rope", "alibi", "t5"]
 LIGHTNING_TARGET = 1.05
 
 
-# The rows Triton kernels serve in bf16 on CUDA: fla's (lenext.attention.fla_kernels) and lenext's CoPE kernel
-# (lenext.attention.contextual); with the kernel at hand, each is also checked and timed without it.
+# The rows Triton kernels serve in bf16 on CUDA, fla's (lenext.attention.fla_kernels) and lenext's CoPE kernel
+# (lenext.attention.contextual): with the kernel at hand, each is also checked and timed without it.
 FLA_ROWS = ["fox", "fox_rope", "path", "path_fox", "nope+stick_breaking", "rope+stick_breaking"]
 KERNEL_ROWS = [*FLA_ROWS, "cope"]
 
@@ -790,8 +791,9 @@ def render_exactness(exact) -> list[str]:
         "Each cell: the largest error of the per-token NLL (absolute) / of any parameter's gradient (relative to "
         "that tensor's largest entry), over the cases; `no grad`: the NLL under no_grad, evaluation's paths (on CUDA "
         "FIRE past its threshold and FoX through flex score_mods; on the CPU the query blocks through SDPA). "
-        "The `cuda bf16` arm of FoX, PaTH and stick-breaking runs fla's kernels (with fla installed), CoPE's lenext's "
-        "CoPE kernel (under Triton's interpreter, their `cpu fp32` arm), and `kernels off` the paths without them. "
+        "The `cuda bf16` arm of FoX, PaTH and stick-breaking runs fla's kernels (with fla installed), and CoPE's "
+        "lenext's CoPE kernel; under Triton's interpreter their `cpu fp32` arm runs them; `kernels off`: the paths "
+        "without them. "
         "Passes: fp32 within "
         f"{nll_fp32:g} / {grad_fp32:g}, bf16 within {nll_bf16:g} / {grad_bf16:g}.",
         "",
@@ -884,7 +886,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device (torch.cuda.is_available() is False); --device cpu runs a smoke test")
-    if os.environ.get("TRITON_INTERPRET") == "1":  # fla's kernels on the CPU: the interpreter has no driver to time
+    if (
+        os.environ.get("TRITON_INTERPRET") == "1"
+    ):  # the Triton kernels on the CPU: the interpreter has no driver to time
         if args.device == "cuda":  # an autotuner's configs, so each kernel takes its first
             sys.exit("gpu_check: TRITON_INTERPRET=1 is for --device cpu (fla's kernels on the CPU)")
         from triton.runtime.autotuner import Autotuner

@@ -24,10 +24,11 @@ from triton.runtime.interpreter import InterpreterBuilder  # noqa: E402
 import lenext.attention as attention  # noqa: E402
 import lenext.attention.contextual as contextual  # noqa: E402
 from lenext.attention import AttentionSettings, causal_attention  # noqa: E402
+from lenext.attention.contextual import Tiles  # noqa: E402
 from lenext.model import Decoder  # noqa: E402
 from lenext.pe import KERPLE, Compose, CoPE  # noqa: E402
 from lenext.pe.cope import ContextualPositions  # noqa: E402
-from tests.test_fla_kernels import assert_trains_as_in_float64  # noqa: E402
+from tests.kernel_checks import assert_trains_as_in_float64  # noqa: E402
 
 # The interpreter computes masked lanes too (exp of -inf), which numpy warns of.
 pytestmark = [pytest.mark.kernels, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
@@ -119,9 +120,13 @@ def attend(layer, q, k, v, settings: dict | None = None):
     return out.double(), [g.double() for g in grads]
 
 
-# (query rows, keys) of the forward's and the backward's tiles: as on a GPU (the forward's rows twice its keys:
-# rows that see no key in their first tile), square, and fewer rows than keys.
-TILES = {"as_on_a_gpu": ((32, 16), (16, 16)), "square": ((16, 16), (16, 16)), "keys_over_rows": ((16, 32), (16, 32))}
+# Tiles as on a GPU (the forward's rows twice its keys: rows that see no key in their first tile), square, and
+# fewer rows than keys.
+TILES = {
+    "as_on_a_gpu": Tiles(keys=16, forward_rows=32, backward_rows=16, warps=4),
+    "square": Tiles(keys=16, forward_rows=16, backward_rows=16, warps=4),
+    "keys_over_rows": Tiles(keys=32, forward_rows=16, backward_rows=16, warps=4),
+}
 
 
 # Lengths across tiles and not their multiples; positions below the length (the cap reached) and above.
@@ -133,9 +138,7 @@ def test_cope_kernel_matches_the_explicit_path_in_float64(
     """Output and the gradients of q, k, v and the position embeddings (through the kernel's per-position scores):
     the kernel in fp32 against lenext's explicit query blocks in float64, to fp32's rounding, for any tiles; no
     access outside the kernel's tensors (the last tile's rows past the sequence read nothing)."""
-    (forward, backward) = TILES[tiles]
-    monkeypatch.setitem(contextual.TILES["forward"], "cpu", (*forward, 4))
-    monkeypatch.setitem(contextual.TILES["backward"], "cpu", (*backward, 4))
+    monkeypatch.setitem(contextual.TILES, "cpu", TILES[tiles])
     layer, q, k, v = cope_layer(length, positions)
     expected, expected_grads = attend(layer, q, k, v)
     assert kernel_calls == []  # float64: the explicit path

@@ -25,6 +25,7 @@ from lenext.attention import AttentionSettings, causal_attention, recording  # n
 from lenext.model import Decoder  # noqa: E402
 from lenext.pe import KERPLE, AttentionShape, Compose, CoPE, FoX, NoPE, PaTH, PoPE, RoPE  # noqa: E402
 from lenext.pe.base import Bias, ScoreTerms, sequential_positions  # noqa: E402
+from tests.kernel_checks import assert_trains_as_in_float64  # noqa: E402
 from tests.test_attention_settings import stick_breaking_reference  # noqa: E402
 from tests.test_fox import fla_reference, run_fox  # noqa: E402
 
@@ -115,25 +116,6 @@ def test_a_fox_model_trains_through_fla_as_in_float64(pe, fla_calls):
             gate.weight.normal_(std=0.5)
             gate.bias.normal_(mean=1.0, std=0.5)
     assert_trains_as_in_float64(net, fla_calls, ("forgetting", None))
-
-
-def assert_trains_as_in_float64(net: Decoder, fla_calls: list, call: tuple) -> None:
-    """``net``'s training step in fp32 calls fla's kernel once a layer (``call``), and its per-token NLL and every
-    parameter's gradient equal the same model's in float64 (which fla does not serve: lenext's explicit paths)."""
-    tokens = torch.randint(0, 97, (2, 97), generator=torch.Generator().manual_seed(1))
-
-    def step(dtype):
-        model = copy.deepcopy(net).to(dtype)
-        nll = model.token_nll(tokens[:, :-1], tokens[:, 1:])
-        grads = torch.autograd.grad(nll.mean(), list(model.parameters()))
-        return nll.detach().double(), [g.double() for g in grads]
-
-    nll, grads = step(torch.float32)
-    assert fla_calls == [call] * len(net.blocks)
-    expected_nll, expected_grads = step(torch.float64)
-    assert_close(nll, expected_nll, atol=1e-4, rtol=0)
-    for g, e in zip(grads, expected_grads, strict=True):
-        assert_close(g, e, atol=1e-3 * e.abs().max().item() + 1e-7, rtol=0)
 
 
 def path_case(length: int, pe, head_dim: int = 16, dtype=torch.float32):

@@ -12,17 +12,30 @@ fp32 (so their order of summation, and their last bits, vary from run to run). I
 (``lenext.attention``).
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from lenext.attention.fla_kernels import kernel_dtype
 
-# Tiles (query rows, keys) and warps, by where the kernel runs: on a GPU the largest with which neither kernel
-# spills registers at head dims 16-128 (compiled for sm_90 ahead of time with Triton 3.9; not yet timed); under
-# Triton's interpreter half as large, so short test sequences span several. The backward counts positions per key
-# tile as the forward did: one tile of keys for both.
-TILES = {"forward": {"cuda": (64, 32, 8), "cpu": (32, 16, 4)}, "backward": {"cuda": (32, 32, 8), "cpu": (16, 16, 4)}}
+
+@dataclass(frozen=True)
+class Tiles:
+    """The kernels' tiles and warps. One tile of keys for both: the backward counts positions per key tile from the
+    sums the forward carried into each."""
+
+    keys: int
+    forward_rows: int
+    backward_rows: int
+    warps: int
+
+
+# On a GPU the largest tiles with which neither kernel spills registers at head dims 16-128 but the backward at 32
+# (compiled for sm_90 ahead of time: benchmarks/cope-kernel-sm90-registers-2026-11-28.md); under Triton's
+# interpreter half as large, so short test sequences span several.
+TILES = {"cuda": Tiles(keys=32, forward_rows=64, backward_rows=32, warps=8), "cpu": Tiles(16, 32, 16, 4)}
 
 
 @triton.jit
@@ -137,15 +150,16 @@ class ContextualAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, by_position):
         batch, heads, length, head_dim = q.shape
         q, k, v, by_position = (t.contiguous() for t in (q, k, v, by_position))
-        rows, keys, warps = TILES["forward"][q.device.type]
+        tiles = TILES[q.device.type]
         keep = any(ctx.needs_input_grad)  # the gate sums carried into each key tile, for the backward
-        carried = q.new_empty((batch, heads, length, triton.cdiv(length, keys)) if keep else (1,), dtype=torch.float32)
+        shape = (batch, heads, length, triton.cdiv(length, tiles.keys)) if keep else (1,)
+        carried = q.new_empty(shape, dtype=torch.float32)
         out = torch.empty_like(q)
         lse = q.new_empty(batch, heads, length, dtype=torch.float32)
         positions = by_position.size(-1)
-        _forward[(triton.cdiv(length, rows), batch * heads)](
+        _forward[(triton.cdiv(length, tiles.forward_rows), batch * heads)](
             q, k, v, by_position, out, lse, carried, head_dim**-0.5, length, positions, float(positions - 1),
-            D=head_dim, ROWS=rows, KEYS=keys, KEEP=keep, num_warps=warps,
+            D=head_dim, ROWS=tiles.forward_rows, KEYS=tiles.keys, KEEP=keep, num_warps=tiles.warps,
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, by_position, out, lse, carried)
         return out
@@ -158,11 +172,12 @@ class ContextualAttention(torch.autograd.Function):
         delta = (grad_out.float() * out.float()).sum(-1)  # (B, H, L): sum_j P_ij dL/dP_ij
         dq = torch.empty_like(q, dtype=torch.float32)
         dk, dv, dby_position = (torch.zeros_like(t, dtype=torch.float32) for t in (k, v, by_position))
-        rows, keys, warps = TILES["backward"][q.device.type]
+        tiles = TILES[q.device.type]
         positions = by_position.size(-1)
-        _backward[(triton.cdiv(length, rows), batch * heads)](
+        _backward[(triton.cdiv(length, tiles.backward_rows), batch * heads)](
             q, k, v, by_position, grad_out, lse, delta, carried, dq, dk, dv, dby_position, head_dim**-0.5, length,
-            positions, float(positions - 1), D=head_dim, ROWS=rows, KEYS=keys, num_warps=warps,
+            positions, float(positions - 1), D=head_dim, ROWS=tiles.backward_rows, KEYS=tiles.keys,
+            num_warps=tiles.warps,
         )  # fmt: skip
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dby_position.to(by_position.dtype)
 

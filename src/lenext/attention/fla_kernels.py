@@ -13,7 +13,8 @@ training paths of the PEs they serve, on CUDA.
 Training under bf16 or fp16 autocast only: Triton's dots take fp32 as TF32 (fp32 training keeps lenext's exact
 paths), and evaluation, far past L_train, keeps lenext's (FoX's key bias summed in float64). Triton's interpreter
 (``TRITON_INTERPRET=1``) runs the same kernels on the CPU, slowly, with exact fp32 dots and no bf16: there they serve
-fp32, which is how the tests check them without a GPU (``make test-kernels``).
+fp32, which is how the tests check them without a GPU (``make test-kernels``). That rule (``triton_serves``,
+``kernel_dtype``) is also lenext's own CoPE kernel's (``lenext.attention.contextual``).
 """
 
 import os
