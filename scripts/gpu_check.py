@@ -100,8 +100,8 @@ ROW_SUFFIXES = {"compile", "nokernels", "ckpt"}  # <row>@compile, <row>@nokernel
 
 
 def all_rows() -> list[str]:
-    """Every PE config and variant, the newest first; with fla installed, each row fla serves followed by itself
-    without fla."""
+    """Every PE config and variant, the newest first; each row a Triton kernel serves here followed by itself
+    without it (``@nokernels``)."""
     rows = bench.PE_NAMES + list(VARIANTS)
     ordered = [r for r in FIRST if r in rows] + [r for r in rows if r not in FIRST]
     return [r for row in ordered for r in ([row, f"{row}@nokernels"] if kernel_at_hand(row) else [row])]
@@ -886,11 +886,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device (torch.cuda.is_available() is False); --device cpu runs a smoke test")
-    if (
-        os.environ.get("TRITON_INTERPRET") == "1"
-    ):  # the Triton kernels on the CPU: the interpreter has no driver to time
-        if args.device == "cuda":  # an autotuner's configs, so each kernel takes its first
-            sys.exit("gpu_check: TRITON_INTERPRET=1 is for --device cpu (fla's kernels on the CPU)")
+    # The Triton kernels on the CPU: the interpreter has no driver to time an autotuner's configs, so each kernel
+    # takes its first
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        if args.device == "cuda":
+            sys.exit("gpu_check: TRITON_INTERPRET=1 is for --device cpu (the Triton kernels on the CPU)")
         from triton.runtime.autotuner import Autotuner
 
         prune = Autotuner.prune_configs

@@ -39,6 +39,16 @@ TILES = {"cuda": Tiles(keys=32, forward_rows=64, backward_rows=32, warps=8), "cp
 
 
 @triton.jit
+def _counted(q, k, rows, cols, valid, scale, to_the_right):
+    """A tile's scaled logits z, the pairs a row sees, their gates and their positions: the gates summed from the
+    right within the tile plus each row's sum over the keys after it (forward and backward count alike)."""
+    z = tl.dot(q, tl.trans(k)) * scale
+    seen = (cols[None, :] <= rows[:, None]) & valid[:, None]
+    gates = tl.where(seen, tl.sigmoid(z), 0.0)
+    return z, seen, gates, tl.cumsum(gates, axis=1, reverse=True) + to_the_right[:, None]
+
+
+@triton.jit
 def _interpolated(counted, seen, s_rows, cap):
     """Each pair's score s_i[p] interpolated at its position p (capped at ``cap``): (score, weight on the corner
     above, the two corners' indices, the two corners' scores)."""
@@ -74,10 +84,7 @@ def _forward(
         cols = n * KEYS + keys
         k = tl.load(K + offset + cols[:, None] * D + dims[None, :], mask=cols[:, None] < length, other=0.0)
         v = tl.load(V + offset + cols[:, None] * D + dims[None, :], mask=cols[:, None] < length, other=0.0)
-        z = tl.dot(q, tl.trans(k)) * scale
-        seen = (cols[None, :] <= rows[:, None]) & valid[:, None]
-        gates = tl.where(seen, tl.sigmoid(z), 0.0)
-        counted = tl.cumsum(gates, axis=1, reverse=True) + to_the_right[:, None]
+        z, seen, gates, counted = _counted(q, k, rows, cols, valid, scale, to_the_right)
         if KEEP:  # for the backward, which counts each position as here
             tl.store(carried + n, to_the_right, mask=valid)
         to_the_right += tl.sum(gates, axis=1)
@@ -120,11 +127,8 @@ def _backward(
         key_mask = cols[:, None] < length
         k = tl.load(K + offset + cols[:, None] * D + dims[None, :], mask=key_mask, other=0.0)
         v = tl.load(V + offset + cols[:, None] * D + dims[None, :], mask=key_mask, other=0.0)
-        z = tl.dot(q, tl.trans(k)) * scale
-        seen = (cols[None, :] <= rows[:, None]) & valid[:, None]
-        gates = tl.where(seen, tl.sigmoid(z), 0.0)
-        to_the_right = tl.load(carried + n, mask=valid, other=0.0)
-        counted = tl.cumsum(gates, axis=1, reverse=True) + to_the_right[:, None]  # as the forward counted it
+        to_the_right = tl.load(carried + n, mask=valid, other=0.0)  # as the forward carried it
+        z, seen, gates, counted = _counted(q, k, rows, cols, valid, scale, to_the_right)
         term, weight, below, above, s_below, s_above = _interpolated(counted, seen, s_rows, cap)
         probs = tl.where(seen, tl.exp(z + term - lse[:, None]), 0.0)
         dscore = probs * (tl.dot(do, tl.trans(v)) - delta[:, None])  # dL/dz through the softmax
