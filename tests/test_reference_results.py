@@ -30,11 +30,13 @@ SOURCES = {"reference_2024": ["reference", "reference_2024"]}
         "long_context",
     ],
 )
+@pytest.mark.filterwarnings("error")  # a warning here is printed to every user who reports the study
 def test_committed_tables_are_recomputed_from_the_committed_results_files(study, tmp_path):
+    """Tables and the figures' data (the figures have tests of their own: tests/test_report_figures.py)."""
     folder = STUDIES / study
     if not (folder / "runs").is_dir():
         pytest.skip(f"no committed {study} study")
-    report([str(STUDIES / source / "runs") for source in SOURCES.get(study, [study])], str(tmp_path))
+    report([str(STUDIES / source / "runs") for source in SOURCES.get(study, [study])], str(tmp_path), figures=False)
     for name in ("table.md", "table.csv", "table.tex", "passkey_depth.csv"):
         if name == "passkey_depth.csv" and not (folder / name).exists():
             continue
@@ -92,7 +94,7 @@ def test_the_reference_studys_diagnostic_t5_runs_are_rows_of_their_own(tmp_path)
     again for seed 0 (runs/4's settings and seed, and its numbers). A mean pools the seeds of one run description:
     T5's three seeds keep their committed cells under a label naming the setting, the diagnostic gets a row of its
     own, the repeat counts once, and every other row is the committed one."""
-    markdown = report([str(STUDIES / "reference")], str(tmp_path))
+    markdown = report([str(STUDIES / "reference")], str(tmp_path), figures=False)
     committed, made = rows_by_table((STUDIES / "reference" / "table.md").read_text()), rows_by_table(markdown)
     nonoverlap = made["### L_train = 64, protocol `nonoverlap`"]["t5 [pe.max_distance=128]"]
     assert nonoverlap[:-2] == ["32.63", "32.15", "38.72", "50.93", "63.78", "73.35"]  # its README's numbers

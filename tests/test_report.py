@@ -103,6 +103,14 @@ def test_report_command_line_defaults_to_a_report_folder(sweep_dir, capsys):
     assert (sweep_dir / "report" / "table.md").exists()
 
 
+def test_no_figures_writes_the_tables_and_the_figures_data_and_no_plot(sweep_dir, tmp_path):
+    main([str(sweep_dir), "--out", str(tmp_path / "full")])
+    main([str(sweep_dir), "--out", str(tmp_path / "tables"), "--no-figures"])
+    full, tables = (sorted(p.name for p in (tmp_path / name).iterdir()) for name in ("full", "tables"))
+    assert "ppl_vs_length.png" in full and "per_position.csv" in tables
+    assert tables == [name for name in full if not name.endswith(".png")]
+
+
 def test_no_results_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="no complete results.json"):
         report([str(tmp_path)], str(tmp_path / "out"))

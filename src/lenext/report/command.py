@@ -51,9 +51,9 @@ def depth_csvs(depths: pd.DataFrame) -> dict[str, pd.DataFrame]:
     return grids
 
 
-def report(folders: list[str], out: str) -> str:
-    """Write table.{md,tex,csv}, the figures of ``lenext.report.figures.FIGURES`` the runs have something for and
-    their data (``data_files``) into ``out``; return the Markdown."""
+def report(folders: list[str], out: str, figures: bool = True) -> str:
+    """Write table.{md,tex,csv}, the figures of ``lenext.report.figures.FIGURES`` the runs have something for
+    (unless ``figures`` is False) and their data (``data_files``) into ``out``; return the Markdown."""
     loaded = load(folders)
     if not loaded.runs:
         incomplete = loaded.incomplete
@@ -74,7 +74,8 @@ def report(folders: list[str], out: str) -> str:
     write_atomic(os.path.join(out, "table.csv"), to_csv(summary.tables))
     for name, text in data_files(summary).items():
         write_atomic(os.path.join(out, name), text)
-    write_figures(summary, out)
+    if figures:
+        write_figures(summary, out)
     return markdown
 
 
@@ -97,13 +98,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lenext-report", description=DESCRIPTION)
     parser.add_argument("folders", nargs="+", help="multirun folder(s) or run folders holding results.json")
     parser.add_argument("--out", help="where to write tables and plots (default: <first folder>/report)")
+    parser.add_argument(
+        "--no-figures",
+        action="store_true",
+        help="tables and the figures' CSV data only, no PNG (matplotlib takes most of a large study's report)",
+    )
     args = parser.parse_args(argv)
     out = args.out or os.path.join(args.folders[0], "report")
     problem = unwritable(out)
     if problem:
         raise SystemExit(f"error: --out={out!r} cannot hold the report ({problem}): give a folder you can write to")
     try:
-        markdown = report(args.folders, out)
+        markdown = report(args.folders, out, figures=not args.no_figures)
     except OSError as e:  # the disk filled, a folder vanished: each file already written is whole (atomic writes)
         raise SystemExit(f"error: the report could not be written to {out!r}: {e}") from None
     print(markdown)

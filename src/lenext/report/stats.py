@@ -434,7 +434,7 @@ def diagnostic_correlations(diagnostics: pd.DataFrame, tables: dict[TableKey, Ta
     if diagnostics.empty:
         return pd.DataFrame()
     key = ["train_len", "statistic", "rows"]
-    at_train = diagnostics[diagnostics.length == diagnostics.train_len].set_index([*key, "label"])["mean"]
+    at_train = diagnostics[diagnostics.length == diagnostics.train_len].set_index([*key, "label"])["mean"].sort_index()
     records, ratios = [], {}
     for (train_len, statistic, rows, length), group in diagnostics.groupby([*key, "length"], sort=False):
         if length <= train_len:
