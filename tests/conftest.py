@@ -2,8 +2,6 @@
 
 import itertools
 import os
-import subprocess
-import sys
 import tempfile
 
 # transformers copies a remote-code model's files here (lenext's exports): one folder per test process, not ~/.cache.
@@ -17,6 +15,7 @@ from hydra import compose, initialize_config_module
 
 from lenext.cli import CONFIG_PACKAGE
 from lenext.data import LMDataModule, Sotu
+from tests.forked import ROOT, run_command  # noqa: F401 - ROOT: the repository, for the tests
 
 TEST_VOCAB = 512
 CONFIG_FOLDER = Path(str(resources.files(CONFIG_PACKAGE)))  # the package's configs, as files
@@ -111,21 +110,12 @@ def pytest_configure(config):
         torch.set_num_threads(threads)
 
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 def run_train(tmp_path, *overrides, env=None, set_root=True):
-    """`python train.py <overrides>` as a user runs it, from tmp_path; LENEXT_ROOT=tmp_path unless set_root=False."""
+    """`python train.py <overrides>` as a user runs it, from tmp_path; LENEXT_ROOT=tmp_path unless set_root=False
+    (forked from a process that has imported lenext: tests/forked.py)."""
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     environment.pop("HYDRA_FULL_ERROR", None)
     environment.pop("LENEXT_ROOT", None)
     if set_root:
         environment["LENEXT_ROOT"] = str(tmp_path)
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *overrides],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=900,
-        cwd=tmp_path,
-    )
+    return run_command("train.py", overrides, environment, tmp_path)

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, run_train, small_corpus_overrides
+from tests.forked import run_command
 
 
 def test_unknown_pe_lists_the_available_ones(tmp_path):
@@ -43,8 +44,12 @@ def test_a_mistyped_option_or_key_is_answered_with_the_closest_name_in_one_line(
 
 
 def test_help_says_what_the_command_does_with_examples_and_its_groups():
+    """train.py in a new interpreter (the shim itself), eval.py forked (tests/forked.py)."""
     for script, purpose, group in (("train.py", "train a decoder", "pe: alibi"), ("eval.py", "evaluate a", "eval:")):
-        result = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True)
+        if script == "train.py":
+            result = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True)
+        else:
+            result = run_command(script, ["--help"], dict(os.environ), ROOT)
         assert result.returncode == 0 and purpose in result.stdout.splitlines()[0], result.stdout
         assert "Examples:" in result.stdout and group in result.stdout and "powered by Hydra" not in result.stdout
 
@@ -83,12 +88,8 @@ def test_hub_corpus_offline_points_to_text_files(tmp_path):
 def test_eval_takes_the_precision_names_training_takes_and_refuses_others(tmp_path):
     """32-true, 32, bf16-mixed, bf16 (tests/test_evaluate.py evaluates in each); any other is one line, before the
     checkpoint is read."""
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "eval.py"), f"ckpt={tmp_path / 'none.ckpt'}", "precision=16-mixed"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "LENEXT_ROOT": str(tmp_path)},
-    )
+    arguments = [f"ckpt={tmp_path / 'none.ckpt'}", "precision=16-mixed"]
+    result = run_command("eval.py", arguments, {**os.environ, "LENEXT_ROOT": str(tmp_path)}, tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip() == (
         "error: precision='16-mixed' is invalid: it must be one of '32-true', '32', 32, 'bf16-mixed', 'bf16' or null"

@@ -5,7 +5,6 @@ coverage against its formula, the distances each position scheme trains, and `py
 import json
 import math
 import os
-import subprocess
 import sys
 from functools import partial
 
@@ -36,7 +35,8 @@ from lenext.model import Decoder
 from lenext.pe import ALiBi, NoPE, RoPE, T5Bias
 from lenext.positions import PoSE, PositionScheme, Randomized
 from lenext.run import train
-from tests.conftest import ROOT, hidden_keys, small_corpus_overrides
+from tests.conftest import hidden_keys, small_corpus_overrides
+from tests.forked import run_command
 from tests.test_long_context import Copier
 from tests.test_pe import PES
 
@@ -460,13 +460,7 @@ def test_diagnose_writes_the_statistics_coverage_and_histogram_of_a_checkpoint(t
 def test_diagnose_py_answers_bad_input_in_one_line_and_has_help(tmp_path, monkeypatch, capsys):
     environment = {**os.environ, "LENEXT_ROOT": str(tmp_path)}
     environment.pop("HYDRA_FULL_ERROR", None)
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "diagnose.py"), f"ckpt={tmp_path / 'none.ckpt'}", "windows=0"],
-        capture_output=True,
-        text=True,
-        env=environment,
-        cwd=tmp_path,
-    )
+    result = run_command("diagnose.py", [f"ckpt={tmp_path / 'none.ckpt'}", "windows=0"], environment, tmp_path)
     assert result.returncode == 1 and result.stderr.strip().startswith("error: windows=0 is invalid"), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not list(tmp_path.rglob("diagnostics.json"))
     monkeypatch.setattr(sys, "argv", ["diagnose.py", "--help"])  # in this process: a second start costs seconds

@@ -21,6 +21,7 @@ from lenext.report import unwritable
 from lenext.resolve import TRAIN_NODES, TrainSettings, stage_settings
 from lenext.run import train
 from lenext.run_folder import preflight, refuse_other_settings, resolve_training
+from tests import forked
 from tests.conftest import ROOT, small_corpus_overrides
 from tests.test_report import write_run
 
@@ -333,15 +334,8 @@ def test_report_refuses_a_read_only_output_folder(tmp_path):
         report_main([str(tmp_path), "--out", str(locked)])
 
 
-def run_command(cwd, *overrides, script="train.py"):
-    return subprocess.run(
-        [sys.executable, str(ROOT / script), *overrides],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=cwd,
-        env=command_environment(cwd),
-    )
+def run_command(cwd, *overrides):
+    return forked.run_command("train.py", overrides, command_environment(cwd), cwd)
 
 
 def start_command(cwd, *overrides):

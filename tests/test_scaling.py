@@ -112,7 +112,9 @@ def test_a_sharded_step_on_two_ranks_gives_one_process_gradients(pe, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_sharded_step, args=(2, port, pe, str(tmp_path / "sharded.pt")), nprocs=2, join=True)
+    arguments = (2, port, pe, str(tmp_path / "sharded.pt"))
+    # forked from the tests' forkserver (tests/forked.py), which has imported torch and lenext: spawn starts anew
+    mp.start_processes(_sharded_step, args=arguments, nprocs=2, join=True, start_method="forkserver")
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)
     whole = _step(_decoder(pe), torch.randint(64, (8, 17), generator=torch.Generator().manual_seed(1)))
     assert sharded.keys() == whole.keys()

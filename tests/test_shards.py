@@ -18,6 +18,7 @@ import lenext.data
 import lenext.shards
 from lenext.data import SPLITS, Corpus, HubCorpus, LMDataModule, TextFiles, TrainWindows, byte_ends
 from lenext.errors import ConfigError, DataError
+from tests.forked import run_command
 
 WORDS = "the of and to in a that is was he for it with as his on be at by had".split()
 
@@ -248,9 +249,8 @@ def test_the_tokenizer_trains_on_a_bounded_sample_of_the_training_split(tmp_path
 
 def test_lenext_prepare_prepares_a_training_runs_data_and_refuses_bad_input(tmp_path, small_text_corpus):
     env = {**os.environ, "LENEXT_ROOT": str(tmp_path)}
-    command = [sys.executable, "-c", "from lenext.cli import prepare_main; prepare_main()"]
     corpus = ["data=text_files", f"data.corpus.path={small_text_corpus}", "data.vocab_size=300"]
-    done = subprocess.run([*command, *corpus], env=env, capture_output=True, text=True)
+    done = run_command("lenext-prepare", corpus, env, tmp_path)
     assert done.returncode == 0, done.stderr
     assert re.search(r"train: \d+ documents, [\d,]+ tokens in 1 shards", done.stdout)
     assert (tmp_path / ".cache" / "shards").is_dir()
@@ -260,7 +260,7 @@ def test_lenext_prepare_prepares_a_training_runs_data_and_refuses_bad_input(tmp_
         (["data=text_file"], "data=text_file is not one of the data configs"),
         (["data.vocab_size=300,400"], "lenext-prepare prepares one data config: data.vocab_size=300,400 is a sweep"),
     ):
-        failed = subprocess.run([*command, *bad], env=env, capture_output=True, text=True)
+        failed = run_command("lenext-prepare", bad, env, tmp_path)
         assert failed.returncode != 0 and message in failed.stdout + failed.stderr and "Traceback" not in failed.stderr
 
 
