@@ -5,9 +5,9 @@ and scipy; 8-13 s on a 2-core EPYC, where the command itself, on bad input or a 
 A forkserver (multiprocessing's) imports this module once per test process; each command is then a fork of it
 with the command's environment, folder, arguments, standard output and error, running the entry point the command
 calls, its exit status the command's. What a new interpreter would do differently, read the environment while
-importing, is kept: a command whose environment differs from the forkserver's in anything but what is read as the
-command runs (``PER_COMMAND``) execs the command itself in its fork. A command a test must signal or kill runs
-under ``subprocess``.
+importing, is kept: a command whose environment differs from the forkserver's in a variable read then
+(``IMPORT_TIME``) execs the command itself in its fork. A command a test must signal or kill runs under
+``subprocess``.
 """
 
 import atexit
@@ -30,8 +30,12 @@ COMMANDS = {  # a script at the repository's root, or a console script
     "diagnose.py": diagnostics.main,
     "lenext-prepare": cli.prepare_main,
 }
-# Read when the command runs, not when lenext is imported (pytest names the test running in PYTEST_CURRENT_TEST).
-PER_COMMAND = {"LENEXT_ROOT", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}
+# Read while lenext's libraries import (the Hugging Face libraries' offline switches and caches, torch's, Triton's,
+# OpenMP's, Python's own): a command that sets one otherwise than the forkserver's environment execs itself anew.
+# Every other variable is read as the command runs (LENEXT_ROOT, Lightning's ranks and seed, wandb's mode).
+IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TOKENIZERS", "TORCH", "PYTORCH", "TRITON", "CUDA")
+IMPORT_TIME += ("OMP_", "MKL_", "KMP_", "PYTHON", "LD_", "MPL", "XDG_", "HOME", "TMPDIR", "PATH")
+UNBUFFERED = "PYTHONUNBUFFERED"  # the fork's output is line-buffered either way
 
 FORKS = multiprocessing.get_context("forkserver")
 FORKS.set_forkserver_preload([__name__])
@@ -53,6 +57,13 @@ def run_command(name: str, arguments, environment: dict[str, str], cwd, timeout:
         return subprocess.CompletedProcess(line, process.exitcode, out.read_text(), err.read_text())
 
 
+def call(function, *args):
+    """``function(*args)`` in a fork of the forkserver: a process that has imported lenext and done nothing else, as
+    a new interpreter would be after its imports (its heap, say) -> the function's result."""
+    with FORKS.Pool(1) as pool:
+        return pool.apply(function, args)
+
+
 def command_line(name: str, arguments: list[str]) -> list[str]:
     """The command as a user types it: ``python <ROOT/name> ...`` or the installed console script."""
     if name.endswith(".py"):
@@ -67,7 +78,7 @@ def _command(name: str, line: list[str], environment: dict[str, str], cwd: str, 
     os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    keys = (environment.keys() | os.environ.keys()) - PER_COMMAND
+    keys = {key for key in environment.keys() | os.environ.keys() if key.startswith(IMPORT_TIME)} - {UNBUFFERED}
     if any(environment.get(key) != os.environ.get(key) for key in keys):
         os.execve(line[0], line, environment)
     os.environ.clear()

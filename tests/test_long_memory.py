@@ -7,19 +7,16 @@ tokens here and at 16k among the slow tests (5-25 s each on an AVX2 EPYC), with 
 bound is tight. Peak memory on CPU is sampled RSS, which the allocator's history moves in a long test worker:
 the explicit cases run in a process of their own."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from lenext.attention import AttentionSettings
+from lenext.attention import SCORE_BLOCK_ELEMENTS, AttentionSettings
 from lenext.build import instantiate
 from lenext.cli import CONFIG_PACKAGE
 from lenext.evaluate import PeakMemory
 from lenext.model import Decoder
-from tests.conftest import ROOT
+from tests import forked
 
 HEADS, TRAIN_LEN = 2, 64
 FUSED = [
@@ -71,17 +68,15 @@ def test_a_16k_forward_on_a_fused_path_holds_no_scores_of_every_pair(overrides):
 
 
 def peak_mb_in_a_fresh_process(overrides: list[str], length: int) -> float:
-    """``peak_mb`` with 1 MB of fp32 scores per block, in a process of its own, as the benchmark measures: in a
-    long test worker glibc's adapted mmap threshold serves the blocks' temporaries from a heap they fragment
-    (DAPE at 8192: 266 MB there, 60-65 MB in a fresh process)."""
-    script = (
-        "import lenext.attention as a; a.SCORE_BLOCK_ELEMENTS['cpu'] = 2**18\n"
-        "from tests.test_long_memory import peak_mb\n"
-        f"print(peak_mb({overrides!r}, {length}))"
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return float(done.stdout.split()[-1])
+    """``peak_mb`` with 1 MB of fp32 scores per block, in a process of its own (a fork of one that has only imported
+    lenext: tests/forked.py): in a long test worker glibc's adapted mmap threshold serves the blocks' temporaries
+    from a heap they fragment (DAPE at 8192: 266 MB there, 60-65 MB in a new interpreter, 77 MB in the fork)."""
+    return forked.call(peak_mb_in_small_blocks, overrides, length)
+
+
+def peak_mb_in_small_blocks(overrides: list[str], length: int) -> float:
+    SCORE_BLOCK_ELEMENTS["cpu"] = 2**18
+    return peak_mb(overrides, length)
 
 
 @pytest.mark.parametrize("length", [8192, pytest.param(16384, marks=pytest.mark.slow)])
