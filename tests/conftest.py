@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_module
 
 from lenext.cli import CONFIG_PACKAGE
 from lenext.data import LMDataModule, Sotu
+from tests import forked
 from tests.forked import ROOT, run_command  # noqa: F401 - ROOT: the repository, for the tests
 
 TEST_VOCAB = 512
@@ -108,6 +109,7 @@ def pytest_configure(config):
         threads = max(1, cores // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)  # the subprocesses a test starts
         torch.set_num_threads(threads)
+    forked.freeze_environment()
 
 
 def run_train(tmp_path, *overrides, env=None, set_root=True):

@@ -12,6 +12,7 @@ importing, is kept: a command whose environment differs from the forkserver's in
 
 import atexit
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import subprocess
 import sys
@@ -35,10 +36,33 @@ COMMANDS = {  # a script at the repository's root, or a console script
 # Every other variable is read as the command runs (LENEXT_ROOT, Lightning's ranks and seed, wandb's mode).
 IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TOKENIZERS", "TORCH", "PYTORCH", "TRITON", "CUDA")
 IMPORT_TIME += ("OMP_", "MKL_", "KMP_", "PYTHON", "LD_", "MPL", "XDG_", "HOME", "TMPDIR", "PATH")
-UNBUFFERED = "PYTHONUNBUFFERED"  # the fork's output is line-buffered either way
+# Not compared: the fork's output is line-buffered either way, and libraries set the OpenMP ones on themselves
+# as they import (joblib, scikit-learn, threadpoolctl, inductor), in a test process as in a command's.
+NOT_COMPARED = {"PYTHONUNBUFFERED", "KMP_INIT_AT_FORK", "KMP_DUPLICATE_LIB_OK"}
 
 FORKS = multiprocessing.get_context("forkserver")
 FORKS.set_forkserver_preload([__name__])
+# The environment the forkserver starts in (``freeze_environment``): otherwise the one of whichever test first forks,
+# and a variable that test set (TMPDIR, say) would send every later command to a new interpreter.
+SERVER_ENVIRONMENT: dict[str, str] | None = None
+
+
+def freeze_environment() -> None:
+    """Start the forkserver, when first needed, in this process's environment as it is now (before any test)."""
+    global SERVER_ENVIRONMENT
+    SERVER_ENVIRONMENT = dict(os.environ)
+
+
+def ensure_server() -> None:
+    """The forkserver running, started in ``SERVER_ENVIRONMENT`` (the environment now, if none was frozen)."""
+    current = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(SERVER_ENVIRONMENT or current)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(current)
 
 
 def run_command(name: str, arguments, environment: dict[str, str], cwd, timeout: float = 900):
@@ -47,6 +71,7 @@ def run_command(name: str, arguments, environment: dict[str, str], cwd, timeout:
     line = command_line(name, [str(argument) for argument in arguments])
     with tempfile.TemporaryDirectory() as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        ensure_server()
         process = FORKS.Process(target=_command, args=(name, line, environment, str(cwd), out, err))
         process.start()
         process.join(timeout)
@@ -60,6 +85,7 @@ def run_command(name: str, arguments, environment: dict[str, str], cwd, timeout:
 def call(function, *args):
     """``function(*args)`` in a fork of the forkserver: a process that has imported lenext and done nothing else, as
     a new interpreter would be after its imports (its heap, say) -> the function's result."""
+    ensure_server()
     with FORKS.Pool(1) as pool:
         return pool.apply(function, args)
 
@@ -71,6 +97,13 @@ def command_line(name: str, arguments: list[str]) -> list[str]:
     return [str(Path(sys.executable).parent / name), *arguments]
 
 
+def needs_own_interpreter(environment, imported_in) -> bool:
+    """Whether a command run with ``environment`` must exec itself: a variable read while importing is set otherwise
+    than in ``imported_in``, the environment lenext was imported in."""
+    keys = {key for key in environment.keys() | imported_in.keys() if key.startswith(IMPORT_TIME)} - NOT_COMPARED
+    return any(environment.get(key) != imported_in.get(key) for key in keys)
+
+
 def _command(name: str, line: list[str], environment: dict[str, str], cwd: str, out: Path, err: Path):
     """The forked process: the command's folder and output files, then its environment and entry point (or, where
     the environment differs from the one lenext was imported in, the command itself), and at its end what an
@@ -78,8 +111,7 @@ def _command(name: str, line: list[str], environment: dict[str, str], cwd: str, 
     os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    keys = {key for key in environment.keys() | os.environ.keys() if key.startswith(IMPORT_TIME)} - {UNBUFFERED}
-    if any(environment.get(key) != os.environ.get(key) for key in keys):
+    if needs_own_interpreter(environment, os.environ):  # the fork's environment: the forkserver's
         os.execve(line[0], line, environment)
     os.environ.clear()
     os.environ.update(environment)

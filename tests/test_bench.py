@@ -63,7 +63,11 @@ def test_the_bare_loop_trains_exactly_as_the_lightning_trainer(bench, tmp_path):
         torch.testing.assert_close(update, trained[name] - initial[name], rtol=1e-3, atol=1e-8, msg=name)
 
 
-def test_the_lightning_section_reports_both_ratios_with_the_cpu_and_isa(bench, tmp_path, caplog):
+def test_the_lightning_section_reports_both_ratios_with_the_cpu_and_isa(bench, tmp_path, caplog, monkeypatch):
+    # The section's flow at the tiny model's size: bf16 is emulated on AVX2-only CPUs (3.4 s a step at the study's).
+    study = [o for o in bench.STUDY_OVERRIDES if not o.startswith(("model=", "data.batch_size="))]
+    monkeypatch.setattr(bench, "STUDY_OVERRIDES", [*study, "model=tiny", "data.batch_size=4"])
+    monkeypatch.setattr(bench, "STUDY_TOKENS_PER_STEP", bench.STUDY_LEN * 4)
     out = tmp_path / "bench.md"
     with caplog.at_level(logging.ERROR):
         bench.main(["--sections", "lightning", "--quick", "--lightning-steps", "2", "--out", str(out)])
@@ -150,12 +154,17 @@ def test_the_gpu_check_runs_its_sections_on_a_cpu(tmp_path, monkeypatch):
         gpu_check.main(["--device", "cpu", "--quick", "--sections", "training,exprt", "--out", str(trained)])
 
 
-def test_the_gpu_checks_export_section_loads_each_export_and_computes_lenexts_numbers(tmp_path):
+def test_the_gpu_checks_export_section_loads_each_export_and_computes_lenexts_numbers(tmp_path, monkeypatch):
     """Each architecture lenext-export writes, loaded by transformers (here on the CPU): fp32 logits and embedding
     gradients within 1e-4 / 1e-3 of float64, and under bf16 autocast no worse than twice lenext's own."""
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
+    # Each architecture at width 64 and 2 layers: bf16 is emulated on AVX2-only CPUs (2.4 s a backward at model=small).
+    smaller = {
+        case: [*overrides, "model.d_model=64", "model.n_layers=2"] for case, overrides in gpu_check.EXPORT_CASES.items()
+    }
+    monkeypatch.setattr(gpu_check, "EXPORT_CASES", smaller)
     out = tmp_path / "export.md"
     gpu_check.main(["--device", "cpu", "--quick", "--sections", "export", "--out", str(out)])
     export = json.loads(out.with_suffix(".json").read_text())["export"]

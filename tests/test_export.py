@@ -150,6 +150,7 @@ def test_the_export_evaluates_back_to_the_checkpoints_results(
     folder = tmp_path / "exported"
     remote = export(checkpoint, str(folder), architecture, cache_dir=cache_dir)[0] == "remote"
     sweep = ("eval.lengths=[32,96]", "eval.protocol=[nonoverlap,sliding,last_k]", "eval.last_k=8", "eval.stride=16")
+    sweep += ("eval.max_windows=16",)
     evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "ckpt", checkpoint, *sweep))
     data = ("data=text_files", f"data.corpus.path={small_text_corpus}", "data.corpus.holdout_every=4")
     trust = (f"trust_remote_code={str(remote).lower()}",)
@@ -302,6 +303,7 @@ def test_self_extend_on_a_hugging_face_model_is_lenexts(tmp_path, make_checkpoin
         "eval.protocol=[nonoverlap,last_k]",
         "eval.last_k=8",
         "eval.variants=[self_extend]",
+        "eval.max_windows=8",
     )
     evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "ckpt", checkpoint, *sweep))
     data = ("data=text_files", f"data.corpus.path={small_text_corpus}", "data.corpus.holdout_every=4")

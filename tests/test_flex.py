@@ -274,7 +274,7 @@ def test_causal_block_mask_is_causal(length):
 
 @pytest.mark.parametrize("pe", ["alibi", "t5", "kerple", "fox", "fire"])
 def test_an_evaluation_sweep_compiles_flex_a_bounded_number_of_times_not_once_per_length(pe, monkeypatch):
-    """Over a sweep's lengths (64 to 2048, past FIRE's threshold) the compiled kernel's graphs stop at 3: the first
+    """Over a sweep's lengths (64 to 1024, past FIRE's threshold) the compiled kernel's graphs stop at 3: the first
     length, the next (one query block: torch specializes a size of 1), then dynamic shapes for every longer one.
     Counted as dynamo's graphs (the eager backend; inductor's CPU flex template does not build in torch 2.13 here),
     which is what a GPU's inductor compiles once each."""
@@ -297,10 +297,10 @@ def test_an_evaluation_sweep_compiles_flex_a_bounded_number_of_times_not_once_pe
     torch._dynamo.reset()
     counters.clear()
     graphs = []
-    for length in (64, 128, 256, 512, 1024, 2048):
+    for length in (64, 128, 256, 512, 1024):
         tokens = torch.randint(0, 97, (1, length + 1), generator=torch.Generator().manual_seed(length))
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             net.token_nll(tokens[:, :-1], tokens[:, 1:])
         graphs.append(counters["stats"]["unique_graphs"])
-    assert graphs == [1, 2, 3, 3, 3, 3]
+    assert graphs == [1, 2, 3, 3, 3]

@@ -290,7 +290,11 @@ def test_a_length_too_short_for_the_needles_is_not_applicable_and_the_sweep_goes
     net = tiny_net(vocab=sotu_data.vocab_size, train_len=16)
     evaluation = sotu_data.evaluation("validation")
     settings = eval_cfg(
-        protocol=["niah_multiquery", "nonoverlap"], lengths=[16, 256], haystack_samples=1, haystack_candidates=2
+        protocol=["niah_multiquery", "nonoverlap"],
+        lengths=[16, 256],
+        haystack_samples=1,
+        haystack_candidates=2,
+        max_windows=4,
     )
     plan = sweep_plan(settings, 16, None, evaluation.protocols)
     rows, _ = sweep(net, evaluation, plan, settings)

@@ -16,6 +16,7 @@ from lenext.model import Decoder
 from lenext.module import LanguageModel, shard
 from lenext.pe import FIRE, KERPLE, RoPE, T5Bias
 from lenext.run_folder import resolve_training
+from tests import forked
 from tests.conftest import CONFIG_FOLDER, tiny_overrides
 
 PES = sorted(path.stem for path in (CONFIG_FOLDER / "pe").glob("*.yaml"))
@@ -114,6 +115,7 @@ def test_a_sharded_step_on_two_ranks_gives_one_process_gradients(pe, tmp_path):
         port = s.getsockname()[1]
     arguments = (2, port, pe, str(tmp_path / "sharded.pt"))
     # forked from the tests' forkserver (tests/forked.py), which has imported torch and lenext: spawn starts anew
+    forked.ensure_server()
     mp.start_processes(_sharded_step, args=arguments, nprocs=2, join=True, start_method="forkserver")
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)
     whole = _step(_decoder(pe), torch.randint(64, (8, 17), generator=torch.Generator().manual_seed(1)))
