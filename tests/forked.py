@@ -45,6 +45,7 @@ FORKS.set_forkserver_preload([__name__])
 # The environment the forkserver starts in (``freeze_environment``): otherwise the one of whichever test first forks,
 # and a variable that test set (TMPDIR, say) would send every later command to a new interpreter.
 SERVER_ENVIRONMENT: dict[str, str] | None = None
+SERVER_STARTED = False
 
 
 def freeze_environment() -> None:
@@ -55,11 +56,15 @@ def freeze_environment() -> None:
 
 def ensure_server() -> None:
     """The forkserver running, started in ``SERVER_ENVIRONMENT`` (the environment now, if none was frozen)."""
+    global SERVER_STARTED
+    if SERVER_STARTED:
+        return  # later forks start it themselves if it ever ended
     current = dict(os.environ)
     os.environ.clear()
     os.environ.update(SERVER_ENVIRONMENT or current)
     try:
         multiprocessing.forkserver.ensure_running()
+        SERVER_STARTED = True
     finally:
         os.environ.clear()
         os.environ.update(current)

@@ -15,12 +15,22 @@ from lenext.run_folder import resolve_training
 from tests.conftest import ROOT
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+def load_script(name: str):
+    """scripts/<name>.py as a module of its own (a new one per call: a test may change its globals)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("bench")
+
+
+@pytest.fixture
+def gpu_check():
+    return load_script("gpu_check")
 
 
 @pytest.mark.parametrize(
@@ -114,14 +124,11 @@ def test_rows_asked_keep_nope_for_the_training_ratios_and_an_unknown_row_is_refu
     assert "--rows: copy not a row; rows are " in capsys.readouterr().err
 
 
-def test_the_gpu_check_runs_its_sections_on_a_cpu(tmp_path, monkeypatch):
+def test_the_gpu_check_runs_its_sections_on_a_cpu(gpu_check, tmp_path, monkeypatch):
     """scripts/gpu_check.py on the CPU (its smoke test): an exactness row asked with ``@compile`` is checked as its PE,
     the training table lists the rows (one without fla's kernels), and FSDP on one rank equals DDP after two steps
     (the GPU time it is run on is scarce: a script error found there costs a lent machine). A model of 2 layers
     trains: the code run is the same, and bf16, emulated on AVX2-only CPUs, takes minutes with the small model."""
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
     exact, trained = tmp_path / "reports" / "exact.md", tmp_path / "trained.md"  # a folder not made yet: made
     monkeypatch.setattr(gpu_check, "TRAIN_SHAPE", dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4))
     gpu_check.main(
@@ -154,12 +161,9 @@ def test_the_gpu_check_runs_its_sections_on_a_cpu(tmp_path, monkeypatch):
         gpu_check.main(["--device", "cpu", "--quick", "--sections", "training,exprt", "--out", str(trained)])
 
 
-def test_the_gpu_checks_export_section_loads_each_export_and_computes_lenexts_numbers(tmp_path, monkeypatch):
+def test_the_gpu_checks_export_section_loads_each_export_and_computes_lenexts_numbers(gpu_check, tmp_path, monkeypatch):
     """Each architecture lenext-export writes, loaded by transformers (here on the CPU): fp32 logits and embedding
     gradients within 1e-4 / 1e-3 of float64, and under bf16 autocast no worse than twice lenext's own."""
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
     # Each architecture at width 64 and 2 layers: bf16 is emulated on AVX2-only CPUs (2.4 s a backward at model=small).
     smaller = {
         case: [*overrides, "model.d_model=64", "model.n_layers=2"] for case, overrides in gpu_check.EXPORT_CASES.items()
@@ -176,12 +180,9 @@ def test_the_gpu_checks_export_section_loads_each_export_and_computes_lenexts_nu
     assert "**no**" not in out.read_text()
 
 
-def test_a_gpu_check_row_asked_with_ckpt_recomputes_each_block_and_trains_the_same(monkeypatch):
+def test_a_gpu_check_row_asked_with_ckpt_recomputes_each_block_and_trains_the_same(gpu_check, monkeypatch):
     """``<row>@ckpt`` (CoPE's and DAPE's saved scores outgrow a GPU at 125M): the same loss and parameters after a
     step, each block run twice (forward, then again in the backward)."""
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
     monkeypatch.setattr(gpu_check, "TRAIN_SHAPE", dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4))
     runs = {}
     for row in ("cope", "cope@ckpt"):
@@ -196,12 +197,9 @@ def test_a_gpu_check_row_asked_with_ckpt_recomputes_each_block_and_trains_the_sa
         torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=1e-6)
 
 
-def test_the_gpu_checks_default_rows_put_each_row_without_its_kernel_beside_it(monkeypatch):
+def test_the_gpu_checks_default_rows_put_each_row_without_its_kernel_beside_it(gpu_check, monkeypatch):
     """With the kernels at hand (fla's, lenext's CoPE kernel) the default rows time each row a kernel serves and,
     next to it (before a budget can end the section), the same row without; without them, no such rows."""
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
     monkeypatch.setattr(gpu_check.fla_kernels, "kernels", lambda: None)
     monkeypatch.setattr(gpu_check.attention_module, "contextual_kernel", lambda: None)
     assert not any(row.endswith("@nokernels") for row in gpu_check.all_rows())
@@ -241,11 +239,10 @@ def test_the_peer_section_reports_each_pe_with_its_ratio_and_mfu(bench):
     assert 0 < nope["peer_mfu"] < 1.5  # against the machine's measured GEMM peak
 
 
-def test_the_gpu_checks_sections_share_the_time_left_so_what_one_leaves_goes_to_the_next(monkeypatch, tmp_path):
+def test_the_gpu_checks_sections_share_the_time_left_so_what_one_leaves_goes_to_the_next(
+    gpu_check, monkeypatch, tmp_path
+):
     """A section that ends early leaves its unspent share to the sections after it: GPU time is scarce."""
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
     given, now = {}, [0.0]
     monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: now[0])
 

@@ -150,7 +150,7 @@ def test_the_export_evaluates_back_to_the_checkpoints_results(
     folder = tmp_path / "exported"
     remote = export(checkpoint, str(folder), architecture, cache_dir=cache_dir)[0] == "remote"
     sweep = ("eval.lengths=[32,96]", "eval.protocol=[nonoverlap,sliding,last_k]", "eval.last_k=8", "eval.stride=16")
-    sweep += ("eval.max_windows=16",)
+    sweep = (*sweep, "eval.max_windows=16")  # the same windows in both: their rows compared one by one
     evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "ckpt", checkpoint, *sweep))
     data = ("data=text_files", f"data.corpus.path={small_text_corpus}", "data.corpus.holdout_every=4")
     trust = (f"trust_remote_code={str(remote).lower()}",)
