@@ -102,6 +102,18 @@ def test_the_plan_defaults_and_the_window_cap_are_as_documented():
     assert cap_windows(list(range(10)), None) == list(range(10))
 
 
+def test_a_sliding_stride_longer_than_the_shortest_length_is_refused_before_any_work():
+    """Windows advanced by more than L would leave the targets between them unscored (and their bytes counted)."""
+    sliding = ("nonoverlap", "sliding")
+    with pytest.raises(ConfigError, match=r"^eval.stride=24 is invalid with eval.protocol=sliding: it must be at most "
+                       r"the shortest length, 16$"):  # fmt: skip
+        sweep_plan(eval_cfg(protocol="sliding", lengths=[16, 32], stride=24), 16, None, sliding)
+    with pytest.raises(ConfigError, match=r"^eval.stride=null \(L_train / 2 = 32\) is invalid"):
+        sweep_plan(eval_cfg(protocol=["nonoverlap", "sliding"], factors=[0.25, 1]), 64, None, sliding)
+    assert sweep_plan(eval_cfg(protocol="sliding", lengths=[16, 32], stride=16), 16, None, sliding).stride == 16
+    assert sweep_plan(eval_cfg(protocol="nonoverlap", factors=[0.25, 1]), 64, None, sliding).stride == 32
+
+
 @pytest.mark.parametrize("protocol", ["nonoverlap", "sliding", "last_k"])
 def test_perplexity_equals_exp_mean_nll_of_a_plain_per_window_loop(protocol):
     net, docs = tiny_net(), random_documents()
@@ -152,6 +164,25 @@ def test_query_chunked_evaluation_equals_unchunked(pe, monkeypatch):
     chunked = evaluate_length(net, docs, windows, 64, 256, per_position=True)
     assert chunked["mean_nll"] == pytest.approx(whole["mean_nll"], rel=1e-5)
     np.testing.assert_allclose(chunked["curve"], whole["curve"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens_per_batch", [16, 64])  # a window a batch; every window in one
+def test_a_nan_loss_makes_the_mean_nan_at_any_batching(tokens_per_batch, monkeypatch):
+    """A diverged model's NaN is reported, not dropped: torchmetrics' default would leave the other windows' mean,
+    reported over all the tokens, and only when the NaN has a batch of its own."""
+    net, docs = tiny_net(), random_documents(3)
+    windows = NonOverlapping().windows([len(d) for d in docs], 16)
+    token_nll = net.token_nll
+
+    def one_nan(tokens, targets, *args, **kwargs):
+        nll = token_nll(tokens, targets, *args, **kwargs).clone()
+        nll[tokens[:, 0] == int(docs[0][16]), 3] = float("nan")  # one target of the first document's second window
+        return nll
+
+    monkeypatch.setattr(net, "token_nll", one_nan)
+    result = evaluate_length(net, docs, windows, 16, tokens_per_batch, per_position=True)
+    assert math.isnan(result["mean_nll"]) and result["tokens"] == 16 * len(windows)
+    assert math.isnan(result["curve"][3]) and not math.isnan(result["curve"][2])
 
 
 def test_per_position_curve_averages_the_windows():

@@ -5,6 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -132,6 +133,33 @@ def test_runs_at_other_training_settings_are_labelled_by_each_setting_that_diffe
         "t5 [model.d_model=64, trainer.max_steps=200]",
         "t5 (eval.py) [model.d_model=64, trainer.max_steps=200]",
     ]
+
+
+def test_seeds_of_a_fixed_data_seed_pool_with_the_run_where_it_equals_the_seed(tmp_path):
+    """A sweep seed=0,1,2 with data.seed=0: the seed-0 run's data.seed follows its seed, and still pools with the
+    other two; a sweep where data.seed follows the seed stays a row of its own."""
+    for seed in range(3):
+        t5_run(tmp_path / "fixed" / str(seed), seed, 64, {64: 30.0 + 2 * seed}, **{"data.seed": 0})
+    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
+    assert set(lines) - {"PE"} == {"t5"} and "| **32.00 ± 2.00** |" in lines["t5"]
+    for seed in (1, 2):
+        t5_run(tmp_path / "following" / str(seed), seed, 64, {64: 40.0 + seed})
+    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
+    assert "| **32.00 ± 2.00** |" in lines["t5 [data.seed=0]"]
+    assert "| 41.50 ± 0.71 |" in lines["t5 [data.seed=?]"]
+
+
+def test_a_seed_measured_nan_makes_its_cell_nan_and_a_row_without_a_value_shows_a_dash(tmp_path):
+    """A diverged seed is not left out of its cell's mean (the other seeds' mean would pass for all three's)."""
+    for seed, ppl in enumerate([60.0, float("nan"), 62.0]):
+        t5_run(tmp_path / str(seed), seed, 64, {64: 30.0 + seed, 128: ppl, 256: None})
+    summary = Summary(load([str(tmp_path)]))
+    cells = summary.tables[TableKey(64, "nonoverlap")].cells
+    assert cells.loc[("t5", 128)].n == 3 and np.isnan(cells.loc[("t5", 128)]["mean"])
+    assert pd.isna(cells.loc[("t5", 128)].separable) and cells.loc[("t5", 64)]["mean"] == 31.0
+    assert (cells.loc[("t5", 256)].n, cells.loc[("t5", 256)].status) == (0, "no value")
+    line = table_lines(report([str(tmp_path)], str(tmp_path / "out")))["t5"]
+    assert "| t5 | **31.00 ± 1.00** | nan ± nan | - |" in line, line
 
 
 NEW_ROW_KEYS = {"scaling": "variant", "rope_factor": "variant_factor"}

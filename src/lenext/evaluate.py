@@ -22,7 +22,7 @@ from lenext.hardware import release_freed_memory
 from lenext.haystack import HaystackText
 from lenext.pe import VARIANTS
 from lenext.positions import PositionScheme
-from lenext.protocols import PROTOCOL_NAMES, PROTOCOLS, TextProtocol, Window
+from lenext.protocols import PROTOCOL_NAMES, PROTOCOLS, Sliding, TextProtocol, Window
 from lenext.ranges import NonNegativeFloat, PositiveFloat, PositiveInt, Share
 from lenext.scoring import Measured
 from lenext.temperature import TEMPERATURE, asks_temperature, describe_fit, fit_temperature, row_fields, variant_scope
@@ -182,6 +182,12 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
     k = eval_cfg.last_k or min(lengths)
     if k > min(lengths):
         raise ConfigError(f"eval.last_k={k} is invalid: it must be at most the shortest length, {min(lengths)}")
+    stride = eval_cfg.stride or max(1, base_len // 2)
+    if Sliding.name in plan_protocols and stride > min(lengths):  # targets between windows would go unscored
+        given = f"eval.stride={stride}" if eval_cfg.stride else f"eval.stride=null (L_train / 2 = {stride})"
+        raise ConfigError(
+            f"{given} is invalid with eval.protocol=sliding: it must be at most the shortest length, {min(lengths)}"
+        )
     evaluation_positions(eval_cfg, scheme or PositionScheme()).check_evaluation_length(max(lengths))
     if getattr(eval_cfg, "haystack_depths", None) == []:
         raise ConfigError("eval.haystack_depths=[] is invalid: give at least one depth in [0, 1], e.g. [0.5]")
@@ -194,7 +200,7 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
     return SweepPlan(
         plan_protocols,
         lengths,
-        eval_cfg.stride or max(1, base_len // 2),
+        stride,
         k,
         base_len,
         {key: value for key in PROTOCOL_SETTINGS if (value := getattr(eval_cfg, key, None)) is not None},

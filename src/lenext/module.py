@@ -10,7 +10,7 @@ import torch
 from lightning.fabric.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
-from torchmetrics import MeanMetric, SumMetric
+from torchmetrics import SumMetric
 
 from lenext.errors import LenextError
 from lenext.files import atomic_path
@@ -18,7 +18,7 @@ from lenext.hardware import warn_if_precision_is_slow
 from lenext.model import Decoder
 from lenext.positions import PositionScheme, training_positions, window_positions
 from lenext.ranges import NonNegativeFloat, NonNegativeInt, PositiveFloat, Probability, Range
-from lenext.scoring import answer_metrics, answers_per_sample, scored_targets
+from lenext.scoring import answer_metrics, answers_per_sample, mean_metric, scored_targets
 
 
 class NonFiniteLoss(LenextError):
@@ -90,7 +90,7 @@ class LanguageModel(L.LightningModule):
         self.net = net
         self.scheme = scheme or PositionScheme()  # the run's train.positions; seed: what draws them
         # Weighted by token count, synchronised across DDP ranks: each token counts once.
-        self.val_nll = MeanMetric()
+        self.val_nll = mean_metric()
         self.val_windows = SumMetric()
         self.val_answers = answer_metrics(net.embedding.num_embeddings)  # probes: exact match, token accuracy
         self.train_seconds, self.train_tokens = 0.0, 0  # time inside training steps, for tokens/s (kept on resume)

@@ -20,6 +20,13 @@ def distributed() -> tuple[int, int]:
     return 0, 1
 
 
+def mean_metric() -> MeanMetric:
+    """A weighted mean that keeps NaN: torchmetrics' default drops NaN values with a warning, so a diverged
+    model's NaN losses would leave the mean of its other tokens, reported as all of them. A NaN is imputed as NaN
+    (its "disable" would drop the weights too: torchmetrics 1.9)."""
+    return MeanMetric(nan_strategy=float("nan"))
+
+
 @torch.no_grad()
 def window_nll(
     net,
@@ -62,7 +69,7 @@ def evaluate_length(
     counted once."""
     device = next(net.parameters()).device
     rank, world = distributed()
-    nll_mean, tokens = MeanMetric().to(device), SumMetric().to(device)
+    nll_mean, tokens = mean_metric().to(device), SumMetric().to(device)
     position_sum = torch.zeros(length, dtype=torch.float64, device=device)
     position_count = torch.zeros(length, dtype=torch.float64, device=device)
     mine = windows[rank::world]
@@ -71,7 +78,7 @@ def evaluate_length(
             torch.arange(length, device=device)[None, :]
             >= torch.tensor([w.score_from for w in group], device=device)[:, None]
         )
-        count = scored.sum()
+        count = sum(length - w.score_from for w in group)  # an int: torchmetrics writes into a NaN's weight tensor
         nll_mean.update(nll[scored].sum() / count, weight=count)
         tokens.update(count)
         if per_position:
@@ -141,7 +148,7 @@ def measure_answers(
     def metrics() -> dict:
         return {
             "accuracy": answer_metrics(vocab_size).to(device),
-            "mean_nll": MeanMetric().to(device),
+            "mean_nll": mean_metric().to(device),
             **{count: SumMetric().to(device) for count in ("answers", "tokens", "windows")},
         }
 

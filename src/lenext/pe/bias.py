@@ -49,7 +49,7 @@ class ALiBi(PositionalEncoding):
     def key_bias(self, positions, layer):
         # -m (i - j) = m (j - last) - m (i - last): the second term is constant along a row and
         # softmax ignores it, so a key bias is exact (for any positions) and keeps SDPA fused.
-        # Anchoring at the last key keeps the values of the keys that matter small, so fp32 stays exact.
+        # Anchored at the last key: a row i's logits are rounded at the size of m (last - i) (docs/pes/alibi.md).
         keys = (positions - positions[:, -1:]).float()  # (B or 1, K)
         return (
             self.head_slopes(keys.device)[None, :, None, None] * keys[:, None, None, :]

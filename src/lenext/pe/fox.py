@@ -49,7 +49,7 @@ class ForgetGate(LayerPE):
         wide = torch.promote_types(x.dtype, torch.float32)  # fp32; float64 for a float64 model (tests)
 
         def key(first: int, end: int) -> torch.Tensor:
-            # F_{end-1} - F_j: anchored at the last key, so the keys near the queries keep fp32's precision.
+            # F_{end-1} - F_j: anchored at the last key, so rows far from it are rounded at |F| (docs/pes/fox.md).
             return (cumulative[..., end - 1 : end] - cumulative[..., first:end]).to(wide)
 
         return ScoreTerms((Bias(key=key, gates=lambda: log_forget),))

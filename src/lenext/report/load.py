@@ -352,6 +352,22 @@ def merged_variants(meta: dict, rows: list[dict]) -> set[str]:
     return redundant_variants(asked, pe.get("scaling"), per_span)
 
 
+def with_fixed_data_seeds(runs: list[Run]) -> list[Run]:
+    """The runs, each whose data.seed equals its seed (left out of its settings: the default follows the seed) given
+    that data.seed as a setting where runs of otherwise equal settings fixed it at that value: a sweep over seed with
+    data.seed=v holds one run where the two agree, which pools with the sweep's others."""
+    groups = {run.group for run in runs}
+
+    def joined(run: Run) -> Run:
+        identity = run.meta.get("identity")
+        if not isinstance(identity, dict) or "data.seed" in run.settings or identity.get("data.seed") != run.seed:
+            return run
+        fixed = dataclasses.replace(run, settings={**run.settings, "data.seed": run.seed})
+        return fixed if fixed.group in groups else run
+
+    return [joined(run) for run in runs]
+
+
 def count_once(runs: list[Run]) -> tuple[list[Run], list[tuple[str, str]]]:
     """The runs, each (settings, seed) once: the first found counts, and each later results file of the same
     settings and seed is a repeat, returned as (its folder, the counted run's folder)."""
@@ -424,6 +440,7 @@ def setting_text(value) -> str:
     return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"), default=str)
 
 
+NO_VALUE = "no value"  # measured, without a value (no key token at L_train): shown as "-", as a length without windows
 COLUMNS = (
     *("run", "group", "row", "label", "pe", "positions", "attention", "base", "method", "stage_len", "root"),
     *("extension_method", "family", "display_name", "task", "train_len", "seed", "protocol", "variant", "metric"),
@@ -438,7 +455,7 @@ def tidy(runs: list[Run]) -> pd.DataFrame:
     declares (``metrics_of``: ``ppl`` for perplexity, ``ppl`` and ``key_share`` for key tokens, ``rank_accuracy``
     and ``exact_match`` for the haystack protocols, ``exact_match`` and ``token_accuracy`` for a probe's rows),
     depth rows included (passkey's, the haystack protocols'), with their ``depth``; ``value`` null where the row
-    has none (no key token at L_train).
+    has none (no key token at L_train), its status then ``NO_VALUE``; NaN where the run measured NaN (diverged).
 
     Columns: ``run`` (its folder), ``group`` (its settings: ``Run.group``), ``row`` (its row's label), ``label`` (the
     row label with the variant), the row's structure (``pe``, ``positions``, ``attention`` as ``+``-joined
@@ -480,7 +497,7 @@ def tidy(runs: list[Run]) -> pd.DataFrame:
                         "value": row.get(metric),
                         "answers": row.get("answers"),
                         "chance": row.get("chance"),
-                        "status": row["status"],
+                        "status": NO_VALUE if row["status"] == "ok" and row.get(metric) is None else row["status"],
                         "counted": run.learned or row["length"] <= run.table_len,
                         "peak_mem_mb": row.get("peak_mem_mb"),
                         "train_tokens_per_s": meta.get("train_tokens_per_s"),
@@ -518,7 +535,7 @@ class Loaded:
 def runs_of(complete: list[tuple[str, dict]]) -> tuple[list[Run], list[tuple[str, str]]]:
     """``find_runs``' complete runs read (``Run.read``), each (settings, seed) once (``count_once``) and
     labelled (``label_runs``); with the repeats left out."""
-    runs, repeats = count_once([Run.read(folder, results) for folder, results in complete])
+    runs, repeats = count_once(with_fixed_data_seeds([Run.read(folder, results) for folder, results in complete]))
     return label_runs(runs), repeats
 
 

@@ -12,6 +12,7 @@ import pandas as pd
 from lenext.diagnostics import STATISTICS
 from lenext.report.load import (
     LEARNED_AT,
+    NO_VALUE,
     Loaded,
     Run,
     diagnostics_of,
@@ -22,7 +23,6 @@ from lenext.report.load import (
 
 BINS_PER_OCTAVE = 4
 NOT_LEARNED = "not learned"
-NO_VALUE = "no value"  # measured, without a value (no key token at L_train): shown as "-", as a length without windows
 
 
 class Metric(NamedTuple):
@@ -138,21 +138,21 @@ def summarize(frame: pd.DataFrame) -> dict[TableKey, Table]:
     return {key: tables[key] for key in order}
 
 
-# A cell's mean and std are the Series' own, not the group-by's "mean"/"std", which round last bits otherwise.
+# A cell's mean and std are the Series' own, not the group-by's "mean"/"std", which round last bits otherwise; a
+# seed's NaN (a diverged run) makes them NaN, not the other seeds'.
 def _mean(values: pd.Series) -> float:
-    return values.mean()
+    return values.mean(skipna=False)
 
 
 def _std(values: pd.Series) -> float:
-    return values.std(ddof=1) if len(values) > 1 else 0.0
+    return values.std(ddof=1, skipna=False) if len(values) > 1 else 0.0
 
 
 def _table(key: TableKey, records: pd.DataFrame) -> Table:
-    ok = records.status == "ok"
-    valued = ok & records.value.notna()  # a row measured without a value (no key token) counts in no mean
+    valued = records.status == "ok"
     counted = records[valued & records.counted]
     spread = counted.groupby(CELL, sort=False).value.agg(mean=_mean, std=_std, n="size")
-    measured = records.assign(measured=ok, valued=valued).groupby(CELL, sort=False)
+    measured = records.assign(measured=valued | (records.status == NO_VALUE), valued=valued).groupby(CELL, sort=False)
     cells = measured.agg(recorded=("status", "first"), measured=("measured", "any"), valued=("valued", "any"))
     cells = cells.join(spread)
     cells["n"] = cells.n.fillna(0).astype(int)
@@ -202,7 +202,7 @@ def _separable(cells: pd.DataFrame, seeds: pd.Series, a: str, b: str, length: in
     if (a, length) not in cells.index or (b, length) not in cells.index:
         return None
     cell_a, cell_b = cells.loc[(a, length)], cells.loc[(b, length)]
-    if min(cell_a.n, cell_b.n) < 2:
+    if min(cell_a.n, cell_b.n) < 2 or np.isnan(cell_a["mean"]) or np.isnan(cell_b["mean"]):  # NaN: a diverged seed
         return None
     apart = abs(cell_a["mean"] - cell_b["mean"]) > 2 * max(cell_a["std"], cell_b["std"])
     paired = (seeds.loc[(a, length)] - seeds.loc[(b, length)]).dropna()  # over the seeds both have
