@@ -294,6 +294,12 @@ def test_report_skips_another_tools_results_and_says_so(tmp_path, capsys):
         (lambda r: r["meta"].update(train_len="abc"), "meta.train_len"),
         (lambda r: r["meta"].update(hardware="a CPU"), "meta.hardware"),
         (lambda r: r["meta"].update(positions="sequential"), "meta.positions"),
+        # What the report reads where a file has it (hand-edited files had sent a traceback)
+        (lambda r: r["meta"].update(row_fields=["rope"]), "meta.row_fields"),
+        (lambda r: r["meta"].update(lineage=[{"steps": 100}]), "meta.lineage[0].row"),
+        (lambda r: r["meta"].update(identity={"eval.variants": 5}), "meta.identity.eval.variants"),
+        (lambda r: r["rows"][0].update(rank_accuracy="high"), "rows[0].rank_accuracy"),
+        (lambda r: r["meta"].update(hardware={"gpu": None}), "meta.hardware.cpu"),
     ],
 )
 def test_report_lists_a_results_file_it_cannot_read_as_lenexts(tmp_path, capsys, change, problem):

@@ -16,6 +16,7 @@ from importlib import metadata
 from lenext.evaluate import evaluation_positions
 from lenext.files import write_atomic
 from lenext.hardware import PRECISION_NAMES, machine_description
+from lenext.protocols import METRICS_OF
 
 RESULTS_FILE, POSITIONS_FILE, ERROR_FILE = "results.json", "positions.csv", "error.txt"
 
@@ -118,6 +119,7 @@ def not_lenext_results(results) -> str | None:
     }
     if meta.get("pe_name"):  # the row label; meta.pe.name is its fallback
         del fields["meta.pe.name"]
+    fields |= optional_fields(meta)
     for i, row in enumerate(rows):
         fields |= {
             f"rows[{i}].protocol": (row.get("protocol"), str),
@@ -125,13 +127,42 @@ def not_lenext_results(results) -> str | None:
             f"rows[{i}].length": (row.get("length"), int),
             # ``scaling``: the variant's key in results written before variants had a generic name
             f"rows[{i}].variant": (row.get("variant", row.get("scaling")), (str, type(None))),
-            **{
-                f"rows[{i}].{m}": (row.get(m), (int, float, type(None)))
-                for m in ("ppl", "exact_match", "token_accuracy")
-            },
+            **{f"rows[{i}].{m}": (row.get(m), (int, float, type(None))) for m in ("ppl", *ROW_METRICS)},
         }
     wrong = [key for key, (value, kind) in fields.items() if not isinstance(value, kind) or isinstance(value, bool)]
     return f"{wrong[0]} is missing or of another type" if wrong else None
+
+
+ROW_METRICS = tuple(dict.fromkeys(metric for metrics in METRICS_OF.values() for metric in metrics))
+
+
+def optional_fields(meta: dict) -> dict:
+    """``not_lenext_results``' checks of what the meta may lack (files written before these existed) but the report
+    reads where it is there: key -> (value, the types it may have)."""
+
+    def at(node, key):
+        return node.get(key) if isinstance(node, dict) else None
+
+    row_fields, lineage, hardware, identity = (meta.get(k) for k in ("row_fields", "lineage", "hardware", "identity"))
+    fields = {
+        "meta.row_fields": (row_fields, (dict, type(None))),
+        "meta.lineage": (lineage, (list, type(None))),
+        "meta.identity": (identity, (dict, type(None))),
+        "meta.identity.eval.variants": (at(identity, "eval.variants"), (list, type(None))),
+    }
+    if isinstance(row_fields, dict) and row_fields:
+        fields |= {"meta.row_fields.pe": (row_fields.get("pe"), str)}
+        fields |= {"meta.row_fields.attention": (row_fields.get("attention", []), list)}
+    for i, stage in enumerate(lineage if isinstance(lineage, list) else []):
+        fields |= {
+            f"meta.lineage[{i}].row": (at(stage, "row"), str),
+            f"meta.lineage[{i}].steps": (at(stage, "steps"), int),
+        }
+    if isinstance(hardware, dict) and hardware and not hardware.get("gpu"):  # a CPU's: its model, ISA and cores
+        fields |= {
+            f"meta.hardware.{k}": (hardware.get(k), kind) for k, kind in (("cpu", str), ("isa", str), ("cores", int))
+        }
+    return fields
 
 
 def write_results(output_dir: str, meta: dict, rows: list, curves: list) -> str:
