@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch.testing import assert_close
 
@@ -224,6 +225,77 @@ def test_a_dynamic_row_is_the_model_as_trained_up_to_c_in_every_protocol(tmp_pat
     for protocol in ("nonoverlap", "last_k"):
         assert at[(protocol, "dynamic_ntk", 32)] == pytest.approx(at[(protocol, None, 32)], rel=1e-6)
         assert at[(protocol, "dynamic_ntk", 128)] != pytest.approx(at[(protocol, None, 128)], rel=1e-4)
+
+
+def test_a_model_whose_own_rope_is_dynamic_is_scored_at_each_length_as_a_fresh_transformers_forward(
+    tmp_path, tokenizer_folder
+):
+    """transformers' dynamic module keeps the longest length it saw (it resets only below C), so one module kept
+    over a sweep scored every length after a longer one with that one's frequencies."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config("llama")
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "dynamic")
+    net = HFLanguageModel(load_model(str(tmp_path / "dynamic")))
+    tokens = torch.randint(0, VOCAB, (1, 8 * CONTEXT + 1))
+    scored = {length: net.token_nll(tokens[:, :length], tokens[:, 1 : length + 1]) for length in (256, 64, 48)}
+    for length in (64, 48):  # each after a longer one, against a model that saw only this length
+        fresh = load_model(str(tmp_path / "dynamic"))
+        with torch.no_grad():
+            logits = fresh(input_ids=tokens[:, :length], use_cache=False).logits
+        expected = F.cross_entropy(logits[0], tokens[0, 1 : length + 1], reduction="none")
+        assert_close(scored[length][0], expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"Self-Extend cannot patch it, its own RoPE is dynamic"):
+        net.pe.variants(["self_extend"], 4 * CONTEXT)
+
+
+@pytest.mark.parametrize(
+    "settings,reason",
+    [
+        ({"sliding_window": 24}, r"it attends through a sliding window \(sliding_window=24\)"),
+        ({"attn_logit_softcapping": 50.0}, r"it caps its logits \(attn_logit_softcapping=50.0\)"),
+    ],
+)
+def test_self_extend_refuses_a_window_or_capped_logits_it_would_drop(settings, reason, tmp_path, tokenizer_folder):
+    """Self-Extend's attention keeps neither; a window as long as its 24-token check would pass the check unseen."""
+    net = HFLanguageModel(load_model(str(model_folder(tmp_path, tokenizer_folder, "llama"))))
+    for key, value in settings.items():
+        setattr(net.model.config, key, value)
+    with pytest.raises(ConfigError, match=r"^eval.variants=\['self_extend'\] is invalid for this model: Self-Extend "
+                       r"cannot patch it, " + reason):  # fmt: skip
+        net.pe.variants(["self_extend"], 4 * CONTEXT)
+
+
+def test_a_key_evaluator_of_another_vocabulary_is_refused_in_one_line_for_a_hugging_face_model(
+    tmp_path, tokenizer_folder, monkeypatch
+):
+    """The judge's vocabulary is checked against the evaluated model's embedding (an HF model has no vocab_size
+    attribute: this raised AttributeError)."""
+    import lenext.checkpoints
+    from lenext.protocols import evaluator_net
+
+    net = HFLanguageModel(load_model(str(model_folder(tmp_path, tokenizer_folder, "llama"))))
+    monkeypatch.setattr(lenext.checkpoints, "load_checkpoint", lambda path, key: {})
+    monkeypatch.setattr(lenext.checkpoints, "net_state", lambda checkpoint: {"embedding.weight": torch.zeros(512, 4)})
+    with pytest.raises(ConfigError, match=r"^eval.key_evaluator='judge.ckpt' has a vocabulary of 512 tokens, the "
+                       r"evaluated model 300: it must be a run on the same data and tokenizer$"):  # fmt: skip
+        evaluator_net("judge.ckpt", net)
+
+
+def test_the_trained_context_is_the_one_given_then_a_lenext_exports_then_a_scalings_original_then_the_window():
+    """A lenext run under YaRN trained at L_train 32 from an original context of 16 is exported with both: its
+    evaluation's lengths are factors of 32, as the checkpoint's are."""
+    from transformers import LlamaConfig
+
+    from lenext.hf import trained_context
+
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+    assert trained_context(LlamaConfig(max_position_embeddings=64, rope_parameters=yarn)) == 16
+    assert trained_context(LlamaConfig(max_position_embeddings=64)) == 64
+    exported = LlamaConfig(max_position_embeddings=32, rope_parameters=yarn, lenext_context=32)
+    assert trained_context(exported) == 32 and trained_context(exported, given=128) == 128
 
 
 def test_partial_rotary_stays_partial_under_a_variant(tmp_path, tokenizer_folder):

@@ -2,8 +2,8 @@
 
 Any ``AutoModelForCausalLM`` is evaluated by the sweep that evaluates lenext's runs, on a corpus lenext has
 (``data=``, the embedded one by default) tokenized with the model's own tokenizer, into the same results.json:
-every protocol, lengths given directly or as ``eval.factors`` of the model's trained context (its config's
-``original_max_position_embeddings`` under a RoPE scaling, else ``max_position_embeddings``), perplexity and
+every protocol, lengths given directly or as ``eval.factors`` of the model's trained context (``trained_context``:
+a lenext export's L_train, a scaling's original context, or ``max_position_embeddings``), perplexity and
 bits per byte (models with different tokenizers share a table by the latter).
 
 A RoPE model's zero-shot scalings are its variants (``eval.variants``), set through the model's own config as
@@ -95,10 +95,12 @@ def sees_only_the_past(model, vocab_size: int) -> bool:
 
 
 def trained_context(config, given: int | None = None) -> int:
-    """C: the context the model was trained at: ``given`` (eval.py's ``context``), else its config's."""
+    """C: the context the model was trained at: ``given`` (eval.py's ``context``), else its config's (a lenext
+    export's run's first L_train: a run trained under YaRN or Llama 3's scaling may have another original context)."""
     rope = getattr(config, "rope_parameters", None) or {}
     original = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
-    context = given or original or getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 0)
+    context = given or getattr(config, "lenext_context", None) or original
+    context = context or getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 0)
     if not context:
         raise ConfigError(
             f"context=null is invalid for this model: its config ({type(config).__name__}) says no trained context "
@@ -126,10 +128,12 @@ class HFPositions:
         self.model, self.context = model, trained_context(model.config, context)
         rope = getattr(model.config, "rope_parameters", None)
         self.rope = dict(rope) if isinstance(rope, dict) and "rope_type" in rope else None
+        # transformers' dynamic module keeps the longest length it saw, so the model's own is rebuilt per length
+        self.dynamic = self.rope is not None and self.rope["rope_type"] == ROPE_TYPES["dynamic_ntk"]
         self.active: str | None = None  # the variant set, when not the model as trained
         self.self_extend = None  # its attention function, once Self-Extend is asked for (lenext.hf_self_extend)
         self.trained_attention = model.config._attn_implementation
-        self._built_for: tuple | None = None
+        self._built_for: tuple | None = (None, None, 0)  # the model as trained, its modules as loaded
         self.trained_modules = {
             path: module
             for path, module in model.named_modules()
@@ -153,6 +157,7 @@ class HFPositions:
             )
         if SELF_EXTEND in asked and self.self_extend is None:
             reason = "it has several rotary modules" if len(self.trained_modules) > 1 else None
+            reason = reason or ("its own RoPE is dynamic (rope_type dynamic), not fixed" if self.dynamic else None)
             installed = reason or install_self_extend(self.model, *self.trained_modules.values(), self.context)
             if isinstance(installed, str):
                 raise ConfigError(
@@ -183,13 +188,15 @@ class HFPositions:
         self._configure(self.active, length)
 
     def _configure(self, name: str | None, length: int) -> None:
-        # Dynamic NTK's module keeps the longest length it saw: a fresh one for each length.
-        key = None if name is None else (name, self.scaling_factor(length), length if name == "dynamic_ntk" else 0)
+        # A dynamic module (dynamic NTK's, or a dynamic model's own) keeps the longest length it saw: one per length.
+        fresh = name == "dynamic_ntk" or (name is None and self.dynamic)
+        key = (name, self.scaling_factor(length), length if fresh else 0)
         if key == self._built_for:
             return
-        if name in (None, SELF_EXTEND):  # the model as trained: its own modules, put back
+        if name in (None, SELF_EXTEND):  # the model as trained: its own modules, put back (built anew if dynamic)
             for path, module in self.trained_modules.items():
-                self._replace(path, module)
+                own = type(module)(config=self.model.config).to(module.inv_freq.device) if fresh else module
+                self._replace(path, own)
         if name == SELF_EXTEND:
             self.self_extend.group = int(key[1])
         attention = ATTENTION_NAME if name == SELF_EXTEND else self.trained_attention

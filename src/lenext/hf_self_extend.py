@@ -82,6 +82,12 @@ def install(model, rotary: nn.Module, context: int) -> SelfExtendAttention | str
     cannot patch the model exactly: checked at G = 1, where it must give the model's own logits."""
     from transformers import AttentionInterface
 
+    window = getattr(model.config, "sliding_window", None)
+    if window and getattr(model.config, "use_sliding_window", True):  # a check on a few tokens would not see it
+        return f"it attends through a sliding window (sliding_window={window}), which Self-Extend's attention drops"
+    softcap = getattr(model.config, "attn_logit_softcapping", None)
+    if softcap:
+        return f"it caps its logits (attn_logit_softcapping={softcap}), which Self-Extend's attention does not"
     attention = SelfExtendAttention(rotary, context)
     AttentionInterface.register(ATTENTION_NAME, attention)
     tokens = torch.arange(24)[None] % model.config.vocab_size

@@ -283,10 +283,10 @@ def evaluator_net(path: str, like):
     file = os.path.join(path, "checkpoints", "last.ckpt") if os.path.isdir(path) else path
     checkpoint = load_checkpoint(file, "eval.key_evaluator")
     state = net_state(checkpoint)
-    vocab = state["embedding.weight"].size(0)
-    if vocab != like.vocab_size:
+    vocab, evaluated = state["embedding.weight"].size(0), like.embedding.num_embeddings  # a lenext or HF model's
+    if vocab != evaluated:
         raise ConfigError(
-            f"eval.key_evaluator={path!r} has a vocabulary of {vocab} tokens, the evaluated model {like.vocab_size}: "
+            f"eval.key_evaluator={path!r} has a vocabulary of {vocab} tokens, the evaluated model {evaluated}: "
             "it must be a run on the same data and tokenizer"
         )
     judge = build_net(stored_spec(checkpoint, f"eval.key_evaluator={path}"), vocab, state)

@@ -187,7 +187,7 @@ def format_rows(rows: list[dict]) -> str:
     extra = f" {'exact':>6} {'depth':>5}" if probe else ""
     lines = [f"{'protocol':<10} {'variant':<11} {'L_eval':>7} {'ppl':>10}{extra} {'tokens':>9} {'windows':>7}  status"]
     for r in rows:
-        extra = f" {number(r.get('exact_match')):>6} {number(r.get('depth'), 1):>5}" if probe else ""
+        extra = f" {number(r.get('exact_match')):>6} {number(r.get('depth'), 2):>5}" if probe else ""
         lines.append(
             f"{r['protocol']:<10} {r['variant'] or '-':<11} {r['length']:>7} {number(r['ppl']):>10}{extra} "
             f"{r['tokens']:>9} {r['windows']:>7}  {r['status']}" + (f" ({r['reason']})" if r.get("reason") else "")

@@ -116,7 +116,8 @@ class Architecture:
         import transformers
 
         settings, state = self.convert(net, context)
-        settings |= special_tokens
+        # C for lenext's HF import (lenext.hf.trained_context), which reads a scaling's original context otherwise
+        settings |= special_tokens | {"lenext_context": context}
         model_class = getattr(transformers, self.model_class)
         model = model_class(model_class.config_class(**settings))
         missing, unexpected = model.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False)
