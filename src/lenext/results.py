@@ -160,7 +160,8 @@ def optional_fields(meta: dict) -> dict:
         }
     if isinstance(hardware, dict) and hardware and not hardware.get("gpu"):  # a CPU's: its model, ISA and cores
         fields |= {
-            f"meta.hardware.{k}": (hardware.get(k), kind) for k, kind in (("cpu", str), ("isa", str), ("cores", int))
+            f"meta.hardware.{k}": (hardware.get(k), kind)
+            for k, kind in (("cpu", str), ("isa", str), ("cores", (int, type(None))))
         }
     return fields
 
