@@ -909,6 +909,22 @@ def test_alibi_under_bf16_autocast_keeps_long_offsets(monkeypatch):
         assert (got.double() - expected).abs().max() < 0.06
 
 
+def test_alibis_fp32_key_bias_rounds_each_row_at_the_size_of_its_distance_to_the_last_key():
+    """docs/pes/alibi.md: inside the fused kernel a row i's logits are added to biases near m (last - i), so they round
+    at that size (fp32's spacing, 2^-24 of it); the last rows keep fp32's precision. A bias anchored elsewhere (the
+    first key) would break the second bound."""
+    length = 2048
+    pe = ALiBi(AttentionShape(d_model=HEADS * 16, n_heads=HEADS, n_layers=1, train_len=16))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, HEADS, length, 16, generator=gen) for _ in range(3))
+    with torch.no_grad():
+        got = causal_attention(q, k, v, pe.layer(0).terms(None, q, k, sequential_positions(length)))
+    error = (got.double() - naive_biased_attention(q, k, v, pe, layer=0)).abs().amax(dim=(0, 1, 3))  # per row
+    steepest = float(pe.head_slopes(torch.device("cpu")).max())
+    assert error.max() < 8 * steepest * length * 2**-24
+    assert error[-64:].max() < 8 * steepest * 64 * 2**-24 + 1e-6
+
+
 # --------------------------------------------------------------------------------------------
 # Shaw: efficient path vs the (L, L, d_head) formula
 # --------------------------------------------------------------------------------------------
