@@ -77,18 +77,25 @@ def test_a_run_killed_or_terminated_resumes_to_the_same_final_loss(small_text_co
     assert straight.returncode == 0, straight.stderr[-2000:]
 
     stopped = {}
-    for name, sent in (("killed", signal.SIGKILL), ("terminated", signal.SIGTERM)):
+    # SIGKILL once a periodic checkpoint exists; SIGTERM once training prints its first step line, with no periodic
+    # checkpoint before: its own last.ckpt then comes first (resumed, the run had finished into last-v1.ckpt)
+    terminated = ("trainer.enable_progress_bar=false", "callbacks.last_checkpoint.every_n_train_steps=null")
+    for name, sent, own in (("killed", signal.SIGKILL, ()), ("terminated", signal.SIGTERM, terminated)):
         run_dir = tmp_path / name
         process = subprocess.Popen(
-            _train_command(run_dir, small_text_corpus, cache, *extra),
+            _train_command(run_dir, small_text_corpus, cache, *extra, *own),
             env=env,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if own else subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )
         last = run_dir / "checkpoints" / "last.ckpt"
         deadline = time.time() + 300
-        while not last.exists() and process.poll() is None and time.time() < deadline:
+        if own:
+            while not process.stdout.readline().startswith("step ") and process.poll() is None:
+                assert time.time() < deadline
+            assert not last.exists()
+        while not own and not last.exists() and process.poll() is None and time.time() < deadline:
             time.sleep(0.02)
         process.send_signal(sent)
         stopped[name] = (process.wait(), process.stderr.read())
@@ -103,7 +110,7 @@ def test_a_run_killed_or_terminated_resumes_to_the_same_final_loss(small_text_co
                 "run the same command to resume"
             ]
         resumed = subprocess.run(
-            _train_command(run_dir, small_text_corpus, cache, *extra),
+            _train_command(run_dir, small_text_corpus, cache, *extra, *own),
             env=env,
             capture_output=True,
             text=True,
@@ -111,6 +118,8 @@ def test_a_run_killed_or_terminated_resumes_to_the_same_final_loss(small_text_co
         )
         assert resumed.returncode == 0, resumed.stderr[-2000:]
         assert "resuming from" in resumed.stdout + resumed.stderr
+        assert sorted(os.listdir(last.parent)) == ["best.ckpt", "last.ckpt"]
+        assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 300
     assert stopped["killed"][0] == -signal.SIGKILL
     final = [
         json.loads((tmp_path / d / "results.json").read_text())["rows"][0]["mean_nll"]
