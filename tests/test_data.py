@@ -2,9 +2,11 @@
 
 import json
 import os
+import types
 
 import numpy as np
 import pytest
+import torch
 
 import lenext.data
 from lenext.data import DocumentWindows, HubCorpus, LMDataModule, Sotu, TextFiles, TrainWindows
@@ -134,3 +136,34 @@ def test_corpus_with_an_empty_split_fails_before_tokenizing(tmp_path):
     data = LMDataModule(TextFiles(str(tmp_path), holdout_every=3), cache_dir=str(tmp_path / "cache"))
     with pytest.raises(DataError, match="no validation documents"):
         data.load()
+
+
+class SampleIds(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 37
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def loader_order(step: int, accumulate: int, world: int = 1, rank: int = 0) -> list[list[int]]:
+    """The batches ``step_loader`` gives a trainer at ``step`` of 30 optimizer steps (batch 4)."""
+    trainer = types.SimpleNamespace(
+        global_step=step, max_steps=30, accumulate_grad_batches=accumulate, world_size=world, global_rank=rank
+    )
+    return [batch.tolist() for batch in lenext.data.step_loader(SampleIds(), 4, 0, trainer, 0)]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2, 3])
+def test_training_reads_every_batch_of_each_optimizer_step_once_and_resumes_after_them(accumulate):
+    """With gradient accumulation an optimizer step takes ``accumulate`` batches: a run reads max_steps of them
+    each, every 37 samples a permutation, and one resumed at step s reads on from batch s * accumulate (the loader
+    had counted batches as steps: 30 batches for 30 steps of 2, resumed into batches it had read)."""
+    whole = loader_order(0, accumulate)
+    assert len(whole) == 30 * accumulate
+    samples = [i for batch in whole for i in batch]
+    assert all(sorted(samples[e * 37 : (e + 1) * 37]) == list(range(37)) for e in range(len(samples) // 37))
+    for step in (1, 7, 29):
+        assert loader_order(step, accumulate) == whole[step * accumulate :]
+    ranks = [loader_order(0, accumulate, world=2, rank=r) for r in (0, 1)]
+    assert len(ranks[0]) == 30 * accumulate and not set(ranks[0][0]) & set(ranks[1][0])

@@ -516,12 +516,14 @@ class _RankSlice(Sampler[int]):
 
 def step_loader(samples: Dataset, batch_size: int, seed: int, trainer, num_workers: int) -> DataLoader:
     """Training batches in the order ``StepShuffler`` fixes, each rank its slice of every global batch, resumed
-    at the trainer's step; ``trainer.max_steps`` steps (or one pass over ``samples`` when unset)."""
-    steps = trainer.max_steps if trainer and trainer.max_steps > 0 else len(samples) // batch_size
+    at the trainer's step; ``trainer.max_steps`` optimizer steps of ``accumulate_grad_batches`` batches each (or
+    one pass over ``samples`` when unset)."""
+    accumulate = trainer.accumulate_grad_batches if trainer else 1
+    batches = trainer.max_steps * accumulate if trainer and trainer.max_steps > 0 else len(samples) // batch_size
     world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
-    per_step = batch_size * world
-    done = (lambda: trainer.global_step * per_step) if trainer else (lambda: 0)
-    sampler = StepShuffler(len(samples), seed, steps * per_step, start=done)
+    per_batch = batch_size * world  # one batch of every rank
+    done = (lambda: trainer.global_step * accumulate * per_batch) if trainer else (lambda: 0)
+    sampler = StepShuffler(len(samples), seed, batches * per_batch, start=done)
     indices = _RankSlice(sampler, batch_size, world, rank)
     return StepLoader(samples, batch_size=batch_size, sampler=indices, num_workers=num_workers, drop_last=True)
 
