@@ -14,7 +14,7 @@ import lenext.attention.band
 import lenext.evaluate
 import lenext.model
 import lenext.results
-from lenext.errors import ConfigError
+from lenext.errors import CheckpointError, ConfigError
 from lenext.evaluate import TextEvaluation, sweep, sweep_plan
 from lenext.model import Decoder
 from lenext.pe import ALiBi, Learned, RoPE, T5Bias
@@ -434,3 +434,18 @@ def compose_eval(tmp_path, output_dir, ckpt, *overrides):
                 *overrides,
             ],
         )
+
+
+def test_an_evaluation_into_a_training_runs_folder_is_refused_before_any_work(tmp_path):
+    """eval.py writes a results.json of its own: into a training run's folder it would replace the run's; into an
+    earlier evaluation's folder it may (ckpt= and hf= alike)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    trained = json.dumps({"complete": True, "meta": {"row": "rope", "seed": 0}, "rows": []})
+    (run / "results.json").write_text(trained)
+    with pytest.raises(ConfigError, match=rf"^hydra.run.dir={run} holds a training run's results.json, which this "):
+        evaluate_checkpoint(compose_eval(tmp_path, run, tmp_path / "missing.ckpt"))
+    assert (run / "results.json").read_text() == trained
+    (run / "results.json").write_text(trained.replace('"seed": 0', '"seed": 0, "checkpoint": "/x.ckpt"'))
+    with pytest.raises(CheckpointError, match=r"^ckpt="):  # past the folder: the missing checkpoint is named
+        evaluate_checkpoint(compose_eval(tmp_path, run, tmp_path / "missing.ckpt"))

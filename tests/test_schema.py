@@ -133,7 +133,6 @@ def test_every_eval_key_refuses_a_wrong_value(tmp_path):
         ("+trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0 is invalid: it must be an integer"),
         ("+trainer.limit_train_batches=0", "trainer.limit_train_batches=0 is invalid: it must be an integer >= 1"),
         ("+trainer.max_epochs=0", "trainer.max_epochs=0 is invalid: it must be -1 or an integer >= 1 or null"),
-        ("trainer.fast_dev_run=true", "trainer.fast_dev_run=True is invalid: it must be False"),
         ("data=text_files", "data.corpus.path is required: it must be a string; set it on the command line"),
     ],
 )

@@ -38,6 +38,7 @@ from lenext.model import chunked_nll
 from lenext.pe.rope import self_extend_group
 from lenext.resolve import EVAL_NODES, EvalScriptSettings, flat_settings
 from lenext.results import code_commit, format_rows, write_results
+from lenext.run_folder import refuse_a_training_runs_folder
 
 # lenext's variant -> transformers' rope_type: the scalings both define.
 ROPE_TYPES = {"none": "default", "linear": "linear", "dynamic_ntk": "dynamic", "yarn": "yarn", "llama3": "llama3"}
@@ -273,6 +274,7 @@ def evaluate_hf(cfg: DictConfig) -> str:
     """eval.py hf=...: load the model and its tokenizer, plan and check the sweep before reading the corpus,
     sweep, write results.json."""
     schema.check(cfg, EvalScriptSettings, EVAL_NODES)
+    refuse_a_training_runs_folder(cfg.paths.output_dir)
     if cfg.ckpt:
         raise ConfigError(f"ckpt={cfg.ckpt} and hf={cfg.hf}: give one, the lenext checkpoint or the HF model")
     changed = [f"pe.{key}" for key, value in cfg.pe.items() if value != "as_trained"]

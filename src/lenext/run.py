@@ -28,7 +28,13 @@ from lenext.module import tokens_trained
 from lenext.progress import StepsBar, next_steps, validation_scope
 from lenext.resolve import EVAL_NODES, TRAIN_NODES, EvalScriptSettings, TrainSettings, resolve_evaluation
 from lenext.results import RESULTS_FILE, code_commit, format_rows, run_metadata, training_precision, write_results
-from lenext.run_folder import FINISHED_IDENTITY, completed_results, resolve_training, run_identity
+from lenext.run_folder import (
+    FINISHED_IDENTITY,
+    completed_results,
+    refuse_a_training_runs_folder,
+    resolve_training,
+    run_identity,
+)
 from lenext.spec import RunSpec
 
 log = logging.getLogger("lenext")
@@ -196,6 +202,7 @@ def checkpoint_model(cfg: DictConfig, path: str):
 def evaluate_checkpoint(cfg: DictConfig) -> str:
     """eval.py: rebuild the model from a checkpoint, with its PE as eval.py changes it, sweep, write results."""
     schema.check(cfg, EvalScriptSettings, EVAL_NODES)
+    refuse_a_training_runs_folder(cfg.paths.output_dir)
     if cfg.get("data"):
         raise ConfigError("data= applies to hf= evaluations: a checkpoint is evaluated on the data it was trained on")
     spec, datamodule, net, checkpoint = checkpoint_model(cfg, cfg.ckpt)

@@ -102,6 +102,22 @@ def completed_results(cfg: DictConfig) -> dict | None:
     return results
 
 
+def refuse_a_training_runs_folder(output_dir: str) -> None:
+    """An evaluation (eval.py's ckpt= or hf=) writes a results.json of its own: refused before any work where the
+    folder holds a training run's (one without ``meta.checkpoint`` or ``meta.hf``), which it would replace."""
+    path = os.path.join(output_dir, RESULTS_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f).get("meta")
+    except (OSError, ValueError, RecursionError, AttributeError):  # none, or not lenext's: no run's results to keep
+        return
+    if isinstance(meta, dict) and not {"checkpoint", "hf"} & set(meta):
+        raise ConfigError(
+            f"hydra.run.dir={output_dir} holds a training run's {RESULTS_FILE}, which this evaluation would replace: "
+            "give it another folder (hydra.run.dir=...)"
+        )
+
+
 def implied_identity(meta: dict, cfg: DictConfig) -> dict:
     """What any lenext results file says of its run: PE, model, seed, L_train, positions and, from the tokens it
     trained, its steps (with this command's batch, on one device)."""

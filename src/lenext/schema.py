@@ -55,7 +55,6 @@ LIBRARY_RANGES = {
         # Not 0: a run whose loop trains nothing would still be recorded as complete
         "limit_train_batches": PositiveInt | Fraction | None,
         "max_epochs": PositiveInt | Literal[-1] | None,
-        "fast_dev_run": Literal[False],  # trains a few batches and saves nothing: a short run is trainer.max_steps
         "precision": Precision,  # fp32 or bf16 autocast: what evaluation (eval.py's precision) can reproduce
         "devices": PositiveInt | Literal[-1] | str | list[NonNegativeInt],  # -1: all; "0,1": these
         "val_check_interval": PositiveInt | Fraction | str | dict[str, float] | None,  # "DD:HH:MM:SS", {minutes: 30}
