@@ -195,6 +195,24 @@ def test_a_shard_of_another_preparation_is_refused_naming_it(tmp_path, shard_fol
         again(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda m: m.pop("shards"),
+        lambda m: m.update(shards=None),
+        lambda m: m["shards"][0].pop("file"),
+        lambda m: m["shards"][0].update(tokens="many"),
+    ],
+)
+def test_a_damaged_manifest_is_refused_in_one_line(tmp_path, shard_folder, damage):
+    """Not a KeyError or TypeError traceback: the manifest named, and what to do."""
+    manifest = json.loads((shard_folder / "manifest.json").read_text())
+    damage(manifest)
+    (shard_folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=rf"^{shard_folder / 'manifest.json'} is not the manifest of .*remove"):
+        again(tmp_path)
+
+
 def test_a_missing_shard_or_a_foreign_manifest_is_refused(tmp_path, shard_folder):
     manifest = json.loads((shard_folder / "manifest.json").read_text())
     (shard_folder / "manifest.json").write_text(json.dumps({**manifest, "key": "elsewhere"}))

@@ -169,7 +169,12 @@ def open_split(folder: str, key: str) -> "Split | None":
         return None
     except (OSError, ValueError) as e:
         raise DataError(f"{path} cannot be read ({e}); {_REMOVE.format(folder)}") from None
-    if not isinstance(manifest, dict) or manifest.get("key") != key or manifest.get("format") != FORMAT:
+    shards = manifest.get("shards") if isinstance(manifest, dict) else None
+    entry = {"file": str, "documents": int, "tokens": int}
+    listed = isinstance(shards, list) and all(
+        isinstance(s, dict) and all(isinstance(s.get(k), kind) for k, kind in entry.items()) for s in shards
+    )
+    if not listed or manifest.get("key") != key or manifest.get("format") != FORMAT:
         raise DataError(f"{path} is not the manifest of {key} (format {FORMAT}); {_REMOVE.format(folder)}")
     tables = []
     for shard in manifest["shards"]:
