@@ -167,3 +167,12 @@ def test_training_reads_every_batch_of_each_optimizer_step_once_and_resumes_afte
         assert loader_order(step, accumulate) == whole[step * accumulate :]
     ranks = [loader_order(0, accumulate, world=2, rank=r) for r in (0, 1)]
     assert len(ranks[0]) == 30 * accumulate and not set(ranks[0][0]) & set(ranks[1][0])
+
+
+def test_the_tokenizer_sample_is_bounded_in_bytes_of_text():
+    """data.tokenizer_sample_mb counts UTF-8 bytes: 400 CJK characters are 1,200 bytes, so a 1,000-byte bound takes
+    the first document, the one that crosses it (characters had taken three)."""
+    documents = ["日" * 400] * 5
+    assert len(list(lenext.data.sample(documents, 0.001))) == 1
+    assert len(list(lenext.data.sample(["a" * 400] * 5, 0.001))) == 3
+    assert len(list(lenext.data.sample(documents, None))) == 5

@@ -446,13 +446,13 @@ def _read_if_exists(path: str) -> str | None:
 
 
 def sample(documents: Iterable[str], megabytes: float | None) -> Iterator[str]:
-    """The first documents of ``documents`` up to ``megabytes`` of text (the one that crosses the bound included;
-    None: all of them)."""
+    """The first documents of ``documents`` up to ``megabytes`` of UTF-8 text (the one that crosses the bound
+    included; None: all of them)."""
     budget = math.inf if megabytes is None else megabytes * 1e6
     for document in documents:
         if budget <= 0:
             return
-        budget -= len(document)  # characters: a bound, not an exact count of bytes
+        budget -= len(document.encode())  # bytes, not characters (up to 4 bytes each)
         yield document
 
 
