@@ -102,6 +102,16 @@ def test_the_plan_defaults_and_the_window_cap_are_as_documented():
     assert cap_windows(list(range(10)), None) == list(range(10))
 
 
+def test_lengths_that_make_no_positive_token_count_are_refused_naming_the_key_given():
+    """eval.factors=[] had been named as eval.lengths=[]."""
+    with pytest.raises(ConfigError, match=r"^eval.factors=\[\] is invalid: give eval.lengths or eval.factors"):
+        sweep_plan(eval_cfg(factors=[]), 16, None, ("nonoverlap",))
+    with pytest.raises(ConfigError, match=r"^eval.factors=\[0.01\] is invalid: .* \(of L_train 16\)$"):
+        sweep_plan(eval_cfg(factors=[0.01]), 16, None, ("nonoverlap",))
+    with pytest.raises(ConfigError, match=r"^eval.lengths=\[0, 8\] is invalid"):
+        sweep_plan(eval_cfg(lengths=[0, 8]), 16, None, ("nonoverlap",))
+
+
 def test_a_sliding_stride_longer_than_the_shortest_length_is_refused_before_any_work():
     """Windows advanced by more than L would leave the targets between them unscored (and their bytes counted)."""
     sliding = ("nonoverlap", "sliding")

@@ -174,10 +174,13 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
             raise ConfigError(
                 f"eval.protocol={protocol} does not apply to this data: it must be among {', '.join(protocols)}"
             )
+    given = "lengths" if eval_cfg.lengths else "factors"  # the key the lengths come from: named if they are bad
     lengths = sorted(set(eval_cfg.lengths or [int(f * base_len) for f in eval_cfg.factors or []]))
     if not lengths or min(lengths) < 1:
+        shown = list(getattr(eval_cfg, given) or [])
         raise ConfigError(
-            f"eval.lengths={lengths} is invalid: give eval.lengths or eval.factors that make positive token counts"
+            f"eval.{given}={shown} is invalid: give eval.lengths or eval.factors that make positive token counts "
+            f"(of L_train {base_len})"
         )
     k = eval_cfg.last_k or min(lengths)
     if k > min(lengths):
