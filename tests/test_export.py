@@ -15,7 +15,7 @@ import torch
 from lenext.build import build_net
 from lenext.errors import CheckpointError, ConfigError
 from lenext.export import export, main
-from lenext.hf import evaluate_hf
+from lenext.hf import evaluate_hf, trained_context
 from lenext.run import evaluate_checkpoint
 from lenext.run_folder import resolve_training
 from tests.conftest import CONFIG_FOLDER, small_corpus_overrides
@@ -92,6 +92,12 @@ NATIVE_CASES = {
     "linear": (("pe=rope", "pe.scaling=linear", "pe.factor=4"), "gpt_neox", "linear"),
     "ntk": (("pe=rope", "pe.scaling=ntk", "pe.factor=4"), "gpt_neox", "default"),
     "yarn": (("pe=rope", "pe.scaling=yarn", "pe.factor=8", "model=llama"), "llama", "yarn"),
+    # trained at 32 under YaRN from an original context of 16: eval.py hf= multiplies 32, as the checkpoint's sweep
+    "yarn_from_16": (
+        ("pe=rope", "pe.scaling=yarn", "pe.factor=4", "pe.original_len=16", "model=llama"),
+        "llama",
+        "yarn",
+    ),
     "llama3": (("pe=rope", "pe.scaling=llama3", "pe.factor=8", "model=llama"), "llama", "llama3"),
     "randomized": (("pe=rope_randomized",), "gpt_neox", "default"),  # positions drawn up to 1024 in training
     "learned": (("pe=learned",), "gpt2", None),
@@ -109,6 +115,7 @@ def test_a_model_transformers_computes_exports_natively_within_1e5(case, tmp_pat
     if rope_type:
         assert model.config.rope_parameters["rope_type"] == rope_type
         assert model.config.max_position_embeddings == TRAIN_LEN  # the context eval.factors multiply, as lenext's
+    assert trained_context(model.config) == TRAIN_LEN  # eval.py hf= multiplies it too (YaRN's original may differ)
     lengths = (TRAIN_LEN,) if architecture == "gpt2" else (TRAIN_LEN, 8 * TRAIN_LEN)
     assert max(logit_errors(net, model, lengths)) < 1e-5
 

@@ -187,9 +187,9 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
         raise ConfigError(f"eval.last_k={k} is invalid: it must be at most the shortest length, {min(lengths)}")
     stride = eval_cfg.stride or max(1, base_len // 2)
     if Sliding.name in plan_protocols and stride > min(lengths):  # targets between windows would go unscored
-        given = f"eval.stride={stride}" if eval_cfg.stride else f"eval.stride=null (L_train / 2 = {stride})"
+        setting = f"eval.stride={stride}" if eval_cfg.stride else f"eval.stride=null (L_train / 2 = {stride})"
         raise ConfigError(
-            f"{given} is invalid with eval.protocol=sliding: it must be at most the shortest length, {min(lengths)}"
+            f"{setting} is invalid with eval.protocol=sliding: it must be at most the shortest length, {min(lengths)}"
         )
     evaluation_positions(eval_cfg, scheme or PositionScheme()).check_evaluation_length(max(lengths))
     if getattr(eval_cfg, "haystack_depths", None) == []:
