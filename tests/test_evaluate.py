@@ -3,6 +3,9 @@
 import functools
 import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -459,3 +462,30 @@ def test_an_evaluation_into_a_training_runs_folder_is_refused_before_any_work(tm
     (run / "results.json").write_text(trained.replace('"seed": 0', '"seed": 0, "checkpoint": "/x.ckpt"'))
     with pytest.raises(CheckpointError, match=r"^ckpt="):  # past the folder: the missing checkpoint is named
         evaluate_checkpoint(compose_eval(tmp_path, run, tmp_path / "missing.ckpt"))
+
+
+@pytest.mark.parametrize("mode", ["run", "sweep"])
+def test_eval_py_into_a_training_runs_folder_is_refused_before_hydra_writes_there(tmp_path, mode):
+    """Hydra writes .hydra/ into a job's folder before the job starts: a training run's would be replaced by the
+    refused evaluation's. A sweep folder is checked job folder by job folder."""
+    run = tmp_path / "sweep" / "0" if mode == "sweep" else tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("pe: rope\n")
+    (run / "results.json").write_text(json.dumps({"complete": True, "meta": {"row": "rope", "seed": 0}, "rows": []}))
+    folder = ["-m", f"hydra.sweep.dir={run.parent}"] if mode == "sweep" else [f"hydra.run.dir={run}"]
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "eval.py")
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"LENEXT_ROOT": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, script, *folder, f"ckpt={tmp_path / 'missing.ckpt'}"], env=env, capture_output=True, text=True
+    )
+    key, named, held = (
+        ("hydra.sweep.dir", run.parent, run / "results.json")
+        if mode == "sweep"
+        else ("hydra.run.dir", run, "results.json")
+    )
+    assert done.returncode == 1 and done.stderr.splitlines() == [
+        f"error: {key}={named} holds a training run's {held}, which this evaluation would replace: give it "
+        f"another folder ({key}=...)"
+    ]
+    assert sorted(os.listdir(run)) in ([".hydra", "results.json"], [".hydra", ".lenext.lock", "results.json"])
+    assert (run / ".hydra" / "config.yaml").read_text() == "pe: rope\n"

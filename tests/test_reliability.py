@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning
 import pytest
@@ -249,3 +250,70 @@ def test_an_interrupted_write_leaves_no_temporary_file_behind(tmp_path):
         assert tmp.endswith(".png") and os.path.dirname(tmp) == str(tmp_path)  # same folder: the rename is atomic
         raise RuntimeError("the writer failed half-way")
     assert [p.name for p in tmp_path.iterdir()] == ["plot.png"] and (tmp_path / "plot.png").read_text() == "old"
+
+
+def test_ctrl_c_stops_training_at_a_step_boundary_and_the_same_command_resumes(small_text_corpus, tmp_path):
+    """A first Ctrl-C (SIGINT) takes SIGTERM's path: last.ckpt where training stopped, one line, exit 130."""
+    cache, env = tmp_path / "cache", {**os.environ, "LENEXT_ROOT": str(tmp_path)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    run_dir, last = tmp_path / "run", tmp_path / "run" / "checkpoints" / "last.ckpt"
+    quick = ("callbacks.last_checkpoint.every_n_train_steps=null", "trainer.val_check_interval=1000")
+    command = _train_command(run_dir, small_text_corpus, cache, "trainer.max_steps=1000", *quick)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not process.stdout.readline().startswith("step ") and process.poll() is None:
+        assert time.time() < deadline
+    process.send_signal(signal.SIGINT)
+    status, stderr = process.wait(timeout=120), process.stderr.read()
+    step = torch.load(last, map_location="cpu", weights_only=False)["global_step"]
+    assert status == 130 and "Traceback" not in stderr, stderr[-3000:]
+    assert [line for line in stderr.splitlines() if line.startswith("error:")] == [
+        f"error: training stopped by Ctrl-C (SIGINT) at step {step} of 1000; {last} holds it there: "
+        "run the same command to resume"
+    ]
+    assert 0 < step < 1000 and not (run_dir / "results.json").exists()
+    # A shorter budget, so that the test stays short: the run resumes there and finishes.
+    command = _train_command(run_dir, small_text_corpus, cache, f"trainer.max_steps={step + 3}", *quick)
+    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == step + 3
+
+
+def test_a_second_ctrl_c_stops_at_once_and_says_what_is_kept(tmp_path):
+    from lenext.module import CheckpointOnStop
+
+    stop, trainer = CheckpointOnStop(str(tmp_path)), SimpleNamespace(global_step=7, max_steps=10)
+    stop.on_exception(trainer, None, KeyboardInterrupt())
+    error = stop.stopped(trainer)
+    assert error.exit_status == 130
+    assert str(error) == (
+        "training stopped at once by a second Ctrl-C at step 7 of 10, before any checkpoint: run the same command to "
+        "start again"
+    )
+    torch.save({}, tmp_path / "last.ckpt")
+    assert str(stop.stopped(trainer)) == (
+        f"training stopped at once by a second Ctrl-C at step 7 of 10; {tmp_path / 'last.ckpt'} holds the last "
+        "checkpoint written: run the same command to resume"
+    )
+
+
+@pytest.mark.parametrize("entry", ["one_line_errors", "errors_in_one_line"])
+def test_ctrl_c_outside_training_is_one_line_and_status_130(entry, capsys, monkeypatch):
+    """eval.py's sweep, the report, lenext-prepare, lenext-export: Ctrl-C leaves one line, not a traceback."""
+    from lenext import cli, errors
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+    def work(*_):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as stopped:
+        if entry == "one_line_errors":
+            cli.one_line_errors(work)(None)
+        else:
+            with errors.errors_in_one_line():
+                work()
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err == (
+        "error: stopped by Ctrl-C (SIGINT); every file written so far is whole: run the same command to go on\n"
+    )

@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from lenext import schema
 from lenext.build import hydra_config, instantiate
 from lenext.data import LMDataModule
-from lenext.errors import ConfigError, LenextError, print_one_line
+from lenext.errors import ConfigError, LenextError, errors_in_one_line, interrupted, print_one_line
 from lenext.files import write_atomic
 from lenext.hardware import default_precision, keep_freed_memory
 from lenext.hf import evaluate_hf
@@ -68,12 +68,12 @@ OmegaConf.register_new_resolver("cwd", os.getcwd, replace=True)
 
 
 def one_line_errors(main: Callable) -> Callable:
-    """Print a LenextError as one line and exit with its status (1, or 143 for a run SIGTERM stopped);
+    """Print a LenextError as one line and exit with its status (1; 143 or 130 for a run SIGTERM or Ctrl-C stopped);
     HYDRA_FULL_ERROR=1 keeps the traceback.
 
     In a multirun the failed job writes its message to error.txt in its folder and the sweep goes on (the report
     lists the job as failed; the sweep exits 1 at its end: lenext.progress), unless the error ends the sweep
-    (SIGTERM: the machine is going away; a sweep folder that holds other runs).
+    (SIGTERM: the machine is going away; Ctrl-C; a sweep folder that holds other runs).
     """
 
     @functools.wraps(main)
@@ -83,7 +83,10 @@ def one_line_errors(main: Callable) -> Callable:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(hydra_cfg.runtime.output_dir, ERROR_FILE))
         try:
-            return main(cfg)
+            try:
+                return main(cfg)
+            except KeyboardInterrupt:  # outside training's own stop (lenext.module.CheckpointOnStop)
+                raise interrupted() from None
         except LenextError as e:
             print_one_line(e)
             if hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN and not e.ends_sweep:
@@ -198,7 +201,7 @@ def prepare_main() -> None:
         print(PREPARE_USAGE)
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # its progress: the splits as they start
-    try:
+    with errors_in_one_line():
         sweeps = [o for o in overrides if o in ("-m", "--multirun") or _is_sweep(o)]
         if sweeps:
             raise ConfigError(f"lenext-prepare prepares one data config: {sweeps[0]} is a sweep; give one value")
@@ -216,9 +219,6 @@ def prepare_main() -> None:
             print(f"{type(data).__name__} generates its data from a seed: there is nothing to prepare")
             return
         data.load()
-    except LenextError as e:
-        print_one_line(e)
-        sys.exit(e.exit_status)
     for line in data.describe_preparation():
         print(line)
 

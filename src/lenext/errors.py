@@ -4,9 +4,11 @@ The command-line entry points print these as one line (no traceback) and exit no
 anything else is a bug and keeps its traceback.
 """
 
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import Iterator
 
 
 class LenextError(Exception):
@@ -48,11 +50,40 @@ class LengthNotSupported(LenextError):
 
 
 class Stopped(LenextError):
-    """Training was stopped from outside (SIGTERM: a cluster's pre-emption, scancel) and saved where it stopped.
+    """A command was stopped from outside: SIGTERM (a cluster's pre-emption, scancel) or Ctrl-C (SIGINT). Training
+    saves where it stopped; every file written before is whole (atomic writes).
 
-    The exit status says so (128 + SIGTERM, as a shell reports a process the signal ended), and a sweep stops
+    The exit status says which (128 + the signal, as a shell reports a process the signal ended), and a sweep stops
     with it: the same command resumes the run, and the sweep from it.
     """
 
-    exit_status = 128 + signal.SIGTERM
     ends_sweep = True
+
+    def __init__(self, message: str, signum: int = signal.SIGTERM):
+        super().__init__(message)
+        self.exit_status = 128 + signum
+
+
+SIGNAL_NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C (SIGINT)"}
+
+
+def interrupted() -> Stopped:
+    """What a command says when Ctrl-C stops it outside training's own stop (lenext.module.CheckpointOnStop)."""
+    return Stopped(
+        "stopped by Ctrl-C (SIGINT); every file written so far is whole: run the same command to go on",
+        signal.SIGINT,
+    )
+
+
+@contextlib.contextmanager
+def errors_in_one_line() -> Iterator[None]:
+    """An entry point's body: a LenextError printed as one line and the command exits with its status; Ctrl-C the
+    same, as ``interrupted()``."""
+    try:
+        try:
+            yield
+        except KeyboardInterrupt:
+            raise interrupted() from None
+    except LenextError as e:
+        print_one_line(e)
+        sys.exit(e.exit_status)

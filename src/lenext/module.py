@@ -2,6 +2,9 @@
 
 import math
 import os
+import signal
+import sys
+import threading
 import time
 from typing import Annotated
 
@@ -12,7 +15,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torchmetrics import SumMetric
 
-from lenext.errors import LenextError
+from lenext.errors import SIGNAL_NAMES, LenextError, Stopped
 from lenext.files import atomic_path
 from lenext.hardware import warn_if_precision_is_slow
 from lenext.model import Decoder
@@ -40,17 +43,56 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.fsync(f.fileno())
 
 
-class CheckpointOnSigterm(L.Callback):
-    """On SIGTERM (a cluster's pre-emption, scancel), ``<dirpath>/last.ckpt`` where training stopped: Lightning stops
-    the loop at a step boundary, so the same command resumes the run from there, as from any last.ckpt."""
+class CheckpointOnStop(L.Callback):
+    """On SIGTERM (a cluster's pre-emption, scancel) or a first Ctrl-C, ``<dirpath>/last.ckpt`` where training
+    stopped: Lightning stops the loop at a step boundary, so the same command resumes the run from there, as from any
+    last.ckpt. Ctrl-C takes SIGTERM's path; a second Ctrl-C stops at once, from the last checkpoint written."""
 
     def __init__(self, dirpath: str):
         self.dirpath = dirpath
+        self.signal: int | None = None  # the signal that stopped the run
+        self.at_once = False  # by a second Ctrl-C, not at a step boundary
+        self._sigint_handler = None  # SIGINT's handler before this run's
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.signal, self.at_once = None, False
+        if threading.current_thread() is threading.main_thread():  # where Python runs signal handlers
+            self._sigint_handler = signal.signal(signal.SIGINT, self._stop_at_step_boundary)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._sigint_handler is not None:
+            signal.signal(signal.SIGINT, self._sigint_handler)
+            self._sigint_handler = None
+
+    def _stop_at_step_boundary(self, signum: int, frame) -> None:
+        signal.signal(signal.SIGINT, self._sigint_handler)  # a second Ctrl-C: at once
+        lightnings = signal.getsignal(signal.SIGTERM)  # sets trainer.received_sigterm, told to every rank
+        if not callable(lightnings):  # before the Trainer registered it: stop now
+            raise KeyboardInterrupt
+        self.signal = signal.SIGINT
+        print("stopping at the end of this step (Ctrl-C again: at once)", file=sys.stderr, flush=True)
+        lightnings(signum, frame)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        # During fit only: a SIGTERM in the final validation leaves the last.ckpt training ended with.
+        # During fit only: a stop in the final validation leaves the last.ckpt training ended with.
         if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":
             trainer.save_checkpoint(os.path.join(self.dirpath, "last.ckpt"), weights_only=False)
+        elif isinstance(exception, KeyboardInterrupt):  # Lightning then exits with status 1, saying nothing
+            self.signal, self.at_once = signal.SIGINT, True
+
+    def stopped(self, trainer: L.Trainer) -> Stopped:
+        """What the command says when training stopped by a signal, and the exit status it stops with."""
+        signum, last = self.signal or signal.SIGTERM, os.path.join(self.dirpath, "last.ckpt")
+        at = f"at step {trainer.global_step} of {trainer.max_steps}"
+        if not self.at_once:
+            message = f"training stopped by {SIGNAL_NAMES[signum]} {at}; {last} holds it there"
+        elif os.path.exists(last):
+            message = f"training stopped at once by a second Ctrl-C {at}; {last} holds the last checkpoint written"
+        else:
+            message = f"training stopped at once by a second Ctrl-C {at}, before any checkpoint"
+        return Stopped(
+            f"{message}: run the same command to {'resume' if os.path.exists(last) else 'start again'}", signum
+        )
 
 
 def tokens_trained(trainer: L.Trainer, data: dict) -> int:

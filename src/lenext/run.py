@@ -24,7 +24,7 @@ from lenext.errors import ConfigError, Stopped
 from lenext.evaluate import sweep
 from lenext.files import atomic_path
 from lenext.loggers import log_results_to_wandb
-from lenext.module import tokens_trained
+from lenext.module import CheckpointOnStop, tokens_trained
 from lenext.progress import StepsBar, next_steps, validation_scope
 from lenext.resolve import EVAL_NODES, TRAIN_NODES, EvalScriptSettings, TrainSettings, resolve_evaluation
 from lenext.results import RESULTS_FILE, code_commit, format_rows, run_metadata, training_precision, write_results
@@ -79,6 +79,7 @@ def train(cfg: DictConfig) -> dict:
     )
     if spec.start == "init_from":
         log.info("second stage of %s: its weights, a fresh optimizer and schedule", spec.checkpoint)
+    stop = next((c for c in trainer.callbacks if isinstance(c, CheckpointOnStop)), None)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=spec.checkpoint if spec.start == "resume" else None)
         if trainer.received_sigterm:  # at the last step, after which the loop raises nothing: last.ckpt is the end
@@ -87,12 +88,15 @@ def train(cfg: DictConfig) -> dict:
         if trainer.received_sigterm:
             raise SIGTERMException
         keep_a_best_checkpoint(trainer)
-    except SIGTERMException:  # saved by lenext.module.CheckpointOnSigterm, or at the end of training
-        raise Stopped(
-            f"training stopped by SIGTERM at step {trainer.global_step} of {trainer.max_steps}; "
-            f"{os.path.join(cfg.paths.output_dir, 'checkpoints', 'last.ckpt')} holds it there: "
-            "run the same command to resume"
-        ) from None
+    except SystemExit as e:  # SIGTERMException (a signal, at a step boundary), or Lightning's exit on a second Ctrl-C
+        if stop is not None and (isinstance(e, SIGTERMException) or stop.at_once):
+            raise stop.stopped(trainer) from None
+        if isinstance(e, SIGTERMException):  # else the command would exit 0
+            raise Stopped(
+                f"training stopped by a signal at step {trainer.global_step}, saved nowhere: "
+                "callbacks.stop_checkpoint is off"
+            ) from None
+        raise
     measured = validation_scope(
         spec, int(metrics["val/windows"]), len(datamodule.val_dataloader().dataset.samples), datamodule.protocols
     )

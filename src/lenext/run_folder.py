@@ -6,12 +6,15 @@ import dataclasses
 import json
 import logging
 import os
+import sys
+from typing import Any
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from lenext import schema
 from lenext.checkpoints import load_checkpoint, read_base, stored_spec
-from lenext.errors import CheckpointError, ConfigError
+from lenext.errors import CheckpointError, ConfigError, print_one_line
 from lenext.hardware import canonical_precision
 from lenext.resolve import RENAMED_KEYS, config_pe_name, flat_settings, resolve, same_setting
 from lenext.results import RESULTS_FILE, not_lenext_results
@@ -102,9 +105,10 @@ def completed_results(cfg: DictConfig) -> dict | None:
     return results
 
 
-def refuse_a_training_runs_folder(output_dir: str) -> None:
+def refuse_a_training_runs_folder(output_dir: str, key: str = "hydra.run.dir", folder: str | None = None) -> None:
     """An evaluation (eval.py's ckpt= or hf=) writes a results.json of its own: refused before any work where the
-    folder holds a training run's (one without ``meta.checkpoint`` or ``meta.hf``), which it would replace."""
+    folder holds a training run's (one without ``meta.checkpoint`` or ``meta.hf``), which it would replace.
+    ``key`` and ``folder``: the setting that chose the folder, and its value (a sweep's folder, above the job's)."""
     path = os.path.join(output_dir, RESULTS_FILE)
     try:
         with open(path, encoding="utf-8") as f:
@@ -112,10 +116,32 @@ def refuse_a_training_runs_folder(output_dir: str) -> None:
     except (OSError, ValueError, RecursionError, AttributeError):  # none, or not lenext's: no run's results to keep
         return
     if isinstance(meta, dict) and not {"checkpoint", "hf"} & set(meta):
+        held = RESULTS_FILE if folder is None else path
         raise ConfigError(
-            f"hydra.run.dir={output_dir} holds a training run's {RESULTS_FILE}, which this evaluation would replace: "
-            "give it another folder (hydra.run.dir=...)"
+            f"{key}={folder or output_dir} holds a training run's {held}, which this evaluation would replace: "
+            f"give it another folder ({key}=...)"
         )
+
+
+class EvaluationFolders(Callback):
+    """eval.py's run folder, or each job folder its sweep folder already holds, checked before Hydra writes its
+    ``.hydra/`` files there: they would replace a training run's, even though the evaluation is then refused."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config.hydra.run.dir)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep = config.hydra.sweep.dir
+        for name in sorted(os.listdir(sweep)) if os.path.isdir(sweep) else []:
+            self._check(os.path.join(sweep, name), "hydra.sweep.dir", sweep)
+
+    @staticmethod
+    def _check(*where: str) -> None:
+        try:
+            refuse_a_training_runs_folder(*where)
+        except ConfigError as e:
+            print_one_line(e)
+            sys.exit(e.exit_status)
 
 
 def implied_identity(meta: dict, cfg: DictConfig) -> dict:

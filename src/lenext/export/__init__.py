@@ -10,7 +10,6 @@ logits before it takes its name: a failed export leaves nothing.
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from omegaconf import OmegaConf
 
 from lenext.build import build_net, instantiate
 from lenext.checkpoints import load_checkpoint, net_state, stored_spec
-from lenext.errors import ConfigError, LenextError, print_one_line
+from lenext.errors import ConfigError, errors_in_one_line
 from lenext.export.native import NATIVE
 from lenext.export.remote import write_remote
 from lenext.model import Decoder
@@ -156,11 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # its bar of weights loaded, when the export is checked
-    try:
+    with errors_in_one_line():
         chosen, error, with_tokenizer = export(args.checkpoint, args.out, args.architecture, args.force, args.cache_dir)
-    except LenextError as e:
-        print_one_line(e)
-        sys.exit(e.exit_status)
     remote = chosen == "remote"
     print(
         f"wrote {args.out}: {'remote code (lenext_*.py beside the config)' if remote else chosen}, logits within "

@@ -7,6 +7,7 @@ import tempfile
 
 import pandas as pd
 
+from lenext.errors import errors_in_one_line
 from lenext.files import write_atomic
 from lenext.report.figures import write_figures
 from lenext.report.load import load
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     if problem:
         raise SystemExit(f"error: --out={out!r} cannot hold the report ({problem}): give a folder you can write to")
     try:
-        markdown = report(args.folders, out, figures=not args.no_figures)
+        with errors_in_one_line():
+            markdown = report(args.folders, out, figures=not args.no_figures)
     except OSError as e:  # the disk filled, a folder vanished: each file already written is whole (atomic writes)
         raise SystemExit(f"error: the report could not be written to {out!r}: {e}") from None
     print(markdown)
