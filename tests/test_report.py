@@ -1,6 +1,7 @@
 """The report tool: mean +- std over seeds, best per column, incomplete runs listed, every file written."""
 
 import json
+import math
 import os
 
 import pandas as pd
@@ -235,6 +236,7 @@ def test_per_position_bins_are_token_weighted_means_covering_every_position_once
     assert list(written.columns) == [
         "train_len",
         "pe",
+        "length",
         "bin_start",
         "bin_end",
         "mean_nll",
@@ -344,9 +346,9 @@ def test_dynamic_ntk_rows_equal_to_ntk_by_construction_are_not_shown_twice(tmp_p
     assert "stand for" not in report([str(tmp_path)], str(tmp_path / "out"))  # dynamic_ntk not asked: nothing to say
 
 
-def write_probe_run(folder, pe, seed, exact_by_length, train_len=32, task="copy", extra_rows=()):
+def write_probe_run(folder, pe, seed, exact_by_length, train_len=32, task="copy", extra_rows=(), meta=None):
     """A probe run's results: exact match and per-token accuracy (exact + 0.05) at each length, then
-    ``extra_rows`` (passkey's depth rows)."""
+    ``extra_rows`` (passkey's depth rows); ``meta`` adds to its meta's keys."""
     rows = [
         {
             "protocol": "accuracy",
@@ -359,7 +361,7 @@ def write_probe_run(folder, pe, seed, exact_by_length, train_len=32, task="copy"
         }
         for length, exact in exact_by_length.items()
     ]
-    meta = {"pe": {"name": pe}, "pe_name": pe, "train_len": train_len, "seed": seed, "task": task}
+    meta = {"pe": {"name": pe}, "pe_name": pe, "train_len": train_len, "seed": seed, "task": task, **(meta or {})}
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "results.json"), "w") as f:
         json.dump({"complete": True, "meta": meta, "rows": rows + list(extra_rows)}, f)
@@ -382,8 +384,8 @@ def test_a_probe_run_that_did_not_learn_its_task_at_l_train_is_kept_out_of_the_m
     assert per_token.cell("rope", 64)["mean"] == pytest.approx((0.55 + 0.35) / 2)  # the run, not the metric
     markdown = report([str(tmp_path)], str(tmp_path / "out"))
     assert "| nope | 10.0 | not learned |" in markdown
-    assert "Not learned at L_train (exact match below 90% at 32;" in markdown
-    assert "rope (seed 2: 40.0%); nope (seed 0: 10.0%)" in markdown
+    assert "Not learned at their training length (exact match below 90% there;" in markdown
+    assert "rope (seed 2: 40.0% at 32); nope (seed 0: 10.0% at 32)" in markdown
 
 
 @pytest.mark.parametrize(
@@ -403,3 +405,56 @@ def test_a_run_is_drawn_in_its_pes_panel_and_with_an_attention_setting_among_the
     pe_class, identity, panel
 ):
     assert family({"pe": {"name": pe_class}, "identity": identity}) == panel
+
+
+def test_a_second_stage_is_judged_learned_and_kept_at_its_own_training_length(tmp_path):
+    """A second stage sits in its base's table (L_train 64) but learned, or not, at its own length (256): a seed
+    that did not stays in every column up to 256 and leaves those beyond."""
+    for seed, exact in enumerate((1.0, 0.5, 1.0)):
+        meta = second_stage("rope", "direct", 256)
+        write_probe_run(tmp_path / str(seed), "rope", seed, {64: 1.0, 256: exact, 512: 0.2 + seed / 10}, 256, meta=meta)
+    exact = summarize(collect(find_runs([str(tmp_path)])[0]))[TableKey(64, "accuracy", "exact_match", "copy")]
+    assert (exact.cell("rope -> direct@256", 256)["mean"], exact.cell("rope -> direct@256", 256).n) == (2.5 / 3, 3)
+    assert exact.cell("rope -> direct@256", 512)["mean"] == pytest.approx((0.2 + 0.4) / 2)
+    assert exact.cell("rope -> direct@256", 512).n == 2
+    assert "rope -> direct@256 (seed 1: 50.0% at 256)" in report([str(tmp_path)], str(tmp_path / "out"))
+
+
+def test_training_speed_is_a_mean_over_runs_whatever_rows_each_run_has(tmp_path):
+    write_run(tmp_path / "0", "alibi", 0, {64: 20.0, 128: 21.0, 256: 22.0}, meta={"train_tokens_per_s": 10_000.0})
+    write_run(tmp_path / "1", "alibi", 1, {64: 20.5}, meta={"train_tokens_per_s": 40_000.0})
+    table = summarize(collect(find_runs([str(tmp_path)])[0]))[TableKey(64, "nonoverlap", "ppl")]
+    assert table.rows.train_tokens_per_s["alibi"] == 25_000.0
+
+
+def test_per_position_curves_pool_the_seeds_of_the_longest_length_and_keep_a_diverged_one(tmp_path):
+    """A seed evaluated to a shorter length is not binned with the others' longest; a seed whose loss is NaN
+    (written "nan") makes its bins NaN, as its table cell."""
+    from lenext.report import binned_positions
+
+    for seed, (length, nll) in enumerate([(16, "1.0"), (16, "3.0"), (8, "9.0"), (16, "nan")]):
+        write_run(tmp_path / str(seed), "alibi" if seed < 3 else "rope", seed, {length: 5.0}, train_len=8)
+        (tmp_path / str(seed) / "positions.csv").write_text(
+            "variant,length,position,mean_nll,count\n" + "".join(f",{length},{p},{nll},2\n" for p in range(length))
+        )
+    binned = binned_positions(load([str(tmp_path)]).runs).set_index(["label", "bin_start"])
+    assert set(binned.length) == {16} and (binned.seeds.loc["alibi"] == 2).all()
+    assert binned.loc[("alibi", 0)].mean_nll == 2.0 and binned.loc[("alibi", 0)].std_nll == pytest.approx(2**0.5)
+    assert binned.loc["rope"].mean_nll.isna().all()
+    report([str(tmp_path)], str(tmp_path / "out"), figures=False)  # a diverged run's curve is read, not a crash
+
+
+def test_a_diverged_seeds_validation_curve_makes_the_adaptation_mean_nan(tmp_path):
+    from lenext.report import Summary
+
+    for seed, ppl in enumerate(("2.0", "4.0", "nan")):
+        write_run(
+            tmp_path / str(seed), "rope", seed, {64: 5.0, 256: 4.0}, train_len=256, meta=second_stage("rope", "pi")
+        )
+        (tmp_path / str(seed) / "csv").mkdir()
+        (tmp_path / str(seed) / "csv" / "metrics.csv").write_text(
+            f"step,train/loss,val/ppl\n9,1.0,\n49,,3.0\n99,,{ppl}\n"
+        )
+    curve = Summary(load([str(tmp_path)])).adaptation.set_index("step")
+    assert list(curve.index) == [50, 99] and (curve.seeds == 3).all()
+    assert curve["mean"][50] == 3.0 and math.isnan(curve["mean"][99])

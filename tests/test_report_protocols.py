@@ -244,3 +244,13 @@ def test_a_panel_whose_rows_have_no_value_at_any_length_says_so_on_an_empty_axis
     key_axes = [ax for ax in fig.axes if ax.get_title().startswith("key_tokens")]
     assert len(key_axes) == 1 and list(key_axes[0].get_yticks()) == []
     assert [text.get_text() for text in key_axes[0].texts if text.get_text() == "no values"] == ["no values"]
+
+
+def test_a_diverged_seed_makes_its_depth_cells_nan(tmp_path):
+    for seed, rank in enumerate((0.5, float("nan"))):
+        extra = haystack_rows("niah_single", {64: (0.5, 0.5)}, {(64, 0.0): rank, (64, 1.0): 0.25})
+        write_run(tmp_path / str(seed), "rope", seed, {64: 20.0}, extra_rows=extra)
+    report([str(tmp_path)], str(tmp_path / "out"), figures=False)
+    grid = pd.read_csv(tmp_path / "out" / "niah_single_depth.csv").set_index("depth")
+    assert math.isnan(grid["mean"][0.0]) and grid.seeds[0.0] == 2
+    assert (grid["mean"][1.0], grid.seeds[1.0]) == (0.25, 2)

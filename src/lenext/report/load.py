@@ -463,8 +463,8 @@ def tidy(runs: list[Run]) -> pd.DataFrame:
     ``display_name``, ``task`` ("" for text), ``train_len`` (the first stage's), ``seed``, ``protocol``, ``variant``
     (the evaluation-time variant; null: the PE as trained), ``metric``, ``length``, ``depth``, ``value``,
     ``answers``, ``chance`` (the row's chance level, where it records one), ``status``, ``counted`` (whether means
-    count it: ``Run.learned`` or within L_train), ``peak_mem_mb``, ``train_tokens_per_s``, ``accuracy_as_trained``,
-    ``machine``."""
+    count it: ``Run.learned``, or within the run's own training length), ``peak_mem_mb``, ``train_tokens_per_s``,
+    ``accuracy_as_trained``, ``machine``."""
     records = []
     for run in runs:
         fields, meta = run.fields, run.meta
@@ -498,7 +498,7 @@ def tidy(runs: list[Run]) -> pd.DataFrame:
                         "answers": row.get("answers"),
                         "chance": row.get("chance"),
                         "status": NO_VALUE if row["status"] == "ok" and row.get(metric) is None else row["status"],
-                        "counted": run.learned or row["length"] <= run.table_len,
+                        "counted": run.learned or row["length"] <= run.meta["train_len"],
                         "peak_mem_mb": row.get("peak_mem_mb"),
                         "train_tokens_per_s": meta.get("train_tokens_per_s"),
                         "accuracy_as_trained": run.accuracy_as_trained,
@@ -557,7 +557,9 @@ def positions_curve(run: Run) -> pd.DataFrame | None:
     file = os.path.join(run.folder, POSITIONS_FILE)
     if not os.path.exists(file):
         return None
-    return pd.read_csv(file, keep_default_na=False).rename(columns=OLD_POSITIONS_COLUMNS)
+    # The variant "" (as trained) kept a string; a diverged run's mean_nll "nan" read as NaN.
+    curve = pd.read_csv(file, keep_default_na=False, na_values={"mean_nll": ["nan"]})
+    return curve.rename(columns=OLD_POSITIONS_COLUMNS)
 
 
 def validation_curve(run: Run) -> pd.DataFrame | None:
@@ -566,5 +568,8 @@ def validation_curve(run: Run) -> pd.DataFrame | None:
     file = os.path.join(run.folder, "csv", "metrics.csv")
     if not run.meta.get("lineage") or not os.path.exists(file):
         return None
-    logged = pd.read_csv(file)
-    return logged.dropna(subset=["val/ppl"])[["step", "val/ppl"]] if "val/ppl" in logged else None
+    logged = pd.read_csv(file, dtype=str, keep_default_na=False)  # "" on the rows of other metrics; "nan": diverged
+    if "val/ppl" not in logged:
+        return None
+    validated = logged[logged["val/ppl"] != ""]
+    return pd.DataFrame({"step": validated.step.astype(int), "val/ppl": validated["val/ppl"].astype(float)})

@@ -177,13 +177,13 @@ def _table(key: TableKey, records: pd.DataFrame) -> Table:
         dtype="boolean",
     )
     # Grouped sorted, then put in the sweep's order: an unsorted group-by rounds the mean's last bit otherwise.
-    rows = records.groupby("label").agg(
-        train_tokens_per_s=("train_tokens_per_s", "mean"), eval_peak_mem_mb=("peak_mem_mb", "max")
-    )
-    rows = rows.reindex(records.label.unique())
+    speeds = records.drop_duplicates(["label", "run"]).groupby("label").train_tokens_per_s.mean()  # a mean over runs
+    rows = records.groupby("label").agg(eval_peak_mem_mb=("peak_mem_mb", "max"))
+    rows = pd.concat([speeds, rows], axis=1).reindex(records.label.unique())
     not_learned = records[records.accuracy_as_trained < LEARNED_AT].drop_duplicates("run")
+    not_learned = not_learned.assign(at=not_learned.stage_len.fillna(not_learned.train_len).astype(int))
     chance = tuple(float(c) for c in records.chance.dropna().unique()) if metric.chance else ()
-    return Table(key, cells, seeds, rows, not_learned[["row", "seed", "accuracy_as_trained"]], chance)
+    return Table(key, cells, seeds, rows, not_learned[["row", "seed", "accuracy_as_trained", "at"]], chance)
 
 
 def _best(means: pd.Series, higher_is_better: bool | None) -> str | None:
@@ -245,8 +245,9 @@ def log_bins(length: int) -> list[tuple[int, int]]:
 
 
 def binned_positions(runs: list[Run]) -> pd.DataFrame:
-    """Per (L_train, label, bin) at each run's longest length: token-weighted mean loss per run, then mean and std
-    over seeds. Columns: train_len, label, bin_start, bin_end, mean_nll, std_nll, seeds, tokens."""
+    """Per (L_train, label, bin) at the label's longest length: token-weighted mean loss per run, then mean and std
+    over the seeds evaluated there (NaN where one diverged). Columns: train_len, label, length, bin_start, bin_end,
+    mean_nll, std_nll, seeds, tokens."""
     per_run = []
     for run in runs:
         curve = positions_curve(run)
@@ -261,20 +262,23 @@ def binned_positions(runs: list[Run]) -> pd.DataFrame:
                     {
                         "train_len": run.table_len,
                         "label": run.label(variant or None),
+                        "length": int(positions.length.iloc[0]),
                         "bin_start": start,
                         "bin_end": end,
-                        "nll": (in_bin.mean_nll * in_bin["count"]).sum() / tokens if tokens else math.nan,
+                        "nll": (in_bin.mean_nll * in_bin["count"]).sum(skipna=False) / tokens if tokens else math.nan,
                         "tokens": tokens,
                     }
                 )
     if not per_run:
         return pd.DataFrame()
-    grouped = pd.DataFrame(per_run).groupby(["train_len", "label", "bin_start", "bin_end"], sort=False)  # sweep order
-    binned = grouped.agg(
-        mean_nll=("nll", "mean"), std_nll=("nll", "std"), seeds=("nll", "count"), tokens=("tokens", "sum")
+    per_run = pd.DataFrame(per_run)
+    longest = per_run.groupby(["train_len", "label"], sort=False).length.transform("max")
+    grouped = per_run[per_run.length == longest].groupby(
+        ["train_len", "label", "length", "bin_start", "bin_end"], sort=False
+    )  # in the sweep's order
+    return grouped.agg(
+        mean_nll=("nll", _mean), std_nll=("nll", _std), seeds=("nll", "size"), tokens=("tokens", "sum")
     ).reset_index()
-    binned["std_nll"] = binned.std_nll.fillna(0.0)
-    return binned
 
 
 def adaptation(runs: list[Run]) -> pd.DataFrame:
@@ -296,9 +300,7 @@ def adaptation(runs: list[Run]) -> pd.DataFrame:
     if not records:
         return pd.DataFrame()
     grouped = pd.DataFrame(records).groupby(["val_len", "row", "step"], sort=False)
-    frame = grouped.agg(mean=("ppl", "mean"), std=("ppl", "std"), seeds=("ppl", "count")).reset_index()
-    frame["std"] = frame["std"].fillna(0.0)
-    return frame
+    return grouped.agg(mean=("ppl", _mean), std=("ppl", _std), seeds=("ppl", "size")).reset_index()
 
 
 DEPTH_KEY = ["name", "protocol", "metric", "train_len", "label", "depth", "length"]
@@ -311,21 +313,18 @@ def depth_grids(frame: pd.DataFrame) -> pd.DataFrame:
     ``<name>_depth.csv``), protocol, metric, train_len, label, depth (passkey: its bucket's lower edge; a
     haystack: the needle's depth), length, mean, std, seeds, answers, chance (null where the metric has none)."""
     headlines = frame.protocol.map(headline)
-    depth_rows = frame[
-        frame.depth.notna() & frame.counted & (frame.status == "ok") & frame.value.notna() & (frame.metric == headlines)
-    ]
+    depth_rows = frame[frame.depth.notna() & frame.counted & (frame.status == "ok") & (frame.metric == headlines)]
     if depth_rows.empty:
         return pd.DataFrame()
     depth_rows = depth_rows.assign(name=depth_rows.task.where(depth_rows.task != "", depth_rows.protocol))
     grouped = depth_rows.groupby(DEPTH_KEY, sort=False)
     depths = grouped.agg(
-        mean=("value", "mean"),
-        std=("value", "std"),
-        seeds=("value", "count"),
+        mean=("value", _mean),
+        std=("value", _std),
+        seeds=("value", "size"),
         answers=("answers", "sum"),
         chance=("chance", "first"),
     ).reset_index()
-    depths["std"] = depths["std"].fillna(0.0)
     depths["answers"] = depths.answers.astype(int)
     depths["chance"] = depths.chance.where([METRICS[m].chance for m in depths.metric])
     return depths

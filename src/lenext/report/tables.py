@@ -78,19 +78,20 @@ def to_markdown(tables: dict[TableKey, Table]) -> str:
             parts.append("| " + " | ".join([label, *cells, *extra]) + " |")
         parts.append("")
         if len(table.not_learned):
-            parts.append(not_learned_note(table.not_learned, key.train_len))
+            parts.append(not_learned_note(table.not_learned))
     return "\n".join(parts)
 
 
-def not_learned_note(runs: pd.DataFrame, train_len: int) -> str:
-    """The runs that did not learn their task at L_train, with their exact match there, under a probe's table."""
+def not_learned_note(runs: pd.DataFrame) -> str:
+    """The runs that did not learn their task at their own training length, with their exact match there, under a
+    probe's table."""
     by_row: dict[str, list[str]] = {}
-    for row, seed, accuracy in runs.itertuples(index=False):
-        by_row.setdefault(row, []).append(f"seed {seed}: {100 * accuracy:.1f}%")
+    for row, seed, accuracy, at in runs.itertuples(index=False):
+        by_row.setdefault(row, []).append(f"seed {seed}: {100 * accuracy:.1f}% at {at}")
     listed = "; ".join(f"{row} ({', '.join(seeds)})" for row, seeds in by_row.items())
     return (
-        f"Not learned at L_train (exact match below {100 * LEARNED_AT:.0f}% at {train_len}; kept out of every column "
-        f"beyond it, `{NOT_LEARNED}` where no seed learned): {listed}.\n"
+        f"Not learned at their training length (exact match below {100 * LEARNED_AT:.0f}% there; kept out of every "
+        f"column beyond it, `{NOT_LEARNED}` where no seed learned): {listed}.\n"
     )
 
 
