@@ -195,6 +195,28 @@ def test_a_shard_of_another_preparation_is_refused_naming_it(tmp_path, shard_fol
         again(tmp_path)
 
 
+def test_a_shard_whose_bytes_changed_after_preparation_is_refused_naming_it(tmp_path, shard_folder):
+    """Bytes overwritten in place (bit rot, a bad copy) leave a shard Arrow reads, with other tokens: its checksum in
+    the manifest tells. A manifest written before checksums were kept is still read."""
+    shard = shard_folder / "shard-00001.arrow"
+    original = shard.read_bytes()
+    ids = lenext.shards.read_shard(str(shard), json.loads((shard_folder / "manifest.json").read_text())["key"])
+    first = ids.column("ids").chunks[0].flatten().to_numpy()
+    start = original.index(first[:8].tobytes())  # the first tokens in the file: change one of them
+    changed = bytearray(original)
+    changed[start] ^= 1
+    shard.write_bytes(bytes(changed))
+    with pytest.raises(DataError, match=rf"^token shard {shard} has changed since it was prepared .*remove"):
+        again(tmp_path)
+    manifest = json.loads((shard_folder / "manifest.json").read_text())
+    assert all(len(entry["xxh3_128"]) == 32 for entry in manifest["shards"])
+    for entry in manifest["shards"]:
+        del entry["xxh3_128"]
+    (shard_folder / "manifest.json").write_text(json.dumps(manifest))
+    shard.write_bytes(original)
+    assert again(tmp_path).vocab_size == 300
+
+
 @pytest.mark.parametrize(
     "damage",
     [

@@ -3,9 +3,9 @@
 A split's folder holds ``shard-00000.arrow``, ``shard-00001.arrow``, ... and, once every document is in, a
 ``manifest.json``. A shard is an Arrow IPC stream of whole documents, one row each (``ids``: the document's tokens;
 held-out splits also ``byte_ends``), closed at the first document boundary past ``SHARD_TOKENS`` tokens. Each shard
-is written aside and renamed into place, and its schema names the preparation it belongs to (``key``) and the
-documents it holds (``first``, ``count``): a killed preparation resumes after its last whole shard, and a shard of
-another preparation, or one that cannot be read, is refused naming its file.
+is written aside and renamed into place, and its schema names the preparation it belongs to (``key``): a killed
+preparation resumes after its last whole shard, and a shard of another preparation, one that cannot be read, or
+one whose bytes differ from the checksum the manifest lists (xxh3-128), is refused naming its file.
 
 Shards are read memory-mapped with pyarrow's IPC reader (as Hugging Face ``datasets`` reads its own Arrow cache): a
 document is a zero-copy numpy view of the mapped file, so memory holds the pages being read, not the corpus.
@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
+import xxhash
 
 from lenext.errors import DataError
 from lenext.files import atomic_path, fsync, write_atomic
@@ -28,6 +29,7 @@ from lenext.files import atomic_path, fsync, write_atomic
 SHARD_TOKENS = 1 << 24  # tokens per shard (32 MiB of uint16): small enough to rewrite after a kill
 FORMAT = 1  # bumped when the layout changes, so an older folder is refused rather than misread
 MANIFEST = "manifest.json"
+CHECKSUM = "xxh3_128"  # each shard's, in the manifest: bytes changed after preparation are refused
 
 
 def token_type(vocab_size: int) -> pa.DataType:
@@ -48,7 +50,7 @@ class SplitWriter:
             if name.startswith(".shard-") and name.endswith(".tmp"):
                 os.unlink(os.path.join(folder, name))
         self.done = completed_shards(folder, key)
-        self.resume_from = sum(documents for _, documents, _ in self.done)
+        self.resume_from = sum(documents for _, documents, _, _ in self.done)
 
     def write(self, documents: Iterable[dict[str, np.ndarray]]) -> None:
         """Append ``documents`` (each {"ids": ..., "byte_ends": ...}) in order, then the manifest."""
@@ -73,7 +75,7 @@ class SplitWriter:
             raise
         if writer:
             writer.close()
-        shards = [{"file": os.path.basename(p), "documents": d, "tokens": t} for p, d, t in self.done]
+        shards = [{"file": os.path.basename(p), "documents": d, "tokens": t, CHECKSUM: c} for p, d, t, c in self.done]
         manifest = {"format": FORMAT, "key": self.key, "shards": shards}
         write_atomic(os.path.join(self.folder, MANIFEST), json.dumps(manifest, indent=1) + "\n")
 
@@ -104,8 +106,9 @@ class _ShardFile:
         except OSError as e:  # the temporary removed, the failure in one line
             self._context.__exit__(type(e), e, e.__traceback__)
             raise DataError(f"token shard {self.path} could not be written ({e})") from None
+        checksum = file_checksum(self._tmp)
         self._context.__exit__(None, None, None)
-        self.done.append((self.path, self.documents, self.tokens))
+        self.done.append((self.path, self.documents, self.tokens, checksum))
 
     def abandon(self) -> None:
         """Remove the unfinished shard: the next run rewrites it from its first document."""
@@ -121,17 +124,27 @@ def _list_array(rows: list[np.ndarray], value_type: pa.DataType) -> pa.ListArray
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type))
 
 
-def completed_shards(folder: str, key: str) -> list[tuple[str, int, int]]:
-    """(path, documents, tokens) of each shard already in ``folder``, in order, each read and checked."""
+def completed_shards(folder: str, key: str) -> list[tuple[str, int, int, str]]:
+    """(path, documents, tokens, checksum) of each shard already in ``folder``, in order, each read and checked."""
     names = sorted(n for n in os.listdir(folder) if n.startswith("shard-") and n.endswith(".arrow"))
     for number, name in enumerate(names):
         if name != f"shard-{number:05d}.arrow":
             raise DataError(f"token shards in {folder}: shard-{number:05d}.arrow is missing; {_REMOVE.format(folder)}")
     done = []
     for name in names:
-        table = read_shard(os.path.join(folder, name), key)
-        done.append((os.path.join(folder, name), table.num_rows, _tokens(table)))
+        path = os.path.join(folder, name)
+        table = read_shard(path, key)
+        done.append((path, table.num_rows, _tokens(table), file_checksum(path)))
     return done
+
+
+def file_checksum(path: str) -> str:
+    """xxh3-128 of the file's bytes, read in 16 MiB blocks (a shard is never held whole)."""
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 _REMOVE = "remove {} to prepare the split again"
@@ -178,7 +191,14 @@ def open_split(folder: str, key: str) -> "Split | None":
         raise DataError(f"{path} is not the manifest of {key} (format {FORMAT}); {_REMOVE.format(folder)}")
     tables = []
     for shard in manifest["shards"]:
-        table = read_shard(os.path.join(folder, shard["file"]), key)
+        shard_path = os.path.join(folder, shard["file"])
+        table = read_shard(shard_path, key)  # first: a foreign or unreadable shard is named as such
+        expected = shard.get(CHECKSUM)  # manifests written before checksums were kept have none
+        if expected is not None and file_checksum(shard_path) != expected:
+            raise DataError(
+                f"token shard {shard_path} has changed since it was prepared (its bytes differ from the {CHECKSUM} "
+                f"checksum {path} lists); {_REMOVE.format(folder)}"
+            )
         if (table.num_rows, _tokens(table)) != (shard["documents"], shard["tokens"]):
             raise DataError(
                 f"token shard {os.path.join(folder, shard['file'])} holds {table.num_rows} documents and "
