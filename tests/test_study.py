@@ -22,7 +22,7 @@ from lenext.progress import StudyProgress, duration, sweep_grid
 from lenext.protocols import NonOverlapping
 from lenext.run import train
 from lenext.scoring import evaluate_length
-from tests.conftest import run_train, small_corpus_overrides
+from tests.conftest import run_train, small_corpus_overrides, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -203,25 +203,43 @@ def test_submitit_local_launcher_runs_a_two_job_sweep(small_text_corpus, tmp_pat
     assert lines == ["study: job 1 of 2 done (pe=nope", "study: job 2 of 2 done (pe=alibi"]
 
 
+def test_a_bad_setting_of_any_job_refuses_the_sweep_before_its_first_job(tmp_path):
+    """Every job is composed and checked before the sweep starts: the second job's bad value (or a key its PE
+    lacks) is named with the job, and nothing runs or is written."""
+    for sweep, expected in (
+        (["module.lr=1e-3,-1"], "job 1 of the sweep (module.lr=-1): module.lr=-1 is invalid: it must be a finite"),
+        (["pe=rope,alibi", "pe.scaling=yarn"], "job 1 of the sweep (pe=alibi): pe.scaling is not a setting of pe;"),
+    ):
+        result = run_train(tmp_path, "-m", *tiny_overrides(*sweep))
+        assert result.returncode == 1 and result.stderr.startswith(f"error: {expected}"), result.stderr[-2000:]
+        assert len(result.stderr.splitlines()) == 1 and result.stderr.rstrip().endswith("; no job was started")
+        assert not (tmp_path / "logs").exists()
+    # A preset's grid (its sweeper params), with the command line's values over it
+    result = run_train(tmp_path, "experiment=classic", "seed=0", "trainer.max_steps=0")
+    assert result.stderr.startswith("error: job 0 of the sweep (pe=nope): trainer.max_steps=0 is invalid")
+
+
 @pytest.mark.parametrize("launcher", ["basic", "parallel"])
 def test_a_failing_job_is_recorded_and_the_sweep_goes_on(small_text_corpus, tmp_path, launcher):
     """With the basic launcher every job runs in the sweep's process; with `parallel` (joblib) two at once, each
     in its own process with half the cores' torch threads, and the sweep counts the failures from their files."""
+    (tmp_path / "empty").mkdir()  # a job whose corpus has no text: found by the job, when it reads the data
     result = run_train(
         tmp_path,
         "-m",
         *small_corpus_overrides(small_text_corpus, "trainer.max_steps=3", "eval.factors=[1]"),
-        "data.max_len=0,32",
+        f"data.corpus.path={tmp_path / 'empty'},{small_text_corpus}",
         *(["hydra/launcher=parallel", "hydra.launcher.n_jobs=2"] if launcher == "parallel" else []),
         set_root=False,
     )
-    assert "error: data.max_len=0 is invalid" in result.stderr
+    empty = f"no .txt, .jsonl, .parquet files at data.corpus.path='{tmp_path / 'empty'}'"
+    assert f"error: {empty}" in result.stderr
     # The sweep went on, then says how many failed and exits 1: a script must not take it as complete.
     assert result.returncode == 1 and "study: 1 of 2 jobs failed; each one's error.txt says why" in result.stderr
     # The failed job counts as done, and its seconds stay out of the estimate for the jobs left.
-    assert "study: job 1 of 2 done (data.max_len=0, failed)\n" in result.stdout
+    assert f"study: job 1 of 2 done (data.corpus.path={tmp_path / 'empty'}, failed)\n" in result.stdout
     (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
-    assert "data.max_len=0 is invalid" in (sweep / "0" / "error.txt").read_text()
+    assert empty in (sweep / "0" / "error.txt").read_text()
     results = json.loads((sweep / "1" / "results.json").read_text())
     assert results["complete"]
     if launcher == "parallel":

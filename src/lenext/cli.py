@@ -18,11 +18,13 @@ from importlib import resources
 import hydra
 import torch
 from hydra import compose, initialize_config_module
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import get_args_parser
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from lenext import schema
@@ -35,6 +37,7 @@ from lenext.hf import evaluate_hf
 from lenext.resolve import RENAMED_KEYS, TRAIN_NODES, TrainSettings
 from lenext.results import ERROR_FILE
 from lenext.run import evaluate_checkpoint, train
+from lenext.run_folder import preflight
 from lenext.schema import HYDRA_KEYS, did_you_mean
 
 CONFIG_PACKAGE = "lenext.configs"
@@ -106,7 +109,8 @@ def checked_command_line(config_name: str) -> Callable:
         @functools.wraps(main)
         def wrapper(*args, **kwargs):
             try:
-                check_overrides(config_name, get_args_parser().parse_args(sys.argv[1:]).overrides)
+                command = get_args_parser().parse_args(sys.argv[1:])
+                check_overrides(config_name, command.overrides, command.multirun)
             except ConfigError as e:
                 print_one_line(e)
                 sys.exit(e.exit_status)
@@ -117,8 +121,9 @@ def checked_command_line(config_name: str) -> Callable:
     return decorate
 
 
-def check_overrides(config_name: str, overrides: list[str]) -> None:
-    """The checks of ``checked_command_line``; overrides Hydra cannot parse are left to Hydra."""
+def check_overrides(config_name: str, overrides: list[str], multirun: bool = False) -> None:
+    """The checks of ``checked_command_line``; overrides Hydra cannot parse are left to Hydra. A train.py sweep
+    (``-m``, or a preset's) has every job checked (``check_sweep_jobs``)."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException:
@@ -146,18 +151,68 @@ def check_overrides(config_name: str, overrides: list[str]) -> None:
         try:
             compose(config_name, overrides=first_values)
         except (HydraException, OmegaConfBaseException) as e:
-            unknown = re.search(r"Could not override '([^']+)'", str(e))
-            if not unknown:
-                return  # Hydra's own message says it
-            path, _, name = unknown.group(1).rpartition(".")
-            rest = [line for line in first_values if not line.lstrip("+~").startswith(unknown.group(1) + "=")]
-            root = compose(config_name, overrides=rest)
-            node = OmegaConf.select(root, path) if path else root
-            known = sorted(k for k in node if k not in HYDRA_KEYS) if isinstance(node, DictConfig) else []
-            raise ConfigError(
-                f"{unknown.group(1)} is not a setting of {path or 'this config'}{did_you_mean(name, known, path)}; "
-                f"the settings there: {', '.join(known) or 'none'}"
-            ) from None
+            unknown = not_a_setting(config_name, first_values, e)
+            if unknown:
+                raise unknown from None
+            return  # Hydra's own message says it
+        if config_name == "train":
+            first = compose(config_name, overrides=first_values, return_hydra_config=True)
+            if multirun or first.hydra.mode == RunMode.MULTIRUN:
+                check_sweep_jobs(parsed, first.hydra.sweeper.get("params"))
+
+
+def not_a_setting(config_name: str, overrides: list[str], error: Exception) -> ConfigError | None:
+    """The ConfigError naming the key Hydra could not override (with the closest name and the settings there), or
+    None for another composition error. Called within a compose context."""
+    unknown = re.search(r"Could not override '([^']+)'", str(error))
+    if not unknown:
+        return None
+    path, _, name = unknown.group(1).rpartition(".")
+    rest = [line for line in overrides if not line.lstrip("+~").startswith(unknown.group(1) + "=")]
+    root = compose(config_name, overrides=rest)
+    node = OmegaConf.select(root, path) if path else root
+    known = sorted(k for k in node if k not in HYDRA_KEYS) if isinstance(node, DictConfig) else []
+    return ConfigError(
+        f"{unknown.group(1)} is not a setting of {path or 'this config'}{did_you_mean(name, known, path)}; "
+        f"the settings there: {', '.join(known) or 'none'}"
+    )
+
+
+def check_sweep_jobs(parsed: list, preset_params: dict | None) -> None:
+    """Every job of a train.py sweep composed and checked as the job will check itself before any work (types and
+    ranges, then the settings that only fail together: ``preflight``), before the first job starts: a bad value
+    for the fifth job is refused now, naming the job, not after four trainings. What only the data can tell (a
+    corpus too short for a length) is still found by the job, which writes its error.txt. Called within a compose
+    context; a second stage's base (``init_from``) is read by its own job only."""
+    params = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in (preset_params or {}).items()])
+    try:  # the grid as Hydra's basic sweeper makes it: the command line over the preset's params
+        (jobs,) = BasicSweeper.split_arguments([*params, *parsed], None)
+    except HydraException:  # a sweep type the basic sweeper does not run (ranges): left to Hydra
+        return
+    last = {o.get_key_element(): o for o in [*params, *parsed]}
+    swept = {key for key, override in last.items() if override.is_sweep_override()}
+    for number, job in enumerate(jobs):
+        task = [line for line in job if not line.startswith(("hydra.", "hydra/"))]
+        try:
+            cfg = compose("train", overrides=task, return_hydra_config=True)
+            HydraConfig.instance().set_config(cfg)  # ${hydra:...} in a job's settings (a second stage's init_from)
+            with open_dict(cfg):
+                del cfg["hydra"]
+                cfg.paths.output_dir = "."  # a job's folder: Hydra's, once the sweep runs
+            if not cfg.get("init_from"):
+                preflight(cfg, TrainSettings, TRAIN_NODES, sweeps=cfg.eval.enabled)
+            else:
+                schema.check(cfg, TrainSettings, TRAIN_NODES)
+        except (HydraException, OmegaConfBaseException) as e:
+            problem = not_a_setting("train", task, e)
+            if problem is None:
+                continue  # Hydra's own check of the batch says it
+        except ConfigError as e:
+            problem = e
+        else:
+            continue
+        named = " ".join(line for line in job if line.split("=", 1)[0].lstrip("+~") in swept)
+        raise ConfigError(f"job {number} of the sweep ({named}): {problem}; no job was started")
 
 
 def group_options(group: str) -> list[str]:
