@@ -76,6 +76,8 @@ def test_invalid_values_fail_with_one_line_naming_the_key(tmp_path, overrides, k
     assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / ".cache").exists()  # failed before reading or tokenizing the corpus
+    runs = tmp_path / "logs" / "train" / "runs"  # nor left a run folder the report would list as failed
+    assert not runs.exists() or not os.listdir(runs)
 
 
 def test_hub_corpus_offline_points_to_text_files(tmp_path):

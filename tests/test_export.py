@@ -3,6 +3,7 @@ transformers architecture where one computes the same), generates what lenext ge
 checkpoint's results (docs/export.md)."""
 
 import json
+import logging
 import math
 import os
 import re
@@ -11,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from transformers.utils import logging as transformers_logging
 
 from lenext.build import build_net
 from lenext.errors import CheckpointError, ConfigError
@@ -161,6 +163,16 @@ def test_the_export_evaluates_back_to_the_checkpoints_results(
     evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "ckpt", checkpoint, *sweep))
     data = ("data=text_files", f"data.corpus.path={small_text_corpus}", "data.corpus.holdout_every=4")
     trust = (f"trust_remote_code={str(remote).lower()}",)
+    if remote:  # untrusted: lenext's one line, without transformers' notice on the folder's config before it
+        said, notices = [], logging.Handler()
+        notices.emit = said.append
+        transformers_logging.get_logger().addHandler(notices)
+        try:
+            with pytest.raises(ConfigError, match=r"its model's code is not in transformers but in the folder"):
+                evaluate_hf(compose_eval(tmp_path, tmp_path / "untrusted", "null", f"hf={folder}", *data, *sweep))
+        finally:
+            transformers_logging.get_logger().removeHandler(notices)
+        assert not said, said[0].getMessage()
     evaluate_hf(compose_eval(tmp_path, tmp_path / "hf", "null", f"hf={folder}", *data, *trust, *sweep))
     ours, theirs = (json.loads((tmp_path / run / "results.json").read_text()) for run in ("ckpt", "hf"))
     assert [(r["protocol"], r["length"]) for r in ours["rows"]] == [

@@ -165,8 +165,12 @@ def test_what_cannot_be_evaluated_is_refused_in_one_line_before_any_work(tmp_pat
     (tmp_path / "tokenizer_only").mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / "tokenizer_only" / name).write_text((folder / name).read_text())
-    with pytest.raises(ConfigError, match=r"holds no model config transformers knows"):
+    with pytest.raises(ConfigError, match=r"^hf='.*tokenizer_only' holds no config.json: give a Hugging Face model"):
         evaluate_hf(compose_hf(tmp_path, small_text_corpus, tmp_path / "tokenizer_only"))
+    (tmp_path / "model_only").mkdir()  # a model's config without its tokenizer: hf= named, not data.tokenizer
+    (tmp_path / "model_only" / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(ConfigError, match=r"^hf='.*model_only' holds no tokenizer transformers can load"):
+        evaluate_hf(compose_hf(tmp_path, small_text_corpus, tmp_path / "model_only"))
     assert not (tmp_path / "out").exists() and not (tmp_path / ".cache").exists()
 
 

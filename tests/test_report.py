@@ -117,6 +117,18 @@ def test_no_results_is_a_clear_error(tmp_path):
         report([str(tmp_path)], str(tmp_path / "out"))
 
 
+def test_a_results_file_given_for_a_folder_is_named_not_out(sweep_dir):
+    """Not "--out=<file>/report cannot hold the report": the argument given is named, with its folder."""
+    results = sweep_dir / "0" / "results.json"
+    with pytest.raises(SystemExit, match=rf"^error: '{results}' is a file, not a folder: give the run folder that "):
+        main([str(results)])
+
+
+def test_a_model_lenext_did_not_train_names_its_machine_without_a_precision(tmp_path):
+    write_run(tmp_path / "0", "rope", 0, {64: 20.0}, hardware={**HARDWARE, "training_precision": None})
+    assert load([str(tmp_path)]).runs[0].machine == "AMD EPYC (AVX512_BF16, 2 cores)"
+
+
 def _seeded_sweep(folder, per_pe: dict[str, list[float]], first_seed=0):
     """One run per (PE, seed) with perplexity per_pe[pe][i] at length 64 for seed first_seed + i."""
     job = len(os.listdir(folder)) if os.path.isdir(folder) else 0

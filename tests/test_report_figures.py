@@ -273,6 +273,28 @@ def test_axes_are_labelled_in_plain_numbers_and_heatmaps_in_a_colour_blind_safe_
     assert figures.HEATMAP in {"cividis", "viridis"}
 
 
+@pytest.mark.parametrize(
+    "low, high, expected",
+    [(700, 770, {"700", "750"}), (27, 71, {"30", "50"}), (120, 180, {"150"}), (20, 900, {"20", "100", "500"})],
+)
+def test_a_log_value_axis_shows_at_least_two_plain_labels(low, high, expected):
+    """Perplexities from 700 to 770 lie between the labelled 500 and 1000: every tick is labelled then."""
+    plt = figures.pyplot()
+    fig, ax = plt.subplots()
+    ax.plot([64, 128], [low, high])
+    ax.set_yscale("log")
+    figures.plain_log_values(ax)
+    fig.canvas.draw()
+    bottom, top = ax.get_ylim()
+    shown = {
+        t.get_text()
+        for t in [*ax.yaxis.get_majorticklabels(), *ax.yaxis.get_minorticklabels()]
+        if t.get_text() and bottom <= t.get_position()[1] <= top
+    }
+    assert len(shown) >= 2 and expected <= shown, shown
+    plt.close(fig)
+
+
 def test_no_legend_or_title_is_cropped(tmp_path):
     """Every legend and title lies inside its figure, however many rows a panel's legend takes."""
     from tests.test_report import write_probe_run

@@ -456,3 +456,9 @@ def test_a_remote_is_not_part_of_what_a_run_is():
         local = compose("train", overrides=["paths.root_dir=/tmp"])
         remote = compose("train", overrides=["paths.root_dir=/tmp", "data.remote=s3://bucket/prefix"])
     assert run_identity(local, FINISHED_IDENTITY) == run_identity(remote, FINISHED_IDENTITY)
+
+
+def test_too_few_local_documents_for_a_held_out_split_names_holdout_every(tmp_path):
+    write_corpus(tmp_path / "corpus", documents=5)  # documents 8 and 9 of every 10 are held out: none here
+    with pytest.raises(DataError, match=r"has no validation documents: .*data.corpus.holdout_every=10 .*at least 3\)$"):
+        prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache")

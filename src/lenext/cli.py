@@ -34,6 +34,7 @@ from lenext.errors import ConfigError, LenextError, errors_in_one_line, interrup
 from lenext.files import write_atomic
 from lenext.hardware import default_precision, keep_freed_memory
 from lenext.hf import evaluate_hf
+from lenext.lock import remove_unused_folder
 from lenext.resolve import RENAMED_KEYS, TRAIN_NODES, TrainSettings
 from lenext.results import ERROR_FILE
 from lenext.run import evaluate_checkpoint, train
@@ -95,6 +96,9 @@ def one_line_errors(main: Callable) -> Callable:
             if hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN and not e.ends_sweep:
                 write_atomic(os.path.join(hydra_cfg.runtime.output_dir, ERROR_FILE), f"{e}\n")
                 return None
+            if hydra_cfg and hydra_cfg.mode == RunMode.RUN:
+                logging.shutdown()  # the run's log file closed: an empty one goes with its folder
+                remove_unused_folder(hydra_cfg.runtime.output_dir)
             sys.exit(e.exit_status)
 
     return wrapper

@@ -369,12 +369,13 @@ def group_wikitext_articles(lines: Iterable[str]) -> Iterator[str]:
 END_OF_TEXT = (EOS, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 
 
-def external_tokenizer(path: str):
-    """(tokenizers.Tokenizer, document start token id) of ``data.tokenizer``: a tokenizer.json, or a Hugging Face
-    tokenizer folder (its fast tokenizer; its BOS, else its EOS, starts each document)."""
+def external_tokenizer(path: str, key: str = "data.tokenizer"):
+    """(tokenizers.Tokenizer, document start token id) of ``data.tokenizer`` (or the setting ``key`` that gave
+    ``path``): a tokenizer.json, or a Hugging Face tokenizer folder (its fast tokenizer; its BOS, else its EOS,
+    starts each document)."""
     from tokenizers import Tokenizer
 
-    where = f"data.tokenizer={path!r}"
+    where = f"{key}={path!r}"
     if os.path.isfile(path):
         try:
             tokenizer = Tokenizer.from_file(path)
@@ -652,7 +653,14 @@ class LMDataModule(L.LightningDataModule):
         if key is None or any(open_split(self._folder(key, split), self._shard_key(key)) is None for split in SPLITS):
             for split in SPLITS:  # the first document of each: an empty split is refused before any work
                 if next(iter(self.corpus.documents(split)), None) is None:
-                    raise DataError(f"corpus {self.corpus.name!r} has no {split} documents: check data.corpus")
+                    every = getattr(self.corpus, "holdout_every", None)  # local files: every n-th is held out
+                    hint = (
+                        f" (of every data.corpus.holdout_every={every} documents, the last two are held out: "
+                        "give more documents, or a smaller holdout_every, at least 3)"
+                        if every
+                        else ""
+                    )
+                    raise DataError(f"corpus {self.corpus.name!r} has no {split} documents: check data.corpus{hint}")
             key = self.load_tokenizer()
         self.shards = {split: self._prepare(split, key) for split in SPLITS}
         if self.remote:  # what this process made, for the other machines

@@ -16,6 +16,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_only
 
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.hardware import release_freed_memory
@@ -285,7 +286,7 @@ def sweep(
                     rows += [measured_row] + [
                         {**row, "status": "ok", **part, "reason": None} for part in measured.breakdown
                     ]
-                    log.info(  # progress only: the table at the end has the numbers
+                    (log.info if rank_zero_only.rank == 0 else log.debug)(  # progress only, once: the table has it
                         "evaluated %s%s at L=%d (%d windows, %s)",
                         name,
                         f" under {variant or 'the model as trained'}" if len(variants) > 1 else "",

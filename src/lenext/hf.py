@@ -49,15 +49,32 @@ KEPT_ROPE_KEYS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope
 POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 
 
+@contextlib.contextmanager
+def transformers_quiet() -> Iterator[None]:
+    """transformers' warnings off while a folder's config is read: its notice on a config of remote code ("You are
+    using a model of type lenext ...") comes before lenext's one line, which says it better."""
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+
+
 def load_model(source: str, trust_remote_code: bool = False):
     """The causal LM and its tokenizer folder at ``source`` (a local folder, or a hub id where the machine reaches
     the hub), refused in one line for what lenext cannot evaluate; nothing is downloaded for a local folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
     where = f"hf={source!r}"
     local = os.path.isdir(source)
+    transformers_logging.disable_progress_bar()  # its bar of weights loaded: a line of its own before lenext's
     try:
-        config = AutoConfig.from_pretrained(source, local_files_only=local, trust_remote_code=trust_remote_code)
+        with transformers_quiet():
+            config = AutoConfig.from_pretrained(source, local_files_only=local, trust_remote_code=trust_remote_code)
     except ValueError as e:
         if "trust_remote_code" in str(e):
             raise ConfigError(
@@ -283,7 +300,8 @@ def evaluate_hf(cfg: DictConfig) -> str:
     if cfg.get("data") and "corpus" not in cfg.data:
         raise ConfigError("data= with hf= must be a text corpus (sotu, text_files, ...): a probe's tokens are not text")
     source = hf_folder(cfg.hf)
-    external_tokenizer(source)  # refused before the model loads: a folder without a tokenizer
+    with transformers_quiet():
+        external_tokenizer(source, "hf")  # refused before the model loads: a folder without a tokenizer
     model = load_model(source, cfg.trust_remote_code)
     net = HFLanguageModel(model, cfg.context)
     data_node = cfg.data if cfg.get("data") else OmegaConf.load(resources.files("lenext.configs") / "data/sotu.yaml")
@@ -346,6 +364,11 @@ def evaluate_hf(cfg: DictConfig) -> str:
 def hf_folder(source: str) -> str:
     """A local folder as given; a hub id downloaded (where the machine reaches the hub) into the hub's cache."""
     if os.path.isdir(source):
+        if not os.path.isfile(os.path.join(source, "config.json")):
+            raise ConfigError(
+                f"hf={source!r} holds no config.json: give a Hugging Face model folder (config.json, weights, "
+                "tokenizer), such as lenext-export writes"
+            )
         return source
     if os.path.exists(source):
         raise ConfigError(f"hf={source!r} is a file: give a model folder (config.json, weights, tokenizer)")

@@ -12,6 +12,7 @@ import datetime
 import fcntl
 import logging
 import os
+import shutil
 import socket
 import sys
 from typing import Any, TextIO
@@ -25,6 +26,7 @@ log = logging.getLogger("lenext")
 
 LOCK_FILE = ".lenext.lock"
 _held: dict[str, TextIO] = {}  # folder (real path) -> its open lock file: the lock lasts while the file is open
+_made: set[str] = set()  # folders (real paths) this process made
 
 
 class FolderInUse(LenextError):
@@ -37,6 +39,8 @@ def hold_folder(folder: str) -> bool:
     key = os.path.realpath(folder)
     if key in _held:
         return False
+    if not os.path.exists(folder):
+        _made.add(key)
     try:
         os.makedirs(folder, exist_ok=True)
         lock = open(os.path.join(folder, LOCK_FILE), "a+")  # not closed: the lock lasts while it is open
@@ -77,6 +81,22 @@ def release_folder(folder: str) -> None:
     lock = _held.pop(os.path.realpath(folder), None)
     if lock is not None:
         lock.close()
+
+
+def remove_unused_folder(folder: str) -> None:
+    """Remove ``folder`` if this process made it and it holds only what Hydra and the lock wrote before the command
+    was refused (``.hydra/``, the lock, an empty log): a refused command leaves no run folder behind."""
+    key = os.path.realpath(folder)
+    if key not in _made or not os.path.isdir(folder):
+        return
+    log = [name for name in os.listdir(folder) if name.endswith(".log")]
+    if set(os.listdir(folder)) - {".hydra", LOCK_FILE, *log} or any(
+        os.path.getsize(os.path.join(folder, n)) for n in log
+    ):
+        return
+    release_folder(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    _made.discard(key)
 
 
 def launched_by_another_process() -> bool:

@@ -105,6 +105,12 @@ def main(argv: list[str] | None = None) -> None:
         help="tables and the figures' CSV data only, no PNG (matplotlib takes most of a large study's report)",
     )
     args = parser.parse_args(argv)
+    for folder in args.folders:  # before --out, which defaults to a folder inside the first
+        if os.path.isfile(folder):
+            raise SystemExit(
+                f"error: {folder!r} is a file, not a folder: give the run folder that holds it "
+                f"({os.path.dirname(os.path.abspath(folder))}), a multirun folder or run folders"
+            )
     out = args.out or os.path.join(args.folders[0], "report")
     problem = unwritable(out)
     if problem:

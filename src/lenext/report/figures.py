@@ -524,11 +524,20 @@ def length_axis(ax, lengths: list) -> None:
 
 
 def plain_log_values(ax) -> None:
-    """A log axis of values labelled in plain numbers (30, 50, 100, 200), not powers of ten."""
+    """A log axis of values labelled in plain numbers (30, 50, 100, 200), not powers of ten; every tick labelled
+    where those would leave fewer than two labels in view (values from 700 to 770: 700, 800)."""
     from matplotlib.ticker import FuncFormatter
 
+    def shown(value: float) -> bool:
+        return f"{value:g}"[0] in "1235"
+
+    def minor(value: float, _) -> str:
+        low, high = sorted(ax.get_ylim())
+        ticks = [t for t in [*ax.yaxis.get_majorticklocs(), *ax.yaxis.get_minorticklocs()] if low <= t <= high]
+        return f"{value:g}" if shown(value) or sum(map(shown, ticks)) < 2 else ""
+
     ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-    ax.yaxis.set_minor_formatter(FuncFormatter(lambda value, _: f"{value:g}" if f"{value:g}"[0] in "235" else ""))
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
 
 
 def value_axis(ax, low: float, high: float, log: bool = True) -> None:

@@ -277,7 +277,8 @@ class Run:
         if not hardware:
             return None
         device = hardware.get("gpu") or f"{hardware['cpu']} ({hardware['isa']}, {hardware['cores']} cores)"
-        return f"{device}, {hardware.get('training_precision')}"
+        precision = hardware.get("training_precision")  # none for a model lenext did not train (eval.py hf=)
+        return f"{device}, {precision}" if precision else device
 
     @cached_property
     def accuracy_as_trained(self) -> float | None:
