@@ -99,8 +99,24 @@ def test_the_plan_defaults_and_the_window_cap_are_as_documented():
     keeps every k-th window, spread over all of them, not the first ones."""
     plan = sweep_plan(eval_cfg(factors=[2, 4, 8]), 16, None, ("nonoverlap", "sliding", "last_k"))
     assert (plan.lengths, plan.stride, plan.k) == ([32, 64, 128], 8, 32)
-    given = sweep_plan(eval_cfg(stride=3, last_k=5), 16, None, ("nonoverlap",))
+    every = ("nonoverlap", "sliding", "last_k")
+    given = sweep_plan(eval_cfg(protocol=list(every), stride=3, last_k=5), 16, None, every)
     assert (given.lengths, given.stride, given.k) == ([16, 32, 64], 3, 5)
+
+
+@pytest.mark.parametrize(
+    "setting, protocol",
+    [({"stride": 8}, "sliding"), ({"last_k": 4}, "last_k"), ({"key_context": 8}, "key_tokens")],
+)
+def test_a_protocols_own_setting_given_without_the_protocol_is_refused(setting, protocol):
+    """eval.stride=8 with nonoverlap alone would evaluate nonoverlap as if nothing were asked."""
+    (key, value), every = next(iter(setting.items())), ("nonoverlap", "sliding", "last_k", "key_tokens")
+    expected = rf"^eval.{key}={value} changes nothing here: it is a setting of the {protocol} protocol, which "
+    with pytest.raises(
+        ConfigError, match=expected + rf"eval.protocol=\[nonoverlap\] does not evaluate; add {protocol}"
+    ):
+        sweep_plan(eval_cfg(protocol=["nonoverlap"], **setting), 16, None, every)
+    assert sweep_plan(eval_cfg(protocol=["nonoverlap", protocol], **setting), 16, None, every)
     assert cap_windows(list(range(100)), 7) == list(range(0, 100, 15))
     assert cap_windows(list(range(10)), None) == list(range(10))
 
@@ -130,7 +146,8 @@ def test_a_sliding_stride_longer_than_the_shortest_length_is_refused_before_any_
 @pytest.mark.parametrize("protocol", ["nonoverlap", "sliding", "last_k"])
 def test_perplexity_equals_exp_mean_nll_of_a_plain_per_window_loop(protocol):
     net, docs = tiny_net(), random_documents()
-    rows, _ = sweep_of(net, TextEvaluation(docs), 16, eval_cfg(protocol=protocol, stride=5, last_k=8))
+    own = {"nonoverlap": {}, "sliding": {"stride": 5}, "last_k": {"last_k": 8}}[protocol]
+    rows, _ = sweep_of(net, TextEvaluation(docs), 16, eval_cfg(protocol=protocol, **own))
     for row in rows:
         length = row["length"]
         chosen = {"nonoverlap": NonOverlapping(), "sliding": Sliding(5), "last_k": LastK(8, 64)}[protocol]

@@ -192,6 +192,15 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
         raise ConfigError(
             f"{setting} is invalid with eval.protocol=sliding: it must be at most the shortest length, {min(lengths)}"
         )
+    for name, protocol in PROTOCOLS.items():
+        given = [(key, value) for key in protocol.own_settings if (value := getattr(eval_cfg, key, None)) is not None]
+        if given and name not in plan_protocols:
+            key, value = given[0]
+            shown = asked if isinstance(asked, str) else f"[{','.join(asked)}]"
+            raise ConfigError(
+                f"eval.{key}={value} changes nothing here: it is a setting of the {name} protocol, which "
+                f"eval.protocol={shown} does not evaluate; add {name} to eval.protocol, or drop eval.{key}"
+            )
     evaluation_positions(eval_cfg, scheme or PositionScheme()).check_evaluation_length(max(lengths))
     if getattr(eval_cfg, "haystack_depths", None) == []:
         raise ConfigError("eval.haystack_depths=[] is invalid: give at least one depth in [0, 1], e.g. [0.5]")

@@ -41,6 +41,8 @@ class TextProtocol:
     name: ClassVar[str]
     per_position: ClassVar[bool] = False  # whether its rows have a per-position loss curve (eval.per_position)
     metrics: ClassVar[tuple[str, ...]] = ("ppl",)  # the row metrics the report tables, the first its headline
+    # eval keys, null by default, that only this protocol reads: given without it, refused (they would change nothing)
+    own_settings: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def from_plan(cls, plan) -> "TextProtocol":
@@ -125,6 +127,7 @@ class Sliding(TextProtocol):
     after the first window): each token once, each with at least L - stride tokens of context."""
 
     name = "sliding"
+    own_settings = ("stride",)
     stride: int = 1
 
     @classmethod
@@ -156,6 +159,7 @@ class LastK(TextProtocol):
     lengths compare like for like."""
 
     name = "last_k"
+    own_settings = ("last_k",)
     k: int = 1
     block: int = 1  # the sweep's longest length
 
@@ -188,6 +192,7 @@ class KeyTokens(TextProtocol):
 
     name = "key_tokens"
     metrics = ("ppl", "key_share")
+    own_settings = ("key_context", "key_evaluator")
     context: int = 1  # the short context: L_train by default
     gain: float = 2.0
     max_nll: float = 2.0  # LongPPL's -beta
