@@ -61,6 +61,13 @@ def test_every_pe_config_builds_and_runs_a_training_step_and_validation(compose_
     assert 1 < metrics["val/ppl"] < 10 * 512  # finite, and not absurd for an untrained 512-token model
 
 
+def test_a_run_that_evaluates_nothing_does_not_point_the_report_at_it(compose_train, tmp_path, capsys):
+    train(compose_train(*tiny_overrides("pe=alibi", "trainer.fast_dev_run=true")))
+    out = capsys.readouterr().out
+    assert "no results.json (no evaluation after training); next: python eval.py ckpt=" in out
+    assert "lenext.report" not in out and not (tmp_path / "results.json").exists()
+
+
 @pytest.mark.parametrize("preset", ["llama_125m", "llama_350m", "llama_1b"])
 def test_the_scale_presets_have_the_parameters_their_files_state(preset):
     """Each count its comment states, built on the meta device (no memory): the blocks and final norm, then the

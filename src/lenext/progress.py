@@ -139,13 +139,17 @@ class StudyProgress(Callback):
         print(f"next: python -m lenext.report {config.hydra.sweep.dir}   (its tables and figures)", flush=True)
 
 
-def next_steps(output_dir: str) -> str:
-    """What a single run leaves and what to run next (a sweep's last line says it for the sweep)."""
+def next_steps(output_dir: str, evaluated: bool = True) -> str:
+    """What a single run leaves and what to run next (a sweep's last line says it for the sweep); a run that
+    evaluated nothing (eval.enabled=false, trainer.fast_dev_run) has no results.json to report."""
     checkpoint = os.path.join(output_dir, "checkpoints", "last.ckpt")
+    evaluate = f"python eval.py ckpt={checkpoint} eval.lengths=[...]"
+    if not evaluated:
+        return f"checkpoint: {checkpoint}\nno results.json (no evaluation after training); next: {evaluate}"
     return (
         f"checkpoint: {checkpoint}\n"
         f"next: python -m lenext.report {output_dir}   (tables and figures)\n"
-        f"      python eval.py ckpt={checkpoint} eval.lengths=[...]   (other lengths, variants, splits)"
+        f"      {evaluate}   (other lengths, variants, splits)"
     )
 
 

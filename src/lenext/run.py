@@ -105,7 +105,8 @@ def train(cfg: DictConfig) -> dict:
         f"validation perplexity at L_train={spec.train_len} over {measured}: {metrics['val/ppl']:.2f} "
         f"(loss {metrics['val/loss']:.4f}{accuracy}, row {spec.row})"
     )
-    if spec.plan and not cfg.trainer.get("fast_dev_run"):
+    evaluated = bool(spec.plan) and not cfg.trainer.get("fast_dev_run")
+    if evaluated:
         speed = module.train_tokens / module.train_seconds * trainer.world_size if module.train_seconds else None
         # fit's teardown may leave the net on the CPU; under FSDP it is sharded
         net = unsharded(module.net, spec, datamodule.vocab_size).to(trainer.strategy.root_device)
@@ -114,7 +115,7 @@ def train(cfg: DictConfig) -> dict:
         log_results_to_wandb(trainer, path)
     hydra_cfg = hydra_config()
     if not (hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN) and trainer.is_global_zero:
-        print(next_steps(cfg.paths.output_dir))
+        print(next_steps(cfg.paths.output_dir, evaluated))
     return metrics
 
 
