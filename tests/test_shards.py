@@ -462,3 +462,21 @@ def test_too_few_local_documents_for_a_held_out_split_names_holdout_every(tmp_pa
     write_corpus(tmp_path / "corpus", documents=5)  # documents 8 and 9 of every 10 are held out: none here
     with pytest.raises(DataError, match=r"has no validation documents: .*data.corpus.holdout_every=10 .*at least 3\)$"):
         prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache")
+
+
+def test_a_hub_corpus_on_a_machine_without_the_hub_is_refused_at_once(monkeypatch):
+    """Not after datasets' retries (35 s and a line each): one connection, then one line."""
+    import socket
+
+    import datasets
+    from huggingface_hub import constants
+
+    def unresolved(address, timeout):
+        assert timeout <= 5
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket, "create_connection", unresolved)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("datasets was asked"))
+    with pytest.raises(DataError, match=r"^could not load 'Salesforce/wikitext' from the Hugging Face hub \(huggingfa"):
+        next(HubCorpus("Salesforce/wikitext", "wikitext-103-raw-v1").documents("train"))

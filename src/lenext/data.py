@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from importlib import resources
 from typing import Annotated
@@ -334,6 +335,12 @@ class HubCorpus(Corpus):
     def documents(self, split: str) -> Iterator[str]:
         import datasets
 
+        unreachable = unreachable_hub() if self.data_files is None else None  # local files need no hub
+        if unreachable:
+            raise DataError(
+                f"could not load {self.path!r} from the Hugging Face hub ({unreachable}); this machine may be "
+                "offline. Download it elsewhere, or use data=text_files data.corpus.path=<folder>"
+            )
         try:
             rows = datasets.load_dataset(
                 self.path,
@@ -349,6 +356,24 @@ class HubCorpus(Corpus):
                 f"could not load {self.path!r} from the Hugging Face hub ({type(e).__name__}); this machine "
                 "may be offline. Download it elsewhere, or use data=text_files data.corpus.path=<folder>"
             ) from e
+
+
+def unreachable_hub() -> str | None:
+    """Why the Hugging Face hub cannot be reached (a name that does not resolve, no route), or None: asked once, in
+    5 s at most, so that an offline machine is told at once, not after datasets' retries (35 s, a line each). With
+    HF_HUB_OFFLINE set, datasets reads its own cache: nothing is asked."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=5).close()
+    except OSError as e:
+        return f"{endpoint.hostname}: {e.strerror or type(e).__name__}"
+    return None
 
 
 def group_wikitext_articles(lines: Iterable[str]) -> Iterator[str]:
