@@ -506,3 +506,18 @@ def test_eval_py_into_a_training_runs_folder_is_refused_before_hydra_writes_ther
     ]
     assert sorted(os.listdir(run)) in ([".hydra", "results.json"], [".hydra", ".lenext.lock", "results.json"])
     assert (run / ".hydra" / "config.yaml").read_text() == "pe: rope\n"
+
+
+def test_an_eval_sweep_into_other_job_folders_of_a_training_sweep_folder_goes_on(tmp_path):
+    """Job folders named otherwise (hydra.sweep.subdir) are not the training run's: the jobs start (and meet the
+    missing checkpoint, each in its own error.txt)."""
+    run = tmp_path / "sweep" / "0"
+    run.mkdir(parents=True)
+    (run / "results.json").write_text(json.dumps({"complete": True, "meta": {"row": "rope", "seed": 0}, "rows": []}))
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "eval.py")
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"LENEXT_ROOT": str(tmp_path)}
+    folders = [f"hydra.sweep.dir={run.parent}", "hydra.sweep.subdir=eval_${hydra.job.num}"]
+    command = [sys.executable, script, "-m", *folders, f"ckpt={tmp_path / 'a.ckpt'},{tmp_path / 'b.ckpt'}"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert done.returncode == 1 and "holds a training run's" not in done.stderr
+    assert "does not exist" in (run.parent / "eval_1" / "error.txt").read_text()

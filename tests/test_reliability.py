@@ -287,14 +287,28 @@ def test_a_second_ctrl_c_stops_at_once_and_says_what_is_kept(tmp_path):
     error = stop.stopped(trainer)
     assert error.exit_status == 130
     assert str(error) == (
-        "training stopped at once by a second Ctrl-C at step 7 of 10, before any checkpoint: run the same command to "
-        "start again"
+        "training stopped at once by Ctrl-C at step 7 of 10, before any checkpoint: run the same command to start again"
     )
     torch.save({}, tmp_path / "last.ckpt")
     assert str(stop.stopped(trainer)) == (
-        f"training stopped at once by a second Ctrl-C at step 7 of 10; {tmp_path / 'last.ckpt'} holds the last "
+        f"training stopped at once by Ctrl-C at step 7 of 10; {tmp_path / 'last.ckpt'} holds the last "
         "checkpoint written: run the same command to resume"
     )
+
+
+def test_the_ctrl_c_handler_is_training_s_only_even_when_training_fails():
+    """Lightning calls no teardown hook after an exception (a NaN loss): the handler goes back then too, or the next
+    run of a sweep would take it for its own previous one."""
+    from lenext.module import CheckpointOnStop
+
+    before = signal.getsignal(signal.SIGINT)
+    stop = CheckpointOnStop("unused")
+    stop.setup(SimpleNamespace(world_size=1), None, "fit")
+    assert signal.getsignal(signal.SIGINT) == stop._stop_at_step_boundary
+    stop.on_exception(SimpleNamespace(state=SimpleNamespace(fn="fit")), None, RuntimeError("a NaN loss"))
+    assert signal.getsignal(signal.SIGINT) == before
+    stop.setup(SimpleNamespace(world_size=2), None, "fit")  # DDP: Ctrl-C as Lightning takes it, at once
+    assert signal.getsignal(signal.SIGINT) == before
 
 
 @pytest.mark.parametrize("entry", ["one_line_errors", "errors_in_one_line"])

@@ -217,6 +217,20 @@ def test_a_shard_whose_bytes_changed_after_preparation_is_refused_naming_it(tmp_
     assert again(tmp_path).vocab_size == 300
 
 
+def test_a_process_reads_each_shard_whole_once_while_it_is_unchanged(tmp_path, shard_folder, monkeypatch):
+    """The checksum costs a read of the corpus: a split opened again (as data loads) is not read again, unless a
+    shard changed since (its size or time)."""
+    read = []
+    checksum = lenext.shards.file_checksum
+    monkeypatch.setattr(lenext.shards, "file_checksum", lambda path: read.append(path) or checksum(path))
+    again(tmp_path)
+    assert read == []
+    shard = shard_folder / "shard-00000.arrow"
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 1000))
+    again(tmp_path)
+    assert read == [str(shard)]
+
+
 @pytest.mark.parametrize(
     "damage",
     [

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from lenext.cli import CONFIG_PACKAGE
+from lenext.errors import ConfigError
 from lenext.files import write_atomic
 from lenext.model import Decoder
 from lenext.pe import ALiBi
@@ -429,3 +430,14 @@ def test_the_csv_log_of_a_resumed_run_keeps_earlier_steps_once(tmp_path):
     assert logged.step.tolist() == [*range(18), 17]
     assert logged["train/loss"].tolist()[:18] == [*map(float, range(15)), 115.0, 116.0, 117.0]
     assert logged["val/ppl"].dropna().tolist() == [7.0]
+
+
+def test_the_sweep_check_takes_the_grid_hydra_runs():
+    """The command line's hydra.sweeper.params over the preset's, each job's ${hydra:job.num}; --cfg checks none."""
+    from lenext.cli import check_overrides
+
+    check_overrides("train", ["experiment=quick", "hydra.sweeper.params.pe=rope", "pe.scaling=yarn"])
+    check_overrides("train", ["pe=rope,alibi", "seed=${hydra:job.num}"], multirun=True)
+    check_overrides("train", ["pe=rope,alibi", "pe.scaling=yarn"], multirun=True, jobs=False)
+    with pytest.raises(ConfigError, match=r"^job 1 of the sweep \(pe=alibi\): pe.scaling is not a setting of pe"):
+        check_overrides("train", ["pe=rope,alibi", "pe.scaling=yarn"], multirun=True)

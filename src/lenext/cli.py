@@ -30,11 +30,12 @@ from omegaconf.errors import OmegaConfBaseException
 from lenext import schema
 from lenext.build import hydra_config, instantiate
 from lenext.data import LMDataModule
-from lenext.errors import ConfigError, LenextError, errors_in_one_line, interrupted, print_one_line
+from lenext.errors import ConfigError, LenextError, Stopped, ctrl_c_stops, errors_in_one_line, print_one_line
 from lenext.files import write_atomic
 from lenext.hardware import default_precision, keep_freed_memory
 from lenext.hf import evaluate_hf
-from lenext.lock import remove_unused_folder
+from lenext.lock import launched_by_another_process, remove_unused_folder
+from lenext.progress import sweep_grid
 from lenext.resolve import RENAMED_KEYS, TRAIN_NODES, TrainSettings
 from lenext.results import ERROR_FILE
 from lenext.run import evaluate_checkpoint, train
@@ -87,12 +88,11 @@ def one_line_errors(main: Callable) -> Callable:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(hydra_cfg.runtime.output_dir, ERROR_FILE))
         try:
-            try:
+            with ctrl_c_stops():
                 return main(cfg)
-            except KeyboardInterrupt:  # outside training's own stop (lenext.module.CheckpointOnStop)
-                raise interrupted() from None
         except LenextError as e:
-            print_one_line(e)
+            if not (isinstance(e, Stopped) and launched_by_another_process()):  # a stop: said once, by rank 0
+                print_one_line(e)
             if hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN and not e.ends_sweep:
                 write_atomic(os.path.join(hydra_cfg.runtime.output_dir, ERROR_FILE), f"{e}\n")
                 return None
@@ -114,7 +114,10 @@ def checked_command_line(config_name: str) -> Callable:
         def wrapper(*args, **kwargs):
             try:
                 command = get_args_parser().parse_args(sys.argv[1:])
-                check_overrides(config_name, command.overrides, command.multirun)
+                only_shows = (
+                    command.cfg or command.help or command.hydra_help or command.info or command.shell_completion
+                )
+                check_overrides(config_name, command.overrides, command.multirun, jobs=not only_shows)
             except ConfigError as e:
                 print_one_line(e)
                 sys.exit(e.exit_status)
@@ -125,9 +128,9 @@ def checked_command_line(config_name: str) -> Callable:
     return decorate
 
 
-def check_overrides(config_name: str, overrides: list[str], multirun: bool = False) -> None:
+def check_overrides(config_name: str, overrides: list[str], multirun: bool = False, jobs: bool = True) -> None:
     """The checks of ``checked_command_line``; overrides Hydra cannot parse are left to Hydra. A train.py sweep
-    (``-m``, or a preset's) has every job checked (``check_sweep_jobs``)."""
+    (``-m``, or a preset's) has every job checked (``check_sweep_jobs``) unless ``jobs`` is false (--cfg, --help)."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException:
@@ -160,8 +163,12 @@ def check_overrides(config_name: str, overrides: list[str], multirun: bool = Fal
                 raise unknown from None
             return  # Hydra's own message says it
         if config_name == "train":
-            first = compose(config_name, overrides=first_values, return_hydra_config=True)
-            if multirun or first.hydra.mode == RunMode.MULTIRUN:
+            settings = [
+                o.input_line for o in parsed if o.key_or_group.startswith("hydra.") and not o.is_sweep_override()
+            ]
+            first = compose(config_name, overrides=[*first_values, *settings], return_hydra_config=True)
+            basic = first.hydra.sweeper.get("_target_", "").endswith(".BasicSweeper")  # its grid known here
+            if jobs and basic and (multirun or first.hydra.mode == RunMode.MULTIRUN):
                 check_sweep_jobs(parsed, first.hydra.sweeper.get("params"))
 
 
@@ -193,12 +200,13 @@ def check_sweep_jobs(parsed: list, preset_params: dict | None) -> None:
         (jobs,) = BasicSweeper.split_arguments([*params, *parsed], None)
     except HydraException:  # a sweep type the basic sweeper does not run (ranges): left to Hydra
         return
-    last = {o.get_key_element(): o for o in [*params, *parsed]}
-    swept = {key for key, override in last.items() if override.is_sweep_override()}
+    swept = sweep_grid([o.input_line for o in parsed], preset_params)[1]
     for number, job in enumerate(jobs):
         task = [line for line in job if not line.startswith(("hydra.", "hydra/"))]
         try:
             cfg = compose("train", overrides=task, return_hydra_config=True)
+            with open_dict(cfg):  # as the launcher sets them, for ${hydra:job.num} in a job's settings
+                cfg.hydra.job.num, cfg.hydra.job.id = number, f"job_id_for_{number}"
             HydraConfig.instance().set_config(cfg)  # ${hydra:...} in a job's settings (a second stage's init_from)
             with open_dict(cfg):
                 del cfg["hydra"]
@@ -215,7 +223,7 @@ def check_sweep_jobs(parsed: list, preset_params: dict | None) -> None:
             problem = e
         else:
             continue
-        named = " ".join(line for line in job if line.split("=", 1)[0].lstrip("+~") in swept)
+        named = " ".join(line for line in job if line.split("=", 1)[0] in swept)
         raise ConfigError(f"job {number} of the sweep ({named}): {problem}; no job was started")
 
 

@@ -76,14 +76,21 @@ def interrupted() -> Stopped:
 
 
 @contextlib.contextmanager
+def ctrl_c_stops() -> Iterator[None]:
+    """Ctrl-C (outside training's own stop, lenext.module.CheckpointOnStop) raised as ``interrupted()``."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise interrupted() from None
+
+
+@contextlib.contextmanager
 def errors_in_one_line() -> Iterator[None]:
     """An entry point's body: a LenextError printed as one line and the command exits with its status; Ctrl-C the
     same, as ``interrupted()``."""
     try:
-        try:
+        with ctrl_c_stops():
             yield
-        except KeyboardInterrupt:
-            raise interrupted() from None
     except LenextError as e:
         print_one_line(e)
         sys.exit(e.exit_status)

@@ -46,27 +46,32 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 class CheckpointOnStop(L.Callback):
     """On SIGTERM (a cluster's pre-emption, scancel) or a first Ctrl-C, ``<dirpath>/last.ckpt`` where training
     stopped: Lightning stops the loop at a step boundary, so the same command resumes the run from there, as from any
-    last.ckpt. Ctrl-C takes SIGTERM's path; a second Ctrl-C stops at once, from the last checkpoint written."""
+    last.ckpt. Ctrl-C takes SIGTERM's path in a single process; a second Ctrl-C, or Ctrl-C under several processes
+    (DDP: Lightning's SIGTERM path broadcasts from its signal handler and can hang the ranks), stops at once, from the
+    last checkpoint written."""
 
     def __init__(self, dirpath: str):
         self.dirpath = dirpath
         self.signal: int | None = None  # the signal that stopped the run
-        self.at_once = False  # by a second Ctrl-C, not at a step boundary
+        self.at_once = False  # by Ctrl-C reaching Lightning, not at a step boundary
         self._sigint_handler = None  # SIGINT's handler before this run's
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.signal, self.at_once = None, False
-        if threading.current_thread() is threading.main_thread():  # where Python runs signal handlers
+        if trainer.world_size == 1 and threading.current_thread() is threading.main_thread():  # handlers run there
             self._sigint_handler = signal.signal(signal.SIGINT, self._stop_at_step_boundary)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
         if self._sigint_handler is not None:
             signal.signal(signal.SIGINT, self._sigint_handler)
             self._sigint_handler = None
 
     def _stop_at_step_boundary(self, signum: int, frame) -> None:
-        signal.signal(signal.SIGINT, self._sigint_handler)  # a second Ctrl-C: at once
-        lightnings = signal.getsignal(signal.SIGTERM)  # sets trainer.received_sigterm, told to every rank
+        lightnings = signal.getsignal(signal.SIGTERM)  # sets trainer.received_sigterm
+        self._restore()  # a second Ctrl-C: at once
         if not callable(lightnings):  # before the Trainer registered it: stop now
             raise KeyboardInterrupt
         self.signal = signal.SIGINT
@@ -74,6 +79,7 @@ class CheckpointOnStop(L.Callback):
         lightnings(signum, frame)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._restore()  # Lightning calls no teardown hook after an exception
         # During fit only: a stop in the final validation leaves the last.ckpt training ended with.
         if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":
             trainer.save_checkpoint(os.path.join(self.dirpath, "last.ckpt"), weights_only=False)
@@ -87,9 +93,9 @@ class CheckpointOnStop(L.Callback):
         if not self.at_once:
             message = f"training stopped by {SIGNAL_NAMES[signum]} {at}; {last} holds it there"
         elif os.path.exists(last):
-            message = f"training stopped at once by a second Ctrl-C {at}; {last} holds the last checkpoint written"
+            message = f"training stopped at once by Ctrl-C {at}; {last} holds the last checkpoint written"
         else:
-            message = f"training stopped at once by a second Ctrl-C {at}, before any checkpoint"
+            message = f"training stopped at once by Ctrl-C {at}, before any checkpoint"
         return Stopped(
             f"{message}: run the same command to {'resume' if os.path.exists(last) else 'start again'}", signum
         )

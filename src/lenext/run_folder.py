@@ -124,16 +124,20 @@ def refuse_a_training_runs_folder(output_dir: str, key: str = "hydra.run.dir", f
 
 
 class EvaluationFolders(Callback):
-    """eval.py's run folder, or each job folder its sweep folder already holds, checked before Hydra writes its
-    ``.hydra/`` files there: they would replace a training run's, even though the evaluation is then refused."""
+    """eval.py's run folder, or the job folders (``<sweep>/<job number>``) its sweep folder already holds, checked
+    before Hydra writes its ``.hydra/`` files there: they would replace a training run's, even though the evaluation
+    is then refused."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config.hydra.run.dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = config.hydra.sweep.dir
+        if OmegaConf.to_container(config.hydra.sweep)["subdir"] != "${hydra.job.num}":
+            return  # job folders named otherwise: each job checks its own (refuse_a_training_runs_folder)
         for name in sorted(os.listdir(sweep)) if os.path.isdir(sweep) else []:
-            self._check(os.path.join(sweep, name), "hydra.sweep.dir", sweep)
+            if name.isdigit():  # a job folder of this sweep, by the default name
+                self._check(os.path.join(sweep, name), "hydra.sweep.dir", sweep)
 
     @staticmethod
     def _check(*where: str) -> None:

@@ -138,6 +138,21 @@ def completed_shards(folder: str, key: str) -> list[tuple[str, int, int, str]]:
     return done
 
 
+_CHECKED: set[tuple] = set()  # (path, size, mtime, checksum) of the shards this process read whole and found so
+
+
+def unchanged(path: str, expected: str) -> bool:
+    """Whether the file's bytes have the checksum ``expected``: read whole once per process while the file stays as
+    it was (a split opens twice as data loads)."""
+    stat = os.stat(path)
+    seen = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, expected)
+    if seen not in _CHECKED:
+        if file_checksum(path) != expected:
+            return False
+        _CHECKED.add(seen)
+    return True
+
+
 def file_checksum(path: str) -> str:
     """xxh3-128 of the file's bytes, read in 16 MiB blocks (a shard is never held whole)."""
     digest = xxhash.xxh3_128()
@@ -194,7 +209,7 @@ def open_split(folder: str, key: str) -> "Split | None":
         shard_path = os.path.join(folder, shard["file"])
         table = read_shard(shard_path, key)  # first: a foreign or unreadable shard is named as such
         expected = shard.get(CHECKSUM)  # manifests written before checksums were kept have none
-        if expected is not None and file_checksum(shard_path) != expected:
+        if expected is not None and not unchanged(shard_path, expected):
             raise DataError(
                 f"token shard {shard_path} has changed since it was prepared (its bytes differ from the {CHECKSUM} "
                 f"checksum {path} lists); {_REMOVE.format(folder)}"
