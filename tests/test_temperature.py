@@ -187,6 +187,17 @@ def test_the_fit_is_the_argmin_of_the_nll_over_its_grid():
     assert set(tried) - set(COARSE) <= {round(coarse_best + k * FINE_STEP, 10) for k in range(-3, 4)}
 
 
+def test_a_fit_at_the_top_of_the_search_says_the_least_nll_may_lie_beyond():
+    from lenext.temperature import TemperatureFit, describe_fit
+
+    c, losses = grid_fit(lambda c: -c)  # falling all the way: the largest c tried wins
+    assert c == pytest.approx(1.075)
+    fit = TemperatureFit(c, None, (128,), "nonoverlap", tuple(losses.items()))
+    assert describe_fit(fit).endswith(f"c = {c:g} is the largest tried: the least NLL may lie beyond)")
+    inside = TemperatureFit(0.5, None, (128,), "nonoverlap", ((0.0, 2.0), (0.5, 1.0), (0.6, 1.5)))
+    assert "largest tried" not in describe_fit(inside)
+
+
 def test_grid_fit_prefers_the_smaller_c_on_ties_and_stays_non_negative():
     c, losses = grid_fit(lambda c: 1.0)
     assert c == 0.0 and min(losses) == 0.0

@@ -169,7 +169,10 @@ def describe_fit(fit: TemperatureFit) -> str:
         return f"temperature: not fitted ({fit.reason})"
     lengths = ", ".join(str(length) for length in fit.lengths)
     loss = dict(fit.losses)[fit.c]
+    edge = max(c for c, _ in fit.losses)
+    beyond = f"; c = {edge:g} is the largest tried: the least NLL may lie beyond" if 0 < fit.c == edge else ""
     return (
         f"temperature: c = {fit.c:g} (beta = 1 + c ln(L / L_train)), fitted on the {FIT_SPLIT} split, {fit.protocol} "
-        f"at L = {lengths}: mean NLL {loss:.4f} (c = 0: {dict(fit.losses)[0.0]:.4f}; {len(fit.losses)} values of c)"
+        f"at L = {lengths}: mean NLL {loss:.4f} (c = 0: {dict(fit.losses)[0.0]:.4f}; {len(fit.losses)} values of c"
+        f"{beyond})"
     )
