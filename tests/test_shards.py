@@ -223,6 +223,10 @@ def test_a_process_reads_each_shard_whole_once_while_it_is_unchanged(tmp_path, s
     read = []
     checksum = lenext.shards.file_checksum
     monkeypatch.setattr(lenext.shards, "file_checksum", lambda path: read.append(path) or checksum(path))
+    write_corpus(tmp_path / "other", seed=1)
+    prepared(TextFiles(str(tmp_path / "other")), tmp_path / "other_cache")  # each shard hashed as it is written
+    assert read and all(os.path.basename(path).startswith(".shard-") for path in read)
+    read.clear()
     again(tmp_path)
     assert read == []
     shard = shard_folder / "shard-00000.arrow"

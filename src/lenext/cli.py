@@ -112,15 +112,12 @@ def checked_command_line(config_name: str) -> Callable:
     def decorate(main: Callable) -> Callable:
         @functools.wraps(main)
         def wrapper(*args, **kwargs):
-            try:
+            with errors_in_one_line():
                 command = get_args_parser().parse_args(sys.argv[1:])
                 only_shows = (
                     command.cfg or command.help or command.hydra_help or command.info or command.shell_completion
                 )
                 check_overrides(config_name, command.overrides, command.multirun, jobs=not only_shows)
-            except ConfigError as e:
-                print_one_line(e)
-                sys.exit(e.exit_status)
             return main(*args, **kwargs)
 
         return wrapper

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 from typing import Any
 
 from hydra.experimental.callback import Callback
@@ -14,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lenext import schema
 from lenext.checkpoints import load_checkpoint, read_base, stored_spec
-from lenext.errors import CheckpointError, ConfigError, print_one_line
+from lenext.errors import CheckpointError, ConfigError, errors_in_one_line
 from lenext.hardware import canonical_precision
 from lenext.resolve import RENAMED_KEYS, config_pe_name, flat_settings, resolve, same_setting
 from lenext.results import RESULTS_FILE, not_lenext_results
@@ -141,11 +140,8 @@ class EvaluationFolders(Callback):
 
     @staticmethod
     def _check(*where: str) -> None:
-        try:
+        with errors_in_one_line():
             refuse_a_training_runs_folder(*where)
-        except ConfigError as e:
-            print_one_line(e)
-            sys.exit(e.exit_status)
 
 
 def implied_identity(meta: dict, cfg: DictConfig) -> dict:

@@ -108,6 +108,7 @@ class _ShardFile:
             raise DataError(f"token shard {self.path} could not be written ({e})") from None
         checksum = file_checksum(self._tmp)
         self._context.__exit__(None, None, None)
+        _CHECKED.add(_identity(self.path, checksum))  # read whole just now: the split's opening reads it no more
         self.done.append((self.path, self.documents, self.tokens, checksum))
 
     def abandon(self) -> None:
@@ -141,11 +142,16 @@ def completed_shards(folder: str, key: str) -> list[tuple[str, int, int, str]]:
 _CHECKED: set[tuple] = set()  # (path, size, mtime, checksum) of the shards this process read whole and found so
 
 
+def _identity(path: str, checksum: str) -> tuple:
+    """The file as ``_CHECKED`` knows it: a change of its size or time makes it another."""
+    stat = os.stat(path)
+    return os.path.realpath(path), stat.st_size, stat.st_mtime_ns, checksum
+
+
 def unchanged(path: str, expected: str) -> bool:
     """Whether the file's bytes have the checksum ``expected``: read whole once per process while the file stays as
     it was (a split opens twice as data loads)."""
-    stat = os.stat(path)
-    seen = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, expected)
+    seen = _identity(path, expected)
     if seen not in _CHECKED:
         if file_checksum(path) != expected:
             return False
