@@ -280,6 +280,18 @@ def test_the_machines_the_runs_were_made_on_are_named(sweep_dir, tmp_path):
     ) in markdown
 
 
+def test_a_model_lenext_did_not_train_is_no_second_machine(sweep_dir, tmp_path):
+    """An ``eval.py hf=`` run on the same machine has no training precision and no train tok/s: it is named apart,
+    not counted as a second machine whose speeds the table averages."""
+    write_run(sweep_dir / "20", "alibi", 3, {64: 20.0, 128: 19.0}, hardware={**HARDWARE, "training_precision": None})
+    markdown = report([str(sweep_dir)], str(tmp_path / "out"))
+    assert "Runs made on AMD EPYC (AVX512_BF16, 2 cores), bf16-mixed.\n" in markdown
+    assert (
+        "Models lenext did not train (`eval.py hf=`) evaluated on AMD EPYC (AVX512_BF16, 2 cores) (1 run)." in markdown
+    )
+    assert "averages over them" not in markdown
+
+
 def test_a_job_whose_latest_attempt_failed_is_listed_as_failed(tmp_path, capsys):
     write_run(tmp_path / "0", "alibi", 0, {64: 20.0})
     write_run(tmp_path / "1", "rope", 0, {64: 21.0})

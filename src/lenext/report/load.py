@@ -270,6 +270,11 @@ class Run:
         return lineage[0]["row"] if lineage else self.fields.base or self.fields.label
 
     @property
+    def evaluated_only(self) -> bool:
+        """A model lenext did not train (``eval.py hf=``): its file records no training precision."""
+        return not (self.meta.get("hardware") or {}).get("training_precision")
+
+    @property
     def machine(self) -> str | None:
         """Where the file was made (``meta.hardware``: where train.py trained and evaluated, or where eval.py
         evaluated), with the training precision."""
@@ -524,8 +529,14 @@ class Loaded:
 
     @property
     def machines(self) -> Counter:
-        """The machines the runs were made on, with their number of runs, first seen first."""
-        return Counter(run.machine for run in self.runs if run.machine)
+        """The machines the runs lenext trained were made on (with the training precision), with their number of
+        runs, first seen first: those whose ``train tok/s`` a table averages."""
+        return Counter(run.machine for run in self.runs if run.machine and not run.evaluated_only)
+
+    @property
+    def evaluation_machines(self) -> Counter:
+        """The machines that evaluated models lenext did not train (``eval.py hf=``), with their number of runs."""
+        return Counter(run.machine for run in self.runs if run.machine and run.evaluated_only)
 
     @property
     def merged_variants(self) -> list[str]:

@@ -107,21 +107,34 @@ def same_as_note(variants: list[str]) -> str:
     )
 
 
-def hardware_note(counts: dict[str, int]) -> str:
-    """One line under the tables: where the runs were made, and whether their speeds can be compared."""
-    if len(counts) <= 1:
-        return f"Runs made on {next(iter(counts))}.\n" if counts else ""
-    listed = "; ".join(f"{name} ({n} run{'s' if n != 1 else ''})" for name, n in counts.items())
-    return (
-        f"Runs made on {len(counts)} machines: {listed}. `train tok/s` averages over them: it is not a speed "
-        "comparison between PEs (`make bench` is).\n"
-    )
+def _listed(counts: dict[str, int]) -> str:
+    return "; ".join(f"{name} ({n} run{'s' if n != 1 else ''})" for name, n in counts.items())
+
+
+def hardware_note(trained: dict[str, int], evaluated_only: dict[str, int]) -> str:
+    """Under the tables: where the runs lenext trained were made, and whether their speeds can be compared; then
+    where models it did not train were evaluated (they have no training speed, so they are no second machine)."""
+    if len(trained) > 1:
+        note = (
+            f"Runs made on {len(trained)} machines: {_listed(trained)}. `train tok/s` averages over them: it is not a "
+            "speed comparison between PEs (`make bench` is).\n"
+        )
+    else:
+        note = f"Runs made on {next(iter(trained))}.\n" if trained else ""
+    if evaluated_only:
+        note += f"Models lenext did not train (`eval.py hf=`) evaluated on {_listed(evaluated_only)}.\n"
+    return note
 
 
 def report_markdown(tables: dict[TableKey, Table], loaded: Loaded) -> str:
     """``table.md``: the tables, then what the rows also stand for, where the runs were made, and the results files
     not in the tables (incomplete or failed runs; repeats of a counted run)."""
-    markdown = to_markdown(tables) + "\n" + same_as_note(loaded.merged_variants) + hardware_note(loaded.machines)
+    markdown = (
+        to_markdown(tables)
+        + "\n"
+        + same_as_note(loaded.merged_variants)
+        + hardware_note(loaded.machines, loaded.evaluation_machines)
+    )
     if loaded.incomplete:
         markdown += (
             "\nIncomplete or failed runs (not in the table):\n\n"
