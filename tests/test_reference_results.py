@@ -106,3 +106,25 @@ def test_the_reference_studys_diagnostic_t5_runs_are_rows_of_their_own(tmp_path)
         assert made[heading] == rows, heading
     repeat = STUDIES / "reference" / "runs" / "4", STUDIES / "reference" / "diagnostics" / "t5_max_distance_64"
     assert f"- `{repeat[0]}` repeats `{repeat[1]}`" in markdown
+
+
+def test_a_depth_heatmaps_title_gives_its_tables_value():
+    """The passkey heatmaps of the committed probes runs: each panel's title is the table's exact match at its
+    shortest and longest L_eval (over every depth's answers: ALiBi's 19.8% at 1024, not 17%, the mean of its depth
+    buckets, whose answers number 15 to 63), and the heading says how many answers a cell holds."""
+    from lenext.report import Summary, figures
+
+    summary = Summary(load([str(STUDIES / "probes" / "runs")]))
+    fig = figures.depth_heatmaps(summary)["passkey_depth.png"]
+    table = next(
+        table for key, table in summary.tables.items() if key.task == "passkey" and key.metric == "exact_match"
+    )
+    titles = {ax.get_title().split(",")[0]: ax.get_title().splitlines()[-1] for ax in fig.axes if ax.get_title()}
+    assert len(titles) == 9
+    for label, line in titles.items():
+        lengths = [int(part.split(" at ")[1].split(";")[0]) for part in line.split(" → ")]
+        expected = " → ".join(f"{100 * table.cell(label, n)['mean']:.0f}% at {n}" for n in lengths)
+        assert line.split(";")[0] == expected, label
+    assert titles["alibi"] == "100% at 32 → 20% at 1024"
+    assert "a cell holds 15-63 answers" in fig._suptitle.get_text().replace("\n", " ")
+    figures.pyplot().close(fig)

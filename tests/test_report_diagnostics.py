@@ -5,6 +5,7 @@ statistic, the PE's colour, a computed title); runs without diagnostics skipped,
 import json
 import math
 import os
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -198,3 +199,14 @@ def test_diagnostics_vs_ppl_is_each_statistics_rank_correlation_with_the_perplex
     titles = [ax.get_title().replace("\n", " ") for ax in fig.axes if ax.get_title()]
     assert len(titles) == 7  # 5 statistics, beyond over rows >= L_train, copying gain; no unseen fraction (no rope)
     assert sum(f"Spearman rho {rho:+.2f} with the perplexity ratio over 4 rows" in t for t in titles) == 6
+
+
+def test_a_statistic_only_some_rows_have_is_not_drawn_again_for_the_same_rows():
+    """The long-context study: RoPE's unseen-angle fraction is drawn once, in the panels of the PEs as trained;
+    the section of RoPE beside its DroPE stage (no rotation, no coverage) would draw the same curve again."""
+    studies = Path(__file__).resolve().parents[1] / "studies"
+    fig = figures.FIGURES["diagnostics.png"](Summary(load([str(studies / "long_context" / "runs")])))
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert sum(title.startswith("rotary PEs: distances at unseen angles") for title in titles) == 1
+    assert sum(title.startswith("copying gain") for title in titles) == 2  # as trained; beside the DroPE stage
+    figures.pyplot().close(fig)

@@ -165,11 +165,42 @@ def test_a_panel_comparing_one_pes_variants_colours_them_by_method(tmp_path):
     colour = {row_of(entry): colour for _, entry, colour, _ in lines}
     assert colour["rope (yarn)"] == colour["rope -> yarn@256"] == figures.METHOD_STYLES["yarn"][0]
     assert colour["rope -> pi@256"] == figures.METHOD_STYLES["linear"][0]
+    assert colour["rope -> pose@256"] == figures.METHOD_STYLES["pose"][0]
     rope = [colour[label] for label in ("rope", "rope (ntk)", "rope (yarn)", "rope -> pi@256", "rope -> pose@256")]
     assert len(set(rope)) == len(rope)
-    # A method whose colour is the PE's own takes blue, which no method has.
-    assert figures.method_style("yarn", "p_rope")[0] == figures.SPARE_COLOUR != figures.pe_colour("p_rope")
-    assert figures.SPARE_COLOUR not in {colour for colour, _ in figures.METHOD_STYLES.values()}
+    # Every method panel draws a method in the same colour and the PE as trained in blue, which no method has:
+    # vermillion is YaRN in p_rope's panel too, though p_rope's own colour is vermillion.
+    assert colour["rope"] == figures.AS_TRAINED[0]
+    assert figures.pe_colour("p_rope") == figures.METHOD_STYLES["yarn"][0]
+    info = pd.DataFrame(
+        {"base": [None, None], "variant": [None, "yarn"], "extension_method": ["none", "yarn"], "pe": "p_rope"},
+        index=["p_rope", "p_rope (yarn)"],
+    )
+    styles = figures.line_styles(info, list(info.index), by_method=True)
+    assert styles["p_rope"]["color"] == figures.AS_TRAINED[0]
+    assert styles["p_rope (yarn)"]["color"] == figures.METHOD_STYLES["yarn"][0]
+    assert figures.AS_TRAINED[0] not in {colour for colour, _ in figures.METHOD_STYLES.values()}
+
+
+def test_two_pes_of_one_panel_never_share_a_colour():
+    """FoX's place in ``KNOWN_PES`` gives it RoPE's blue: drawn together, RoPE keeps blue (listed first) and FoX
+    takes a colour no PE of the panel has; drawn without RoPE, FoX keeps its own."""
+    assert figures.pe_colour("fox") == figures.pe_colour("rope")
+    pes = ["fox", "alibi", "rope", "nope"]
+    info = pd.DataFrame({"base": None, "variant": None, "extension_method": "none", "pe": pes}, index=pes)
+    colours = {label: style["color"] for label, style in figures.line_styles(info, pes, by_method=False).items()}
+    assert colours["rope"] == figures.pe_colour("rope") and colours["alibi"] == figures.pe_colour("alibi")
+    assert len(set(colours.values())) == len(pes)
+    assert colours["fox"] not in {figures.pe_colour(pe) for pe in pes}
+    alone = figures.line_styles(info.loc[["fox", "alibi"]], ["fox", "alibi"], by_method=False)
+    assert alone["fox"]["color"] == figures.pe_colour("fox")
+    # Every known PE drawn eight to a panel: never two of a panel in one colour.
+    known = list(figures.KNOWN_PES)
+    for start in range(len(known) - 7):
+        panel = known[start : start + 8]
+        info = pd.DataFrame({"base": None, "variant": None, "extension_method": "none", "pe": panel}, index=panel)
+        styles = figures.line_styles(info, panel, by_method=False)
+        assert len({style["color"] for style in styles.values()}) == 8, panel
 
 
 def test_no_panel_draws_more_than_the_limit_and_every_row_is_drawn(tmp_path):
@@ -240,13 +271,22 @@ def probe_runs(folder, learned_by_rope=(1.00, 0.95, 0.40)):
 
 def test_a_figure_says_what_its_means_cover_and_which_seeds_learned_the_task(tmp_path):
     """Beyond L_train a probe's mean counts only the seeds that learned the task: the figure says so in its note
-    and in the legend entry of each row that lost seeds there; where every seed learned, only the seed count."""
+    and in the legend entry of each row that lost seeds there; where every seed learned, only the seed count. The
+    line follows the seeds that learned it at L_train too (rope: 97.5%, then 45%), not from every seed's mean
+    (78.3%, a hollow marker) to theirs, which would join two sets of seeds."""
     fig = figures.accuracy_vs_length(summary_of(probe_runs(tmp_path / "some")))
     note = fig.get_suptitle().replace("\n", " ")
     assert "mean ± std over 3 seeds" in note
-    assert "beyond L_train only the seeds that learned the task (exact match ≥ 90% at L_train)" in note
+    assert "a line follows the seeds that learned the task (exact match ≥ 90% at L_train)" in note
+    assert "a hollow marker gives the mean over every seed at L_train" in note
     entries = {entry for _, entry, *_ in drawn_lines(fig)}
     assert {"rope [2 of 3 seeds learned it]", "alibi"} <= entries
+    exact = next(ax for ax in fig.axes if "exact" in ax.get_title())
+    rope = next(h for h, n in zip(*exact.get_legend_handles_labels(), strict=True) if n.startswith("rope"))
+    assert list(rope.lines[0].get_ydata()) == pytest.approx([97.5, 45.0])
+    hollow = [line for line in exact.get_lines() if line.get_markerfacecolor() == "none"]
+    assert [list(line.get_xdata()) for line in hollow] == [[32]]
+    assert list(hollow[0].get_ydata()) == pytest.approx([100 * (1.0 + 0.95 + 0.40) / 3])
     title = " ".join(ax.get_title().replace("\n", " ") for ax in fig.axes)
     assert "at 2x L_train: alibi 90% exact-match; rope 45%" in title  # rope: seeds 0 and 1 (50%, 40%)
     fig = figures.accuracy_vs_length(summary_of(probe_runs(tmp_path / "all", (1.0, 1.0, 1.0))))
@@ -316,3 +356,17 @@ def test_no_legend_or_title_is_cropped(tmp_path):
                         box = artist.get_window_extent(renderer)
                         assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= width and box.y1 <= height, file
                 figures.pyplot().close(fig)
+
+
+@pytest.mark.parametrize(
+    "ratio, words",
+    [
+        (1.04, "stays within 5% of its L_train ppl"),
+        (0.96, "stays within 5% of its L_train ppl"),
+        (1.15, "stays within 20% of its L_train ppl"),
+        (0.899, "falls to 0.90x its L_train ppl"),  # FoX 31.84 -> 28.62: not "within 20%"
+        (1.3, "rises least, to 1.3x its L_train ppl"),
+    ],
+)
+def test_a_titles_growth_words_say_which_way_the_row_went(ratio, words):
+    assert figures.growth(ratio, "ppl") == words

@@ -12,10 +12,12 @@ What every built-in figure keeps to, so that each panel says one thing:
 
 - **One colour per PE**, the same in every figure and panel of every report: ``pe_style`` reads it from a fixed
   list of the known rows (``KNOWN_PES``, arranged so that PEs drawn together differ), else from a hash of the
-  row's name. A second stage is drawn in its first stage's colour.
+  row's name. A second stage is drawn in its first stage's colour. Two PEs of one panel never share a colour: the
+  one later in ``KNOWN_PES`` then takes a colour no PE of the panel has (``distinct_colours``).
 - **Panels that compare one thing**: the PEs as trained, coloured by PE; one PE's evaluation-time
   variants and second stages, coloured by method (``METHOD_STYLES``: RoPE's scalings and the stages' methods, PI as
-  ``linear``, the PE as trained in its own colour); or PEs with one second stage each beside their bases. Line
+  ``linear``, the PE as trained in ``AS_TRAINED``'s blue, in every such panel); or PEs with one second stage each
+  beside their bases. A method ``METHOD_STYLES`` does not list takes a colour no other row of its panel has. Line
   style says which weights: solid the first stage's (as trained, or scaled at evaluation), dashed a second stage's.
 - **At most ``MAX_CURVES`` curves a panel**: more rows are split by PE family, by PE, and a PE's rows by zero-shot
   variants and by the stages' length and positions (``split_rows``).
@@ -39,7 +41,7 @@ import pandas as pd
 from lenext.files import atomic_path
 from lenext.pe import FAMILIES
 from lenext.report.load import LEARNED_AT, OTHER_FAMILY, metrics_of
-from lenext.report.stats import METRICS, NOT_LEARNED, Summary, Table, headline, perplexity_ratio
+from lenext.report.stats import METRICS, NOT_LEARNED, Summary, Table, headline, perplexity_ratio, seed_mean, seed_std
 
 FIGURES: dict[str, Callable] = {}  # file name (or pattern) -> function(Summary) -> figure(s) or None, in drawing order
 FIGURE_STYLE = {  # legible at README width: three panels to a row of at most 12.6 inches, text >= 9 pt
@@ -105,9 +107,10 @@ KNOWN_PES = {
     "rope_randomized": 26,
     "rope_ntk": 27,
 }
-# An extension method's colour and marker where a panel compares methods (a variant's name; a second stage's
-# method as a variant is named: PI is linear). ``none`` (as trained, direct fine-tuning) is the PE's own. None of
-# them is blue, which a method takes where its own colour is the PE's.
+# An extension method's colour and marker where a panel compares one PE's methods (a variant's name; a second stage's
+# method as a variant is named: PI is linear), the same in every such panel. The PE as trained (and ``none``, direct
+# fine-tuning) is ``AS_TRAINED`` there, whatever the PE: a method's colour never stands for a PE in one panel and
+# for a method in the next.
 METHOD_STYLES = {
     "linear": (PALETTE[1], "s"),
     "ntk": (PALETTE[3], "^"),
@@ -115,11 +118,13 @@ METHOD_STYLES = {
     "llama3": (PALETTE[6], "v"),
     "self_extend": (PALETTE[2], "P"),
     "dynamic_ntk": (PALETTE[9], "X"),
+    # dynamic_ntk's teal: dynamic_ntk rows equal NTK's, so are seldom drawn (beside it, distinct_colours)
+    "temperature": (PALETTE[9], "d"),
     "pose": (PALETTE[5], "*"),
     "pose+pi": (PALETTE[7], "h"),
     "pose+yarn": (PALETTE[8], "p"),
 }
-SPARE_COLOUR = PALETTE[0]
+AS_TRAINED = (PALETTE[0], "o")
 FIRST_STAGE, SECOND_STAGE = "-", "--"  # line styles: the first stage's weights, a second stage's
 HEATMAP = "cividis"  # colour-blind safe, dark (0%) to light (100%)
 # Kept for figures of one's own (docs/adding/figure.md): a PE's rows in its colour, told apart by line style.
@@ -188,16 +193,15 @@ def pe_colour(name: str) -> str:
     return pe_style(name)[0]
 
 
-def method_style(method: str, pe: str) -> tuple[str, str]:
-    """An extension method's colour and marker in a panel of PE ``pe``'s rows: ``METHOD_STYLES``' (a method not
-    listed: from a hash of its name), blue where that is the PE's own colour; ``none`` is the PE's."""
+def method_style(method: str) -> tuple[str, str]:
+    """An extension method's colour and marker in a panel of one PE's rows: ``METHOD_STYLES``' (a method not listed:
+    from a hash of its name, never ``AS_TRAINED``'s colour); ``none`` is ``AS_TRAINED``."""
     if method == "none":
-        return pe_style(pe)
-    colour, marker = METHOD_STYLES.get(method) or (
+        return AS_TRAINED
+    return METHOD_STYLES.get(method) or (
         PALETTE[1 + zlib.crc32(method.encode()) % (len(PALETTE) - 1)],
         MARKERS[zlib.crc32(method.encode()) % len(MARKERS)],
     )
-    return (SPARE_COLOUR if colour == pe_colour(pe) else colour), marker
 
 
 def row_info(summary: Summary) -> pd.DataFrame:
@@ -214,20 +218,47 @@ def colour_key(info: pd.DataFrame, label: str) -> str:
     return info.pe[label] if label in info.index else label
 
 
+def distinct_colours(natural: dict[str, str], rank: Callable[[str], int]) -> dict[str, str]:
+    """One colour per key of a panel (a PE, or a method): its ``natural`` one, except where a key of lower
+    ``rank`` has it: then one that no key of the panel has (the palette holds more colours than a panel curves)."""
+    assigned: dict[str, str] = {}
+    for key in sorted(natural, key=rank):
+        colour = natural[key]
+        if colour in assigned.values():
+            free = [c for c in PALETTE if c not in assigned.values()]
+            colour = next((c for c in free if c not in natural.values()), free[0])
+        assigned[key] = colour
+    return assigned
+
+
 def line_styles(info: pd.DataFrame, labels: list[str], by_method: bool) -> dict[str, dict]:
-    """matplotlib settings per row: its PE's colour and marker (``by_method``: a variant's or second stage's
-    method's, the PE's as trained); solid for a first stage's weights, dashed for a second stage's."""
-    styles = {}
+    """matplotlib settings per row: ``by_method`` (one PE's rows), its method's colour and marker (``AS_TRAINED``
+    for the PE as trained); else its PE's (``pe_style``). Two PEs (methods) of one panel never share a colour: the
+    one later in ``KNOWN_PES`` (``METHOD_STYLES``; unlisted ones last) takes one no other has
+    (``distinct_colours``). Solid for a first stage's weights, dashed for a second stage's."""
+    keys, markers = {}, {}
     for label in labels:
-        pe = colour_key(info, label)
         later = label in info.index and pd.notna(info.base[label])
         trained = label in info.index and not later and pd.isna(info.variant[label])
-        if by_method and not trained and label in info.index:
-            colour, marker = method_style(info.extension_method[label], pe)
+        if by_method and label in info.index:
+            keys[label] = "none" if trained else info.extension_method[label]
+            markers[keys[label]] = method_style(keys[label])
         else:
-            colour, marker = pe_style(pe)
-        styles[label] = {"color": colour, "marker": marker, "ls": SECOND_STAGE if later else FIRST_STAGE}
-    return styles
+            keys[label] = colour_key(info, label)
+            markers[keys[label]] = pe_style(keys[label])
+    order = ["none", *METHOD_STYLES] if by_method else list(KNOWN_PES)
+    colours = distinct_colours(
+        {key: style[0] for key, style in markers.items()},
+        lambda key: order.index(key) if key in order else len(order),
+    )
+    return {
+        label: {
+            "color": colours[key],
+            "marker": markers[key][1],
+            "ls": SECOND_STAGE if label in info.index and pd.notna(info.base[label]) else FIRST_STAGE,
+        }
+        for label, key in keys.items()
+    }
 
 
 def row_styles(roots: pd.Series) -> dict[str, dict]:
@@ -387,10 +418,10 @@ def times_train_len(length: int, train_len: int) -> str:
 def lengths_takeaway(table: Table, labels: list[str], reference: str | None = None) -> str:
     """What ``labels``' curves of ``table`` show at the longest length where they have values: for a share in %
     (an accuracy), the highest and the lowest, the chance level where the metric has one, and the rows no seed of
-    which learned the task; for perplexity, the row that grows least from its L_train value (within 5, 10 or 20%
-    of it, or the factor) and the one that grows most, or where no row has a value at L_train (no key token
-    there) the lowest and the highest. Where a panel compares one PE's variants, ``reference`` (the PE as
-    trained) in place of the worst."""
+    which learned the task; for perplexity, the row that grows least from its L_train value (``growth``: within 5%
+    of it, a rise within 10 or 20%, or the factor) and the one that grows most, or where no row has a value at
+    L_train (no key token there) the lowest and the highest. Where a panel compares one PE's variants,
+    ``reference`` (the PE as trained) in place of the worst."""
     key, metric = table.key, table.metric
     means = table.cells["mean"].astype(float)
     shown = means[means.index.get_level_values("label").isin(labels)].dropna()
@@ -442,13 +473,15 @@ def lengths_takeaway(table: Table, labels: list[str], reference: str | None = No
 
 
 def growth(ratio: float, noun: str) -> str:
-    """How a row's value at a length compares with its value at L_train, in words: within 5, 10 or 20% of it, else
-    the factor."""
-    for percent in (5, 10, 20):
-        if abs(ratio - 1) <= percent / 100:
-            return f"stays within {percent}% of its L_train {noun}"
+    """How a row's value at a length compares with its value at L_train, in words: within 5% of it, a rise within
+    10 or 20%, else the factor (a fall beyond 5% is said as one, not as "within 20%")."""
+    if abs(ratio - 1) <= 0.05:
+        return f"stays within 5% of its L_train {noun}"
     if ratio < 1:
         return f"falls to {ratio:.2f}x its L_train {noun}"
+    for percent in (10, 20):
+        if ratio - 1 <= percent / 100:
+            return f"stays within {percent}% of its L_train {noun}"
     return f"rises least, to {ratio:.1f}x its L_train {noun}"
 
 
@@ -461,8 +494,7 @@ def coverage(tables: list[tuple[Table, list[str]]], info: pd.DataFrame) -> tuple
         counts = table.cells.n.groupby(level="label").max()
         for label in labels:
             total = int(counts.get(label, 0))
-            row = info.row[label] if label in info.index else label
-            excluded = set(table.not_learned.seed[table.not_learned.row == row])
+            excluded = unlearned_seeds(table, info, label)
             seeds[table.key, label] = total
             learned[table.key, label] = total - len(excluded) if excluded else None
     common = Counter(seeds.values()).most_common(1)[0][0] if seeds else 0
@@ -481,10 +513,16 @@ def coverage(tables: list[tuple[Table, list[str]]], info: pd.DataFrame) -> tuple
         note += " (other counts in [ ])"
     if any(value is not None for value in learned.values()):
         note += (
-            f"; beyond L_train only the seeds that learned the task (exact match ≥ {LEARNED_AT:.0%} at L_train): "
-            "at L_train a mean covers every seed"
+            f"; a line follows the seeds that learned the task (exact match ≥ {LEARNED_AT:.0%} at L_train), "
+            "a hollow marker gives the mean over every seed at L_train"
         )
     return note, marks
+
+
+def unlearned_seeds(table: Table, info: pd.DataFrame, label: str) -> set[int]:
+    """The seeds of a row that did not learn their task at their training length (``Table.not_learned``)."""
+    row = info.row[label] if label in info.index else label
+    return set(table.not_learned.seed[table.not_learned.row == row])
 
 
 def seed_marks(seeds: pd.Series, what: str) -> tuple[str, dict]:
@@ -504,13 +542,34 @@ def error_curve(ax, x, mean, std, label: str, style: dict) -> None:
     ax.errorbar(x, mean, yerr=std, ms=4, lw=1.5, capsize=2, label=label, **style)
 
 
-def draw_rows(ax, table: Table, labels: list[str], styles: dict, scale: float = 1.0, names: dict | None = None):
-    """Each row's mean +- std over seeds against L_eval (``names``: its legend entry, where not its label)."""
+def draw_rows(
+    ax, table: Table, labels: list[str], styles: dict, scale: float = 1.0, names: dict | None = None, unlearned=None
+):
+    """Each row's mean +- std over seeds against L_eval (``names``: its legend entry, where not its label). A row
+    with seeds that did not learn its task (``unlearned``: label -> seeds), which the table counts up to L_train
+    only: its line over the other seeds at every length, the table's mean at L_train a hollow marker, so that the
+    line does not join two sets of seeds."""
     lengths = table.lengths
     for label in labels:
         cells = table.cells.xs(label, level="label").reindex(lengths)
         mean, std = cells["mean"].astype(float), cells["std"].astype(float).fillna(0)
         name = (names or {}).get(label, label)
+        excluded = (unlearned or {}).get(label)
+        if excluded:
+            seeds = table.seeds.xs(label, level="label")
+            kept = seeds[~seeds.index.get_level_values("seed").isin(excluded)].groupby(level="length")
+            every = mean[cells.n > kept.size().reindex(lengths).fillna(0)]  # where the table counts them all
+            ax.plot(
+                every.index,
+                every * scale,
+                ls="none",
+                marker=styles[label]["marker"],
+                mfc="none",
+                ms=6,
+                color=styles[label]["color"],
+            )
+            mean = kept.agg(seed_mean).reindex(lengths)
+            std = kept.agg(seed_std).reindex(lengths).fillna(0)
         error_curve(ax, lengths, mean * scale, std * scale, name, styles[label])
 
 
@@ -725,7 +784,9 @@ def draw_lengths(summary: Summary, tables: list[Table], pes_as_trained: bool = T
     for ax, drawn in placed:
         table, panel = drawn.context, drawn.panel
         key, metric = table.key, table.metric
-        draw_rows(ax, table, panel.labels, line_styles(info, panel.labels, panel.by_method), metric.scale, drawn.names)
+        styles = line_styles(info, panel.labels, panel.by_method)
+        unlearned = {label: unlearned_seeds(table, info, label) for label in panel.labels}
+        draw_rows(ax, table, panel.labels, styles, metric.scale, drawn.names, unlearned)
         mark_train_len(ax, key.train_len, top=not metric.percent)
         stage_lens = {int(info.stage_len[label]) for label in panel.labels if pd.notna(info.stage_len.get(label))}
         for stage_len in sorted(stage_lens - {key.train_len}):
@@ -975,7 +1036,8 @@ def depth_heatmaps(summary: Summary):
     """Each protocol's depth x length grid (``Summary.depths``: passkey's, each haystack protocol's), in a file of
     its own, ``<name>_depth.png`` (the probe's task, else the protocol): its headline metric (exact match for
     passkey, rank accuracy for a haystack), mean over seeds, per cell, one panel per (L_train, row), in a
-    colour-blind-safe map; the title gives the mean over depths at the shortest and longest length."""
+    colour-blind-safe map; the title gives the table's value (over every depth's answers) at the shortest
+    and longest length, the suptitle how many answers a cell holds."""
     depths = summary.depths
     if depths.empty:
         return None
@@ -1002,10 +1064,12 @@ def depth_heatmap(summary: Summary, info: pd.DataFrame, name: str, depths: pd.Da
         if (key.task or key.protocol) == name and key.metric == metric_name
     ]
     note, _ = coverage(tables, info) if tables else ("", {})
+    low, high = int(depths.answers.min()), int(depths.answers.max())
     fig.suptitle(
         wrapped(
-            note.replace("mean ± std", f"{metric.name}, mean") + "; in a title, the mean over depths at the shortest "
-            "and the longest L_eval",
+            note.replace("mean ± std", f"{metric.name}, mean")
+            + f"; a cell holds {low if low == high else f'{low}-{high}'} answers (all seeds); in a title, the table's "
+            "value (every depth's answers) at the shortest and the longest L_eval",
             width * columns * 1.1,
         ),
         fontsize=9,
@@ -1019,7 +1083,7 @@ def depth_heatmap(summary: Summary, info: pd.DataFrame, name: str, depths: pd.Da
         ax.set_yticks(
             range(len(grid_cells.index)), [f"{d:.{1 if probe else 2}f}" for d in grid_cells.index], fontsize=8
         )
-        by_length = metric.scale * grid_cells.mean()
+        by_length = metric.scale * table_values(tables, train_len, label, cells)
         shortest, longest = by_length.index[0], by_length.index[-1]
         ax.set(xlabel="L_eval", ylabel=f"{name} depth (from)" if probe else "needle depth")
         ax.set_title(
@@ -1038,6 +1102,19 @@ def depth_heatmap(summary: Summary, info: pd.DataFrame, name: str, depths: pd.Da
         bar.ax.axhline(metric.scale * level, color="0.1", lw=1.5)
     fit_height(fig)
     return fig
+
+
+def table_values(tables: list[tuple[Table, list[str]]], train_len: int, label: str, cells: pd.DataFrame) -> pd.Series:
+    """A depth grid's value per L_eval as its table gives it (over every depth's answers, not a mean of the depths,
+    whose answers differ in number); where the table lacks the cell, the grid's answer-weighted mean."""
+    weighted = (cells["mean"] * cells.answers).groupby(cells.length).sum() / cells.answers.groupby(cells.length).sum()
+    table = next((table for table, _ in tables if table.key.train_len == train_len), None)
+    if table is None:
+        return weighted
+    cell = {length: table.cell(label, length) for length in weighted.index}
+    return pd.Series(
+        {length: weighted[length] if c is None else float(c["mean"]) for length, c in cell.items()}, dtype=float
+    )
 
 
 # Attention diagnostics (docs/diagnostics.md): a panel per statistic, (statistic, rows, what it shows, y label).
@@ -1075,7 +1152,7 @@ def diagnostics(summary: Summary):
     several = frame.train_len.nunique() > 1
     sections = []
     for train_len, of_train_len in frame.groupby("train_len", sort=True):
-        section = []
+        section, shown = [], set()
         for panel in split_rows(info, list(of_train_len.label.unique())):
             for statistic, rows, what, ylabel in DIAGNOSTIC_PANELS:
                 data = of_train_len[
@@ -1083,9 +1160,10 @@ def diagnostics(summary: Summary):
                     & (of_train_len.rows == rows)
                     & of_train_len.label.isin(panel.labels)
                 ]
-                if data.empty:
-                    continue
                 labels = [label for label in panel.labels if label in set(data.label)]
+                if data.empty or (statistic, rows, frozenset(labels)) in shown:  # a statistic only some rows have
+                    continue
+                shown.add((statistic, rows, frozenset(labels)))
                 drawn = Drawn(Panel(labels, panel.by_method, panel.holds), (train_len, statistic, data, ylabel), {})
                 drawn.holds = f"{what} · " + (f"L_train {train_len} · " if several else "") + panel.holds
                 drawn.takeaway = diagnostic_takeaway(data, labels, train_len, statistic)

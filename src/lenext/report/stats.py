@@ -140,18 +140,18 @@ def summarize(frame: pd.DataFrame) -> dict[TableKey, Table]:
 
 # A cell's mean and std are the Series' own, not the group-by's "mean"/"std", which round last bits otherwise; a
 # seed's NaN (a diverged run) makes them NaN, not the other seeds'.
-def _mean(values: pd.Series) -> float:
+def seed_mean(values: pd.Series) -> float:
     return values.mean(skipna=False)
 
 
-def _std(values: pd.Series) -> float:
+def seed_std(values: pd.Series) -> float:
     return values.std(ddof=1, skipna=False) if len(values) > 1 else 0.0
 
 
 def _table(key: TableKey, records: pd.DataFrame) -> Table:
     valued = records.status == "ok"
     counted = records[valued & records.counted]
-    spread = counted.groupby(CELL, sort=False).value.agg(mean=_mean, std=_std, n="size")
+    spread = counted.groupby(CELL, sort=False).value.agg(mean=seed_mean, std=seed_std, n="size")
     measured = records.assign(measured=valued | (records.status == NO_VALUE), valued=valued).groupby(CELL, sort=False)
     cells = measured.agg(recorded=("status", "first"), measured=("measured", "any"), valued=("valued", "any"))
     cells = cells.join(spread)
@@ -277,7 +277,7 @@ def binned_positions(runs: list[Run]) -> pd.DataFrame:
         ["train_len", "label", "length", "bin_start", "bin_end"], sort=False
     )  # in the sweep's order
     return grouped.agg(
-        mean_nll=("nll", _mean), std_nll=("nll", _std), seeds=("nll", "size"), tokens=("tokens", "sum")
+        mean_nll=("nll", seed_mean), std_nll=("nll", seed_std), seeds=("nll", "size"), tokens=("tokens", "sum")
     ).reset_index()
 
 
@@ -300,7 +300,7 @@ def adaptation(runs: list[Run]) -> pd.DataFrame:
     if not records:
         return pd.DataFrame()
     grouped = pd.DataFrame(records).groupby(["val_len", "row", "step"], sort=False)
-    return grouped.agg(mean=("ppl", _mean), std=("ppl", _std), seeds=("ppl", "size")).reset_index()
+    return grouped.agg(mean=("ppl", seed_mean), std=("ppl", seed_std), seeds=("ppl", "size")).reset_index()
 
 
 DEPTH_KEY = ["name", "protocol", "metric", "train_len", "label", "depth", "length"]
@@ -319,8 +319,8 @@ def depth_grids(frame: pd.DataFrame) -> pd.DataFrame:
     depth_rows = depth_rows.assign(name=depth_rows.task.where(depth_rows.task != "", depth_rows.protocol))
     grouped = depth_rows.groupby(DEPTH_KEY, sort=False)
     depths = grouped.agg(
-        mean=("value", _mean),
-        std=("value", _std),
+        mean=("value", seed_mean),
+        std=("value", seed_std),
         seeds=("value", "size"),
         answers=("answers", "sum"),
         chance=("chance", "first"),
@@ -403,7 +403,7 @@ def diagnostic_statistics(runs: list[Run]) -> pd.DataFrame:
         return pd.DataFrame()
     frame = pd.DataFrame(records)
     grouped = frame.groupby(DIAGNOSTIC_KEY, sort=False).value
-    stats = grouped.agg(mean=_mean, std=_std, seeds="size").reset_index()
+    stats = grouped.agg(mean=seed_mean, std=seed_std, seeds="size").reset_index()
     order = {
         "label": {label: i for i, label in enumerate(dict.fromkeys(frame.label))},
         "statistic": {name: i for i, name in enumerate(DIAGNOSTIC_STATISTICS)},
