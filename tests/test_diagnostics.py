@@ -338,7 +338,7 @@ def test_rotation_coverage_follows_its_formula_in_float64():
     of distances d < L whose angle theta'_k d mod 2 pi lies beyond the arc; PI's halved frequencies at 2x."""
     span, lengths = 16, [16, 32, 64]
     net = Decoder(VOCAB, span, RoPE, d_model=16, n_layers=1, n_heads=2)  # head dim 8
-    name, frequencies = rotary_frequencies(net)
+    name, frequencies = rotary_frequencies(net.pe)
     theta = [10000.0 ** (-2 * k / 8) for k in range(4)]
     torch.testing.assert_close(frequencies(span), torch.tensor(theta, dtype=torch.float64), rtol=1e-15, atol=0)
     coverage = rotation_coverage(frequencies(span), {n: frequencies(n) for n in lengths}, span)
@@ -356,10 +356,10 @@ def test_rotation_coverage_follows_its_formula_in_float64():
     # Position interpolation (factor L / span at L): theta_k / 2 at 32, the lowest frequency's angles stay within the
     # arc up to d = 30; d = 31 alone is beyond it.
     linear = Decoder(VOCAB, span, partial(RoPE, scaling="linear"), d_model=16, n_layers=1, n_heads=2)
-    _, scaled = rotary_frequencies(linear)
+    _, scaled = rotary_frequencies(linear.pe)
     pi = rotation_coverage(scaled(span), {32: scaled(32)}, span)
     assert pi["frequencies"][3]["unseen"]["32"] == pytest.approx(1 / 32, abs=1e-15)
-    assert rotary_frequencies(Decoder(VOCAB, span, ALiBi, d_model=16, n_layers=1, n_heads=2)) is None
+    assert rotary_frequencies(Decoder(VOCAB, span, ALiBi, d_model=16, n_layers=1, n_heads=2).pe) is None
 
 
 def test_the_distances_training_gives_counted_by_hand():
@@ -455,6 +455,27 @@ def test_diagnose_writes_the_statistics_coverage_and_histogram_of_a_checkpoint(t
     with pytest.raises(CheckpointError, match=r"without a checkpoint"):
         diagnose(compose_diagnose(trained_run, tmp_path / "bad", f"ckpt={tmp_path}"))
     assert not (tmp_path / "bad").exists()
+
+
+def test_rotation_coverage_under_a_fixed_factor_measures_against_the_frequencies_as_trained(trained_run, tmp_path):
+    """``pe.scaling=linear pe.factor=2``: theta_k is the checkpoint's (base^(-2k/d), d = 16), the arc it trained
+    theta_k (32 - 1); the angles evaluated are PI's theta_k / 2 d. Not the halved theta_k taken for the trained one,
+    which made a scaling that removes unseen angles look as if it added them."""
+    out = tmp_path / "linear"
+    overrides = (f"ckpt={trained_run}", "lengths=[32,64,128]", "windows=1", "pe.scaling=linear", "pe.factor=2")
+    with open(diagnose(compose_diagnose(trained_run, out, *overrides))) as f:
+        result = json.load(f)
+    coverage = result["rotation_coverage"]
+    theta = [10000.0 ** (-2 * k / 16) for k in range(8)]
+    for k, entry in enumerate(coverage["frequencies"]):
+        arc = theta[k] * 31
+        assert entry["theta"] == pytest.approx(theta[k], rel=1e-12) and entry["trained_arc"] == pytest.approx(arc)
+        for n in (32, 64, 128):
+            angles = [math.fmod(theta[k] / 2 * d, 2 * math.pi) for d in range(n)]
+            unseen = 0 if arc >= 2 * math.pi else sum(a > arc * (1 + 1e-12) for a in angles) / n
+            assert entry["unseen"][str(n)] == pytest.approx(unseen, abs=1e-12), (k, n)
+    by_length = {s["length"]: s["unseen_fraction"] for s in coverage["summary"]}
+    assert by_length[32] == 0 and by_length[64] < 0.05  # PI keeps 2x's angles within the arc but for d = 63
 
 
 def test_diagnose_py_answers_bad_input_in_one_line_and_has_help(tmp_path, monkeypatch, capsys):

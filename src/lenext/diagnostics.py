@@ -217,13 +217,13 @@ def layer_windows(net) -> list[int | None]:
 # RoPE's rotation coverage.
 
 
-def rotary_frequencies(net) -> tuple[str, Callable[[int], torch.Tensor]] | None:
-    """(name, length -> inverse frequencies (n,) float64) of the first rotary PE in ``net.pe`` (RoPE, its scalings,
-    xPos, p-RoPE, a mix's RoPE member; PoPE's d_head frequencies), or None when the PE rotates nothing."""
+def rotary_frequencies(pe) -> tuple[str, Callable[[int], torch.Tensor]] | None:
+    """(name, length -> inverse frequencies (n,) float64) of the first rotary PE in ``pe`` (a model's PE: RoPE, its
+    scalings, xPos, p-RoPE, a mix's RoPE member; PoPE's d_head frequencies), or None when it rotates nothing."""
     from lenext.pe.pope import PoPE
     from lenext.pe.rope import RoPE
 
-    for name, module in net.pe.named_modules():
+    for name, module in pe.named_modules():
         if isinstance(module, RoPE):
             return name or "pe", lambda length, rope=module: rope.frequencies(length)[0].to(torch.float64)
         if isinstance(module, PoPE):
@@ -385,13 +385,15 @@ def window_tokens(evaluation, length: int, windows: int) -> tuple[torch.Tensor, 
 def diagnose(cfg: DictConfig) -> str:
     """``lenext-diagnose``: every check first, then the statistics at each length, the coverage, the histogram;
     writes diagnostics.json and diagnostics.png into paths.output_dir. Returns the JSON's path."""
+    from lenext.build import instantiate
+    from lenext.checkpoints import stored_spec
     from lenext.evaluate import evaluation_positions
     from lenext.resolve import EVAL_NODES
     from lenext.run import checkpoint_model
 
     schema.check(cfg, DiagnoseSettings, {k: v for k, v in EVAL_NODES.items() if k in ("paths", "pe")})
     path = checkpoint_file(cfg.ckpt)
-    spec, data, net, _ = checkpoint_model(evaluation_config(cfg), path)
+    spec, data, net, checkpoint = checkpoint_model(evaluation_config(cfg), path)
     data.load()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     net.to(device).eval()
@@ -435,13 +437,16 @@ def diagnose(cfg: DictConfig) -> str:
             }
         )
         log.info("diagnosed L=%d (%d windows, %.1f s)", length, len(tokens), per_length[-1]["seconds"])
-    rotary = rotary_frequencies(net)
+    rotary = rotary_frequencies(net.pe)
     coverage = None
     if rotary is not None:
         name, frequencies = rotary
+        # theta_k as trained: from the checkpoint's PE, not from the one this command may have scaled (pe.factor=)
+        trained_pe = instantiate(stored_spec(checkpoint, f"ckpt={path}").config["pe"], "pe")(net.pe.shape)
+        _, trained = rotary_frequencies(trained_pe)
         coverage = {
             "pe": name,
-            **rotation_coverage(frequencies(spec.reach), {n: frequencies(n) for n in lengths}, spec.reach),
+            **rotation_coverage(trained(spec.reach), {n: frequencies(n) for n in lengths}, spec.reach),
         }
     result = {
         "meta": {
