@@ -521,3 +521,16 @@ def test_an_eval_sweep_into_other_job_folders_of_a_training_sweep_folder_goes_on
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     assert done.returncode == 1 and "holds a training run's" not in done.stderr
     assert "does not exist" in (run.parent / "eval_1" / "error.txt").read_text()
+
+
+def test_counts_and_means_accumulate_in_float64():
+    """torchmetrics' states are float32: 3,000 batches of 8,191 tokens summed to 24,573,952, not 24,573,000, and a
+    mean's weights lose units the same way past 2^24 tokens."""
+    from lenext.scoring import mean_metric, sum_metric
+
+    tokens, nll = sum_metric(), mean_metric()
+    for i in range(3000):
+        tokens.update(8191)
+        nll.update(torch.tensor(0.1 * (i % 3), dtype=torch.float64), weight=8191)
+    assert int(tokens.compute().item()) == 3000 * 8191
+    assert nll.compute().dtype == torch.float64 and nll.compute().item() == pytest.approx(0.1, rel=1e-12)

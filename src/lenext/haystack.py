@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torchmetrics import SumMetric
 
 from lenext.errors import LengthNotSupported
 from lenext.hardware import precision_autocast
 from lenext.positions import PositionScheme, window_positions
-from lenext.scoring import Measured, distributed, mean_metric
+from lenext.scoring import Measured, distributed, mean_metric, sum_metric
 
 HAYSTACK_STREAM = 46  # seeds the samples' draws; no other stream uses it
 KEYS = (
@@ -278,7 +277,7 @@ def measure_haystack(
     def metrics() -> dict:
         return {
             **{m: mean_metric().to(device) for m in ("exact_match", "token_accuracy", "rank_accuracy", "mean_nll")},
-            **{m: SumMetric().to(device) for m in ("answers", "tokens", "windows")},
+            **{m: sum_metric().to(device) for m in ("answers", "tokens", "windows")},
         }
 
     overall, by_depth = metrics(), {d: metrics() for d in range(len(depths))}

@@ -13,7 +13,6 @@ import torch
 from lightning.fabric.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
-from torchmetrics import SumMetric
 
 from lenext.errors import SIGNAL_NAMES, LenextError, Stopped
 from lenext.files import atomic_path
@@ -21,7 +20,7 @@ from lenext.hardware import warn_if_precision_is_slow
 from lenext.model import Decoder
 from lenext.positions import PositionScheme, training_positions, window_positions
 from lenext.ranges import NonNegativeFloat, NonNegativeInt, PositiveFloat, Probability, Range
-from lenext.scoring import answer_metrics, answers_per_sample, mean_metric, scored_targets
+from lenext.scoring import answer_metrics, answers_per_sample, mean_metric, scored_targets, sum_metric
 
 
 class NonFiniteLoss(LenextError):
@@ -139,7 +138,7 @@ class LanguageModel(L.LightningModule):
         self.scheme = scheme or PositionScheme()  # the run's train.positions; seed: what draws them
         # Weighted by token count, synchronised across DDP ranks: each token counts once.
         self.val_nll = mean_metric()
-        self.val_windows = SumMetric()
+        self.val_windows = sum_metric()
         self.val_answers = answer_metrics(net.embedding.num_embeddings)  # probes: exact match, token accuracy
         self.train_seconds, self.train_tokens = 0.0, 0  # time inside training steps, for tokens/s (kept on resume)
 

@@ -17,12 +17,11 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-from torchmetrics import SumMetric
 
 from lenext.errors import ConfigError
 from lenext.haystack import measure_haystack
 from lenext.positions import PositionScheme
-from lenext.scoring import Measured, distributed, evaluate_length, window_nll
+from lenext.scoring import Measured, distributed, evaluate_length, sum_metric, window_nll
 
 ACCURACY = "accuracy"  # the probes' protocol (lenext.synthetic): answers only, exact-match and per-token accuracy
 
@@ -239,7 +238,7 @@ class KeyTokens(TextProtocol):
         judge_scheme = scheme if judge is net else None  # the evaluator reads its windows at 0..L-1
         rank, world = distributed()
         counted = ("key_nll", "key_tokens", "targets", "all_nll", *(("key_bytes",) if evaluation.byte_ends else ()))
-        sums = {m: SumMetric().to(device) for m in counted}
+        sums = {m: sum_metric().to(device) for m in counted}
         batches = window_nll(
             net, evaluation.documents, windows[rank::world], length, settings.tokens_per_batch, precision, scheme, seed
         )

@@ -21,10 +21,16 @@ def distributed() -> tuple[int, int]:
 
 
 def mean_metric() -> MeanMetric:
-    """A weighted mean that keeps NaN: torchmetrics' default drops NaN values with a warning, so a diverged
-    model's NaN losses would leave the mean of its other tokens, reported as all of them. A NaN is imputed as NaN
-    (its "disable" would drop the weights too: torchmetrics 1.9)."""
-    return MeanMetric(nan_strategy=float("nan"))
+    """A weighted mean in float64 that keeps NaN: torchmetrics' default drops NaN values with a warning, so a
+    diverged model's NaN losses would leave the mean of its other tokens, reported as all of them. A NaN is imputed
+    as NaN (its "disable" would drop the weights too: torchmetrics 1.9). Its states default to float32, whose
+    weights count exactly only to 2^24 tokens."""
+    return MeanMetric(nan_strategy=float("nan")).set_dtype(torch.float64)
+
+
+def sum_metric() -> SumMetric:
+    """A sum in float64: torchmetrics' float32 state counts tokens exactly only to 2^24 (16.7M)."""
+    return SumMetric().set_dtype(torch.float64)
 
 
 @torch.no_grad()
@@ -69,7 +75,7 @@ def evaluate_length(
     counted once."""
     device = next(net.parameters()).device
     rank, world = distributed()
-    nll_mean, tokens = mean_metric().to(device), SumMetric().to(device)
+    nll_mean, tokens = mean_metric().to(device), sum_metric().to(device)
     position_sum = torch.zeros(length, dtype=torch.float64, device=device)
     position_count = torch.zeros(length, dtype=torch.float64, device=device)
     mine = windows[rank::world]
@@ -149,7 +155,7 @@ def measure_answers(
         return {
             "accuracy": answer_metrics(vocab_size).to(device),
             "mean_nll": mean_metric().to(device),
-            **{count: SumMetric().to(device) for count in ("answers", "tokens", "windows")},
+            **{count: sum_metric().to(device) for count in ("answers", "tokens", "windows")},
         }
 
     overall = metrics()
