@@ -5,8 +5,10 @@ import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch.testing import assert_close
 
+from lenext import schema
 from lenext.evaluate import TextEvaluation
 from lenext.pe import RoPE
 from lenext.pe.base import AttentionShape
@@ -60,3 +62,46 @@ def test_a_scaling_registered_in_one_entry_is_a_zero_shot_variant_and_a_trained_
     assert trained.scaling_factor(2048) == 8.0
     assert_close(zero_shot, yarn, rtol=0, atol=0)
     assert_close(trained.frequencies(2048)[0], yarn, rtol=0, atol=0)
+
+
+def test_the_example_pe_is_its_formula_on_both_paths():
+    """docs/pes/adding.md's FixedSlope, as the page shows it (tests/examples/fixed_slope.py): its key bias through
+    the attention, and its score_mod through FlexAttention (eager, on CPU), against softmax(q k^T / sqrt(d) -
+    slope (i - j)) v in float64 at drawn positions; its setting checked against its annotation."""
+    from lenext.attention import causal_attention
+    from lenext.errors import ConfigError
+    from tests.examples.fixed_slope import FixedSlope
+    from tests.test_flex import eager_flex
+
+    heads, head_dim, length = 2, 8, 40
+    pe = FixedSlope(AttentionShape(d_model=heads * head_dim, n_heads=heads, n_layers=1, train_len=16), slope=0.3)
+    positions = torch.cumsum(torch.randint(1, 4, (1, length)), 1)  # strictly increasing, not 0..L-1
+    q, k, v = (torch.randn(1, heads, length, head_dim) for _ in range(3))
+    distance = (positions[0, :, None] - positions[0, None, :]).double()
+    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(head_dim) - 0.3 * distance
+    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    expected = torch.softmax(scores, -1) @ v.double()
+    keyed = causal_attention(q, k, v, pe.layer(0).terms(None, q, k, positions))
+    assert_close(keyed.double(), expected, atol=1e-5, rtol=1e-5)
+    assert_close(eager_flex(q, k, v, pe.score_mod(q, positions, 0)).double(), expected, atol=1e-5, rtol=1e-5)
+    node = {"_target_": "tests.examples.fixed_slope.FixedSlope", "_partial_": True, "slope": -1.0}
+    with pytest.raises(ConfigError, match=r"^pe.slope=-1.0 is invalid: it must be"):
+        schema.check(OmegaConf.create({"pe": node}), None, {})
+
+
+def test_a_target_that_fails_to_import_is_named_with_the_error_inside_it(tmp_path, monkeypatch, capsys):
+    """A PE module of one's own whose import fails (an import from the wrong lenext module): the one line names the
+    target and the ImportError inside it, not hydra's "Are you sure that module is installed?"; hydra's own log
+    line of the failure is not printed besides."""
+    from lenext.errors import ConfigError
+
+    (tmp_path / "my_pes.py").write_text("from lenext.schema import NoSuchAlias\n\n\nclass Mine:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as refused:
+        schema.check(OmegaConf.create({"pe": {"_target_": "my_pes.Mine"}}), None, {})
+    assert str(refused.value).startswith(
+        "pe._target_='my_pes.Mine' cannot be imported "
+        "(ImportError: cannot import name 'NoSuchAlias' from 'lenext.schema'"
+    )
+    captured = capsys.readouterr()
+    assert "Error getting object" not in captured.out + captured.err

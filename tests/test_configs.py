@@ -20,7 +20,7 @@ def test_every_pe_has_a_config(compose_train):
     targets = {compose_train(f"pe={name}").pe._target_.rsplit(".", 1)[-1] for name in ALL_PES}
     classes = {n for n in lenext.pe.__all__ if isinstance(getattr(lenext.pe, n), type)}
     assert targets == classes - {"PositionalEncoding", "AttentionShape"}
-    assert set(GROUPS["data"]) == {"sotu", "ptb", "text_files", "wikitext103", "pg19", "synthetic"}
+    assert {"sotu", "ptb", "text_files", "wikitext103", "pg19", "synthetic"} <= set(GROUPS["data"])
     assert {"cpu", "gpu", "ddp"} <= set(GROUPS["trainer"])
     assert {"csv", "wandb", "tensorboard"} <= set(GROUPS["logger"])
 

@@ -43,6 +43,7 @@ from lenext.pe import (
     t5_bucket,
 )
 from lenext.pe.base import sequential_positions
+from lenext.pe.rope import ROPE_SCALINGS, ROTATIONS
 from lenext.positions import generator, pose_positions, randomized_positions
 
 VOCAB, TRAIN_LEN = 97, 16
@@ -498,7 +499,11 @@ def test_dynamic_ntk_beside_ntk_is_neither_evaluated_nor_different(pe_class):
     assert rope_ntk.variants(["none", "ntk", "dynamic_ntk"], 256) == ["none", "ntk"]
 
 
-@pytest.mark.parametrize("scaling", ["linear", "ntk", "yarn", "dynamic_ntk", "llama3"])
+# Every registered frequency scaling (a new one joins without an edit here); Self-Extend moves positions instead.
+FREQUENCY_SCALINGS = [name for name in ROPE_SCALINGS if name not in ("none", *ROTATIONS)]
+
+
+@pytest.mark.parametrize("scaling", FREQUENCY_SCALINGS)
 def test_rope_factor_none_is_identity_at_train_len_and_scales_beyond(scaling):
     shape = AttentionShape(d_model=32, n_heads=2, n_layers=1, train_len=16)
     plain, scaled = RoPE(shape), RoPE(shape, scaling=scaling, factor=None)

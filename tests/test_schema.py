@@ -21,14 +21,14 @@ from tests.conftest import CONFIG_FOLDER
 CONFIGS = [
     ["logger=[csv,tensorboard,wandb]"],
     *[[f"pe={os.path.splitext(p)[0]}"] for p in sorted(os.listdir(CONFIG_FOLDER / "pe"))],
-    ["data=text_files", "data.corpus.path=/nowhere"],
-    ["data=wikitext103"],
-    ["data=pg19"],
+    *[
+        [f"data={name}", *(["data.corpus.path=/nowhere"] if name == "text_files" else [])]
+        for name in sorted(os.path.splitext(p)[0] for p in os.listdir(CONFIG_FOLDER / "data"))
+    ],
     ["trainer=ddp_sim"],
     ["trainer=ddp"],
     ["experiment=quick"],
     ["experiment=extrapolation_small"],
-    ["data=synthetic"],
     ["experiment=probes"],
 ]
 

@@ -185,9 +185,10 @@ class KeyTokens(TextProtocol):
     """Perplexity over key tokens (LongPPL, Fang et al. 2025, arXiv 2410.23771): in disjoint windows of L, the
     targets whose log-probability with the whole window before them exceeds by more than ``gain`` nats the one
     with a short context of ``context`` tokens (windows of ``context`` advanced by a fifth of it, as LongPPL's
-    4096 + 1024: each target past the window's first ``context`` has 4/5 to all of it before it), and whose own log-probability is above
-    ``-max_nll``, both by the ``evaluator`` (a lenext checkpoint sharing the tokenizer; None: the model itself,
-    whose key-token perplexity is then below exp(max_nll) by construction: docs/evaluation.md)."""
+    4096 + 1024: each target past the window's first ``context`` has 4/5 to all of it before it), and whose own
+    log-probability is above ``-max_nll``, both by the ``evaluator`` (a lenext checkpoint sharing the tokenizer;
+    None: the model itself, whose key-token perplexity is then below exp(max_nll) by construction:
+    docs/evaluation.md)."""
 
     name = "key_tokens"
     metrics = ("ppl", "key_share")

@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import difflib
 import inspect
+import logging
 import math
 import pathlib
 import types
@@ -94,14 +95,26 @@ def _refuse_unless_conforms(full: str, value, expected, source: str = "") -> Non
         raise ConfigError(f"{full}={shown!r}{source} is invalid: it must be {describe(expected)}")
 
 
+def located(target: str):
+    """The object ``target`` names (hydra's ``get_object``), without the second report of a failure it logs: the
+    ConfigError names it, with the error that caused it (an import inside the module that failed)."""
+    hydra_log = logging.getLogger("hydra.utils")
+    disabled, hydra_log.disabled = hydra_log.disabled, True
+    try:
+        return get_object(target)
+    finally:
+        hydra_log.disabled = disabled
+
+
 def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type], copies: list) -> None:
     target = node.get("_target_") if "_target_" in node else None
     if target is not None:
         try:
-            declarer = get_object(target)
+            declarer = located(target)
         except (ImportError, ValueError) as e:
             where = f"{path}._target_" if path else "_target_"
-            raise ConfigError(f"{where}={target!r} cannot be imported ({str(e).splitlines()[0]})") from None
+            cause = f"{type(e.__cause__).__name__}: {e.__cause__}" if e.__cause__ else str(e).splitlines()[0]
+            raise ConfigError(f"{where}={target!r} cannot be imported ({cause})") from None
     parameters = _parameters(declarer) if declarer is not None else None
     # A node's own values before its sub-nodes: `seed=-1` is named as itself, not as data.seed.
     for key in sorted(node, key=lambda k: OmegaConf.is_config(node._get_node(k))):
