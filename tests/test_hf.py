@@ -3,6 +3,7 @@ transformers forward over the same windows written here from the protocols' defi
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -171,6 +172,11 @@ def test_what_cannot_be_evaluated_is_refused_in_one_line_before_any_work(tmp_pat
     (tmp_path / "model_only" / "config.json").write_text((folder / "config.json").read_text())
     with pytest.raises(ConfigError, match=r"^hf='.*model_only' holds no tokenizer transformers can load"):
         evaluate_hf(compose_hf(tmp_path, small_text_corpus, tmp_path / "model_only"))
+    shutil.copytree(folder, tmp_path / "truncated")  # a download cut short: safetensors' own error, not a traceback
+    weights = tmp_path / "truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ConfigError, match=r"^hf='.*truncated' holds no weights transformers can load \("):
+        evaluate_hf(compose_hf(tmp_path, small_text_corpus, tmp_path / "truncated"))
     assert not (tmp_path / "out").exists() and not (tmp_path / ".cache").exists()
 
 
@@ -380,3 +386,33 @@ def test_the_long_context_protocols_evaluate_a_hugging_face_model(tmp_path, smal
     assert ("key_tokens", 256) in ok and ("niah_single", 256) in ok
     retrieval = next(r for r in rows if r["protocol"] == "niah_single" and r["length"] == 256 and "depth" not in r)
     assert retrieval["answers"] == retrieval["windows"] == 5 and 0 <= retrieval["rank_accuracy"] <= 1  # one a depth
+
+
+def test_a_position_table_that_is_no_learned_embedding_also_bounds_the_lengths():
+    """GPT-J's and CodeGen's sin/cos buffer of n_positions rows and MPT's ALiBi built to max_seq_len: beyond them
+    the forward raised an IndexError or a shape error, losing the sweep; now those lengths are n/a, as GPT-2's."""
+    import transformers
+
+    from lenext.errors import LengthNotSupported
+    from lenext.hf import HFLanguageModel, position_limit
+
+    small = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 0}
+    configs = {
+        "gptj": transformers.GPTJConfig(n_embd=32, n_layer=1, n_head=4, n_positions=CONTEXT, rotary_dim=4, **small),
+        "codegen": transformers.CodeGenConfig(
+            n_embd=32, n_layer=1, n_head=4, n_positions=CONTEXT, rotary_dim=4, **small
+        ),
+        "mpt": transformers.MptConfig(d_model=32, n_layers=1, n_heads=4, max_seq_len=CONTEXT, **small),
+    }
+    for name, config in configs.items():
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        assert position_limit(model) == CONTEXT, name
+        wrapped = HFLanguageModel(model, context=CONTEXT)
+        tokens = torch.randint(0, VOCAB, (1, CONTEXT + 1))
+        assert wrapped.token_nll(tokens[:, :-1], tokens[:, 1:]).shape == (1, CONTEXT)
+        with pytest.raises(LengthNotSupported, match=f"its position table serves at most {CONTEXT} tokens"):
+            wrapped.token_nll(
+                torch.zeros(1, 2 * CONTEXT, dtype=torch.long), torch.zeros(1, 2 * CONTEXT, dtype=torch.long)
+            )
+    llama = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))
+    assert position_limit(llama) is None  # RoPE: any length

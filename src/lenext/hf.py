@@ -45,8 +45,11 @@ ROPE_TYPES = {"none": "default", "linear": "linear", "dynamic_ntk": "dynamic", "
 SELF_EXTEND = "self_extend"  # lenext's grouped positions, through the model's attention (lenext.hf_self_extend)
 # A model's own rotary settings a scaling keeps (partial rotary, multimodal sections).
 KEPT_ROPE_KEYS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
-# Names of learned position tables (GPT-2, OPT, GPT-Neo, BioGPT, ...): lengths beyond them are n/a.
+# Names of position tables, learned (GPT-2, OPT, GPT-Neo, BioGPT, ...) or fixed buffers (GPT-J's and CodeGen's sin
+# and cos of n_positions rows): lengths beyond them are n/a.
 POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+# Models whose positions stop at a config setting with no table to read it from (MPT's ALiBi, built to max_seq_len).
+POSITION_LIMITS = {"mpt": "max_seq_len"}
 
 
 @contextlib.contextmanager
@@ -66,6 +69,7 @@ def transformers_quiet() -> Iterator[None]:
 def load_model(source: str, trust_remote_code: bool = False):
     """The causal LM and its tokenizer folder at ``source`` (a local folder, or a hub id where the machine reaches
     the hub), refused in one line for what lenext cannot evaluate; nothing is downloaded for a local folder."""
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
@@ -90,7 +94,7 @@ def load_model(source: str, trust_remote_code: bool = False):
         )
     except ValueError as e:
         raise ConfigError(f"{where}: {type(config).__name__} is not a causal LM ({str(e).splitlines()[0]})") from None
-    except OSError as e:
+    except (OSError, SafetensorError) as e:  # none, or a damaged file (a truncated download)
         raise ConfigError(f"{where} holds no weights transformers can load ({str(e).splitlines()[0]})") from None
     model.eval()
     if not sees_only_the_past(model, config.vocab_size):
@@ -127,15 +131,19 @@ def trained_context(config, given: int | None = None) -> int:
     return int(context)
 
 
-def learned_positions(model) -> int | None:
-    """The positions a model's learned table serves (less OPT's offset; a lenext export's ``position_limit``), or
-    None for a model without one."""
+def position_limit(model) -> int | None:
+    """The positions a model's position table serves (a learned one less OPT's offset; a fixed buffer's rows; a
+    lenext export's ``position_limit``; ``POSITION_LIMITS``), or None for a model that serves any length."""
     if getattr(model.config, "position_limit", None):
         return model.config.position_limit
     for path, module in model.named_modules():
         if path.rpartition(".")[2] in POSITION_TABLES and isinstance(module, nn.Embedding):
             return module.num_embeddings - getattr(module, "offset", 0)
-    return None
+    for path, buffer in model.named_buffers():
+        if path.rpartition(".")[2] in POSITION_TABLES:
+            return buffer.size(0)
+    setting = POSITION_LIMITS.get(getattr(model.config, "model_type", None))
+    return getattr(model.config, setting, None) if setting else None
 
 
 class HFPositions:
@@ -247,7 +255,7 @@ class HFLanguageModel(nn.Module):
     def __init__(self, model, context: int | None = None):
         super().__init__()
         self.model, self.pe = model, HFPositions(model, context)
-        self.max_length = learned_positions(model)
+        self.max_length = position_limit(model)
         self.plain_head = isinstance(model.get_output_embeddings(), nn.Linear) and self._head_is_plain()
 
     @torch.no_grad()
@@ -271,7 +279,7 @@ class HFLanguageModel(nn.Module):
             raise ValueError("Hugging Face models are evaluated at positions 0..L-1")
         length = inputs.size(1)
         if self.max_length and length > self.max_length:
-            raise LengthNotSupported(f"its learned positions serve at most {self.max_length} tokens")
+            raise LengthNotSupported(f"its position table serves at most {self.max_length} tokens")
         self.pe.configure(length)
         if not self.plain_head:
             logits = self.model(input_ids=inputs, use_cache=False).logits.float()
