@@ -177,6 +177,20 @@ def test_what_cannot_be_evaluated_is_refused_in_one_line_before_any_work(tmp_pat
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ConfigError, match=r"^hf='.*truncated' holds no weights transformers can load \("):
         evaluate_hf(compose_hf(tmp_path, small_text_corpus, tmp_path / "truncated"))
+    shutil.copytree(folder, tmp_path / "bad_config")  # the config named, not the tokenizer that also reads it
+    (tmp_path / "bad_config" / "config.json").write_text("{not json")
+    with pytest.raises(
+        ConfigError, match=r"^hf='.*bad_config' holds no model config transformers can read \(.*not a valid JSON"
+    ):
+        evaluate_hf(compose_hf(tmp_path, small_text_corpus, tmp_path / "bad_config"))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    small = tiny_config("llama")
+    small.vocab_size = VOCAB // 2  # another model's tokenizer: refused with both sizes, before the corpus is read
+    AutoModelForCausalLM.from_config(small).save_pretrained(tmp_path / "small_vocab")
+    AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(tmp_path / "small_vocab")
+    with pytest.raises(ConfigError, match=rf"its tokenizer has {VOCAB} tokens, more than the {VOCAB // 2} its model"):
+        evaluate_hf(compose_hf(tmp_path, small_text_corpus, tmp_path / "small_vocab"))
     assert not (tmp_path / "out").exists() and not (tmp_path / ".cache").exists()
 
 
@@ -328,8 +342,18 @@ def test_variants_of_a_model_without_rope_and_an_encoder_are_refused(tmp_path, s
         evaluate_hf(compose_hf(tmp_path, small_text_corpus, folder, "eval.variants=[yarn]"))
     # Self-Extend undoes and redoes the model's rotation: a rotary module that turns part of the head is refused.
     neox = model_folder(tmp_path, tokenizer_folder, "gpt_neox")  # rotary_pct 0.5
-    with pytest.raises(ConfigError, match=r"^eval.variants=\['self_extend'\] is invalid for this model: Self-Extend"):
+    with pytest.raises(ConfigError, match=r"^eval.variants=\['self_extend'\] is invalid for this model: Self-Extend "
+                       r"cannot patch it, it rotates part of each head \(partial_rotary_factor=0.5\)"):  # fmt: skip
         evaluate_hf(compose_hf(tmp_path, small_text_corpus, neox, "eval.variants=[self_extend]"))
+    phi = tmp_path / "phi"  # its attention failed on the patch's shapes: a RuntimeError's text was the reason given
+    config = transformers.PhiConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, partial_rotary_factor=0.5,
+        max_position_embeddings=CONTEXT, vocab_size=VOCAB,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(phi)
+    transformers.AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(phi)
+    with pytest.raises(ConfigError, match=r"cannot patch it, it rotates part of each head \(partial_rotary_factor"):
+        evaluate_hf(compose_hf(tmp_path, small_text_corpus, phi, "eval.variants=[self_extend]"))
     bert = tmp_path / "bert"
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
     transformers.BertLMHeadModel(config).save_pretrained(bert)

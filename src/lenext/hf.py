@@ -66,19 +66,17 @@ def transformers_quiet() -> Iterator[None]:
         transformers_logging.set_verbosity(verbosity)
 
 
-def load_model(source: str, trust_remote_code: bool = False):
-    """The causal LM and its tokenizer folder at ``source`` (a local folder, or a hub id where the machine reaches
-    the hub), refused in one line for what lenext cannot evaluate; nothing is downloaded for a local folder."""
-    from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as transformers_logging
+def model_config(source: str, trust_remote_code: bool = False):
+    """The model config at ``source``, refused in one line where transformers cannot read it (read before the
+    tokenizer, whose loading reads it too and would be blamed for it)."""
+    from transformers import AutoConfig
 
     where = f"hf={source!r}"
-    local = os.path.isdir(source)
-    transformers_logging.disable_progress_bar()  # its bar of weights loaded: a line of its own before lenext's
     try:
         with transformers_quiet():
-            config = AutoConfig.from_pretrained(source, local_files_only=local, trust_remote_code=trust_remote_code)
+            return AutoConfig.from_pretrained(
+                source, local_files_only=os.path.isdir(source), trust_remote_code=trust_remote_code
+            )
     except ValueError as e:
         if "trust_remote_code" in str(e):
             raise ConfigError(
@@ -87,7 +85,22 @@ def load_model(source: str, trust_remote_code: bool = False):
             ) from None
         raise ConfigError(f"{where} holds no model config transformers knows ({str(e).splitlines()[0]})") from None
     except OSError as e:
+        if os.path.isdir(source):  # its config.json is no JSON, or cannot be read
+            raise ConfigError(f"{where} holds no model config transformers can read ({e})") from None
         raise ConfigError(f"{where} is not a model folder or a hub id this machine reaches ({e})") from None
+
+
+def load_model(source: str, trust_remote_code: bool = False):
+    """The causal LM at ``source`` (a local folder, or a hub id where the machine reaches the hub), refused in one
+    line for what lenext cannot evaluate; nothing is downloaded for a local folder."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    where = f"hf={source!r}"
+    local = os.path.isdir(source)
+    transformers_logging.disable_progress_bar()  # its bar of weights loaded: a line of its own before lenext's
+    config = model_config(source, trust_remote_code)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source, config=config, local_files_only=local, trust_remote_code=trust_remote_code, dtype=torch.float32
@@ -308,9 +321,16 @@ def evaluate_hf(cfg: DictConfig) -> str:
     if cfg.get("data") and "corpus" not in cfg.data:
         raise ConfigError("data= with hf= must be a text corpus (sotu, text_files, ...): a probe's tokens are not text")
     source = hf_folder(cfg.hf)
-    with transformers_quiet():
-        external_tokenizer(source, "hf")  # refused before the model loads: a folder without a tokenizer
+    model_config(source, cfg.trust_remote_code)
+    with transformers_quiet():  # refused before the weights load: a folder without a tokenizer
+        tokenizer, _ = external_tokenizer(source, "hf")
     model = load_model(source, cfg.trust_remote_code)
+    embeds = model.get_input_embeddings().num_embeddings
+    if tokenizer.get_vocab_size() > embeds:  # before the corpus is tokenized
+        raise ConfigError(
+            f"hf={cfg.hf}: its tokenizer has {tokenizer.get_vocab_size()} tokens, more than the {embeds} its model "
+            "embeds (a tokenizer of another model?)"
+        )
     net = HFLanguageModel(model, cfg.context)
     data_node = cfg.data if cfg.get("data") else OmegaConf.load(resources.files("lenext.configs") / "data/sotu.yaml")
     if data_node.get("tokenizer") not in (None, cfg.hf, source):
@@ -324,8 +344,6 @@ def evaluate_hf(cfg: DictConfig) -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = canonical_precision(cfg.precision or ("bf16-mixed" if device.type == "cuda" else "32-true"))
     data.load()
-    if data.vocab_size > model.get_input_embeddings().num_embeddings:
-        raise ConfigError(f"hf={cfg.hf}: its tokenizer has {data.vocab_size} tokens, more than its model embeds")
     rows, curves = sweep(net.to(device), data.evaluation(cfg.split), plan, settings, precision)
     meta = {
         "row": row_name(cfg.hf),

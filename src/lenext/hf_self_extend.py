@@ -88,6 +88,10 @@ def install(model, rotary: nn.Module, context: int) -> SelfExtendAttention | str
     softcap = getattr(model.config, "attn_logit_softcapping", None)
     if softcap:
         return f"it caps its logits (attn_logit_softcapping={softcap}), which Self-Extend's attention does not"
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    partial = rope.get("partial_rotary_factor") or getattr(model.config, "partial_rotary_factor", None)
+    if partial is not None and partial < 1:  # Phi, GPT-NeoX, StableLM: a rotated part and a plain one
+        return f"it rotates part of each head (partial_rotary_factor={partial}), Self-Extend's attention the whole"
     attention = SelfExtendAttention(rotary, context)
     AttentionInterface.register(ATTENTION_NAME, attention)
     tokens = torch.arange(24)[None] % model.config.vocab_size
