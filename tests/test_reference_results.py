@@ -128,3 +128,15 @@ def test_a_depth_heatmaps_title_gives_its_tables_value():
     assert titles["alibi"] == "100% at 32 → 20% at 1024"
     assert "a cell holds 15-63 answers" in fig._suptitle.get_text().replace("\n", " ")
     figures.pyplot().close(fig)
+
+
+def test_a_per_position_curve_of_a_shorter_length_says_so():
+    """The classic study: learned serves 64 positions, so its curve is of 64-token windows, other text than the
+    others' 2048-token windows; its legend entry says so, and the heading names the protocol."""
+    from lenext.report import Summary, figures
+
+    fig = figures.per_position(Summary(load([str(STUDIES / "classic" / "runs")])))
+    entries = [name for ax in fig.axes for name in ax.get_legend_handles_labels()[1]]
+    assert "learned (L_eval 64)" in entries and "rope" in entries and "rope (L_eval 2048)" not in entries
+    assert "in nonoverlap windows of each row's longest L_eval" in fig.get_suptitle().replace("\n", " ")
+    figures.pyplot().close(fig)

@@ -40,6 +40,7 @@ import pandas as pd
 
 from lenext.files import atomic_path
 from lenext.pe import FAMILIES
+from lenext.protocols import PROTOCOLS
 from lenext.report.load import LEARNED_AT, OTHER_FAMILY, metrics_of
 from lenext.report.stats import METRICS, NOT_LEARNED, Summary, Table, headline, perplexity_ratio, seed_mean, seed_std
 
@@ -882,11 +883,21 @@ def per_position(summary: Summary):
             section.append(drawn)
         sections.append(section)
     note, marks = seed_marks(binned.groupby("label").seeds.max(), "mean")
+    lengths = binned.groupby("label").length.max()
     for section in sections:
         for drawn in section:
-            drawn.names = {label: label + marks.get(label, "") for label in drawn.panel.labels}
+            longest = max(lengths[label] for label in drawn.panel.labels)
+            drawn.names = {  # a row that stops short (learned, at its table) was scored on other windows' text
+                label: label
+                + marks.get(label, "")
+                + (f" (L_eval {lengths[label]})" if lengths[label] < longest else "")
+                for label in drawn.panel.labels
+            }
     at = "" if several else f", L_train {binned.train_len.iloc[0]} (dotted line)"
-    note = f"loss per bin of positions (4 bins per octave) at the longest L_eval{at}; {note}"
+    windows = "/".join(name for name, protocol in PROTOCOLS.items() if protocol.per_position)
+    note = (
+        f"loss per bin of positions (4 bins per octave) in {windows} windows of each row's longest L_eval{at}; {note}"
+    )
     fig, placed = panel_grid(sections, note)
     for ax, drawn in placed:
         train_len, curves = drawn.context
