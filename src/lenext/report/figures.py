@@ -445,6 +445,8 @@ def lengths_takeaway(table: Table, labels: list[str], reference: str | None = No
                 worst = reference
             text = f"at {at}: {best} {values[best]:.0f}% {name}; {worst} {values[worst]:.0f}%"
         text += "".join(f" (chance {c * metric.scale:.0f}%)" for c in table.chance)
+        if len(table.chance) == 1 and not apart_from_chance(table, list(values.index), longest):
+            text += "; none apart from chance (95% binomial band)"
         status = table.cells.status
         not_learned = [
             label for label in labels if (label, longest) in status.index and status[(label, longest)] == NOT_LEARNED
@@ -471,6 +473,20 @@ def lengths_takeaway(table: Table, labels: list[str], reference: str | None = No
     if worst == best:
         return f"at {at}: {best} {growth(ratios[best], metric.name).replace('rises least, to', 'rises to')}"
     return f"at {at}: {best} {growth(ratios[best], metric.name)}; {worst} {ratios[worst]:.1f}x"
+
+
+def apart_from_chance(table: Table, labels: list[str], length: int) -> list[str] | None:
+    """The rows whose share at ``length`` lies outside the 95% band of a binomial at the table's chance level over
+    their answers (the seeds' answers pooled); None where a cell's answers are unknown."""
+    (chance,) = table.chance
+    apart = []
+    for label in labels:
+        cell = table.cell(label, length)
+        if cell is None or pd.isna(cell.answers) or not cell.answers:
+            return None
+        if abs(cell["mean"] - chance) > 1.96 * math.sqrt(chance * (1 - chance) / cell.answers):
+            apart.append(label)
+    return apart
 
 
 def growth(ratio: float, noun: str) -> str:

@@ -86,7 +86,8 @@ class Table:
     """One table's statistics. ``cells``, indexed by (label, length): ``mean``, ``std`` (over seeds; 0 for one
     seed), ``n`` (seeds counted), ``status`` (``ok``, ``not learned`` where no seed learned, else the rows'),
     ``best`` (the column's best; none for a metric without a direction), ``separable`` (from that best; null: not
-    tested). A cell whose rows are measured but have no value (``NO_VALUE``: no key token at L_train) has no mean.
+    tested), ``answers`` (of a share, the answers its seeds gave together; null for perplexity). A cell whose rows
+    are measured but have no value (``NO_VALUE``: no key token at L_train) has no mean.
     ``seeds``: the values the means count, by (label, length, seed). ``rows``: the labels in the sweep's order,
     with ``train_tokens_per_s`` (mean) and ``eval_peak_mem_mb`` (max). ``not_learned``: the runs below
     ``LEARNED_AT`` at L_train (``row``, ``seed``, ``accuracy_as_trained``). ``chance``: the chance levels its rows
@@ -152,6 +153,7 @@ def _table(key: TableKey, records: pd.DataFrame) -> Table:
     valued = records.status == "ok"
     counted = records[valued & records.counted]
     spread = counted.groupby(CELL, sort=False).value.agg(mean=seed_mean, std=seed_std, n="size")
+    spread["answers"] = counted.groupby(CELL, sort=False).answers.sum(min_count=1)  # a share's sample size
     measured = records.assign(measured=valued | (records.status == NO_VALUE), valued=valued).groupby(CELL, sort=False)
     cells = measured.agg(recorded=("status", "first"), measured=("measured", "any"), valued=("valued", "any"))
     cells = cells.join(spread)
