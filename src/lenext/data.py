@@ -394,6 +394,11 @@ def group_wikitext_articles(lines: Iterable[str]) -> Iterator[str]:
 END_OF_TEXT = (EOS, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 
 
+# The files a tokenizer folder holds one of (fast, SentencePiece, BPE, WordPiece): without any, transformers' own
+# reason is a sentence cut at its first line ("... from one of: ").
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
 def external_tokenizer(path: str, key: str = "data.tokenizer"):
     """(tokenizers.Tokenizer, document start token id) of ``data.tokenizer`` (or the setting ``key`` that gave
     ``path``): a tokenizer.json, or a Hugging Face tokenizer folder (its fast tokenizer; its BOS, else its EOS,
@@ -424,7 +429,10 @@ def external_tokenizer(path: str, key: str = "data.tokenizer"):
     except (OSError, ValueError) as e:
         if "trust_remote_code" in str(e):
             raise ConfigError(f"{where}: its tokenizer's code is in the folder, which lenext does not run") from None
-        raise ConfigError(f"{where} holds no tokenizer transformers can load ({str(e).splitlines()[0]})") from None
+        reason = str(e).splitlines()[0]
+        if not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
+            reason = f"none of {', '.join(TOKENIZER_FILES)}"
+        raise ConfigError(f"{where} holds no tokenizer transformers can load ({reason})") from None
     if not loaded.is_fast:
         raise ConfigError(f"{where}: its tokenizer has no fast (tokenizers) version, which lenext tokenizes with")
     start = loaded.bos_token_id if loaded.bos_token_id is not None else loaded.eos_token_id
