@@ -210,6 +210,22 @@ def test_recording_covers_every_row_once_with_weights_that_sum_to_one_and_change
         torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-5)
 
 
+def test_stick_breaking_statistics_stay_finite_when_the_stick_is_used_up():
+    """Sharp stick-breaking rows spend the whole stick on near keys: the leftover put on the row's own key, 1 - sum,
+    rounded to -2e-7 in fp32, and the entropy's x log x of it made every head's entropy NaN."""
+    net = tiny_net(PES["nope"], AttentionSettings(normalizer="stick_breaking")).float()
+    with torch.no_grad():
+        for block in net.blocks:
+            block.attn.qkv.weight.mul_(25)  # sharp logits: sigmoid(z) near 1 on the nearest keys
+    statistics = AttentionStatistics(LAYERS, HEADS, TRAIN_LEN, layer_windows(net))
+    tokens = torch.randint(0, VOCAB, (2, 96), generator=torch.Generator().manual_seed(0))
+    record_statistics(net, tokens, None, statistics, "32-true")
+    means = statistics.means()["all"]
+    for name in STATISTICS:
+        assert torch.isfinite(torch.tensor(means[name])).all(), name
+    assert statistics.max_row_error < 1e-5
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     length=st.integers(1, 40),

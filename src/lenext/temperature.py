@@ -155,11 +155,14 @@ def variant_scope(net, variant: str | None, fit: TemperatureFit | None) -> Itera
 
 
 def row_fields(net, variant: str | None, length: int, fit: TemperatureFit | None) -> dict:
-    """A sweep row's ``variant_factor`` (RoPE's s; the temperature's beta at this length) and, for the
-    temperature, its c and the split it was fitted on."""
+    """A sweep row's ``variant_factor`` (RoPE's s; the temperature's beta at this length, as the layers that see
+    the most keys apply it: at min(L, W) under a window W) and, for the temperature, its c and the split it was
+    fitted on."""
     if variant != TEMPERATURE:
         return {"variant_factor": net.pe.scaling_factor(length) if variant else None}
-    beta = logit_temperature(fit.c, length, train_len(net)) if fit.c is not None else None
+    windows = [block.attn.window for block in net.blocks]
+    seen = length if None in windows else min(length, max(windows))
+    beta = logit_temperature(fit.c, seen, train_len(net)) if fit.c is not None else None
     return {"variant_factor": beta, "temperature_c": fit.c, "temperature_fitted_on": FIT_SPLIT}
 
 

@@ -438,7 +438,8 @@ def _recorded(weights: torch.Tensor, start: int, first: int, stick_breaking: boo
     own = torch.arange(start, start + rows, device=weights.device)[:, None] == torch.arange(
         first, first + keys, device=weights.device
     )
-    return weights + (1 - weights.sum(-1, keepdim=True)) * own
+    # Once the stick is used up, 1 - sum rounds below 0: a negative weight would make the entropy's x log x NaN.
+    return weights + (1 - weights.sum(-1, keepdim=True)).clamp(min=0) * own
 
 
 def stick_breaking_weights(logits: torch.Tensor, start: int, first: int) -> torch.Tensor:
