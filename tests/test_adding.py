@@ -89,7 +89,7 @@ def test_the_example_pe_is_its_formula_on_both_paths():
         schema.check(OmegaConf.create({"pe": node}), None, {})
 
 
-def test_a_target_that_fails_to_import_is_named_with_the_error_inside_it(tmp_path, monkeypatch, capsys):
+def test_a_target_that_fails_to_import_is_named_with_the_error_inside_it(tmp_path, monkeypatch, caplog):
     """A PE module of one's own whose import fails (an import from the wrong lenext module): the one line names the
     target and the ImportError inside it, not hydra's "Are you sure that module is installed?"; hydra's own log
     line of the failure is not printed besides."""
@@ -103,5 +103,8 @@ def test_a_target_that_fails_to_import_is_named_with_the_error_inside_it(tmp_pat
         "pe._target_='my_pes.Mine' cannot be imported "
         "(ImportError: cannot import name 'NoSuchAlias' from 'lenext.schema'"
     )
-    captured = capsys.readouterr()
-    assert "Error getting object" not in captured.out + captured.err
+    assert not [record for record in caplog.records if record.name.startswith("hydra")]
+    (tmp_path / "my_other_pes.py").write_text("class Mine:\n    pass\n")  # a misspelt class: the module is named
+    with pytest.raises(ConfigError, match=r"^pe._target_='my_other_pes.Min' cannot be imported \(module "
+                       r"'my_other_pes' has no 'Min'\)$"):  # fmt: skip
+        schema.check(OmegaConf.create({"pe": {"_target_": "my_other_pes.Min"}}), None, {})

@@ -156,3 +156,27 @@ def test_a_retrieval_title_says_when_no_row_is_apart_from_chance():
     trained = next(title for title in single if "as trained" in title)
     assert trained.endswith("fire 32% rank accuracy; fox 17% (chance 20%)")  # fire's 32% is apart: nothing added
     figures.pyplot().close(fig)
+
+
+def test_results_files_without_answers_claim_nothing_about_chance(tmp_path):
+    """Results files from before rows counted their answers: no title says "none apart from chance" (fire's 32%
+    is apart, above) and no heatmap heading says a cell holds 0 answers."""
+    import shutil
+
+    from lenext.report import Summary, figures
+
+    runs = tmp_path / "runs"
+    shutil.copytree(STUDIES / "long_context" / "runs", runs, ignore=shutil.ignore_patterns("*.csv", "*.png", "*.log"))
+    for results_file in runs.glob("*/results.json"):
+        results = json.loads(results_file.read_text())
+        for row in results["rows"]:
+            row.pop("answers", None)
+        results_file.write_text(json.dumps(results))
+    summary = Summary(load([str(runs)]))
+    fig = figures.retrieval_vs_length(summary)
+    titles = [ax.get_title().replace("\n", " ") for ax in fig.axes if ax.get_title()]
+    assert titles and not any("apart from chance" in title for title in titles)
+    heatmap = figures.depth_heatmaps(summary)["niah_single_depth.png"]
+    assert "a cell holds" not in heatmap.get_suptitle().replace("\n", " ")
+    for drawn in (fig, heatmap):
+        figures.pyplot().close(drawn)

@@ -194,6 +194,10 @@ def test_two_pes_of_one_panel_never_share_a_colour():
     assert colours["fox"] not in {figures.pe_colour(pe) for pe in pes}
     alone = figures.line_styles(info.loc[["fox", "alibi"]], ["fox", "alibi"], by_method=False)
     assert alone["fox"]["color"] == figures.pe_colour("fox")
+    # More PEs than colours (diagnostics_vs_ppl draws every diagnosed row in one panel): drawn, some sharing one.
+    many = list(figures.KNOWN_PES)[:12]
+    info_many = pd.DataFrame({"base": None, "variant": None, "extension_method": "none", "pe": many}, index=many)
+    assert len({style["color"] for style in figures.line_styles(info_many, many, False).values()}) == 10
     # Every known PE drawn eight to a panel: never two of a panel in one colour.
     known = list(figures.KNOWN_PES)
     for start in range(len(known) - 7):

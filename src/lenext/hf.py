@@ -90,7 +90,7 @@ def model_config(source: str, trust_remote_code: bool = False):
         raise ConfigError(f"{where} is not a model folder or a hub id this machine reaches ({e})") from None
 
 
-def load_model(source: str, trust_remote_code: bool = False):
+def load_model(source: str, trust_remote_code: bool = False, config=None):
     """The causal LM at ``source`` (a local folder, or a hub id where the machine reaches the hub), refused in one
     line for what lenext cannot evaluate; nothing is downloaded for a local folder."""
     from safetensors import SafetensorError
@@ -100,7 +100,7 @@ def load_model(source: str, trust_remote_code: bool = False):
     where = f"hf={source!r}"
     local = os.path.isdir(source)
     transformers_logging.disable_progress_bar()  # its bar of weights loaded: a line of its own before lenext's
-    config = model_config(source, trust_remote_code)
+    config = config or model_config(source, trust_remote_code)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source, config=config, local_files_only=local, trust_remote_code=trust_remote_code, dtype=torch.float32
@@ -321,10 +321,10 @@ def evaluate_hf(cfg: DictConfig) -> str:
     if cfg.get("data") and "corpus" not in cfg.data:
         raise ConfigError("data= with hf= must be a text corpus (sotu, text_files, ...): a probe's tokens are not text")
     source = hf_folder(cfg.hf)
-    model_config(source, cfg.trust_remote_code)
+    config = model_config(source, cfg.trust_remote_code)
     with transformers_quiet():  # refused before the weights load: a folder without a tokenizer
         tokenizer, _ = external_tokenizer(source, "hf")
-    model = load_model(source, cfg.trust_remote_code)
+    model = load_model(source, cfg.trust_remote_code, config)
     embeds = model.get_input_embeddings().num_embeddings
     if tokenizer.get_vocab_size() > embeds:  # before the corpus is tokenized
         raise ConfigError(

@@ -114,6 +114,11 @@ def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]
         except (ImportError, ValueError) as e:
             where = f"{path}._target_" if path else "_target_"
             cause = f"{type(e.__cause__).__name__}: {e.__cause__}" if e.__cause__ else str(e).splitlines()[0]
+            if (
+                isinstance(e.__cause__, ModuleNotFoundError) and e.__cause__.name == target
+            ):  # the module has no such name
+                module, _, name = target.rpartition(".")
+                cause = f"module {module!r} has no {name!r}"
             raise ConfigError(f"{where}={target!r} cannot be imported ({cause})") from None
     parameters = _parameters(declarer) if declarer is not None else None
     # A node's own values before its sub-nodes: `seed=-1` is named as itself, not as data.seed.

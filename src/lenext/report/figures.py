@@ -226,8 +226,8 @@ def distinct_colours(natural: dict[str, str], rank: Callable[[str], int]) -> dic
     for key in sorted(natural, key=rank):
         colour = natural[key]
         if colour in assigned.values():
-            free = [c for c in PALETTE if c not in assigned.values()]
-            colour = next((c for c in free if c not in natural.values()), free[0])
+            free = [c for c in PALETTE if c not in assigned.values()]  # none left beyond 10 keys: the natural one
+            colour = next((c for c in free if c not in natural.values()), free[0] if free else colour)
         assigned[key] = colour
     return assigned
 
@@ -445,7 +445,8 @@ def lengths_takeaway(table: Table, labels: list[str], reference: str | None = No
                 worst = reference
             text = f"at {at}: {best} {values[best]:.0f}% {name}; {worst} {values[worst]:.0f}%"
         text += "".join(f" (chance {c * metric.scale:.0f}%)" for c in table.chance)
-        if len(table.chance) == 1 and not apart_from_chance(table, list(values.index), longest):
+        apart = apart_from_chance(table, list(values.index), longest) if len(table.chance) == 1 else None
+        if apart == []:  # None: some cell's answers unknown (an older results file)
             text += "; none apart from chance (95% binomial band)"
         status = table.cells.status
         not_learned = [
@@ -899,14 +900,13 @@ def per_position(summary: Summary):
             section.append(drawn)
         sections.append(section)
     note, marks = seed_marks(binned.groupby("label").seeds.max(), "mean")
-    lengths = binned.groupby("label").length.max()
+    lengths = binned.groupby(["train_len", "label"]).length.max()
     for section in sections:
         for drawn in section:
-            longest = max(lengths[label] for label in drawn.panel.labels)
+            of = lengths[drawn.context[0]]
+            longest = max(of[label] for label in drawn.panel.labels)
             drawn.names = {  # a row that stops short (learned, at its table) was scored on other windows' text
-                label: label
-                + marks.get(label, "")
-                + (f" (L_eval {lengths[label]})" if lengths[label] < longest else "")
+                label: label + marks.get(label, "") + (f" (L_eval {of[label]})" if of[label] < longest else "")
                 for label in drawn.panel.labels
             }
     at = "" if several else f", L_train {binned.train_len.iloc[0]} (dotted line)"
@@ -1091,12 +1091,16 @@ def depth_heatmap(summary: Summary, info: pd.DataFrame, name: str, depths: pd.Da
         if (key.task or key.protocol) == name and key.metric == metric_name
     ]
     note, _ = coverage(tables, info) if tables else ("", {})
-    low, high = int(depths.answers.min()), int(depths.answers.max())
+    low, high = depths.answers.min(), depths.answers.max()
+    held = (
+        f"; a cell holds {int(low) if low == high else f'{int(low)}-{int(high)}'} answers (all seeds)"
+        if pd.notna(low) and low
+        else ""
+    )
     fig.suptitle(
         wrapped(
             note.replace("mean ± std", f"{metric.name}, mean")
-            + f"; a cell holds {low if low == high else f'{low}-{high}'} answers (all seeds); in a title, the table's "
-            "value (every depth's answers) at the shortest and the longest L_eval",
+            + f"{held}; in a title, the table's value (every depth's answers) at the shortest and the longest L_eval",
             width * columns * 1.1,
         ),
         fontsize=9,

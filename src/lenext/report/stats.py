@@ -324,10 +324,10 @@ def depth_grids(frame: pd.DataFrame) -> pd.DataFrame:
         mean=("value", seed_mean),
         std=("value", seed_std),
         seeds=("value", "size"),
-        answers=("answers", "sum"),
+        answers=("answers", lambda answers: answers.sum(min_count=1)),  # null where older files have none
         chance=("chance", "first"),
     ).reset_index()
-    depths["answers"] = depths.answers.astype(int)
+    depths["answers"] = depths.answers.astype("Int64")
     depths["chance"] = depths.chance.where([METRICS[m].chance for m in depths.metric])
     return depths
 
