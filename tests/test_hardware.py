@@ -199,3 +199,19 @@ print(memory.peak_mb)
 def test_evaluation_peak_memory_counts_what_it_needs_though_training_memory_was_kept():
     (peak_mb,) = run_in_plain_glibc(EVALUATION_AFTER_TRAINING)
     assert float(peak_mb) >= 120, peak_mb  # of the 128 MiB; reusing the kept memory would show ~0
+
+
+def test_apples_mps_is_refused_before_any_work(compose_train, tmp_path, monkeypatch):
+    """On a Mac without CUDA, Lightning's accelerator auto trains on MPS, which has no float64 (lenext's positions,
+    angles and sums): one line naming the way out, before any data or folder is touched; trainer=cpu trains."""
+    from lenext.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    for accelerator in ("auto", "mps"):
+        cfg = compose_train("model=tiny", f"trainer.accelerator={accelerator}", "trainer.precision=32-true")
+        refused = rf"^trainer.accelerator={accelerator} trains on Apple's MPS here, .* pass trainer=cpu$"
+        with pytest.raises(ConfigError, match=refused):
+            train(cfg)
+    assert os.listdir(tmp_path) == []
+    hardware.refuse_mps("cpu")  # the way out: nothing refused

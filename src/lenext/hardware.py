@@ -16,6 +16,8 @@ from typing import Literal
 
 import torch
 
+from lenext.errors import ConfigError
+
 log = logging.getLogger("lenext")
 
 CPUINFO = "/proc/cpuinfo"
@@ -88,6 +90,20 @@ def cpu_description() -> dict:
 def machine_description() -> dict:
     """``cpu_description`` plus the GPU's name (None without CUDA): what a measured speed depends on."""
     return {**cpu_description(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def refuse_mps(accelerator: str) -> None:
+    """Apple's MPS lacks float64, in which lenext computes positions, RoPE's angles and its sums: refused before any
+    work, where ``accelerator`` (Lightning's ``auto`` on a Mac without CUDA, or ``mps``) would train on it."""
+    mps = getattr(torch.backends, "mps", None)
+    on_mps = accelerator == "mps" or (
+        accelerator == "auto" and not torch.cuda.is_available() and mps is not None and mps.is_available()
+    )
+    if on_mps:
+        raise ConfigError(
+            f"trainer.accelerator={accelerator} trains on Apple's MPS here, which lenext does not support (it computes "
+            "positions and sums in float64, which MPS lacks): pass trainer=cpu"
+        )
 
 
 def default_precision(accelerator: str = "auto") -> str:

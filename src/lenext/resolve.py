@@ -22,7 +22,7 @@ from lenext.attention import AttentionSettings
 from lenext.build import build_decoder, hydra_config, instantiate, load_weights
 from lenext.errors import CheckpointError, ConfigError
 from lenext.evaluate import EvalSettings, SweepPlan, sweep_plan
-from lenext.hardware import Precision, canonical_precision
+from lenext.hardware import Precision, canonical_precision, refuse_mps
 from lenext.pe import VARIANTS
 from lenext.positions import TrainPositions, position_scheme
 from lenext.ranges import PositiveInt, Range
@@ -140,6 +140,8 @@ def resolve(
             "drop_pe=true is invalid without init_from: DroPE drops the rotation of a trained RoPE base "
             "(init_from=<base>/checkpoints/last.ckpt, or extension=drope in a study)"
         )
+    if cfg.get("trainer"):
+        refuse_mps(cfg.trainer.get("accelerator", "auto"))
     positions = resolved_positions(cfg)
     scheme = position_scheme(dataclasses.asdict(positions), cfg.data.max_len)
     reach = scheme.span(cfg.data.max_len)
