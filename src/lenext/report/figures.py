@@ -237,27 +237,20 @@ def line_styles(info: pd.DataFrame, labels: list[str], by_method: bool) -> dict[
     for the PE as trained); else its PE's (``pe_style``). Two PEs (methods) of one panel never share a colour: the
     one later in ``KNOWN_PES`` (``METHOD_STYLES``; unlisted ones last) takes one no other has
     (``distinct_colours``). Solid for a first stage's weights, dashed for a second stage's."""
-    keys, markers = {}, {}
+    keys, natural, dashed = {}, {}, {}
     for label in labels:
-        later = label in info.index and pd.notna(info.base[label])
-        trained = label in info.index and not later and pd.isna(info.variant[label])
-        if by_method and label in info.index:
-            keys[label] = "none" if trained else info.extension_method[label]
-            markers[keys[label]] = method_style(keys[label])
-        else:
-            keys[label] = colour_key(info, label)
-            markers[keys[label]] = pe_style(keys[label])
+        known = label in info.index
+        dashed[label] = known and pd.notna(info.base[label])
+        # as trained, extension_method is "none": AS_TRAINED's style
+        keys[label] = info.extension_method[label] if by_method and known else colour_key(info, label)
+        natural[keys[label]] = method_style(keys[label]) if by_method and known else pe_style(keys[label])
     order = ["none", *METHOD_STYLES] if by_method else list(KNOWN_PES)
     colours = distinct_colours(
-        {key: style[0] for key, style in markers.items()},
+        {key: style[0] for key, style in natural.items()},
         lambda key: order.index(key) if key in order else len(order),
     )
     return {
-        label: {
-            "color": colours[key],
-            "marker": markers[key][1],
-            "ls": SECOND_STAGE if label in info.index and pd.notna(info.base[label]) else FIRST_STAGE,
-        }
+        label: {"color": colours[key], "marker": natural[key][1], "ls": SECOND_STAGE if dashed[label] else FIRST_STAGE}
         for label, key in keys.items()
     }
 
