@@ -374,3 +374,32 @@ def test_no_legend_or_title_is_cropped(tmp_path):
 )
 def test_a_titles_growth_words_say_which_way_the_row_went(ratio, words):
     assert figures.growth(ratio, "ppl") == words
+
+
+def error_bars(ax) -> dict[str, list[tuple[float, float]]]:
+    """Each legend entry's +- std bars in ``ax``: (lowest, highest) value of each bar."""
+    bars = {}
+    for container in ax.containers:
+        segments = container.lines[2][0].get_segments()
+        bars[container.get_label()] = [(float(s[:, 1].min()), float(s[:, 1].max())) for s in segments]
+    return bars
+
+
+def test_no_std_bar_reaches_past_the_values_its_metric_can_take(tmp_path):
+    """A mean +- std bar stops at the metric's range: an accuracy at 100% (96.7 +- 5.8 at L_train), a perplexity
+    at 1 (2.0 +- 1.4); inside its range it is the std."""
+    for seed, (at_train_len, at_twice) in enumerate(((1.0, 0.9), (1.0, 0.1), (0.9, 0.5))):
+        write_probe_run(tmp_path / "probe" / str(seed), "rope", seed, {32: at_train_len, 64: at_twice})
+    fig = figures.accuracy_vs_length(summary_of(tmp_path / "probe"))
+    exact = next(ax for ax in fig.axes if "exact" in ax.get_title())
+    at_train_len, at_twice = error_bars(exact)["rope"]
+    assert at_train_len == pytest.approx((100 * (2.9 / 3) - 100 * pd.Series([1.0, 1.0, 0.9]).std(), 100.0))
+    assert at_twice == pytest.approx((10.0, 90.0))
+    for seed, ppl in enumerate((3.0, 1.01)):
+        write_run(tmp_path / "ppl" / str(seed), "rope", seed, {64: 1.2, 128: ppl})
+    fig = figures.ppl_vs_length(summary_of(tmp_path / "ppl"))
+    at_train_len, at_128 = error_bars(fig.axes[0])["rope"]
+    assert at_train_len == pytest.approx((1.2, 1.2))
+    assert at_128 == pytest.approx((1.0, 2.005 + pd.Series([3.0, 1.01]).std()))
+    bars = figures.bounded_error([0.98, 0.5], [0.1, 0.1], (0.0, 1.0))
+    assert bars.ravel().tolist() == pytest.approx([0.1, 0.1, 0.02, 0.1])  # (lower, upper) lengths

@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from lenext.files import atomic_path
@@ -548,9 +549,18 @@ def seed_marks(seeds: pd.Series, what: str) -> tuple[str, dict]:
 # Drawing.
 
 
-def error_curve(ax, x, mean, std, label: str, style: dict) -> None:
-    """One row's curve: its mean with +- std bars, in the line style every figure of the report shares."""
-    ax.errorbar(x, mean, yerr=std, ms=4, lw=1.5, capsize=2, label=label, **style)
+def bounded_error(mean, std, bounds: tuple[float, float]) -> np.ndarray:
+    """The (lower, upper) lengths of +- std bars cut at the values the quantity can take (``bounds``), so that
+    no bar reaches past 100% or below a perplexity of 1."""
+    mean, std = np.asarray(mean, dtype=float), np.asarray(std, dtype=float)
+    low, high = bounds
+    return np.stack([np.clip(np.minimum(std, mean - low), 0, None), np.clip(np.minimum(std, high - mean), 0, None)])
+
+
+def error_curve(ax, x, mean, std, label: str, style: dict, bounds=(-np.inf, np.inf)) -> None:
+    """One row's curve: its mean with +- std bars cut at ``bounds``, in the line style every figure of the
+    report shares."""
+    ax.errorbar(x, mean, yerr=bounded_error(mean, std, bounds), ms=4, lw=1.5, capsize=2, label=label, **style)
 
 
 def draw_rows(
@@ -581,7 +591,7 @@ def draw_rows(
             )
             mean = kept.agg(seed_mean).reindex(lengths)
             std = kept.agg(seed_std).reindex(lengths).fillna(0)
-        error_curve(ax, lengths, mean * scale, std * scale, name, styles[label])
+        error_curve(ax, lengths, mean * scale, std * scale, name, styles[label], table.metric.bounds)
 
 
 def length_axis(ax, lengths: list) -> None:
@@ -1022,7 +1032,9 @@ def adaptation(summary: Summary):
         _, curves = drawn.context
         styles = line_styles(info, drawn.panel.labels, drawn.panel.by_method)
         for row, curve in curves.items():
-            error_curve(ax, curve.step, curve["mean"], curve["std"], drawn.names[row], styles[row])
+            error_curve(
+                ax, curve.step, curve["mean"], curve["std"], drawn.names[row], styles[row], METRICS["ppl"].bounds
+            )
         values = pd.concat([curve["mean"] for curve in curves.values()])
         value_axis(ax, float(values.min()), float(values.max()))
         ax.set(xlabel="fine-tuning step", ylabel="validation perplexity")
@@ -1157,6 +1169,15 @@ DIAGNOSTIC_PANELS = (
     ("copying_gain", "", "copying gain: NLL drop on a repeat L/2 back", "gain (nats per token)"),
     ("unseen_fraction", "", "rotary PEs: distances at unseen angles", "fraction of distances 0..L-1"),
 )
+# The values each diagnostic can take: shares of attention in [0, 1], entropies and distances >= 0.
+DIAGNOSTIC_BOUNDS = {
+    "normalized_entropy": (0.0, 1.0),
+    "entropy": (0.0, np.inf),
+    "sink": (0.0, 1.0),
+    "distance": (0.0, np.inf),
+    "beyond": (0.0, 1.0),
+    "unseen_fraction": (0.0, 1.0),
+}
 COPYING_LEVEL = 0.1  # nats per token: a gain below it at every length is no in-context copying
 
 
@@ -1208,9 +1229,10 @@ def diagnostics(summary: Summary):
     for ax, drawn in placed:
         train_len, statistic, data, ylabel = drawn.context
         styles = line_styles(info, drawn.panel.labels, drawn.panel.by_method)
+        bounds = DIAGNOSTIC_BOUNDS.get(statistic, (-np.inf, np.inf))
         for label in drawn.panel.labels:
             curve = data[data.label == label].sort_values("length")
-            error_curve(ax, curve.length, curve["mean"], curve["std"], drawn.names[label], styles[label])
+            error_curve(ax, curve.length, curve["mean"], curve["std"], drawn.names[label], styles[label], bounds)
         if statistic == "copying_gain":
             ax.axhline(0, color="0.45", lw=0.8, zorder=0)
         mark_train_len(ax, train_len)
@@ -1254,7 +1276,7 @@ def diagnostics_vs_ppl(summary: Summary):
                 & frame.label.isin(ratio.index)
             ].dropna(subset=["mean"])
             labels = list(data.label)
-            drawn = Drawn(Panel(labels, False, what), (data, ratio, xlabel, train_len, longest), {})
+            drawn = Drawn(Panel(labels, False, what), (statistic, data, ratio, xlabel, train_len, longest), {})
             drawn.holds = f"{what} at {times_train_len(longest, train_len)}"
             order = "no order (a constant)" if pd.isna(found.rho) else f"Spearman rho {found.rho:+.2f}"
             drawn.takeaway = f"{order} with the perplexity ratio over {int(found.labels)} rows"
@@ -1270,15 +1292,23 @@ def diagnostics_vs_ppl(summary: Summary):
     )
     fig, placed = panel_grid(sections, note)
     for ax, drawn in placed:
-        data, ratio, xlabel, train_len, longest = drawn.context
+        statistic, data, ratio, xlabel, train_len, longest = drawn.context
         styles = line_styles(info, drawn.panel.labels, False)
+        bounds = DIAGNOSTIC_BOUNDS.get(statistic, (-np.inf, np.inf))
         for label in drawn.panel.labels:
             value = data[data.label == label]
             style = {k: v for k, v in styles[label].items() if k != "ls"}
             if styles[label]["ls"] == SECOND_STAGE:  # a second stage has its base's colour: hollow, as dashed lines
                 style["mfc"] = "none"
             ax.errorbar(
-                value["mean"], [ratio[label]], xerr=value["std"], ms=6, capsize=2, ls="none", label=label, **style
+                value["mean"],
+                [ratio[label]],
+                xerr=bounded_error(value["mean"], value["std"], bounds),
+                ms=6,
+                capsize=2,
+                ls="none",
+                label=label,
+                **style,
             )
         ax.xaxis.set_major_locator(MaxNLocator(5))
         ax.axhline(1, color="0.45", lw=0.8, zorder=0)

@@ -48,6 +48,11 @@ class Metric(NamedTuple):
         return self.scale == 100
 
     @property
+    def bounds(self) -> tuple[float, float]:
+        """The values the metric can take, as shown: a share 0-100%, a perplexity at least 1."""
+        return (0.0, 100.0) if self.percent else (1.0, float("inf"))
+
+    @property
     def short_name(self) -> str:
         return self.short or self.name.split(" ")[0]
 
