@@ -263,6 +263,33 @@ def test_dynamic_ntk_matches_transformers(dim, base, factor):
             assert attention == 1.0
 
 
+@pytest.mark.parametrize("length", [8, 16, 17, 32, 64, 100])
+def test_dynamic_ntk_of_a_second_stage_follows_each_sequences_length(length):
+    """A stage fine-tuned at L' = 64 from C = 16 under dynamic NTK rotates a sequence of L tokens with
+    transformers' dynamic frequencies at seq_len L, not at L' (which it took for every L < L' before)."""
+    hf = hf_rope()
+    dim, original = 8, 16
+    pe = RoPE(
+        AttentionShape(d_model=2 * dim, n_heads=2, n_layers=1, train_len=64), scaling="dynamic_ntk", original_len=16
+    )
+    config = hf_config(dim, 10000.0, original, {"rope_type": "dynamic", "factor": 1.0})
+    inv_freq, _ = hf._compute_dynamic_ntk_parameters(config, seq_len=length)
+    q = torch.randn(1, 2, length, dim, dtype=torch.float64)
+    got, _ = pe.rotate(q, q, sequential_positions(length))
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq.double()  # (L, d/2)
+    pairs = torch.view_as_complex(q.reshape(1, 2, length, dim // 2, 2).contiguous()) * torch.polar(
+        torch.ones_like(angles), angles
+    )
+    assert_close(got.double(), torch.view_as_real(pairs).flatten(-2), atol=1e-5, rtol=1e-5)
+
+
+def test_yarn_refuses_beta_fast_at_or_below_beta_slow():
+    """Reversed, YaRN would interpolate the highest frequencies and keep the lowest (transformers warns)."""
+    for fast, slow in ((1.0, 32.0), (4.0, 4.0)):
+        with pytest.raises(ConfigError, match=rf"pe\.beta_fast={fast} is invalid: it must exceed pe\.beta_slow={slow}"):
+            RoPE(AttentionShape(16, 2, 1, 16), scaling="yarn", beta_fast=fast, beta_slow=slow)
+
+
 @ORACLE_GRID
 @BASES
 @FACTORS
@@ -754,6 +781,26 @@ def test_biased_attention_matches_naive_reference(fused, kind, length, grad, blo
     with torch.no_grad():
         expected = naive_biased_attention(q, k, v, pe, layer)
     assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("kind", BIAS_KINDS)
+def test_a_float64_models_biased_attention_is_float64_throughout(kind, grad):
+    """A float64 model, the oracles' reference, computes its bias and attention in float64: T5's and Shaw's band
+    went through fp32 (BandedAttention, the band's mask) and KERPLE's kernel too, 1e-7 off (found by an audit)."""
+    pe = make_bias_pe(kind).double()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for parameter in pe.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=gen, dtype=torch.float64) * 0.5)
+    if isinstance(pe, KERPLE):
+        pe.project_()  # r1, r2 back in their range, as after every optimizer step
+    q, k, v = (torch.randn(BATCH, HEADS, 300, HEAD_DIM, generator=gen, dtype=torch.float64) for _ in range(3))
+    with torch.set_grad_enabled(grad):
+        got = causal_attention(q, k, v, pe.layer(1).terms(None, q, k, sequential_positions(300)))
+    assert got.dtype == torch.float64
+    with torch.no_grad():
+        assert_close(got, naive_biased_attention(q, k, v, pe, 1), atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("length, blocking", [(20, "default"), (150, "default"), (150, "small"), (9, "single_row")])

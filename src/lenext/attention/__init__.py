@@ -247,7 +247,15 @@ def causal_attention(
     if key is not None and fused_mask_with_causal(q.device.type):
         # O(L) memory at any length; a strided mask (FoX's, a view of (B, L, H) gates) sends SDPA to (H, L, L) scores
         return _sdpa_keep_mask(q, k, v, attn_mask=key.contiguous(), is_causal=True)
-    if fused and len(biases) == 1 and biases[0].band and q.device.type == "cpu" and cpu_flash():
+    # BandedAttention computes in fp32: a float64 model (the oracles' reference) takes the explicit path
+    if (
+        fused
+        and len(biases) == 1
+        and biases[0].band
+        and q.device.type == "cpu"
+        and q.dtype != torch.float64
+        and cpu_flash()
+    ):
         band = biases[0].band()  # (B or 1, H, L, W)
         with torch.autocast(q.device.type, enabled=False):  # the band products stay fp32 under bf16
             return BandedAttention.apply(q, k, v, band if row_scale is None else band * row_scale)

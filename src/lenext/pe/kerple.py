@@ -55,15 +55,16 @@ class KERPLE(PositionalEncoding):
             self.r2.clamp_(min=FLOOR, max=2.0 if self.kernel == "power" else None)
 
     def kernel_parameters(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's (r1, r2), each (H,) fp32."""
+        """This layer's (r1, r2), each (H,), in fp32 (a float64 model's: float64)."""
         index = layer if self.per_layer else 0
-        return self.r1[index].float(), self.r2[index].float()
+        wide = torch.promote_types(self.r1.dtype, torch.float32)
+        return self.r1[index].to(wide), self.r2[index].to(wide)
 
     def pair_bias(self, layer):
         r1, r2 = (r[:, None, None] for r in self.kernel_parameters(layer))  # (H, 1, 1)
 
         def kerple(query_positions, key_positions):
-            distance = position_differences(query_positions, key_positions).clamp(min=0).float()[:, None]
+            distance = position_differences(query_positions, key_positions).clamp(min=0).to(r1.dtype)[:, None]
             return kerple_kernel(distance, r1, r2, self.kernel)  # (B or 1, H, R, K)
 
         return kerple
@@ -71,7 +72,7 @@ class KERPLE(PositionalEncoding):
     def score_mod(self, q, positions, layer):
         # Looked up per distance, as T5's bias: flex's backward scatters each score's gradient into this (N, H)
         # table instead of adding all L^2 of them atomically into r1 and r2 (slower and less exact: docs/pes/kerple.md).
-        r1, r2 = self.kernel_parameters(layer)
+        r1, r2 = (r.float() for r in self.kernel_parameters(layer))  # flex's scores are fp32
         distance = torch.arange(position_span(positions), device=q.device, dtype=torch.float32)[:, None]
         return distance_score_mod(kerple_kernel(distance, r1, r2, self.kernel), positions, q.size(0))  # (N, H)
 

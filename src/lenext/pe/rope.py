@@ -147,6 +147,7 @@ SAME_AS = {"dynamic_ntk": "ntk"}
 # Scalings whose factor, when pe.factor is null, is not L / C but their own at each length: 1 for none and for
 # dynamic NTK (its base grows with the length itself), the group size for Self-Extend. Kept null in a second stage.
 PER_LENGTH = ("none", "dynamic_ntk", "self_extend")
+FOLLOWS_SPAN = ("dynamic_ntk", "self_extend")  # of those, the ones whose frequencies or grouping vary with the span
 
 
 def redundant_variants(asked, trained: str | None, trained_per_span: bool) -> set[str]:
@@ -246,10 +247,10 @@ def self_extend_group(length: int, window: int, original_len: int) -> int:
             f"Self-Extend with neighbor_window {window} needs an original context of at least {window + 2} "
             f"positions; this model's is {original_len}"
         )
-    group = max(1, math.ceil((length - 1 - window) / (limit - window)))  # the bound without the floor
-    while group > 1 and (length - 1) // (group - 1) + window - window / (group - 1) <= limit:
-        group -= 1
-    return group
+    bound = max(1, math.ceil((length - 1 - window) / (limit - window)))  # valid: the condition without the floor
+    # The grouped position is not monotone in G (its floor), so a G below a failing one can hold: try each.
+    fits = (group for group in range(1, bound) if (length - 1) // group + window - window / group <= limit)
+    return next(fits, bound)
 
 
 def self_extend_window(original_len: int) -> int:
@@ -284,6 +285,11 @@ class RoPE(PositionalEncoding):
         fraction: Annotated[float, Range(0, 1)] = 1.0,  # p-RoPE: the share of frequencies rotated, highest first
     ):
         super().__init__(shape)
+        if beta_fast <= beta_slow:  # else YaRN interpolates the highest frequencies and keeps the lowest
+            raise ConfigError(
+                f"pe.beta_fast={beta_fast} is invalid: it must exceed pe.beta_slow={beta_slow} (YaRN keeps the "
+                "frequencies of more than beta_fast rotations over C and interpolates those of fewer than beta_slow)"
+            )
         if high_freq_factor <= low_freq_factor:
             raise ConfigError(
                 f"pe.high_freq_factor={high_freq_factor} is invalid: "
@@ -378,9 +384,11 @@ class RoPE(PositionalEncoding):
         return self.rotation.rotate(self, q, k, positions)
 
     def _span(self, positions: torch.Tensor) -> int:
-        # At least every position training reached: the scalings are the identity within them, so one table
-        # serves drawn positions, whose span changes every step.
-        return max(position_span(positions), self.shape.trained_positions)
+        # At least every position training reached, so that one table serves drawn positions, whose span changes
+        # every step; a scaling that follows each sequence's span (dynamic NTK, Self-Extend's G) at least C, within
+        # which it is the identity, as a second stage trained beyond C still evaluates shorter sequences at their own.
+        floor = self.original_len if self.scaling in FOLLOWS_SPAN else self.shape.trained_positions
+        return max(position_span(positions), floor)
 
     def logits(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> Logits | None:
         return self.rotation.logits(self, q, k, positions)
