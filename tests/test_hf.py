@@ -191,7 +191,9 @@ def test_what_cannot_be_evaluated_is_refused_in_one_line_before_any_work(tmp_pat
     small.vocab_size = VOCAB // 2  # another model's tokenizer: refused with both sizes, before the corpus is read
     AutoModelForCausalLM.from_config(small).save_pretrained(tmp_path / "small_vocab")
     AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(tmp_path / "small_vocab")
-    with pytest.raises(ConfigError, match=rf"its tokenizer has {VOCAB} tokens, more than the {VOCAB // 2} its model"):
+    with pytest.raises(
+        ConfigError, match=rf"its tokenizer has {VOCAB} token ids, more than the {VOCAB // 2} its model"
+    ):
         evaluate_hf(compose_hf(tmp_path, small_text_corpus, tmp_path / "small_vocab"))
     assert not (tmp_path / "out").exists() and not (tmp_path / ".cache").exists()
 

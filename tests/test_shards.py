@@ -264,6 +264,70 @@ def test_a_missing_shard_or_a_foreign_manifest_is_refused(tmp_path, shard_folder
         again(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m, folder: m["shards"].pop(),  # the last shard dropped: its documents gone without a word
+        lambda m, folder: m["shards"].append(m["shards"][0]),  # a shard read twice
+        lambda m, folder: m["shards"].reverse(),  # the documents in another order
+        lambda m, folder: (folder / f"shard-{len(m['shards']):05d}.arrow").write_bytes(b"stray"),  # a file not listed
+    ],
+    ids=["dropped", "repeated", "reordered", "stray"],
+)
+def test_a_manifest_that_does_not_list_the_shards_in_sequence_is_refused(tmp_path, shard_folder, edit):
+    """Each of these was read as a smaller, larger or reordered split before (found by an audit)."""
+    manifest = json.loads((shard_folder / "manifest.json").read_text())
+    assert len(manifest["shards"]) > 2
+    edit(manifest, shard_folder)
+    (shard_folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"manifest.json lists \d+ shards .* must be shard-00000.arrow, .* in order"):
+        again(tmp_path)
+
+
+def test_a_full_disk_or_an_unwritable_cache_is_one_line_and_a_rerun_resumes(tmp_path, small_shards, monkeypatch):
+    """A write that fails (no space left) is named in one line with the folder, the unfinished shard removed; the
+    next run resumes. A cache folder that cannot be made or written is refused before the corpus is read."""
+    write_corpus(tmp_path / "corpus")
+    written = []
+    original = lenext.shards._ShardFile.write
+
+    def fail_on_the_third(self, rows):
+        written.append(self.path)
+        if len(written) == 3:
+            raise OSError(28, "No space left on device")
+        original(self, rows)
+
+    monkeypatch.setattr(lenext.shards._ShardFile, "write", fail_on_the_third)
+    with pytest.raises(DataError, match=r"^token shards in .*/train could not be written \(\[Errno 28\] No space"):
+        prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache")
+    train = next((tmp_path / "cache" / "shards").iterdir()) / "train"
+    assert not [name for name in os.listdir(train) if name.endswith(".tmp")]
+    monkeypatch.setattr(lenext.shards._ShardFile, "write", original)
+    resumed = again(tmp_path)
+    write_corpus(tmp_path / "whole_corpus")
+    whole = prepared(TextFiles(str(tmp_path / "whole_corpus")), tmp_path / "whole")
+    np.testing.assert_array_equal(resumed.stream("train")[:], whole.stream("train")[:])
+    (tmp_path / "a_file").write_text("")
+    for cache in (tmp_path / "a_file", tmp_path / "a_file" / "below"):
+        with pytest.raises(ConfigError, match=rf"^data.cache_dir='{cache}' cannot hold lenext's cache \("):
+            prepared(TextFiles(str(tmp_path / "corpus")), cache)
+
+
+def test_text_that_spells_a_special_token_is_text_not_a_document_start(tmp_path):
+    """ "<|endoftext|>" inside a document (web text holds it) is encoded as text: the start token marks document
+    starts only. tokenizers matched it even with add_special_tokens=False (found by an audit)."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i in range(20):
+        (folder / f"{i:02d}.txt").write_text(f"first part of document {i} <|endoftext|> second part\n")
+    data = prepared(TextFiles(str(folder)), tmp_path / "cache")
+    for split in SPLITS:
+        for document in data.documents(split):
+            assert list(document).count(data.start_token) == 1 and document[0] == data.start_token
+    text = data.tokenizer.decode(list(data.documents("train")[0][1:]), skip_special_tokens=False)
+    assert "<|endoftext|> second part" in text
+
+
 def test_parquet_files_are_documents_and_a_null_row_is_named(tmp_path):
     texts = [f"parquet document {i} " * 3 for i in range(5)]
     pq.write_table(pa.table({"text": texts, "id": list(range(5))}), tmp_path / "a.parquet")
@@ -356,8 +420,46 @@ def test_ids_beyond_uint16_are_kept_whole_whatever_the_vocabulary_size(tmp_path,
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     write_corpus(tmp_path / "corpus")
     data = prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache", tokenizer=str(tmp_path / "tokenizer.json"))
-    assert data.vocab_size < 100 and data.start_token == 70_000  # a sparse vocabulary
+    # A sparse vocabulary of 2 + len(WORDS) tokens: the model embeds every id up to its largest (it embedded
+    # len(WORDS) + 2 rows and failed on id 70,000 before, found by an audit).
+    assert data.vocab_size == 70_002 and data.start_token == 70_000
     assert all(document[0] == 70_000 for document in data.documents("train"))
+
+
+def test_a_hub_corpus_of_local_files_from_the_command_line_and_its_mistakes(tmp_path):
+    """data_files from Hydra (a DictConfig, which datasets took for a list of its keys), and the mistakes each
+    named in one line: a missing file (not "offline"), a text column it lacks, a null text, a split it lacks."""
+    from omegaconf import OmegaConf
+
+    files = {}
+    for split in SPLITS:
+        files[split] = tmp_path / f"{split}.jsonl"
+        files[split].write_text("".join(json.dumps({"text": f"{split} book {i}", "n": i}) + "\n" for i in range(4)))
+    given = OmegaConf.create({"data_files": {s: str(f) for s, f in files.items()}})
+    assert list(HubCorpus("json", data_files=given.data_files).documents("test")) == [
+        f"test book {i}" for i in range(4)
+    ]
+    mistakes = [
+        (
+            {"data_files": {**given.data_files, "test": str(tmp_path / "missing.jsonl")}},
+            r"^data.corpus.data_files: .*missing.jsonl",
+        ),
+        (
+            {"data_files": given.data_files, "text_field": "body"},
+            r"^data.corpus.text_field='body': row 0 of json's 'test' split has no column 'body' \(its columns: text, n",
+        ),
+        (
+            {"data_files": given.data_files, "split_names": OmegaConf.create({"test": "testing"})},
+            r"^data.corpus.split_names: 'json' has no split 'testing' for lenext's test split",
+        ),
+    ]
+    for settings, message in mistakes:
+        with pytest.raises(DataError, match=message):
+            list(HubCorpus("json", **settings).documents("test"))
+    files["test"].write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": None}) + "\n")
+    for streaming in (False, True):
+        with pytest.raises(DataError, match=r"row 1 of json's 'test' split has null as its text, not a string"):
+            list(HubCorpus("json", data_files=given.data_files, streaming=streaming).documents("test"))
 
 
 def test_a_local_hub_file_rewritten_is_another_corpus(tmp_path):

@@ -42,6 +42,9 @@ log = logging.getLogger("lenext")
 
 SPLITS = ("train", "validation", "test")
 ENCODE_BATCH = 256  # documents tokenized together
+# How documents become tokens, in the shards' key: changed, shards prepared before are prepared again. "special
+# tokens as text": a document's "<|endoftext|>" is encoded as text (shards before 2026-11-29 held the token).
+ENCODING = "special tokens as text"
 EOS = "<|endoftext|>"
 Digit = Annotated[int, Range(0, 9)]  # the last digit of a year
 
@@ -313,8 +316,17 @@ class HubCorpus(Corpus):
         split_names: dict | None = None,
         streaming: bool = False,
     ):
+        from omegaconf import OmegaConf
+
+        data_files, split_names = (
+            OmegaConf.to_container(c) if OmegaConf.is_config(c) else c for c in (data_files, split_names)
+        )
         self.path, self.config_name, self.text_field = path, name, text_field
-        self.wikitext_articles, self.data_files, self.streaming = wikitext_articles, data_files, streaming
+        self.wikitext_articles, self.data_files, self.streaming = (
+            wikitext_articles,
+            data_files,
+            streaming,
+        )  # datasets takes plain containers only
         self.split_names = {"train": "train", "validation": "validation", "test": "test", **(split_names or {})}
         self.name = "-".join(p for p in (path.replace("/", "_"), name) if p)
 
@@ -337,25 +349,55 @@ class HubCorpus(Corpus):
 
         unreachable = unreachable_hub() if self.data_files is None else None  # local files need no hub
         if unreachable:
-            raise DataError(
-                f"could not load {self.path!r} from the Hugging Face hub ({unreachable}); this machine may be "
-                "offline. Download it elsewhere, or use data=text_files data.corpus.path=<folder>"
-            )
+            raise DataError(self._unreachable(unreachable))
+        name = self.split_names[split]
         try:
-            rows = datasets.load_dataset(
-                self.path,
-                self.config_name,
-                data_files=self.data_files,
-                split=self.split_names[split],
-                streaming=self.streaming,
-            )
-            texts = (row[self.text_field] for row in rows)
+            try:
+                rows = datasets.load_dataset(
+                    self.path, self.config_name, data_files=self.data_files, split=name, streaming=self.streaming
+                )
+            except (ValueError, KeyError) as e:
+                if "split" not in str(e).lower():
+                    raise
+                raise DataError(
+                    f"data.corpus.split_names: {self.path!r} has no split {name!r} for lenext's {split} split "
+                    f"({first_line(e)}); name one of its splits"
+                ) from None
+            texts = self._texts(rows, split)
             yield from group_wikitext_articles(texts) if self.wikitext_articles else (t for t in texts if t.strip())
+        except FileNotFoundError as e:
+            if self.data_files is None:
+                raise DataError(self._unreachable(type(e).__name__)) from e
+            raise DataError(f"data.corpus.data_files: {first_line(e)}") from None  # a local file, not the hub
         except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as e:
-            raise DataError(
-                f"could not load {self.path!r} from the Hugging Face hub ({type(e).__name__}); this machine "
-                "may be offline. Download it elsewhere, or use data=text_files data.corpus.path=<folder>"
-            ) from e
+            raise DataError(self._unreachable(type(e).__name__)) from e
+
+    def _unreachable(self, reason: str) -> str:
+        return (
+            f"could not load {self.path!r} from the Hugging Face hub ({reason}); this machine may be offline. "
+            "Download it elsewhere, or use data=text_files data.corpus.path=<folder>"
+        )
+
+    def _texts(self, rows: Iterable[dict], split: str) -> Iterator[str]:
+        """Each row's text, or a DataError naming the row whose text column is missing or not a string."""
+        for number, row in enumerate(rows):
+            text = row.get(self.text_field)
+            if not isinstance(text, str):
+                what = (
+                    f"has no column {self.text_field!r} (its columns: {', '.join(row)})"
+                    if self.text_field not in row
+                    else f"has {'null' if text is None else 'a ' + type(text).__name__} as its text, not a string"
+                )
+                raise DataError(
+                    f"data.corpus.text_field={self.text_field!r}: row {number} of {self.path}'s "
+                    f"{self.split_names[split]!r} split {what}; name its text column, or fix the row"
+                )
+            yield text
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's message up to its first line break: a line of lenext's own error."""
+    return (str(error).strip() or type(error).__name__).splitlines()[0]
 
 
 def unreachable_hub() -> str | None:
@@ -397,6 +439,11 @@ END_OF_TEXT = (EOS, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 # The files a tokenizer folder holds one of (fast, SentencePiece, BPE, WordPiece): without any, transformers' own
 # reason is a sentence cut at its first line ("... from one of: ").
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
+def token_id_bound(tokenizer) -> int:
+    """The embedding rows a tokenizer's ids need: its largest id + 1 (an outside tokenizer's ids need not be dense)."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
 
 def external_tokenizer(path: str, key: str = "data.tokenizer"):
@@ -636,7 +683,7 @@ class LMDataModule(L.LightningDataModule):
 
     @property
     def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size()
+        return token_id_bound(self.tokenizer)
 
     @property
     def name(self) -> str:
@@ -676,6 +723,15 @@ class LMDataModule(L.LightningDataModule):
         prepared before is not read again (a hub corpus needs no network then)."""
         if self.shards:
             return
+        try:  # a cache that cannot be written, refused before the tokenizer sample is read
+            os.makedirs(self.cache_dir, exist_ok=True)
+            if not os.access(self.cache_dir, os.W_OK | os.X_OK):
+                raise PermissionError(13, "not writable")
+        except OSError as e:
+            raise ConfigError(
+                f"data.cache_dir={self.cache_dir!r} cannot hold lenext's cache ({e.strerror or e}): give a folder "
+                "this user can write (LENEXT_CACHE sets the default)"
+            ) from None
         if self.tokenizer_source:  # read first: a bad path is refused before the corpus is read
             self.tokenizer, self.start_token = external_tokenizer(self.tokenizer_source)
         key = self.load_tokenizer(train=False)
@@ -683,7 +739,7 @@ class LMDataModule(L.LightningDataModule):
             for split in SPLITS:
                 with preparing(self._folder(key, split)):  # the ranks of a node: one pulls, the rest find it pulled
                     self.remote.pull_split(self.cache_dir, self._relative_folder(key, split))
-        if key is None or any(open_split(self._folder(key, split), self._shard_key(key)) is None for split in SPLITS):
+        if key is None or any(self._open_split(key, split) is None for split in SPLITS):
             for split in SPLITS:  # the first document of each: an empty split is refused before any work
                 if next(iter(self.corpus.documents(split)), None) is None:
                     every = getattr(self.corpus, "holdout_every", None)  # local files: every n-th is held out
@@ -700,8 +756,19 @@ class LMDataModule(L.LightningDataModule):
             for relative in self._made:
                 self.remote.push(self.cache_dir, relative)
 
+    def _open_split(self, tokenizer_key: str, split: str) -> Split | None:
+        """The split prepared in the cache (None: not yet); a damaged one pulled from ``data.remote`` is named there
+        too, since the next run would pull it again."""
+        try:
+            return open_split(self._folder(tokenizer_key, split), self._shard_key(tokenizer_key))
+        except DataError as e:
+            if self.remote is None:
+                raise
+            remote = f"{self.remote.url}/{self._relative_folder(tokenizer_key, split)}"
+            raise DataError(f"{e}, and from data.remote too ({remote}) if it came from there") from None
+
     def _shard_key(self, tokenizer_key: str) -> str:
-        return f"{tokenizer_key}-{_digest([self.corpus.fingerprint()])}"
+        return f"{tokenizer_key}-{_digest([self.corpus.fingerprint(), ENCODING])}"
 
     def _relative_folder(self, tokenizer_key: str, split: str) -> str:
         return f"shards/{self._shard_key(tokenizer_key)}/{split}"
@@ -759,16 +826,15 @@ class LMDataModule(L.LightningDataModule):
     def _prepare(self, split: str, tokenizer_key: str) -> Split:
         """The split's shards: reused, completed after a kill, or written."""
         folder, key = self._folder(tokenizer_key, split), self._shard_key(tokenizer_key)
-        prepared = open_split(folder, key)
+        prepared = self._open_split(tokenizer_key, split)
         if prepared is not None:
             return prepared
         with preparing(folder):  # another process preparing the same split: wait for it, then read its shards
-            prepared = open_split(folder, key)
+            prepared = self._open_split(tokenizer_key, split)
             if prepared is not None:
                 return prepared
             held_out = split != "train"
-            largest = max(self.tokenizer.get_vocab(with_added_tokens=True).values())  # ids need not be dense
-            writer = SplitWriter(folder, key, token_type(largest + 1), with_bytes=held_out)
+            writer = SplitWriter(folder, key, token_type(self.vocab_size), with_bytes=held_out)
             done = f", resumed after {writer.resume_from:,} documents" if writer.resume_from else ""
             log.info("preparing the %s split of %s into %s%s", split, self.corpus.name, folder, done)
             documents = itertools.islice(self.corpus.documents(split), writer.resume_from, None)
@@ -790,6 +856,7 @@ class LMDataModule(L.LightningDataModule):
     def _encode(self, documents: Iterable[str], held_out: bool) -> Iterator[dict[str, np.ndarray]]:
         """Each document as ``[start] + tokens`` (and, held out, its ``byte_ends``), tokenized a batch at a time by
         the tokenizer's own threads."""
+        self.tokenizer.encode_special_tokens = True  # "<|endoftext|>" in a document is text, not a document start
         while batch := list(itertools.islice(documents, ENCODE_BATCH)):
             encoded = self.tokenizer.encode_batch(batch, add_special_tokens=False)
             for text, tokens in zip(batch, encoded, strict=True):

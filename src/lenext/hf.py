@@ -28,7 +28,7 @@ from torch import nn
 
 from lenext import schema
 from lenext.build import instantiate
-from lenext.data import external_tokenizer
+from lenext.data import external_tokenizer, token_id_bound
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.evaluate import EvalSettings, sweep, sweep_plan
 from lenext.hardware import canonical_precision, machine_description
@@ -326,9 +326,9 @@ def evaluate_hf(cfg: DictConfig) -> str:
         tokenizer, _ = external_tokenizer(source, "hf")
     model = load_model(source, cfg.trust_remote_code, config)
     embeds = model.get_input_embeddings().num_embeddings
-    if tokenizer.get_vocab_size() > embeds:  # before the corpus is tokenized
+    if token_id_bound(tokenizer) > embeds:  # before the corpus is tokenized
         raise ConfigError(
-            f"hf={cfg.hf}: its tokenizer has {tokenizer.get_vocab_size()} tokens, more than the {embeds} its model "
+            f"hf={cfg.hf}: its tokenizer has {token_id_bound(tokenizer)} token ids, more than the {embeds} its model "
             "embeds (a tokenizer of another model?)"
         )
     net = HFLanguageModel(model, cfg.context)

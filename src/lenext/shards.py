@@ -69,18 +69,22 @@ class SplitWriter:
             if rows:
                 writer = writer or self._open()
                 writer.write(rows)
-        except BaseException:
+            if writer:
+                writer.close()
+            shards = [
+                {"file": os.path.basename(p), "documents": d, "tokens": t, CHECKSUM: c} for p, d, t, c in self.done
+            ]
+            manifest = {"format": FORMAT, "key": self.key, "shards": shards}
+            write_atomic(os.path.join(self.folder, MANIFEST), json.dumps(manifest, indent=1) + "\n")
+        except BaseException as e:
             if writer:
                 writer.abandon()
+            if isinstance(e, OSError):  # a full disk: the shards written so far are kept, the next run resumes
+                raise DataError(f"token shards in {self.folder} could not be written ({e}); free space there") from None
             raise
-        if writer:
-            writer.close()
-        shards = [{"file": os.path.basename(p), "documents": d, "tokens": t, CHECKSUM: c} for p, d, t, c in self.done]
-        manifest = {"format": FORMAT, "key": self.key, "shards": shards}
-        write_atomic(os.path.join(self.folder, MANIFEST), json.dumps(manifest, indent=1) + "\n")
 
     def _open(self) -> "_ShardFile":
-        return _ShardFile(os.path.join(self.folder, f"shard-{len(self.done):05d}.arrow"), self.schema, self.done)
+        return _ShardFile(os.path.join(self.folder, shard_names(len(self.done) + 1)[-1]), self.schema, self.done)
 
 
 class _ShardFile:
@@ -92,6 +96,7 @@ class _ShardFile:
         self._tmp = self._context.__enter__()
         self._stream = pa.ipc.new_stream(self._tmp, schema)
         self.documents = self.tokens = 0
+        self.ended = False  # closed (kept, or removed by a failed close) or abandoned
 
     def write(self, rows: list[dict]) -> None:
         arrays = [_list_array([row[f.name] for row in rows], f.type.value_type) for f in self.schema]
@@ -100,6 +105,7 @@ class _ShardFile:
         self.tokens += sum(len(row["ids"]) for row in rows)
 
     def close(self) -> None:
+        self.ended = True
         try:
             self._stream.close()
             fsync(self._tmp)  # on disk before the rename: a crash leaves no shard whose name promises data it lacks
@@ -113,7 +119,11 @@ class _ShardFile:
 
     def abandon(self) -> None:
         """Remove the unfinished shard: the next run rewrites it from its first document."""
-        self._stream.close()
+        if self.ended:
+            return
+        self.ended = True
+        with contextlib.suppress(OSError, pa.ArrowException):  # the disk that failed the write may fail this too
+            self._stream.close()
         with contextlib.suppress(DataError):
             self._context.__exit__(DataError, DataError("abandoned"), None)
 
@@ -125,12 +135,17 @@ def _list_array(rows: list[np.ndarray], value_type: pa.DataType) -> pa.ListArray
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type))
 
 
+def shard_names(count: int) -> list[str]:
+    """The file names of a split's ``count`` shards, in order."""
+    return [f"shard-{number:05d}.arrow" for number in range(count)]
+
+
 def completed_shards(folder: str, key: str) -> list[tuple[str, int, int, str]]:
     """(path, documents, tokens, checksum) of each shard already in ``folder``, in order, each read and checked."""
     names = sorted(n for n in os.listdir(folder) if n.startswith("shard-") and n.endswith(".arrow"))
-    for number, name in enumerate(names):
-        if name != f"shard-{number:05d}.arrow":
-            raise DataError(f"token shards in {folder}: shard-{number:05d}.arrow is missing; {_REMOVE.format(folder)}")
+    for expected, name in zip(shard_names(len(names)), names, strict=True):
+        if name != expected:
+            raise DataError(f"token shards in {folder}: {expected} is missing; {_REMOVE.format(folder)}")
     done = []
     for name in names:
         path = os.path.join(folder, name)
@@ -210,6 +225,14 @@ def open_split(folder: str, key: str) -> "Split | None":
     )
     if not listed or manifest.get("key") != key or manifest.get("format") != FORMAT:
         raise DataError(f"{path} is not the manifest of {key} (format {FORMAT}); {_REMOVE.format(folder)}")
+    listed_files = [shard["file"] for shard in shards]
+    on_disk = sorted(n for n in os.listdir(folder) if n.startswith("shard-") and n.endswith(".arrow"))
+    if listed_files != shard_names(len(shards)) or on_disk != listed_files:  # a shard dropped, repeated or added
+        raise DataError(
+            f"{path} lists {len(shards)} shards ({', '.join(listed_files[:3])}{', ...' * (len(shards) > 3)}) and "
+            f"{folder} holds {len(on_disk)}: they must be shard-00000.arrow, shard-00001.arrow, ... in order, "
+            f"each once; {_REMOVE.format(folder)}"
+        )
     tables = []
     for shard in manifest["shards"]:
         shard_path = os.path.join(folder, shard["file"])
