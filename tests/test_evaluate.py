@@ -238,6 +238,7 @@ def test_learned_beyond_max_len_is_not_applicable_and_the_sweep_goes_on():
     assert by_length[16]["status"] == "ok" and by_length[16]["ppl"] > 1
     for length in (32, 64):
         assert by_length[length]["status"] == "not applicable" and "positions" in by_length[length]["reason"]
+        assert by_length[length]["windows"] == by_length[length]["tokens"] == 0  # none was scored
     # 256 tokens: no document is that long -> 0 windows with the reason, never padding
     assert by_length[256]["status"] == "no windows" and by_length[256]["windows"] == 0
     assert "longest has 149" in by_length[256]["reason"]
@@ -534,3 +535,14 @@ def test_counts_and_means_accumulate_in_float64():
         nll.update(torch.tensor(0.1 * (i % 3), dtype=torch.float64), weight=8191)
     assert int(tokens.compute().item()) == 3000 * 8191
     assert nll.compute().dtype == torch.float64 and nll.compute().item() == pytest.approx(0.1, rel=1e-12)
+
+
+def test_an_evaluation_without_curves_leaves_no_earlier_positions_file(tmp_path):
+    """eval.py run again into a folder with eval.per_position=false (or only protocols without a curve): the
+    earlier run's positions.csv would be read by the report beside the new results.json (found by an audit)."""
+    from lenext.results import POSITIONS_FILE, write_results
+
+    write_results(str(tmp_path), {}, [], [(None, 32, 0, 1.5, 4)])
+    assert (tmp_path / POSITIONS_FILE).exists()
+    write_results(str(tmp_path), {}, [], [])
+    assert not (tmp_path / POSITIONS_FILE).exists() and (tmp_path / "results.json").exists()

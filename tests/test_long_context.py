@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lenext import protocols
-from lenext.errors import ConfigError, LengthNotSupported
+from lenext.errors import CheckpointError, ConfigError, LengthNotSupported
 from lenext.evaluate import TextEvaluation, sweep, sweep_plan
 from lenext.haystack import TASKS, HaystackText, measure_haystack, sample_rng
 from lenext.protocols import PROTOCOLS, KeyTokens, Window
@@ -81,6 +81,10 @@ def test_key_token_perplexity_equals_the_definition_computed_target_by_target(ev
 def test_a_key_evaluator_that_does_not_exist_or_reads_another_vocabulary_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="eval.key_evaluator='nowhere' does not exist"):
         sweep_plan(eval_cfg(protocol="key_tokens", key_evaluator="nowhere"), 16, None, tuple(PROTOCOLS))
+    (tmp_path / "results.json").write_text("{}")  # not a checkpoint: refused with the plan, not after a sweep
+    for given in (tmp_path / "results.json", tmp_path):
+        with pytest.raises(CheckpointError, match=r"^eval.key_evaluator='.*' (cannot be read|does not exist)"):
+            sweep_plan(eval_cfg(protocol="key_tokens", key_evaluator=str(given)), 16, None, tuple(PROTOCOLS))
     with pytest.raises(ConfigError, match="eval.haystack_depths=\\[\\] is invalid"):
         sweep_plan(eval_cfg(protocol="niah_single", haystack_depths=[]), 16, None, tuple(PROTOCOLS))
 
@@ -91,6 +95,23 @@ def test_at_the_short_context_no_token_is_key():
     windows = protocol.windows([100], 16)
     row = protocol.measure(net, TextEvaluation(documents), windows, 16, eval_cfg(), "32-true", None, 0)
     assert row.metrics["tokens"] == 0 and row.metrics["ppl"] is None and row.metrics["key_share"] == 0
+
+
+def test_no_target_within_the_short_context_is_key_at_any_gain():
+    """A window's first C targets have their whole context in the short pass too: at gain 0 the rounding between
+    the two passes' shapes, or under randomized positions their other draws, made some of them key (found by an
+    audit: 17 of 216 at C 10)."""
+    from lenext.positions import Randomized
+    from lenext.scoring import window_nll
+
+    net, length = loud_net(0), 48
+    documents = [np.random.default_rng(0).integers(0, 50, 200).astype(np.int32)]
+    protocol = KeyTokens(context=16, gain=0.0, max_nll=math.inf)
+    windows = protocol.windows([200], length)
+    for scheme in (None, Randomized(256, 16)):
+        ((group, long_nll),) = window_nll(net, documents, windows, length, 10**6, "32-true", scheme, 0)
+        key = protocol.key_targets(net, documents, group, long_nll, length, eval_cfg(), "32-true", scheme, 0)
+        assert not key[:, :16].any() and key[:, 16:].any()
 
 
 def test_every_target_of_a_key_token_window_gets_one_short_context_of_four_fifths_to_all_of_it():
@@ -242,7 +263,7 @@ def test_metrics_equal_a_plain_loop_over_the_built_samples(haystack, sotu_data):
     measured = measure_haystack(net, haystack, task, samples, DEPTHS, length, candidates, 1000, "32-true", None, 0)
     exact, ranked, nll_sum, tokens, answers = 0, 0, 0.0, 0, 0
     for i, d in samples:
-        rng = sample_rng(task, length, i, d)
+        rng = sample_rng(task, length, i, DEPTHS[d])
         built = haystack.build(haystack.write(task, rng, DEPTHS[d]), length, rng, candidates)
         scores = [nll_of(net, row) for row in built.rows]
         with torch.no_grad():
@@ -259,6 +280,21 @@ def test_metrics_equal_a_plain_loop_over_the_built_samples(haystack, sotu_data):
     assert measured.metrics["exact_match"] == pytest.approx(exact / answers)
     assert measured.metrics["rank_accuracy"] == pytest.approx(ranked / answers)
     assert measured.metrics["mean_nll"] == pytest.approx(nll_sum / tokens, rel=1e-5)
+
+
+def test_a_depth_meets_the_same_haystacks_whatever_other_depths_are_asked(haystack, sotu_data):
+    """Samples are keyed by the depth's value, not its place in eval.haystack_depths: depth 0.5 alone scores what
+    it scores among others (it was seeded by its index, so [0.5] and [0, 0.5, 1] drew other haystacks)."""
+    net = tiny_net(vocab=sotu_data.vocab_size, train_len=32)
+
+    def at_half(depths: tuple[float, ...]) -> dict:
+        d = depths.index(0.5)
+        measured = measure_haystack(
+            net, haystack, "single", [(i, d) for i in range(3)], depths, 200, 3, 1000, "32-true", None, 0
+        )
+        return next(row for row in measured.breakdown if row["depth"] == 0.5)
+
+    assert at_half((0.5,)) == at_half(DEPTHS) == at_half((0.25, 0.5))
 
 
 def test_distractors_are_the_other_values_in_the_text_before_fresh_ones(haystack):

@@ -23,7 +23,7 @@ from lenext.hardware import release_freed_memory
 from lenext.haystack import HaystackText
 from lenext.pe import VARIANTS
 from lenext.positions import PositionScheme
-from lenext.protocols import PROTOCOL_NAMES, PROTOCOLS, Sliding, TextProtocol, Window
+from lenext.protocols import PROTOCOL_NAMES, PROTOCOLS, Sliding, TextProtocol, Window, evaluator_file
 from lenext.ranges import NonNegativeFloat, PositiveFloat, PositiveInt, Share
 from lenext.scoring import Measured
 from lenext.temperature import TEMPERATURE, asks_temperature, describe_fit, fit_temperature, row_fields, variant_scope
@@ -205,11 +205,15 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
     if getattr(eval_cfg, "haystack_depths", None) == []:
         raise ConfigError("eval.haystack_depths=[] is invalid: give at least one depth in [0, 1], e.g. [0.5]")
     evaluator = getattr(eval_cfg, "key_evaluator", None)
-    if evaluator is not None and not os.path.exists(evaluator):
-        raise ConfigError(
-            f"eval.key_evaluator={evaluator!r} does not exist: give a lenext checkpoint or run folder (or null: the "
-            "model itself)"
-        )
+    if evaluator is not None:
+        if not os.path.exists(evaluator):
+            raise ConfigError(
+                f"eval.key_evaluator={evaluator!r} does not exist: give a lenext checkpoint or run folder (or null: "
+                "the model itself)"
+            )
+        from lenext.checkpoints import load_checkpoint  # lenext.checkpoints imports this module
+
+        load_checkpoint(evaluator_file(evaluator), "eval.key_evaluator")  # a bad file refused before any sweep
     return SweepPlan(
         plan_protocols,
         lengths,
@@ -264,7 +268,7 @@ def sweep(
                     }
                     windows = protocol.capped(windows, eval_cfg.max_windows)
                     row["windows"] = len(windows)
-                    unmeasured = {"ppl": None, "mean_nll": None, "tokens": 0}
+                    unmeasured = {"ppl": None, "mean_nll": None, "tokens": 0, "windows": 0}  # none was scored
                     if variant == TEMPERATURE and fit.c is None:
                         rows.append({**row, "status": "not applicable", **unmeasured, "reason": fit.reason})
                         continue

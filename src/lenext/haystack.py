@@ -252,8 +252,14 @@ class HaystackText:
         return Built(np.stack(rows), spans, distractor_rows)
 
 
-def sample_rng(task: str, length: int, index: int, depth_index: int) -> np.random.Generator:
-    return np.random.default_rng([HAYSTACK_STREAM, list(TASKS).index(task), length, index, depth_index])
+def depth_key(depth: float) -> int:
+    """A depth as a seed: its value (to 1e-6), not its place in eval.haystack_depths, so that a depth meets the same
+    haystacks whatever other depths a run asks for."""
+    return round(depth * 1_000_000)
+
+
+def sample_rng(task: str, length: int, index: int, depth: float) -> np.random.Generator:
+    return np.random.default_rng([HAYSTACK_STREAM, list(TASKS).index(task), length, index, depth_key(depth)])
 
 
 @torch.no_grad()
@@ -286,7 +292,8 @@ def measure_haystack(
 
     def score(group: list[tuple[int, int]], built: list[Built]) -> None:
         ids = torch.from_numpy(np.concatenate([b.rows for b in built])).to(device)  # (rows of all, L + 1)
-        drawn = window_positions(scheme or PositionScheme(), length, seed, group)
+        keys = [(i, depth_key(depths[d])) for i, d in group]
+        drawn = window_positions(scheme or PositionScheme(), length, seed, keys)
         if drawn is not None:  # a sample's rows at its positions
             drawn = drawn.repeat_interleave(torch.tensor([len(b.rows) for b in built]), 0).to(device)
         with autocast:
@@ -315,7 +322,7 @@ def measure_haystack(
 
     group, built = [], []
     for i, d in samples[rank::world]:
-        rng = sample_rng(task, length, i, d)
+        rng = sample_rng(task, length, i, depths[d])
         group.append((i, d))
         built.append(text.build(text.write(task, rng, depths[d]), length, rng, candidates))
         if sum(len(b.rows) for b in built) * length >= tokens_per_batch:

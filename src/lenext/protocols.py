@@ -230,7 +230,9 @@ class KeyTokens(TextProtocol):
                 b, offset = owners[done]
                 short_nll[b, offset + s.score_from : offset + len(row)] = row[s.score_from :]
                 done += 1
-        return (short_nll - long_nll > self.gain) & (long_nll < self.max_nll)
+        key = (short_nll - long_nll > self.gain) & (long_nll < self.max_nll)
+        key[:, : self.context] = False  # their short context is their whole one: a difference there is rounding
+        return key
 
     @torch.no_grad()
     def measure(self, net, evaluation, windows, length, settings, precision, scheme, seed) -> Measured:
@@ -278,6 +280,11 @@ class KeyTokens(TextProtocol):
         return Measured(metrics)
 
 
+def evaluator_file(path: str) -> str:
+    """The checkpoint eval.key_evaluator names: the file, or a run folder's last."""
+    return os.path.join(path, "checkpoints", "last.ckpt") if os.path.isdir(path) else path
+
+
 @cache
 def evaluator_net(path: str, like):
     """The model of the lenext checkpoint (or run folder) ``path`` that judges key tokens, on ``like``'s device;
@@ -285,8 +292,7 @@ def evaluator_net(path: str, like):
     from lenext.build import build_net  # lenext.build reads configs through lenext.resolve, which imports this
     from lenext.checkpoints import load_checkpoint, net_state, stored_spec
 
-    file = os.path.join(path, "checkpoints", "last.ckpt") if os.path.isdir(path) else path
-    checkpoint = load_checkpoint(file, "eval.key_evaluator")
+    checkpoint = load_checkpoint(evaluator_file(path), "eval.key_evaluator")
     state = net_state(checkpoint)
     vocab, evaluated = state["embedding.weight"].size(0), like.embedding.num_embeddings  # a lenext or HF model's
     if vocab != evaluated:
@@ -397,7 +403,8 @@ METRICS_OF = {name: protocol.metrics for name, protocol in (*PROTOCOLS.items(), 
 
 
 def cap_windows(windows: list, max_windows: int | None) -> list:
-    """At most ``max_windows`` of ``windows``, evenly spread (every k-th); all of them for null."""
+    """At most ``max_windows`` of ``windows``, evenly spread: every k-th, k = ceil(n / max_windows), so at least
+    about half of ``max_windows`` (the rule the committed studies were made with); all of them for null."""
     if max_windows and len(windows) > max_windows:
         return windows[:: math.ceil(len(windows) / max_windows)]
     return windows

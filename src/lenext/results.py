@@ -5,6 +5,7 @@ variant, protocol and length); ``positions.csv`` the per-position loss curves; `
 failed.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -173,6 +174,9 @@ def write_results(output_dir: str, meta: dict, rows: list, curves: list) -> str:
             f"{s or ''},{length},{p},{v:.6f},{c}" for s, length, p, v, c in curves
         ]
         write_atomic(os.path.join(output_dir, POSITIONS_FILE), "\n".join(lines) + "\n")
+    else:  # a curve an earlier evaluation into this folder wrote would be read as this one's
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(output_dir, POSITIONS_FILE))
     path = os.path.join(output_dir, RESULTS_FILE)
     write_atomic(path, json.dumps({"complete": True, "meta": meta, "rows": rows}, indent=1) + "\n")
     return path
