@@ -122,7 +122,12 @@ def test_every_eval_key_refuses_a_wrong_value(tmp_path):
         ("model.dropout=2", "model.dropout=2 is invalid: it must be a finite number in [0, 1)"),
         (
             "+model.depth=3",
-            "model.depth is not a setting of lenext.model.Decoder; the settings there: attention, d_model",
+            "model.depth is not a setting of lenext.model.Decoder; the settings there: d_model, dropout, mlp,",
+        ),
+        # What lenext passes when it builds the model: it listed them as settings and took +model.max_position
+        (
+            "+model.max_position=100",
+            "model.max_position is not a setting: lenext gives lenext.model.Decoder its max_position when it builds",
         ),
         (
             "+foo=1",

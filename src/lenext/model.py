@@ -112,6 +112,8 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """Token ids (B, L) -> hidden states (B, L, d_model); ``logits`` maps them to the vocabulary."""
 
+    BUILT_WITH = ("vocab_size", "train_len", "pe", "attention", "max_position")  # from the data, run, pe, attention
+
     def __init__(
         self,
         vocab_size: int,

@@ -133,6 +133,13 @@ def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]
             value = node[key]
         except OmegaConfBaseException as e:
             raise ConfigError(f"{full} cannot be resolved: {str(e).splitlines()[0]}") from None
+        built_with = getattr(declarer, "BUILT_WITH", ())
+        if key in built_with:  # lenext passes it when it builds the object: a value here would be overridden
+            settings = sorted(k for k in parameters if k != "**" and k not in built_with)
+            raise ConfigError(
+                f"{full} is not a setting: lenext gives {target} its {key} when it builds it; the settings there: "
+                f"{', '.join(settings) or 'none'}"
+            )
         expected = LIBRARY_RANGES.get(declarer, {}).get(key) or (parameters or {}).get(key)
         # Sub-nodes are checked on their own, unless the declarer types the key (a mapping it takes as a value).
         if isinstance(value, DictConfig) and ("_target_" in value or full in declared or expected is None):
@@ -160,7 +167,7 @@ def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]
             renamed = getattr(declarer, "RENAMED", {}).get(key)
             if renamed:
                 raise ConfigError(f"{full} was renamed: use {path + '.' if path else ''}{renamed}=... instead")
-            settings = sorted(k for k in parameters if k != "**" and k not in getattr(declarer, "BUILT_WITH", ()))
+            settings = sorted(k for k in parameters if k != "**" and k not in built_with)
             raise ConfigError(
                 f"{full} is not a setting of {target or 'this config'}{did_you_mean(key, settings, path)}; "
                 f"the settings there: {', '.join(settings) or 'none'}"
