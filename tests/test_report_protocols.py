@@ -243,6 +243,10 @@ def test_a_panel_whose_rows_have_no_value_at_any_length_says_so_on_an_empty_axis
     key_axes = [ax for ax in fig.axes if ax.get_title().startswith("key_tokens")]
     assert len(key_axes) == 1 and list(key_axes[0].get_yticks()) == []
     assert [text.get_text() for text in key_axes[0].texts if text.get_text() == "no values"] == ["no values"]
+    report([str(tmp_path)], str(tmp_path / "out"), figures=False)  # its table's heading says so, not "over 0 seeds"
+    markdown = (tmp_path / "out" / "table.md").read_text()
+    assert "### L_train = 64, protocol `key_tokens` (perplexity: no value at any length)" in markdown
+    assert "over 0 seeds" not in markdown
 
 
 def test_a_diverged_seed_makes_its_depth_cells_nan(tmp_path):

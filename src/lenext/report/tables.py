@@ -26,10 +26,13 @@ def several_metrics(key: TableKey) -> bool:
 
 def what_a_table_shows(table: Table, seeds: str) -> str:
     """The parenthesis of a table's heading: the metric, its chance level where it has one, what a cell's mean
-    covers, and which cell is bold (none for a metric without a direction)."""
+    covers (``seeds``; "" where no cell has a value), and which cell is bold (none for a metric without a
+    direction)."""
     metric = table.metric
     chance = "".join(f", chance {c * metric.scale:.{metric.digits}f}%" for c in table.chance)
     marked = "best per column in bold" if metric.ranked else "describes the rows, no best marked"
+    if not seeds:  # every cell without a value (no key token at any length)
+        return f"{metric.name}{chance}: no value at any length"
     return f"{metric.name}{chance}, mean +- std over {seeds}; {marked}"
 
 
@@ -59,6 +62,7 @@ def to_markdown(tables: dict[TableKey, Table]) -> str:
         lengths = table.lengths
         fewest, most = seed_range(table)
         seeds = f"{most} seed{'s' if most != 1 else ''}" if fewest == most else f"{fewest}-{most} seeds"
+        seeds = seeds if most else ""
         parts.append(f"### {title(key)} ({what_a_table_shows(table, seeds)})\n")
         if table.metric.ranked and most == 1:
             parts.append("One seed: no difference is tested for significance (that needs >= 2 seeds).\n")
