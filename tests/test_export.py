@@ -74,6 +74,7 @@ def test_every_pe_exports_with_its_own_code_and_gives_lenexts_logits(pe, tmp_pat
     folder = tmp_path / "exported"
     assert export(checkpoint, str(folder), "remote", cache_dir=cache_dir)[0] == "remote"
     model = load(folder, remote=True)
+    assert model.config.lenext_context == TRAIN_LEN == trained_context(model.config)  # as a native export says
     if pe == "learned":  # its table ends at L_train: beyond it lenext's n/a, raised by the exported model too
         assert logit_errors(net, model, (TRAIN_LEN,)) == [0.0]
         with pytest.raises(Exception, match="learned positional embeddings exist for positions 0..31"):

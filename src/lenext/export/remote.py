@@ -82,6 +82,7 @@ def remote_config(net: Decoder, spec) -> dict:
         "auto_map": AUTO_MAP,
         **shape_settings(net),  # transformers' names, which tools read (generation, lm-evaluation-harness, vLLM)
         "max_position_embeddings": spec.base_len,  # the context eval.factors multiply, as for the checkpoint
+        "lenext_context": spec.base_len,  # as a native export's: what eval.py hf= reads first
         "lenext": {
             "model": config["model"],
             "pe": config["pe"],
