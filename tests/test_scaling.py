@@ -22,8 +22,8 @@ from tests.conftest import CONFIG_FOLDER, tiny_overrides
 PES = sorted(path.stem for path in (CONFIG_FOLDER / "pe").glob("*.yaml"))
 
 
-def tiny_module(compose_train, pe: str, **switches) -> LanguageModel:
-    spec, _ = resolve_training(compose_train(*tiny_overrides(f"pe={pe}", "data.max_len=16")))
+def tiny_module(compose_train, pe: str, *overrides: str, **switches) -> LanguageModel:
+    spec, _ = resolve_training(compose_train(*tiny_overrides(f"pe={pe}", "data.max_len=16", *overrides)))
     torch.manual_seed(0)
     module = LanguageModel(build_net(spec, 64), **switches)
     module.configure_model()
@@ -50,6 +50,45 @@ def test_activation_checkpointing_gives_every_pes_loss_and_gradients(pe, precisi
     assert recomputed[1].keys() == plain[1].keys() and plain[1]
     for name, gradient in plain[1].items():
         torch.testing.assert_close(recomputed[1][name], gradient, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("pe", ["rope", "xpos", "alibi"])
+def test_compiled_blocks_under_activation_checkpointing_give_eager_gradients(pe, compose_train, monkeypatch):
+    """The backward recomputes a checkpointed block outside the decoder's forward: RoPE's compiled block then
+    traced without the forward's span, saved other tensors and failed ("A different number of tensors was saved";
+    found by an audit). Compiled by dynamo's aot_eager backend, the graphs inductor would get."""
+    import functools
+
+    import torch._dynamo
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    plain = loss_and_gradients(tiny_module(compose_train, pe), "fp32")
+    torch._dynamo.reset()
+    both = tiny_module(compose_train, pe, activation_checkpointing=True, compile=True)
+    recomputed = loss_and_gradients(both, "fp32")
+    assert both.net.compiled_blocks is not None
+    torch.testing.assert_close(recomputed[0], plain[0], rtol=1e-6, atol=0)
+    for name, gradient in plain[1].items():
+        torch.testing.assert_close(recomputed[1][name], gradient, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("pe", ["alibi", "kerple"])
+def test_every_block_of_a_deep_model_runs_compiled(pe, compose_train, monkeypatch):
+    """A PE reading its layer's index compiles a graph per block; dynamo stopped at 8 graphs of the blocks' shared
+    code and ran the rest eager, with a warning (4 of llama_125m's 12 blocks; found by an audit)."""
+    import functools
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    module = tiny_module(compose_train, pe, "model.n_layers=12", compile=True)
+    torch._dynamo.reset()
+    counters.clear()
+    tokens = torch.randint(64, (2, 17), generator=torch.Generator().manual_seed(1))
+    module.net.token_nll(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+    assert not counters["stats"].get("recompile_limit_hit") and not counters["stats"].get("cache_size_limit_hit")
+    assert counters["stats"]["unique_graphs"] >= 12
 
 
 def test_activation_checkpointing_is_a_switch_that_adds_no_state(compose_train):

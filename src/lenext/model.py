@@ -6,6 +6,7 @@ training draws others). The model never asks which PE it holds.
 """
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Literal
 
@@ -109,6 +110,12 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def block_in_span(block: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``block`` run with the positions' span set (``forward_span``), as the decoder runs its compiled blocks."""
+    with forward_span(positions):
+        return block(x, positions)
+
+
 class Decoder(nn.Module):
     """Token ids (B, L) -> hidden states (B, L, d_model); ``logits`` maps them to the vocabulary."""
 
@@ -168,6 +175,13 @@ class Decoder(nn.Module):
         run the compiled blocks, at the training length; evaluation runs the blocks as they are, so a sweep over
         lengths does not recompile them per length (docs/scaling.md). The decoder then reads the positions' span
         once per forward, before its blocks, so a compiled block reads no tensor's value (``forward_span``)."""
+        import torch._dynamo
+
+        # dynamo's limit counts the graphs of one code object, which every block shares; a PE that reads its layer's
+        # index (ALiBi's slopes, T5's table) specializes each block's graph: past the limit, blocks ran eager
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+        setattr(config, name, max(getattr(config, name), 8 * len(self.blocks)))
         self.compiled_blocks = tuple(torch.compile(block) for block in self.blocks)  # not submodules: no state
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,7 +196,10 @@ class Decoder(nn.Module):
         with forward_span(positions) if span else contextlib.nullcontext():
             for block in self.compiled_blocks if compiled else self.blocks:
                 if self.checkpoint_blocks and torch.is_grad_enabled():
-                    x = checkpoint(block, x, positions, use_reentrant=False)
+                    # the backward recomputes the block outside this context: with the span set again, a compiled
+                    # block traces the graph its forward did (else it saved other tensors, and the backward failed)
+                    run = functools.partial(block_in_span, block) if span else block
+                    x = checkpoint(run, x, positions, use_reentrant=False)
                 else:
                     x = block(x, positions)
         return self.norm(x)  # (B, L, d)
