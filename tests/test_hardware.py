@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lenext import hardware
+from lenext.errors import ConfigError
 from lenext.run import train
 from tests.conftest import small_corpus_overrides
 
@@ -217,3 +218,19 @@ def test_apples_mps_is_refused_before_any_work(compose_train, tmp_path, monkeypa
             train(cfg)
     assert os.listdir(tmp_path) == []
     hardware.refuse_mps("cpu")  # the way out: nothing refused
+
+
+def test_several_nodes_without_a_cluster_environment_are_refused_not_waited_for(monkeypatch):
+    """trainer.num_nodes=2 on a machine no cluster launched waited for the other node forever, without a word
+    (found by an audit); under SLURM, torchrun or NODE_RANK and MASTER_ADDR set by hand it goes on."""
+    from lenext.hardware import refuse_nodes_without_a_cluster
+
+    for name in ("SLURM_NTASKS", "SLURM_JOB_NAME", "RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                 "LSB_JOBID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "NODE_RANK", "MASTER_ADDR"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    refuse_nodes_without_a_cluster(1)
+    with pytest.raises(ConfigError, match=r"^trainer.num_nodes=2 needs the other nodes, .* no cluster environment"):
+        refuse_nodes_without_a_cluster(2)
+    monkeypatch.setenv("NODE_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    refuse_nodes_without_a_cluster(2)

@@ -166,6 +166,7 @@ def test_trainer_fsdp_trains_and_evaluates_like_one_process_on_the_same_global_b
     ]
     # Two ranks of 4 windows each see the global batch of 8 one process sees, in the same order (lenext.data); a
     # step's gradients are one process's to 1e-5 (tests/test_scaling.py).
+    common.append("trainer.log_every_n_steps=1")
     sharded = run_train(tmp_path, *common, "trainer=fsdp_sim", f"hydra.run.dir={tmp_path / 'fsdp'}")
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     single = run_train(tmp_path, *common, "data.batch_size=8", f"hydra.run.dir={tmp_path / 'one'}")
@@ -180,6 +181,9 @@ def test_trainer_fsdp_trains_and_evaluates_like_one_process_on_the_same_global_b
     assert [(r["windows"], r["tokens"]) for r in rows[0]] == [(r["windows"], r["tokens"]) for r in rows[1]]
     for sharded_row, single_row in zip(*rows, strict=True):
         assert sharded_row["mean_nll"] == pytest.approx(single_row["mean_nll"], rel=1e-3)
+    # The logged training loss is the global batch's (it was rank 0's half: 6.278 against 6.267; an audit).
+    losses = [pd.read_csv(tmp_path / run / "csv" / "metrics.csv")["train/loss"].dropna() for run in ("fsdp", "one")]
+    assert len(losses[0]) == 3 and losses[0].tolist() == pytest.approx(losses[1].tolist(), rel=1e-5)
 
 
 @pytest.mark.slow

@@ -106,6 +106,26 @@ def refuse_mps(accelerator: str) -> None:
         )
 
 
+def refuse_nodes_without_a_cluster(num_nodes: int) -> None:
+    """A ConfigError for ``trainer.num_nodes`` > 1 where no cluster environment Lightning knows says where the other
+    nodes are (SLURM, torchrun, LSF, MPI, or NODE_RANK and MASTER_ADDR set by hand): the process would wait for them
+    without a word."""
+    from lightning.fabric.plugins.environments import (
+        LSFEnvironment,
+        MPIEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    detected = any(env.detect() for env in (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment, MPIEnvironment))
+    if num_nodes > 1 and not detected and not {"NODE_RANK", "MASTER_ADDR"} <= set(os.environ):
+        raise ConfigError(
+            f"trainer.num_nodes={num_nodes} needs the other nodes, and this process finds no cluster environment: "
+            "launch it through SLURM (hydra/launcher=slurm), torchrun, or with NODE_RANK and MASTER_ADDR set on each "
+            "node (else it waits for them forever)"
+        )
+
+
 def default_precision(accelerator: str = "auto") -> str:
     """Lightning's ``precision`` that trains fastest here: bf16 autocast on CUDA and on CPUs with native bf16."""
     if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):

@@ -204,7 +204,7 @@ class LanguageModel(L.LightningModule):
                 f"the training loss became {loss.item()} at step {self.global_step}; the run stopped and its "
                 "last good checkpoint is checkpoints/last.ckpt. Lower module.lr or try trainer.precision=32-true"
             )
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # the global batch's, not rank 0's share
         return loss
 
     def on_validation_epoch_start(self) -> None:

@@ -23,6 +23,7 @@ from lenext.checkpoints import load_checkpoint, net_state, stored_spec
 from lenext.errors import ConfigError, Stopped
 from lenext.evaluate import sweep
 from lenext.files import atomic_path
+from lenext.hardware import refuse_nodes_without_a_cluster
 from lenext.loggers import log_results_to_wandb
 from lenext.module import CheckpointOnStop, tokens_trained
 from lenext.progress import StepsBar, next_steps, validation_scope
@@ -151,6 +152,7 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
             f"trainer.accelerator={cfg.trainer.accelerator} is invalid here: this machine has no CUDA GPU; use "
             "trainer=cpu, or trainer=default (the fastest device and precision the machine has)"
         )
+    refuse_nodes_without_a_cluster(int(cfg.trainer.get("num_nodes") or 1))
     # The Trainer first: Lightning checks its settings together (devices, precision, strategy) when built.
     callbacks = [instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items()]
     callbacks += [StepsBar()] if cfg.trainer.get("enable_progress_bar", True) else []
