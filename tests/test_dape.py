@@ -34,10 +34,11 @@ def dape_layer(dtype=torch.float64):
 def reference(q, k, v, pe: DAPE, layer, window=None):
     """Full (L, L) attention of the formula: the kernel -r1 log(1 + r2 (i - j)) on j <= i (0 above, as the
     reference's tril), the MLP over the head axis of [s; b], the causal (and window) mask, softmax, times v."""
-    r1, r2 = (r[1][:, None, None].float() for r in (pe.base.r1, pe.base.r2))  # layer 1's (H, 1, 1)
+    wide = torch.promote_types(pe.base.r1.dtype, torch.float32)  # KERPLE's kernel: fp32, float64 in a float64 model
+    r1, r2 = (r[1][:, None, None].to(wide) for r in (pe.base.r1, pe.base.r2))  # layer 1's (H, 1, 1)
     length = q.size(-2)
-    distance = (torch.arange(length)[:, None] - torch.arange(length)[None, :]).clamp(min=0).float()
-    # fp32, as lenext's biases are in every model dtype; log1p: log(1 + x) rounds 1 + x first in fp32
+    distance = (torch.arange(length)[:, None] - torch.arange(length)[None, :]).clamp(min=0).to(wide)
+    # log1p: log(1 + x) rounds 1 + x first in fp32
     bias = (-r1 * torch.log1p(r2 * distance)).to(q.dtype).expand(q.size(0), -1, -1, -1)  # (B, H, L, L)
     scores = q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM)
     first, second = layer.mlp[0], layer.mlp[2]

@@ -82,9 +82,13 @@ def test_a_key_evaluator_that_does_not_exist_or_reads_another_vocabulary_is_refu
     with pytest.raises(ConfigError, match="eval.key_evaluator='nowhere' does not exist"):
         sweep_plan(eval_cfg(protocol="key_tokens", key_evaluator="nowhere"), 16, None, tuple(PROTOCOLS))
     (tmp_path / "results.json").write_text("{}")  # not a checkpoint: refused with the plan, not after a sweep
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_text("half")
     for given in (tmp_path / "results.json", tmp_path):
-        with pytest.raises(CheckpointError, match=r"^eval.key_evaluator='.*' (cannot be read|does not exist)"):
+        with pytest.raises(CheckpointError, match=r"^eval.key_evaluator='.*' is not a checkpoint \(torch.save"):
             sweep_plan(eval_cfg(protocol="key_tokens", key_evaluator=str(given)), 16, None, tuple(PROTOCOLS))
+    (tmp_path / "checkpoints" / "last.ckpt").unlink()  # a run still training: its checkpoint is read when used
+    sweep_plan(eval_cfg(protocol="key_tokens", key_evaluator=str(tmp_path)), 16, None, tuple(PROTOCOLS))
     with pytest.raises(ConfigError, match="eval.haystack_depths=\\[\\] is invalid"):
         sweep_plan(eval_cfg(protocol="niah_single", haystack_depths=[]), 16, None, tuple(PROTOCOLS))
 

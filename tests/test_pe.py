@@ -283,6 +283,27 @@ def test_dynamic_ntk_of_a_second_stage_follows_each_sequences_length(length):
     assert_close(got.double(), torch.view_as_real(pairs).flatten(-2), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scaling", ["dynamic_ntk", "self_extend"])
+def test_drawn_positions_share_one_table_whatever_their_batch(scaling):
+    """Trained beyond C with drawn positions (randomized, PoSE), a window scores the same alone and batched with a
+    window of a wider span, and steps do not rebuild the table: only a sequence at 0..L-1 follows its own length."""
+    pe = RoPE(AttentionShape(64, 4, 1, 64, max_position=256), scaling=scaling, original_len=64)
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 4, 64, 16, generator=generator) for _ in range(2))
+    near = torch.sort(torch.randperm(120, generator=generator)[:64])[0]
+    far = torch.sort(torch.randperm(256, generator=generator)[:64])[0]
+
+    def scored(q, k, positions):
+        if scaling == "self_extend":
+            return pe.logits(q, k, positions)(0, 64)
+        rotated_q, rotated_k = pe.rotate(q, k, positions)
+        return rotated_q @ rotated_k.transpose(-2, -1)
+
+    alone = scored(q[:1], k[:1], near[None])
+    batched = scored(q, k, torch.stack([near, far]))
+    torch.testing.assert_close(batched[:1], alone, rtol=0, atol=0)
+
+
 def test_yarn_refuses_beta_fast_at_or_below_beta_slow():
     """Reversed, YaRN would interpolate the highest frequencies and keep the lowest (transformers warns)."""
     for fast, slow in ((1.0, 32.0), (4.0, 4.0)):

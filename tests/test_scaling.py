@@ -82,6 +82,9 @@ def test_every_block_of_a_deep_model_runs_compiled(pe, compose_train, monkeypatc
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    monkeypatch.setattr(config, name, getattr(config, name))  # compile_blocks raises it: restored after the test
     module = tiny_module(compose_train, pe, "model.n_layers=12", compile=True)
     torch._dynamo.reset()
     counters.clear()

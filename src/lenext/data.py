@@ -318,15 +318,12 @@ class HubCorpus(Corpus):
     ):
         from omegaconf import OmegaConf
 
+        # Hydra passes DictConfigs; datasets takes plain containers only (a DictConfig's keys read as file names)
         data_files, split_names = (
             OmegaConf.to_container(c) if OmegaConf.is_config(c) else c for c in (data_files, split_names)
         )
         self.path, self.config_name, self.text_field = path, name, text_field
-        self.wikitext_articles, self.data_files, self.streaming = (
-            wikitext_articles,
-            data_files,
-            streaming,
-        )  # datasets takes plain containers only
+        self.wikitext_articles, self.data_files, self.streaming = wikitext_articles, data_files, streaming
         self.split_names = {"train": "train", "validation": "validation", "test": "test", **(split_names or {})}
         self.name = "-".join(p for p in (path.replace("/", "_"), name) if p)
 
@@ -365,7 +362,7 @@ class HubCorpus(Corpus):
                 ) from None
             texts = self._texts(rows, split)
             yield from group_wikitext_articles(texts) if self.wikitext_articles else (t for t in texts if t.strip())
-        except FileNotFoundError as e:
+        except (FileNotFoundError, PermissionError) as e:
             if self.data_files is None:
                 raise DataError(self._unreachable(type(e).__name__)) from e
             raise DataError(f"data.corpus.data_files: {first_line(e)}") from None  # a local file, not the hub
@@ -393,6 +390,20 @@ class HubCorpus(Corpus):
                     f"{self.split_names[split]!r} split {what}; name its text column, or fix the row"
                 )
             yield text
+
+
+def unmakeable_folder(path: str) -> str | None:
+    """Why the folder ``path`` cannot be made (a file in its way, a parent this user cannot write), or None; made
+    by the first write, so that a refused command leaves none. An existing folder passes: a prepared cache is
+    only read."""
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is not a folder"
+    if existing != os.path.abspath(path) and not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
 
 
 def first_line(error: BaseException) -> str:
@@ -441,6 +452,16 @@ END_OF_TEXT = (EOS, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 
 
+def for_documents(tokenizer):
+    """``tokenizer`` (a tokenizers.Tokenizer) set to encode whole documents: no saved truncation or padding (they
+    would cut or pad them), and text that spells a special token ("<|endoftext|>", web text holds it) encoded as
+    text, so that the start token marks document starts only."""
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
 def token_id_bound(tokenizer) -> int:
     """The embedding rows a tokenizer's ids need: its largest id + 1 (an outside tokenizer's ids need not be dense)."""
     return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
@@ -457,9 +478,8 @@ def external_tokenizer(path: str, key: str = "data.tokenizer"):
         try:
             tokenizer = Tokenizer.from_file(path)
         except Exception as e:  # tokenizers raises its own Exception for a file that is not a tokenizer
-            raise ConfigError(f"{where} cannot be read as a tokenizer.json ({str(e).splitlines()[0]})") from None
-        tokenizer.no_truncation()  # a saved truncation or padding would cut or pad documents
-        tokenizer.no_padding()
+            raise ConfigError(f"{where} cannot be read as a tokenizer.json ({first_line(e)})") from None
+        for_documents(tokenizer)
         start = next((tokenizer.token_to_id(t) for t in END_OF_TEXT if tokenizer.token_to_id(t) is not None), None)
         if start is None:
             raise ConfigError(
@@ -476,7 +496,7 @@ def external_tokenizer(path: str, key: str = "data.tokenizer"):
     except (OSError, ValueError) as e:
         if "trust_remote_code" in str(e):
             raise ConfigError(f"{where}: its tokenizer's code is in the folder, which lenext does not run") from None
-        reason = str(e).splitlines()[0]
+        reason = first_line(e)
         if not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
             reason = f"none of {', '.join(TOKENIZER_FILES)}"
         raise ConfigError(f"{where} holds no tokenizer transformers can load ({reason})") from None
@@ -485,10 +505,7 @@ def external_tokenizer(path: str, key: str = "data.tokenizer"):
     start = loaded.bos_token_id if loaded.bos_token_id is not None else loaded.eos_token_id
     if start is None:
         raise ConfigError(f"{where}: its tokenizer names neither a BOS nor an EOS token to start documents with")
-    tokenizer = loaded.backend_tokenizer
-    tokenizer.no_truncation()  # a saved truncation or padding would cut or pad documents
-    tokenizer.no_padding()
-    return tokenizer, start
+    return for_documents(loaded.backend_tokenizer), start
 
 
 def byte_ends(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
@@ -723,15 +740,12 @@ class LMDataModule(L.LightningDataModule):
         prepared before is not read again (a hub corpus needs no network then)."""
         if self.shards:
             return
-        try:  # a cache that cannot be written, refused before the tokenizer sample is read
-            os.makedirs(self.cache_dir, exist_ok=True)
-            if not os.access(self.cache_dir, os.W_OK | os.X_OK):
-                raise PermissionError(13, "not writable")
-        except OSError as e:
+        unusable = unmakeable_folder(self.cache_dir)  # refused before the tokenizer sample is read
+        if unusable:
             raise ConfigError(
-                f"data.cache_dir={self.cache_dir!r} cannot hold lenext's cache ({e.strerror or e}): give a folder "
-                "this user can write (LENEXT_CACHE sets the default)"
-            ) from None
+                f"data.cache_dir={self.cache_dir!r} cannot hold lenext's cache ({unusable}): give a folder this "
+                "user can make and write (LENEXT_CACHE sets the default)"
+            )
         if self.tokenizer_source:  # read first: a bad path is refused before the corpus is read
             self.tokenizer, self.start_token = external_tokenizer(self.tokenizer_source)
         key = self.load_tokenizer(train=False)
@@ -816,7 +830,7 @@ class LMDataModule(L.LightningDataModule):
                 with atomic_path(self.tokenizer_path) as tmp:
                     tokenizer.save(tmp)
                 self._made.append(f"tokenizers/{key}.json")
-        self.tokenizer = Tokenizer.from_file(self.tokenizer_path)
+        self.tokenizer = for_documents(Tokenizer.from_file(self.tokenizer_path))
         if _read_if_exists(index) != key:
             write_atomic(index, key)
             self._made.append(os.path.relpath(index, self.cache_dir))
@@ -856,7 +870,6 @@ class LMDataModule(L.LightningDataModule):
     def _encode(self, documents: Iterable[str], held_out: bool) -> Iterator[dict[str, np.ndarray]]:
         """Each document as ``[start] + tokens`` (and, held out, its ``byte_ends``), tokenized a batch at a time by
         the tokenizer's own threads."""
-        self.tokenizer.encode_special_tokens = True  # "<|endoftext|>" in a document is text, not a document start
         while batch := list(itertools.islice(documents, ENCODE_BATCH)):
             encoded = self.tokenizer.encode_batch(batch, add_special_tokens=False)
             for text, tokens in zip(batch, encoded, strict=True):

@@ -422,7 +422,7 @@ def diagnose(cfg: DictConfig) -> str:
                 if copying is not None:
                     copying.add(*copy_nll(net, windows, drawn, spec.precision))
         except LengthNotSupported as e:
-            per_length.append({**row, "status": "not applicable", "windows": len(tokens), "reason": str(e)})
+            per_length.append({**row, "status": "not applicable", "windows": 0, "reason": str(e)})  # none scored
             continue
         per_length.append(
             {

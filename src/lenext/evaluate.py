@@ -11,6 +11,7 @@ import os
 import resource
 import threading
 import time
+import zipfile
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
-from lenext.errors import ConfigError, LengthNotSupported
+from lenext.errors import CheckpointError, ConfigError, LengthNotSupported
 from lenext.hardware import release_freed_memory
 from lenext.haystack import HaystackText
 from lenext.pe import VARIANTS
@@ -211,9 +212,12 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
                 f"eval.key_evaluator={evaluator!r} does not exist: give a lenext checkpoint or run folder (or null: "
                 "the model itself)"
             )
-        from lenext.checkpoints import load_checkpoint  # lenext.checkpoints imports this module
-
-        load_checkpoint(evaluator_file(evaluator), "eval.key_evaluator")  # a bad file refused before any sweep
+        file = evaluator_file(evaluator)
+        if os.path.isfile(file) and not zipfile.is_zipfile(file):  # a run folder still training: read when used
+            raise CheckpointError(
+                f"eval.key_evaluator={evaluator!r} is not a checkpoint (torch.save writes a zip archive): give a "
+                "lenext checkpoint or run folder (or null: the model itself)"
+            )
     return SweepPlan(
         plan_protocols,
         lengths,

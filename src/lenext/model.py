@@ -110,9 +110,9 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def block_in_span(block: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``block`` run with the positions' span set (``forward_span``), as the decoder runs its compiled blocks."""
-    with forward_span(positions):
+def block_in_span(block: nn.Module, span: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``block`` run with the positions' ``span`` set (``forward_span``), as the decoder runs its compiled blocks."""
+    with forward_span(positions, span):
         return block(x, positions)
 
 
@@ -192,13 +192,13 @@ class Decoder(nn.Module):
         x = self.dropout(self.pe.embed(x, positions))
         compiled = self.compiled_blocks is not None and torch.is_grad_enabled()
         # Eager, and a whole compiled decoder, read the span where a PE needs it
-        span = compiled and not torch.compiler.is_compiling()
-        with forward_span(positions) if span else contextlib.nullcontext():
+        span = int(positions.max()) + 1 if compiled and not torch.compiler.is_compiling() else None
+        with forward_span(positions, span) if span else contextlib.nullcontext():
             for block in self.compiled_blocks if compiled else self.blocks:
                 if self.checkpoint_blocks and torch.is_grad_enabled():
                     # the backward recomputes the block outside this context: with the span set again, a compiled
                     # block traces the graph its forward did (else it saved other tensors, and the backward failed)
-                    run = functools.partial(block_in_span, block) if span else block
+                    run = functools.partial(block_in_span, block, span) if span else block
                     x = checkpoint(run, x, positions, use_reentrant=False)
                 else:
                     x = block(x, positions)

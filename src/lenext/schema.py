@@ -58,6 +58,7 @@ LIBRARY_RANGES = {
         "max_epochs": PositiveInt | Literal[-1] | None,
         "precision": Precision,  # fp32 or bf16 autocast: what evaluation (eval.py's precision) can reproduce
         "devices": PositiveInt | Literal[-1] | str | list[NonNegativeInt],  # -1: all; "0,1": these
+        "num_nodes": PositiveInt,
         "val_check_interval": PositiveInt | Fraction | str | dict[str, float] | None,  # "DD:HH:MM:SS", {minutes: 30}
         # Not 0: every run ends with a validation at L_train, reported next to the sweep.
         "limit_val_batches": PositiveInt | Fraction | None,
@@ -137,8 +138,8 @@ def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]
         if key in built_with:  # lenext passes it when it builds the object: a value here would be overridden
             settings = sorted(k for k in parameters if k != "**" and k not in built_with)
             raise ConfigError(
-                f"{full} is not a setting: lenext gives {target} its {key} when it builds it; the settings there: "
-                f"{', '.join(settings) or 'none'}"
+                f"{full} is not a setting: lenext gives {target or 'this object'} its {key} when it builds it; "
+                f"the settings there: {', '.join(settings) or 'none'}"
             )
         expected = LIBRARY_RANGES.get(declarer, {}).get(key) or (parameters or {}).get(key)
         # Sub-nodes are checked on their own, unless the declarer types the key (a mapping it takes as a value).

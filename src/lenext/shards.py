@@ -13,6 +13,7 @@ The engine was chosen by measurement (docs/performance.md, "Token shards").
 """
 
 import contextlib
+import errno
 import fcntl
 import functools
 import json
@@ -79,7 +80,7 @@ class SplitWriter:
         except BaseException as e:
             if writer:
                 writer.abandon()
-            if isinstance(e, OSError):  # a full disk: the shards written so far are kept, the next run resumes
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):  # kept so far; the next run resumes
                 raise DataError(f"token shards in {self.folder} could not be written ({e}); free space there") from None
             raise
 

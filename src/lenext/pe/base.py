@@ -150,11 +150,11 @@ _forward_span: int | None = None
 
 
 @contextmanager
-def forward_span(positions: torch.Tensor) -> Iterator[None]:
-    """Inside the block, ``position_span`` of a compiled block is the span of ``positions``, read here once, before
-    the blocks run (Decoder.forward)."""
+def forward_span(positions: torch.Tensor, span: int | None = None) -> Iterator[None]:
+    """Inside the block, ``position_span`` of a compiled block is the span of ``positions`` (``span``, if the caller
+    read it already), read here once, before the blocks run (Decoder.forward)."""
     global _forward_span
-    previous, _forward_span = _forward_span, int(positions.max()) + 1
+    previous, _forward_span = _forward_span, int(positions.max()) + 1 if span is None else span
     try:
         yield
     finally:

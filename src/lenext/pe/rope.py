@@ -384,11 +384,13 @@ class RoPE(PositionalEncoding):
         return self.rotation.rotate(self, q, k, positions)
 
     def _span(self, positions: torch.Tensor) -> int:
-        # At least every position training reached, so that one table serves drawn positions, whose span changes
-        # every step; a scaling that follows each sequence's span (dynamic NTK, Self-Extend's G) at least C, within
-        # which it is the identity, as a second stage trained beyond C still evaluates shorter sequences at their own.
-        floor = self.original_len if self.scaling in FOLLOWS_SPAN else self.shape.trained_positions
-        return max(position_span(positions), floor)
+        # Drawn positions, whose span changes every step and batch, share one table of every position training
+        # reached. A sequence at 0..L-1 under a scaling that follows its length (dynamic NTK, Self-Extend's G) is
+        # scaled at its own L, at least C (within it they are the identity), also after training beyond C.
+        span = position_span(positions)
+        sequential = positions.size(0) == 1 and span == positions.size(-1)  # strictly increasing: exactly 0..L-1
+        floor = self.original_len if sequential and self.scaling in FOLLOWS_SPAN else self.shape.trained_positions
+        return max(span, floor)
 
     def logits(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> Logits | None:
         return self.rotation.logits(self, q, k, positions)
