@@ -444,6 +444,16 @@ def test_a_second_stage_is_judged_learned_and_kept_at_its_own_training_length(tm
     assert "rope -> direct@256 (seed 1: 50.0% at 256)" in report([str(tmp_path)], str(tmp_path / "out"))
 
 
+def test_a_pose_stage_not_learned_is_named_with_the_length_it_trained_at_not_its_target(tmp_path):
+    """A PoSE stage trains at the base's L_train (64) toward its target (256): its exact match is judged at 64, and
+    the note under the table said "at 256" (found by an audit)."""
+    meta = second_stage("rope", "pose", 256)
+    meta["row_fields"] = {"pe": "rope", "positions": "pose", "attention": [], "base": "rope", "method": "pose",
+                          "stage_len": 256}  # fmt: skip
+    write_probe_run(tmp_path / "0", "rope", 0, {64: 0.42, 256: 0.38}, 64, meta=meta)
+    assert "rope -> pose@256 (seed 0: 42.0% at 64)" in report([str(tmp_path)], str(tmp_path / "out"))
+
+
 def test_training_speed_is_a_mean_over_runs_whatever_rows_each_run_has(tmp_path):
     write_run(tmp_path / "0", "alibi", 0, {64: 20.0, 128: 21.0, 256: 22.0}, meta={"train_tokens_per_s": 10_000.0})
     write_run(tmp_path / "1", "alibi", 1, {64: 20.5}, meta={"train_tokens_per_s": 40_000.0})

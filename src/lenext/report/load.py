@@ -451,7 +451,7 @@ COLUMNS = (
     *("run", "group", "row", "label", "pe", "positions", "attention", "base", "method", "stage_len", "root"),
     *("extension_method", "family", "display_name", "task", "train_len", "seed", "protocol", "variant", "metric"),
     *("length", "depth", "value", "answers", "chance", "status", "counted", "peak_mem_mb", "train_tokens_per_s"),
-    *("accuracy_as_trained", "machine"),
+    *("accuracy_as_trained", "own_train_len", "machine"),
 )
 FLOAT_COLUMNS = ("depth", "value", "answers", "chance", "peak_mem_mb", "train_tokens_per_s", "accuracy_as_trained")
 
@@ -470,7 +470,8 @@ def tidy(runs: list[Run]) -> pd.DataFrame:
     (the evaluation-time variant; null: the PE as trained), ``metric``, ``length``, ``depth``, ``value``,
     ``answers``, ``chance`` (the row's chance level, where it records one), ``status``, ``counted`` (whether means
     count it: ``Run.learned``, or within the run's own training length), ``peak_mem_mb``, ``train_tokens_per_s``,
-    ``accuracy_as_trained``, ``machine``."""
+    ``accuracy_as_trained``, ``own_train_len`` (the run's own training length, where that accuracy is measured:
+    a PoSE stage's is the first stage's, not its target), ``machine``."""
     records = []
     for run in runs:
         fields, meta = run.fields, run.meta
@@ -508,6 +509,7 @@ def tidy(runs: list[Run]) -> pd.DataFrame:
                         "peak_mem_mb": row.get("peak_mem_mb"),
                         "train_tokens_per_s": meta.get("train_tokens_per_s"),
                         "accuracy_as_trained": run.accuracy_as_trained,
+                        "own_train_len": run.meta["train_len"],
                         "machine": run.machine,
                     }
                 )

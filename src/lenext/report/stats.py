@@ -188,7 +188,7 @@ def _table(key: TableKey, records: pd.DataFrame) -> Table:
     rows = records.groupby("label").agg(eval_peak_mem_mb=("peak_mem_mb", "max"))
     rows = pd.concat([speeds, rows], axis=1).reindex(records.label.unique())
     not_learned = records[records.accuracy_as_trained < LEARNED_AT].drop_duplicates("run")
-    not_learned = not_learned.assign(at=not_learned.stage_len.fillna(not_learned.train_len).astype(int))
+    not_learned = not_learned.assign(at=not_learned.own_train_len.astype(int))  # where accuracy_as_trained is
     chance = tuple(float(c) for c in records.chance.dropna().unique()) if metric.chance else ()
     return Table(key, cells, seeds, rows, not_learned[["row", "seed", "accuracy_as_trained", "at"]], chance)
 
