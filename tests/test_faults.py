@@ -365,3 +365,16 @@ def one_line(result) -> str:
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     return errors[0]
+
+
+def test_an_extension_preset_without_its_sweeps_base_says_where_init_from_came_from(tmp_path, small_text_corpus):
+    """extension=yarn outside experiment=extension named a path the user never typed (the preset's base in the
+    sweep folder); the line now says it is the preset's, and what to give. A typed init_from is named as typed."""
+    overrides = small_corpus_overrides(small_text_corpus, f"hydra.run.dir={tmp_path / 'run'}", "extension=yarn")
+    result = run_command(tmp_path, *overrides)
+    assert result.returncode == 1
+    line = one_line(result)
+    assert "rope_base_seed0/checkpoints/last.ckpt' does not exist" in line
+    assert line.endswith("outside such a sweep, give init_from=<base run's last.ckpt>")
+    typed = run_command(tmp_path, *overrides, f"init_from={tmp_path / 'no.ckpt'}")
+    assert typed.returncode == 1 and "is the preset's" not in one_line(typed)

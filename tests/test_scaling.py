@@ -84,12 +84,12 @@ def test_every_block_of_a_deep_model_runs_compiled(pe, compose_train, monkeypatc
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    monkeypatch.setattr(config, name, getattr(config, name))  # compile_blocks raises it: restored after the test
-    module = tiny_module(compose_train, pe, "model.n_layers=12", compile=True)
-    torch._dynamo.reset()
-    counters.clear()
-    tokens = torch.randint(64, (2, 17), generator=torch.Generator().manual_seed(1))
-    module.net.token_nll(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+    with config.patch({name: getattr(config, name)}):  # compile_blocks raises it: restored after the test
+        module = tiny_module(compose_train, pe, "model.n_layers=12", compile=True)
+        torch._dynamo.reset()
+        counters.clear()
+        tokens = torch.randint(64, (2, 17), generator=torch.Generator().manual_seed(1))
+        module.net.token_nll(tokens[:, :-1], tokens[:, 1:]).mean().backward()
     assert not counters["stats"].get("recompile_limit_hit") and not counters["stats"].get("cache_size_limit_hit")
     assert counters["stats"]["unique_graphs"] >= 12
 

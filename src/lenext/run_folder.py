@@ -12,7 +12,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from lenext import schema
-from lenext.checkpoints import load_checkpoint, read_base, stored_spec
+from lenext.build import hydra_config
+from lenext.checkpoints import Base, load_checkpoint, read_base, stored_spec
 from lenext.errors import CheckpointError, ConfigError, errors_in_one_line
 from lenext.hardware import canonical_precision
 from lenext.resolve import RENAMED_KEYS, config_pe_name, flat_settings, resolve, same_setting
@@ -204,7 +205,24 @@ def preflight(cfg: DictConfig, settings: type | None, nodes: dict[str, type], sw
     """Everything a run will use, checked before any work: every key's type and range (``schema.check``), then
     the settings that only fail together, while resolving the run (``resolve``; a second stage's base read)."""
     schema.check(cfg, settings, nodes)
-    return resolve(cfg, config_pe_name(cfg), sweeps, base=read_base(cfg.init_from) if cfg.get("init_from") else None)
+    return resolve(cfg, config_pe_name(cfg), sweeps, base=configured_base(cfg) if cfg.get("init_from") else None)
+
+
+def configured_base(cfg: DictConfig) -> Base:
+    """The second stage's base, ``init_from``; one a preset names (extension=...: the base of the same PE and seed
+    in the sweep's folder) and that does not exist is said to be the preset's."""
+    try:
+        return read_base(cfg.init_from)
+    except CheckpointError as e:
+        hydra_cfg = hydra_config()
+        given = hydra_cfg is None or any(o.lstrip("+~").startswith("init_from=") for o in hydra_cfg.overrides.task)
+        if given or not hydra_cfg.runtime.choices.get("extension") or os.path.exists(cfg.init_from):
+            raise
+        raise CheckpointError(
+            f"{e}; this init_from is the preset's (extension=...: the base of the same PE and seed in the sweep "
+            "folder, which experiment=extension trains first): outside such a sweep, give init_from=<base run's "
+            "last.ckpt>"
+        ) from None
 
 
 def resolve_training(cfg: DictConfig) -> tuple[RunSpec, dict | None]:
@@ -219,7 +237,7 @@ def resolve_training(cfg: DictConfig) -> tuple[RunSpec, dict | None]:
             f"{path} belongs to a run trained from {trained_from}, this command from "
             f"{'init_from=' + cfg.init_from if cfg.init_from else 'scratch'}. {ANOTHER_FOLDER}"
         )
-    base = read_base(cfg.init_from) if cfg.init_from and not stored else None
+    base = configured_base(cfg) if cfg.init_from and not stored else None
     precision = canonical_precision(cfg.trainer.precision)
     spec = resolve(cfg, config_pe_name(cfg), cfg.eval.enabled, precision, stored, base)
     if path:
