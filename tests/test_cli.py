@@ -112,3 +112,11 @@ def test_a_run_and_its_resume_say_they_are_alive_and_print_no_library_warnings(t
     line = r"^step (\d+) of {}: loss \d+\.\d+, [\d,]+ tokens/s; training ~\d+s left$"
     assert re.findall(line.format(10), first.stdout, re.M) == [str(s) for s in range(1, 11)]
     assert re.findall(line.format(20), resumed.stdout, re.M) == [str(s) for s in range(12, 21, 2)]
+
+
+def test_a_library_errors_first_line_is_what_a_one_line_error_quotes():
+    """A message of several lines gives its first; an empty one its type's name (an IndexError before)."""
+    from lenext.errors import first_line
+
+    assert first_line(ValueError("Unknown split 'x'.\nShould be one of ...")) == "Unknown split 'x'."
+    assert first_line(KeyError()) == "KeyError" and first_line(OSError("  ")) == "OSError"

@@ -7,7 +7,7 @@ from hydra.errors import InstantiationException
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lenext.attention import AttentionSettings
-from lenext.errors import ConfigError, LenextError
+from lenext.errors import ConfigError, LenextError, first_line
 
 # How libraries refuse settings when their objects are built (Lightning's Trainer: MisconfigurationException).
 REFUSALS = (ValueError, TypeError, MisconfigurationException)
@@ -31,7 +31,7 @@ def instantiate(node, key: str, **kwargs):
         # A library refuses settings with these; from lenext's own classes they are bugs (they raise ConfigError).
         if cause is not None and (not isinstance(cause, REFUSALS) or str(node.get("_target_")).startswith("lenext.")):
             raise cause from e
-        reason = str(cause or e).strip().splitlines()[0] if str(cause or e).strip() else type(cause).__name__
+        reason = first_line(cause or e)
         raise ConfigError(f"{key} is invalid: {node.get('_target_')} refused it: {reason}") from e
 
 

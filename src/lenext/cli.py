@@ -30,7 +30,15 @@ from omegaconf.errors import OmegaConfBaseException
 from lenext import schema
 from lenext.build import hydra_config, instantiate
 from lenext.data import LMDataModule
-from lenext.errors import ConfigError, LenextError, Stopped, ctrl_c_stops, errors_in_one_line, print_one_line
+from lenext.errors import (
+    ConfigError,
+    LenextError,
+    Stopped,
+    ctrl_c_stops,
+    errors_in_one_line,
+    first_line,
+    print_one_line,
+)
 from lenext.files import write_atomic
 from lenext.hardware import default_precision, keep_freed_memory
 from lenext.hf import evaluate_hf
@@ -274,7 +282,7 @@ def prepare_main() -> None:
             try:
                 cfg = compose("train", overrides=overrides)
             except (HydraException, OmegaConfBaseException) as e:
-                raise ConfigError(f"lenext-prepare {' '.join(overrides)}: {str(e).splitlines()[0]}") from None
+                raise ConfigError(f"lenext-prepare {' '.join(overrides)}: {first_line(e)}") from None
         scope = OmegaConf.masked_copy(cfg, ["data", "paths", "seed"])
         scope.paths.output_dir = "."  # a run's folder: there is no run
         schema.check(scope, TrainSettings, TRAIN_NODES)

@@ -30,7 +30,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from lenext.errors import ConfigError, DataError
+from lenext.errors import ConfigError, DataError, first_line
 from lenext.evaluate import TextEvaluation
 from lenext.files import atomic_path, write_atomic
 from lenext.protocols import PROTOCOLS, NonOverlapping, cap_windows
@@ -404,11 +404,6 @@ def unmakeable_folder(path: str) -> str | None:
     if existing != os.path.abspath(path) and not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable"
     return None
-
-
-def first_line(error: BaseException) -> str:
-    """An exception's message up to its first line break: a line of lenext's own error."""
-    return (str(error).strip() or type(error).__name__).splitlines()[0]
 
 
 def unreachable_hub() -> str | None:

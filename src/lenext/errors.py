@@ -30,6 +30,12 @@ def print_one_line(error: LenextError) -> None:
     print(f"error: {error}", file=sys.stderr)
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's message up to its first line break (its type's name when it has none): a part of one of
+    lenext's one-line errors."""
+    return (str(error).strip() or type(error).__name__).splitlines()[0]
+
+
 class ConfigError(LenextError):
     """A configuration value is invalid; the message names the key."""
 

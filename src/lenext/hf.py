@@ -29,7 +29,7 @@ from torch import nn
 from lenext import schema
 from lenext.build import instantiate
 from lenext.data import external_tokenizer, token_id_bound
-from lenext.errors import ConfigError, LengthNotSupported
+from lenext.errors import ConfigError, LengthNotSupported, first_line
 from lenext.evaluate import EvalSettings, sweep, sweep_plan
 from lenext.hardware import canonical_precision, machine_description
 from lenext.hf_self_extend import ATTENTION_NAME
@@ -83,7 +83,7 @@ def model_config(source: str, trust_remote_code: bool = False):
                 f"{where}: its model's code is not in transformers but in the folder; pass trust_remote_code=true "
                 "to run it (it runs code from there)"
             ) from None
-        raise ConfigError(f"{where} holds no model config transformers knows ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{where} holds no model config transformers knows ({first_line(e)})") from None
     except OSError as e:
         if os.path.isdir(source):  # its config.json is no JSON, or cannot be read
             raise ConfigError(f"{where} holds no model config transformers can read ({e})") from None
@@ -106,9 +106,9 @@ def load_model(source: str, trust_remote_code: bool = False, config=None):
             source, config=config, local_files_only=local, trust_remote_code=trust_remote_code, dtype=torch.float32
         )
     except ValueError as e:
-        raise ConfigError(f"{where}: {type(config).__name__} is not a causal LM ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{where}: {type(config).__name__} is not a causal LM ({first_line(e)})") from None
     except (OSError, SafetensorError) as e:  # none, or a damaged file (a truncated download)
-        raise ConfigError(f"{where} holds no weights transformers can load ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{where} holds no weights transformers can load ({first_line(e)})") from None
     model.eval()
     if not sees_only_the_past(model, config.vocab_size):
         raise ConfigError(

@@ -11,6 +11,7 @@ halves (Llama, Qwen2, Mistral and their kin); ``supports`` checks it on the mode
 import torch
 from torch import nn
 
+from lenext.errors import first_line
 from lenext.model import LOGIT_CHUNK_ELEMENTS
 from lenext.pe.rope import self_extend_window
 
@@ -102,7 +103,7 @@ def install(model, rotary: nn.Module, context: int) -> SelfExtendAttention | str
             model.set_attn_implementation(ATTENTION_NAME)
             got = model(input_ids=tokens, use_cache=False).logits
     except Exception as e:  # noqa: BLE001 - any failure means the patch does not fit this architecture
-        return f"its attention does not take the patch ({type(e).__name__}: {str(e).splitlines()[0]})"
+        return f"its attention does not take the patch ({type(e).__name__}: {first_line(e)})"
     finally:
         model.set_attn_implementation(trained)
     if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):

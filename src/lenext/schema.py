@@ -32,7 +32,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lenext.errors import ConfigError
+from lenext.errors import ConfigError, first_line
 from lenext.hardware import Precision
 from lenext.ranges import (
     Fraction,
@@ -114,7 +114,7 @@ def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]
             declarer = located(target)
         except (ImportError, ValueError) as e:
             where = f"{path}._target_" if path else "_target_"
-            cause = f"{type(e.__cause__).__name__}: {e.__cause__}" if e.__cause__ else str(e).splitlines()[0]
+            cause = f"{type(e.__cause__).__name__}: {e.__cause__}" if e.__cause__ else first_line(e)
             if (
                 isinstance(e.__cause__, ModuleNotFoundError) and e.__cause__.name == target
             ):  # the module has no such name
@@ -133,7 +133,7 @@ def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]
         try:
             value = node[key]
         except OmegaConfBaseException as e:
-            raise ConfigError(f"{full} cannot be resolved: {str(e).splitlines()[0]}") from None
+            raise ConfigError(f"{full} cannot be resolved: {first_line(e)}") from None
         built_with = getattr(declarer, "BUILT_WITH", ())
         if key in built_with:  # lenext passes it when it builds the object: a value here would be overridden
             settings = sorted(k for k in parameters if k != "**" and k not in built_with)
