@@ -326,9 +326,10 @@ def evaluate_hf(cfg: DictConfig) -> str:
         tokenizer, _ = external_tokenizer(source, "hf")
     model = load_model(source, cfg.trust_remote_code, config)
     embeds = model.get_input_embeddings().num_embeddings
-    if token_id_bound(tokenizer) > embeds:  # before the corpus is tokenized
+    ids = token_id_bound(tokenizer)
+    if ids > embeds:  # before the corpus is tokenized
         raise ConfigError(
-            f"hf={cfg.hf}: its tokenizer has {token_id_bound(tokenizer)} token ids, more than the {embeds} its model "
+            f"hf={cfg.hf}: its tokenizer has {ids} token ids, more than the {embeds} its model "
             "embeds (a tokenizer of another model?)"
         )
     net = HFLanguageModel(model, cfg.context)
