@@ -186,6 +186,29 @@ def test_rope_rotate_matches_explicit_rotation(scaling, factor):
         assert_close(kr.double(), rope_reference(k, inv_freq, attention), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scaling", [s for s in SCALINGS if s != "self_extend"])
+@pytest.mark.parametrize("pe_class", [RoPE, XPos])
+def test_a_float64_models_rotation_is_float64(pe_class, scaling):
+    """A float64 model, the oracles' reference, rotates in float64: its table was complex64 (and q, k cast to fp32),
+    7e-8 from the explicit rotation at 40 positions; xPos's decay too."""
+    pe = pe_class(AttentionShape(d_model=32, n_heads=2, n_layers=1, train_len=8))
+    pe.scaling = scaling  # factor null: s = L / C (what eval.variants switches)
+    q, k = torch.randn(2, 2, 2, 40, 16, dtype=torch.float64).unbind()
+    inv_freq, attention = rope_frequencies(16, 10000.0, scaling, pe.scaling_factor(40), 40, 8)
+    expected_q, expected_k = rope_reference(q, inv_freq, attention), rope_reference(k, inv_freq, attention)
+    if pe_class is XPos:
+        zeta = (torch.arange(0, 16, 2, dtype=torch.float64) / 16 + 0.4) / 1.4
+        decay = (zeta ** ((torch.arange(40, dtype=torch.float64)[:, None] - 20) / pe.scale_base)).repeat_interleave(
+            2, -1
+        )
+        expected_q, expected_k = expected_q * decay, expected_k / decay
+    got_q, got_k = rotate(pe, q, k)
+    assert got_q.dtype == got_k.dtype == torch.float64
+    assert_close(got_q, expected_q, atol=1e-13, rtol=1e-12)
+    assert_close(got_k, expected_k, atol=1e-13, rtol=1e-12)
+    assert rotate(pe, q.float(), k.float())[0].dtype == torch.float32  # and back: the table follows the input
+
+
 RELATIVE_PAIRS = [(0, 3), (2, 5), (7, 10), (20, 23), (60, 63)]  # n - m = 3, also far beyond train_len = 8
 
 
@@ -280,7 +303,7 @@ def test_dynamic_ntk_of_a_second_stage_follows_each_sequences_length(length):
     pairs = torch.view_as_complex(q.reshape(1, 2, length, dim // 2, 2).contiguous()) * torch.polar(
         torch.ones_like(angles), angles
     )
-    assert_close(got.double(), torch.view_as_real(pairs).flatten(-2), atol=1e-5, rtol=1e-5)
+    assert_close(got.double(), torch.view_as_real(pairs).flatten(-2), atol=1e-5, rtol=1e-5)  # transformers' fp32
 
 
 @pytest.mark.parametrize("scaling", ["dynamic_ntk", "self_extend"])

@@ -72,6 +72,16 @@ def test_self_extend_matches_longlm_outputs_and_gradients(length, train_len, win
         assert_close(g.double(), e.double(), atol=2e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_a_float64_models_self_extend_is_float64():
+    """Both rotations and the merged logits of a float64 model are float64 (they were fp32, 1e-7 off)."""
+    torch.manual_seed(1)
+    pe = RoPE(shape(16), scaling="self_extend", neighbor_window=4)
+    q, k, v = (torch.randn(2, HEADS, 64, HEAD_DIM, dtype=torch.float64) for _ in range(3))
+    got = self_extend(q, k, v, pe)
+    assert got.dtype == torch.float64
+    assert_close(got, longlm_attention(q, k, v, pe.group_size(64), 4), atol=1e-12, rtol=1e-12)
+
+
 def test_self_extend_differs_from_rope_beyond_the_window_only_when_grouping():
     """Within C (G = 1 with factor null) it is RoPE exactly; beyond C it is not."""
     torch.manual_seed(1)

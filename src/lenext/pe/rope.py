@@ -191,7 +191,7 @@ class Rotation:
         return 1.0 if rope.scaling in PER_LENGTH else max(1.0, length / rope.original_len)
 
     def rotate(self, rope: "RoPE", q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        rotations = rope._rotations(rope._span(positions), q.device)[positions][:, None]  # (B or 1, 1, L, d_head/2)
+        rotations = rope._rotations(rope._span(positions), q)[positions][:, None]  # (B or 1, 1, L, d_head/2)
         return _rotate(q, rotations), _rotate(k, rotations)
 
     def logits(self, rope: "RoPE", q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> Logits | None:
@@ -219,18 +219,18 @@ class SelfExtend(Rotation):
         of its neighbour and group attention weights."""
         span = rope._span(positions)
         group, window = rope.scaling_factor(span), rope.window
-        true = rope._rotations(span, q.device)[positions][:, None]  # (B or 1, 1, L, d_head/2)
+        true = rope._rotations(span, q)[positions][:, None]  # (B or 1, 1, L, d_head/2)
         grouped_keys = torch.div(positions, group, rounding_mode="floor")
         near_q, near_k = _rotate(q, true), _rotate(k, true)
-        far_q = _rotate(q, rope._rotations_at(grouped_keys + window - window / group, q.device))
-        far_k = _rotate(k, rope._rotations_at(grouped_keys, q.device))
+        far_q = _rotate(q, rope._rotations_at(grouped_keys + window - window / group, q))
+        far_k = _rotate(k, rope._rotations_at(grouped_keys, q))
         scale = q.size(-1) ** -0.5
 
-        def block(start: int, end: int) -> torch.Tensor:  # (B, H, end - start, end) fp32
+        def block(start: int, end: int) -> torch.Tensor:  # (B, H, end - start, end) fp32 (float64 for float64 q)
             near = near_q[:, :, start:end] @ near_k[:, :, :end].transpose(-2, -1)
             far = far_q[:, :, start:end] @ far_k[:, :, :end].transpose(-2, -1)
             neighbours = position_differences(positions[:, start:end], positions[:, :end]) < window
-            return torch.where(neighbours[:, None], near, far).float().mul_(scale)
+            return torch.where(neighbours[:, None], near, far).to(_real_dtype(q)).mul_(scale)
 
         return block
 
@@ -368,15 +368,16 @@ class RoPE(PositionalEncoding):
         inv_freq[self.rotated_pairs :] = 0
         return inv_freq, attention_factor
 
-    def _rotations(self, length: int, device: torch.device) -> torch.Tensor:
-        """(length, d_head/2) complex64 table e^{i p theta_t} of positions p < length, built once per
-        (length, scaling) in float64."""
+    def _rotations(self, length: int, like: torch.Tensor) -> torch.Tensor:
+        """(length, d_head/2) complex table e^{i p theta_t} of positions p < length for rotating ``like`` (complex64;
+        complex128 for float64), built once per (length, scaling) in float64."""
         key = (self.settings(length), self.fraction)
-        if key != self._cache_key or self.rotations.device != device:
+        device, dtype = like.device, _complex_dtype(like)
+        if key != self._cache_key or self.rotations.device != device or self.rotations.dtype != dtype:
             inv_freq, attention_factor = self.frequencies(length)
             angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
             magnitude = torch.full_like(angles, attention_factor)
-            self.rotations = torch.polar(magnitude, angles).to(device=device, dtype=torch.complex64)
+            self.rotations = torch.polar(magnitude, angles).to(device=device, dtype=dtype)
             self._cache_key = key
         return self.rotations
 
@@ -395,11 +396,14 @@ class RoPE(PositionalEncoding):
     def logits(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> Logits | None:
         return self.rotation.logits(self, q, k, positions)
 
-    def _rotations_at(self, positions: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """(B or 1, 1, L, d_head/2) complex64 e^{i p theta_t} at any (fractional) positions p, in float64."""
+    def _rotations_at(self, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """(B or 1, 1, L, d_head/2) e^{i p theta_t} at any (fractional) positions p, computed in float64, for
+        rotating ``like`` (complex64; complex128 for float64)."""
         inv_freq, attention_factor = self.frequencies(self._span(positions))
         angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
-        return torch.polar(torch.full_like(angles, attention_factor), angles)[:, None].to(device, torch.complex64)
+        return torch.polar(torch.full_like(angles, attention_factor), angles)[:, None].to(
+            like.device, _complex_dtype(like)
+        )
 
     @property
     def reads_qk(self) -> bool:
@@ -447,6 +451,15 @@ class RoPE(PositionalEncoding):
         )
 
 
+def _real_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype RoPE computes ``x``'s rotation in: fp32 (float64 for float64 x, as a float64 oracle needs)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _complex_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.complex128 if _real_dtype(x) == torch.float64 else torch.complex64
+
+
 def _rotate(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2).contiguous())  # (B, H, L, d/2)
+    pairs = torch.view_as_complex(x.to(_real_dtype(x)).reshape(*x.shape[:-1], -1, 2).contiguous())  # (B, H, L, d/2)
     return torch.view_as_real(pairs * rotations).flatten(-2).type_as(x)

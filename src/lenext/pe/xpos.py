@@ -72,11 +72,11 @@ class XPos(RoPE):
                 f"xPos with scale_base {self.scale_base:g} serves at most {self.max_length} positions: its decay "
                 f"factors at position {length - 1} overflow fp32 scores (raise pe.scale_base for longer sequences)"
             )
-        rotations = self._rotations(length, q.device)  # (span, d_head/2) complex64, cached by RoPE
-        if self._tables_key != (self._cache_key, q.device):  # once per length and scaling, not per layer
-            decay = self.decay(length, q.device).float()
+        rotations = self._rotations(length, q)  # (span, d_head/2) complex, cached by RoPE
+        if self._tables_key != (self._cache_key, q.device, rotations.dtype):  # once per length and scaling
+            decay = self.decay(length, q.device).to(rotations.real.dtype)
             self._query_table, self._key_table = rotations * decay, rotations / decay
-            self._tables_key = (self._cache_key, q.device)
+            self._tables_key = (self._cache_key, q.device, rotations.dtype)
         query_table, key_table = (table[positions][:, None] for table in (self._query_table, self._key_table))
         return _rotate(q, query_table), _rotate(k, key_table)  # tables (B or 1, 1, L, d_head/2)
 
