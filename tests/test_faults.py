@@ -375,6 +375,23 @@ def test_an_extension_preset_without_its_sweeps_base_says_where_init_from_came_f
     assert result.returncode == 1
     line = one_line(result)
     assert "rope_base_seed0/checkpoints/last.ckpt' does not exist" in line
+    assert "this init_from is set by extension=yarn" in line
     assert line.endswith("outside such a sweep, give init_from=<base run's last.ckpt>")
     typed = run_command(tmp_path, *overrides, f"init_from={tmp_path / 'no.ckpt'}")
-    assert typed.returncode == 1 and "is the preset's" not in one_line(typed)
+    assert typed.returncode == 1 and "set by" not in one_line(typed)
+
+
+@pytest.mark.parametrize("multirun", [False, True])
+def test_a_setting_an_extension_preset_gives_a_pe_without_it_names_the_preset(tmp_path, multirun):
+    """pe=alibi extension=yarn: the line named pe.scaling, which the user never typed; it now names the preset that
+    set it, in a run and in a sweep's check of its jobs, and not a key the command line set."""
+    sweep = ["-m", f"hydra.sweep.dir={tmp_path / 'sweep'}"] if multirun else [f"hydra.run.dir={tmp_path / 'run'}"]
+    result = run_command(tmp_path, *sweep, "pe=alibi", "extension=yarn")
+    assert result.returncode == 1
+    assert one_line(result).endswith(
+        "pe.scaling is not a setting of lenext.pe.ALiBi; the settings there: none (pe.scaling is set by "
+        f"extension=yarn, not on the command line){'; no job was started' if multirun else ''}"
+    )
+    assert not (tmp_path / "run").exists() and not (tmp_path / "sweep").exists()
+    typed = run_command(tmp_path, *sweep, "pe=alibi", "extension=yarn", "pe.scaling=yarn")
+    assert typed.returncode == 1 and "set by" not in one_line(typed)

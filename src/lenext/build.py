@@ -1,7 +1,10 @@
 """Objects from config nodes: ``instantiate`` (every refusal as one line) and the one place a model is built (runs,
 eval.py, benchmarks)."""
 
+from importlib import resources
+
 import hydra
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -35,8 +38,42 @@ def instantiate(node, key: str, **kwargs):
         raise ConfigError(f"{key} is invalid: {node.get('_target_')} refused it: {reason}") from e
 
 
+CONFIG_PACKAGE = "lenext.configs"
+_UNSET = object()
+
+
 def hydra_config() -> HydraConfig | None:
     return HydraConfig.get() if HydraConfig.initialized() else None
+
+
+def preset_of(key: str) -> str | None:
+    """The config group choice whose file sets ``key`` (``extension=yarn``), when the command line does not set it:
+    a refusal names it, since the user never typed the value. Files a group's option draws from its own group
+    (``defaults: [stage]``) count as the option's."""
+    hydra_cfg = hydra_config()
+    if hydra_cfg is None or any(o.lstrip("+~").split("=", 1)[0] == key for o in hydra_cfg.overrides.task):
+        return None
+    for group, option in hydra_cfg.runtime.choices.items():
+        if isinstance(option, str) and not group.startswith("hydra") and _sets(group, option, key):
+            return f"{group}={option}"
+    return None
+
+
+def _sets(group: str, option: str, key: str) -> bool:
+    source = resources.files(CONFIG_PACKAGE).joinpath(*group.split("/"), f"{option}.yaml")
+    if not source.is_file():
+        return False
+    text = source.read_text()
+    node = yaml.safe_load(text) or {}  # as written: its interpolations need the whole config
+    package = "" if text.startswith("# @package _global_") else group.replace("/", ".") + "."
+    if key.startswith(package):
+        value = node
+        for part in key.removeprefix(package).split("."):
+            value = value.get(part, _UNSET) if isinstance(value, dict) else _UNSET
+        if value is not _UNSET:
+            return True
+    drawn = [entry for entry in node.get("defaults") or () if isinstance(entry, str) and entry != "_self_"]
+    return any(_sets(group, entry, key) for entry in drawn)
 
 
 def build_decoder(config: dict, train_len: int, reach: int, vocab_size: int):

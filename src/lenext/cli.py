@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from lenext import schema
-from lenext.build import hydra_config, instantiate
+from lenext.build import CONFIG_PACKAGE, hydra_config, instantiate
 from lenext.data import LMDataModule
 from lenext.errors import (
     ConfigError,
@@ -47,10 +47,8 @@ from lenext.progress import sweep_grid
 from lenext.resolve import RENAMED_KEYS, TRAIN_NODES, TrainSettings
 from lenext.results import ERROR_FILE
 from lenext.run import evaluate_checkpoint, train
-from lenext.run_folder import preflight
+from lenext.run_folder import check_settings, preflight
 from lenext.schema import HYDRA_KEYS, did_you_mean
-
-CONFIG_PACKAGE = "lenext.configs"
 
 # ${auto_precision:<accelerator>}: bf16-mixed on CUDA and on CPUs with native bf16, 32-true elsewhere.
 OmegaConf.register_new_resolver("auto_precision", default_precision, replace=True)
@@ -219,7 +217,7 @@ def check_sweep_jobs(parsed: list, preset_params: dict | None) -> None:
             if not cfg.get("init_from"):
                 preflight(cfg, TrainSettings, TRAIN_NODES, sweeps=cfg.eval.enabled)
             else:
-                schema.check(cfg, TrainSettings, TRAIN_NODES)
+                check_settings(cfg, TrainSettings, TRAIN_NODES)
         except (HydraException, OmegaConfBaseException) as e:
             problem = not_a_setting("train", task, e)
             if problem is None:
@@ -229,7 +227,7 @@ def check_sweep_jobs(parsed: list, preset_params: dict | None) -> None:
         else:
             continue
         named = " ".join(line for line in job if line.split("=", 1)[0] in swept)
-        raise ConfigError(f"job {number} of the sweep ({named}): {problem}; no job was started")
+        raise ConfigError(f"job {number} of the sweep{f' ({named})' if named else ''}: {problem}; no job was started")
 
 
 def group_options(group: str) -> list[str]:

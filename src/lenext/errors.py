@@ -37,7 +37,11 @@ def first_line(error: BaseException) -> str:
 
 
 class ConfigError(LenextError):
-    """A configuration value is invalid; the message names the key."""
+    """A configuration value is invalid; the message names the key (``key``, where one key is the problem)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 class DataError(LenextError):

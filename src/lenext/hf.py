@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lenext import schema
-from lenext.build import instantiate
+from lenext.build import CONFIG_PACKAGE, instantiate
 from lenext.data import external_tokenizer, token_id_bound
 from lenext.errors import ConfigError, LengthNotSupported, first_line
 from lenext.evaluate import EvalSettings, sweep, sweep_plan
@@ -333,7 +333,7 @@ def evaluate_hf(cfg: DictConfig) -> str:
             "embeds (a tokenizer of another model?)"
         )
     net = HFLanguageModel(model, cfg.context)
-    data_node = cfg.data if cfg.get("data") else OmegaConf.load(resources.files("lenext.configs") / "data/sotu.yaml")
+    data_node = cfg.data if cfg.get("data") else OmegaConf.load(resources.files(CONFIG_PACKAGE) / "data/sotu.yaml")
     if data_node.get("tokenizer") not in (None, cfg.hf, source):
         raise ConfigError(f"data.tokenizer={data_node.tokenizer} is invalid with hf=: the model's tokenizer is used")
     # seed: the training order, which evaluation does not use; the file's own reads a run's seed, which has none.

@@ -31,6 +31,7 @@ from lenext.resolve import EVAL_NODES, TRAIN_NODES, EvalScriptSettings, TrainSet
 from lenext.results import RESULTS_FILE, code_commit, format_rows, run_metadata, training_precision, write_results
 from lenext.run_folder import (
     FINISHED_IDENTITY,
+    check_settings,
     completed_results,
     refuse_a_training_runs_folder,
     resolve_training,
@@ -53,7 +54,7 @@ def train(cfg: DictConfig) -> dict:
     A run whose output folder already holds a complete results file is skipped, and one with a
     last.ckpt resumes from it: re-launching an interrupted sweep redoes only what did not finish.
     """
-    schema.check(cfg, TrainSettings, TRAIN_NODES)
+    check_settings(cfg, TrainSettings, TRAIN_NODES)
     if cfg.init_from:  # identities compare it, and a later working folder must not change which file it is
         cfg.init_from = os.path.abspath(os.path.expanduser(cfg.init_from))
     done = completed_results(cfg)

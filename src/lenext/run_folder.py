@@ -12,7 +12,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from lenext import schema
-from lenext.build import hydra_config
+from lenext.build import preset_of
 from lenext.checkpoints import Base, load_checkpoint, read_base, stored_spec
 from lenext.errors import CheckpointError, ConfigError, errors_in_one_line
 from lenext.hardware import canonical_precision
@@ -204,8 +204,19 @@ def resume_checkpoint(cfg: DictConfig) -> tuple[str, RunSpec] | None:
 def preflight(cfg: DictConfig, settings: type | None, nodes: dict[str, type], sweeps: bool = True) -> RunSpec:
     """Everything a run will use, checked before any work: every key's type and range (``schema.check``), then
     the settings that only fail together, while resolving the run (``resolve``; a second stage's base read)."""
-    schema.check(cfg, settings, nodes)
+    check_settings(cfg, settings, nodes)
     return resolve(cfg, config_pe_name(cfg), sweeps, base=configured_base(cfg) if cfg.get("init_from") else None)
+
+
+def check_settings(cfg: DictConfig, settings: type | None, nodes: dict[str, type]) -> None:
+    """``schema.check``; a refused key that a preset set, not the command line, is said to be the preset's."""
+    try:
+        schema.check(cfg, settings, nodes)
+    except ConfigError as e:
+        preset = preset_of(e.key) if e.key else None
+        if preset is None:
+            raise
+        raise ConfigError(f"{e} ({e.key} is set by {preset}, not on the command line)", e.key) from None
 
 
 def configured_base(cfg: DictConfig) -> Base:
@@ -214,14 +225,12 @@ def configured_base(cfg: DictConfig) -> Base:
     try:
         return read_base(cfg.init_from)
     except CheckpointError as e:
-        hydra_cfg = hydra_config()
-        given = hydra_cfg is None or any(o.lstrip("+~").startswith("init_from=") for o in hydra_cfg.overrides.task)
-        if given or not hydra_cfg.runtime.choices.get("extension") or os.path.exists(cfg.init_from):
+        preset = preset_of("init_from")
+        if preset is None or os.path.exists(cfg.init_from):
             raise
         raise CheckpointError(
-            f"{e}; this init_from is the preset's (extension=...: the base of the same PE and seed in the sweep "
-            "folder, which experiment=extension trains first): outside such a sweep, give init_from=<base run's "
-            "last.ckpt>"
+            f"{e}; this init_from is set by {preset} (the base of the same PE and seed in the sweep folder, which "
+            "experiment=extension trains first): outside such a sweep, give init_from=<base run's last.ckpt>"
         ) from None
 
 

@@ -93,7 +93,7 @@ def check(cfg: DictConfig, settings: type | None, declared: dict[str, type]) -> 
 def _refuse_unless_conforms(full: str, value, expected, source: str = "") -> None:
     if not conforms(value, expected):
         shown = OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
-        raise ConfigError(f"{full}={shown!r}{source} is invalid: it must be {describe(expected)}")
+        raise ConfigError(f"{full}={shown!r}{source} is invalid: it must be {describe(expected)}", full)
 
 
 def located(target: str):
@@ -139,7 +139,8 @@ def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]
             settings = sorted(k for k in parameters if k != "**" and k not in built_with)
             raise ConfigError(
                 f"{full} is not a setting: lenext gives {target or 'this object'} its {key} when it builds it; "
-                f"the settings there: {', '.join(settings) or 'none'}"
+                f"the settings there: {', '.join(settings) or 'none'}",
+                full,
             )
         expected = LIBRARY_RANGES.get(declarer, {}).get(key) or (parameters or {}).get(key)
         # Sub-nodes are checked on their own, unless the declarer types the key (a mapping it takes as a value).
@@ -171,7 +172,8 @@ def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]
             settings = sorted(k for k in parameters if k != "**" and k not in built_with)
             raise ConfigError(
                 f"{full} is not a setting of {target or 'this config'}{did_you_mean(key, settings, path)}; "
-                f"the settings there: {', '.join(settings) or 'none'}"
+                f"the settings there: {', '.join(settings) or 'none'}",
+                full,
             )
         if OmegaConf.is_interpolation(node, key):
             copies.append((full, value, expected, node._get_node(key)._value()))
