@@ -7,7 +7,7 @@ import os
 import pandas as pd
 import pytest
 
-from lenext.report import TableKey, collect, family, find_runs, load, main, report, summarize
+from lenext.report import Summary, TableKey, collect, family, find_runs, load, main, report, summarize
 
 HARDWARE = {"cpu": "AMD EPYC", "isa": "AVX512_BF16", "cores": 2, "gpu": None, "training_precision": "bf16-mixed"}
 
@@ -302,6 +302,17 @@ def test_a_job_whose_latest_attempt_failed_is_listed_as_failed(tmp_path, capsys)
     assert "| alibi |" in out and "| rope |" not in out and "failed: data.max_len=0 is invalid" in out
 
 
+def test_a_hand_written_error_file_is_listed_on_one_line_and_row_fields_without_attention_load(tmp_path, capsys):
+    """A multi-line error.txt broke the list's Markdown (its second line outside the bullet), and meta.row_fields
+    without ``attention`` (which the check of the file let pass) stopped the whole report with a KeyError."""
+    write_run(tmp_path / "0", "alibi", 0, {64: 20.0}, meta={"row_fields": {"pe": "alibi", "positions": "sequential"}})
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "error.txt").write_text("out of memory\n  at step 3\n")
+    main([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| alibi |" in out and "failed: out of memory at step 3\n" in out
+
+
 def second_stage(base: str, method: str, length: int = 256) -> dict:
     """The meta of a second stage of ``base`` (row ``<base> -> <method>@<length>``), as train.py writes it."""
     stage = {"checkpoint": f"/runs/{base}/last.ckpt", "row": base, "train_len": 64, "reach": 64, "steps": 100}
@@ -479,8 +490,6 @@ def test_per_position_curves_pool_the_seeds_of_the_longest_length_and_keep_a_div
 
 
 def test_a_diverged_seeds_validation_curve_makes_the_adaptation_mean_nan(tmp_path):
-    from lenext.report import Summary
-
     for seed, ppl in enumerate(("2.0", "4.0", "nan")):
         write_run(
             tmp_path / str(seed), "rope", seed, {64: 5.0, 256: 4.0}, train_len=256, meta=second_stage("rope", "pi")
@@ -492,3 +501,31 @@ def test_a_diverged_seeds_validation_curve_makes_the_adaptation_mean_nan(tmp_pat
     curve = Summary(load([str(tmp_path)])).adaptation.set_index("step")
     assert list(curve.index) == [50, 99] and (curve.seeds == 3).all()
     assert curve["mean"][50] == 3.0 and math.isnan(curve["mean"][99])
+
+
+def test_a_second_stage_of_bases_trained_at_other_lengths_pools_neither_its_table_nor_its_adaptation(tmp_path):
+    """Two PI stages toward 256, one from a base trained at 64, one from a base at 128 (an audit found them pooled as
+    one seed each of one row, or the second dropped as a repeat of the first, and their curves averaged)."""
+    for folder, base_len, ppl in (("a", 64, "3.0"), ("b", 128, "5.0")):
+        stage = second_stage("rope", "pi")
+        stage["base_len"] = stage["lineage"][0]["train_len"] = base_len
+        write_run(tmp_path / folder, "rope", 0, {256: float(ppl)}, train_len=256, meta=stage)
+        (tmp_path / folder / "csv").mkdir()
+        (tmp_path / folder / "csv" / "metrics.csv").write_text(f"step,train/loss,val/ppl\n49,,{ppl}\n99,,{ppl}\n")
+    summary = Summary(load([str(tmp_path)]))
+    assert {key.train_len for key in summary.tables} == {64, 128}
+    assert not summary.loaded.repeats
+    curves = summary.adaptation
+    assert curves.groupby("train_len")["mean"].first().to_dict() == {64: 3.0, 128: 5.0}
+    assert (curves.seeds == 1).all()
+
+
+def test_a_report_replaces_an_earlier_reports_files_and_leaves_others(tmp_path, sweep_dir):
+    """A report into a folder holding another study's report removes that report's tables, figures and their data
+    (they stayed beside the new tables); files that are not a report's stay."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("adaptation.csv", "passkey_depth.csv", "passkey_depth.png", "ppl_vs_length.png", "notes.txt"):
+        (out / name).write_text("earlier")
+    report([str(sweep_dir)], str(out), figures=False)
+    assert sorted(os.listdir(out)) == ["notes.txt", "per_position.csv", "table.csv", "table.md", "table.tex"]

@@ -403,3 +403,18 @@ def test_no_std_bar_reaches_past_the_values_its_metric_can_take(tmp_path):
     assert at_128 == pytest.approx((1.0, 2.005 + pd.Series([3.0, 1.01]).std()))
     bars = figures.bounded_error([0.98, 0.5], [0.1, 0.1], (0.0, 1.0))
     assert bars.ravel().tolist() == pytest.approx([0.1, 0.1, 0.02, 0.1])  # (lower, upper) lengths
+
+
+def test_a_row_with_fewer_seeds_at_some_lengths_says_so_in_its_legend(tmp_path):
+    """A row whose seeds did not all reach every length: its legend entry gives the range of seeds (the figure said
+    "over 2 seeds" of a point that had one, where the table said 1-2)."""
+    from lenext.report import Summary, load
+
+    write_run(tmp_path / "0", "alibi", 0, {64: 20.0, 128: 19.0})
+    write_run(tmp_path / "1", "alibi", 1, {64: 21.0})  # seed 1 has no row at 128
+    for seed in range(2):
+        write_run(tmp_path / f"rope{seed}", "rope", seed, {64: 21.0 + seed, 128: 40.0 + seed})
+    fig = figures.FIGURES["ppl_vs_length.png"](Summary(load([str(tmp_path)])))
+    names = {row_of(name): name for _, name, _, _ in drawn_lines(fig)}
+    assert names == {"alibi": "alibi [1-2 seeds]", "rope": "rope"}
+    assert "mean ± std over 2 seeds (other counts in [ ])" in " ".join(fig._suptitle.get_text().split())

@@ -20,10 +20,12 @@ def write_results(folder: Path, meta: dict, rows: list[dict]) -> None:
     (folder / "results.json").write_text(json.dumps({"complete": True, "meta": meta, "rows": rows}))
 
 
-def t5_run(folder: Path, seed: int, max_distance: int, ppls: dict, configured=None, checkpoint=None, **settings):
+def t5_run(
+    folder: Path, seed: int, max_distance: int, ppls: dict, configured=None, checkpoint=None, meta=None, **settings
+):
     """A T5 run in the current layout: built with ``max_distance``, configured as ``configured`` (null: the
     default, which the code resolves), evaluated by train.py, or by eval.py from ``checkpoint``; ``settings``
-    override its identity's."""
+    override its identity's, ``meta`` its meta's keys."""
     identity = {
         "model.d_model": 32,
         "pe._target_": "lenext.pe.T5Bias",
@@ -60,6 +62,7 @@ def t5_run(folder: Path, seed: int, max_distance: int, ppls: dict, configured=No
         "identity": identity,
         "lineage": [],
         **({"checkpoint": checkpoint} if checkpoint else {}),
+        **(meta or {}),
     }
     rows = [
         {
@@ -121,6 +124,37 @@ def test_a_run_and_its_re_evaluation_by_eval_py_get_two_rows(tmp_path):
         "t5 (eval.py) [eval.factors=[1,2]]",
         "t5 (eval.py) [eval.factors=[32]]",
     }
+
+
+TRAINED = {
+    "hardware": {"cpu": "AMD EPYC", "isa": "AVX512_BF16", "cores": 2, "training_precision": "bf16-mixed"},
+    "precision": "bf16-mixed",
+    "tokens_trained": 6400,
+    "run": {"config": {"trainer": {"gradient_clip_val": 1.0}}},
+}
+
+
+@pytest.mark.parametrize(
+    "changed, setting",
+    [
+        ({"hardware": {**TRAINED["hardware"], "training_precision": "32-true"}}, "precision.trained=32-true"),
+        ({"precision": "32-true"}, "precision.evaluated=32-true"),
+        ({"tokens_trained": 4 * 6400}, "tokens_trained=25600"),  # four devices: a batch four times as large
+        ({"run": {"config": {"trainer": {"gradient_clip_val": 0.0}}}}, "trainer.gradient_clip_val=0.0"),
+    ],
+)
+def test_runs_trained_or_evaluated_otherwise_than_their_identity_records_are_not_seeds_of_one_row(
+    tmp_path, changed, setting
+):
+    """What meta.identity leaves to the trainer (the precision trained and evaluated in, the devices' batch, the
+    gradient clipping) separates runs too: an audit found such runs pooled as seeds of one row, or the second of a
+    seed dropped as a repeat (an fp32 study reported with a bf16 one lost every fp32 run)."""
+    t5_run(tmp_path / "0", 0, 64, {64: 30.0}, meta=TRAINED)
+    t5_run(tmp_path / "1", 0, 64, {64: 32.0}, meta=TRAINED | changed)
+    loaded = load([str(tmp_path)])
+    assert not loaded.repeats
+    rows = list(Summary(loaded).tables[TableKey(64, "nonoverlap")].index)
+    assert len(rows) == 2 and any(setting in row for row in rows), rows
 
 
 def test_runs_at_other_training_settings_are_labelled_by_each_setting_that_differs(tmp_path):

@@ -145,7 +145,11 @@ def optional_fields(meta: dict) -> dict:
         return node.get(key) if isinstance(node, dict) else None
 
     row_fields, lineage, hardware, identity = (meta.get(k) for k in ("row_fields", "lineage", "hardware", "identity"))
+    run = meta.get("run")
     fields = {
+        "meta.run": (run, (dict, type(None))),
+        "meta.run.config": (at(run, "config"), (dict, type(None))),
+        "meta.run.config.trainer": (at(at(run, "config"), "trainer"), (dict, type(None))),
         "meta.row_fields": (row_fields, (dict, type(None))),
         "meta.lineage": (lineage, (list, type(None))),
         "meta.identity": (identity, (dict, type(None))),
@@ -158,6 +162,7 @@ def optional_fields(meta: dict) -> dict:
         fields |= {
             f"meta.lineage[{i}].row": (at(stage, "row"), str),
             f"meta.lineage[{i}].steps": (at(stage, "steps"), int),
+            f"meta.lineage[{i}].train_len": (at(stage, "train_len"), (int, type(None))),
         }
     if isinstance(hardware, dict) and hardware and not hardware.get("gpu"):  # a CPU's: its model, ISA and cores
         fields |= {

@@ -1,6 +1,7 @@
 """The report as a command: ``lenext-report <folders...> [--out DIR]`` (or ``python -m lenext.report``)."""
 
 import argparse
+import fnmatch
 import os
 import sys
 import tempfile
@@ -9,13 +10,15 @@ import pandas as pd
 
 from lenext.errors import errors_in_one_line
 from lenext.files import write_atomic
-from lenext.report.figures import write_figures
+from lenext.report.figures import FIGURES, write_figures
 from lenext.report.load import load
 from lenext.report.stats import DEPTH_KEY, Summary
 from lenext.report.tables import report_markdown, to_csv, to_latex
 from lenext.results import RESULTS_FILE
 
 DESCRIPTION = "Results files -> paper-style tables (Markdown, LaTeX, CSV) and plots (PNG)."
+TABLE_FILES = ("table.md", "table.tex", "table.csv")
+DATA_FILES = ("per_position.csv", "adaptation.csv", "diagnostics.csv", "diagnostics_vs_ppl.csv", "*_depth.csv")
 
 
 def data_files(summary: Summary) -> dict[str, str]:
@@ -24,11 +27,12 @@ def data_files(summary: Summary) -> dict[str, str]:
     diagnostics and copying score: ``lenext.report.stats.diagnostic_statistics``) and diagnostics_vs_ppl.csv (each
     diagnostic's rank correlation with the perplexity ratio: ``diagnostic_correlations``), a row's label in the
     column ``pe``, as the tables' CSV names it (``row`` for adaptation)."""
+    per_position, adaptation, diagnostics, correlations, _ = DATA_FILES
     frames = {
-        "per_position.csv": (summary.positions, "%.6f"),
-        "adaptation.csv": (summary.adaptation, "%.4f"),
-        "diagnostics.csv": (summary.diagnostics, "%.6f"),
-        "diagnostics_vs_ppl.csv": (summary.diagnostic_correlations, "%.4f"),
+        per_position: (summary.positions, "%.6f"),
+        adaptation: (summary.adaptation, "%.4f"),
+        diagnostics: (summary.diagnostics, "%.6f"),
+        correlations: (summary.diagnostic_correlations, "%.4f"),
         **{name: (grid, "%.4f") for name, grid in depth_csvs(summary.depths).items()},
     }
     return {
@@ -70,14 +74,24 @@ def report(folders: list[str], out: str, figures: bool = True) -> str:
     summary = Summary(loaded)
     markdown = report_markdown(summary.tables, loaded)
     os.makedirs(out, exist_ok=True)
-    write_atomic(os.path.join(out, "table.md"), markdown)
-    write_atomic(os.path.join(out, "table.tex"), to_latex(summary.tables))
-    write_atomic(os.path.join(out, "table.csv"), to_csv(summary.tables))
+    remove_earlier_report(out)
+    for name, text in zip(TABLE_FILES, (markdown, to_latex(summary.tables), to_csv(summary.tables)), strict=True):
+        write_atomic(os.path.join(out, name), text)
     for name, text in data_files(summary).items():
         write_atomic(os.path.join(out, name), text)
     if figures:
         write_figures(summary, out)
     return markdown
+
+
+def remove_earlier_report(out: str) -> None:
+    """Remove what an earlier report wrote into ``out`` (its tables, figures and their data, by name), so that no
+    file of another study, or of these runs before, stays beside this report's; other files are left alone."""
+    owned = (*TABLE_FILES, *DATA_FILES, *FIGURES)
+    for name in os.listdir(out):
+        path = os.path.join(out, name)
+        if os.path.isfile(path) and any(fnmatch.fnmatchcase(name, pattern) for pattern in owned):
+            os.remove(path)
 
 
 def unwritable(out: str) -> str | None:

@@ -502,12 +502,15 @@ def coverage(tables: list[tuple[Table, list[str]]], info: pd.DataFrame) -> tuple
     runs that did not learn their task are kept out beyond L_train, that rule), and per (table key, label) what its
     legend entry adds where the row's seeds differ from the note's (``[1 seed]``, ``[2 of 3 seeds learned it]``)."""
     seeds, learned = {}, {}
+    fewest = {}
     for table, labels in tables:
-        counts = table.cells.n.groupby(level="label").max()
+        counted = table.cells.n[table.cells.n > 0].groupby(level="label")
+        most, least = counted.max(), counted.min()
         for label in labels:
-            total = int(counts.get(label, 0))
+            total = int(most.get(label, 0))
             excluded = unlearned_seeds(table, info, label)
             seeds[table.key, label] = total
+            fewest[table.key, label] = int(least.get(label, total))
             learned[table.key, label] = total - len(excluded) if excluded else None
     common = Counter(seeds.values()).most_common(1)[0][0] if seeds else 0
     marks = {}
@@ -518,10 +521,12 @@ def coverage(tables: list[tuple[Table, list[str]]], info: pd.DataFrame) -> tuple
             )
         elif total == 0:  # measured, without a value at any length (no key token)
             marks[key] = " [no value]"
+        elif fewest[key] < total:  # some lengths have fewer seeds (a run that did not reach them)
+            marks[key] = f" [{fewest[key]}-{total} seeds]"
         elif total != common:
             marks[key] = f" [{total} seed{'s' * (total != 1)}]"
     note = f"mean ± std over {common} seeds" if common > 1 else "one seed (no spread)"
-    if any(total != common for total in seeds.values()):
+    if any(total != common or fewest[key] < total for key, total in seeds.items()):
         note += " (other counts in [ ])"
     if any(value is not None for value in learned.values()):
         note += (
@@ -1003,8 +1008,8 @@ def adaptation(summary: Summary):
         return None
     info = row_info(summary)
     section = []  # few panels: side by side
-    for length in sorted(frame.val_len.unique()):
-        of_length = frame[frame.val_len == length]
+    several_bases = frame.train_len.nunique() > 1
+    for (train_len, length), of_length in frame.groupby(["train_len", "val_len"]):
         rows = list(of_length.row.unique())
         roots = roots_of(summary, rows)
         several = [root for root, n in Counter(roots).items() if n > 1]
@@ -1019,7 +1024,9 @@ def adaptation(summary: Summary):
         for panel in panels:
             curves = {row: of_length[of_length.row == row] for row in panel.labels}
             drawn = Drawn(panel, (length, curves), {})
-            drawn.holds = f"{panel.holds} · validating at L = {length}"
+            drawn.holds = (
+                f"{panel.holds} · {f'L_train = {train_len}, ' if several_bases else ''}validating at L = {length}"
+            )
             drawn.takeaway = adaptation_takeaway(curves)
             drawn.title_lines = title_lines(drawn.holds, drawn.takeaway)
             section.append(drawn)

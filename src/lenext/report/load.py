@@ -77,7 +77,7 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
                 or os.path.getmtime(os.path.join(root, ERROR_FILE)) > os.path.getmtime(os.path.join(root, RESULTS_FILE))
             ):  # the latest attempt failed, whatever an earlier one left
                 with open(os.path.join(root, ERROR_FILE), encoding="utf-8", errors="replace") as f:
-                    incomplete.append((root, f"failed: {f.read().strip()}"))
+                    incomplete.append((root, f"failed: {' '.join(f.read().split())}"))  # one line, as listed
             elif RESULTS_FILE in files:
                 try:
                     with open(os.path.join(root, RESULTS_FILE), encoding="utf-8") as f:
@@ -158,7 +158,7 @@ def row_fields(meta: dict) -> Row:
     """The run's row as structure: ``meta.row_fields``; for files written before it, read back from its label
     (``meta.row``: the one place a label is parsed), or made from its PE and positions where it has none."""
     if meta.get("row_fields"):
-        return Row(**{**meta["row_fields"], "attention": tuple(meta["row_fields"]["attention"])})
+        return Row(**{**meta["row_fields"], "attention": tuple(meta["row_fields"].get("attention", ()))})
     scheme = (meta.get("positions") or {}).get("train", "sequential")
     label = meta.get("row")
     if not label:
@@ -176,28 +176,38 @@ def row_fields(meta: dict) -> Row:
 def settings(meta: dict) -> dict:
     """What a run measures, as flat settings, less its seed: runs are pooled over seeds only when these are equal.
 
-    ``meta.identity`` where the file keeps it (``data.seed`` left out when it follows the seed; ``init_from``, a path
-    of its own per seed, as its base's row and steps); for older files what they record: the model, L_train, the
-    training positions and tokens. Both with the PE resolved (``pe.*``: its config, each default the code derives
-    replaced by the value the PE was built with, from ``meta.pe``), the row, the split evaluated and whether
-    eval.py re-evaluated a checkpoint (``evaluated_by``)."""
+    ``meta.identity`` where the file keeps it (``data.seed`` left out when it follows the seed); for older files
+    what they record: the model, L_train and the training positions. A second stage's ``init_from``, a path of its
+    own per seed, as its base's row, L_train and steps (``meta.lineage``). With the PE resolved (``pe.*``: its
+    config, each default the code derives replaced by the value the PE was built with, from ``meta.pe``), the row,
+    the split evaluated, whether eval.py re-evaluated a checkpoint (``evaluated_by``), and what the identity leaves
+    to the trainer: the tokens trained (the batch over every device and the steps: which checkpoint eval.py read),
+    the precision trained and evaluated in, and the gradient clipping."""
     identity = meta.get("identity")
     if isinstance(identity, dict):
         described = {key: value for key, value in identity.items() if key != "seed" and not key.startswith("pe.")}
         if described.get("data.seed") == meta["seed"]:  # data.seed defaults to ${seed}
             del described["data.seed"]
-        if described.get("init_from") and meta.get("lineage"):
-            base = meta["lineage"][-1]
-            del described["init_from"]
-            described |= {"init_from.row": base["row"], "init_from.steps": base["steps"]}
     else:
         described = flat({"model": meta.get("model") or {}})
-        described |= {"data.max_len": meta["train_len"], "tokens_trained": meta.get("tokens_trained")}
+        described["data.max_len"] = meta["train_len"]
         if meta.get("positions"):
             described["train.positions"] = meta["positions"]["train"]
+    if meta.get("lineage"):  # a second stage: its base as the row, L_train and steps it was trained to
+        base = meta["lineage"][-1]
+        described.pop("init_from", None)
+        described |= {"init_from.row": base["row"], "init_from.steps": base["steps"]}
+        described["init_from.train_len"] = base.get("train_len")
     described |= flat({"pe": {**(meta.get("pe_config") or {}), **meta["pe"]}})
     described |= {"row": meta["row"], "split": meta.get("split")}
     described[EVALUATED_BY] = RE_EVALUATION if "checkpoint" in meta else "train.py"
+    trainer = (((meta.get("run") or {}).get("config") or {}).get("trainer")) or {}
+    described |= {
+        "tokens_trained": meta.get("tokens_trained"),
+        "precision.trained": (meta.get("hardware") or {}).get("training_precision"),
+        "precision.evaluated": meta.get("precision"),
+        "trainer.gradient_clip_val": trainer.get("gradient_clip_val"),
+    }
     return described
 
 

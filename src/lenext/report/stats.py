@@ -289,8 +289,9 @@ def binned_positions(runs: list[Run]) -> pd.DataFrame:
 
 
 def adaptation(runs: list[Run]) -> pd.DataFrame:
-    """Second stages' validation perplexity against fine-tuning steps, mean and std over seeds. Columns: val_len (the
-    stage's training length, where it validates), row, step, mean, std, seeds."""
+    """Second stages' validation perplexity against fine-tuning steps, mean and std over seeds. Columns: train_len
+    (the base's, as the tables'), val_len (the stage's training length, where it validates), row, step, mean, std,
+    seeds."""
     records = []
     for run in runs:
         validations = validation_curve(run)
@@ -303,10 +304,13 @@ def adaptation(runs: list[Run]) -> pd.DataFrame:
             if step == last and last - 1 in set(validations.step):
                 continue
             done = int(step) + (step < last)
-            records.append({"row": run.label(None), "val_len": run.meta["train_len"], "step": done, "ppl": ppl})
+            records.append(
+                {"train_len": run.table_len, "val_len": run.meta["train_len"], "row": run.label(None), "step": done}
+                | {"ppl": ppl}
+            )
     if not records:
         return pd.DataFrame()
-    grouped = pd.DataFrame(records).groupby(["val_len", "row", "step"], sort=False)
+    grouped = pd.DataFrame(records).groupby(["train_len", "val_len", "row", "step"], sort=False)
     return grouped.agg(mean=("ppl", seed_mean), std=("ppl", seed_std), seeds=("ppl", "size")).reset_index()
 
 
