@@ -226,6 +226,11 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_written(
     assert [p.name for p in taken.iterdir()] == ["notes.txt"]
     assert export(checkpoint, str(taken), force=True, cache_dir=cache_dir)[0] == "gpt_neox"
     assert not (taken / "notes.txt").exists() and (taken / "config.json").exists()
+    a_file = tmp_path / "results.txt"  # --force replaced a file by a folder (an audit found it deleted)
+    a_file.write_text("mine")
+    with pytest.raises(ConfigError, match=r"results.txt is a file, not a folder: give a folder path$"):
+        export(checkpoint, str(a_file), force=True, cache_dir=cache_dir)
+    assert a_file.read_text() == "mine"
     with pytest.raises(ConfigError, match=r"^--architecture llama is invalid for this checkpoint: its blocks use "):
         export(checkpoint, str(tmp_path / "a"), "llama", cache_dir=cache_dir)
     with pytest.raises(ConfigError, match=r"^--architecture 'bloom' is invalid: it must be one of auto, remote, "):

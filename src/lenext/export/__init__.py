@@ -64,7 +64,7 @@ def exported_tokenizer(spec, cache_dir: str):
 def refuse_unsafe_folder(out: str, checkpoint: str, force: bool) -> Path:
     """The export's folder, resolved, refused in one line before any work where writing it would fail or lose
     something: inside a file, a link, the folder the command runs in (or one holding it), one holding the
-    checkpoint, or one that holds something without ``--force``."""
+    checkpoint, a file (even with ``--force``), or one that holds something without ``--force``."""
     target = Path(out).resolve()
     if Path(out).is_symlink():
         raise ConfigError(f"{out} is a symbolic link: give the folder itself, or a new folder")
@@ -76,7 +76,9 @@ def refuse_unsafe_folder(out: str, checkpoint: str, force: bool) -> Path:
         raise ConfigError(f"{out} is the folder this command runs in, or holds it: give a new folder")
     if Path(checkpoint).resolve().is_relative_to(target):
         raise ConfigError(f"{out} holds the checkpoint {checkpoint}: writing there would replace it; give a new folder")
-    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not force:
+    if target.exists() and not target.is_dir():  # --force replaces a folder's contents, never a file
+        raise ConfigError(f"{out} is a file, not a folder: give a folder path")
+    if target.exists() and any(target.iterdir()) and not force:
         raise ConfigError(f"{out} exists and is not an empty folder: give a new folder, or --force to replace it")
     return target
 
