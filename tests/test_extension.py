@@ -287,11 +287,11 @@ def test_the_extension_presets_train_each_stage_from_its_own_base(tmp_path, smal
     assert (out / "extension.png").exists() and (out / "adaptation.png").exists()
     adapted = (out / "adaptation.csv").read_text().splitlines()
     # The second stages' validation perplexity at the end of fine-tuning (step 3), at the length each trained.
-    assert adapted[0] == "val_len,row,step,mean,std,seeds" and len(adapted) == 4
-    assert {tuple(line.split(",")[:3]) for line in adapted[1:]} == {
-        ("256", "rope -> pi@256", "3"),
-        ("64", "rope -> pose+yarn@256", "3"),
-        ("256", "alibi -> direct@256", "3"),
+    assert adapted[0] == "train_len,val_len,row,step,mean,std,seeds" and len(adapted) == 4
+    assert {tuple(line.split(",")[:4]) for line in adapted[1:]} == {  # the base's L_train, then the stage's
+        ("64", "256", "rope -> pi@256", "3"),
+        ("64", "64", "rope -> pose+yarn@256", "3"),
+        ("64", "256", "alibi -> direct@256", "3"),
     }
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lenext.errors import LenextError
 from lenext.files import atomic_path, write_atomic
@@ -331,3 +332,70 @@ def test_ctrl_c_outside_training_is_one_line_and_status_130(entry, capsys, monke
     assert capsys.readouterr().err == (
         "error: stopped by Ctrl-C (SIGINT); every file written so far is whole: run the same command to go on\n"
     )
+
+
+def _default_callbacks(dirpath: Path) -> list:
+    """configs/callbacks/default.yaml's checkpoint callbacks and stop handling, writing into ``dirpath``."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.load(CONFIG_FOLDER / "callbacks" / "default.yaml")
+    names = ("last_checkpoint", "best_checkpoint", "stop_checkpoint")
+    return [instantiate({**OmegaConf.to_container(node[name]), "dirpath": str(dirpath)}) for name in names]
+
+
+class _Validated(BoringModel):
+    def validation_step(self, batch, batch_idx):
+        loss = super().validation_step(batch, batch_idx)["x"]
+        self.log("val/loss", 1.0 / (1 + self.global_step) + 0 * loss)  # better at every validation
+        return loss
+
+
+def test_best_checkpoint_is_replaced_in_place(tmp_path):
+    """A best.ckpt already there (a run resumed from before its last validation, which validates again) is replaced,
+    not joined by best-v1.ckpt while best.ckpt kept the older weights (eval.py read the wrong model)."""
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "best.ckpt").write_bytes(b"an earlier attempt's")
+    trainer = lightning.Trainer(
+        max_steps=7,
+        val_check_interval=3,
+        limit_val_batches=1,
+        callbacks=_default_callbacks(checkpoints),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(_Validated())
+    assert sorted(os.listdir(checkpoints)) == ["best.ckpt", "last.ckpt"]
+    assert torch.load(checkpoints / "best.ckpt", weights_only=False)["global_step"] == 6
+
+
+def test_a_stop_during_gradient_accumulation_waits_for_the_optimizer_step(tmp_path):
+    """SIGTERM (or Ctrl-C) between the micro-batches of one optimizer step: Lightning stopped after the micro-batch,
+    and the resumed run's accumulation was out of step with its data (another trajectory). The stop now waits
+    for the step's last micro-batch."""
+    checkpoints = tmp_path / "checkpoints"
+
+    class Terminate(lightning.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 4:  # the first micro-batch of step 3
+                signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # Lightning's handler, as a SIGTERM calls it
+
+    trainer = lightning.Trainer(
+        max_steps=10,
+        accumulate_grad_batches=2,
+        val_check_interval=60,
+        limit_val_batches=1,
+        callbacks=[Terminate(), *_default_callbacks(checkpoints)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(SystemExit):
+        trainer.fit(_Validated())
+    stopped = torch.load(checkpoints / "last.ckpt", weights_only=False)
+    micro_batches = stopped["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"]
+    assert stopped["global_step"] == 3 and micro_batches == 6

@@ -129,17 +129,18 @@ def test_a_run_and_its_re_evaluation_by_eval_py_get_two_rows(tmp_path):
 TRAINED = {
     "hardware": {"cpu": "AMD EPYC", "isa": "AVX512_BF16", "cores": 2, "training_precision": "bf16-mixed"},
     "precision": "bf16-mixed",
-    "tokens_trained": 6400,
+    "tokens_trained": 100 * 2 * 64,  # steps x batch x length, on one device
     "run": {"config": {"trainer": {"gradient_clip_val": 1.0}}},
 }
+BATCH = {"data.batch_size": 2, "trainer.accumulate_grad_batches": 1}
 
 
 @pytest.mark.parametrize(
     "changed, setting",
     [
-        ({"hardware": {**TRAINED["hardware"], "training_precision": "32-true"}}, "precision.trained=32-true"),
-        ({"precision": "32-true"}, "precision.evaluated=32-true"),
-        ({"tokens_trained": 4 * 6400}, "tokens_trained=25600"),  # four devices: a batch four times as large
+        ({"hardware": {**TRAINED["hardware"], "training_precision": "32-true"}}, "trainer.precision=32-true"),
+        ({"precision": "32-true"}, "eval.precision=32-true"),
+        ({"tokens_trained": 4 * 100 * 2 * 64}, "trainer.devices=4"),  # four devices: a batch four times as large
         ({"run": {"config": {"trainer": {"gradient_clip_val": 0.0}}}}, "trainer.gradient_clip_val=0.0"),
     ],
 )
@@ -149,12 +150,26 @@ def test_runs_trained_or_evaluated_otherwise_than_their_identity_records_are_not
     """What meta.identity leaves to the trainer (the precision trained and evaluated in, the devices' batch, the
     gradient clipping) separates runs too: an audit found such runs pooled as seeds of one row, or the second of a
     seed dropped as a repeat (an fp32 study reported with a bf16 one lost every fp32 run)."""
-    t5_run(tmp_path / "0", 0, 64, {64: 30.0}, meta=TRAINED)
-    t5_run(tmp_path / "1", 0, 64, {64: 32.0}, meta=TRAINED | changed)
+    t5_run(tmp_path / "0", 0, 64, {64: 30.0}, meta=TRAINED, **BATCH)
+    t5_run(tmp_path / "1", 0, 64, {64: 32.0}, meta=TRAINED | changed, **BATCH)
     loaded = load([str(tmp_path)])
     assert not loaded.repeats
     rows = list(Summary(loaded).tables[TableKey(64, "nonoverlap")].index)
-    assert len(rows) == 2 and any(setting in row for row in rows), rows
+    assert len(rows) == 2 and any(row.endswith(f"[{setting}]") for row in rows), rows
+
+
+def test_eval_py_on_each_seeds_best_checkpoint_pools_and_apart_from_its_last(tmp_path):
+    """eval.py on best.ckpt of each seed (each at its own step) is one row of three seeds; on last.ckpt another."""
+    for seed, step in enumerate((40, 60, 20)):
+        for name in ("best", "last"):
+            checkpoint = f"/runs/{seed}/checkpoints/{name}.ckpt"
+            tokens = {"tokens_trained": (step if name == "best" else 100) * 2 * 64}
+            t5_run(
+                tmp_path / name / str(seed), seed, 64, {64: 30.0 + seed}, None, checkpoint, TRAINED | tokens, **BATCH
+            )
+    rows = Summary(load([str(tmp_path)])).tables[TableKey(64, "nonoverlap")]
+    assert list(rows.index) == ["t5 (eval.py) [eval.checkpoint=best.ckpt]", "t5 (eval.py) [eval.checkpoint=last.ckpt]"]
+    assert (rows.cells.n == 3).all()
 
 
 def test_runs_at_other_training_settings_are_labelled_by_each_setting_that_differs(tmp_path):

@@ -54,9 +54,10 @@ class CheckpointOnStop(L.Callback):
         self.signal: int | None = None  # the signal that stopped the run
         self.at_once = False  # by Ctrl-C reaching Lightning, not at a step boundary
         self._sigint_handler = None  # SIGINT's handler before this run's
+        self._stop_deferred = False  # a stop asked for between the micro-batches of an optimizer step
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.signal, self.at_once = None, False
+        self.signal, self.at_once, self._stop_deferred = None, False, False
         if trainer.world_size == 1 and threading.current_thread() is threading.main_thread():  # handlers run there
             self._sigint_handler = signal.signal(signal.SIGINT, self._stop_at_step_boundary)
 
@@ -76,6 +77,15 @@ class CheckpointOnStop(L.Callback):
         self.signal = signal.SIGINT
         print("stopping at the end of this step (Ctrl-C again: at once)", file=sys.stderr, flush=True)
         lightnings(signum, frame)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        # Lightning stops after any micro-batch: between those of one optimizer step, the resumed run would accumulate
+        # out of step with its data. The stop waits for the step's last micro-batch.
+        connector = trainer._signal_connector
+        if connector.received_sigterm and trainer.fit_loop.epoch_loop._should_accumulate():
+            connector.received_sigterm, self._stop_deferred = False, True
+        elif self._stop_deferred:
+            connector.received_sigterm = True
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._restore()  # Lightning calls no teardown hook after an exception

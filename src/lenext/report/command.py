@@ -18,7 +18,13 @@ from lenext.results import RESULTS_FILE
 
 DESCRIPTION = "Results files -> paper-style tables (Markdown, LaTeX, CSV) and plots (PNG)."
 TABLE_FILES = ("table.md", "table.tex", "table.csv")
-DATA_FILES = ("per_position.csv", "adaptation.csv", "diagnostics.csv", "diagnostics_vs_ppl.csv", "*_depth.csv")
+DATA_FILES = {  # file name -> (the Summary's frame, float format)
+    "per_position.csv": ("positions", "%.6f"),
+    "adaptation.csv": ("adaptation", "%.4f"),
+    "diagnostics.csv": ("diagnostics", "%.6f"),
+    "diagnostics_vs_ppl.csv": ("diagnostic_correlations", "%.4f"),
+}
+DEPTH_FILES = "*_depth.csv"  # one per protocol with depth rows (``depth_csvs``)
 
 
 def data_files(summary: Summary) -> dict[str, str]:
@@ -27,14 +33,8 @@ def data_files(summary: Summary) -> dict[str, str]:
     diagnostics and copying score: ``lenext.report.stats.diagnostic_statistics``) and diagnostics_vs_ppl.csv (each
     diagnostic's rank correlation with the perplexity ratio: ``diagnostic_correlations``), a row's label in the
     column ``pe``, as the tables' CSV names it (``row`` for adaptation)."""
-    per_position, adaptation, diagnostics, correlations, _ = DATA_FILES
-    frames = {
-        per_position: (summary.positions, "%.6f"),
-        adaptation: (summary.adaptation, "%.4f"),
-        diagnostics: (summary.diagnostics, "%.6f"),
-        correlations: (summary.diagnostic_correlations, "%.4f"),
-        **{name: (grid, "%.4f") for name, grid in depth_csvs(summary.depths).items()},
-    }
+    frames = {name: (getattr(summary, frame), float_format) for name, (frame, float_format) in DATA_FILES.items()}
+    frames |= {name: (grid, "%.4f") for name, grid in depth_csvs(summary.depths).items()}
     return {
         name: frame.rename(columns={"label": "pe"}).to_csv(index=False, float_format=float_format)
         for name, (frame, float_format) in frames.items()
@@ -87,7 +87,7 @@ def report(folders: list[str], out: str, figures: bool = True) -> str:
 def remove_earlier_report(out: str) -> None:
     """Remove what an earlier report wrote into ``out`` (its tables, figures and their data, by name), so that no
     file of another study, or of these runs before, stays beside this report's; other files are left alone."""
-    owned = (*TABLE_FILES, *DATA_FILES, *FIGURES)
+    owned = (*TABLE_FILES, *DATA_FILES, DEPTH_FILES, *FIGURES)
     for name in os.listdir(out):
         path = os.path.join(out, name)
         if os.path.isfile(path) and any(fnmatch.fnmatchcase(name, pattern) for pattern in owned):

@@ -521,7 +521,7 @@ def coverage(tables: list[tuple[Table, list[str]]], info: pd.DataFrame) -> tuple
             )
         elif total == 0:  # measured, without a value at any length (no key token)
             marks[key] = " [no value]"
-        elif fewest[key] < total:  # some lengths have fewer seeds (a run that did not reach them)
+        elif fewest[key] < total:  # some lengths have fewer seeds (not evaluated there, or without a value)
             marks[key] = f" [{fewest[key]}-{total} seeds]"
         elif total != common:
             marks[key] = f" [{total} seed{'s' * (total != 1)}]"

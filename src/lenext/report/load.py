@@ -11,6 +11,7 @@ second results file of the same settings and seed is a repeat, counted once (``c
 
 import dataclasses
 import json
+import math
 import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -180,9 +181,10 @@ def settings(meta: dict) -> dict:
     what they record: the model, L_train and the training positions. A second stage's ``init_from``, a path of its
     own per seed, as its base's row, L_train and steps (``meta.lineage``). With the PE resolved (``pe.*``: its
     config, each default the code derives replaced by the value the PE was built with, from ``meta.pe``), the row,
-    the split evaluated, whether eval.py re-evaluated a checkpoint (``evaluated_by``), and what the identity leaves
-    to the trainer: the tokens trained (the batch over every device and the steps: which checkpoint eval.py read),
-    the precision trained and evaluated in, and the gradient clipping."""
+    the split evaluated (and for older files the tokens trained), whether eval.py re-evaluated a checkpoint
+    (``evaluated_by``; which one: ``eval.checkpoint``, its file name), and what the identity leaves to the
+    trainer: the processes trained on (``trainer.devices``, where more than one), the precision trained in (and
+    ``eval.precision``, where eval.py chose another) and the gradient clipping."""
     identity = meta.get("identity")
     if isinstance(identity, dict):
         described = {key: value for key, value in identity.items() if key != "seed" and not key.startswith("pe.")}
@@ -190,7 +192,7 @@ def settings(meta: dict) -> dict:
             del described["data.seed"]
     else:
         described = flat({"model": meta.get("model") or {}})
-        described["data.max_len"] = meta["train_len"]
+        described |= {"data.max_len": meta["train_len"], "tokens_trained": meta.get("tokens_trained")}
         if meta.get("positions"):
             described["train.positions"] = meta["positions"]["train"]
     if meta.get("lineage"):  # a second stage: its base as the row, L_train and steps it was trained to
@@ -202,13 +204,27 @@ def settings(meta: dict) -> dict:
     described |= {"row": meta["row"], "split": meta.get("split")}
     described[EVALUATED_BY] = RE_EVALUATION if "checkpoint" in meta else "train.py"
     trainer = (((meta.get("run") or {}).get("config") or {}).get("trainer")) or {}
-    described |= {
-        "tokens_trained": meta.get("tokens_trained"),
-        "precision.trained": (meta.get("hardware") or {}).get("training_precision"),
-        "precision.evaluated": meta.get("precision"),
-        "trainer.gradient_clip_val": trainer.get("gradient_clip_val"),
-    }
+    trained_in = (meta.get("hardware") or {}).get("training_precision")
+    described |= {"trainer.precision": trained_in, "trainer.gradient_clip_val": trainer.get("gradient_clip_val")}
+    # Evaluation settings (``eval.*``, named only between runs alike in all else): eval.py's other precision, and
+    # which of the run's checkpoints it read (best.ckpt of every seed pools, whatever its step).
+    other = meta.get("precision") if trained_in is not None and meta.get("precision") != trained_in else None
+    described["eval.precision"] = other
+    if "checkpoint" in meta:
+        described["eval.checkpoint"] = os.path.basename(meta["checkpoint"])
+    elif (processes := devices(meta.get("tokens_trained"), identity)) not in (None, 1):
+        described["trainer.devices"] = processes  # more than one: a larger global batch
     return described
+
+
+def devices(tokens_trained: int | None, identity) -> int | None:
+    """The processes a run trained on (``trainer.devices`` x ``trainer.num_nodes``, which the identity does not
+    keep), from the tokens it trained: steps x batch x length x accumulation x processes. None where not recorded."""
+    keys = ("trainer.max_steps", "data.batch_size", "data.max_len", "trainer.accumulate_grad_batches")
+    factors = [identity.get(key) for key in keys] if isinstance(identity, dict) else [None]
+    if tokens_trained is None or not all(isinstance(f, int) and f > 0 for f in factors):
+        return None
+    return round(tokens_trained / math.prod(factors))
 
 
 def flat(settings: dict, prefix: str = "") -> dict:

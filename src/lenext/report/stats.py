@@ -304,10 +304,8 @@ def adaptation(runs: list[Run]) -> pd.DataFrame:
             if step == last and last - 1 in set(validations.step):
                 continue
             done = int(step) + (step < last)
-            records.append(
-                {"train_len": run.table_len, "val_len": run.meta["train_len"], "row": run.label(None), "step": done}
-                | {"ppl": ppl}
-            )
+            stage = {"train_len": run.table_len, "val_len": run.meta["train_len"], "row": run.label(None)}
+            records.append({**stage, "step": done, "ppl": ppl})
     if not records:
         return pd.DataFrame()
     grouped = pd.DataFrame(records).groupby(["train_len", "val_len", "row", "step"], sort=False)
