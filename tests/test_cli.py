@@ -35,6 +35,14 @@ def test_unknown_pe_lists_the_available_ones(tmp_path):
         (["mdoel=tiny"], "error: mdoel is not a setting of this config (did you mean model?); the settings there: "),
         (["pe=t5", "+pe.max_distanse=3"], "error: pe.max_distanse is not a setting of lenext.pe.T5Bias (did you mean"),
         (["pe=alibi", "+pe.slope=3"], "error: pe.slope is not a setting of lenext.pe.ALiBi; the settings there: none"),
+        (  # an optimizing sweeper's sweep: lenext's check of the overrides raised Hydra's traceback
+            ["-m", "data.max_len=interval(1,2)"],
+            "error: data.max_len=interval(1,2) is invalid: Can only enumerate CHOICE and RANGE sweeps",
+        ),
+        (
+            ["-m", "pe=glob(rope_n*)"],
+            "error: pe=glob(rope_n*) is invalid: list the options instead (rope_nope,rope_ntk)",
+        ),
     ],
 )
 def test_a_mistyped_option_or_key_is_answered_with_the_closest_name_in_one_line(tmp_path, overrides, line):

@@ -121,6 +121,27 @@ def test_a_protocols_own_setting_given_without_the_protocol_is_refused(setting, 
     assert cap_windows(list(range(10)), None) == list(range(10))
 
 
+@pytest.mark.parametrize(
+    "setting, refused",
+    [
+        ({"variants": ["ntk", "ntk"]}, r"eval.variants=\['ntk', 'ntk'\] is invalid: it lists ntk twice"),
+        (
+            {"protocol": ["nonoverlap", "nonoverlap"]},
+            r"eval.protocol=\['nonoverlap', 'nonoverlap'\] is invalid: it lis",
+        ),
+        ({"haystack_depths": [0.5, 0.5]}, r"eval.haystack_depths=\[0.5, 0.5\] is invalid: it lists 0.5 twice"),
+        ({"lengths": []}, r"eval.lengths=\[\] is invalid: give at least one length, or null"),
+        ({"factors": [1, 1.99]}, r"eval.factors=\[1, 1.99\] is invalid: 1.99 x L_train 32 = 63.68 is no whole number"),
+    ],
+)
+def test_lists_that_would_evaluate_twice_or_elsewhere_than_asked_are_refused(setting, refused):
+    """An audit found these taken: a variant, protocol or depth listed twice gave its rows twice (a depth's haystack
+    scored twice, its answers counted twice); eval.lengths=[] evaluated eval.factors' lengths; a factor of 1.99
+    evaluated L = 63 at L_train 32."""
+    with pytest.raises(ConfigError, match="^" + refused):
+        sweep_plan(eval_cfg(**setting), 32, None, ("nonoverlap", "niah_single"))
+
+
 def test_lengths_that_make_no_positive_token_count_are_refused_naming_the_key_given():
     """eval.factors=[] had been named as eval.lengths=[]."""
     with pytest.raises(ConfigError, match=r"^eval.factors=\[\] is invalid: give eval.lengths or eval.factors"):

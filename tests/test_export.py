@@ -231,6 +231,8 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_written(
     with pytest.raises(ConfigError, match=r"results.txt is a file, not a folder: give a folder path$"):
         export(checkpoint, str(a_file), force=True, cache_dir=cache_dir)
     assert a_file.read_text() == "mine"
+    with pytest.raises(ConfigError, match=r"^--cache-dir .*results.txt cannot be the data cache \(.*is not a folder"):
+        export(checkpoint, str(tmp_path / "e"), cache_dir=str(a_file))  # a traceback from deep in the data code
     with pytest.raises(ConfigError, match=r"^--architecture llama is invalid for this checkpoint: its blocks use "):
         export(checkpoint, str(tmp_path / "a"), "llama", cache_dir=cache_dir)
     with pytest.raises(ConfigError, match=r"^--architecture 'bloom' is invalid: it must be one of auto, remote, "):

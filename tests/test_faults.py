@@ -395,3 +395,18 @@ def test_a_setting_an_extension_preset_gives_a_pe_without_it_names_the_preset(tm
     assert not (tmp_path / "run").exists() and not (tmp_path / "sweep").exists()
     typed = run_command(tmp_path, *sweep, "pe=alibi", "extension=yarn", "pe.scaling=yarn")
     assert typed.returncode == 1 and "set by" not in one_line(typed)
+
+
+def test_more_cpu_devices_than_cores_is_refused_before_any_process_starts(tmp_path, small_text_corpus):
+    """trainer.devices=64 on a CPU started 63 training processes (about 9 GB before it was stopped); more devices
+    than cores is refused in one line, the run folder left as it was."""
+    cores = os.cpu_count() or 1
+    run_dir = tmp_path / "run"
+    overrides = small_corpus_overrides(small_text_corpus, f"hydra.run.dir={run_dir}", f"trainer.devices={cores + 1}")
+    result = run_command(tmp_path, *overrides, "trainer.accelerator=cpu")
+    assert result.returncode == 1
+    assert one_line(result) == (
+        f"error: trainer.devices={cores + 1} is invalid on this machine: each CPU device is a training process, and "
+        f"it has {cores} cores; give at most {cores} (a GPU machine trains on its GPUs)"
+    )
+    assert not run_dir.exists()

@@ -445,6 +445,14 @@ def test_p_rope_rounds_down_and_leaves_the_lowest_pairs_unrotated():
     assert not torch.allclose(qp[..., 18:20], qr[..., 18:20])
 
 
+def test_a_p_rope_fraction_that_rotates_nothing_is_refused():
+    """p = 0.1 of a head dim of 16 rotates int(0.8) = 0 frequencies: it was taken, labelled 0.1, and trained NoPE."""
+    shape = AttentionShape(d_model=32, n_heads=2, n_layers=1, train_len=16)
+    with pytest.raises(ConfigError, match=r"^pe.fraction=0.1 is invalid .* = 0 of its 8 frequencies.* at least 0.125$"):
+        RoPE(shape, fraction=0.1)
+    assert RoPE(shape, fraction=0.125).rotated_pairs == 1 and RoPE(shape, fraction=0).rotated_pairs == 0
+
+
 @pytest.mark.parametrize("length", [7, 64, 600])
 @pytest.mark.parametrize("scale_base", [512.0, 32.0])
 def test_xpos_matches_x_transformers(length, scale_base):

@@ -235,7 +235,7 @@ def test_settings_the_task_cannot_meet_are_refused_with_the_key(settings, key):
     "overrides,message",
     [
         (["eval.lengths=[8,64]"], r"^min\(eval.lengths\)=8 is too short for recall .* >= 32$"),
-        (["eval.factors=[0.1,1]"], r"^min\(eval.factors\) x data.max_len=6 is too short for recall"),
+        (["eval.factors=[0.125,1]"], r"^min\(eval.factors\) x data.max_len=8 is too short for recall"),
         (["eval.protocol=sliding"], r"^eval.protocol=sliding does not apply to this data: it must be among accuracy$"),
         (["eval.protocol=[]"], r"^eval.protocol=\[\] is invalid: give at least one of accuracy$"),
     ],

@@ -22,6 +22,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
 from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -144,8 +145,8 @@ def check_overrides(config_name: str, overrides: list[str], multirun: bool = Fal
         key = override.key_or_group
         if key in RENAMED_KEYS:
             raise ConfigError(f"{key} was renamed: use {RENAMED_KEYS[key]}=... instead")
-        values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
         options = group_options(key) if not key.startswith("hydra/") else []  # Hydra's plugins add launchers
+        values = sweep_values(override, options)
         if options and own_configs and not override.is_delete():
             for value in values:
                 if value is not None and str(value) not in options:
@@ -173,6 +174,23 @@ def check_overrides(config_name: str, overrides: list[str], multirun: bool = Fal
             basic = first.hydra.sweeper.get("_target_", "").endswith(".BasicSweeper")  # its grid known here
             if jobs and basic and (multirun or first.hydra.mode == RunMode.MULTIRUN):
                 check_sweep_jobs(parsed, first.hydra.sweeper.get("params"))
+
+
+def sweep_values(override, options: list[str]) -> list:
+    """The values an override gives: its one value, or each of a sweep's; a sweep lenext's sweep checks and
+    progress cannot enumerate (``interval(...)``, an optimizing sweeper's; ``glob(...)``) is refused in one line,
+    naming what to give (for a glob, the options it matches)."""
+    if not override.is_sweep_override():
+        return [override.value()]
+    if override.value_type == ValueType.GLOB_CHOICE_SWEEP:
+        matched = f" ({','.join(override.value().filter(options))})" if options else ""
+        raise ConfigError(f"{override.input_line} is invalid: list the options instead{matched}")
+    try:
+        return list(override.sweep_string_iterator())
+    except HydraException as e:
+        raise ConfigError(
+            f"{override.input_line} is invalid: {first_line(e)}; give a list (a,b,c) or range(start,stop,step)"
+        ) from None
 
 
 def not_a_setting(config_name: str, overrides: list[str], error: Exception) -> ConfigError | None:

@@ -176,6 +176,13 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
             raise ConfigError(
                 f"eval.protocol={protocol} does not apply to this data: it must be among {', '.join(protocols)}"
             )
+    for key in ("protocol", "variants", "haystack_depths"):  # each entry is rows of its own: twice, twice the rows
+        listed = getattr(eval_cfg, key, None)
+        if not isinstance(listed, str) and listed is not None and len(set(listed)) < len(listed):
+            twice = next(value for value in listed if list(listed).count(value) > 1)
+            raise ConfigError(f"eval.{key}={list(listed)} is invalid: it lists {twice} twice; give each once")
+    if eval_cfg.lengths is not None and len(eval_cfg.lengths) == 0:
+        raise ConfigError("eval.lengths=[] is invalid: give at least one length, or null (eval.factors x L_train)")
     given = "lengths" if eval_cfg.lengths else "factors"  # the key the lengths come from: named if they are bad
     lengths = sorted(set(eval_cfg.lengths or [int(f * base_len) for f in eval_cfg.factors or []]))
     if not lengths or min(lengths) < 1:
@@ -184,6 +191,12 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
             f"eval.{given}={shown} is invalid: give eval.lengths or eval.factors that make positive token counts "
             f"(of L_train {base_len})"
         )
+    for factor in [] if eval_cfg.lengths else eval_cfg.factors or []:
+        if not float(factor * base_len).is_integer():
+            raise ConfigError(
+                f"eval.factors={list(eval_cfg.factors)} is invalid: {factor:g} x L_train {base_len} = "
+                f"{factor * base_len:g} is no whole number of tokens; give factors that make one, or eval.lengths"
+            )
     k = eval_cfg.last_k or min(lengths)
     if k > min(lengths):
         raise ConfigError(f"eval.last_k={k} is invalid: it must be at most the shortest length, {min(lengths)}")

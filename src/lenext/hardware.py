@@ -126,6 +126,17 @@ def refuse_nodes_without_a_cluster(num_nodes: int) -> None:
         )
 
 
+def refuse_more_cpu_processes_than_cores(devices, num_devices: int, device_type: str) -> None:
+    """A ConfigError for more CPU devices than the machine has cores: each is a process of its own, and dozens of
+    them (``trainer.devices=64`` on 2 cores) took the machine's memory before the first step."""
+    cores = os.cpu_count() or 1
+    if device_type == "cpu" and num_devices > cores:
+        raise ConfigError(
+            f"trainer.devices={devices} is invalid on this machine: each CPU device is a training process, and it "
+            f"has {cores} cores; give at most {cores} (a GPU machine trains on its GPUs)"
+        )
+
+
 def default_precision(accelerator: str = "auto") -> str:
     """Lightning's ``precision`` that trains fastest here: bf16 autocast on CUDA and on CPUs with native bf16."""
     if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):

@@ -23,7 +23,7 @@ from lenext.checkpoints import load_checkpoint, net_state, stored_spec
 from lenext.errors import ConfigError, Stopped
 from lenext.evaluate import sweep
 from lenext.files import atomic_path
-from lenext.hardware import refuse_nodes_without_a_cluster
+from lenext.hardware import refuse_more_cpu_processes_than_cores, refuse_nodes_without_a_cluster
 from lenext.loggers import log_results_to_wandb
 from lenext.module import CheckpointOnStop, tokens_trained
 from lenext.progress import StepsBar, next_steps, validation_scope
@@ -159,6 +159,9 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     callbacks += [StepsBar()] if cfg.trainer.get("enable_progress_bar", True) else []
     loggers = [instantiate(c, f"logger.{name}") for name, c in (cfg.get("logger") or {}).items()]
     trainer = instantiate(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False)
+    refuse_more_cpu_processes_than_cores(
+        cfg.trainer.get("devices"), trainer.num_devices, trainer.strategy.root_device.type
+    )
     if cfg.module.get("compile") and trainer.strategy.root_device.type == "cpu":
         raise ConfigError(
             "module.compile=true is invalid on a CPU: torch.compile's CPU backend crashed (SIGSEGV) in the backward "

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from lenext.build import build_net, instantiate
 from lenext.checkpoints import load_checkpoint, net_state, stored_spec
+from lenext.data import unmakeable_folder
 from lenext.errors import ConfigError, errors_in_one_line
 from lenext.export.native import NATIVE
 from lenext.export.remote import write_remote
@@ -103,12 +104,15 @@ def export(checkpoint: str, out: str, architecture: str = "auto", force: bool = 
     if architecture not in ARCHITECTURES:
         raise ConfigError(f"--architecture {architecture!r} is invalid: it must be one of {', '.join(ARCHITECTURES)}")
     target = refuse_unsafe_folder(out, checkpoint, force)
+    cache = cache_dir or os.environ.get("LENEXT_CACHE") or os.path.join(os.environ.get("LENEXT_ROOT", "."), ".cache")
+    unusable = unmakeable_folder(cache)
+    if unusable:
+        raise ConfigError(f"--cache-dir {cache} cannot be the data cache ({unusable}): give a folder")
     loaded = load_checkpoint(checkpoint, key=None)
     spec = stored_spec(loaded, checkpoint)
     state = net_state(loaded)
     net = build_net(spec, state["embedding.weight"].size(0), state).eval()
     chosen = choose_architecture(net, architecture)
-    cache = cache_dir or os.environ.get("LENEXT_CACHE") or os.path.join(os.environ.get("LENEXT_ROOT", "."), ".cache")
     tokenizer = exported_tokenizer(spec, cache)
     # The ids generation starts and stops at (transformers' defaults are other tokens of this vocabulary, or none).
     special_tokens = {

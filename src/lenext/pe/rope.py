@@ -315,6 +315,12 @@ class RoPE(PositionalEncoding):
         if factor is None and scaling not in PER_LENGTH and shape.trained_positions > self.original_len:
             factor = shape.trained_positions / self.original_len  # trained beyond C: s = L' / C, fixed
         self.base, self.scaling, self.factor, self.fraction = base, scaling, factor, fraction
+        if fraction > 0 and self.rotated_pairs == 0:  # NoPE, labelled p-RoPE
+            raise ConfigError(
+                f"pe.fraction={fraction:g} is invalid for a head dim of {shape.head_dim}: it rotates floor(p d / 2) "
+                f"= 0 of its {shape.head_dim // 2} frequencies, as pe.fraction=0 does; give that, or at least "
+                f"{2 / shape.head_dim:g}"
+            )
         self.beta_fast, self.beta_slow = beta_fast, beta_slow
         self.low_freq_factor, self.high_freq_factor = low_freq_factor, high_freq_factor
         self.register_buffer("rotations", torch.empty(0, shape.head_dim // 2, dtype=torch.complex64), persistent=False)
