@@ -176,6 +176,10 @@ def rope_reference(x: torch.Tensor, inv_freq: torch.Tensor, attention_factor: fl
 @pytest.mark.parametrize("factor", [None, 2.0, 4.0])
 def test_rope_rotate_matches_explicit_rotation(scaling, factor):
     shape = AttentionShape(d_model=32, n_heads=2, n_layers=1, train_len=8)
+    if scaling == "none" and factor is not None:  # a factor no scaling applies: refused, it changed nothing
+        with pytest.raises(ConfigError, match=rf"^pe.factor={factor:g} changes nothing with pe.scaling=none"):
+            RoPE(shape, scaling=scaling, factor=factor)
+        return
     pe = RoPE(shape, scaling=scaling, factor=factor)
     for length in (8, 40):
         q, k = torch.randn(2, 2, length, 16), torch.randn(2, 2, length, 16)

@@ -290,6 +290,11 @@ class RoPE(PositionalEncoding):
                 f"pe.beta_fast={beta_fast} is invalid: it must exceed pe.beta_slow={beta_slow} (YaRN keeps the "
                 "frequencies of more than beta_fast rotations over C and interpolates those of fewer than beta_slow)"
             )
+        if scaling == "none" and factor is not None:  # taken, printed and stored, it changed no number
+            raise ConfigError(
+                f"pe.factor={factor:g} changes nothing with pe.scaling=none: give a scaling it applies to (pe.scaling="
+                "linear, ntk, yarn, ...), or drop pe.factor"
+            )
         if high_freq_factor <= low_freq_factor:
             raise ConfigError(
                 f"pe.high_freq_factor={high_freq_factor} is invalid: "
