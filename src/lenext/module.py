@@ -110,9 +110,14 @@ class CheckpointOnStop(L.Callback):
         )
 
 
+def tokens_per_step(batch_size: int, max_len: int, accumulate: int, processes: int = 1) -> int:
+    """Training tokens of one optimizer step: every process's batch of every accumulated micro-batch."""
+    return batch_size * max_len * accumulate * processes
+
+
 def tokens_trained(trainer: L.Trainer, data: dict) -> int:
     """Training tokens after ``trainer.global_step`` optimizer steps, all ranks and accumulated batches together."""
-    per_step = data["batch_size"] * data["max_len"] * trainer.accumulate_grad_batches * trainer.world_size
+    per_step = tokens_per_step(data["batch_size"], data["max_len"], trainer.accumulate_grad_batches, trainer.world_size)
     return trainer.global_step * per_step
 
 

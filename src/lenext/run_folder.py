@@ -16,6 +16,7 @@ from lenext.build import preset_of
 from lenext.checkpoints import Base, load_checkpoint, read_base, stored_spec
 from lenext.errors import CheckpointError, ConfigError, errors_in_one_line
 from lenext.hardware import canonical_precision
+from lenext.module import tokens_per_step
 from lenext.resolve import RENAMED_KEYS, config_pe_name, flat_settings, resolve, same_setting
 from lenext.results import RESULTS_FILE, not_lenext_results
 from lenext.spec import RunSpec
@@ -154,7 +155,7 @@ def implied_identity(meta: dict, cfg: DictConfig) -> dict:
         identity["train.positions"] = meta["positions"]["train"]
     trainer, data = cfg.trainer, cfg.data
     if isinstance(meta.get("tokens_trained"), int) and trainer.get("devices") == 1:
-        per_step = data.batch_size * data.max_len * (trainer.get("accumulate_grad_batches") or 1)
+        per_step = tokens_per_step(data.batch_size, data.max_len, trainer.get("accumulate_grad_batches") or 1)
         steps = meta["tokens_trained"] / per_step
         identity["trainer.max_steps"] = int(steps) if steps.is_integer() else f"{meta['tokens_trained']} tokens"
     return identity

@@ -11,7 +11,6 @@ second results file of the same settings and seed is a repeat, counted once (``c
 
 import dataclasses
 import json
-import math
 import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import pandas as pd
 from lenext.attention import AttentionSettings
 from lenext.diagnostics import DIAGNOSTICS_FILE
 from lenext.evaluate import EvalSettings
+from lenext.module import tokens_per_step
 from lenext.pe import PE_CLASSES
 from lenext.pe.rope import redundant_variants
 from lenext.protocols import ACCURACY, METRICS_OF, PROTOCOLS
@@ -221,10 +221,10 @@ def devices(tokens_trained: int | None, identity) -> int | None:
     """The processes a run trained on (``trainer.devices`` x ``trainer.num_nodes``, which the identity does not
     keep), from the tokens it trained: steps x batch x length x accumulation x processes. None where not recorded."""
     keys = ("trainer.max_steps", "data.batch_size", "data.max_len", "trainer.accumulate_grad_batches")
-    factors = [identity.get(key) for key in keys] if isinstance(identity, dict) else [None]
-    if tokens_trained is None or not all(isinstance(f, int) and f > 0 for f in factors):
+    steps, *batch = [identity.get(key) for key in keys] if isinstance(identity, dict) else [None] * len(keys)
+    if tokens_trained is None or not all(isinstance(f, int) and f > 0 for f in (steps, *batch)):
         return None
-    return round(tokens_trained / math.prod(factors))
+    return round(tokens_trained / (steps * tokens_per_step(*batch)))
 
 
 def flat(settings: dict, prefix: str = "") -> dict:
