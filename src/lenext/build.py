@@ -53,6 +53,7 @@ def preset_of(key: str) -> str | None:
     hydra_cfg = hydra_config()
     if hydra_cfg is None or any(o.lstrip("+~").split("=", 1)[0] == key for o in hydra_cfg.overrides.task):
         return None
+    # Hydra lists the choices last-applied first (extension, ..., data): the first that sets the key set its value.
     for group, option in hydra_cfg.runtime.choices.items():
         if isinstance(option, str) and not group.startswith("hydra") and _sets(group, option, key):
             return f"{group}={option}"
