@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import types
 
 import numpy as np
@@ -167,6 +168,30 @@ def test_training_reads_every_batch_of_each_optimizer_step_once_and_resumes_afte
         assert loader_order(step, accumulate) == whole[step * accumulate :]
     ranks = [loader_order(0, accumulate, world=2, rank=r) for r in (0, 1)]
     assert len(ranks[0]) == 30 * accumulate and not set(ranks[0][0]) & set(ranks[1][0])
+
+
+class WorkerSignalHandlers(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict:
+        return {
+            "ignored": torch.tensor([signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGTERM, signal.SIGINT)])
+        }
+
+
+def test_loader_workers_ignore_the_signals_that_stop_a_run():
+    """scancel and Ctrl-C signal the whole process group: a worker that died of it took the run's stop at its
+    step boundary (and its last.ckpt, or a traceback beside it) with it. Workers ignore both; the main process
+    ends them."""
+    trainer = types.SimpleNamespace(global_step=0, max_steps=2, accumulate_grad_batches=1, world_size=1, global_rank=0)
+    loaders = (
+        lenext.data.step_loader(WorkerSignalHandlers(), 4, 0, trainer, num_workers=1),
+        lenext.data.evaluation_loader(WorkerSignalHandlers(), 4, None, num_workers=1),
+    )
+    for loader in loaders:
+        assert all(batch["ignored"].all() for batch in loader)
+    assert signal.getsignal(signal.SIGTERM) != signal.SIG_IGN  # the main process keeps its handlers
 
 
 def test_the_tokenizer_sample_is_bounded_in_bytes_of_text():

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 from collections.abc import Callable, Iterable, Iterator
 from importlib import resources
@@ -28,6 +29,7 @@ import lightning as L
 import numpy as np
 import pyarrow as pa
 import torch
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lenext.errors import ConfigError, DataError, first_line
@@ -618,7 +620,24 @@ def step_loader(samples: Dataset, batch_size: int, seed: int, trainer, num_worke
     done = (lambda: trainer.global_step * accumulate * per_batch) if trainer else (lambda: 0)
     sampler = StepShuffler(len(samples), seed, batches * per_batch, start=done)
     indices = _RankSlice(sampler, batch_size, world, rank)
-    return StepLoader(samples, batch_size=batch_size, sampler=indices, num_workers=num_workers, drop_last=True)
+    return StepLoader(
+        samples,
+        batch_size=batch_size,
+        sampler=indices,
+        num_workers=num_workers,
+        drop_last=True,
+        worker_init_fn=worker_ignores_stop_signals,
+    )
+
+
+def worker_ignores_stop_signals(worker_id: int) -> None:
+    """A loader worker ignores SIGTERM and SIGINT, which scancel and Ctrl-C send to the whole process group: killed,
+    it would take the main process's stop at the step boundary, and its checkpoint, with it. The main process ends
+    its workers. Then Lightning's worker seeding, which it adds only to a loader without a worker_init_fn."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.environ.get("PL_SEED_WORKERS") == "1":  # seed_everything(workers=True)
+        pl_worker_init_function(worker_id)
 
 
 class StepLoader(DataLoader):
@@ -917,4 +936,10 @@ def evaluation_loader(samples: Dataset, batch_size: int, trainer, num_workers: i
     parameters from all ranks, so every rank must run as many batches."""
     rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
     padded = EqualShares(samples, -(-len(samples) // world) * world)
-    return DataLoader(padded, batch_size=batch_size, sampler=range(rank, len(padded), world), num_workers=num_workers)
+    return DataLoader(
+        padded,
+        batch_size=batch_size,
+        sampler=range(rank, len(padded), world),
+        num_workers=num_workers,
+        worker_init_fn=worker_ignores_stop_signals,
+    )
