@@ -334,12 +334,14 @@ def test_ctrl_c_outside_training_is_one_line_and_status_130(entry, capsys, monke
     )
 
 
-def _default_callbacks(dirpath: Path) -> list:
-    """configs/callbacks/default.yaml's checkpoint callbacks and stop handling, writing into ``dirpath``."""
+def _default_callbacks(dirpath: Path, every_n_train_steps: int | None = None) -> list:
+    """configs/callbacks/default.yaml's checkpoint callbacks and stop handling, writing into ``dirpath``; last.ckpt
+    also every ``every_n_train_steps``."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
     node = OmegaConf.load(CONFIG_FOLDER / "callbacks" / "default.yaml")
+    node.last_checkpoint.every_n_train_steps = every_n_train_steps
     names = ("last_checkpoint", "best_checkpoint", "stop_checkpoint")
     return [instantiate({**OmegaConf.to_container(node[name]), "dirpath": str(dirpath)}) for name in names]
 
@@ -349,6 +351,65 @@ class _Validated(BoringModel):
         loss = super().validation_step(batch, batch_idx)["x"]
         self.log("val/loss", 1.0 / (1 + self.global_step) + 0 * loss)  # better at every validation
         return loss
+
+
+class _Killed(_Validated):
+    """Notes the step of each validation, and raises (a SIGKILL's stand-in: nothing saves on it) in the training
+    step or the validation at step ``killed_at``."""
+
+    def __init__(self, killed_at: int | None = None, in_validation: bool = True):
+        super().__init__()
+        self.killed_at, self.in_validation, self.validated = killed_at, in_validation, []
+
+    def training_step(self, batch, batch_idx):
+        if not self.in_validation and self.global_step == self.killed_at:
+            raise RuntimeError("killed")
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        if self.in_validation and self.global_step == self.killed_at:
+            raise RuntimeError("killed")
+        self.validated.append(self.global_step)  # one batch a validation
+        return super().validation_step(batch, batch_idx)
+
+
+def _fit_checkpointed(folder: Path, model: _Killed, every_n_train_steps: int | None, **fit) -> None:
+    """12 steps, validating every 4, with the default checkpoint callbacks into ``folder``."""
+    trainer = lightning.Trainer(
+        max_steps=12,
+        val_check_interval=4,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,  # as lenext's trainer
+        callbacks=_default_callbacks(folder, every_n_train_steps),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=folder,
+    )
+    trainer.fit(model, **fit)
+
+
+@pytest.mark.parametrize("every_n_train_steps", [None, 2])
+def test_a_run_killed_in_a_validation_resumes_from_before_it_and_validates_there(tmp_path, every_n_train_steps):
+    """last.ckpt is written after each validation (Lightning writes none there beside no other checkpoint: a SIGKILL
+    started the run over), and at a step that validates, after the validation: resumed from step 8's periodic
+    checkpoint written before its validation, the run skipped that validation (its metrics, a best.ckpt)."""
+    straight, killed, resumed = _Killed(), _Killed(killed_at=8), _Killed()
+    _fit_checkpointed(tmp_path / "straight", straight, every_n_train_steps)
+    with pytest.raises(RuntimeError, match="killed"):
+        _fit_checkpointed(tmp_path / "killed", killed, every_n_train_steps)
+    last = tmp_path / "killed" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == (4 if every_n_train_steps is None else 6)
+    _fit_checkpointed(tmp_path / "killed", resumed, every_n_train_steps, ckpt_path=str(last))
+    assert straight.validated == [4, 8, 12] and killed.validated + resumed.validated == [4, 8, 12]
+
+
+@pytest.mark.parametrize("every_n_train_steps", [None, 5])
+def test_last_checkpoint_holds_where_training_ended(tmp_path, every_n_train_steps):
+    """Once a periodic last.ckpt was written, Lightning wrote none where training ended: it held step 10 of 12, and
+    eval.py, a second stage or a longer run read step 10's weights beside step 12's results."""
+    _fit_checkpointed(tmp_path, _Killed(), every_n_train_steps)
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 12
 
 
 def test_best_checkpoint_is_replaced_in_place(tmp_path):

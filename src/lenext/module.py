@@ -11,6 +11,7 @@ from typing import Annotated
 import lightning as L
 import torch
 from lightning.fabric.plugins.io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 
@@ -40,6 +41,36 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             torch.save(checkpoint, f)
             f.flush()
             os.fsync(f.fileno())
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """``<dirpath>/last.ckpt``, the resume point: after each validation while training, every
+    ``every_n_train_steps`` steps if set, and where training ends. Three gaps of Lightning's ``save_last``, each a
+    resumed or finished run that is not the uninterrupted one: it writes no "last" at a validation without another
+    checkpoint beside it (a SIGKILL started the run over); a resume from a step's checkpoint written before that
+    step's validation skips the validation (its metrics row, and a best.ckpt it would have written); and once a
+    periodic one was written it writes none where training ends (last.ckpt stayed at step 50 of 60)."""
+
+    def __init__(self, dirpath: str, every_n_train_steps: NonNegativeInt | None = None):
+        # No version counter: a SIGTERM's last.ckpt, saved before this callback's first, is no other run's
+        super().__init__(
+            dirpath, save_last=True, save_top_k=0, every_n_train_steps=every_n_train_steps, enable_version_counter=False
+        )
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        loop = trainer.fit_loop
+        if not loop.epoch_loop._should_check_val_fx(loop._data_fetcher):  # else written after the validation
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save_last_unless_saved(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save_last_unless_saved(trainer)
+
+    def _save_last_unless_saved(self, trainer: L.Trainer) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):  # training only, once a step
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
 class CheckpointOnStop(L.Callback):
