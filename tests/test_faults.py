@@ -410,3 +410,53 @@ def test_more_cpu_devices_than_cores_is_refused_before_any_process_starts(tmp_pa
         f"it has {cores} cores; give at most {cores} (a GPU machine trains on its GPUs)"
     )
     assert not run_dir.exists()
+
+
+def test_a_monitor_naming_no_logged_metric_stops_the_command_before_any_work(tmp_path, small_text_corpus):
+    """callbacks.best_checkpoint.monitor=val/lss trained up to a validation, then Lightning's ModelCheckpoint stopped
+    the run with a traceback (no metric of that name is logged); it is refused in one line, the corpus unread."""
+    run_dir = tmp_path / "run"
+    steps = ("trainer.max_steps=2", "trainer.val_check_interval=2")  # a validation while training: Lightning's check
+    overrides = small_corpus_overrides(small_text_corpus, f"hydra.run.dir={run_dir}", *steps)
+    result = run_command(tmp_path, *overrides, "callbacks.best_checkpoint.monitor=val/lss")
+    assert result.returncode == 1
+    assert one_line(result) == (
+        "error: callbacks.best_checkpoint.monitor='val/lss' is invalid: it must be a metric this run logs, one of "
+        "'train/loss', 'val/loss', 'val/ppl', 'val/windows' (did you mean val/loss?)"
+    )
+    assert not run_dir.exists() and not (tmp_path / ".cache").exists()
+
+
+EARLY_STOPPING = "+callbacks.early._target_=lightning.pytorch.callbacks.EarlyStopping"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            [
+                "+callbacks.kept._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+                "+callbacks.kept.monitor=val/ppl_",
+            ],
+            r"^callbacks.kept.monitor='val/ppl_' is inv",
+        ),
+        ([EARLY_STOPPING, "+callbacks.early.monitor=val_loss"], r"^callbacks.early.monitor='val_loss' is invalid: "),
+        (["callbacks.best_checkpoint.monitor=val/exact_match"], r"'val/windows'; val/exact_match is a probe's \("),
+        (["data=synthetic", "callbacks.best_checkpoint.monitor=val/exact"], r"'val/token_accuracy' \(did you mean "),
+    ],
+)
+def test_every_callbacks_monitor_is_checked_against_what_the_run_logs(compose_train, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        preflight(compose_train(*overrides), TrainSettings, TRAIN_NODES)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["callbacks.best_checkpoint.monitor=train/loss"],
+        [EARLY_STOPPING, "+callbacks.early.monitor=val/ppl"],
+        ["data=synthetic", "callbacks.best_checkpoint.monitor=val/exact_match"],
+    ],
+)
+def test_a_monitor_of_a_metric_the_run_logs_is_taken(compose_train, overrides):
+    preflight(compose_train(*overrides), TrainSettings, TRAIN_NODES)

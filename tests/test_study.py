@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from lenext.cli import CONFIG_PACKAGE
@@ -440,8 +441,11 @@ def test_the_sweep_check_takes_the_grid_hydra_runs():
     """The command line's hydra.sweeper.params over the preset's, each job's ${hydra:job.num}; --cfg checks none."""
     from lenext.cli import check_overrides
 
+    found = HydraConfig.instance().cfg
     check_overrides("train", ["experiment=quick", "hydra.sweeper.params.pe=rope", "pe.scaling=yarn"])
     check_overrides("train", ["pe=rope,alibi", "seed=${hydra:job.num}"], multirun=True)
     check_overrides("train", ["pe=rope,alibi", "pe.scaling=yarn"], multirun=True, jobs=False)
     with pytest.raises(ConfigError, match=r"^job 1 of the sweep \(pe=alibi\): pe.scaling is not a setting of pe"):
         check_overrides("train", ["pe=rope,alibi", "pe.scaling=yarn"], multirun=True)
+    # Each job's check set Hydra's config; left set, a later test's run in this process took its pe= for its own
+    assert HydraConfig.instance().cfg is found

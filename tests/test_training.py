@@ -4,8 +4,10 @@ import pandas as pd
 import pytest
 import torch
 
-from lenext.run import train
-from tests.conftest import TEST_VOCAB, tiny_overrides
+from lenext.module import logged_metrics
+from lenext.run import build, train
+from lenext.run_folder import resolve_training
+from tests.conftest import TEST_VOCAB, small_corpus_overrides, tiny_overrides
 
 
 def test_short_training_beats_uniform_baseline_by_4x(compose_train, tmp_path):
@@ -58,3 +60,17 @@ def test_tokens_trained_counts_every_rank_and_accumulated_batch():
 
     trainer = SimpleNamespace(global_step=10, accumulate_grad_batches=4, world_size=2)
     assert tokens_trained(trainer, {"batch_size": 8, "max_len": 64}) == 10 * 8 * 64 * 4 * 2
+
+
+PASSKEY = ["data=synthetic", "data.task=passkey", "data.digits=3", "data.max_len=16", "data.eval_samples=16"]
+
+
+@pytest.mark.parametrize("probe", [False, True])
+def test_logged_metrics_are_every_metric_a_run_logs(compose_train, small_text_corpus, probe):
+    """What a callback's monitor is checked against before any work (lenext.module.logged_metrics) is what
+    training and validation log, a probe's answer metrics included."""
+    data = [*PASSKEY, "model=tiny", "trainer=cpu"] if probe else small_corpus_overrides(small_text_corpus)
+    cfg = compose_train(*data, "trainer.max_steps=2", "trainer.val_check_interval=2", "eval.enabled=false")
+    datamodule, module, trainer = build(cfg, resolve_training(cfg)[0])
+    trainer.fit(module, datamodule=datamodule)
+    assert sorted(trainer.callback_metrics) == sorted(logged_metrics(answers=probe))

@@ -222,30 +222,38 @@ def check_sweep_jobs(parsed: list, preset_params: dict | None) -> None:
     except HydraException:  # a sweep type the basic sweeper does not run (ranges): left to Hydra
         return
     swept = sweep_grid([o.input_line for o in parsed], preset_params)[1]
-    for number, job in enumerate(jobs):
-        task = [line for line in job if not line.startswith(("hydra.", "hydra/"))]
-        try:
-            cfg = compose("train", overrides=task, return_hydra_config=True)
-            with open_dict(cfg):  # as the launcher sets them, for ${hydra:job.num} in a job's settings
-                cfg.hydra.job.num, cfg.hydra.job.id = number, f"job_id_for_{number}"
-            HydraConfig.instance().set_config(cfg)  # ${hydra:...} in a job's settings (a second stage's init_from)
-            with open_dict(cfg):
-                del cfg["hydra"]
-                cfg.paths.output_dir = "."  # a job's folder: Hydra's, once the sweep runs
-            if not cfg.get("init_from"):
-                preflight(cfg, TrainSettings, TRAIN_NODES, sweeps=cfg.eval.enabled)
+    # Process-wide, set per job below: restored after, or an in-process caller's next run reads the last job's pe=
+    hydra_state = HydraConfig.instance()
+    found = hydra_state.cfg
+    try:
+        for number, job in enumerate(jobs):
+            task = [line for line in job if not line.startswith(("hydra.", "hydra/"))]
+            try:
+                cfg = compose("train", overrides=task, return_hydra_config=True)
+                with open_dict(cfg):  # as the launcher sets them, for ${hydra:job.num} in a job's settings
+                    cfg.hydra.job.num, cfg.hydra.job.id = number, f"job_id_for_{number}"
+                hydra_state.set_config(cfg)  # ${hydra:...} in a job's settings (a second stage's init_from)
+                with open_dict(cfg):
+                    del cfg["hydra"]
+                    cfg.paths.output_dir = "."  # a job's folder: Hydra's, once the sweep runs
+                if not cfg.get("init_from"):
+                    preflight(cfg, TrainSettings, TRAIN_NODES, sweeps=cfg.eval.enabled)
+                else:
+                    check_settings(cfg, TrainSettings, TRAIN_NODES)
+            except (HydraException, OmegaConfBaseException) as e:
+                problem = not_a_setting("train", task, e)
+                if problem is None:
+                    continue  # Hydra's own check of the batch says it
+            except ConfigError as e:
+                problem = e
             else:
-                check_settings(cfg, TrainSettings, TRAIN_NODES)
-        except (HydraException, OmegaConfBaseException) as e:
-            problem = not_a_setting("train", task, e)
-            if problem is None:
-                continue  # Hydra's own check of the batch says it
-        except ConfigError as e:
-            problem = e
-        else:
-            continue
-        named = " ".join(line for line in job if line.split("=", 1)[0] in swept)
-        raise ConfigError(f"job {number} of the sweep{f' ({named})' if named else ''}: {problem}; no job was started")
+                continue
+            named = " ".join(line for line in job if line.split("=", 1)[0] in swept)
+            raise ConfigError(
+                f"job {number} of the sweep{f' ({named})' if named else ''}: {problem}; no job was started"
+            )
+    finally:
+        hydra_state.cfg = found
 
 
 def group_options(group: str) -> list[str]:

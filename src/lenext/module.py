@@ -141,6 +141,22 @@ class CheckpointOnStop(L.Callback):
         )
 
 
+# The names LanguageModel logs its metrics under (logged_metrics: every one, what a callback's monitor may name).
+TRAIN_LOSS, VAL_LOSS, VAL_PPL, VAL_WINDOWS = "train/loss", "val/loss", "val/ppl", "val/windows"
+
+
+def answer_metric(name: str) -> str:
+    """The name a probe's validation logs its answer metric ``name`` (one of lenext.scoring.answer_metrics) under."""
+    return f"val/{name}"
+
+
+def logged_metrics(answers: bool) -> tuple[str, ...]:
+    """Every name ``LanguageModel`` logs a metric under, a probe's answer metrics among them where its validation
+    scores ``answers``: what a callback's ``monitor`` may name."""
+    names = answer_metrics(vocab_size=2) if answers else {}  # any vocabulary: only the names are read
+    return (TRAIN_LOSS, VAL_LOSS, VAL_PPL, VAL_WINDOWS, *map(answer_metric, names))
+
+
 def tokens_per_step(batch_size: int, max_len: int, accumulate: int, processes: int = 1) -> int:
     """Training tokens of one optimizer step: every process's batch of every accumulated micro-batch."""
     return batch_size * max_len * accumulate * processes
@@ -250,7 +266,7 @@ class LanguageModel(L.LightningModule):
                 f"the training loss became {loss.item()} at step {self.global_step}; the run stopped and its "
                 "last good checkpoint is checkpoints/last.ckpt. Lower module.lr or try trainer.precision=32-true"
             )
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # the global batch's, not rank 0's share
+        self.log(TRAIN_LOSS, loss, prog_bar=True, sync_dist=True)  # the global batch's, not rank 0's share
         return loss
 
     def on_validation_epoch_start(self) -> None:
@@ -279,14 +295,14 @@ class LanguageModel(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         loss, windows = self.val_nll.compute(), self.val_windows.compute()
-        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
-        self.log("val/ppl", torch.exp(loss), prog_bar=True, sync_dist=False)
+        self.log(VAL_LOSS, loss, prog_bar=True, sync_dist=False)
+        self.log(VAL_PPL, torch.exp(loss), prog_bar=True, sync_dist=False)
         # What the perplexity covers, all ranks together (a logged metric reaches the caller under ddp_spawn too).
-        self.log("val/windows", windows, sync_dist=False)
+        self.log(VAL_WINDOWS, windows, sync_dist=False)
         # A probe's accuracy, when any rank scored answers (compute() syncs: every rank must call it, or none).
         if self.trainer.strategy.reduce_boolean_decision(bool(self.val_answers["exact_match"].update_count), all=False):
             self.log_dict(
-                {f"val/{k}": v for k, v in self.val_answers.compute().items()}, prog_bar=True, sync_dist=False
+                {answer_metric(k): v for k, v in self.val_answers.compute().items()}, prog_bar=True, sync_dist=False
             )
 
     def configure_optimizers(self):

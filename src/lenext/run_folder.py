@@ -12,11 +12,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from lenext import schema
-from lenext.build import preset_of
+from lenext.build import instantiate, preset_of
 from lenext.checkpoints import Base, load_checkpoint, read_base, stored_spec
 from lenext.errors import CheckpointError, ConfigError, errors_in_one_line
 from lenext.hardware import canonical_precision
-from lenext.module import tokens_per_step
+from lenext.module import logged_metrics, tokens_per_step
+from lenext.protocols import ACCURACY
 from lenext.resolve import RENAMED_KEYS, config_pe_name, flat_settings, resolve, same_setting
 from lenext.results import RESULTS_FILE, not_lenext_results
 from lenext.spec import RunSpec
@@ -210,14 +211,35 @@ def preflight(cfg: DictConfig, settings: type | None, nodes: dict[str, type], sw
 
 
 def check_settings(cfg: DictConfig, settings: type | None, nodes: dict[str, type]) -> None:
-    """``schema.check``; a refused key that a preset set, not the command line, is said to be the preset's."""
+    """``schema.check``, then what the callbacks monitor (``refuse_unlogged_monitors``); a refused key that a preset
+    set, not the command line, is said to be the preset's."""
     try:
         schema.check(cfg, settings, nodes)
+        refuse_unlogged_monitors(cfg)
     except ConfigError as e:
         preset = preset_of(e.key) if e.key else None
         if preset is None:
             raise
         raise ConfigError(f"{e} ({e.key} is set by {preset}, not on the command line)", e.key) from None
+
+
+def refuse_unlogged_monitors(cfg: DictConfig) -> None:
+    """A callback's ``monitor`` (best.ckpt's ModelCheckpoint, an EarlyStopping) that names no metric the run logs
+    (``lenext.module.logged_metrics``), refused in one line: Lightning finds it missing at a validation, or after
+    the whole run, with a traceback."""
+    answers = ACCURACY in instantiate(cfg.data, "data").protocols  # a probe's validation scores its answers
+    logged = logged_metrics(answers)
+    for name, callback in (cfg.get("callbacks") or {}).items():
+        monitor = callback.get("monitor")
+        if monitor is None or monitor in logged:
+            continue
+        key = f"callbacks.{name}.monitor"
+        if monitor in logged_metrics(answers=True):  # a probe's metric, monitored by a run on text
+            hint = f"; {monitor} is a probe's (data=synthetic)"
+        else:
+            hint = schema.did_you_mean(monitor, logged)
+        names = ", ".join(map(repr, logged))
+        raise ConfigError(f"{key}={monitor!r} is invalid: it must be a metric this run logs, one of {names}{hint}", key)
 
 
 def configured_base(cfg: DictConfig) -> Base:
