@@ -460,3 +460,24 @@ def test_every_callbacks_monitor_is_checked_against_what_the_run_logs(compose_tr
 )
 def test_a_monitor_of_a_metric_the_run_logs_is_taken(compose_train, overrides):
     preflight(compose_train(*overrides), TrainSettings, TRAIN_NODES)
+
+
+def test_a_relaunch_refused_for_its_settings_keeps_the_record_of_the_run_there(tmp_path, small_text_corpus):
+    """Hydra wrote the command's .hydra/ into its run folder before the job started: a relaunch refused for its
+    settings left the run there described by the refused command. lenext writes it once a command is accepted."""
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("the run's own\n")
+    (run_dir / "results.json").write_text("[]")  # no lenext results: refused
+    refused = run_command(tmp_path, *small_corpus_overrides(small_text_corpus, f"hydra.run.dir={run_dir}"))
+    assert refused.returncode == 1 and "is not a lenext results file" in one_line(refused)
+    assert os.listdir(run_dir / ".hydra") == ["config.yaml"]
+    assert (run_dir / ".hydra" / "config.yaml").read_text() == "the run's own\n"
+    fresh = tmp_path / "fresh"
+    steps = ("trainer.max_steps=1", "eval.enabled=false")
+    accepted = run_command(tmp_path, *small_corpus_overrides(small_text_corpus, f"hydra.run.dir={fresh}", *steps))
+    assert accepted.returncode == 0, accepted.stderr[-2000:]
+    assert sorted(os.listdir(fresh / ".hydra")) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
+    assert "- eval.enabled=false" in (fresh / ".hydra" / "overrides.yaml").read_text().splitlines()
+    assert "max_steps: 1" in (fresh / ".hydra" / "config.yaml").read_text()
+    assert (fresh / ".hydra" / "hydra.yaml").read_text().startswith("hydra:\n")

@@ -638,11 +638,13 @@ def write_figure(result: dict, path: str) -> None:
 
 def _entry() -> Callable:
     from lenext.cli import CONFIG_PACKAGE, checked_command_line, one_line_errors
+    from lenext.run_folder import record_command
 
     @checked_command_line("diagnose")
     @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_PACKAGE}", config_name="diagnose")
     @one_line_errors
     def diagnose_main(cfg: DictConfig) -> str:
+        record_command(cfg)
         return diagnose(cfg)
 
     return diagnose_main

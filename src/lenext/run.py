@@ -33,6 +33,7 @@ from lenext.run_folder import (
     FINISHED_IDENTITY,
     check_settings,
     completed_results,
+    record_command,
     refuse_a_training_runs_folder,
     resolve_training,
     run_identity,
@@ -63,6 +64,7 @@ def train(cfg: DictConfig) -> dict:
         print(f"skipping {cfg.paths.output_dir}: its {RESULTS_FILE} is complete")
         return {"val/ppl": first["ppl"], "val/loss": first["mean_nll"], "skipped": True}
     spec, weights = resolve_training(cfg)
+    record_command(cfg)
     identity = run_identity(cfg, FINISHED_IDENTITY)  # what a re-launch into this folder must repeat to skip it
     datamodule, module, trainer = build(cfg, spec, weights)
     del weights  # held by the module's net now

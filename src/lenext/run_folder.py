@@ -8,6 +8,7 @@ import logging
 import os
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -15,7 +16,9 @@ from lenext import schema
 from lenext.build import instantiate, preset_of
 from lenext.checkpoints import Base, load_checkpoint, read_base, stored_spec
 from lenext.errors import CheckpointError, ConfigError, errors_in_one_line
+from lenext.files import write_atomic
 from lenext.hardware import canonical_precision
+from lenext.lock import launched_by_another_process
 from lenext.module import logged_metrics, tokens_per_step
 from lenext.protocols import ACCURACY
 from lenext.resolve import RENAMED_KEYS, config_pe_name, flat_settings, resolve, same_setting
@@ -125,10 +128,26 @@ def refuse_a_training_runs_folder(output_dir: str, key: str = "hydra.run.dir", f
         )
 
 
+def record_command(cfg: DictConfig) -> None:
+    """``<run folder>/.hydra/``: the command's config, Hydra's and its overrides, as Hydra writes them, but once the
+    command is accepted (configs/hydra/default.yaml turns Hydra's own off: it writes them before the job starts, so a
+    relaunch refused for its settings left the folder's run described by the refused command)."""
+    if not HydraConfig.initialized() or launched_by_another_process():
+        return
+    hydra_cfg = HydraConfig.get()
+    folder = os.path.join(hydra_cfg.runtime.output_dir, ".hydra")
+    for name, node in (
+        ("config.yaml", cfg),
+        ("hydra.yaml", HydraConfig.instance().cfg),  # {hydra: ...}
+        ("overrides.yaml", hydra_cfg.overrides.task),
+    ):
+        write_atomic(os.path.join(folder, name), OmegaConf.to_yaml(node))
+
+
 class EvaluationFolders(Callback):
     """eval.py's run folder, or the job folders (``<sweep>/<job number>``) its sweep folder already holds, checked
-    before Hydra writes its ``.hydra/`` files there: they would replace a training run's, even though the evaluation
-    is then refused."""
+    before the job writes its ``.hydra/`` record there (``record_command``): it would replace a training run's, even
+    though the evaluation is then refused."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config.hydra.run.dir)
