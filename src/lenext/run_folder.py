@@ -132,9 +132,9 @@ def record_command(cfg: DictConfig) -> None:
     """``<run folder>/.hydra/``: the command's config, Hydra's and its overrides, as Hydra writes them, but once the
     command is accepted (configs/hydra/default.yaml turns Hydra's own off: it writes them before the job starts, so a
     relaunch refused for its settings left the folder's run described by the refused command)."""
-    if not HydraConfig.initialized() or launched_by_another_process():
-        return
-    hydra_cfg = HydraConfig.get()
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    if hydra_cfg is None or OmegaConf.is_missing(hydra_cfg.runtime, "output_dir") or launched_by_another_process():
+        return  # not a job Hydra runs (a config composed in-process)
     folder = os.path.join(hydra_cfg.runtime.output_dir, ".hydra")
     for name, node in (
         ("config.yaml", cfg),
