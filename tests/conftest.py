@@ -62,6 +62,19 @@ def compose_train(tmp_path, cache_dir):
     return _compose
 
 
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, small_text_corpus, cache_dir):
+    """A tiny RoPE run of 2 steps at L_train 32, no sweep: its folder."""
+    from lenext.run import train
+
+    folder = tmp_path_factory.mktemp("run")
+    overrides = small_corpus_overrides(small_text_corpus, "pe=rope", "trainer.max_steps=2", "eval.enabled=false")
+    paths = [f"paths.root_dir={folder}", f"paths.output_dir={folder}", f"paths.cache_dir={cache_dir}"]
+    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
+        train(compose("train", overrides=[*paths, *overrides]))
+    return folder
+
+
 @pytest.fixture(scope="session")
 def small_text_corpus(tmp_path_factory):
     """Twelve real addresses as a text_files corpus (3 validation documents): seconds to train and evaluate."""

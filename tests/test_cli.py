@@ -43,6 +43,10 @@ def test_unknown_pe_lists_the_available_ones(tmp_path):
             ["-m", "pe=glob(rope_n*)"],
             "error: pe=glob(rope_n*) is invalid: list the options instead (rope_nope,rope_ntk)",
         ),
+        (  # a sweep's config asked for: Hydra's ValueError, as a traceback
+            ["-m", "pe=rope,alibi", "--cfg", "job"],
+            "error: --multirun and --cfg cannot be given together: give one of --run, --multirun, --cfg, --info,",
+        ),
     ],
 )
 def test_a_mistyped_option_or_key_is_answered_with_the_closest_name_in_one_line(tmp_path, overrides, line):

@@ -34,8 +34,7 @@ from lenext.errors import CheckpointError, ConfigError
 from lenext.model import Decoder
 from lenext.pe import ALiBi, NoPE, RoPE, T5Bias
 from lenext.positions import PoSE, PositionScheme, Randomized
-from lenext.run import train
-from tests.conftest import hidden_keys, small_corpus_overrides
+from tests.conftest import hidden_keys
 from tests.forked import run_command
 from tests.test_long_context import Copier
 from tests.test_pe import PES
@@ -407,21 +406,6 @@ def test_a_probe_is_diagnosed_on_its_samples_at_each_length():
 # The command.
 
 
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory, small_text_corpus, cache_dir):
-    """A tiny RoPE run of 2 steps at L_train 32, no sweep: its folder."""
-    from hydra import compose, initialize_config_module
-
-    from lenext.cli import CONFIG_PACKAGE
-
-    folder = tmp_path_factory.mktemp("run")
-    overrides = small_corpus_overrides(small_text_corpus, "pe=rope", "trainer.max_steps=2", "eval.enabled=false")
-    paths = [f"paths.root_dir={folder}", f"paths.output_dir={folder}", f"paths.cache_dir={cache_dir}"]
-    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
-        train(compose("train", overrides=[*paths, *overrides]))
-    return folder
-
-
 def compose_diagnose(folder, output, *overrides):
     from hydra import compose, initialize_config_module
 
@@ -492,6 +476,16 @@ def test_rotation_coverage_under_a_fixed_factor_measures_against_the_frequencies
             assert entry["unseen"][str(n)] == pytest.approx(unseen, abs=1e-12), (k, n)
     by_length = {s["length"]: s["unseen_fraction"] for s in coverage["summary"]}
     assert by_length[32] == 0 and by_length[64] < 0.05  # PI keeps 2x's angles within the arc but for d = 63
+
+
+def test_a_diagnose_sweep_checks_every_job_before_the_first_starts(trained_run):
+    """An audit found diagnose.py -m unchecked: its second job's bad lengths failed after the first diagnosis."""
+    from lenext.cli import check_overrides
+
+    refused = r"^job 1 of the sweep \(lengths=\[0\]\): lengths=\[0\] is invalid: .*; no job was started$"
+    with pytest.raises(ConfigError, match=refused):
+        check_overrides("diagnose", [f"ckpt={trained_run}", "lengths=[32],[0]"], multirun=True)
+    check_overrides("diagnose", [f"ckpt={trained_run}", "lengths=[32],[64]"], multirun=True)
 
 
 def test_diagnose_py_answers_bad_input_in_one_line_and_has_help(tmp_path, monkeypatch, capsys):

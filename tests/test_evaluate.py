@@ -121,6 +121,16 @@ def test_a_protocols_own_setting_given_without_the_protocol_is_refused(setting, 
     assert cap_windows(list(range(10)), None) == list(range(10))
 
 
+def test_a_key_context_no_length_exceeds_is_refused():
+    """An audit found eval.key_context at or beyond every length taken: each key_tokens row had no key token."""
+    every = ("nonoverlap", "key_tokens")
+    with pytest.raises(ConfigError, match=r"^eval.key_context=64 is invalid with eval.protocol=key_tokens: it must be"):
+        sweep_plan(eval_cfg(protocol="key_tokens", lengths=[32, 64], key_context=64), 16, None, every)
+    with pytest.raises(ConfigError, match=r"^eval.key_context=null \(L_train = 16\) is invalid .* longest length, 16 "):
+        sweep_plan(eval_cfg(protocol="key_tokens", lengths=[16]), 16, None, every)
+    assert sweep_plan(eval_cfg(protocol="key_tokens", lengths=[32, 65], key_context=64), 16, None, every)
+
+
 @pytest.mark.parametrize(
     "setting, refused",
     [
@@ -431,8 +441,7 @@ def test_training_at_drawn_positions_is_reproducible_and_evaluates_as_its_scheme
         f"trainer.precision={trained_in}",
         "pe=rope",
         f"train.positions={scheme}",
-        "train.max_position=256",
-        "train.target_len=256",
+        f"train.{'max_position' if scheme == 'randomized' else 'target_len'}=256",
         "trainer.max_steps=6",
         "eval.factors=[1,2]",
         "eval.max_windows=7",
@@ -470,6 +479,36 @@ def test_training_at_drawn_positions_is_reproducible_and_evaluates_as_its_scheme
         assert not (tmp_path / "long").exists()
 
 
+@pytest.mark.parametrize("override", ["+attention.window=8", "+train.positions=randomized"])
+def test_eval_refuses_the_training_settings_it_would_not_apply(override, trained_run, tmp_path):
+    """An audit found +attention.* and +train.* taken by eval.py: the checkpoint's own were evaluated, the rows
+    those of the model as trained."""
+    key, ckpt = override.removeprefix("+").split("=")[0], trained_run / "checkpoints" / "last.ckpt"
+    with pytest.raises(ConfigError, match=rf"^{key} is not a setting lenext knows; remove it$"):
+        evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "eval", ckpt, "eval.lengths=[32]", override))
+    assert not (tmp_path / "eval").exists()
+
+
+def test_an_eval_sweep_checks_every_job_before_the_first_starts(trained_run, tmp_path):
+    """An audit found eval.py -m unchecked: its third job's bad value failed after two evaluations. Each job is
+    checked as it checks itself: its keys, its checkpoint and its plan against the checkpoint's run."""
+    from lenext.cli import check_overrides
+
+    ckpt = f"ckpt={trained_run / 'checkpoints' / 'last.ckpt'}"
+    refusals = [
+        ([ckpt, "eval.lengths=[32],[64],[0]"], r"job 2 of the sweep \(eval.lengths=\[0\]\): eval.lengths=\[0\] is "),
+        ([f"{ckpt},{tmp_path / 'missing.ckpt'}"], r"job 1 of the sweep \(ckpt=.*missing.ckpt\): ckpt='.*' does not "),
+        (
+            [ckpt, "eval.protocol=last_k", "eval.lengths=[64],[32]", "eval.last_k=48"],
+            r"job 1 of the sweep \(eval.lengths=\[32\]\): eval.last_k=48 is invalid: it must be at most the shortest",
+        ),
+    ]
+    for overrides, message in refusals:
+        with pytest.raises(ConfigError, match=rf"^{message}.*; no job was started$"):
+            check_overrides("eval", overrides, multirun=True)
+    check_overrides("eval", [ckpt, "eval.lengths=[32],[64]"], multirun=True)
+
+
 def compose_eval(tmp_path, output_dir, ckpt, *overrides):
     from hydra import compose, initialize_config_module
 
@@ -504,9 +543,9 @@ def test_an_evaluation_into_a_training_runs_folder_is_refused_before_any_work(tm
 
 
 @pytest.mark.parametrize("mode", ["run", "sweep"])
-def test_eval_py_into_a_training_runs_folder_is_refused_before_hydra_writes_there(tmp_path, mode):
+def test_eval_py_into_a_training_runs_folder_is_refused_before_hydra_writes_there(trained_run, tmp_path, mode):
     """Hydra writes .hydra/ into a job's folder before the job starts: a training run's would be replaced by the
-    refused evaluation's. A sweep folder is checked job folder by job folder."""
+    refused evaluation's. A sweep folder is checked job folder by job folder (its jobs' settings checked first)."""
     run = tmp_path / "sweep" / "0" if mode == "sweep" else tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "config.yaml").write_text("pe: rope\n")
@@ -514,9 +553,8 @@ def test_eval_py_into_a_training_runs_folder_is_refused_before_hydra_writes_ther
     folder = ["-m", f"hydra.sweep.dir={run.parent}"] if mode == "sweep" else [f"hydra.run.dir={run}"]
     script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "eval.py")
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"LENEXT_ROOT": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, script, *folder, f"ckpt={tmp_path / 'missing.ckpt'}"], env=env, capture_output=True, text=True
-    )
+    ckpt = trained_run / "checkpoints" / "last.ckpt"
+    done = subprocess.run([sys.executable, script, *folder, f"ckpt={ckpt}"], env=env, capture_output=True, text=True)
     key, named, held = (
         ("hydra.sweep.dir", run.parent, run / "results.json")
         if mode == "sweep"
@@ -530,19 +568,21 @@ def test_eval_py_into_a_training_runs_folder_is_refused_before_hydra_writes_ther
     assert (run / ".hydra" / "config.yaml").read_text() == "pe: rope\n"
 
 
-def test_an_eval_sweep_into_other_job_folders_of_a_training_sweep_folder_goes_on(tmp_path):
-    """Job folders named otherwise (hydra.sweep.subdir) are not the training run's: the jobs start (and meet the
-    missing checkpoint, each in its own error.txt)."""
+def test_an_eval_sweep_into_other_job_folders_of_a_training_sweep_folder_goes_on(trained_run, tmp_path):
+    """Job folders named otherwise (hydra.sweep.subdir) are not the training run's: the jobs run, each into its own."""
     run = tmp_path / "sweep" / "0"
     run.mkdir(parents=True)
-    (run / "results.json").write_text(json.dumps({"complete": True, "meta": {"row": "rope", "seed": 0}, "rows": []}))
+    trained = json.dumps({"complete": True, "meta": {"row": "rope", "seed": 0}, "rows": []})
+    (run / "results.json").write_text(trained)
     script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "eval.py")
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"LENEXT_ROOT": str(tmp_path)}
     folders = [f"hydra.sweep.dir={run.parent}", "hydra.sweep.subdir=eval_${hydra.job.num}"]
-    command = [sys.executable, script, "-m", *folders, f"ckpt={tmp_path / 'a.ckpt'},{tmp_path / 'b.ckpt'}"]
+    ckpt = trained_run / "checkpoints" / "last.ckpt"
+    command = [sys.executable, script, "-m", *folders, f"ckpt={ckpt}", "eval.lengths=[32],[64]"]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
-    assert done.returncode == 1 and "holds a training run's" not in done.stderr
-    assert "does not exist" in (run.parent / "eval_1" / "error.txt").read_text()
+    assert done.returncode == 0 and "holds a training run's" not in done.stderr, done.stderr[-2000:]
+    assert all(json.loads((run.parent / f"eval_{n}" / "results.json").read_text())["complete"] for n in (0, 1))
+    assert (run / "results.json").read_text() == trained
 
 
 def test_counts_and_means_accumulate_in_float64():

@@ -198,6 +198,21 @@ def test_what_cannot_be_evaluated_is_refused_in_one_line_before_any_work(tmp_pat
     assert not (tmp_path / "out").exists() and not (tmp_path / ".cache").exists()
 
 
+def test_an_eval_sweep_checks_every_jobs_plan_against_the_models_context_before_the_first_starts(
+    tmp_path, small_text_corpus, tokenizer_folder
+):
+    """eval.py -m hf=: a job's lengths are checked against the context the model's config says, before any weights
+    load; not by the job, after the jobs before it ran."""
+    from lenext.cli import check_overrides
+
+    folder = model_folder(tmp_path, tokenizer_folder, "llama")
+    data = ["data=text_files", f"data.corpus.path={small_text_corpus}", "data.corpus.holdout_every=4"]
+    with pytest.raises(
+        ConfigError, match=r"^job 1 of the sweep \(eval.factors=\[0.01\]\): .* \(of L_train 32\); no job"
+    ):
+        check_overrides("eval", [f"hf={folder}", *data, "eval.factors=[1],[0.01]"], multirun=True)
+
+
 def test_a_lenext_model_trains_on_a_tokenizer_from_outside(
     compose_train, small_text_corpus, tokenizer_folder, tmp_path
 ):

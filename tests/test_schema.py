@@ -139,6 +139,18 @@ def test_every_eval_key_refuses_a_wrong_value(tmp_path):
         ("+trainer.limit_train_batches=0", "trainer.limit_train_batches=0 is invalid: it must be an integer >= 1"),
         ("+trainer.max_epochs=0", "trainer.max_epochs=0 is invalid: it must be -1 or an integer >= 1 or null"),
         ("data=text_files", "data.corpus.path is required: it must be a string; set it on the command line"),
+        # Taken and printed, they changed nothing: a scheme's setting under another scheme; a candidate count that
+        # filled memory with copies of each sample before failing
+        (
+            "train.max_position=128",
+            "train.max_position=128 changes nothing here: it is a setting of randomized positions, which "
+            "train.positions=sequential does not use; give train.positions=randomized, or drop train.max_position",
+        ),
+        ("train.chunks=3", "train.chunks=3 changes nothing here: it is a setting of pose positions, which"),
+        (
+            "eval.haystack_candidates=100000",
+            "eval.haystack_candidates=100000 is invalid: it must be an integer in [1, 99] or null",
+        ),
     ],
 )
 def test_the_reported_bad_settings_are_refused_with_what_they_must_be(override, message, tmp_path):

@@ -31,7 +31,9 @@ from omegaconf.errors import OmegaConfBaseException
 from lenext import schema
 from lenext.build import CONFIG_PACKAGE, hydra_config, instantiate
 from lenext.data import LMDataModule
+from lenext.diagnostics import diagnosed_model
 from lenext.errors import (
+    CheckpointError,
     ConfigError,
     LenextError,
     Stopped,
@@ -42,12 +44,12 @@ from lenext.errors import (
 )
 from lenext.files import write_atomic
 from lenext.hardware import default_precision, keep_freed_memory
-from lenext.hf import evaluate_hf
+from lenext.hf import checked_hf, evaluate_hf
 from lenext.lock import launched_by_another_process, remove_unused_folder
 from lenext.progress import sweep_grid
-from lenext.resolve import RENAMED_KEYS, TRAIN_NODES, TrainSettings
+from lenext.resolve import EVAL_NODES, RENAMED_KEYS, TRAIN_NODES, EvalScriptSettings, TrainSettings
 from lenext.results import ERROR_FILE
-from lenext.run import evaluate_checkpoint, train
+from lenext.run import evaluate_checkpoint, evaluation_model, train
 from lenext.run_folder import check_settings, preflight, record_command
 from lenext.schema import HYDRA_KEYS, did_you_mean
 
@@ -121,6 +123,22 @@ def checked_command_line(config_name: str) -> Callable:
         def wrapper(*args, **kwargs):
             with errors_in_one_line():
                 command = get_args_parser().parse_args(sys.argv[1:])
+                modes = [  # Hydra refuses more than one with a traceback
+                    flag
+                    for flag, given in (
+                        ("--run", command.run),
+                        ("--multirun", command.multirun),
+                        ("--cfg", command.cfg),
+                        ("--info", command.info is not None),
+                        ("--shell-completion", command.shell_completion),
+                    )
+                    if given
+                ]
+                if len(modes) > 1:
+                    raise ConfigError(
+                        f"{' and '.join(modes)} cannot be given together: give one of --run, --multirun, --cfg, "
+                        "--info, --shell-completion"
+                    )
                 only_shows = (
                     command.cfg or command.help or command.hydra_help or command.info or command.shell_completion
                 )
@@ -133,8 +151,8 @@ def checked_command_line(config_name: str) -> Callable:
 
 
 def check_overrides(config_name: str, overrides: list[str], multirun: bool = False, jobs: bool = True) -> None:
-    """The checks of ``checked_command_line``; overrides Hydra cannot parse are left to Hydra. A train.py sweep
-    (``-m``, or a preset's) has every job checked (``check_sweep_jobs``) unless ``jobs`` is false (--cfg, --help)."""
+    """The checks of ``checked_command_line``; overrides Hydra cannot parse are left to Hydra. A sweep (``-m``, or a
+    preset's) has every job checked (``check_sweep_jobs``) unless ``jobs`` is false (--cfg, --help)."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException:
@@ -166,14 +184,14 @@ def check_overrides(config_name: str, overrides: list[str], multirun: bool = Fal
             if unknown:
                 raise unknown from None
             return  # Hydra's own message says it
-        if config_name == "train":
+        if config_name in JOB_CHECKS:
             settings = [
                 o.input_line for o in parsed if o.key_or_group.startswith("hydra.") and not o.is_sweep_override()
             ]
             first = compose(config_name, overrides=[*first_values, *settings], return_hydra_config=True)
             basic = first.hydra.sweeper.get("_target_", "").endswith(".BasicSweeper")  # its grid known here
             if jobs and basic and (multirun or first.hydra.mode == RunMode.MULTIRUN):
-                check_sweep_jobs(parsed, first.hydra.sweeper.get("params"))
+                check_sweep_jobs(config_name, parsed, first.hydra.sweeper.get("params"))
 
 
 def sweep_values(override, options: list[str]) -> list:
@@ -210,12 +228,11 @@ def not_a_setting(config_name: str, overrides: list[str], error: Exception) -> C
     )
 
 
-def check_sweep_jobs(parsed: list, preset_params: dict | None) -> None:
-    """Every job of a train.py sweep composed and checked as the job will check itself before any work (types and
-    ranges, then the settings that only fail together: ``preflight``), before the first job starts: a bad value
-    for the fifth job is refused now, naming the job, not after four trainings. What only the data can tell (a
-    corpus too short for a length) is still found by the job, which writes its error.txt. Called within a compose
-    context; a second stage's base (``init_from``) is read by its own job only."""
+def check_sweep_jobs(config_name: str, parsed: list, preset_params: dict | None) -> None:
+    """Every job of a sweep (train.py's, eval.py's, diagnose.py's) composed and checked as the job will check itself
+    before any work (``JOB_CHECKS``), before the first job starts: a bad value for the fifth job is refused now,
+    naming the job, not after four trainings. What only the data can tell (a corpus too short for a length) is still
+    found by the job, which writes its error.txt. Called within a compose context."""
     params = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in (preset_params or {}).items()])
     try:  # the grid as Hydra's basic sweeper makes it: the command line over the preset's params
         (jobs,) = BasicSweeper.split_arguments([*params, *parsed], None)
@@ -229,22 +246,19 @@ def check_sweep_jobs(parsed: list, preset_params: dict | None) -> None:
         for number, job in enumerate(jobs):
             task = [line for line in job if not line.startswith(("hydra.", "hydra/"))]
             try:
-                cfg = compose("train", overrides=task, return_hydra_config=True)
+                cfg = compose(config_name, overrides=task, return_hydra_config=True)
                 with open_dict(cfg):  # as the launcher sets them, for ${hydra:job.num} in a job's settings
                     cfg.hydra.job.num, cfg.hydra.job.id = number, f"job_id_for_{number}"
                 hydra_state.set_config(cfg)  # ${hydra:...} in a job's settings (a second stage's init_from)
                 with open_dict(cfg):
                     del cfg["hydra"]
                     cfg.paths.output_dir = "."  # a job's folder: Hydra's, once the sweep runs
-                if not cfg.get("init_from"):
-                    preflight(cfg, TrainSettings, TRAIN_NODES, sweeps=cfg.eval.enabled)
-                else:
-                    check_settings(cfg, TrainSettings, TRAIN_NODES)
+                JOB_CHECKS[config_name](cfg)
             except (HydraException, OmegaConfBaseException) as e:
-                problem = not_a_setting("train", task, e)
+                problem = not_a_setting(config_name, task, e)
                 if problem is None:
                     continue  # Hydra's own check of the batch says it
-            except ConfigError as e:
+            except (ConfigError, CheckpointError) as e:
                 problem = e
             else:
                 continue
@@ -254,6 +268,35 @@ def check_sweep_jobs(parsed: list, preset_params: dict | None) -> None:
             )
     finally:
         hydra_state.cfg = found
+
+
+def check_training_job(cfg: DictConfig) -> None:
+    """A train.py job's checks before any work: types and ranges, then the settings that only fail together
+    (``preflight``); a second stage's base (``init_from``) is read by its own job only."""
+    if not cfg.get("init_from"):
+        preflight(cfg, TrainSettings, TRAIN_NODES, sweeps=cfg.eval.enabled)
+    else:
+        check_settings(cfg, TrainSettings, TRAIN_NODES)
+
+
+def check_evaluation_job(cfg: DictConfig) -> None:
+    """An eval.py job's checks before any work: types and ranges, then its checkpoint's run with this job's settings
+    (``evaluation_model``) or its Hugging Face model's folder, tokenizer and plan (``checked_hf``)."""
+    schema.check(cfg, EvalScriptSettings, EVAL_NODES)
+    if cfg.get("hf"):
+        checked_hf(cfg)
+    else:
+        evaluation_model(cfg)
+
+
+def check_diagnosis_job(cfg: DictConfig) -> None:
+    """A diagnose.py job's checks before any work: types and ranges, then its checkpoint's run with this job's
+    lengths (``diagnosed_model``)."""
+    diagnosed_model(cfg)
+
+
+# Each entry point's checks of one job, which its sweeps run on every job before the first starts.
+JOB_CHECKS = {"train": check_training_job, "eval": check_evaluation_job, "diagnose": check_diagnosis_job}
 
 
 def group_options(group: str) -> list[str]:

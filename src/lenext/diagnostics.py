@@ -382,18 +382,26 @@ def window_tokens(evaluation, length: int, windows: int) -> tuple[torch.Tensor, 
     return torch.stack([item["tokens"][:-1] for item in items]), [tuple(item["window"].tolist()) for item in items]
 
 
+def diagnosed_model(cfg: DictConfig):
+    """(checkpoint file, and ``lenext.run.checkpoint_model``'s spec, data module, model and checkpoint) of
+    diagnose.py's config, every setting checked before any work (by the diagnosis, and by a diagnose.py sweep for
+    each job before the first starts)."""
+    from lenext.resolve import EVAL_NODES
+    from lenext.run import checkpoint_model
+
+    schema.check(cfg, DiagnoseSettings, {k: v for k, v in EVAL_NODES.items() if k in ("paths", "pe")})
+    path = checkpoint_file(cfg.ckpt)
+    return (path, *checkpoint_model(evaluation_config(cfg), path))
+
+
 def diagnose(cfg: DictConfig) -> str:
     """``lenext-diagnose``: every check first, then the statistics at each length, the coverage, the histogram;
     writes diagnostics.json and diagnostics.png into paths.output_dir. Returns the JSON's path."""
     from lenext.build import instantiate
     from lenext.checkpoints import stored_spec
     from lenext.evaluate import evaluation_positions
-    from lenext.resolve import EVAL_NODES
-    from lenext.run import checkpoint_model
 
-    schema.check(cfg, DiagnoseSettings, {k: v for k, v in EVAL_NODES.items() if k in ("paths", "pe")})
-    path = checkpoint_file(cfg.ckpt)
-    spec, data, net, checkpoint = checkpoint_model(evaluation_config(cfg), path)
+    path, spec, data, net, checkpoint = diagnosed_model(cfg)
     data.load()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     net.to(device).eval()

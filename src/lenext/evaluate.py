@@ -13,7 +13,7 @@ import threading
 import time
 import zipfile
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -24,8 +24,8 @@ from lenext.hardware import release_freed_memory
 from lenext.haystack import HaystackText
 from lenext.pe import VARIANTS
 from lenext.positions import PositionScheme
-from lenext.protocols import PROTOCOL_NAMES, PROTOCOLS, Sliding, TextProtocol, Window, evaluator_file
-from lenext.ranges import NonNegativeFloat, PositiveFloat, PositiveInt, Share
+from lenext.protocols import PROTOCOL_NAMES, PROTOCOLS, KeyTokens, Sliding, TextProtocol, Window, evaluator_file
+from lenext.ranges import NonNegativeFloat, PositiveFloat, PositiveInt, Range, Share
 from lenext.scoring import Measured
 from lenext.temperature import TEMPERATURE, asks_temperature, describe_fit, fit_temperature, row_fields, variant_scope
 
@@ -126,7 +126,9 @@ class EvalSettings:
     key_evaluator: str | None = None  # key_tokens: the lenext checkpoint (or run folder) that picks key tokens
     haystack_depths: list[Share] | None = None  # haystack protocols: the needle's depths
     haystack_samples: PositiveInt | None = None  # haystacks per depth and length
-    haystack_candidates: PositiveInt | None = None  # distractor answers each answer is ranked against
+    # Distractor answers each answer is ranked against, each a copy of the sample scored in one pass with it: more
+    # than 99 (chance below 1%) cost a pass each and tell what exact match, reported beside, tells already.
+    haystack_candidates: Annotated[int, Range(1, 99)] | None = None
 
     RENAMED = {"rope_scalings": "variants"}  # keys of earlier versions: refused naming the new key; stored: read
 
@@ -231,7 +233,7 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
                 f"eval.key_evaluator={evaluator!r} is not a checkpoint (torch.save writes a zip archive): give a "
                 "lenext checkpoint or run folder (or null: the model itself)"
             )
-    return SweepPlan(
+    plan = SweepPlan(
         plan_protocols,
         lengths,
         stride,
@@ -239,6 +241,15 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
         base_len,
         {key: value for key in PROTOCOL_SETTINGS if (value := getattr(eval_cfg, key, None)) is not None},
     )
+    context = KeyTokens.from_plan(plan).context if KeyTokens.name in plan_protocols else None
+    if context is not None and context >= max(lengths):  # every row would have no key token
+        given = getattr(eval_cfg, "key_context", None)
+        setting = f"eval.key_context={context}" if given else f"eval.key_context=null (L_train = {context})"
+        raise ConfigError(
+            f"{setting} is invalid with eval.protocol=key_tokens: it must be below the longest length, {max(lengths)} "
+            "(within the short context no target is key); give a shorter eval.key_context or a longer length"
+        )
+    return plan
 
 
 def sweep(

@@ -20,6 +20,7 @@ import dataclasses
 import os
 from collections.abc import Iterator
 from importlib import resources
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ from lenext import schema
 from lenext.build import CONFIG_PACKAGE, instantiate
 from lenext.data import external_tokenizer, token_id_bound
 from lenext.errors import ConfigError, LengthNotSupported, first_line
-from lenext.evaluate import EvalSettings, sweep, sweep_plan
+from lenext.evaluate import EvalSettings, SweepPlan, sweep, sweep_plan
 from lenext.hardware import canonical_precision, machine_description
 from lenext.hf_self_extend import ATTENTION_NAME
 from lenext.hf_self_extend import install as install_self_extend
@@ -308,11 +309,22 @@ def row_name(source: str) -> str:
     return "hf:" + os.path.basename(os.path.normpath(source))
 
 
-def evaluate_hf(cfg: DictConfig) -> str:
-    """eval.py hf=...: load the model and its tokenizer, plan and check the sweep before reading the corpus,
-    sweep, write results.json."""
-    schema.check(cfg, EvalScriptSettings, EVAL_NODES)
-    refuse_a_training_runs_folder(cfg.paths.output_dir)
+class CheckedHF(NamedTuple):
+    """What eval.py hf= reads and checks before the model's weights: its folder and config, its tokenizer, the data
+    tokenized with it (nothing read yet) and the sweep's plan."""
+
+    source: str
+    config: object
+    tokenizer: object
+    data_node: DictConfig
+    data: object
+    settings: EvalSettings
+    plan: SweepPlan
+
+
+def checked_hf(cfg: DictConfig) -> CheckedHF:
+    """eval.py hf= of a config ``schema.check`` passed: every setting checked before the weights load (by the
+    evaluation, and by an eval.py sweep for each job before the first starts)."""
     if cfg.ckpt:
         raise ConfigError(f"ckpt={cfg.ckpt} and hf={cfg.hf}: give one, the lenext checkpoint or the HF model")
     changed = [f"pe.{key}" for key, value in cfg.pe.items() if value != "as_trained"]
@@ -324,6 +336,23 @@ def evaluate_hf(cfg: DictConfig) -> str:
     config = model_config(source, cfg.trust_remote_code)
     with transformers_quiet():  # refused before the weights load: a folder without a tokenizer
         tokenizer, _ = external_tokenizer(source, "hf")
+    data_node = cfg.data if cfg.get("data") else OmegaConf.load(resources.files(CONFIG_PACKAGE) / "data/sotu.yaml")
+    if data_node.get("tokenizer") not in (None, cfg.hf, source):
+        raise ConfigError(f"data.tokenizer={data_node.tokenizer} is invalid with hf=: the model's tokenizer is used")
+    # seed: the training order, which evaluation does not use; the file's own reads a run's seed, which has none.
+    data_node = OmegaConf.merge(data_node, {"tokenizer": source, "cache_dir": cfg.paths.cache_dir, "seed": 0})
+    data = instantiate(data_node, "data")
+    settings = EvalSettings(**OmegaConf.to_container(cfg.eval, resolve=True))
+    plan = sweep_plan(settings, trained_context(config, cfg.context), None, data.protocols)
+    return CheckedHF(source, config, tokenizer, data_node, data, settings, plan)
+
+
+def evaluate_hf(cfg: DictConfig) -> str:
+    """eval.py hf=...: check every setting (``checked_hf``), load the model, check what needs it before reading the
+    corpus, sweep, write results.json."""
+    schema.check(cfg, EvalScriptSettings, EVAL_NODES)
+    refuse_a_training_runs_folder(cfg.paths.output_dir)
+    source, config, tokenizer, data_node, data, settings, plan = checked_hf(cfg)
     model = load_model(source, cfg.trust_remote_code, config)
     embeds = model.get_input_embeddings().num_embeddings
     ids = token_id_bound(tokenizer)
@@ -333,14 +362,6 @@ def evaluate_hf(cfg: DictConfig) -> str:
             "embeds (a tokenizer of another model?)"
         )
     net = HFLanguageModel(model, cfg.context)
-    data_node = cfg.data if cfg.get("data") else OmegaConf.load(resources.files(CONFIG_PACKAGE) / "data/sotu.yaml")
-    if data_node.get("tokenizer") not in (None, cfg.hf, source):
-        raise ConfigError(f"data.tokenizer={data_node.tokenizer} is invalid with hf=: the model's tokenizer is used")
-    # seed: the training order, which evaluation does not use; the file's own reads a run's seed, which has none.
-    data_node = OmegaConf.merge(data_node, {"tokenizer": source, "cache_dir": cfg.paths.cache_dir, "seed": 0})
-    data = instantiate(data_node, "data")
-    settings = EvalSettings(**OmegaConf.to_container(cfg.eval, resolve=True))
-    plan = sweep_plan(settings, net.pe.context, None, data.protocols)
     net.pe.variants(settings.variants, max(plan.lengths))  # refuses, before the corpus is read, what it cannot take
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = canonical_precision(cfg.precision or ("bf16-mixed" if device.type == "cuda" else "32-true"))

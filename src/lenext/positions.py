@@ -38,6 +38,8 @@ class TrainPositions:
     target_len: PositiveInt | None = None  # pose: positions reach target_len - 1; null: 32 x L_train
     chunks: Annotated[int, Range(2)] = 2  # pose: chunks of the training window
 
+    OWN_SETTINGS = {"max_position": "randomized", "target_len": "pose", "chunks": "pose"}  # key -> the scheme using it
+
 
 def generator(*identity: int) -> torch.Generator:
     """A CPU generator seeded by the integers that identify a draw (run seed, stream, step, ...)."""

@@ -80,7 +80,8 @@ def checkpoint_pe_overrides(
 
 
 TRAIN_NODES = {"attention": AttentionSettings, "eval": EvalSettings, "paths": Paths, "train": TrainPositions}
-EVAL_NODES = {**TRAIN_NODES, "pe": checkpoint_pe_overrides}
+# eval.py's nodes: a checkpoint keeps its attention and training positions (eval.positions evaluates at 0..L-1)
+EVAL_NODES = {"eval": EvalSettings, "paths": Paths, "pe": checkpoint_pe_overrides}
 # Keys earlier versions named otherwise (a settings class's RENAMED), as dotted keys: old -> new.
 RENAMED_KEYS = {
     f"{node}.{old}": f"{node}.{new}"
@@ -103,8 +104,16 @@ def stored_pe_name(config) -> str:
 
 
 def resolved_positions(cfg: DictConfig) -> TrainPositions:
-    """The run's ``train`` node (absent from configs before it existed: sequential), its nulls filled in."""
+    """The run's ``train`` node (absent from configs before it existed: sequential), its nulls filled in; a setting of
+    another scheme than ``train.positions`` refused (it would change nothing)."""
     settings = TrainPositions(**(OmegaConf.to_container(cfg.train, resolve=True) if "train" in cfg else {}))
+    for key, scheme in TrainPositions.OWN_SETTINGS.items():
+        value = getattr(settings, key)
+        if scheme != settings.positions and value != getattr(TrainPositions(), key):
+            raise ConfigError(
+                f"train.{key}={value} changes nothing here: it is a setting of {scheme} positions, which "
+                f"train.positions={settings.positions} does not use; give train.positions={scheme}, or drop train.{key}"
+            )
     scheme = position_scheme(dataclasses.asdict(settings), cfg.data.max_len)
     if settings.positions == "randomized":
         return dataclasses.replace(settings, max_position=scheme.reach)

@@ -212,13 +212,19 @@ def checkpoint_model(cfg: DictConfig, path: str):
     return spec, datamodule, net, checkpoint
 
 
+def evaluation_model(cfg: DictConfig):
+    """eval.py ckpt=: ``checkpoint_model`` of a config ``schema.check`` passed, every setting checked before any work
+    (by the evaluation, and by an eval.py sweep for each job before the first starts)."""
+    if cfg.get("data"):
+        raise ConfigError("data= applies to hf= evaluations: a checkpoint is evaluated on the data it was trained on")
+    return checkpoint_model(cfg, cfg.ckpt)
+
+
 def evaluate_checkpoint(cfg: DictConfig) -> str:
     """eval.py: rebuild the model from a checkpoint, with its PE as eval.py changes it, sweep, write results."""
     schema.check(cfg, EvalScriptSettings, EVAL_NODES)
     refuse_a_training_runs_folder(cfg.paths.output_dir)
-    if cfg.get("data"):
-        raise ConfigError("data= applies to hf= evaluations: a checkpoint is evaluated on the data it was trained on")
-    spec, datamodule, net, checkpoint = checkpoint_model(cfg, cfg.ckpt)
+    spec, datamodule, net, checkpoint = evaluation_model(cfg)
     datamodule.load()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     identity = run_identity(OmegaConf.create(spec.config), FINISHED_IDENTITY)
