@@ -3,6 +3,7 @@ with a non-zero exit status and nothing half-written or written twice."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -93,6 +94,24 @@ def test_resuming_under_another_model_shape_names_the_settings(compose_train, sm
     # The finished run's results: a re-launch with other settings is not skipped as if it were this run
     with pytest.raises(ConfigError, match=r"results.json belongs to a run with other settings.*model.d_model"):
         train(wider)
+
+
+@pytest.mark.parametrize(
+    "changed, shown",
+    [
+        ("trainer.precision=bf16-mixed", "trainer.precision='32-true' there, 'bf16-mixed' here"),
+        ("trainer.gradient_clip_val=0.5", "trainer.gradient_clip_val=1.0 there, 0.5 here"),
+        ("+trainer.accumulate_grad_batches=2", "trainer.accumulate_grad_batches=None there, 2 here"),
+    ],
+)
+def test_resuming_under_another_step_computation_names_the_setting(compose_train, small_text_corpus, changed, shown):
+    """A resume under another precision, gradient clipping or accumulation was taken: the run then followed no
+    uninterrupted run's trajectory, and its results were reported under the resumed command's settings."""
+    overrides = small_corpus_overrides(small_text_corpus, "trainer.max_steps=2", "eval.enabled=false")
+    train(compose_train(*overrides, "trainer.precision=32-true"))
+    assert resolve_training(compose_train(*overrides, "trainer.precision=32"))[0].start == "resume"  # its other name
+    with pytest.raises(ConfigError, match=rf"last.ckpt belongs to a run with other settings.*{re.escape(shown)}"):
+        resolve_training(compose_train(*overrides, "trainer.precision=32-true", changed))
 
 
 def test_a_finished_run_is_skipped_only_under_its_own_budget_and_evaluation(compose_train, small_text_corpus, tmp_path):

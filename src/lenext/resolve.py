@@ -22,7 +22,7 @@ from lenext.attention import AttentionSettings
 from lenext.build import build_decoder, hydra_config, instantiate, load_weights
 from lenext.errors import CheckpointError, ConfigError
 from lenext.evaluate import EvalSettings, SweepPlan, sweep_plan
-from lenext.hardware import Precision, canonical_precision, refuse_mps
+from lenext.hardware import PRECISION_NAMES, Precision, canonical_precision, refuse_mps
 from lenext.pe import VARIANTS
 from lenext.positions import TrainPositions, position_scheme
 from lenext.ranges import PositiveInt, Range
@@ -381,11 +381,13 @@ def flat_settings(settings: dict, ignore: tuple[str, ...] = ()) -> dict:
 def same_setting(key: str, stored, here) -> bool:
     """Equal values, where a ``_target_`` (``key`` or inside a mapping) may name its class by another import path:
     a config may name it where its package exports it (lenext.pe.RoPE) or where it is defined
-    (lenext.pe.rope.RoPE), and configs have moved between them."""
+    (lenext.pe.rope.RoPE), and configs have moved between them; a precision by another of its names."""
     if isinstance(stored, dict) and isinstance(here, dict):
         return stored.keys() == here.keys() and all(same_setting(k, stored[k], here[k]) for k in stored)
     if stored == here:
         return True
+    if key == "trainer.precision" and {stored, here} <= PRECISION_NAMES.keys():  # 32 and 32-true: one precision
+        return canonical_precision(stored) == canonical_precision(here)
     if key.rpartition(".")[2] != "_target_" or not (isinstance(stored, str) and isinstance(here, str)):
         return False
     return imported(stored) is not None and imported(stored) is imported(here)

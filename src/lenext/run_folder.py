@@ -41,6 +41,8 @@ NOT_IDENTITY = (
     "module.activation_checkpointing",
 )
 EVALUATION_ONLY = ("data.eval_samples",)  # a probe's evaluation samples: a resume may change them, a skip may not
+# A resume continues a run only under what its steps computed with: under others it follows no uninterrupted run.
+RESUME_IDENTITY = (*RUN_IDENTITY, "trainer.precision", "trainer.gradient_clip_val", "trainer.accumulate_grad_batches")
 # A finished run is skipped only if it is what this command would make: its budget and evaluation included.
 FINISHED_IDENTITY = (*RUN_IDENTITY, "trainer.max_steps", "trainer.accumulate_grad_batches", "eval")
 
@@ -211,7 +213,7 @@ def resume_checkpoint(cfg: DictConfig) -> tuple[str, RunSpec] | None:
         ) from None
     remedy = ANOTHER_FOLDER if key is None else "Repeat the settings it was trained with, or resume from another"
     spec = stored_spec(checkpoint, path)
-    stored = run_identity(OmegaConf.create(spec.config), ignore=NOT_IDENTITY + EVALUATION_ONLY)
+    stored = run_identity(OmegaConf.create(spec.config), RESUME_IDENTITY, NOT_IDENTITY + EVALUATION_ONLY)
     refuse_other_settings(stored, cfg, f"{key}={path}" if key else path, remedy)
     if cfg.trainer.max_steps < checkpoint.get("global_step", 0):
         raise ConfigError(
