@@ -488,6 +488,21 @@ def test_a_diagnose_sweep_checks_every_job_before_the_first_starts(trained_run):
     check_overrides("diagnose", [f"ckpt={trained_run}", "lengths=[32],[64]"], multirun=True)
 
 
+@pytest.mark.parametrize(
+    ("given", "refused"),
+    [
+        ("lengths=[]", r"^lengths=\[\] is invalid: give at least one length, or null \(factors x L_train\)$"),
+        ("factors=[0.3]", r"^factors=\[0.3\] is invalid: .* give factors that make one, or lengths$"),
+    ],
+)
+def test_diagnose_refusals_name_its_own_keys_not_eval_pys(trained_run, tmp_path, given, refused):
+    """The evaluation's checks said eval.lengths=[] to a command whose key is lengths=."""
+    cfg = compose_diagnose(trained_run, tmp_path / "out", f"ckpt={trained_run}", given)
+    with pytest.raises(ConfigError, match=refused) as raised:
+        diagnose(cfg)
+    assert raised.value.key in (None, given.split("=")[0]) and not (tmp_path / "out").exists()
+
+
 def test_diagnose_py_answers_bad_input_in_one_line_and_has_help(tmp_path, monkeypatch, capsys):
     environment = {**os.environ, "LENEXT_ROOT": str(tmp_path)}
     environment.pop("HYDRA_FULL_ERROR", None)

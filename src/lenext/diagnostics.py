@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -346,6 +347,15 @@ def checkpoint_file(path: str | None) -> str:
     return path
 
 
+# This command's keys, by the eval.py keys ``evaluation_config`` sets from them.
+EVALUATION_KEYS = {
+    "lengths": "lengths",
+    "factors": "factors",
+    "max_windows": "windows",
+    "tokens_per_batch": "tokens_per_batch",
+}
+
+
 def evaluation_config(cfg: DictConfig) -> DictConfig:
     """The eval.py config ``lenext.resolve.resolve_evaluation`` takes: this command's lengths, split and precision,
     the data's own protocol (nonoverlap for text), nothing swept but the lengths."""
@@ -391,7 +401,11 @@ def diagnosed_model(cfg: DictConfig):
 
     schema.check(cfg, DiagnoseSettings, {k: v for k, v in EVAL_NODES.items() if k in ("paths", "pe")})
     path = checkpoint_file(cfg.ckpt)
-    return (path, *checkpoint_model(evaluation_config(cfg), path))
+    try:
+        return (path, *checkpoint_model(evaluation_config(cfg), path))
+    except ConfigError as e:  # the evaluation's checks name eval.py's keys: said with this command's
+        message = re.sub(r"\beval\.(\w+)", lambda m: EVALUATION_KEYS.get(m[1], m[0]), str(e))
+        raise ConfigError(message, e.key and EVALUATION_KEYS.get(e.key.removeprefix("eval."), e.key)) from None
 
 
 def diagnose(cfg: DictConfig) -> str:
