@@ -347,7 +347,7 @@ def checkpoint_file(path: str | None) -> str:
     return path
 
 
-# This command's keys, by the eval.py keys ``evaluation_config`` sets from them.
+# The eval.py keys ``evaluation_config`` sets, and this command's keys that give them.
 EVALUATION_KEYS = {
     "lengths": "lengths",
     "factors": "factors",
@@ -364,10 +364,8 @@ def evaluation_config(cfg: DictConfig) -> DictConfig:
     from lenext.cli import CONFIG_PACKAGE
 
     eval_node = OmegaConf.load(str(resources.files(CONFIG_PACKAGE).joinpath("eval", "default.yaml")))
-    eval_node.lengths = cfg.lengths
-    eval_node.factors = list(cfg.factors)
-    eval_node.max_windows = cfg.windows
-    eval_node.tokens_per_batch = cfg.tokens_per_batch
+    for key, own in EVALUATION_KEYS.items():
+        eval_node[key] = cfg[own]
     eval_node.per_position = False
     precision = "32-true" if cfg.precision is None else cfg.precision
     return OmegaConf.create({"pe": cfg.pe, "eval": eval_node, "paths": cfg.paths, "precision": precision})
