@@ -116,9 +116,16 @@ def test_resuming_under_another_step_computation_names_the_setting(compose_train
 
 def test_a_finished_run_is_skipped_only_under_its_own_budget_and_evaluation(compose_train, small_text_corpus, tmp_path):
     overrides = small_corpus_overrides(small_text_corpus, "trainer.max_steps=3", "eval.factors=[1]")
-    train(compose_train(*overrides))
-    assert train(compose_train(*overrides))["skipped"]
-    for changed, key in (("trainer.max_steps=4", "trainer.max_steps=3 there, 4 here"), ("eval.factors=[1,2]", "eval")):
+    train(compose_train(*overrides, "trainer.precision=32-true"))
+    assert train(compose_train(*overrides, "trainer.precision=32"))["skipped"]  # 32-true by another name
+    overrides.append("trainer.precision=32-true")
+    for changed, key in (
+        ("trainer.max_steps=4", "trainer.max_steps=3 there, 4 here"),
+        ("eval.factors=[1,2]", "eval"),
+        # what the steps computed with: another run's numbers
+        ("trainer.precision=bf16-mixed", "trainer.precision='32-true' there, 'bf16-mixed' here"),
+        ("trainer.gradient_clip_val=0.5", "trainer.gradient_clip_val=1.0 there, 0.5 here"),
+    ):
         with pytest.raises(ConfigError, match=rf"results.json belongs to a run with other settings.*{key}"):
             train(compose_train(*overrides, changed))
     # Results from before meta.identity, or from when it held fewer keys: what their meta says of the run (its PE,

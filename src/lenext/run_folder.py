@@ -42,8 +42,10 @@ NOT_IDENTITY = (
 )
 EVALUATION_ONLY = ("data.eval_samples",)  # a probe's evaluation samples: a resume may change them, a skip may not
 # A resume continues a run only under what its steps computed with: under others it follows no uninterrupted run.
-RESUME_IDENTITY = (*RUN_IDENTITY, "trainer.precision", "trainer.gradient_clip_val", "trainer.accumulate_grad_batches")
-# A finished run is skipped only if it is what this command would make: its budget and evaluation included.
+STEP_SETTINGS = ("trainer.precision", "trainer.gradient_clip_val", "trainer.accumulate_grad_batches")
+RESUME_IDENTITY = (*RUN_IDENTITY, *STEP_SETTINGS)
+# A finished run is skipped only if it is what this command would make: its budget and evaluation included, and
+# its step settings (compared from its stored config).
 FINISHED_IDENTITY = (*RUN_IDENTITY, "trainer.max_steps", "trainer.accumulate_grad_batches", "eval")
 
 
@@ -108,6 +110,10 @@ def completed_results(cfg: DictConfig) -> dict | None:
     # What the file says of its run; meta.identity, where kept, says more (and earlier versions of it less).
     kept = meta["identity"] if isinstance(meta.get("identity"), dict) else {}
     stored = implied_identity(meta, cfg) | {RENAMED_KEYS.get(key, key): value for key, value in kept.items()}
+    config = meta["run"].get("config") if isinstance(meta.get("run"), dict) else None
+    if isinstance(config, dict):  # what its steps computed with: not in the identity, which groups the report's rows
+        steps = run_identity(OmegaConf.create(config), STEP_SETTINGS, ())
+        stored |= {key: value for key, value in steps.items() if key not in stored and value is not None}
     refuse_other_settings(stored, cfg, path, FINISHED_ELSEWHERE)
     return results
 
