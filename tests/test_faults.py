@@ -114,6 +114,27 @@ def test_resuming_under_another_step_computation_names_the_setting(compose_train
         resolve_training(compose_train(*overrides, "trainer.precision=32-true", changed))
 
 
+def test_resuming_on_another_number_of_processes_is_refused_before_the_corpus_is_read(
+    compose_train, small_text_corpus, tmp_path, monkeypatch
+):
+    """Resumed on other devices, each process reading a batch of its own, a run's global batch and the samples each
+    step reads changed, and nothing said so. The count: the tokens the checkpoint trained, per one process's step."""
+    overrides = small_corpus_overrides(small_text_corpus, "trainer.max_steps=2", "eval.enabled=false")
+    train(compose_train(*overrides, "callbacks.last_checkpoint.every_n_train_steps=1"))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(last, weights_only=False)
+    assert checkpoint["tokens_trained"] == 2 * 4 * 32  # one process: steps x batch x L_train
+    checkpoint["tokens_trained"] *= 2  # as two processes write it
+    torch.save(checkpoint, last)
+    monkeypatch.setattr(TextFiles, "documents", lambda *_: pytest.fail("the corpus was read"))
+    refused = (
+        r"^trainer.devices=1 is invalid for this run: .*last.ckpt was trained on 2 processes \(devices x nodes\), "
+        r"this command runs 1, .* Resume on 2 \(trainer.devices, trainer.num_nodes\), or give this run another folder$"
+    )
+    with pytest.raises(ConfigError, match=refused):
+        train(compose_train(*overrides, "trainer.max_steps=4"))
+
+
 def test_a_finished_run_is_skipped_only_under_its_own_budget_and_evaluation(compose_train, small_text_corpus, tmp_path):
     overrides = small_corpus_overrides(small_text_corpus, "trainer.max_steps=3", "eval.factors=[1]")
     train(compose_train(*overrides, "trainer.precision=32-true"))
@@ -498,6 +519,12 @@ def test_a_relaunch_refused_for_its_settings_keeps_the_record_of_the_run_there(t
     refused = run_command(tmp_path, *small_corpus_overrides(small_text_corpus, f"hydra.run.dir={run_dir}"))
     assert refused.returncode == 1 and "is not a lenext results file" in one_line(refused)
     assert os.listdir(run_dir / ".hydra") == ["config.yaml"]
+    assert (run_dir / ".hydra" / "config.yaml").read_text() == "the run's own\n"
+    (run_dir / "results.json").unlink()  # refused later, once the trainer is built: still not recorded
+    refused = run_command(
+        tmp_path, *small_corpus_overrides(small_text_corpus, f"hydra.run.dir={run_dir}", "module.compile=true")
+    )
+    assert refused.returncode == 1 and one_line(refused).startswith("error: module.compile=true is invalid on a CPU")
     assert (run_dir / ".hydra" / "config.yaml").read_text() == "the run's own\n"
     fresh = tmp_path / "fresh"
     steps = ("trainer.max_steps=1", "eval.enabled=false")

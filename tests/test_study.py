@@ -156,6 +156,13 @@ def test_ddp_sim_trains_and_evaluates_like_one_process(small_text_corpus, tmp_pa
         in ddp.stdout
     )
     assert (tmp_path / "ddp" / "checkpoints" / "last.ckpt").exists()
+    # Resumed on one process, each step would read half the global batch: refused, the count read from the checkpoint
+    (tmp_path / "ddp" / "results.json").unlink()
+    again = run_train(
+        tmp_path, *common, "trainer.max_steps=6", "trainer.precision=32-true", f"hydra.run.dir={tmp_path / 'ddp'}"
+    )
+    assert again.returncode == 1 and again.stderr.strip().startswith("error: trainer.devices=1 is invalid for this run")
+    assert "was trained on 2 processes (devices x nodes), this command runs 1" in again.stderr, again.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ from lenext.run_folder import (
     completed_results,
     record_command,
     refuse_a_training_runs_folder,
+    refuse_resuming_on_other_processes,
     resolve_training,
     run_identity,
 )
@@ -64,9 +65,9 @@ def train(cfg: DictConfig) -> dict:
         print(f"skipping {cfg.paths.output_dir}: its {RESULTS_FILE} is complete")
         return {"val/ppl": first["ppl"], "val/loss": first["mean_nll"], "skipped": True}
     spec, weights = resolve_training(cfg)
-    record_command(cfg)
     identity = run_identity(cfg, FINISHED_IDENTITY)  # what a re-launch into this folder must repeat to skip it
     datamodule, module, trainer = build(cfg, spec, weights)
+    record_command(cfg)  # accepted: build's checks passed
     del weights  # held by the module's net now
     n_params = sum(p.numel() for p in module.net.parameters())
     pe = ", ".join(f"{k} {v}" for k, v in module.net.pe.describe().items() if k != "name")
@@ -164,6 +165,8 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     refuse_more_cpu_processes_than_cores(
         cfg.trainer.get("devices"), trainer.num_devices, trainer.strategy.root_device.type
     )
+    if spec.start == "resume":
+        refuse_resuming_on_other_processes(spec.checkpoint, trainer, cfg.trainer.get("devices"))
     if cfg.module.get("compile") and trainer.strategy.root_device.type == "cpu":
         raise ConfigError(
             "module.compile=true is invalid on a CPU: torch.compile's CPU backend crashed (SIGSEGV) in the backward "

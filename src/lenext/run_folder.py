@@ -230,6 +230,27 @@ def resume_checkpoint(cfg: DictConfig) -> tuple[str, RunSpec] | None:
     return path, spec
 
 
+def refuse_resuming_on_other_processes(path: str, trainer, devices) -> None:
+    """A resume from ``path`` on another number of training processes (devices x nodes) than trained it, refused in
+    one line: each process reads a batch of its own, so the global batch and the samples each step reads would
+    change. The checkpoint's count: the tokens it trained over those one process's steps would have."""
+    checkpoint = load_checkpoint(path)
+    steps, tokens = checkpoint.get("global_step", 0), checkpoint.get("tokens_trained")
+    if not steps or not isinstance(tokens, int):
+        return
+    config = stored_spec(checkpoint, path).config
+    accumulate = config["trainer"].get("accumulate_grad_batches") or 1
+    processes = tokens / (steps * tokens_per_step(config["data"]["batch_size"], config["data"]["max_len"], accumulate))
+    if processes != trainer.world_size:
+        raise RunFolderMismatch(
+            f"trainer.devices={devices} is invalid for this run: {path} was trained on {processes:g} processes "
+            f"(devices x nodes), this command runs {trainer.world_size}, and each reads a batch of its own: the "
+            f"global batch and the samples each step reads would change. Resume on {processes:g} "
+            f"(trainer.devices, trainer.num_nodes), or give this run another folder",
+            "trainer.devices",
+        )
+
+
 def preflight(cfg: DictConfig, settings: type | None, nodes: dict[str, type], sweeps: bool = True) -> RunSpec:
     """Everything a run will use, checked before any work: every key's type and range (``schema.check``), then
     the settings that only fail together, while resolving the run (``resolve``; a second stage's base read)."""
