@@ -389,6 +389,28 @@ def _fit_checkpointed(folder: Path, model: _Killed, every_n_train_steps: int | N
     trainer.fit(model, **fit)
 
 
+@pytest.mark.parametrize("stop_at", [3, 4])  # after a validation (every 2 steps), and between two
+def test_a_resumed_run_draws_the_dropout_masks_an_uninterrupted_one_draws(compose_train, small_text_corpus, stop_at):
+    """A checkpoint kept no random state, so a resumed run with dropout drew other masks than an uninterrupted one
+    and ended elsewhere. Both draw what the uninterrupted run draws after the checkpoint: its validation's loader
+    included."""
+    from lenext.run import train
+
+    dropout = ("model.dropout=0.1", "eval.enabled=false", "trainer.precision=32-true", "trainer.val_check_interval=2")
+    overrides = small_corpus_overrides(small_text_corpus, *dropout)
+    last = Path(compose_train(*overrides).paths.output_dir) / "checkpoints" / "last.ckpt"
+    finals = []
+    for budgets in ([6], [stop_at, 6]):
+        for checkpoint in last.parent.glob("*.ckpt"):
+            checkpoint.unlink()
+        for steps in budgets:
+            train(compose_train(*overrides, f"trainer.max_steps={steps}"))
+        finals.append(torch.load(last, weights_only=False)["state_dict"])
+    assert finals[0].keys() == finals[1].keys()
+    for name in finals[0]:
+        torch.testing.assert_close(finals[1][name], finals[0][name], rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("every_n_train_steps", [None, 2])
 def test_a_run_killed_in_a_validation_resumes_from_before_it_and_validates_there(tmp_path, every_n_train_steps):
     """last.ckpt is written after each validation (Lightning writes none there beside no other checkpoint: a SIGKILL

@@ -627,6 +627,9 @@ def step_loader(samples: Dataset, batch_size: int, seed: int, trainer, num_worke
         num_workers=num_workers,
         drop_last=True,
         worker_init_fn=worker_ignores_stop_signals,
+        # Each iterator draws its workers' seed: from here, not from the global state dropout draws from, so a
+        # resumed run, whose loader Lightning makes again after its first validation, draws the same masks.
+        generator=torch.Generator().manual_seed(seed),
     )
 
 

@@ -157,6 +157,21 @@ def logged_metrics(answers: bool) -> tuple[str, ...]:
     return (TRAIN_LOSS, VAL_LOSS, VAL_PPL, VAL_WINDOWS, *map(answer_metric, names))
 
 
+def random_state(device: torch.device) -> dict:
+    """The global random state a step draws from (dropout's masks): the CPU's, and ``device``'s if a GPU."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_random_state(state: dict, device: torch.device) -> None:
+    """``random_state``'s ``state`` set again (every rank takes rank 0's: seeded alike, they draw alike)."""
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
 def tokens_per_step(batch_size: int, max_len: int, accumulate: int, processes: int = 1) -> int:
     """Training tokens of one optimizer step: every process's batch of every accumulated micro-batch."""
     return batch_size * max_len * accumulate * processes
@@ -203,6 +218,7 @@ class LanguageModel(L.LightningModule):
         self.val_windows = sum_metric()
         self.val_answers = answer_metrics(net.embedding.num_embeddings)  # probes: exact match, token accuracy
         self.train_seconds, self.train_tokens = 0.0, 0  # time inside training steps, for tokens/s (kept on resume)
+        self._resumed_random_state = None  # a checkpoint's (on_load_checkpoint), until the first step sets it
 
     def configure_model(self) -> None:
         """How the net runs, applied once per block before training (Lightning's hook): activations recomputed in
@@ -220,6 +236,7 @@ class LanguageModel(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["train_clock"] = {"seconds": self.train_seconds, "tokens": self.train_tokens}
+        checkpoint["random_state"] = random_state(self.device)  # dropout's: a resumed run draws the same masks
         if self.hparams.run:  # kept for eval.py's results files and a later stage's lineage
             checkpoint["tokens_trained"] = tokens_trained(self.trainer, self.hparams.run["config"]["data"])
 
@@ -233,11 +250,16 @@ class LanguageModel(L.LightningModule):
         # A resumed run's tokens/s covers all of its training, the steps before the resume included.
         clock = checkpoint.get("train_clock", {})
         self.train_seconds, self.train_tokens = clock.get("seconds", 0.0), clock.get("tokens", 0)
+        # Set at the first step: between here and there, the resumed run draws what the uninterrupted one did not.
+        self._resumed_random_state = checkpoint.get("random_state")
 
     def on_fit_start(self) -> None:
         warn_if_precision_is_slow(self.trainer.precision, self.device)
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
+        if self._resumed_random_state is not None:
+            set_random_state(self._resumed_random_state, self.device)
+            self._resumed_random_state = None
         self._step_started = time.perf_counter()
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
