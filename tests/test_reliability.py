@@ -1,7 +1,9 @@
 """Reliability: killed runs resume exactly, writes are atomic, bad configs fail with lenext's own errors."""
 
+import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -154,6 +156,47 @@ def test_checkpoints_are_never_left_half_written(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert torch.load(target, weights_only=False)["state_dict"]["w"].tolist() == [1.0, 1.0]
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # the temporary file removed
+
+
+def test_a_disk_that_fills_while_training_saves_ends_in_one_line_naming_the_file(
+    compose_train, small_text_corpus, tmp_path, monkeypatch, capsys
+):
+    """A full disk while a checkpoint was written ended in torch's traceback, naming no file."""
+    from lenext.cli import one_line_errors
+    from lenext.run import train
+
+    save = torch.save
+
+    def fills_at_the_checkpoint(obj, f, *args, **kwargs):
+        if ".last.ckpt." in getattr(f, "name", ""):  # the checkpoint's temporary file (lenext.files.atomic_path)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", fills_at_the_checkpoint)
+    overrides = small_corpus_overrides(small_text_corpus, "trainer.max_steps=2", "eval.enabled=false")
+    with pytest.raises(SystemExit) as exited:
+        one_line_errors(train)(compose_train(*overrides))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert exited.value.code == 1 and capsys.readouterr().err.splitlines() == [
+        f"error: {last} could not be written (No space left on device); the files written before it are whole: "
+        "free space there and run the same command to go on from them"
+    ]
+    assert os.listdir(last.parent) == []  # the temporary file removed
+
+
+@pytest.mark.parametrize("errno_", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_or_quota_names_the_file_a_write_was_for(tmp_path, monkeypatch, errno_):
+    from lenext.errors import NoSpace, ctrl_c_or_full_disk_stops
+
+    target = tmp_path / "results.json"
+    monkeypatch.setattr(os, "fsync", lambda _: (_ for _ in ()).throw(OSError(errno_, os.strerror(errno_))))
+    with pytest.raises(NoSpace, match=rf"^{re.escape(str(target))} could not be written \({os.strerror(errno_)}\);"):
+        with ctrl_c_or_full_disk_stops():
+            write_atomic(str(target), "{}")
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(OSError, match="Permission denied"):  # other errors keep their own report
+        with ctrl_c_or_full_disk_stops():
+            raise OSError(errno.EACCES, "Permission denied")
 
 
 def test_non_finite_loss_stops_with_the_step_named():

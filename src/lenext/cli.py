@@ -37,7 +37,7 @@ from lenext.errors import (
     ConfigError,
     LenextError,
     Stopped,
-    ctrl_c_stops,
+    ctrl_c_or_full_disk_stops,
     errors_in_one_line,
     first_line,
     print_one_line,
@@ -87,7 +87,7 @@ def one_line_errors(main: Callable) -> Callable:
 
     In a multirun the failed job writes its message to error.txt in its folder and the sweep goes on (the report
     lists the job as failed; the sweep exits 1 at its end: lenext.progress), unless the error ends the sweep
-    (SIGTERM: the machine is going away; Ctrl-C; a sweep folder that holds other runs).
+    (SIGTERM: the machine is going away; Ctrl-C; a full disk; a sweep folder that holds other runs).
     """
 
     @functools.wraps(main)
@@ -97,7 +97,7 @@ def one_line_errors(main: Callable) -> Callable:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(hydra_cfg.runtime.output_dir, ERROR_FILE))
         try:
-            with ctrl_c_stops():
+            with ctrl_c_or_full_disk_stops():
                 return main(cfg)
         except LenextError as e:
             if not (isinstance(e, Stopped) and launched_by_another_process()):  # a stop: said once, by rank 0

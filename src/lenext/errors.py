@@ -5,6 +5,7 @@ anything else is a bug and keeps its traceback.
 """
 
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -85,21 +86,36 @@ def interrupted() -> Stopped:
     )
 
 
+class NoSpace(LenextError):
+    """A disk or a quota filled while lenext wrote a file. Every file written before is whole (``lenext.files``), so
+    the same command, once there is space, goes on from them; every job of a sweep would meet the same."""
+
+    ends_sweep = True
+
+
 @contextlib.contextmanager
-def ctrl_c_stops() -> Iterator[None]:
-    """Ctrl-C (outside training's own stop, lenext.module.CheckpointOnStop) raised as ``interrupted()``."""
+def ctrl_c_or_full_disk_stops() -> Iterator[None]:
+    """Ctrl-C (outside training's own stop, lenext.module.CheckpointOnStop) raised as ``interrupted()``; a full disk
+    or quota as ``NoSpace``, naming the file (``lenext.files.atomic_path`` names its own)."""
     try:
         yield
     except KeyboardInterrupt:
         raise interrupted() from None
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise NoSpace(
+            f"{e.filename or 'a file'} could not be written ({e.strerror}); the files written before it are whole: "
+            "free space there and run the same command to go on from them"
+        ) from None
 
 
 @contextlib.contextmanager
 def errors_in_one_line() -> Iterator[None]:
-    """An entry point's body: a LenextError printed as one line and the command exits with its status; Ctrl-C the
-    same, as ``interrupted()``."""
+    """An entry point's body: a LenextError printed as one line and the command exits with its status; Ctrl-C and a
+    full disk the same (``ctrl_c_or_full_disk_stops``)."""
     try:
-        with ctrl_c_stops():
+        with ctrl_c_or_full_disk_stops():
             yield
     except LenextError as e:
         print_one_line(e)

@@ -25,9 +25,11 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[str]:
         yield tmp
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide results from the other users of a shared cluster
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename in (None, tmp):  # a write's error names no file: the target's
+            e.filename = path
         raise
 
 
