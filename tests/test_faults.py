@@ -276,6 +276,27 @@ def test_a_folder_is_held_by_one_process(tmp_path):
         hold_folder(str(tmp_path / "file" / "run"))
 
 
+def test_the_temporary_files_a_killed_writer_left_are_removed_by_the_next_process_holding_the_folder(tmp_path):
+    """A SIGKILL (or out of memory) while a checkpoint was written left its temporary file, a whole checkpoint's
+    size, in the run folder; each kill added one. Folders inside that another run holds keep theirs."""
+    killed_mid_write = (
+        "import os, signal; from lenext.files import atomic_path\n"
+        "with atomic_path(os.path.join({!r}, 'last.ckpt')) as tmp:\n"
+        "    open(tmp, 'wb').write(b'half a checkpoint'); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    nested = tmp_path / "eval"  # a folder of another run (its own lock file), inside this one
+    for folder in (tmp_path / "checkpoints", nested):
+        folder.mkdir()
+        died = subprocess.run([sys.executable, "-c", killed_mid_write.format(str(folder))])
+        assert died.returncode == -signal.SIGKILL and len(os.listdir(folder)) == 1
+    (nested / LOCK_FILE).write_text("")
+    (tmp_path / "notes.tmp").write_text("a user's")
+    assert hold_folder(str(tmp_path))
+    release_folder(str(tmp_path))
+    assert os.listdir(tmp_path / "checkpoints") == [] and (tmp_path / "notes.tmp").exists()
+    assert len([name for name in os.listdir(nested) if name.endswith(".tmp")]) == 1
+
+
 def test_a_run_launched_twice_into_one_folder_refuses_the_second(tmp_path, small_text_corpus):
     run_dir = tmp_path / "run"
     command = small_corpus_overrides(

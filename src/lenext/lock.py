@@ -21,6 +21,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from lenext.errors import LenextError, print_one_line
+from lenext.files import remove_temporaries
 
 log = logging.getLogger("lenext")
 
@@ -74,6 +75,9 @@ def hold_folder(folder: str) -> bool:
             f"{folder} cannot hold this run ({e.strerror or type(e).__name__}): free space there"
         ) from None
     _held[key] = lock
+    removed = remove_temporaries(folder, LOCK_FILE)
+    if removed:
+        log.info("removed %d temporary file(s) a killed process left in %s", len(removed), folder)
     return True
 
 
