@@ -432,6 +432,49 @@ def _fit_checkpointed(folder: Path, model: _Killed, every_n_train_steps: int | N
     trainer.fit(model, **fit)
 
 
+# Stand-ins for a SIGKILL (nothing flushed, nothing torn down), at step 13 and in the validation after training.
+KILLS = {
+    "in training": "from lenext.module import LanguageModel as M\nstart = M.on_train_batch_start\n"
+    "M.on_train_batch_start = lambda self, *a: os._exit(9) if self.global_step == 13 else start(self, *a)",
+    "in the final validation": "import lightning\nlightning.Trainer.validate = lambda *a, **k: os._exit(9)",
+}
+
+
+@pytest.mark.slow  # three runs of 20 steps a case
+@pytest.mark.parametrize("where", KILLS)
+def test_metrics_csv_of_a_killed_and_resumed_run_holds_the_uninterrupted_runs_rows(small_text_corpus, tmp_path, where):
+    """A resumed run cut metrics.csv at the first step it logged, not at its checkpoint's: killed in its final
+    validation, which the resumed run logs at step 19, a run lost step 19's training rows."""
+    env = {**os.environ, "LENEXT_ROOT": str(tmp_path)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    command = small_corpus_overrides(
+        small_text_corpus,
+        "eval.factors=[1]",
+        "trainer.precision=32-true",
+        "trainer.max_steps=20",
+        "trainer.val_check_interval=10",
+        "trainer.log_every_n_steps=1",
+        "callbacks.last_checkpoint.every_n_train_steps=6",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+    )
+
+    def run(folder: str, kill: str = "") -> int:
+        argv = ["train.py", *command, f"hydra.run.dir={tmp_path / folder}"]
+        script = f"import os, runpy, sys\n{kill}\nsys.argv = {argv!r}\nrunpy.run_path(sys.argv[0], run_name='__main__')"
+        done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
+        return done.returncode
+
+    assert run("straight") == 0 and run("killed", KILLS[where]) == 9 and run("killed") == 0
+    import pandas as pd
+
+    straight, resumed = (pd.read_csv(tmp_path / folder / "csv" / "metrics.csv") for folder in ("straight", "killed"))
+    assert len(straight) == len(resumed) == 2 * 20 + 3  # a loss and a learning rate a step, 3 validations
+    pd.testing.assert_frame_equal(resumed.drop(columns=["epoch", "step"]), straight.drop(columns=["epoch", "step"]))
+    # Resumed after training, the final validation is logged at step 19 (Lightning's count), not 20
+    last = -1 if where == "in the final validation" else len(straight)
+    pd.testing.assert_frame_equal(resumed[["epoch", "step"]][:last], straight[["epoch", "step"]][:last])
+
+
 @pytest.mark.parametrize("stop_at", [3, 4])  # after a validation (every 2 steps), and between two
 def test_a_resumed_run_draws_the_dropout_masks_an_uninterrupted_one_draws(compose_train, small_text_corpus, stop_at):
     """A checkpoint kept no random state, so a resumed run with dropout drew other masks than an uninterrupted one

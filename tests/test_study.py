@@ -78,8 +78,11 @@ def test_finished_runs_are_skipped_and_interrupted_ones_resume(compose_train, sm
     assert checkpoint["global_step"] == 10
     meta = json.loads(results.read_text())["meta"]
     assert meta["tokens_trained"] == 10 * 4 * 32
-    logged = pd.read_csv(tmp_path / "csv" / "metrics.csv")  # the steps before the resume are kept, once each
-    assert logged.dropna(subset=["val/ppl"]).step.tolist() == [6, 10]
+    # The rows of the steps before the checkpoint's are kept, once each: those of an uninterrupted 10-step run, which
+    # does not validate at step 6 (the 6-step run's validation after training is logged at its step 6)
+    logged = pd.read_csv(tmp_path / "csv" / "metrics.csv")
+    assert logged.dropna(subset=["train/loss"]).step.tolist() == [9]  # every 10 steps
+    assert logged.dropna(subset=["val/ppl"]).step.tolist() == [10]
     # Its tokens/s covers the 6 steps before the resume too (re-evaluating a finished run keeps its speed).
     assert checkpoint["train_clock"]["tokens"] == 10 * 4 * 32
     seconds = checkpoint["train_clock"]["seconds"]
@@ -434,6 +437,7 @@ def test_the_csv_log_of_a_resumed_run_keeps_earlier_steps_once(tmp_path):
         folder / "metrics.csv", index=False
     )
     logger = CSVLogger(str(tmp_path), name="csv", version="")
+    logger.resume_at(15)
     for step in range(15, 18):
         logger.log_metrics({"train/loss": 100.0 + step}, step=step)
     logger.log_metrics({"val/ppl": 7.0}, step=17)

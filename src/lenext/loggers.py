@@ -2,8 +2,8 @@
 
 Lightning's writer deletes ``metrics.csv`` when its folder is not empty (lightning 2.6), so a resumed run
 lost the curve of its steps before the resume: a second stage's adaptation curve, a base's loss. This one
-keeps the rows of the earlier steps and drops those the resumed run logs again (a run killed after its
-last checkpoint logged steps it repeats).
+keeps the rows of the steps its checkpoint holds and drops the later ones, which the resumed run logs again (a
+run killed after its last checkpoint logged steps it repeats).
 """
 
 import csv
@@ -13,11 +13,13 @@ import os
 from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.utilities import rank_zero_only
 
 
 class KeptMetricsWriter(ExperimentWriter):
     def __init__(self, log_dir: str) -> None:
         self.earlier = self._read(os.path.join(log_dir, self.NAME_METRICS_FILE))  # before Lightning's check
+        self.resumed_at = 0  # the step of the checkpoint a resumed run starts from: rows before it are kept
         super().__init__(log_dir)
 
     def _check_log_dir_exists(self) -> None:  # Lightning's deletes metrics.csv
@@ -32,8 +34,7 @@ class KeptMetricsWriter(ExperimentWriter):
 
     def save(self) -> None:
         if self.metrics and self.earlier is not None:  # the first save: the file keeps the earlier steps only
-            first = min(int(m["step"]) for m in self.metrics)
-            kept = [row for row in self.earlier if int(float(row["step"])) < first]
+            kept = [row for row in self.earlier if int(float(row["step"])) < self.resumed_at]
             self.earlier = None
             if kept:
                 self.metrics_keys = sorted(set().union(*kept))
@@ -58,6 +59,12 @@ class CSVLogger(LightningCSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = KeptMetricsWriter(log_dir=self.log_dir)
         return self._experiment
+
+    @rank_zero_only
+    def resume_at(self, step: int) -> None:
+        """A resumed run's checkpoint step: the rows of the steps before it, which it holds, are kept (a row's step
+        is Lightning's count of steps before it: a checkpoint at step 20 holds rows 0-19)."""
+        self.experiment.resumed_at = step
 
 
 def log_results_to_wandb(trainer, results_path: str) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 from lenext.errors import SIGNAL_NAMES, LenextError, Stopped
 from lenext.files import atomic_path
 from lenext.hardware import warn_if_precision_is_slow
+from lenext.loggers import CSVLogger
 from lenext.model import Decoder
 from lenext.positions import PositionScheme, training_positions, window_positions
 from lenext.ranges import NonNegativeFloat, NonNegativeInt, PositiveFloat, Probability, Range
@@ -252,6 +253,9 @@ class LanguageModel(L.LightningModule):
         self.train_seconds, self.train_tokens = clock.get("seconds", 0.0), clock.get("tokens", 0)
         # Set at the first step: between here and there, the resumed run draws what the uninterrupted one did not.
         self._resumed_random_state = checkpoint.get("random_state")
+        for logger in self.trainer.loggers:
+            if isinstance(logger, CSVLogger):  # metrics.csv keeps the rows of the steps the checkpoint holds
+                logger.resume_at(checkpoint["global_step"])
 
     def on_fit_start(self) -> None:
         warn_if_precision_is_slow(self.trainer.precision, self.device)
