@@ -568,6 +568,25 @@ def test_eval_py_into_a_training_runs_folder_is_refused_before_hydra_writes_ther
     assert (run / ".hydra" / "config.yaml").read_text() == "pe: rope\n"
 
 
+@pytest.mark.parametrize("script", ["eval.py", "diagnose.py"])
+def test_a_refused_evaluation_keeps_the_record_of_the_evaluation_in_its_folder(trained_run, tmp_path, script):
+    """eval.py and diagnose.py wrote their .hydra/ record at the start of the job: relaunched into an earlier
+    evaluation's folder and refused for a setting, they left its results described by the refused command."""
+    run = tmp_path / "evaluated"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("the evaluation's own\n")
+    root = os.path.dirname(os.path.dirname(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"LENEXT_ROOT": str(tmp_path)}
+    bad = "eval.factors=[0.3]" if script == "eval.py" else "factors=[0.3]"  # no whole number of tokens
+    command = [sys.executable, os.path.join(root, script), f"hydra.run.dir={run}", f"ckpt={trained_run}", bad]
+    if script == "eval.py":
+        command[-2] += "/checkpoints/last.ckpt"
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert done.returncode == 1 and "is no whole number of tokens" in done.stderr, done.stderr[-2000:]
+    assert (run / ".hydra" / "config.yaml").read_text() == "the evaluation's own\n"
+    assert os.listdir(run / ".hydra") == ["config.yaml"]
+
+
 def test_an_eval_sweep_into_other_job_folders_of_a_training_sweep_folder_goes_on(trained_run, tmp_path):
     """Job folders named otherwise (hydra.sweep.subdir) are not the training run's: the jobs run, each into its own."""
     run = tmp_path / "sweep" / "0"

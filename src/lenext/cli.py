@@ -50,7 +50,7 @@ from lenext.progress import sweep_grid
 from lenext.resolve import EVAL_NODES, RENAMED_KEYS, TRAIN_NODES, EvalScriptSettings, TrainSettings
 from lenext.results import ERROR_FILE
 from lenext.run import evaluate_checkpoint, evaluation_model, train
-from lenext.run_folder import check_settings, preflight, record_command
+from lenext.run_folder import check_settings, preflight
 from lenext.schema import HYDRA_KEYS, did_you_mean
 
 # ${auto_precision:<accelerator>}: bf16-mixed on CUDA and on CPUs with native bf16, 32-true elsewhere.
@@ -320,7 +320,6 @@ def train_main(cfg: DictConfig) -> dict:
 @one_line_errors
 def eval_main(cfg: DictConfig) -> str:
     keep_freed_memory()
-    record_command(cfg)
     # The job's return value: None would read as a failed job in a study.
     return evaluate_hf(cfg) if cfg.get("hf") else evaluate_checkpoint(cfg)
 

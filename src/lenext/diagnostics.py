@@ -412,8 +412,10 @@ def diagnose(cfg: DictConfig) -> str:
     from lenext.build import instantiate
     from lenext.checkpoints import stored_spec
     from lenext.evaluate import evaluation_positions
+    from lenext.run_folder import record_command
 
     path, spec, data, net, checkpoint = diagnosed_model(cfg)
+    record_command(cfg)  # accepted: every check passed
     data.load()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     net.to(device).eval()
@@ -658,13 +660,11 @@ def write_figure(result: dict, path: str) -> None:
 
 def _entry() -> Callable:
     from lenext.cli import CONFIG_PACKAGE, checked_command_line, one_line_errors
-    from lenext.run_folder import record_command
 
     @checked_command_line("diagnose")
     @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_PACKAGE}", config_name="diagnose")
     @one_line_errors
     def diagnose_main(cfg: DictConfig) -> str:
-        record_command(cfg)
         return diagnose(cfg)
 
     return diagnose_main

@@ -39,7 +39,7 @@ from lenext.model import chunked_nll
 from lenext.pe.rope import self_extend_group
 from lenext.resolve import EVAL_NODES, EvalScriptSettings, flat_settings
 from lenext.results import code_commit, format_rows, write_results
-from lenext.run_folder import refuse_a_training_runs_folder
+from lenext.run_folder import record_command, refuse_a_training_runs_folder
 
 # lenext's variant -> transformers' rope_type: the scalings both define.
 ROPE_TYPES = {"none": "default", "linear": "linear", "dynamic_ntk": "dynamic", "yarn": "yarn", "llama3": "llama3"}
@@ -363,6 +363,7 @@ def evaluate_hf(cfg: DictConfig) -> str:
         )
     net = HFLanguageModel(model, cfg.context)
     net.pe.variants(settings.variants, max(plan.lengths))  # refuses, before the corpus is read, what it cannot take
+    record_command(cfg)  # accepted: every check passed
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = canonical_precision(cfg.precision or ("bf16-mixed" if device.type == "cuda" else "32-true"))
     data.load()

@@ -228,6 +228,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> str:
     schema.check(cfg, EvalScriptSettings, EVAL_NODES)
     refuse_a_training_runs_folder(cfg.paths.output_dir)
     spec, datamodule, net, checkpoint = evaluation_model(cfg)
+    record_command(cfg)  # accepted: every check passed
     datamodule.load()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     identity = run_identity(OmegaConf.create(spec.config), FINISHED_IDENTITY)
