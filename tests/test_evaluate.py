@@ -543,9 +543,9 @@ def test_an_evaluation_into_a_training_runs_folder_is_refused_before_any_work(tm
 
 
 @pytest.mark.parametrize("mode", ["run", "sweep"])
-def test_eval_py_into_a_training_runs_folder_is_refused_before_hydra_writes_there(trained_run, tmp_path, mode):
-    """Hydra writes .hydra/ into a job's folder before the job starts: a training run's would be replaced by the
-    refused evaluation's. A sweep folder is checked job folder by job folder (its jobs' settings checked first)."""
+def test_eval_py_into_a_training_runs_folder_is_refused_before_any_job_starts(trained_run, tmp_path, mode):
+    """Hydra wrote .hydra/ into a job's folder before the job started: a training run's was replaced by the refused
+    evaluation's. A sweep folder is checked job folder by job folder (its jobs' settings checked first)."""
     run = tmp_path / "sweep" / "0" if mode == "sweep" else tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "config.yaml").write_text("pe: rope\n")

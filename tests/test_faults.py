@@ -128,11 +128,23 @@ def test_resuming_on_another_number_of_processes_is_refused_before_the_corpus_is
     torch.save(checkpoint, last)
     monkeypatch.setattr(TextFiles, "documents", lambda *_: pytest.fail("the corpus was read"))
     refused = (
-        r"^trainer.devices=1 is invalid for this run: .*last.ckpt was trained on 2 processes \(devices x nodes\), "
-        r"this command runs 1, .* Resume on 2 \(trainer.devices, trainer.num_nodes\), or give this run another folder$"
+        r"^.*last.ckpt was trained on 2 processes \(trainer.devices x trainer.num_nodes\), this command runs 1, "
+        r".* Resume on 2, or give this run another folder$"
     )
     with pytest.raises(ConfigError, match=refused):
         train(compose_train(*overrides, "trainer.max_steps=4"))
+    monkeypatch.undo()
+    assert not train(compose_train(*overrides)).get("skipped")  # no step left: its evaluation may finish anywhere
+
+
+def test_a_finished_run_without_gradient_clipping_is_not_skipped_under_clipping(compose_train, small_text_corpus):
+    """A null in the stored config is a setting (no clipping), not a key to pass over (an audit found it skipped)."""
+    overrides = small_corpus_overrides(small_text_corpus, "trainer.max_steps=2", "eval.factors=[1]")
+    unclipped = [*overrides, "trainer.precision=32-true", "trainer.gradient_clip_val=null"]
+    train(compose_train(*unclipped))
+    assert train(compose_train(*unclipped))["skipped"]
+    with pytest.raises(ConfigError, match=r"results.json belongs .*trainer.gradient_clip_val=None there, 1.0 here"):
+        train(compose_train(*overrides, "trainer.precision=32-true"))
 
 
 def test_a_finished_run_is_skipped_only_under_its_own_budget_and_evaluation(compose_train, small_text_corpus, tmp_path):
@@ -278,23 +290,22 @@ def test_a_folder_is_held_by_one_process(tmp_path):
 
 def test_the_temporary_files_a_killed_writer_left_are_removed_by_the_next_process_holding_the_folder(tmp_path):
     """A SIGKILL (or out of memory) while a checkpoint was written left its temporary file, a whole checkpoint's
-    size, in the run folder; each kill added one. Folders inside that another run holds keep theirs."""
+    size, in the run folder; each kill added one. Other folders inside it (a cache, another run's) keep theirs."""
     killed_mid_write = (
         "import os, signal; from lenext.files import atomic_path\n"
         "with atomic_path(os.path.join({!r}, 'last.ckpt')) as tmp:\n"
         "    open(tmp, 'wb').write(b'half a checkpoint'); os.kill(os.getpid(), signal.SIGKILL)"
     )
-    nested = tmp_path / "eval"  # a folder of another run (its own lock file), inside this one
+    nested = tmp_path / "cache"  # another process's, perhaps writing now
     for folder in (tmp_path / "checkpoints", nested):
         folder.mkdir()
         died = subprocess.run([sys.executable, "-c", killed_mid_write.format(str(folder))])
         assert died.returncode == -signal.SIGKILL and len(os.listdir(folder)) == 1
-    (nested / LOCK_FILE).write_text("")
     (tmp_path / "notes.tmp").write_text("a user's")
     assert hold_folder(str(tmp_path))
     release_folder(str(tmp_path))
     assert os.listdir(tmp_path / "checkpoints") == [] and (tmp_path / "notes.tmp").exists()
-    assert len([name for name in os.listdir(nested) if name.endswith(".tmp")]) == 1
+    assert len(os.listdir(nested)) == 1
 
 
 def test_a_run_launched_twice_into_one_folder_refuses_the_second(tmp_path, small_text_corpus):

@@ -178,8 +178,8 @@ def test_a_disk_that_fills_while_training_saves_ends_in_one_line_naming_the_file
         one_line_errors(train)(compose_train(*overrides))
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert exited.value.code == 1 and capsys.readouterr().err.splitlines() == [
-        f"error: {last} could not be written (No space left on device); the files written before it are whole: "
-        "free space there and run the same command to go on from them"
+        f"error: {last} could not be written (No space left on device); the checkpoints and results written before "
+        "it are whole: free space there and run the same command to go on from them"
     ]
     assert os.listdir(last.parent) == []  # the temporary file removed
 
@@ -475,7 +475,8 @@ def test_metrics_csv_of_a_killed_and_resumed_run_holds_the_uninterrupted_runs_ro
     pd.testing.assert_frame_equal(resumed[["epoch", "step"]][:last], straight[["epoch", "step"]][:last])
 
 
-@pytest.mark.parametrize("stop_at", [3, 4])  # after a validation (every 2 steps), and between two
+# Between two validations (every 2 steps), and after one (slow: six short runs a case)
+@pytest.mark.parametrize("stop_at", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_a_resumed_run_draws_the_dropout_masks_an_uninterrupted_one_draws(compose_train, small_text_corpus, stop_at):
     """A checkpoint kept no random state, so a resumed run with dropout drew other masks than an uninterrupted one
     and ended elsewhere. Both draw what the uninterrupted run draws after the checkpoint: its validation's loader

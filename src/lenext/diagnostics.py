@@ -403,7 +403,7 @@ def diagnosed_model(cfg: DictConfig):
         return (path, *checkpoint_model(evaluation_config(cfg), path))
     except ConfigError as e:  # the evaluation's checks name eval.py's keys: said with this command's
         message = re.sub(r"\beval\.(\w+)", lambda m: EVALUATION_KEYS.get(m[1], m[0]), str(e))
-        raise ConfigError(message, e.key and EVALUATION_KEYS.get(e.key.removeprefix("eval."), e.key)) from None
+        raise type(e)(message, e.key and EVALUATION_KEYS.get(e.key.removeprefix("eval."), e.key)) from None
 
 
 def diagnose(cfg: DictConfig) -> str:

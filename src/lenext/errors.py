@@ -105,9 +105,9 @@ def ctrl_c_or_full_disk_stops() -> Iterator[None]:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise NoSpace(
-            f"{e.filename or 'a file'} could not be written ({e.strerror}); the files written before it are whole: "
-            "free space there and run the same command to go on from them"
-        ) from None
+            f"{e.filename or 'a file'} could not be written ({e.strerror}); the checkpoints and results written "
+            "before it are whole: free space there and run the same command to go on from them"
+        ) from e
 
 
 @contextlib.contextmanager

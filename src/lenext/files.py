@@ -11,6 +11,10 @@ import re
 import tempfile
 from collections.abc import Iterator
 
+# atomic_path's temporary names: "." + the target's name + "." + mkstemp's 8 characters + TEMPORARY_MARK + a suffix.
+TEMPORARY_MARK = ".tmp"
+TEMPORARY = re.compile(rf"^\..+\.[a-z0-9_]{{8}}{re.escape(TEMPORARY_MARK)}(\.\w+)?$")
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[str]:
@@ -20,7 +24,13 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[str]:
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
     # A unique name (not path + ".tmp"): two processes writing the same file never share a temporary.
-    descriptor, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=f".tmp{suffix}")
+    try:
+        descriptor, tmp = tempfile.mkstemp(
+            dir=folder, prefix=f".{os.path.basename(path)}.", suffix=f"{TEMPORARY_MARK}{suffix}"
+        )
+    except OSError as e:  # no inode left, say: the file it was for
+        e.filename = path
+        raise
     os.close(descriptor)
     try:
         yield tmp
@@ -34,19 +44,14 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[str]:
         raise
 
 
-# atomic_path's temporary names: "." + the target's name + "." + mkstemp's 8 characters + ".tmp" + a suffix.
-TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp(\.\w+)?$")
-
-
-def remove_temporaries(folder: str, own_folder_mark: str) -> list[str]:
-    """The temporary files ``atomic_path`` left in ``folder`` and the folders inside it, but those holding
-    ``own_folder_mark`` (another process's, or one's to come), where a process was killed mid-write (SIGKILL, out
-    of memory): removed, for the process that now holds the folder alone (lenext.lock). A 1B model's checkpoint
-    left gigabytes behind each time. Returns the paths removed."""
+def remove_temporaries(folder: str) -> list[str]:
+    """The temporary files ``atomic_path`` left in a run's ``folder`` and its ``checkpoints/`` where a process was
+    killed mid-write (SIGKILL, out of memory): removed, for the process that now holds the folder alone
+    (lenext.lock). A 1B model's checkpoint left gigabytes behind each time. Not the folders inside it, which may be
+    another process's (a cache, another run's). Returns the paths removed."""
     removed = []
-    for at, folders, files in os.walk(folder):
-        folders[:] = [name for name in folders if not os.path.exists(os.path.join(at, name, own_folder_mark))]
-        for name in filter(TEMPORARY.match, files):
+    for at in (folder, os.path.join(folder, "checkpoints")):
+        for name in filter(TEMPORARY.match, os.listdir(at) if os.path.isdir(at) else []):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(at, name))
                 removed.append(os.path.join(at, name))

@@ -75,7 +75,7 @@ def hold_folder(folder: str) -> bool:
             f"{folder} cannot hold this run ({e.strerror or type(e).__name__}): free space there"
         ) from None
     _held[key] = lock
-    removed = remove_temporaries(folder, LOCK_FILE)
+    removed = remove_temporaries(folder)
     if removed:
         log.info("removed %d temporary file(s) a killed process left in %s", len(removed), folder)
     return True

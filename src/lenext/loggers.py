@@ -15,6 +15,8 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
+from lenext.files import atomic_path
+
 
 class KeptMetricsWriter(ExperimentWriter):
     def __init__(self, log_dir: str) -> None:
@@ -38,12 +40,10 @@ class KeptMetricsWriter(ExperimentWriter):
             self.earlier = None
             if kept:
                 self.metrics_keys = sorted(set().union(*kept))
-                partial = self.metrics_file_path + ".partial"
-                with open(partial, "w", newline="", encoding="utf-8") as f:
+                with atomic_path(self.metrics_file_path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
                     writer = csv.DictWriter(f, fieldnames=self.metrics_keys)
                     writer.writeheader()
                     writer.writerows(kept)
-                os.replace(partial, self.metrics_file_path)
             elif os.path.isfile(self.metrics_file_path):
                 os.remove(self.metrics_file_path)  # every step in it is logged again
         super().save()

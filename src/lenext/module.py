@@ -178,6 +178,12 @@ def tokens_per_step(batch_size: int, max_len: int, accumulate: int, processes: i
     return batch_size * max_len * accumulate * processes
 
 
+def processes_trained(tokens: int, steps: int, batch_size: int, max_len: int, accumulate: int) -> float:
+    """The processes a run trained on (devices x nodes, which its settings do not say), from the tokens it trained
+    in ``steps`` optimizer steps: a whole number unless the run's settings are not those it trained with."""
+    return tokens / (steps * tokens_per_step(batch_size, max_len, accumulate))
+
+
 def tokens_trained(trainer: L.Trainer, data: dict) -> int:
     """Training tokens after ``trainer.global_step`` optimizer steps, all ranks and accumulated batches together."""
     per_step = tokens_per_step(data["batch_size"], data["max_len"], trainer.accumulate_grad_batches, trainer.world_size)
@@ -253,9 +259,9 @@ class LanguageModel(L.LightningModule):
         self.train_seconds, self.train_tokens = clock.get("seconds", 0.0), clock.get("tokens", 0)
         # Set at the first step: between here and there, the resumed run draws what the uninterrupted one did not.
         self._resumed_random_state = checkpoint.get("random_state")
-        for logger in self.trainer.loggers:
+        for logger in self._trainer.loggers if self._trainer else []:
             if isinstance(logger, CSVLogger):  # metrics.csv keeps the rows of the steps the checkpoint holds
-                logger.resume_at(checkpoint["global_step"])
+                logger.resume_at(checkpoint.get("global_step", 0))
 
     def on_fit_start(self) -> None:
         warn_if_precision_is_slow(self.trainer.precision, self.device)

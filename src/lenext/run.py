@@ -166,7 +166,7 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
         cfg.trainer.get("devices"), trainer.num_devices, trainer.strategy.root_device.type
     )
     if spec.start == "resume":
-        refuse_resuming_on_other_processes(spec.checkpoint, trainer, cfg.trainer.get("devices"))
+        refuse_resuming_on_other_processes(spec.checkpoint, trainer)
     if cfg.module.get("compile") and trainer.strategy.root_device.type == "cpu":
         raise ConfigError(
             "module.compile=true is invalid on a CPU: torch.compile's CPU backend crashed (SIGSEGV) in the backward "

@@ -19,7 +19,7 @@ from lenext.errors import CheckpointError, ConfigError, errors_in_one_line
 from lenext.files import write_atomic
 from lenext.hardware import canonical_precision
 from lenext.lock import launched_by_another_process
-from lenext.module import logged_metrics, tokens_per_step
+from lenext.module import logged_metrics, processes_trained, tokens_per_step
 from lenext.protocols import ACCURACY
 from lenext.resolve import RENAMED_KEYS, config_pe_name, flat_settings, resolve, same_setting
 from lenext.results import RESULTS_FILE, not_lenext_results
@@ -47,6 +47,7 @@ RESUME_IDENTITY = (*RUN_IDENTITY, *STEP_SETTINGS)
 # A finished run is skipped only if it is what this command would make: its budget and evaluation included, and
 # its step settings (compared from its stored config).
 FINISHED_IDENTITY = (*RUN_IDENTITY, "trainer.max_steps", "trainer.accumulate_grad_batches", "eval")
+ABSENT = object()  # a key a stored config lacks (null is a setting: no gradient clipping)
 
 
 def run_identity(cfg: DictConfig, keys: tuple[str, ...] = RUN_IDENTITY, ignore: tuple[str, ...] = NOT_IDENTITY):
@@ -112,8 +113,9 @@ def completed_results(cfg: DictConfig) -> dict | None:
     stored = implied_identity(meta, cfg) | {RENAMED_KEYS.get(key, key): value for key, value in kept.items()}
     config = meta["run"].get("config") if isinstance(meta.get("run"), dict) else None
     if isinstance(config, dict):  # what its steps computed with: not in the identity, which groups the report's rows
-        steps = run_identity(OmegaConf.create(config), STEP_SETTINGS, ())
-        stored |= {key: value for key, value in steps.items() if key not in stored and value is not None}
+        config = OmegaConf.create(config)
+        given = [key for key in STEP_SETTINGS if OmegaConf.select(config, key, default=ABSENT) is not ABSENT]
+        stored |= {key: value for key, value in run_identity(config, tuple(given), ()).items() if key not in stored}
     refuse_other_settings(stored, cfg, path, FINISHED_ELSEWHERE)
     return results
 
@@ -154,8 +156,8 @@ def record_command(cfg: DictConfig) -> None:
 
 class EvaluationFolders(Callback):
     """eval.py's run folder, or the job folders (``<sweep>/<job number>``) its sweep folder already holds, checked
-    before the job writes its ``.hydra/`` record there (``record_command``): it would replace a training run's, even
-    though the evaluation is then refused."""
+    before any job starts (``refuse_a_training_runs_folder``): a sweep into a training sweep's folder is refused
+    before its first job, not job by job, each failed job writing its error.txt into a training run's folder."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config.hydra.run.dir)
@@ -230,23 +232,22 @@ def resume_checkpoint(cfg: DictConfig) -> tuple[str, RunSpec] | None:
     return path, spec
 
 
-def refuse_resuming_on_other_processes(path: str, trainer, devices) -> None:
-    """A resume from ``path`` on another number of training processes (devices x nodes) than trained it, refused in
-    one line: each process reads a batch of its own, so the global batch and the samples each step reads would
-    change. The checkpoint's count: the tokens it trained over those one process's steps would have."""
+def refuse_resuming_on_other_processes(path: str, trainer) -> None:
+    """A resume from ``path`` with steps left to train on another number of training processes (devices x nodes)
+    than trained it, refused in one line: each process reads a batch of its own, so the global batch and the
+    samples each step reads would change. A run with none left (its evaluation to finish) may move."""
     checkpoint = load_checkpoint(path)
     steps, tokens = checkpoint.get("global_step", 0), checkpoint.get("tokens_trained")
-    if not steps or not isinstance(tokens, int):
+    if not steps or not isinstance(tokens, int) or trainer.max_steps <= steps:
         return
     config = stored_spec(checkpoint, path).config
     accumulate = config["trainer"].get("accumulate_grad_batches") or 1
-    processes = tokens / (steps * tokens_per_step(config["data"]["batch_size"], config["data"]["max_len"], accumulate))
+    processes = processes_trained(tokens, steps, config["data"]["batch_size"], config["data"]["max_len"], accumulate)
     if processes != trainer.world_size:
         raise RunFolderMismatch(
-            f"trainer.devices={devices} is invalid for this run: {path} was trained on {processes:g} processes "
-            f"(devices x nodes), this command runs {trainer.world_size}, and each reads a batch of its own: the "
-            f"global batch and the samples each step reads would change. Resume on {processes:g} "
-            f"(trainer.devices, trainer.num_nodes), or give this run another folder",
+            f"{path} was trained on {processes:g} processes (trainer.devices x trainer.num_nodes), this command runs "
+            f"{trainer.world_size}, and each reads a batch of its own: the global batch and the samples each step "
+            f"reads would change. Resume on {processes:g}, or give this run another folder",
             "trainer.devices",
         )
 

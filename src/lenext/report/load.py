@@ -21,7 +21,7 @@ import pandas as pd
 from lenext.attention import AttentionSettings
 from lenext.diagnostics import DIAGNOSTICS_FILE
 from lenext.evaluate import EvalSettings
-from lenext.module import tokens_per_step
+from lenext.module import processes_trained
 from lenext.pe import PE_CLASSES
 from lenext.pe.rope import redundant_variants
 from lenext.protocols import ACCURACY, METRICS_OF, PROTOCOLS
@@ -224,7 +224,7 @@ def devices(tokens_trained: int | None, identity) -> int | None:
     steps, *batch = [identity.get(key) for key in keys] if isinstance(identity, dict) else [None] * len(keys)
     if tokens_trained is None or not all(isinstance(f, int) and f > 0 for f in (steps, *batch)):
         return None
-    return round(tokens_trained / (steps * tokens_per_step(*batch)))
+    return round(processes_trained(tokens_trained, steps, *batch))
 
 
 def flat(settings: dict, prefix: str = "") -> dict:
