@@ -17,6 +17,7 @@ import lenext.attention.band
 import lenext.evaluate
 import lenext.model
 import lenext.results
+from lenext.checkpoints import net_state
 from lenext.errors import CheckpointError, ConfigError
 from lenext.evaluate import TextEvaluation, sweep, sweep_plan
 from lenext.model import Decoder
@@ -421,6 +422,16 @@ def test_an_override_that_changes_the_pes_weights_is_refused_before_the_corpus_l
     with pytest.raises(ConfigError, match=r"^pe.num_buckets: the checkpoint's weights do not fit the PE built with it"):
         evaluate_checkpoint(eval_config)
     assert not (tmp_path / "eval").exists()
+    # A sweep's check of each job (check_only) refuses it alike, building the model on the meta device: its
+    # parameters are the checkpoint's tensors, with no memory or initialization of their own (1B: 17 s saved a job)
+    from lenext.run import evaluation_model
+
+    with pytest.raises(ConfigError, match=r"^pe.num_buckets: the checkpoint's weights do not fit the PE built with it"):
+        evaluation_model(eval_config, check_only=True)
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    _, _, net, checkpoint = evaluation_model(compose_eval(tmp_path, tmp_path / "eval", ckpt), check_only=True)
+    state = net_state(checkpoint)
+    assert all(p.data_ptr() == state[name].data_ptr() for name, p in net.named_parameters())
 
 
 # Both precisions on every machine (bf16 is emulated, and slow, without AMX or AVX512_BF16); eval.py names each

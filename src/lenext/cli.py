@@ -286,13 +286,13 @@ def check_evaluation_job(cfg: DictConfig) -> None:
     if cfg.get("hf"):
         checked_hf(cfg)
     else:
-        evaluation_model(cfg)
+        evaluation_model(cfg, check_only=True)
 
 
 def check_diagnosis_job(cfg: DictConfig) -> None:
     """A diagnose.py job's checks before any work: types and ranges, then its checkpoint's run with this job's
     lengths (``diagnosed_model``)."""
-    diagnosed_model(cfg)
+    diagnosed_model(cfg, check_only=True)
 
 
 # Each entry point's checks of one job, which its sweeps run on every job before the first starts.

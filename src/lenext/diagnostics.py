@@ -390,17 +390,17 @@ def window_tokens(evaluation, length: int, windows: int) -> tuple[torch.Tensor, 
     return torch.stack([item["tokens"][:-1] for item in items]), [tuple(item["window"].tolist()) for item in items]
 
 
-def diagnosed_model(cfg: DictConfig):
+def diagnosed_model(cfg: DictConfig, check_only: bool = False):
     """(checkpoint file, and ``lenext.run.checkpoint_model``'s spec, data module, model and checkpoint) of
     diagnose.py's config, every setting checked before any work (by the diagnosis, and by a diagnose.py sweep for
-    each job before the first starts)."""
+    each job before the first starts: ``check_only``)."""
     from lenext.resolve import EVAL_NODES
     from lenext.run import checkpoint_model
 
     schema.check(cfg, DiagnoseSettings, {k: v for k, v in EVAL_NODES.items() if k in ("paths", "pe")})
     path = checkpoint_file(cfg.ckpt)
     try:
-        return (path, *checkpoint_model(evaluation_config(cfg), path))
+        return (path, *checkpoint_model(evaluation_config(cfg), path, check_only))
     except ConfigError as e:  # the evaluation's checks name eval.py's keys: said with this command's
         message = re.sub(r"\beval\.(\w+)", lambda m: EVALUATION_KEYS.get(m[1], m[0]), str(e))
         raise type(e)(message, e.key and EVALUATION_KEYS.get(e.key.removeprefix("eval."), e.key)) from None
