@@ -90,6 +90,8 @@ def train(cfg: DictConfig) -> dict:
         trainer.fit(module, datamodule=datamodule, ckpt_path=spec.checkpoint if spec.start == "resume" else None)
         if trainer.received_sigterm:  # at the last step, after which the loop raises nothing: last.ckpt is the end
             raise SIGTERMException
+        # Logged at the steps done, as after an uninterrupted fit: a run resumed where training ended counts one less
+        trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
         metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
         if trainer.received_sigterm:
             raise SIGTERMException
