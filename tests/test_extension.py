@@ -10,6 +10,8 @@ import json
 import math
 import shutil
 
+import lightning
+import pandas as pd
 import pytest
 import torch
 from torch.testing import assert_close
@@ -58,7 +60,7 @@ def test_a_second_stage_starts_from_the_bases_weights_alone_and_records_its_line
 ):
     cfg = second_stage(compose_run, rope_base, "yarn", "pe.scaling=yarn", "data.max_len=64", "eval.factors=[1,2]")
     spec, weights = resolve_training(cfg)
-    _, module, _ = build(cfg, spec, weights)
+    datamodule, module, _ = build(cfg, spec, weights)
     base_checkpoint = torch.load(rope_base, map_location="cpu", weights_only=False)
     base_weights = net_state(base_checkpoint)
     assert module.net.state_dict().keys() == base_weights.keys()
@@ -91,6 +93,14 @@ def test_a_second_stage_starts_from_the_bases_weights_alone_and_records_its_line
     rows = json.loads((folder / "results.json").read_text())["rows"]
     assert [(r["length"], r["length_factor"]) for r in rows] == [(32, 1.0), (64, 2.0)]  # x the base's L_train
 
+    # Its validation before the first step (the base's weights under YaRN at 64), logged at step -1: the report's
+    # step 0 of the adaptation curve, where the PI paper's figure starts
+    logged = pd.read_csv(folder / "csv" / "metrics.csv").dropna(subset=["val/ppl"])
+    untrained = lightning.Trainer(
+        precision=spec.precision, logger=False, enable_progress_bar=False, enable_checkpointing=False
+    ).validate(module, datamodule=datamodule, verbose=False)[0]
+    assert logged.step.tolist() == [-1, 1, 2] and logged["val/ppl"].iloc[0] == pytest.approx(untrained["val/ppl"])
+
     # eval.py rebuilds the second stage from its checkpoint alone: the same rows, row name and lineage.
     evaluated = tmp_path / "eval"
     ckpt = folder / "checkpoints" / "last.ckpt"
@@ -110,6 +120,8 @@ def test_a_second_stage_starts_from_the_bases_weights_alone_and_records_its_line
     tables = report.summarize(report.collect(report.find_runs([str(compose_run.root)])[0]))
     table = tables[report.TableKey(BASE_LEN, "nonoverlap", "ppl", "")]
     assert {"rope", "rope (yarn)", "rope -> yarn@64"} <= set(table.index)
+    curve = report.adaptation(report.runs_of(report.find_runs([str(compose_run.root)])[0])[0])
+    assert curve[curve.row == "rope -> yarn@64"].step.tolist() == [0, 2]  # before training, after its 2 steps
 
 
 @pytest.mark.parametrize(
@@ -286,12 +298,13 @@ def test_the_extension_presets_train_each_stage_from_its_own_base(tmp_path, smal
     report.report([str(sweep)], str(out))
     assert (out / "extension.png").exists() and (out / "adaptation.png").exists()
     adapted = (out / "adaptation.csv").read_text().splitlines()
-    # The second stages' validation perplexity at the end of fine-tuning (step 3), at the length each trained.
-    assert adapted[0] == "train_len,val_len,row,step,mean,std,seeds" and len(adapted) == 4
+    # The second stages' validation perplexity before fine-tuning (step 0) and at its end (step 3), at the length
+    # each trained.
+    assert adapted[0] == "train_len,val_len,row,step,mean,std,seeds" and len(adapted) == 7
     assert {tuple(line.split(",")[:4]) for line in adapted[1:]} == {  # the base's L_train, then the stage's
-        ("64", "256", "rope -> pi@256", "3"),
-        ("64", "64", "rope -> pose+yarn@256", "3"),
-        ("64", "256", "alibi -> direct@256", "3"),
+        *(("64", "256", "rope -> pi@256", step) for step in ("0", "3")),
+        *(("64", "64", "rope -> pose+yarn@256", step) for step in ("0", "3")),
+        *(("64", "256", "alibi -> direct@256", step) for step in ("0", "3")),
     }
 
 

@@ -21,7 +21,7 @@ from lenext.files import atomic_path
 class KeptMetricsWriter(ExperimentWriter):
     def __init__(self, log_dir: str) -> None:
         self.earlier = self._read(os.path.join(log_dir, self.NAME_METRICS_FILE))  # before Lightning's check
-        self.resumed_at = 0  # the step of the checkpoint a resumed run starts from: rows before it are kept
+        self.resumed_at: int | None = None  # the step of the checkpoint a resumed run starts from: rows before it kept
         super().__init__(log_dir)
 
     def _check_log_dir_exists(self) -> None:  # Lightning's deletes metrics.csv
@@ -36,7 +36,11 @@ class KeptMetricsWriter(ExperimentWriter):
 
     def save(self) -> None:
         if self.metrics and self.earlier is not None:  # the first save: the file keeps the earlier steps only
-            kept = [row for row in self.earlier if int(float(row["step"])) < self.resumed_at]
+            kept = (
+                []  # a fresh start: no earlier row is this run's
+                if self.resumed_at is None
+                else [row for row in self.earlier if int(float(row["step"])) < self.resumed_at]
+            )
             self.earlier = None
             if kept:
                 self.metrics_keys = sorted(set().union(*kept))
@@ -63,7 +67,8 @@ class CSVLogger(LightningCSVLogger):
     @rank_zero_only
     def resume_at(self, step: int) -> None:
         """A resumed run's checkpoint step: the rows of the steps before it, which it holds, are kept (a row's step
-        is Lightning's count of steps before it: a checkpoint at step 20 holds rows 0-19)."""
+        is Lightning's count of steps before it: a checkpoint at step 20 holds rows 0-19, and a second stage's -1,
+        its validation before training)."""
         self.experiment.resumed_at = step
 
 

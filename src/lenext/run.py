@@ -25,7 +25,7 @@ from lenext.errors import ConfigError, Stopped
 from lenext.evaluate import sweep
 from lenext.files import atomic_path
 from lenext.hardware import refuse_more_cpu_processes_than_cores, refuse_nodes_without_a_cluster
-from lenext.loggers import log_results_to_wandb
+from lenext.loggers import CSVLogger, log_results_to_wandb
 from lenext.module import CheckpointOnStop, tokens_trained
 from lenext.progress import StepsBar, next_steps, validation_scope
 from lenext.resolve import EVAL_NODES, TRAIN_NODES, EvalScriptSettings, TrainSettings, resolve_evaluation
@@ -87,6 +87,8 @@ def train(cfg: DictConfig) -> dict:
         log.info("second stage of %s: its weights, a fresh optimizer and schedule", spec.checkpoint)
     stop = next((c for c in trainer.callbacks if isinstance(c, CheckpointOnStop)), None)
     try:
+        if spec.start == "init_from":
+            log_validation_before_training(trainer, module, datamodule)
         trainer.fit(module, datamodule=datamodule, ckpt_path=spec.checkpoint if spec.start == "resume" else None)
         if trainer.received_sigterm:  # at the last step, after which the loop raises nothing: last.ckpt is the end
             raise SIGTERMException
@@ -125,6 +127,21 @@ def train(cfg: DictConfig) -> dict:
     if not (hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN) and trainer.is_global_zero:
         print(next_steps(cfg.paths.output_dir, evaluated))
     return metrics
+
+
+def log_validation_before_training(trainer, module, datamodule) -> None:
+    """A second stage's validation before its first step (its base's weights, its method applied: where its
+    adaptation curve starts), into metrics.csv at step -1: Lightning logs a validation after step k at k - 1, so the
+    report reads it as step 0. Not to the other loggers, which take no step before 0."""
+    loggers, trainer.loggers = trainer.loggers, []
+    try:
+        metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    finally:
+        trainer.loggers = loggers
+    for logger in loggers:
+        if isinstance(logger, CSVLogger):
+            logger.log_metrics(metrics, step=-1)
+            logger.save()
 
 
 def keep_a_best_checkpoint(trainer) -> None:

@@ -1001,8 +1001,8 @@ def extension(summary: Summary):
 def adaptation(summary: Summary):
     """Validation perplexity against fine-tuning steps (the PI paper's figure of how fast each method adapts), the
     panels of each validation length side by side: a PE's several stages coloured by method, the PEs with one
-    stage each coloured by PE; the title names the lowest and highest after the first validation and how far
-    apart they end."""
+    stage each coloured by PE; the title names the lowest and highest at the first step shown (0, before
+    fine-tuning, in runs that logged it) and how far apart they end."""
     frame = summary.adaptation
     if frame.empty:
         return None

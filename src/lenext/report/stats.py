@@ -298,7 +298,8 @@ def adaptation(runs: list[Run]) -> pd.DataFrame:
         if validations is None:
             continue
         # Lightning logs a validation during training at the index of its step (0-based), and the validation after
-        # training at the steps done: one step after the last, it scores the same weights again.
+        # training at the steps done: one step after the last, it scores the same weights again. The validation
+        # before training is logged at -1 (lenext.run.log_validation_before_training): step 0.
         last = validations.step.max()
         for step, ppl in validations.itertuples(index=False):
             if step == last and last - 1 in set(validations.step):
