@@ -476,15 +476,29 @@ def test_metrics_csv_of_a_killed_and_resumed_run_holds_the_uninterrupted_runs_ro
     pd.testing.assert_series_equal(resumed.epoch[:last], straight.epoch[:last])
 
 
-# Between two validations (every 2 steps), and after one (slow: six short runs a case)
-@pytest.mark.parametrize("stop_at", [3, pytest.param(4, marks=pytest.mark.slow)])
-def test_a_resumed_run_draws_the_dropout_masks_an_uninterrupted_one_draws(compose_train, small_text_corpus, stop_at):
+# Between two validations (every 2 steps), and after one, in fp32; in bf16 too (slow: three short runs a case)
+@pytest.mark.parametrize(
+    "stop_at, precision",
+    [
+        (3, "32-true"),
+        pytest.param(4, "32-true", marks=pytest.mark.slow),
+        pytest.param(3, "bf16-mixed", marks=pytest.mark.slow),
+    ],
+)
+def test_a_resumed_run_draws_the_dropout_masks_an_uninterrupted_one_draws(
+    compose_train, small_text_corpus, stop_at, precision
+):
     """A checkpoint kept no random state, so a resumed run with dropout drew other masks than an uninterrupted one
     and ended elsewhere. Both draw what the uninterrupted run draws after the checkpoint: its validation's loader
     included."""
     from lenext.run import train
 
-    dropout = ("model.dropout=0.1", "eval.enabled=false", "trainer.precision=32-true", "trainer.val_check_interval=2")
+    dropout = (
+        "model.dropout=0.1",
+        "eval.enabled=false",
+        f"trainer.precision={precision}",
+        "trainer.val_check_interval=2",
+    )
     overrides = small_corpus_overrides(small_text_corpus, *dropout)
     last = Path(compose_train(*overrides).paths.output_dir) / "checkpoints" / "last.ckpt"
     finals = []
