@@ -97,7 +97,8 @@ def test_the_reference_studys_diagnostic_t5_runs_are_rows_of_their_own(tmp_path)
     markdown = report([str(STUDIES / "reference")], str(tmp_path), figures=False)
     committed, made = rows_by_table((STUDIES / "reference" / "table.md").read_text()), rows_by_table(markdown)
     nonoverlap = made["### L_train = 64, protocol `nonoverlap`"]["t5 [pe.max_distance=128]"]
-    assert nonoverlap[:-2] == ["32.63", "32.15", "38.72", "50.93", "63.78", "73.35"]  # its README's numbers
+    readme_numbers = ["32.63", "32.15", "38.72", "50.93", "63.78", "73.35"]
+    assert nonoverlap[:-2] == [f"{n} †" for n in readme_numbers]  # one seed beside rows of three: not tested
     assert made.keys() == committed.keys()
     for heading, rows in committed.items():
         t5 = rows.pop("t5")

@@ -198,7 +198,7 @@ def test_significance_rule_separates_only_differences_beyond_two_std_with_consis
     assert "12.50 $\\pm$ 1.00 $\\sim$" in (tmp_path / "out" / "table.tex").read_text()
 
 
-def test_a_lone_seed_is_never_marked_and_the_table_says_why(tmp_path):
+def test_a_lone_seed_is_never_tested_the_table_says_why_and_marks_its_cells(tmp_path):
     from lenext.report import separable
 
     one_seed = _seeded_sweep(tmp_path / "one", {"alibi": [10.0], "nope": [10.1]})
@@ -213,7 +213,14 @@ def test_a_lone_seed_is_never_marked_and_the_table_says_why(tmp_path):
     markdown = report([str(mixed)], str(tmp_path / "out_mixed"))
     lines = {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| ")}
     assert "over 1-3 seeds;" in markdown and "tested only when it and the best both have >= 2 seeds" in markdown
-    assert "| 30.00 |" in lines["nope"] and "10.25 ± 0.10 ~ |" in lines["t5"]
+    assert "| 30.00 † |" in lines["nope"] and "10.25 ± 0.10 ~ |" in lines["t5"]  # nope: one seed, not tested
+    assert "† |" not in lines["alibi"] + lines["t5"] and "† |" not in markdown.split("| PE")[0]
+    assert "30.00 $^\\dagger$" in (tmp_path / "out_mixed" / "table.tex").read_text()
+
+    lone_best = _seeded_sweep(tmp_path / "lone_best", {"alibi": [9.0], "nope": [30.0, 30.1], "t5": [10.0, 10.2]})
+    lines = report([str(lone_best)], str(tmp_path / "out_lone_best")).splitlines()
+    lines = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ")}
+    assert "**9.00**" in lines["alibi"] and "30.05 ± 0.07 † |" in lines["nope"] and "10.10 ± 0.14 † |" in lines["t5"]
 
 
 def test_per_position_bins_are_token_weighted_means_covering_every_position_once(tmp_path):
@@ -418,7 +425,7 @@ def test_a_probe_run_that_did_not_learn_its_task_at_l_train_is_kept_out_of_the_m
     per_token = tables[TableKey(32, "accuracy", "token_accuracy", "copy")]
     assert per_token.cell("rope", 64)["mean"] == pytest.approx((0.55 + 0.35) / 2)  # the run, not the metric
     markdown = report([str(tmp_path)], str(tmp_path / "out"))
-    assert "| nope | 10.0 | not learned |" in markdown
+    assert "| nope | 10.0 † | not learned |" in markdown  # one seed beside rope's three: not tested
     assert "Not learned at their training length (exact match below 90% there;" in markdown
     assert "rope (seed 2: 40.0% at 32); nope (seed 0: 10.0% at 32)" in markdown
 

@@ -22,7 +22,7 @@ Which orderings are real: two PEs are *separable* at a length when both have >= 
 more than two standard deviations (|mean_a - mean_b| > 2 max(std_a, std_b), std over seeds) and, over the seeds
 both have (same seed = same initialization and training order), the paired differences all have the same sign.
 Cells not separable from their column's best are marked ``~``; with one seed nothing can be marked, and the table
-says so.
+says so; where only some rows have one seed, their cells (all of a column whose best has one) are marked ``†``.
 
 Per-position curves (``per_position.png``/``.csv``) use each run's longest evaluated length and average the loss
 over log-spaced position bins, because a single position holds only one token per window, far too few to read a

@@ -122,6 +122,15 @@ class Table:
         """The statistics of a cell; None where the row has no results at that length."""
         return self.cells.loc[(label, length)] if (label, length) in self.cells.index else None
 
+    def untested(self, label: str, length: int) -> bool:
+        """Whether a cell with a value was not compared with its column's best, which exists: it or the best has
+        fewer than two seeds (or a diverged seed)."""
+        cell = self.cell(label, length)
+        column = self.cells.xs(length, level="length")
+        return bool(cell is not None and cell.status == "ok" and not cell.best and column.best.any()) and bool(
+            pd.isna(cell.separable)
+        )
+
 
 def summarize(frame: pd.DataFrame) -> dict[TableKey, Table]:
     """Every table, computed once from the tidy frame (depth rows are ``depth_grids``'): text ("" task) first, then

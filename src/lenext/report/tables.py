@@ -9,8 +9,9 @@ from lenext.report.load import LEARNED_AT, Loaded, metrics_of
 from lenext.report.stats import METRICS, NOT_LEARNED, Table, TableKey, seed_range
 
 NOT_SEPARABLE = "~"
-MARKDOWN = {"pm": "±", "bold": "**{}**", "not_separable": f" {NOT_SEPARABLE}"}
-LATEX = {"pm": "$\\pm$", "bold": "\\textbf{{{}}}", "not_separable": " $\\sim$"}
+NOT_TESTED = "†"
+MARKDOWN = {"pm": "±", "bold": "**{}**", "not_separable": f" {NOT_SEPARABLE}", "not_tested": f" {NOT_TESTED}"}
+LATEX = {"pm": "$\\pm$", "bold": "\\textbf{{{}}}", "not_separable": " $\\sim$", "not_tested": " $^\\dagger$"}
 
 
 def title(key: TableKey) -> str:
@@ -37,8 +38,9 @@ def what_a_table_shows(table: Table, seeds: str) -> str:
 
 
 def cell_text(table: Table, label: str, length: int, marks: dict) -> str:
-    """A cell as shown: mean (± std with several seeds), ``~`` when not separable from the best, the best bold;
-    ``n/a``, ``not learned`` or ``-`` for a row without a value, "" where the row has no results at that length."""
+    """A cell as shown: mean (± std with several seeds), ``~`` when not separable from the best, ``†`` when not
+    tested in a table that tests others (it or the best has one seed), the best bold; ``n/a``, ``not learned`` or
+    ``-`` for a row without a value, "" where the row has no results at that length."""
     cell = table.cell(label, length)
     if cell is None:
         return ""
@@ -49,6 +51,8 @@ def cell_text(table: Table, label: str, length: int, marks: dict) -> str:
     text = f"{mean:.{metric.digits}f}" + (f" {marks['pm']} {std:.{metric.digits}f}" if cell.n > 1 else "")
     if pd.notna(cell.separable) and not cell.separable:
         text += marks["not_separable"]
+    elif table.untested(label, length) and seed_range(table)[1] > 1:  # one seed everywhere: the heading says so
+        text += marks["not_tested"]
     return marks["bold"].format(text) if cell.best else text
 
 
@@ -70,7 +74,11 @@ def to_markdown(tables: dict[TableKey, Table]) -> str:
             parts.append(
                 f"{NOT_SEPARABLE}: not separable from the column's best (means within 2 std, or paired differences "
                 "over seeds of both signs)."
-                + (" A cell is tested only when it and the best both have >= 2 seeds." if fewest < 2 else "")
+                + (
+                    f" {NOT_TESTED}: not tested (a cell is tested only when it and the best both have >= 2 seeds)."
+                    if fewest < 2
+                    else ""
+                )
                 + "\n"
             )
         head = ["PE", *[f"{n}" for n in lengths], "train tok/s", "eval peak MB"]
