@@ -5,7 +5,7 @@
   show their figures under the same paths (``studies/reference/ppl_vs_length.png``).
 - MathJax joins the site from the ``django-static-mathjax`` package (the ``docs`` extra; MathJax 3's own
   distribution, no Django needed), as ``javascripts/mathjax/tex-svg-full.js``: formulas render with no network.
-- Table cells that hold numbers (``29.61 ± 0.37 ~``, ``10,957``, ``n/a``) get the class ``lx-num``, and a table
+- Table cells that hold numbers (``29.61 ± 0.37 ~``, ``30.00 †``, ``10,957``, ``n/a``) get the class ``lx-num``, and a table
   whose cells are mostly numbers gets ``data-lx-numeric``; ``stylesheets/extra.css`` keeps those on one line.
   A mean ± std in running text is never split across two lines.
 - A page that would load a script, a style sheet, an image or a frame from the network fails the build.
@@ -57,7 +57,7 @@ def on_files(files, config):
 
 # A numeric cell is numbers with the signs and units the report and the benchmarks write: "29.61 ± 0.37 ~",
 # "**28.07 ± 0.35**", "10,957", "4.0x", "-27%", "n/a", "-", "141.00 ± 8.68 / 35.67 ± 0.13 = 4.0x".
-NUMBER_TOKEN = re.compile(r"[~≈<>=/×*±()]|\+-|[-+−]?\d[\d.,]*(?:%|x|×|e[-+]?\d+)?|n/a|-|–|—|OOM|MB|GB|s|ms|min|h")
+NUMBER_TOKEN = re.compile(r"[~†≈<>=/×*±()]|\+-|[-+−]?\d[\d.,]*(?:%|x|×|e[-+]?\d+)?|n/a|-|–|—|OOM|MB|GB|s|ms|min|h")
 TAGS = re.compile(r"<[^>]+>")
 TABLE = re.compile(r"<table>(.*?)</table>", re.S)
 BODY_CELL = re.compile(r"<td((?:\s[^>]*)?)>(.*?)</td>", re.S)
