@@ -223,6 +223,31 @@ def test_a_lone_seed_is_never_tested_the_table_says_why_and_marks_its_cells(tmp_
     assert "**9.00**" in lines["alibi"] and "30.05 ± 0.07 † |" in lines["nope"] and "10.10 ± 0.14 † |" in lines["t5"]
 
 
+def test_rows_tied_for_the_best_are_all_bold_and_the_others_are_tested_against_each(tmp_path):
+    """A tie (a scaling at L_train is the model as trained; accuracies at 100%) names several best rows, not none:
+    a row is separable only from all of them; a column where every row ties singles none out."""
+    tied = _seeded_sweep(
+        tmp_path / "tied",
+        {
+            "alibi": [10.0, 10.1, 10.2],
+            "kerple": [10.0, 10.1, 10.2],  # the same values: tied with alibi
+            "t5": [10.05, 10.15, 10.25],  # within 2 std of both: not separable
+            "nope": [30.0, 30.5, 31.0],  # separable from both
+            "fire": [30.0],  # one seed: not tested
+        },
+    )
+    lines = report([str(tied)], str(tmp_path / "out")).splitlines()
+    lines = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ")}
+    assert "**10.10 ± 0.10**" in lines["alibi"] and "**10.10 ± 0.10**" in lines["kerple"]
+    assert "10.15 ± 0.10 ~ |" in lines["t5"] and "30.50 ± 0.50 |" in lines["nope"] and "30.00 † |" in lines["fire"]
+    csv = pd.read_csv(tmp_path / "out" / "table.csv").set_index("pe")
+    assert list(csv.best) == [True, True, False, False, False]
+
+    all_tied = _seeded_sweep(tmp_path / "all_tied", {"alibi": [10.0, 10.1], "kerple": [10.0, 10.1]})
+    markdown = report([str(all_tied)], str(tmp_path / "out_all"))
+    assert "**" not in markdown.split("| PE")[1] and " ~" not in markdown and "† |" not in markdown
+
+
 def test_per_position_bins_are_token_weighted_means_covering_every_position_once(tmp_path):
     from lenext.report import binned_positions, log_bins
 

@@ -90,9 +90,10 @@ CELL = ["label", "length"]
 class Table:
     """One table's statistics. ``cells``, indexed by (label, length): ``mean``, ``std`` (over seeds; 0 for one
     seed), ``n`` (seeds counted), ``status`` (``ok``, ``not learned`` where no seed learned, else the rows'),
-    ``best`` (the column's best; none for a metric without a direction), ``separable`` (from that best; null: not
-    tested), ``answers`` (of a share, the answers its seeds gave together; null for perplexity). A cell whose rows
-    are measured but have no value (``NO_VALUE``: no key token at L_train) has no mean.
+    ``best`` (the column's best, several where they tie; none for a metric without a direction), ``separable``
+    (from each best; null: not tested), ``answers`` (of a share, the answers its seeds gave together; null for
+    perplexity). A cell whose rows are measured but have no value (``NO_VALUE``: no key token at L_train) has no
+    mean.
     ``seeds``: the values the means count, by (label, length, seed). ``rows``: the labels in the sweep's order,
     with ``train_tokens_per_s`` (mean) and ``eval_peak_mem_mb`` (max). ``not_learned``: the runs below
     ``LEARNED_AT`` at L_train (``row``, ``seed``, ``accuracy_as_trained``). ``chance``: the chance levels its rows
@@ -181,13 +182,13 @@ def _table(key: TableKey, records: pd.DataFrame) -> Table:
         length: _best(means.droplevel("length"), metric.higher_is_better)
         for length, means in cells["mean"].groupby(level="length")
     }
-    cells["best"] = [label == best[length] for label, length in cells.index]
+    cells["best"] = [label in best[length] for label, length in cells.index]
     seeds = counted.set_index([*CELL, "seed"]).value.sort_index()
     cells["separable"] = pd.array(
         [
             None
-            if best[length] in (None, label) or status != "ok"
-            else _separable(cells, seeds, label, best[length], length)
+            if not best[length] or label in best[length] or status != "ok"
+            else _separable_from_all(cells, seeds, label, best[length], length)
             for (label, length), status in cells.status.items()
         ],
         dtype="boolean",
@@ -202,14 +203,24 @@ def _table(key: TableKey, records: pd.DataFrame) -> Table:
     return Table(key, cells, seeds, rows, not_learned[["row", "seed", "accuracy_as_trained", "at"]], chance)
 
 
-def _best(means: pd.Series, higher_is_better: bool | None) -> str | None:
-    """The label with the best of ``means`` (by label); None when none has a value, several share the best
-    (accuracies often tie at 0% or 100%) or the metric has no direction (``higher_is_better`` None)."""
+def _best(means: pd.Series, higher_is_better: bool | None) -> tuple[str, ...]:
+    """The labels sharing the best of ``means`` (by label): several where rows tie (a scaling at L_train is the
+    model as trained; accuracies tie at 100%); none when no row has a value, every row ties (nothing is singled
+    out: accuracies all at 0%) or the metric has no direction (``higher_is_better`` None)."""
     means = means.dropna()
     if means.empty or higher_is_better is None:
-        return None
-    leaders = means.index[means == (means.max() if higher_is_better else means.min())]
-    return leaders[0] if len(leaders) == 1 else None
+        return ()
+    leaders = tuple(means.index[means == (means.max() if higher_is_better else means.min())])
+    return () if len(leaders) == len(means) > 1 else leaders
+
+
+def _separable_from_all(cells: pd.DataFrame, seeds: pd.Series, a: str, leaders: tuple, length: int) -> bool | None:
+    """Whether row ``a`` is separable from every one of the column's tied best rows: not, if it is not from one of
+    them; None (not tested) where a comparison could not be made and none said not."""
+    tested = [_separable(cells, seeds, a, leader, length) for leader in leaders]
+    if False in tested:
+        return False
+    return None if None in tested else True
 
 
 def _separable(cells: pd.DataFrame, seeds: pd.Series, a: str, b: str, length: int) -> bool | None:
