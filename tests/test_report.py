@@ -215,12 +215,21 @@ def test_a_lone_seed_is_never_tested_the_table_says_why_and_marks_its_cells(tmp_
     assert "over 1-3 seeds;" in markdown and "tested only when it and the best both have >= 2 seeds" in markdown
     assert "| 30.00 † |" in lines["nope"] and "10.25 ± 0.10 ~ |" in lines["t5"]  # nope: one seed, not tested
     assert "† |" not in lines["alibi"] + lines["t5"] and "† |" not in markdown.split("| PE")[0]
-    assert "30.00 $^\\dagger$" in (tmp_path / "out_mixed" / "table.tex").read_text()
+    latex = (tmp_path / "out_mixed" / "table.tex").read_text()
+    assert (
+        "30.00 $^\\dagger$" in latex and "\n% Bold: the column's best. ~: not separable from the column's best" in latex
+    )  # its legend
 
     lone_best = _seeded_sweep(tmp_path / "lone_best", {"alibi": [9.0], "nope": [30.0, 30.1], "t5": [10.0, 10.2]})
     lines = report([str(lone_best)], str(tmp_path / "out_lone_best")).splitlines()
     lines = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ")}
     assert "**9.00**" in lines["alibi"] and "30.05 ± 0.07 † |" in lines["nope"] and "10.10 ± 0.14 † |" in lines["t5"]
+
+
+def test_latex_row_labels_set_a_second_stages_arrow_and_escape_underscores():
+    from lenext.report.tables import latex_label
+
+    assert latex_label("rope_ntk -> pose+yarn@256 (self_extend)") == "rope\\_ntk $\\to$ pose+yarn@256 (self\\_extend)"
 
 
 def test_rows_tied_for_the_best_are_all_bold_and_the_others_are_tested_against_each(tmp_path):

@@ -60,6 +60,25 @@ def number(value, digits=0) -> str:
     return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.{digits}f}"
 
 
+def marks_legend(table: Table) -> str:
+    """What a ranked table's marks mean ("" for a metric without a direction), as its Markdown says under the heading
+    and its LaTeX in a comment."""
+    fewest, most = seed_range(table)
+    if not table.metric.ranked or not most:
+        return ""
+    if most == 1:
+        return "One seed: no difference is tested for significance (that needs >= 2 seeds)."
+    return (
+        f"{NOT_SEPARABLE}: not separable from the column's best (means within 2 std, or paired differences over seeds "
+        "of both signs)."
+        + (
+            f" {NOT_TESTED}: not tested (a cell is tested only when it and the best both have >= 2 seeds)."
+            if fewest < 2
+            else ""
+        )
+    )
+
+
 def to_markdown(tables: dict[TableKey, Table]) -> str:
     parts = []
     for key, table in tables.items():
@@ -68,19 +87,8 @@ def to_markdown(tables: dict[TableKey, Table]) -> str:
         seeds = f"{most} seed{'s' if most != 1 else ''}" if fewest == most else f"{fewest}-{most} seeds"
         seeds = seeds if most else ""
         parts.append(f"### {title(key)} ({what_a_table_shows(table, seeds)})\n")
-        if table.metric.ranked and most == 1:
-            parts.append("One seed: no difference is tested for significance (that needs >= 2 seeds).\n")
-        elif table.metric.ranked and most > 1:
-            parts.append(
-                f"{NOT_SEPARABLE}: not separable from the column's best (means within 2 std, or paired differences "
-                "over seeds of both signs)."
-                + (
-                    f" {NOT_TESTED}: not tested (a cell is tested only when it and the best both have >= 2 seeds)."
-                    if fewest < 2
-                    else ""
-                )
-                + "\n"
-            )
+        if legend := marks_legend(table):
+            parts.append(legend + "\n")
         head = ["PE", *[f"{n}" for n in lengths], "train tok/s", "eval peak MB"]
         parts.append("| " + " | ".join(head) + " |")
         parts.append("|" + "---|" * len(head))
@@ -162,12 +170,19 @@ def report_markdown(tables: dict[TableKey, Table], loaded: Loaded) -> str:
     return markdown
 
 
+def latex_label(label: str) -> str:
+    """A row label as LaTeX sets it: ``_`` escaped, a second stage's ``->`` an arrow (its ``>`` prints as an
+    inverted question mark in the default font)."""
+    return label.replace("_", "\\_").replace(" -> ", " $\\to$ ")
+
+
 def to_latex(tables: dict[TableKey, Table]) -> str:
     parts = []
     for key, table in tables.items():
         lengths = table.lengths
         parts += [
             f"% {title(key).replace('`', '')}" + (f", {METRICS[key.metric].name}" if several_metrics(key) else ""),
+            *(f"% Bold: the column's best. {line}" for line in [marks_legend(table)] if line),
             "\\begin{tabular}{l" + "r" * len(lengths) + "}",
             "\\toprule",
             "PE & " + " & ".join(str(n) for n in lengths) + " \\\\",
@@ -175,7 +190,7 @@ def to_latex(tables: dict[TableKey, Table]) -> str:
         ]
         for label in table.index:
             cells = [cell_text(table, label, n, LATEX) for n in lengths]
-            parts.append(label.replace("_", "\\_") + " & " + " & ".join(cells) + " \\\\")
+            parts.append(latex_label(label) + " & " + " & ".join(cells) + " \\\\")
         parts += ["\\bottomrule", "\\end{tabular}", ""]
     return "\n".join(parts)
 
