@@ -144,16 +144,16 @@ def test_a_per_position_curve_of_a_shorter_length_says_so():
 
 
 def test_a_retrieval_title_says_when_no_row_is_apart_from_chance():
-    """The long-context study's haystacks, 20 a seed: kerple's 27% rank accuracy over 60 answers lies within the
-    95% band of a binomial at 20% (+-10.1 points), fire's 32% outside it; a title ranking rows inside the band
-    says so."""
+    """The long-context study's haystacks, 20 a seed: alibi's 27% rank accuracy over 60 answers (niah_multikey, with
+    its temperature row) lies within the 95% band of a binomial at 20% (+-10.1 points), fire's 32% (niah_single)
+    outside it; a title ranking rows inside the band says so."""
     from lenext.report import Summary, figures
 
     fig = figures.retrieval_vs_length(Summary(load([str(STUDIES / "long_context" / "runs")])))
     titles = [ax.get_title().replace("\n", " ") for ax in fig.axes if ax.get_title()]
     single = [title for title in titles if title.startswith("niah_single")]
-    kerple = next(title for title in single if "kerple:" in title)
-    assert kerple.endswith("every row at 27% rank accuracy (chance 20%); none apart from chance (95% binomial band)")
+    alibi = next(title for title in titles if title.startswith("niah_multikey") and "alibi:" in title)
+    assert alibi.endswith("every row at 27% rank accuracy (chance 20%); none apart from chance (95% binomial band)")
     trained = next(title for title in single if "as trained" in title)
     assert trained.endswith("fire 32% rank accuracy; fox 17% (chance 20%)")  # fire's 32% is apart: nothing added
     figures.pyplot().close(fig)

@@ -257,6 +257,27 @@ def test_rows_tied_for_the_best_are_all_bold_and_the_others_are_tested_against_e
     assert "**" not in markdown.split("| PE")[1] and " ~" not in markdown and "† |" not in markdown
 
 
+def test_a_temperature_row_fitted_to_c_0_in_every_seed_is_neither_tabled_nor_drawn_twice(tmp_path):
+    """c = 0 makes beta = 1: the row equals the PE as trained. A row with c = 0 in only some seeds is kept whole (its
+    mean over every seed), or it would average the seeds with c > 0 alone."""
+    for job, (pe, seed, c) in enumerate([("alibi", 0, 0.0), ("alibi", 1, 0.0), ("nope", 0, 0.0), ("nope", 1, 0.1)]):
+        ppl = 20.0 + seed
+        tempered = ppl - 20 * c
+        row = {"protocol": "nonoverlap", "variant": "temperature", "length": 64, "status": "ok", "temperature_c": c}
+        write_run(tmp_path / str(job), pe, seed, {64: ppl}, extra_rows=[{**row, "ppl": tempered}])
+        with open(tmp_path / str(job) / "positions.csv", "a") as f:
+            f.writelines(f"temperature,128,{p},{3 + p / 100 - c},5\n" for p in range(128))
+    markdown = report([str(tmp_path)], str(tmp_path / "out"))
+    lines = {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| ")}
+    assert (
+        "alibi (temperature)" not in lines
+        and "| nope (temperature) | **19.50 ± 0.71** |" in lines["nope (temperature)"]
+    )
+    assert "`alibi (temperature)`: the temperature's c was fitted to 0 in every seed (beta = 1)" in markdown
+    drawn = set(pd.read_csv(tmp_path / "out" / "per_position.csv").pe)
+    assert drawn == {"alibi", "nope", "nope (temperature)"}
+
+
 def test_per_position_bins_are_token_weighted_means_covering_every_position_once(tmp_path):
     from lenext.report import binned_positions, log_bins
 

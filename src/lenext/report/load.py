@@ -27,6 +27,7 @@ from lenext.pe.rope import redundant_variants
 from lenext.protocols import ACCURACY, METRICS_OF, PROTOCOLS
 from lenext.results import ERROR_FILE, POSITIONS_FILE, RESULTS_FILE, not_lenext_results
 from lenext.spec import METHOD_NAMES, STAGE_MARK, Row, first_stage_row
+from lenext.temperature import TEMPERATURE
 
 LEARNED_AT = 0.9  # a probe run below this exact match at its own training length did not learn its task there
 # A run with an attention setting (SSMax, a window, stick-breaking) is drawn with the 2024-26 methods whatever its PE.
@@ -477,9 +478,12 @@ COLUMNS = (
     *("run", "group", "row", "label", "pe", "positions", "attention", "base", "method", "stage_len", "root"),
     *("extension_method", "family", "display_name", "task", "train_len", "seed", "protocol", "variant", "metric"),
     *("length", "depth", "value", "answers", "chance", "status", "counted", "peak_mem_mb", "train_tokens_per_s"),
-    *("accuracy_as_trained", "own_train_len", "machine"),
+    *("accuracy_as_trained", "own_train_len", "machine", "temperature_c"),
 )
-FLOAT_COLUMNS = ("depth", "value", "answers", "chance", "peak_mem_mb", "train_tokens_per_s", "accuracy_as_trained")
+FLOAT_COLUMNS = (
+    *("depth", "value", "answers", "chance", "peak_mem_mb", "train_tokens_per_s", "accuracy_as_trained"),
+    "temperature_c",
+)
 
 
 def tidy(runs: list[Run]) -> pd.DataFrame:
@@ -497,7 +501,8 @@ def tidy(runs: list[Run]) -> pd.DataFrame:
     ``answers``, ``chance`` (the row's chance level, where it records one), ``status``, ``counted`` (whether means
     count it: ``Run.learned``, or within the run's own training length), ``peak_mem_mb``, ``train_tokens_per_s``,
     ``accuracy_as_trained``, ``own_train_len`` (the run's own training length, where that accuracy is measured:
-    a PoSE stage's is the first stage's, not its target), ``machine``."""
+    a PoSE stage's is the first stage's, not its target), ``machine``, ``temperature_c`` (a temperature row's fitted
+    c)."""
     records = []
     for run in runs:
         fields, meta = run.fields, run.meta
@@ -537,6 +542,7 @@ def tidy(runs: list[Run]) -> pd.DataFrame:
                         "accuracy_as_trained": run.accuracy_as_trained,
                         "own_train_len": run.meta["train_len"],
                         "machine": run.machine,
+                        "temperature_c": row.get("temperature_c"),
                     }
                 )
     frame = pd.DataFrame.from_records(records, columns=COLUMNS)
@@ -554,6 +560,7 @@ class Loaded:
     repeats: list[tuple[str, str]]
     incomplete: list[tuple[str, str]]
     frame: pd.DataFrame
+    untempered: tuple[str, ...] = ()  # temperature rows left out of ``frame``: ``untempered_labels``
 
     @property
     def machines(self) -> Counter:
@@ -579,11 +586,22 @@ def runs_of(complete: list[tuple[str, dict]]) -> tuple[list[Run], list[tuple[str
     return label_runs(runs), repeats
 
 
+def untempered_labels(frame: pd.DataFrame) -> tuple[str, ...]:
+    """The temperature rows whose c was fitted to 0 in every seed: beta = 1, so each equals its row as trained,
+    value for value; neither tabled nor drawn twice."""
+    tempered = frame[frame.variant == TEMPERATURE]
+    fitted = tempered.groupby("label", sort=False).temperature_c
+    return tuple(label for label, c in fitted if c.notna().all() and (c == 0).all())
+
+
 def load(folders: list[str]) -> Loaded:
-    """Every results file below ``folders``: the runs, their tidy frame, and what was not counted."""
+    """Every results file below ``folders``: the runs, their tidy frame (less ``untempered_labels``), and what was
+    not counted."""
     complete, incomplete = find_runs(folders)
     runs, repeats = runs_of(complete)
-    return Loaded(runs, repeats, incomplete, tidy(runs))
+    frame = tidy(runs)
+    untempered = untempered_labels(frame)
+    return Loaded(runs, repeats, incomplete, frame[~frame.label.isin(untempered)], untempered)
 
 
 def collect(complete: list[tuple[str, dict]]) -> pd.DataFrame:

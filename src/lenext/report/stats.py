@@ -271,10 +271,10 @@ def log_bins(length: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
-def binned_positions(runs: list[Run]) -> pd.DataFrame:
+def binned_positions(runs: list[Run], left_out: tuple[str, ...] = ()) -> pd.DataFrame:
     """Per (L_train, label, bin) at the label's longest length: token-weighted mean loss per run, then mean and std
-    over the seeds evaluated there (NaN where one diverged). Columns: train_len, label, length, bin_start, bin_end,
-    mean_nll, std_nll, seeds, tokens."""
+    over the seeds evaluated there (NaN where one diverged), the labels ``left_out`` (``Loaded.untempered``) left out.
+    Columns: train_len, label, length, bin_start, bin_end, mean_nll, std_nll, seeds, tokens."""
     per_run = []
     for run in runs:
         curve = positions_curve(run)
@@ -282,6 +282,8 @@ def binned_positions(runs: list[Run]) -> pd.DataFrame:
             continue
         longest = curve[curve.length == curve.length.max()]
         for variant, positions in longest[~longest.variant.isin(run.merged_variants)].groupby("variant", sort=False):
+            if run.label(variant or None) in left_out:
+                continue
             for start, end in log_bins(int(positions.position.max()) + 1):
                 in_bin = positions[(positions.position >= start) & (positions.position < end)]
                 tokens = int(in_bin["count"].sum())
@@ -519,7 +521,7 @@ class Summary:
 
     @cached_property
     def positions(self) -> pd.DataFrame:
-        return binned_positions(self.loaded.runs)
+        return binned_positions(self.loaded.runs, self.loaded.untempered)
 
     @cached_property
     def adaptation(self) -> pd.DataFrame:

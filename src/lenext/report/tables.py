@@ -127,6 +127,17 @@ def same_as_note(variants: list[str]) -> str:
     )
 
 
+def untempered_note(labels: tuple[str, ...]) -> str:
+    """One line naming the temperature rows left out: c fitted to 0 in every seed, so equal to the rows as trained."""
+    if not labels:
+        return ""
+    named = ", ".join(f"`{label}`" for label in labels)
+    return (
+        f"{named}: the temperature's c was fitted to 0 in every seed (beta = 1), so each equals its row as trained: "
+        "not shown twice.\n\n"
+    )
+
+
 def _listed(counts: dict[str, int]) -> str:
     return "; ".join(f"{name} ({n} run{'s' if n != 1 else ''})" for name, n in counts.items())
 
@@ -153,6 +164,7 @@ def report_markdown(tables: dict[TableKey, Table], loaded: Loaded) -> str:
         to_markdown(tables)
         + "\n"
         + same_as_note(loaded.merged_variants)
+        + untempered_note(loaded.untempered)
         + hardware_note(loaded.machines, loaded.evaluation_machines)
     )
     if loaded.incomplete:
