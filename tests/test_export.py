@@ -150,6 +150,25 @@ def test_the_exported_models_generate_continues_as_lenext_does(pe, tmp_path, mak
     assert generated.size(1) == expected.size(1) or generated[0, -1] == 0  # only an end of text stops it early
 
 
+def test_the_exported_tokenizer_puts_the_start_token_before_text_as_lenexts_documents_have_it(
+    tmp_path, make_checkpoint, cache_dir
+):
+    """The harness and generate() encode with transformers' defaults: the text then follows the token every lenext
+    document starts with (id 0, `<|endoftext|>`), and lenext's own encoding (no special tokens) is unchanged."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    checkpoint, _ = make_checkpoint("pe=rope")
+    folder = tmp_path / "exported"
+    export(checkpoint, str(folder), cache_dir=cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = "The state of the Union is strong. ünïcödé, 中文"
+    own = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    assert tokenizer.bos_token_id == 0 and tokenizer.convert_ids_to_tokens(0) == "<|endoftext|>"
+    assert tokenizer(text)["input_ids"] == [0, *own] and tokenizer(text, add_special_tokens=False)["input_ids"] == own
+    assert tokenizer.decode(tokenizer(text)["input_ids"], skip_special_tokens=True) == text
+
+
 @pytest.mark.parametrize(
     "pe,architecture", [("rope", "gpt_neox"), ("rope", "remote"), ("t5", "auto"), ("learned", "remote")]
 )
@@ -311,6 +330,7 @@ def test_lm_evaluation_harness_scores_an_export_as_lenext_does(tmp_path, make_ch
     log_likelihoods = []
     for doc in docs:
         context = tokenizer(doc["context"])["input_ids"]
+        assert context[0] == 0  # the start token every lenext document begins with, as the harness encodes it
         tokens = context + tokenizer(doc["context"] + doc["continuation"])["input_ids"][len(context) :]
         with torch.no_grad():
             logits = net.logits(net(torch.tensor([tokens[:-1]])))[0].double()

@@ -378,6 +378,13 @@ def test_variants_of_a_model_without_rope_and_an_encoder_are_refused(tmp_path, s
     transformers.BertLMHeadModel(config).save_pretrained(bert)
     with pytest.raises(ConfigError, match=r"is not causal \(a later token changes an earlier position's logits\)"):
         load_model(str(bert))
+    # An encoder-decoder has no causal LM at all: said first, not after the context its config lacks.
+    t5 = tmp_path / "t5"
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(t5)
+    transformers.AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(t5)
+    with pytest.raises(ConfigError, match=r"T5Config is not a causal LM \(transformers has no causal LM for model"):
+        evaluate_hf(compose_hf(tmp_path, small_text_corpus, t5))
 
 
 def test_bf16_evaluation_stays_near_fp32(tmp_path, small_text_corpus, tokenizer_folder):

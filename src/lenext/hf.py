@@ -75,7 +75,7 @@ def model_config(source: str, trust_remote_code: bool = False):
     where = f"hf={source!r}"
     try:
         with transformers_quiet():
-            return AutoConfig.from_pretrained(
+            config = AutoConfig.from_pretrained(
                 source, local_files_only=os.path.isdir(source), trust_remote_code=trust_remote_code
             )
     except ValueError as e:
@@ -89,6 +89,20 @@ def model_config(source: str, trust_remote_code: bool = False):
         if os.path.isdir(source):  # its config.json is no JSON, or cannot be read
             raise ConfigError(f"{where} holds no model config transformers can read ({e})") from None
         raise ConfigError(f"{where} is not a model folder or a hub id this machine reaches ({e})") from None
+    if not has_causal_lm(config):  # before any other setting is judged against it (its context)
+        raise ConfigError(
+            f"{where}: {type(config).__name__} is not a causal LM (transformers has no causal LM for model_type "
+            f"{config.model_type!r}): lenext's protocols score each token from the ones before it"
+        )
+    return config
+
+
+def has_causal_lm(config) -> bool:
+    """Whether transformers (or the folder's own code) has a causal LM for ``config``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    remote = getattr(config, "auto_map", None) or {}
+    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or "AutoModelForCausalLM" in remote
 
 
 def load_model(source: str, trust_remote_code: bool = False, config=None):

@@ -45,8 +45,9 @@ def choose_architecture(net: Decoder, asked: str) -> str:
 
 
 def exported_tokenizer(spec, cache_dir: str):
-    """The run's tokenizer as a transformers tokenizer (its BOS the token each document starts with), or None for a
-    probe task's token ids. Only the tokenizer is loaded (from the cache, or trained again on the training split)."""
+    """The run's tokenizer as a transformers tokenizer (its BOS the token each document starts with, put before
+    the text it encodes), or None for a probe task's token ids. Only the tokenizer is loaded (from the cache, or
+    trained again on the training split)."""
     node = OmegaConf.create(spec.config["data"])
     if "corpus" not in node:
         return None
@@ -58,8 +59,16 @@ def exported_tokenizer(spec, cache_dir: str):
     source = node.get("tokenizer")
     if source and os.path.isdir(source):  # an HF tokenizer folder: its own settings
         return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
     start = data.tokenizer.id_to_token(data.start_token)
-    return PreTrainedTokenizerFast(tokenizer_object=data.tokenizer, bos_token=start, eos_token=start)
+    tokenizer = Tokenizer.from_str(data.tokenizer.to_str())
+    # Text is encoded as lenext's documents are: after the start token (the harness, generate()); lenext's own
+    # encoding adds no special tokens, so its rows do not change.
+    special = [(start, data.start_token)]
+    tokenizer.post_processor = TemplateProcessing(single=f"{start} $A", pair=f"{start} $A $B:1", special_tokens=special)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=start, eos_token=start)
 
 
 def refuse_unsafe_folder(out: str, checkpoint: str, force: bool) -> Path:
