@@ -61,6 +61,28 @@ def test_every_answer_follows_by_rule_from_the_tokens_before_it(name, n):
             assert solve(name, tokens[: t + 1]) == tokens[t + 1]
 
 
+@pytest.mark.parametrize("name,digits", [("copy", 5), ("passkey", 1), ("passkey", 2)])
+def test_a_chance_level_is_what_a_uniform_guess_among_the_answers_symbols_scores(name, digits):
+    """The report's chance lines (``Task.chance``) against a simulated guesser: each answer token drawn uniformly
+    from the symbols a task's answers use (copy: its 16 symbols; passkey: 10 digits), over 4,000 samples of the
+    task's own (3 standard errors of tolerance)."""
+    probe, gen = task(name, digits=digits), torch.Generator().manual_seed(0)
+    alphabet = 16 if name == "copy" else 10
+    tokens = exact = 0
+    for i in range(4000):
+        sample = probe.sample(33, generator(SPLIT_STREAMS["test"], 33, i))
+        truth = sample.tokens[1:][sample.answer >= 0]
+        guess = SPECIALS + torch.randint(alphabet, truth.shape, generator=gen)
+        tokens, exact = tokens + (guess == truth).float().mean().item(), exact + bool((guess == truth).all())
+    for metric, measured in (("token_accuracy", tokens / 4000), ("exact_match", exact / 4000)):
+        chance = probe.chance(metric)
+        if chance is None:  # copy's whole string: about 0
+            assert measured < 1e-3
+        else:
+            assert abs(measured - chance) < 3 * math.sqrt(chance * (1 - chance) / 4000), (metric, measured, chance)
+    assert task("recall").chance("exact_match") is None  # elimination answers better than a guess: no one level
+
+
 @pytest.mark.parametrize("n", [17, 64, 65])
 def test_the_scored_targets_are_exactly_the_answers_each_task_defines(n):
     gen = generator(0, n)
@@ -290,7 +312,8 @@ def test_a_probe_trains_evaluates_from_its_checkpoint_and_reports(compose_train,
     assert [r["exact_match"] for r in again] == [r["exact_match"] for r in results["rows"]]
 
     markdown = report([str(tmp_path / "eval")], str(tmp_path / "report"))
-    assert "### passkey, L_train = 16, protocol `accuracy` (exact-match accuracy %, mean +- std over 1 seed" in markdown
+    heading = "### passkey, L_train = 16, protocol `accuracy` (exact-match accuracy %, chance 0.1%, mean +- std over 1"
+    assert heading in markdown  # chance: a guess of its 3 digits
     assert "### passkey, L_train = 16, protocol `accuracy` (per-token accuracy %" in markdown
     written = {p.name for p in (tmp_path / "report").iterdir()}
     assert {"accuracy_vs_length.png", "passkey_depth.png", "passkey_depth.csv", "table.csv"} <= written

@@ -92,6 +92,11 @@ class Task:
         """The task and the settings it uses, in data.* keys."""
         raise NotImplementedError
 
+    def chance(self, metric: str) -> float | None:
+        """The accuracy (``exact_match``, ``token_accuracy``) of a uniform guess among the answer's symbols, at any
+        length; None where it is about 0 (a whole string guessed) or no guess defines it."""
+        raise NotImplementedError
+
     def symbols_of(self, count: int, gen: torch.Generator) -> list[int]:
         return [SPECIALS + s for s in torch.randint(self.symbols, (count,), generator=gen).tolist()]
 
@@ -110,6 +115,9 @@ class Copy(Task):
 
     def describe(self) -> str:
         return f"copy (data.symbols={self.symbols})"
+
+    def chance(self, metric: str) -> float | None:
+        return 1 / self.symbols if metric == "token_accuracy" else None  # a string of m symbols: 1 / symbols^m
 
 
 class Recall(Task):
@@ -133,6 +141,11 @@ class Recall(Task):
     def describe(self) -> str:
         return f"recall (data.pairs={self.pairs}, data.symbols={self.symbols})"
 
+    def chance(self, metric: str) -> float | None:
+        # None: a model that binds no key to its value still answers by elimination (each key is queried once), and
+        # what that scores depends on how it guesses among the values left (docs/probes.md), not one level.
+        return None
+
 
 class Passkey(Task):
     name = "passkey"
@@ -149,6 +162,9 @@ class Passkey(Task):
 
     def describe(self) -> str:
         return f"passkey (data.digits={self.digits})"
+
+    def chance(self, metric: str) -> float | None:
+        return 0.1 if metric == "token_accuracy" else 0.1**self.digits  # a digit of 10, or all of them
 
 
 TASK_CLASSES = {task.name: task for task in (Copy, Recall, Passkey)}

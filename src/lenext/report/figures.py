@@ -439,7 +439,8 @@ def lengths_takeaway(table: Table, labels: list[str], reference: str | None = No
                 worst = reference
             text = f"at {at}: {best} {values[best]:.0f}% {name}; {worst} {values[worst]:.0f}%"
         text += "".join(f" (chance {c * metric.scale:.0f}%)" for c in table.chance)
-        apart = apart_from_chance(table, list(values.index), longest) if len(table.chance) == 1 else None
+        tested = len(table.chance) == 1 and metric.per_answer  # a token share's trials are no answers
+        apart = apart_from_chance(table, list(values.index), longest) if tested else None
         if apart == []:  # None: some cell's answers unknown (an older results file)
             text += "; none apart from chance (95% binomial band)"
         status = table.cells.status

@@ -27,6 +27,7 @@ from lenext.pe.rope import redundant_variants
 from lenext.protocols import ACCURACY, METRICS_OF, PROTOCOLS
 from lenext.results import ERROR_FILE, POSITIONS_FILE, RESULTS_FILE, not_lenext_results
 from lenext.spec import METHOD_NAMES, STAGE_MARK, Row, first_stage_row
+from lenext.synthetic import TASK_CLASSES
 from lenext.temperature import TEMPERATURE
 
 LEARNED_AT = 0.9  # a probe run below this exact match at its own training length did not learn its task there
@@ -336,6 +337,17 @@ class Run:
         did not is kept out of every mean beyond L_train: what it does there measures nothing."""
         return self.accuracy_as_trained is None or self.accuracy_as_trained >= LEARNED_AT
 
+    def chance(self, metric: str, row: dict) -> float | None:
+        """``metric``'s chance level on ``row``: a haystack row records its rank accuracy's; a probe's comes from its
+        task and the settings it ran with (``Task.chance``; none for a file that does not record them)."""
+        if metric == "rank_accuracy":
+            return row.get("chance")
+        identity = self.meta.get("identity") or {}
+        if row["protocol"] != ACCURACY or self.task not in TASK_CLASSES or "data.symbols" not in identity:
+            return None
+        settings = (identity["data.symbols"], identity["data.pairs"], identity["data.digits"])
+        return TASK_CLASSES[self.task](*settings).chance(metric)
+
     def shown_variant(self, variant: str | None) -> str | None:
         """The variant a row names: None for the PE as trained."""
         return None if variant in (None, self.trained_variant) else variant
@@ -498,11 +510,11 @@ def tidy(runs: list[Run]) -> pd.DataFrame:
     settings, ``base``, ``method``, ``stage_len``: ``lenext.spec.Row``), ``root``, ``extension_method``, ``family``,
     ``display_name``, ``task`` ("" for text), ``train_len`` (the first stage's), ``seed``, ``protocol``, ``variant``
     (the evaluation-time variant; null: the PE as trained), ``metric``, ``length``, ``depth``, ``value``,
-    ``answers``, ``chance`` (the row's chance level, where it records one), ``status``, ``counted`` (whether means
-    count it: ``Run.learned``, or within the run's own training length), ``peak_mem_mb``, ``train_tokens_per_s``,
-    ``accuracy_as_trained``, ``own_train_len`` (the run's own training length, where that accuracy is measured:
-    a PoSE stage's is the first stage's, not its target), ``machine``, ``temperature_c`` (a temperature row's fitted
-    c)."""
+    ``answers``, ``chance`` (the metric's chance level on the row, where it has one: ``Run.chance``), ``status``,
+    ``counted`` (whether means count it: ``Run.learned``, or within the run's own training length), ``peak_mem_mb``,
+    ``train_tokens_per_s``, ``accuracy_as_trained``, ``own_train_len`` (the run's own training length, where that
+    accuracy is measured: a PoSE stage's is the first stage's, not its target), ``machine``, ``temperature_c`` (a
+    temperature row's fitted c)."""
     records = []
     for run in runs:
         fields, meta = run.fields, run.meta
@@ -534,7 +546,7 @@ def tidy(runs: list[Run]) -> pd.DataFrame:
                         "depth": row.get("depth"),
                         "value": row.get(metric),
                         "answers": row.get("answers"),
-                        "chance": row.get("chance"),
+                        "chance": run.chance(metric, row),
                         "status": NO_VALUE if row["status"] == "ok" and row.get(metric) is None else row["status"],
                         "counted": run.learned or row["length"] <= run.meta["train_len"],
                         "peak_mem_mb": row.get("peak_mem_mb"),

@@ -35,7 +35,7 @@ class Metric(NamedTuple):
     digits: int
     higher_is_better: bool | None
     short: str = ""  # in a figure's title ("exact-match"); the name's first word where ""
-    chance: bool = False  # its rows record its chance level as ``chance`` (rank accuracy: 1 / (1 + candidates))
+    per_answer: bool = True  # a share of answers, each right or wrong (a binomial over them), not of tokens
 
     @property
     def ranked(self) -> bool:
@@ -61,8 +61,8 @@ class Metric(NamedTuple):
 METRICS = {
     "ppl": Metric("perplexity", 1, 2, False),
     "exact_match": Metric("exact-match accuracy %", 100, 1, True),
-    "token_accuracy": Metric("per-token accuracy %", 100, 1, True),
-    "rank_accuracy": Metric("rank accuracy %", 100, 1, True, short="rank accuracy", chance=True),
+    "token_accuracy": Metric("per-token accuracy %", 100, 1, True, per_answer=False),
+    "rank_accuracy": Metric("rank accuracy %", 100, 1, True, short="rank accuracy"),
     # Neither better: more key tokens says the windows hold more that long context helps, not that a PE is better.
     "key_share": Metric("key-token share %", 100, 2, None, short="key-token share"),
 }
@@ -97,7 +97,7 @@ class Table:
     ``seeds``: the values the means count, by (label, length, seed). ``rows``: the labels in the sweep's order,
     with ``train_tokens_per_s`` (mean) and ``eval_peak_mem_mb`` (max). ``not_learned``: the runs below
     ``LEARNED_AT`` at L_train (``row``, ``seed``, ``accuracy_as_trained``). ``chance``: the chance levels its rows
-    record, for a metric that has one (``Metric.chance``), in the order found."""
+    record (``tidy``'s ``chance``: a haystack's rank accuracy, a probe's metrics), in the order found."""
 
     key: TableKey
     cells: pd.DataFrame
@@ -199,7 +199,7 @@ def _table(key: TableKey, records: pd.DataFrame) -> Table:
     rows = pd.concat([speeds, rows], axis=1).reindex(records.label.unique())
     not_learned = records[records.accuracy_as_trained < LEARNED_AT].drop_duplicates("run")
     not_learned = not_learned.assign(at=not_learned.own_train_len.astype(int))  # where accuracy_as_trained is
-    chance = tuple(float(c) for c in records.chance.dropna().unique()) if metric.chance else ()
+    chance = tuple(float(c) for c in records.chance.dropna().unique())
     return Table(key, cells, seeds, rows, not_learned[["row", "seed", "accuracy_as_trained", "at"]], chance)
 
 
@@ -358,7 +358,6 @@ def depth_grids(frame: pd.DataFrame) -> pd.DataFrame:
         chance=("chance", "first"),
     ).reset_index()
     depths["answers"] = depths.answers.astype("Int64")
-    depths["chance"] = depths.chance.where([METRICS[m].chance for m in depths.metric])
     return depths
 
 
