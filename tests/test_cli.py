@@ -72,6 +72,9 @@ def test_help_says_what_the_command_does_with_examples_and_its_groups():
         (["data.max_len=0"], "data.max_len"),
         (["module.lr=-1e-3"], "module.lr"),
         (["data.vocab_size=100"], "data.vocab_size"),
+        (["data.vocab_size=10000000000"], "data.vocab_size"),  # the BPE trainer aborted allocating it
+        (["data.seed=99999999999999999999"], "data.seed"),  # torch's generator overflowed after preparation
+        (["data=synthetic", "data.seed=4294967296"], "data.seed"),
         (["model.n_heads=3"], "model.n_heads"),
         (["pe=shaw", "pe.k=0"], "pe.k"),
         (["pe=t5", "pe.max_distance=8"], "pe.max_distance"),

@@ -36,7 +36,7 @@ from lenext.errors import ConfigError, DataError, first_line
 from lenext.evaluate import TextEvaluation
 from lenext.files import atomic_path, write_atomic
 from lenext.protocols import PROTOCOLS, NonOverlapping, cap_windows
-from lenext.ranges import NonNegativeInt, PositiveFloat, PositiveInt, Range
+from lenext.ranges import NonNegativeInt, PositiveFloat, PositiveInt, Range, Seed
 from lenext.remote import RemoteCache
 from lenext.shards import Split, SplitWriter, TokenStream, open_split, preparing, token_type
 
@@ -693,12 +693,12 @@ class LMDataModule(L.LightningDataModule):
         self,
         corpus: Corpus,
         max_len: PositiveInt = 128,  # L_train
-        vocab_size: Annotated[int, Range(256)] = 8192,  # byte-level BPE keeps all 256 bytes
+        vocab_size: Annotated[int, Range(256, 2**21)] = 8192,  # all 256 bytes kept; 2^21: beyond any model's
         batch_size: PositiveInt = 16,
         eval_batch_size: PositiveInt | None = None,
         num_workers: NonNegativeInt = 0,
         cache_dir: str = ".cache",
-        seed: NonNegativeInt = 0,
+        seed: Seed = 0,
         validation_max_windows: PositiveInt | None = None,
         tokenizer: str | None = None,  # a tokenizer.json or HF tokenizer folder; null: a BPE trained on the corpus
         tokenizer_sample_mb: PositiveFloat | None = None,  # null: the whole training split (runs before it existed)

@@ -36,3 +36,4 @@ NonNegativeFloat = Annotated[float, Range(0)]
 Probability = Annotated[float, Range(0, 1, open_high=True)]  # dropout: 1 would drop everything
 Fraction = Annotated[float, Range(0, 1, open_low=True)]
 Share = Annotated[float, Range(0, 1)]  # a share of a whole, both ends included
+Seed = Annotated[int, Range(0, 2**32 - 1)]  # what Lightning's seed_everything and NumPy accept

@@ -25,7 +25,7 @@ from lenext.evaluate import EvalSettings, SweepPlan, sweep_plan
 from lenext.hardware import PRECISION_NAMES, Precision, canonical_precision, refuse_mps
 from lenext.pe import VARIANTS
 from lenext.positions import TrainPositions, position_scheme
-from lenext.ranges import PositiveInt, Range
+from lenext.ranges import PositiveInt, Range, Seed
 from lenext.spec import RunSpec, first_stage_row, later_stage_row
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ class TrainSettings:
     """The top-level keys of configs/train.yaml (its groups are declared by what they build)."""
 
     task_name: str
-    seed: Annotated[int, Range(0, 2**32 - 1)]  # what Lightning's seed_everything accepts
+    seed: Seed
     ckpt_path: str | None
     init_from: str | None = None  # a second stage: the base checkpoint whose weights it starts from
     drop_pe: bool = False  # a second stage: DroPE, its RoPE base's rotation dropped (docs/extension.md)

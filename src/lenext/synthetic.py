@@ -39,7 +39,7 @@ from lenext.data import evaluation_loader, step_loader
 from lenext.errors import ConfigError
 from lenext.positions import generator
 from lenext.protocols import ACCURACY, Answers, cap_windows
-from lenext.ranges import NonNegativeInt, PositiveInt
+from lenext.ranges import NonNegativeInt, PositiveInt, Seed
 from lenext.scoring import Measured, distributed, measure_answers
 
 PAD, BOS, SEP, KEY, FILL = range(5)
@@ -250,7 +250,7 @@ class SyntheticDataModule(L.LightningDataModule):
         eval_samples: PositiveInt = 128,  # sequences per evaluation length (and for validation)
         train_samples: PositiveInt = 2**20,  # an epoch: training draws new sequences, never repeats within it
         num_workers: NonNegativeInt = 0,
-        seed: NonNegativeInt = 0,
+        seed: Seed = 0,
         validation_max_windows: PositiveInt | None = None,
     ):
         super().__init__()
