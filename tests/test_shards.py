@@ -185,6 +185,24 @@ def test_a_truncated_shard_is_refused_naming_it(tmp_path, shard_folder):
         again(tmp_path)
 
 
+def test_a_shard_whose_marks_are_damaged_is_said_to_have_changed_not_to_be_foreign(tmp_path, shard_folder):
+    """A byte of its format mark flipped: its checksum tells it changed (it was called another preparation's)."""
+    shard = shard_folder / "shard-00001.arrow"
+    data = bytearray(shard.read_bytes())
+    value = data.rindex(str(lenext.shards.FORMAT).encode(), 0, data.index(b"lenext.format"))  # stored before its name
+    data[value] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=rf"^token shard {shard} has changed since it was prepared"):
+        again(tmp_path)
+
+
+def test_a_damaged_cached_tokenizer_is_refused_naming_it(tmp_path, shard_folder):
+    (tokenizer,) = (tmp_path / "cache" / "tokenizers").glob("*.json")
+    tokenizer.write_bytes(tokenizer.read_bytes()[:500])
+    with pytest.raises(DataError, match=rf"^tokenizer {tokenizer} cannot be read \(.*\); remove it to train it again$"):
+        again(tmp_path)
+
+
 def test_a_shard_of_another_preparation_is_refused_naming_it(tmp_path, shard_folder):
     other = tmp_path / "other"
     write_corpus(other / "corpus", seed=1)
@@ -265,23 +283,28 @@ def test_a_missing_shard_or_a_foreign_manifest_is_refused(tmp_path, shard_folder
 
 
 @pytest.mark.parametrize(
-    "edit",
+    "edit,named",
     [
-        lambda m, folder: m["shards"].pop(),  # the last shard dropped: its documents gone without a word
-        lambda m, folder: m["shards"].append(m["shards"][0]),  # a shard read twice
-        lambda m, folder: m["shards"].reverse(),  # the documents in another order
-        lambda m, folder: (folder / f"shard-{len(m['shards']):05d}.arrow").write_bytes(b"stray"),  # a file not listed
+        (lambda m, folder: m["shards"].pop(), "; not listed: shard-"),  # the last shard's documents gone silently
+        (lambda m, folder: m["shards"].append(m["shards"][0]), ""),  # a shard read twice
+        (lambda m, folder: m["shards"].reverse(), ""),  # the documents in another order
+        (lambda m, folder: (folder / f"shard-{len(m['shards']):05d}.arrow").write_bytes(b"x"), "; not listed: shard-"),
+        (lambda m, folder: (folder / "shard-00001.arrow").unlink(), "; missing: shard-00001.arrow:"),  # a file deleted
     ],
-    ids=["dropped", "repeated", "reordered", "stray"],
+    ids=["dropped", "repeated", "reordered", "stray", "deleted"],
 )
-def test_a_manifest_that_does_not_list_the_shards_in_sequence_is_refused(tmp_path, shard_folder, edit):
-    """Each of these was read as a smaller, larger or reordered split before (found by an audit)."""
+def test_a_manifest_that_does_not_list_the_shards_in_sequence_is_refused(tmp_path, shard_folder, edit, named):
+    """Each of these was read as a smaller, larger or reordered split before (found by an audit); a shard missing
+    or not listed is named."""
     manifest = json.loads((shard_folder / "manifest.json").read_text())
     assert len(manifest["shards"]) > 2
     edit(manifest, shard_folder)
     (shard_folder / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DataError, match=r"manifest.json lists \d+ shards .* must be shard-00000.arrow, .* in order"):
+    with pytest.raises(
+        DataError, match=r"manifest.json lists \d+ shards .* must be shard-00000.arrow, .* in order"
+    ) as e:
         again(tmp_path)
+    assert named in str(e.value)
 
 
 def test_a_full_disk_or_an_unwritable_cache_is_one_line_and_a_rerun_resumes(tmp_path, small_shards, monkeypatch):

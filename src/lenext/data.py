@@ -847,7 +847,12 @@ class LMDataModule(L.LightningDataModule):
                 with atomic_path(self.tokenizer_path) as tmp:
                     tokenizer.save(tmp)
                 self._made.append(f"tokenizers/{key}.json")
-        self.tokenizer = for_documents(Tokenizer.from_file(self.tokenizer_path))
+        try:
+            self.tokenizer = for_documents(Tokenizer.from_file(self.tokenizer_path))
+        except Exception as e:  # tokenizers' own error: a file damaged after it was written (its writes are atomic)
+            raise DataError(
+                f"tokenizer {self.tokenizer_path} cannot be read ({first_line(e)}); remove it to train it again"
+            ) from None
         if _read_if_exists(index) != key:
             write_atomic(index, key)
             self._made.append(os.path.relpath(index, self.cache_dir))

@@ -187,8 +187,9 @@ def file_checksum(path: str) -> str:
 _REMOVE = "remove {} to prepare the split again"
 
 
-def read_shard(path: str, key: str) -> pa.Table:
-    """The shard at ``path``, memory-mapped, or a DataError naming it if it cannot be read or belongs elsewhere."""
+def read_shard(path: str, key: str, checksum: str | None = None) -> pa.Table:
+    """The shard at ``path``, memory-mapped, or a DataError naming it if it cannot be read, belongs elsewhere or
+    (given its manifest's ``checksum``) has changed since it was written."""
     folder = os.path.dirname(path)
     try:
         with pa.memory_map(path) as source:  # the table's buffers stay views of the map after the block
@@ -197,6 +198,12 @@ def read_shard(path: str, key: str) -> pa.Table:
         raise DataError(f"token shard {path} cannot be read ({e}); {_REMOVE.format(folder)}") from None
     meta = table.schema.metadata or {}
     found = (meta.get(b"lenext.key") or b"no lenext key").decode(), (meta.get(b"lenext.format") or b"?").decode()
+    foreign = found[0] != key and found[1] == str(FORMAT)  # marked whole as another preparation's
+    if checksum is not None and not foreign and not unchanged(path, checksum):  # damaged, its marks included
+        raise DataError(
+            f"token shard {path} has changed since it was prepared (its bytes differ from the {CHECKSUM} checksum "
+            f"its manifest lists); {_REMOVE.format(folder)}"
+        )
     if found != (key, str(FORMAT)):
         raise DataError(
             f"token shard {path} belongs to another preparation ({found[0]}, format {found[1]}; not {key}, format "
@@ -229,21 +236,19 @@ def open_split(folder: str, key: str) -> "Split | None":
     listed_files = [shard["file"] for shard in shards]
     on_disk = sorted(n for n in os.listdir(folder) if n.startswith("shard-") and n.endswith(".arrow"))
     if listed_files != shard_names(len(shards)) or on_disk != listed_files:  # a shard dropped, repeated or added
+        missing, unlisted = sorted(set(listed_files) - set(on_disk)), sorted(set(on_disk) - set(listed_files))
+        which = "".join(
+            f"; {what}: {', '.join(names)}" for what, names in (("missing", missing), ("not listed", unlisted)) if names
+        )
         raise DataError(
             f"{path} lists {len(shards)} shards ({', '.join(listed_files[:3])}{', ...' * (len(shards) > 3)}) and "
-            f"{folder} holds {len(on_disk)}: they must be shard-00000.arrow, shard-00001.arrow, ... in order, "
+            f"{folder} holds {len(on_disk)}{which}: they must be shard-00000.arrow, shard-00001.arrow, ... in order, "
             f"each once; {_REMOVE.format(folder)}"
         )
     tables = []
     for shard in manifest["shards"]:
         shard_path = os.path.join(folder, shard["file"])
-        table = read_shard(shard_path, key)  # first: a foreign or unreadable shard is named as such
-        expected = shard.get(CHECKSUM)  # manifests written before checksums were kept have none
-        if expected is not None and not unchanged(shard_path, expected):
-            raise DataError(
-                f"token shard {shard_path} has changed since it was prepared (its bytes differ from the {CHECKSUM} "
-                f"checksum {path} lists); {_REMOVE.format(folder)}"
-            )
+        table = read_shard(shard_path, key, shard.get(CHECKSUM))  # manifests before checksums were kept have none
         if (table.num_rows, _tokens(table)) != (shard["documents"], shard["tokens"]):
             raise DataError(
                 f"token shard {os.path.join(folder, shard['file'])} holds {table.num_rows} documents and "
