@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import ROOT, run_train, small_corpus_overrides
 from tests.forked import run_command
@@ -75,6 +76,13 @@ def test_help_says_what_the_command_does_with_examples_and_its_groups():
         (["data.vocab_size=10000000000"], "data.vocab_size"),  # the BPE trainer aborted allocating it
         (["data.seed=99999999999999999999"], "data.seed"),  # torch's generator overflowed after preparation
         (["data=synthetic", "data.seed=4294967296"], "data.seed"),
+        (["data.tokenizer="], "data.tokenizer=''"),  # an unset $TOK: it trained the corpus's BPE instead
+        pytest.param(
+            ["trainer=fsdp"],
+            "no CUDA GPU; use trainer=cpu, or trainer=default (the fastest device and precision the machine has); "
+            "trainer=ddp_sim and trainer=fsdp_sim run DDP and FSDP as processes on this CPU",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU"),
+        ),
         (["model.n_heads=3"], "model.n_heads"),
         (["pe=shaw", "pe.k=0"], "pe.k"),
         (["pe=t5", "pe.max_distance=8"], "pe.max_distance"),

@@ -705,6 +705,10 @@ class LMDataModule(L.LightningDataModule):
         remote: str | None = None,  # an fsspec URL mirroring the cache's tokenizers and shards (lenext.remote)
     ):
         super().__init__()
+        if tokenizer == "":  # an unset variable (data.tokenizer=$TOK): not "train one", which is null
+            raise ConfigError(
+                "data.tokenizer='' is invalid: give a tokenizer.json or tokenizer folder, or null to train one"
+            )
         self.seed, self.validation_max_windows, self.tokenizer_source = seed, validation_max_windows, tokenizer
         self.corpus, self.max_len, self.requested_vocab = corpus, max_len, vocab_size
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size

@@ -174,7 +174,8 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     if cfg.trainer.get("accelerator") in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError(
             f"trainer.accelerator={cfg.trainer.accelerator} is invalid here: this machine has no CUDA GPU; use "
-            "trainer=cpu, or trainer=default (the fastest device and precision the machine has)"
+            "trainer=cpu, or trainer=default (the fastest device and precision the machine has); trainer=ddp_sim and "
+            "trainer=fsdp_sim run DDP and FSDP as processes on this CPU"
         )
     refuse_nodes_without_a_cluster(int(cfg.trainer.get("num_nodes") or 1))
     # The Trainer first: Lightning checks its settings together (devices, precision, strategy) when built.
