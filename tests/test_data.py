@@ -90,7 +90,8 @@ def test_document_windows_stay_inside_one_document_and_score_each_token_once():
 def test_text_files_corpus_reads_txt_and_jsonl_and_holds_out_round_robin(tmp_path):
     for i in range(8):
         (tmp_path / f"doc{i}.txt").write_text(f"document number {i} " * 5)
-    (tmp_path / "more.jsonl").write_text("\n".join(json.dumps({"text": f"line doc {i}"}) for i in range(4)))
+    lines = "\n".join(json.dumps({"text": f"line doc {i}"}) for i in range(4))
+    (tmp_path / "more.jsonl").write_text(lines, encoding="utf-8-sig")  # a byte order mark before the first line
     corpus = TextFiles(str(tmp_path), holdout_every=4)
     splits = {s: list(corpus.documents(s)) for s in ("train", "validation", "test")}
     assert [len(v) for v in splits.values()] == [6, 3, 3]

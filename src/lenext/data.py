@@ -180,6 +180,7 @@ class TextFiles(Corpus):
     def _records(self, file: str) -> Iterator[str]:
         """The ``text_field`` of each non-blank line of a .jsonl file."""
         for number, line in _lines(file):
+            line = line.removeprefix("\ufeff") if number == 1 else line  # a byte order mark, as editors save one
             if not line.strip():
                 continue
             where = f"data.corpus.path: {file}, line {number}"
