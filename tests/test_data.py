@@ -202,3 +202,19 @@ def test_the_tokenizer_sample_is_bounded_in_bytes_of_text():
     assert len(list(lenext.data.sample(documents, 0.001))) == 1
     assert len(list(lenext.data.sample(["a" * 400] * 5, 0.001))) == 3
     assert len(list(lenext.data.sample(documents, None))) == 5
+
+
+def test_a_tokenizer_json_alone_starts_documents_with_its_end_of_text_as_a_file_or_in_a_folder(tmp_path):
+    """A folder of a tokenizer.json without a config naming BOS/EOS (it was refused) takes the file's rule."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from lenext.data import external_tokenizer
+
+    vocab = {"<unk>": 0, "a": 1, "</s>": 2, "b": 3}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "folder").mkdir()
+    tokenizer.save(str(tmp_path / "folder" / "tokenizer.json"))
+    _, from_file = external_tokenizer(str(tmp_path / "folder" / "tokenizer.json"))
+    loaded, from_folder = external_tokenizer(str(tmp_path / "folder"))
+    assert from_file == from_folder == 2 and loaded.encode("a b", add_special_tokens=False).ids == [1, 3]

@@ -478,7 +478,7 @@ def external_tokenizer(path: str, key: str = "data.tokenizer"):
         except Exception as e:  # tokenizers raises its own Exception for a file that is not a tokenizer
             raise ConfigError(f"{where} cannot be read as a tokenizer.json ({first_line(e)})") from None
         for_documents(tokenizer)
-        start = next((tokenizer.token_to_id(t) for t in END_OF_TEXT if tokenizer.token_to_id(t) is not None), None)
+        start = end_of_text(tokenizer)
         if start is None:
             raise ConfigError(
                 f"{where} has none of the end-of-text tokens {', '.join(END_OF_TEXT)}: lenext starts each document "
@@ -501,9 +501,19 @@ def external_tokenizer(path: str, key: str = "data.tokenizer"):
     if not loaded.is_fast:
         raise ConfigError(f"{where}: its tokenizer has no fast (tokenizers) version, which lenext tokenizes with")
     start = loaded.bos_token_id if loaded.bos_token_id is not None else loaded.eos_token_id
+    if start is None:  # a folder of a tokenizer.json alone: its end-of-text token, as for the file
+        start = end_of_text(loaded.backend_tokenizer)
     if start is None:
-        raise ConfigError(f"{where}: its tokenizer names neither a BOS nor an EOS token to start documents with")
+        raise ConfigError(
+            f"{where}: its tokenizer names neither a BOS nor an EOS token to start documents with, and has none of "
+            f"{', '.join(END_OF_TEXT)}"
+        )
     return for_documents(loaded.backend_tokenizer), start
+
+
+def end_of_text(tokenizer) -> int | None:
+    """The id of the first of ``END_OF_TEXT`` the tokenizer has, or None."""
+    return next((tokenizer.token_to_id(t) for t in END_OF_TEXT if tokenizer.token_to_id(t) is not None), None)
 
 
 def byte_ends(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
