@@ -467,7 +467,7 @@ def lengths_takeaway(table: Table, labels: list[str], reference: str | None = No
     if reference in ratios.index and reference != best:
         worst = reference
     if worst == best:
-        return f"at {at}: {best} {growth(ratios[best], metric.name).replace('rises least, to', 'rises to')}"
+        return f"at {at}: {best} {growth(ratios[best], metric.name).replace('rises least, ', 'rises ')}"
     return f"at {at}: {best} {growth(ratios[best], metric.name)}; {worst} {ratios[worst]:.1f}x"
 
 
@@ -486,15 +486,14 @@ def apart_from_chance(table: Table, labels: list[str], length: int) -> list[str]
 
 
 def growth(ratio: float, noun: str) -> str:
-    """How a row's value at a length compares with its value at L_train, in words: within 5% of it, a rise within
-    10 or 20%, else the factor (a fall beyond 5% is said as one, not as "within 20%")."""
+    """How a row's value at a length compares with its value at L_train, in words: within 5% of it, a rise below
+    50% in percent, else the factor (a fall beyond 5% as a factor too)."""
     if abs(ratio - 1) <= 0.05:
         return f"stays within 5% of its L_train {noun}"
     if ratio < 1:
         return f"falls to {ratio:.2f}x its L_train {noun}"
-    for percent in (10, 20):
-        if ratio - 1 <= percent / 100:
-            return f"stays within {percent}% of its L_train {noun}"
+    if ratio < 1.5:
+        return f"rises least, {100 * (ratio - 1):.0f}% above its L_train {noun}"
     return f"rises least, to {ratio:.1f}x its L_train {noun}"
 
 
@@ -626,10 +625,10 @@ def plain_log_values(ax) -> None:
     ax.yaxis.set_minor_formatter(FuncFormatter(minor))
 
 
-def value_axis(ax, low: float, high: float, log: bool = True) -> None:
+def value_axis(ax, low: float, high: float, log: bool = True, floor: float = -np.inf) -> None:
     """The y axis for values from ``low`` to ``high``: log with plain labels where they span more than x3 (and
     ``log``), else linear in plain numbers (no offset, no scientific notation), at least 2% of the value tall, so
-    that a near-constant curve reads as constant."""
+    that a near-constant curve reads as constant, and not below ``floor`` (the least value the quantity takes)."""
     if log and low > 0 and high / low > 3:
         ax.set_yscale("log")
         plain_log_values(ax)
@@ -637,7 +636,7 @@ def value_axis(ax, low: float, high: float, log: bool = True) -> None:
     middle, span = (low + high) / 2, high - low
     if span < 0.02 * abs(middle):
         span = 0.02 * abs(middle) or 1.0
-        ax.set_ylim(middle - span, middle + span)
+        ax.set_ylim(max(middle - span, floor), max(middle - span, floor) + 2 * span)
     ax.ticklabel_format(axis="y", style="plain", useOffset=False)
 
 
@@ -956,14 +955,15 @@ def plain_number():
 
 def positions_takeaway(curves: dict[str, pd.DataFrame], train_len: int, reference: str | None = None) -> str:
     """The rows with the lowest and the highest loss in the last bin (``reference`` in place of the highest where a
-    panel compares one PE's variants), each with its rise from the last bin within L_train, in nats."""
+    panel compares one PE's variants), each with its rise, in nats, from its loss over positions L_train / 2 to
+    L_train (the bins there, token-weighted: positions with about as much context, and more tokens than one bin)."""
     end, rise, last = {}, {}, 0
     for label, curve in curves.items():
-        within = curve[curve.bin_end <= train_len]
-        if within.empty or len(curve) == len(within):
+        within = curve[(curve.bin_end <= train_len) & (curve.bin_start >= train_len // 2)]
+        if within.empty or curve.bin_end.iloc[-1] <= train_len:
             continue
         end[label] = curve.mean_nll.iloc[-1]
-        rise[label] = end[label] - within.mean_nll.iloc[-1]
+        rise[label] = end[label] - (within.mean_nll * within.tokens).sum() / within.tokens.sum()
         last = max(last, int(curve.bin_end.iloc[-1]))
     if not end:
         return "no position beyond L_train"
@@ -971,7 +971,8 @@ def positions_takeaway(curves: dict[str, pd.DataFrame], train_len: int, referenc
     best, worst = end.idxmin(), end.idxmax()
     if reference in end.index and reference != best:
         worst = reference
-    text = f"last bin (to position {last}): {best} {end[best]:.2f} nats ({rise[best]:+.2f} from L_train)"
+    since = f"from positions {train_len // 2}-{train_len - 1}"
+    text = f"last bin (to position {last}): {best} {end[best]:.2f} nats ({rise[best]:+.2f} {since})"
     return text + (f"; {worst} {end[worst]:.2f} ({rise[worst]:+.2f})" if worst != best else "")
 
 
@@ -1044,7 +1045,7 @@ def adaptation(summary: Summary):
                 ax, curve.step, curve["mean"], curve["std"], drawn.names[row], styles[row], METRICS["ppl"].bounds
             )
         values = pd.concat([curve["mean"] for curve in curves.values()])
-        value_axis(ax, float(values.min()), float(values.max()))
+        value_axis(ax, float(values.min()), float(values.max()), floor=METRICS["ppl"].bounds[0])
         ax.set(xlabel="fine-tuning step", ylabel="validation perplexity")
         title(ax, drawn.holds, drawn.takeaway)
         legend_below(ax)
