@@ -428,7 +428,7 @@ def test_a_per_position_titles_rise_is_from_the_token_weighted_loss_over_positio
     bins = [(0, 16, 9.0, 100), (16, 32, 5.0, 100), (32, 48, 4.0, 300), (48, 64, 3.0, 100), (64, 128, 4.5, 800)]
     curve = pd.DataFrame(bins, columns=["bin_start", "bin_end", "mean_nll", "tokens"])
     title = figures.positions_takeaway({"alibi": curve}, 64)
-    # 4.5 - (4.0 x 300 + 3.0 x 100) / 400; from the last bin alone it would read +1.50, from every bin before L_train -0.33
+    # 4.5 - (4.0 x 300 + 3.0 x 100) / 400; the last bin alone would give +1.50, from every bin below L_train -0.33
     assert title == "last bin (to position 128): alibi 4.50 nats (+0.75 from positions 32-63)"
 
 

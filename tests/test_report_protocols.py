@@ -15,8 +15,9 @@ from tests.test_report import write_probe_run, write_run
 HAYSTACKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking")
 
 
-def key_token_rows(by_length: dict[int, tuple[float | None, float]]) -> list[dict]:
-    """key_tokens rows: (key-token perplexity, or None without a key token; key-token share) per length."""
+def key_token_rows(by_length: dict[int, tuple[float | None, float]], evaluator: str | None = "evaluator") -> list[dict]:
+    """key_tokens rows: (key-token perplexity, or None without a key token; key-token share) per length, the key
+    tokens picked by ``evaluator`` (None: by the model itself)."""
     return [
         {
             "protocol": "key_tokens",
@@ -31,6 +32,7 @@ def key_token_rows(by_length: dict[int, tuple[float | None, float]]) -> list[dic
             "all_ppl": 30.0,
             "status": "ok",
             "peak_mem_mb": 1.0,
+            "evaluator": evaluator,
         }
         for length, (ppl, share) in by_length.items()
     ]
@@ -83,11 +85,11 @@ HAYSTACK = {  # per PE, per seed: {length: (rank accuracy, exact match)}, {(leng
 }
 
 
-def new_protocol_runs(folder, haystacks=("niah_single",)):
+def new_protocol_runs(folder, haystacks=("niah_single",), evaluator="evaluator"):
     """Runs of two PEs (three seeds of key tokens, two of the haystacks'), each with a nonoverlap row at 64."""
     for pe, seeds in KEY_TOKENS.items():
         for seed, by_length in enumerate(seeds):
-            extra = key_token_rows(by_length)
+            extra = key_token_rows(by_length, evaluator)
             if seed < len(HAYSTACK[pe]):
                 overall, by_depth = HAYSTACK[pe][seed]
                 extra += [row for protocol in haystacks for row in haystack_rows(protocol, overall, by_depth)]
@@ -148,6 +150,21 @@ def test_key_token_tables_are_means_over_seeds_with_a_missing_value_shown_as_a_d
     assert set(csv[(csv.metric == "ppl") & (csv.protocol == "key_tokens") & (csv.length == 64)].status) == {"no value"}
     assert "% L_train = 64, protocol key_tokens, key-token share %" in (tmp_path / "out" / "table.tex").read_text()
     assert (tmp_path / "out" / "ppl_vs_length.png").exists()  # a row with no value at L_train draws
+
+
+def test_key_token_perplexities_of_rows_that_picked_their_own_key_tokens_are_not_ranked(tmp_path):
+    """Without a common evaluator each row's key tokens are its own, each perplexity below e^max_nll by
+    construction: no best is claimed (docs/evaluation.md says to compare such rows by their share)."""
+    folder = new_protocol_runs(tmp_path / "runs", haystacks=(), evaluator=None)
+    tables = summarize(collect(find_runs([str(folder)])[0]))
+    ppl = tables[TableKey(64, "key_tokens", "ppl")]
+    assert not ppl.ranked and not ppl.cells.best.any() and ppl.cells.separable.isna().all()
+    assert tables[TableKey(64, "nonoverlap", "ppl")].ranked
+    markdown = report([str(folder)], str(tmp_path / "out"), figures=False)
+    heading = (
+        "### L_train = 64, protocol `key_tokens` (perplexity, mean +- std over 2-3 seeds; each row over key tokens"
+    )
+    assert heading in markdown and "**" not in "".join(sum(cells_by_label(markdown, heading).values(), []))
 
 
 def test_haystack_tables_mark_the_highest_rank_accuracy_best_and_state_the_chance_level(tmp_path):

@@ -880,7 +880,7 @@ def retrieval_vs_length(summary: Summary):
     tables = [
         table
         for key, table in summary.tables.items()
-        if not key.task and key.metric == headline(key.protocol) and table.metric.percent and table.metric.ranked
+        if not key.task and key.metric == headline(key.protocol) and table.metric.percent and table.ranked
     ]
     return draw_lengths(summary, tables) if tables else None
 

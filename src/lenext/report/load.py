@@ -490,7 +490,7 @@ COLUMNS = (
     *("run", "group", "row", "label", "pe", "positions", "attention", "base", "method", "stage_len", "root"),
     *("extension_method", "family", "display_name", "task", "train_len", "seed", "protocol", "variant", "metric"),
     *("length", "depth", "value", "answers", "chance", "status", "counted", "peak_mem_mb", "train_tokens_per_s"),
-    *("accuracy_as_trained", "own_train_len", "machine", "temperature_c"),
+    *("accuracy_as_trained", "own_train_len", "machine", "temperature_c", "evaluator"),
 )
 FLOAT_COLUMNS = (
     *("depth", "value", "answers", "chance", "peak_mem_mb", "train_tokens_per_s", "accuracy_as_trained"),
@@ -514,7 +514,7 @@ def tidy(runs: list[Run]) -> pd.DataFrame:
     ``counted`` (whether means count it: ``Run.learned``, or within the run's own training length), ``peak_mem_mb``,
     ``train_tokens_per_s``, ``accuracy_as_trained``, ``own_train_len`` (the run's own training length, where that
     accuracy is measured: a PoSE stage's is the first stage's, not its target), ``machine``, ``temperature_c`` (a
-    temperature row's fitted c)."""
+    temperature row's fitted c), ``evaluator`` (a key-token row's: null, the model itself)."""
     records = []
     for run in runs:
         fields, meta = run.fields, run.meta
@@ -555,6 +555,7 @@ def tidy(runs: list[Run]) -> pd.DataFrame:
                         "own_train_len": run.meta["train_len"],
                         "machine": run.machine,
                         "temperature_c": row.get("temperature_c"),
+                        "evaluator": row.get("evaluator"),
                     }
                 )
     frame = pd.DataFrame.from_records(records, columns=COLUMNS)

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from lenext.diagnostics import STATISTICS
+from lenext.protocols import KeyTokens
 from lenext.report.load import (
     LEARNED_AT,
     NO_VALUE,
@@ -105,6 +106,7 @@ class Table:
     rows: pd.DataFrame
     not_learned: pd.DataFrame
     chance: tuple[float, ...] = ()
+    ranked: bool = True  # a best can be named (``ranked_table``)
 
     @property
     def index(self) -> pd.Index:
@@ -178,8 +180,9 @@ def _table(key: TableKey, records: pd.DataFrame) -> Table:
     )
     cells = cells.drop(columns=["recorded", "measured", "valued"])
     metric = METRICS[key.metric]
+    ranked = ranked_table(key, records)
     best = {
-        length: _best(means.droplevel("length"), metric.higher_is_better)
+        length: _best(means.droplevel("length"), metric.higher_is_better if ranked else None)
         for length, means in cells["mean"].groupby(level="length")
     }
     cells["best"] = [label in best[length] for label, length in cells.index]
@@ -200,7 +203,15 @@ def _table(key: TableKey, records: pd.DataFrame) -> Table:
     not_learned = records[records.accuracy_as_trained < LEARNED_AT].drop_duplicates("run")
     not_learned = not_learned.assign(at=not_learned.own_train_len.astype(int))  # where accuracy_as_trained is
     chance = tuple(float(c) for c in records.chance.dropna().unique())
-    return Table(key, cells, seeds, rows, not_learned[["row", "seed", "accuracy_as_trained", "at"]], chance)
+    return Table(key, cells, seeds, rows, not_learned[["row", "seed", "accuracy_as_trained", "at"]], chance, ranked)
+
+
+def ranked_table(key: TableKey, records: pd.DataFrame) -> bool:
+    """Whether a table's rows can be ranked: its metric has a direction, and it is no key-token perplexity of rows
+    that picked their own key tokens (no common evaluator: each is below e^max_nll by construction, over a set of
+    its own; docs/evaluation.md)."""
+    own_keys = key.protocol == KeyTokens.name and key.metric == "ppl" and records.evaluator.isna().any()
+    return METRICS[key.metric].ranked and not own_keys
 
 
 def _best(means: pd.Series, higher_is_better: bool | None) -> tuple[str, ...]:

@@ -31,7 +31,9 @@ def what_a_table_shows(table: Table, seeds: str) -> str:
     direction)."""
     metric = table.metric
     chance = "".join(f", chance {c * metric.scale:.{metric.digits}f}%" for c in table.chance)
-    marked = "best per column in bold" if metric.ranked else "describes the rows, no best marked"
+    marked = "best per column in bold" if table.ranked else "describes the rows, no best marked"
+    if metric.ranked and not table.ranked:
+        marked = "each row over key tokens of its own choosing (no common eval.key_evaluator): no best marked"
     if not seeds:  # every cell without a value (no key token at any length)
         return f"{metric.name}{chance}: no value at any length"
     return f"{metric.name}{chance}, mean +- std over {seeds}; {marked}"
@@ -64,7 +66,7 @@ def marks_legend(table: Table) -> str:
     """What a ranked table's marks mean ("" for a metric without a direction), as its Markdown says under the heading
     and its LaTeX in a comment."""
     fewest, most = seed_range(table)
-    if not table.metric.ranked or not most:
+    if not table.ranked or not most:
         return ""
     if most == 1:
         return "One seed: no difference is tested for significance (that needs >= 2 seeds)."
