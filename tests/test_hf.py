@@ -233,6 +233,17 @@ def test_a_lenext_model_trains_on_a_tokenizer_from_outside(
         tokenizer_folder
     )
     base = tmp_path / "checkpoints" / "last.ckpt"
+    # Exported, its tokenizer (the folder's own) puts the start token before text, as the run's documents have it.
+    from transformers import AutoTokenizer
+
+    from lenext.export import export
+
+    export(str(base), str(tmp_path / "exported"), cache_dir=str(tmp_path / ".cache"))
+    exported = AutoTokenizer.from_pretrained(tmp_path / "exported")
+    own = AutoTokenizer.from_pretrained(tokenizer_folder)
+    text = "the state of the union"
+    assert exported(text)["input_ids"] == [exported.bos_token_id, *own(text, add_special_tokens=False)["input_ids"]]
+    assert exported.bos_token == EOS and own(text)["input_ids"][0] != own.bos_token_id  # the folder's own adds none
     stage = compose_train(*overrides, f"init_from={base}", "data.tokenizer=null", f"paths.output_dir={tmp_path / 's'}")
     with pytest.raises(ConfigError, match=r"^data.tokenizer=None is invalid for a second stage: .* data.tokenizer="):
         train(stage)
@@ -383,8 +394,17 @@ def test_variants_of_a_model_without_rope_and_an_encoder_are_refused(tmp_path, s
     config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
     transformers.T5ForConditionalGeneration(config).save_pretrained(t5)
     transformers.AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(t5)
-    with pytest.raises(ConfigError, match=r"T5Config is not a causal LM \(transformers has no causal LM for model"):
+    with pytest.raises(ConfigError, match=r"T5Config is not a causal LM \(an encoder-decoder"):
         evaluate_hf(compose_hf(tmp_path, small_text_corpus, t5))
+    bart = tmp_path / "bart"  # transformers' BartForCausalLM is its decoder alone: scored without its encoder
+    config = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=CONTEXT,
+    )  # fmt: skip
+    transformers.BartForConditionalGeneration(config).save_pretrained(bart)
+    transformers.AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(bart)
+    with pytest.raises(ConfigError, match=r"BartConfig is not a causal LM \(an encoder-decoder"):
+        evaluate_hf(compose_hf(tmp_path, small_text_corpus, bart))
 
 
 def test_bf16_evaluation_stays_near_fp32(tmp_path, small_text_corpus, tokenizer_folder):

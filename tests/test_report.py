@@ -252,7 +252,17 @@ def test_rows_tied_for_the_best_are_all_bold_and_the_others_are_tested_against_e
     csv = pd.read_csv(tmp_path / "out" / "table.csv").set_index("pe")
     assert list(csv.best) == [True, True, False, False, False]
 
-    all_tied = _seeded_sweep(tmp_path / "all_tied", {"alibi": [10.0, 10.1], "kerple": [10.0, 10.1]})
+    # A row without a value (a diverged seed) is no row tied with them: the two stay bold; a NaN mean is not "†".
+    rows = {"alibi": [10.0, 10.1], "kerple": [10.0, 10.1], "nope": [9.0, math.nan]}
+    beside = _seeded_sweep(tmp_path / "beside", rows)
+    markdown = report([str(beside)], str(tmp_path / "out_beside"))
+    lines = {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| ")}
+    assert "**10.05 ± 0.07**" in lines["alibi"] and "**10.05 ± 0.07**" in lines["kerple"]
+    assert "†" not in markdown  # every cell has 2 seeds: nothing is marked or explained as untested
+
+    # Beside a row with nothing measured there (n/a: a learned table's end), the rows that all tie single none out.
+    rows = {"alibi": [10.0, 10.1], "kerple": [10.0, 10.1], "learned": [None, None]}
+    all_tied = _seeded_sweep(tmp_path / "all_tied", rows)
     markdown = report([str(all_tied)], str(tmp_path / "out_all"))
     assert "**" not in markdown.split("| PE")[1] and " ~" not in markdown and "† |" not in markdown
 

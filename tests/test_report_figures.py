@@ -423,13 +423,28 @@ def test_a_row_with_fewer_seeds_at_some_lengths_says_so_in_its_legend(tmp_path):
 
 
 def test_a_per_position_titles_rise_is_from_the_token_weighted_loss_over_positions_l_train_half_to_l_train():
-    """One bin at L_train holds few tokens: the rise is measured from the bins of positions L_train / 2..L_train
+    """One bin at L_train holds few tokens: the rise is measured from the bins ending in L_train's upper half
     (token-weighted), not from the last of them alone, nor from the early positions with little context."""
     bins = [(0, 16, 9.0, 100), (16, 32, 5.0, 100), (32, 48, 4.0, 300), (48, 64, 3.0, 100), (64, 128, 4.5, 800)]
     curve = pd.DataFrame(bins, columns=["bin_start", "bin_end", "mean_nll", "tokens"])
     title = figures.positions_takeaway({"alibi": curve}, 64)
-    # 4.5 - (4.0 x 300 + 3.0 x 100) / 400; the last bin alone would give +1.50, from every bin below L_train -0.33
+    # 4.5 - (4.0 x 300 + 3.0 x 100) / 400; the last bin alone would give +1.50, every bin below L_train -0.33
     assert title == "last bin (to position 128): alibi 4.50 nats (+0.75 from positions 32-63)"
+
+
+def test_a_per_position_title_names_the_positions_of_the_report_s_own_bins_it_averages():
+    """``log_bins``' edges do not fall at L_train / 2: the bin straddling it is used and named."""
+    from lenext.report import log_bins
+
+    bins = [b for b in log_bins(512) if b[1] <= 128] + [(128, 512)]
+    rows = [(a, b, 4.0 if a >= 128 else 2.0 + (a >= 64), 10 * (b - a)) for a, b in bins]
+    curve = pd.DataFrame(rows, columns=["bin_start", "bin_end", "mean_nll", "tokens"])
+    used = [(a, b, nll, tokens) for a, b, nll, tokens in rows[:-1] if b > 64]
+    rise = 4.0 - sum(nll * tokens for *_, nll, tokens in used) / sum(tokens for *_, tokens in used)
+    span = f"{used[0][0]}-{used[-1][1] - 1}"
+    assert used[0][0] < 64 and used[-1][1] <= 128  # a bin straddling L_train / 2 is used
+    title = figures.positions_takeaway({"rope": curve}, 128)
+    assert title == f"last bin (to position 512): rope 4.00 nats ({rise:+.2f} from positions {span})"
 
 
 def test_a_near_constant_axis_is_kept_at_or_above_the_least_value_its_quantity_takes():

@@ -94,7 +94,7 @@ def test_runs_that_differ_in_a_setting_get_rows_of_their_own_and_a_repeated_seed
     lines = table_lines(markdown)
     assert "t5" not in lines
     assert "| **31.00 ± 1.00** | **41.00 ± 1.00** |" in lines["t5 [pe.max_distance=64]"]
-    assert "| 33.00 | 60.00 |" in lines["t5 [pe.max_distance=128]"]
+    assert "| 33.00 † | 60.00 † |" in lines["t5 [pe.max_distance=128]"]
     assert "over 1-3 seeds" in markdown
     assert f"- `{tmp_path / 'sweep' / '0'}` repeats `{tmp_path / 'diagnostics' / 't5_max_distance_64'}`" in markdown
     frame = load([str(tmp_path)]).frame
@@ -115,7 +115,7 @@ def test_a_run_and_its_re_evaluation_by_eval_py_get_two_rows(tmp_path):
     t5_run(tmp_path / "eval" / "0", 0, 64, {64: 35.0, 128: 45.0, 256: 70.0}, checkpoint=checkpoint)
     lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
     assert "| **30.50 ± 0.71** | **40.50 ± 0.71** |" in lines["t5"]
-    assert "| 35.00 | 45.00 | **70.00** |" in lines["t5 (eval.py)"]
+    assert "| 35.00 † | 45.00 † | **70.00** |" in lines["t5 (eval.py)"]
 
     t5_run(tmp_path / "eval" / "1", 0, 64, {2048: 99.0}, checkpoint=checkpoint, **{"eval.factors": [32]})
     lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))

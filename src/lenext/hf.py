@@ -91,16 +91,20 @@ def model_config(source: str, trust_remote_code: bool = False):
         raise ConfigError(f"{where} is not a model folder or a hub id this machine reaches ({e})") from None
     if not has_causal_lm(config):  # before any other setting is judged against it (its context)
         raise ConfigError(
-            f"{where}: {type(config).__name__} is not a causal LM (transformers has no causal LM for model_type "
-            f"{config.model_type!r}): lenext's protocols score each token from the ones before it"
+            f"{where}: {type(config).__name__} is not a causal LM (an encoder-decoder, or transformers has no "
+            f"causal LM for model_type {config.model_type!r}): lenext's protocols score each token from the ones "
+            "before it"
         )
     return config
 
 
 def has_causal_lm(config) -> bool:
-    """Whether transformers (or the folder's own code) has a causal LM for ``config``."""
+    """Whether transformers (or the folder's own code) has a causal LM for ``config``: not an encoder-decoder, whose
+    ``ForCausalLM`` class (BART's, Marian's) is its decoder alone, without the encoder it was trained with."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    if getattr(config, "is_encoder_decoder", False):
+        return False
     remote = getattr(config, "auto_map", None) or {}
     return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or "AutoModelForCausalLM" in remote
 

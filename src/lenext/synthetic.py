@@ -164,7 +164,8 @@ class Passkey(Task):
         return f"passkey (data.digits={self.digits})"
 
     def chance(self, metric: str) -> float | None:
-        return 0.1 if metric == "token_accuracy" else 0.1**self.digits  # a digit of 10, or all of them
+        whole = 0.1**self.digits  # all digits; below 0.1% (4 digits or more) about 0, as a heading shows it
+        return 0.1 if metric == "token_accuracy" else (whole if whole >= 1e-3 else None)
 
 
 TASK_CLASSES = {task.name: task for task in (Copy, Recall, Passkey)}

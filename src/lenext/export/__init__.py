@@ -54,21 +54,25 @@ def exported_tokenizer(spec, cache_dir: str):
     node.cache_dir = cache_dir
     data = instantiate(node, "data")
     data.load_tokenizer()
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     source = node.get("tokenizer")
-    if source and os.path.isdir(source):  # an HF tokenizer folder: its own settings
-        return AutoTokenizer.from_pretrained(source, local_files_only=True)
-    from tokenizers import Tokenizer
-    from tokenizers.processors import TemplateProcessing
-
+    if source and os.path.isdir(source):  # an HF tokenizer folder: its own settings, its start token as lenext's
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    else:
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(data.tokenizer.to_str()))
     start = data.tokenizer.id_to_token(data.start_token)
-    tokenizer = Tokenizer.from_str(data.tokenizer.to_str())
     # Text is encoded as lenext's documents are: after the start token (the harness, generate()); lenext's own
-    # encoding adds no special tokens, so its rows do not change.
-    special = [(start, data.start_token)]
-    tokenizer.post_processor = TemplateProcessing(single=f"{start} $A", pair=f"{start} $A $B:1", special_tokens=special)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=start, eos_token=start)
+    # encoding adds no special tokens, so its rows do not change. A post-processor already adding it is kept.
+    if tokenizer("x")["input_ids"][:1] != [data.start_token]:
+        special = [(start, data.start_token)]
+        processor = TemplateProcessing(single=[start, "$A"], pair=[start, "$A", "$B:1"], special_tokens=special)
+        tokenizer.backend_tokenizer.post_processor = processor
+    tokenizer.bos_token = tokenizer.bos_token or start  # generate() stops at the EOS its config names
+    tokenizer.eos_token = tokenizer.eos_token or start
+    return tokenizer
 
 
 def refuse_unsafe_folder(out: str, checkpoint: str, force: bool) -> Path:

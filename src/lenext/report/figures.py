@@ -414,9 +414,9 @@ def lengths_takeaway(table: Table, labels: list[str], reference: str | None = No
     """What ``labels``' curves of ``table`` show at the longest length where they have values: for a share in %
     (an accuracy), the highest and the lowest, the chance level where the metric has one, and the rows no seed of
     which learned the task; for perplexity, the row that grows least from its L_train value (``growth``: within 5%
-    of it, a rise within 10 or 20%, or the factor) and the one that grows most, or where no row has a value at
-    L_train (no key token there) the lowest and the highest. Where a panel compares one PE's variants,
-    ``reference`` (the PE as trained) in place of the worst."""
+    of it, a rise in percent below 50%, or the factor) and the one that grows most, or where no row has a value at
+    L_train (no key token there) or the table ranks none (``Table.ranked``) the lowest and the highest. Where a
+    panel compares one PE's variants, ``reference`` (the PE as trained) in place of the worst."""
     key, metric = table.key, table.metric
     means = table.cells["mean"].astype(float)
     shown = means[means.index.get_level_values("label").isin(labels)].dropna()
@@ -455,12 +455,13 @@ def lengths_takeaway(table: Table, labels: list[str], reference: str | None = No
     for label in labels:
         if (label, longest) in shown.index and (label, base) in shown.index:
             ratios[label] = shown[(label, longest)] / shown[(label, base)]
-    if not ratios:  # no value at L_train to grow from: the values themselves
+    if not ratios or not table.ranked:  # no value at L_train to grow from, or no best to claim: the values
         values = shown.xs(longest, level="length").reindex(labels).dropna()
         best, worst = values.idxmin(), values.idxmax()
         if reference in values.index and reference != best:
             worst = reference
-        text = f"at {at} (no value at L_train): {best} {metric.name} {values[best]:.{metric.digits}f}"
+        why = " (no value at L_train)" if not ratios else ""
+        text = f"at {at}{why}: {best} {metric.name} {values[best]:.{metric.digits}f}"
         return text + (f"; {worst} {values[worst]:.{metric.digits}f}" if worst != best else "")
     ratios = pd.Series(ratios)
     best, worst = ratios.idxmin(), ratios.idxmax()
@@ -955,24 +956,25 @@ def plain_number():
 
 def positions_takeaway(curves: dict[str, pd.DataFrame], train_len: int, reference: str | None = None) -> str:
     """The rows with the lowest and the highest loss in the last bin (``reference`` in place of the highest where a
-    panel compares one PE's variants), each with its rise, in nats, from its loss over positions L_train / 2 to
-    L_train (the bins there, token-weighted: positions with about as much context, and more tokens than one bin)."""
-    end, rise, last = {}, {}, 0
+    panel compares one PE's variants), each with its rise, in nats, from its loss over the bins within L_train that
+    end in its upper half (token-weighted: positions with about as much context, and more tokens than one bin; the
+    title names the positions they span)."""
+    end, rise, last, spans = {}, {}, 0, {}
     for label, curve in curves.items():
-        within = curve[(curve.bin_end <= train_len) & (curve.bin_start >= train_len // 2)]
+        within = curve[(curve.bin_end <= train_len) & (curve.bin_end > train_len // 2)]
         if within.empty or curve.bin_end.iloc[-1] <= train_len:
             continue
         end[label] = curve.mean_nll.iloc[-1]
         rise[label] = end[label] - (within.mean_nll * within.tokens).sum() / within.tokens.sum()
         last = max(last, int(curve.bin_end.iloc[-1]))
+        spans[label] = f"from positions {int(within.bin_start.min())}-{int(within.bin_end.max()) - 1}"
     if not end:
         return "no position beyond L_train"
     end = pd.Series(end)
     best, worst = end.idxmin(), end.idxmax()
     if reference in end.index and reference != best:
         worst = reference
-    since = f"from positions {train_len // 2}-{train_len - 1}"
-    text = f"last bin (to position {last}): {best} {end[best]:.2f} nats ({rise[best]:+.2f} {since})"
+    text = f"last bin (to position {last}): {best} {end[best]:.2f} nats ({rise[best]:+.2f} {spans[best]})"
     return text + (f"; {worst} {end[worst]:.2f} ({rise[worst]:+.2f})" if worst != best else "")
 
 

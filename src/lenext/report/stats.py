@@ -130,9 +130,8 @@ class Table:
         fewer than two seeds (or a diverged seed)."""
         cell = self.cell(label, length)
         column = self.cells.xs(length, level="length")
-        return bool(cell is not None and cell.status == "ok" and not cell.best and column.best.any()) and bool(
-            pd.isna(cell.separable)
-        )
+        measured = cell is not None and cell.status == "ok" and pd.notna(cell["mean"])  # NaN: a diverged seed
+        return bool(measured and not cell.best and column.best.any() and pd.isna(cell.separable))
 
 
 def summarize(frame: pd.DataFrame) -> dict[TableKey, Table]:
@@ -181,10 +180,12 @@ def _table(key: TableKey, records: pd.DataFrame) -> Table:
     cells = cells.drop(columns=["recorded", "measured", "valued"])
     metric = METRICS[key.metric]
     ranked = ranked_table(key, records)
+    measured = cells[cells.status == "ok"]["mean"]  # a diverged seed's NaN included; n/a, "-", not learned not
     best = {
         length: _best(means.droplevel("length"), metric.higher_is_better if ranked else None)
-        for length, means in cells["mean"].groupby(level="length")
+        for length, means in measured.groupby(level="length")
     }
+    best = {length: best.get(length, ()) for length in cells.index.get_level_values("length").unique()}
     cells["best"] = [label in best[length] for label, length in cells.index]
     seeds = counted.set_index([*CELL, "seed"]).value.sort_index()
     cells["separable"] = pd.array(
@@ -210,19 +211,23 @@ def ranked_table(key: TableKey, records: pd.DataFrame) -> bool:
     """Whether a table's rows can be ranked: its metric has a direction, and it is no key-token perplexity of rows
     that picked their own key tokens (no common evaluator: each is below e^max_nll by construction, over a set of
     its own; docs/evaluation.md)."""
-    own_keys = key.protocol == KeyTokens.name and key.metric == "ppl" and records.evaluator.isna().any()
+    evaluators = records.evaluator
+    own_keys = (
+        key.protocol == KeyTokens.name and key.metric == "ppl" and (evaluators.isna().any() or evaluators.nunique() > 1)
+    )
     return METRICS[key.metric].ranked and not own_keys
 
 
 def _best(means: pd.Series, higher_is_better: bool | None) -> tuple[str, ...]:
-    """The labels sharing the best of ``means`` (by label): several where rows tie (a scaling at L_train is the
-    model as trained; accuracies tie at 100%); none when no row has a value, every row ties (nothing is singled
-    out: accuracies all at 0%) or the metric has no direction (``higher_is_better`` None)."""
-    means = means.dropna()
+    """The labels sharing the best of ``means`` (by label, the rows measured: NaN where a seed diverged): several
+    where rows tie (a scaling at L_train is the model as trained; accuracies tie at 100%); none when no row has a
+    value, every measured row ties (nothing is singled out: accuracies all at 0%) or the metric has no direction
+    (``higher_is_better`` None)."""
+    rows, means = len(means), means.dropna()  # a diverged row is measured: it did not tie
     if means.empty or higher_is_better is None:
         return ()
     leaders = tuple(means.index[means == (means.max() if higher_is_better else means.min())])
-    return () if len(leaders) == len(means) > 1 else leaders
+    return () if len(leaders) == rows > 1 else leaders
 
 
 def _separable_from_all(cells: pd.DataFrame, seeds: pd.Series, a: str, leaders: tuple, length: int) -> bool | None:

@@ -65,7 +65,7 @@ def number(value, digits=0) -> str:
 def marks_legend(table: Table) -> str:
     """What a ranked table's marks mean ("" for a metric without a direction), as its Markdown says under the heading
     and its LaTeX in a comment."""
-    fewest, most = seed_range(table)
+    _, most = seed_range(table)
     if not table.ranked or not most:
         return ""
     if most == 1:
@@ -75,7 +75,7 @@ def marks_legend(table: Table) -> str:
         "of both signs)."
         + (
             f" {NOT_TESTED}: not tested (a cell is tested only when it and the best both have >= 2 seeds)."
-            if fewest < 2
+            if any(table.untested(label, length) for label, length in table.cells.index)
             else ""
         )
     )
