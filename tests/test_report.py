@@ -601,3 +601,23 @@ def test_a_report_replaces_an_earlier_reports_files_and_leaves_others(tmp_path, 
         (out / name).write_text("earlier")
     report([str(sweep_dir)], str(out), figures=False)
     assert sorted(os.listdir(out)) == ["notes.txt", "per_position.csv", "table.csv", "table.md", "table.tex"]
+
+
+def test_a_probes_chance_level_comes_from_its_task_and_no_binomial_claim_is_made_on_a_token_share(tmp_path):
+    """Copy's per-token chance is 1 / data.symbols; its rows near it are not said to be "none apart from chance":
+    a share of tokens has more trials than answers, so a binomial over the answers would claim too much."""
+    from lenext.report import figures
+
+    identity = {"data.symbols": 16, "data.pairs": 8, "data.digits": 5}
+    for seed in range(2):
+        rows = [{"protocol": "accuracy", "scaling": None, "length": n, "status": "ok", "exact_match": e,
+                 "token_accuracy": e + 0.02, "answers": 64} for n, e in ((32, 1.0), (64, 0.05))]  # fmt: skip
+        meta = {"pe": {"name": "rope"}, "pe_name": "rope", "train_len": 32, "seed": seed, "task": "copy"}
+        os.makedirs(tmp_path / str(seed), exist_ok=True)
+        with open(tmp_path / str(seed) / "results.json", "w") as f:
+            json.dump({"complete": True, "meta": {**meta, "identity": identity}, "rows": rows}, f)
+    tables = summarize(collect(find_runs([str(tmp_path)])[0]))
+    token = tables[TableKey(32, "accuracy", "token_accuracy", "copy")]
+    assert token.chance == (1 / 16,) and tables[TableKey(32, "accuracy", "exact_match", "copy")].chance == ()
+    takeaway = figures.lengths_takeaway(token, ["rope"])
+    assert takeaway == "at 2x L_train: rope at 7% per-token (chance 6%)"  # 7% over 64 answers: no claim either way
