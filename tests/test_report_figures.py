@@ -3,6 +3,7 @@
 
 from collections import Counter
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -449,8 +450,10 @@ def test_a_per_position_title_names_the_positions_of_the_report_s_own_bins_it_av
 
 def test_a_near_constant_axis_is_kept_at_or_above_the_least_value_its_quantity_takes():
     """Passkey answers at perplexity 1.00 drew an axis from 0.98, a perplexity no model can have."""
-    fig, (flat, floored) = figures.pyplot().subplots(1, 2)
+    fig, (flat, floored, share) = figures.pyplot().subplots(1, 3)
     figures.value_axis(flat, 1.0, 1.0)
-    figures.value_axis(floored, 1.0, 1.0, floor=1.0)
+    figures.value_axis(floored, 1.0, 1.0, bounds=(1.0, np.inf))
+    figures.value_axis(share, 1.0, 1.0, log=False, bounds=(0.0, 1.0))  # a sink mass of 1: not above it
     assert flat.get_ylim() == pytest.approx((0.98, 1.02)) and floored.get_ylim() == pytest.approx((1.0, 1.04))
+    assert share.get_ylim() == pytest.approx((0.96, 1.0))
     figures.pyplot().close(fig)

@@ -626,10 +626,10 @@ def plain_log_values(ax) -> None:
     ax.yaxis.set_minor_formatter(FuncFormatter(minor))
 
 
-def value_axis(ax, low: float, high: float, log: bool = True, floor: float = -np.inf) -> None:
+def value_axis(ax, low: float, high: float, log: bool = True, bounds=(-np.inf, np.inf)) -> None:
     """The y axis for values from ``low`` to ``high``: log with plain labels where they span more than x3 (and
     ``log``), else linear in plain numbers (no offset, no scientific notation), at least 2% of the value tall, so
-    that a near-constant curve reads as constant, and not below ``floor`` (the least value the quantity takes)."""
+    that a near-constant curve reads as constant, and within ``bounds`` (the values the quantity can take)."""
     if log and low > 0 and high / low > 3:
         ax.set_yscale("log")
         plain_log_values(ax)
@@ -637,7 +637,9 @@ def value_axis(ax, low: float, high: float, log: bool = True, floor: float = -np
     middle, span = (low + high) / 2, high - low
     if span < 0.02 * abs(middle):
         span = 0.02 * abs(middle) or 1.0
-        ax.set_ylim(max(middle - span, floor), max(middle - span, floor) + 2 * span)
+        floor, ceiling = bounds
+        bottom = min(max(middle - span, floor), max(ceiling - 2 * span, floor))
+        ax.set_ylim(bottom, min(bottom + 2 * span, ceiling))
     ax.ticklabel_format(axis="y", style="plain", useOffset=False)
 
 
@@ -1047,7 +1049,7 @@ def adaptation(summary: Summary):
                 ax, curve.step, curve["mean"], curve["std"], drawn.names[row], styles[row], METRICS["ppl"].bounds
             )
         values = pd.concat([curve["mean"] for curve in curves.values()])
-        value_axis(ax, float(values.min()), float(values.max()), floor=METRICS["ppl"].bounds[0])
+        value_axis(ax, float(values.min()), float(values.max()), bounds=METRICS["ppl"].bounds)
         ax.set(xlabel="fine-tuning step", ylabel="validation perplexity")
         title(ax, drawn.holds, drawn.takeaway)
         legend_below(ax)
@@ -1248,7 +1250,7 @@ def diagnostics(summary: Summary):
             ax.axhline(0, color="0.45", lw=0.8, zorder=0)
         mark_train_len(ax, train_len)
         length_axis(ax, sorted(data.length.unique()))
-        value_axis(ax, float(data["mean"].min()), float(data["mean"].max()), log=False)  # shares, nats: linear
+        value_axis(ax, float(data["mean"].min()), float(data["mean"].max()), log=False, bounds=bounds)  # linear
         ax.set(xlabel="L_eval (tokens)", ylabel=ylabel)
         title(ax, drawn.holds, drawn.takeaway)
         legend_below(ax)
