@@ -342,11 +342,10 @@ class Run:
         task and the settings it ran with (``Task.chance``; none for a file that does not record them)."""
         if metric == "rank_accuracy":
             return row.get("chance")
-        identity = self.meta.get("identity") or {}
-        if row["protocol"] != ACCURACY or self.task not in TASK_CLASSES or "data.symbols" not in identity:
+        identity, keys = self.meta.get("identity") or {}, ("data.symbols", "data.pairs", "data.digits")
+        if row["protocol"] != ACCURACY or self.task not in TASK_CLASSES or not all(k in identity for k in keys):
             return None
-        settings = (identity["data.symbols"], identity["data.pairs"], identity["data.digits"])
-        return TASK_CLASSES[self.task](*settings).chance(metric)
+        return TASK_CLASSES[self.task](*(identity[k] for k in keys)).chance(metric)
 
     def shown_variant(self, variant: str | None) -> str | None:
         """The variant a row names: None for the PE as trained."""
