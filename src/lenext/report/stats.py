@@ -126,8 +126,8 @@ class Table:
         return self.cells.loc[(label, length)] if (label, length) in self.cells.index else None
 
     def untested(self, label: str, length: int) -> bool:
-        """Whether a cell with a value was not compared with its column's best, which exists: it or the best has
-        fewer than two seeds (or a diverged seed)."""
+        """Whether a cell with a value (not NaN: a diverged seed) was not compared with its column's best, which
+        exists: it or the best has fewer than two seeds."""
         cell = self.cell(label, length)
         column = self.cells.xs(length, level="length")
         measured = cell is not None and cell.status == "ok" and pd.notna(cell["mean"])  # NaN: a diverged seed
