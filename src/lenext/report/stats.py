@@ -92,9 +92,10 @@ class Table:
     """One table's statistics. ``cells``, indexed by (label, length): ``mean``, ``std`` (over seeds; 0 for one
     seed), ``n`` (seeds counted), ``status`` (``ok``, ``not learned`` where no seed learned, else the rows'),
     ``best`` (the column's best, several where they tie; none for a metric without a direction), ``separable``
-    (from each best; null: not tested), ``answers`` (of a share, the answers its seeds gave together; null for
-    perplexity). A cell whose rows are measured but have no value (``NO_VALUE``: no key token at L_train) has no
-    mean.
+    (from each best; null: not tested), ``untested`` (a valued cell not compared with its column's best in a
+    table that tests others: it or the best has one seed), ``answers`` (of a share, the answers its seeds gave
+    together; null for perplexity). A cell whose rows are measured but have no value (``NO_VALUE``: no key token at
+    L_train) has no mean.
     ``seeds``: the values the means count, by (label, length, seed). ``rows``: the labels in the sweep's order,
     with ``train_tokens_per_s`` (mean) and ``eval_peak_mem_mb`` (max). ``not_learned``: the runs below
     ``LEARNED_AT`` at L_train (``row``, ``seed``, ``accuracy_as_trained``). ``chance``: the chance levels its rows
@@ -124,14 +125,6 @@ class Table:
     def cell(self, label: str, length: int) -> pd.Series | None:
         """The statistics of a cell; None where the row has no results at that length."""
         return self.cells.loc[(label, length)] if (label, length) in self.cells.index else None
-
-    def untested(self, label: str, length: int) -> bool:
-        """Whether a cell with a value (not NaN: a diverged seed) was not compared with its column's best, which
-        exists: it or the best has fewer than two seeds."""
-        cell = self.cell(label, length)
-        column = self.cells.xs(length, level="length")
-        measured = cell is not None and cell.status == "ok" and pd.notna(cell["mean"])  # NaN: a diverged seed
-        return bool(measured and not cell.best and column.best.any() and pd.isna(cell.separable))
 
 
 def summarize(frame: pd.DataFrame) -> dict[TableKey, Table]:
@@ -197,6 +190,10 @@ def _table(key: TableKey, records: pd.DataFrame) -> Table:
         ],
         dtype="boolean",
     )
+    # Not compared with its column's best, which exists (it or the best has one seed), in a table that tests others.
+    has_best = cells.best.groupby(level="length").transform("any")
+    valued = (cells.status == "ok") & cells["mean"].notna()  # NaN: a diverged seed
+    cells["untested"] = valued & ~cells.best & has_best & cells.separable.isna().to_numpy() & (cells.n.max() > 1)
     # Grouped sorted, then put in the sweep's order: an unsorted group-by rounds the mean's last bit otherwise.
     speeds = records.drop_duplicates(["label", "run"]).groupby("label").train_tokens_per_s.mean()  # a mean over runs
     rows = records.groupby("label").agg(eval_peak_mem_mb=("peak_mem_mb", "max"))

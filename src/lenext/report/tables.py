@@ -53,7 +53,7 @@ def cell_text(table: Table, label: str, length: int, marks: dict) -> str:
     text = f"{mean:.{metric.digits}f}" + (f" {marks['pm']} {std:.{metric.digits}f}" if cell.n > 1 else "")
     if pd.notna(cell.separable) and not cell.separable:
         text += marks["not_separable"]
-    elif table.untested(label, length) and seed_range(table)[1] > 1:  # one seed everywhere: the heading says so
+    elif cell.untested:
         text += marks["not_tested"]
     return marks["bold"].format(text) if cell.best else text
 
@@ -75,7 +75,7 @@ def marks_legend(table: Table) -> str:
         "of both signs)."
         + (
             f" {NOT_TESTED}: not tested (a cell is tested only when it and the best both have >= 2 seeds)."
-            if any(table.untested(label, length) for label, length in table.cells.index)
+            if table.cells.untested.any()
             else ""
         )
     )
