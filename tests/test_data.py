@@ -89,13 +89,14 @@ def test_document_windows_stay_inside_one_document_and_score_each_token_once():
 
 def test_text_files_corpus_reads_txt_and_jsonl_and_holds_out_round_robin(tmp_path):
     for i in range(8):
-        (tmp_path / f"doc{i}.txt").write_text(f"document number {i} " * 5)
+        (tmp_path / f"doc{i}.txt").write_text(f"document number {i} " * 5, encoding="utf-8-sig" if i == 0 else "utf-8")
     lines = "\n".join(json.dumps({"text": f"line doc {i}"}) for i in range(4))
     (tmp_path / "more.jsonl").write_text(lines, encoding="utf-8-sig")  # a byte order mark before the first line
     corpus = TextFiles(str(tmp_path), holdout_every=4)
     splits = {s: list(corpus.documents(s)) for s in ("train", "validation", "test")}
     assert [len(v) for v in splits.values()] == [6, 3, 3]
     assert sum(splits.values(), []).count("line doc 0") == 1
+    assert sum(splits.values(), []).count("document number 0 " * 5) == 1  # its byte order mark is no text
 
 
 def test_empty_text_folder_is_a_clear_error(tmp_path):

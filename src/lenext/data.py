@@ -180,7 +180,7 @@ class TextFiles(Corpus):
     def _records(self, file: str) -> Iterator[str]:
         """The ``text_field`` of each non-blank line of a .jsonl file."""
         for number, line in _lines(file):
-            line = line.removeprefix("\ufeff") if number == 1 else line  # a byte order mark, as editors save one
+            line = line.removeprefix(BYTE_ORDER_MARK) if number == 1 else line
             if not line.strip():
                 continue
             where = f"data.corpus.path: {file}, line {number}"
@@ -246,6 +246,7 @@ class TextFiles(Corpus):
 
 
 DOCUMENT_FILES = (".txt", ".jsonl", ".parquet")
+BYTE_ORDER_MARK = "\ufeff"  # as editors save one before a file's text: not part of it
 
 
 def _batches(source, column: str, file: str) -> Iterator:
@@ -282,7 +283,7 @@ def _read_text(file: str) -> str:
     with _open(file) as f:
         data = f.read()
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix(BYTE_ORDER_MARK)
     except UnicodeDecodeError as e:
         raise _not_utf8(file, data.count(b"\n", 0, e.start) + 1, e.start, e.reason) from None
 
