@@ -203,6 +203,22 @@ def test_a_damaged_cached_tokenizer_is_refused_naming_it(tmp_path, shard_folder)
         again(tmp_path)
 
 
+def test_a_damaged_tokenizer_pulled_from_the_remote_is_named_there_too(tmp_path, small_shards):
+    """Removing the cache's copy alone would pull the damaged one again."""
+    import fsspec
+
+    remote = memory_remote("tokenizer")
+    write_corpus(tmp_path / "corpus")
+    prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache_a", remote=remote)
+    fs, root = fsspec.core.url_to_fs(remote)
+    (pushed,) = fs.glob(f"{root}/tokenizers/*.json")
+    fs.pipe(pushed, fs.cat(pushed)[:500])
+    cached = tmp_path / "cache_b" / "tokenizers" / os.path.basename(pushed)
+    message = rf"^tokenizer {cached} cannot be read \(.*\); remove it, and from data.remote too \({remote}/tokenizers/"
+    with pytest.raises(DataError, match=message):
+        prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache_b", remote=remote)
+
+
 def test_a_shard_of_another_preparation_is_refused_naming_it(tmp_path, shard_folder):
     other = tmp_path / "other"
     write_corpus(other / "corpus", seed=1)

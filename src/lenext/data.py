@@ -866,8 +866,9 @@ class LMDataModule(L.LightningDataModule):
         try:
             self.tokenizer = for_documents(Tokenizer.from_file(self.tokenizer_path))
         except Exception as e:  # tokenizers' own error: a file damaged after it was written (its writes are atomic)
+            remote = f", and from data.remote too ({self.remote.url}/tokenizers/{key}.json)" if self.remote else ""
             raise DataError(
-                f"tokenizer {self.tokenizer_path} cannot be read ({first_line(e)}); remove it to train it again"
+                f"tokenizer {self.tokenizer_path} cannot be read ({first_line(e)}); remove it{remote} to train it again"
             ) from None
         if _read_if_exists(index) != key:
             write_atomic(index, key)
