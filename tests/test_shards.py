@@ -99,11 +99,27 @@ class Interrupted(Exception):
 def test_a_killed_preparation_resumes_after_its_whole_shards_to_the_same_shards(
     tmp_path, small_shards, caplog, monkeypatch
 ):
+    corpus, folder = killed_preparation(tmp_path, monkeypatch)
+    kept = {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*.arrow")}
+    assert len(kept) >= 2 and not list(folder.glob(".*.tmp")) and not (folder / "manifest.json").exists()
+    caplog.set_level("INFO", logger="lenext")
+    resumed = prepared(corpus, tmp_path / "cache")
+    assert "resumed after" in caplog.text
+    assert all((folder / name).stat().st_mtime_ns == mtime for name, mtime in kept.items())  # not rewritten
+    assert not (folder / ".progress.json").exists()  # the manifest took its place
+    fresh = prepared(corpus, tmp_path / "fresh")
+    for split in SPLITS:
+        for a, b in zip(resumed.documents(split), fresh.documents(split), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def killed_preparation(tmp_path, monkeypatch) -> tuple[TextFiles, "os.PathLike"]:
+    """A corpus whose preparation stopped mid-shard after 20 training documents, and its train folder."""
     write_corpus(tmp_path / "corpus")
     corpus = TextFiles(str(tmp_path / "corpus"), holdout_every=4)
     encode = LMDataModule._encode
 
-    def killed(self, documents, held_out):  # the run stops mid-shard, after 20 training documents
+    def killed(self, documents, held_out):
         for i, document in enumerate(encode(self, documents, held_out)):
             if i == 20 and not held_out:
                 raise Interrupted
@@ -113,17 +129,19 @@ def test_a_killed_preparation_resumes_after_its_whole_shards_to_the_same_shards(
     with pytest.raises(Interrupted):
         prepared(corpus, tmp_path / "cache")
     monkeypatch.setattr(LMDataModule, "_encode", encode)
-    folder = next((tmp_path / "cache" / "shards").iterdir()) / "train"
-    kept = {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*.arrow")}
-    assert len(kept) >= 2 and not list(folder.glob(".*.tmp")) and not (folder / "manifest.json").exists()
-    caplog.set_level("INFO", logger="lenext")
-    resumed = prepared(corpus, tmp_path / "cache")
-    assert "resumed after" in caplog.text
-    assert all((folder / name).stat().st_mtime_ns == mtime for name, mtime in kept.items())  # not rewritten
-    fresh = prepared(corpus, tmp_path / "fresh")
-    for split in SPLITS:
-        for a, b in zip(resumed.documents(split), fresh.documents(split), strict=True):
-            np.testing.assert_array_equal(a, b)
+    return corpus, next((tmp_path / "cache" / "shards").iterdir()) / "train"
+
+
+def test_a_shard_changed_before_its_preparation_resumes_is_refused(tmp_path, small_shards, monkeypatch):
+    """Its checksum is listed as it is written, not only once the manifest is."""
+    corpus, folder = killed_preparation(tmp_path, monkeypatch)
+    shard = folder / "shard-00000.arrow"
+    data = bytearray(shard.read_bytes())
+    tokens = pa.ipc.open_stream(bytes(data)).read_all().column("ids")[0].values.to_numpy()[:8].tobytes()
+    data[data.index(tokens)] ^= 1  # a token of its first document: still a readable shard
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=rf"^token shard {shard} has changed since it was prepared"):
+        prepared(corpus, tmp_path / "cache")
 
 
 def test_a_preparation_killed_by_sigkill_resumes(tmp_path, small_text_corpus):

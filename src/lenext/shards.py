@@ -1,11 +1,12 @@
 """Token shards: a split of a corpus tokenized once into Arrow files on disk and read back memory-mapped.
 
 A split's folder holds ``shard-00000.arrow``, ``shard-00001.arrow``, ... and, once every document is in, a
-``manifest.json``. A shard is an Arrow IPC stream of whole documents, one row each (``ids``: the document's tokens;
-held-out splits also ``byte_ends``), closed at the first document boundary past ``SHARD_TOKENS`` tokens. Each shard
-is written aside and renamed into place, and its schema names the preparation it belongs to (``key``): a killed
-preparation resumes after its last whole shard, and a shard of another preparation, one that cannot be read, or
-one whose bytes differ from the checksum the manifest lists (xxh3-128), is refused naming its file.
+``manifest.json`` (until then ``.progress.json`` lists the shards written so far, as the manifest will). A shard is an
+Arrow IPC stream of whole documents, one row each (``ids``: the document's tokens; held-out splits also
+``byte_ends``), closed at the first document boundary past ``SHARD_TOKENS`` tokens. Each shard is written aside and
+renamed into place, and its schema names the preparation it belongs to (``key``): a killed preparation resumes after
+its last whole shard, and a shard of another preparation, one that cannot be read, or one whose bytes differ from the
+checksum its listing gives (xxh3-128), is refused naming its file.
 
 Shards are read memory-mapped with pyarrow's IPC reader (as Hugging Face ``datasets`` reads its own Arrow cache): a
 document is a zero-copy numpy view of the mapped file, so memory holds the pages being read, not the corpus.
@@ -30,6 +31,7 @@ from lenext.files import atomic_path, fsync, write_atomic
 SHARD_TOKENS = 1 << 24  # tokens per shard (32 MiB of uint16): small enough to rewrite after a kill
 FORMAT = 1  # bumped when the layout changes, so an older folder is refused rather than misread
 MANIFEST = "manifest.json"
+PROGRESS = ".progress.json"  # the manifest so far of a preparation under way: a dot file, never pushed to a remote
 CHECKSUM = "xxh3_128"  # each shard's, in the manifest: bytes changed after preparation are refused
 
 
@@ -65,18 +67,16 @@ class SplitWriter:
                     writer.write(rows)
                     rows = []
                 if tokens >= SHARD_TOKENS:
-                    writer.close()
+                    self._close(writer)
                     writer, tokens = None, 0
             if rows:
                 writer = writer or self._open()
                 writer.write(rows)
             if writer:
-                writer.close()
-            shards = [
-                {"file": os.path.basename(p), "documents": d, "tokens": t, CHECKSUM: c} for p, d, t, c in self.done
-            ]
-            manifest = {"format": FORMAT, "key": self.key, "shards": shards}
-            write_atomic(os.path.join(self.folder, MANIFEST), json.dumps(manifest, indent=1) + "\n")
+                self._close(writer)
+            self._list(MANIFEST)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.folder, PROGRESS))
         except BaseException as e:
             if writer:
                 writer.abandon()
@@ -86,6 +86,18 @@ class SplitWriter:
 
     def _open(self) -> "_ShardFile":
         return _ShardFile(os.path.join(self.folder, shard_names(len(self.done) + 1)[-1]), self.schema, self.done)
+
+    def _close(self, writer: "_ShardFile") -> None:
+        writer.close()
+        self._list(PROGRESS)  # a shard changed before the preparation resumes is then refused, as after it
+
+    def _list(self, name: str) -> None:
+        """The shards written so far, into the manifest or the progress file ``name``."""
+        shards = [{"file": os.path.basename(p), "documents": d, "tokens": t, CHECKSUM: c} for p, d, t, c in self.done]
+        write_atomic(
+            os.path.join(self.folder, name),
+            json.dumps({"format": FORMAT, "key": self.key, "shards": shards}, indent=1) + "\n",
+        )
 
 
 class _ShardFile:
@@ -142,16 +154,24 @@ def shard_names(count: int) -> list[str]:
 
 
 def completed_shards(folder: str, key: str) -> list[tuple[str, int, int, str]]:
-    """(path, documents, tokens, checksum) of each shard already in ``folder``, in order, each read and checked."""
+    """(path, documents, tokens, checksum) of each shard already in ``folder``, in order, each read and checked:
+    against the progress file where it lists the shard (a kill between a shard's rename and the file's update leaves
+    the last one unlisted)."""
     names = sorted(n for n in os.listdir(folder) if n.startswith("shard-") and n.endswith(".arrow"))
     for expected, name in zip(shard_names(len(names)), names, strict=True):
         if name != expected:
             raise DataError(f"token shards in {folder}: {expected} is missing; {_REMOVE.format(folder)}")
+    listed = {shard["file"]: shard for shard in _listing(os.path.join(folder, PROGRESS), key) or []}
     done = []
     for name in names:
         path = os.path.join(folder, name)
-        table = read_shard(path, key)
-        done.append((path, table.num_rows, _tokens(table), file_checksum(path)))
+        if name in listed:
+            shard = listed[name]
+            check_shard(folder, shard, key)
+            done.append((path, shard["documents"], shard["tokens"], shard.get(CHECKSUM) or file_checksum(path)))
+        else:
+            table = read_shard(path, key)
+            done.append((path, table.num_rows, _tokens(table), file_checksum(path)))
     return done
 
 
@@ -219,20 +239,9 @@ def _tokens(table: pa.Table) -> int:
 def open_split(folder: str, key: str) -> "Split | None":
     """The split prepared in ``folder`` (every shard checked against the manifest), or None if it is not complete."""
     path = os.path.join(folder, MANIFEST)
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
+    shards = _listing(path, key)
+    if shards is None:
         return None
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path} cannot be read ({e}); {_REMOVE.format(folder)}") from None
-    shards = manifest.get("shards") if isinstance(manifest, dict) else None
-    entry = {"file": str, "documents": int, "tokens": int}
-    listed = isinstance(shards, list) and all(
-        isinstance(s, dict) and all(isinstance(s.get(k), kind) for k, kind in entry.items()) for s in shards
-    )
-    if not listed or manifest.get("key") != key or manifest.get("format") != FORMAT:
-        raise DataError(f"{path} is not the manifest of {key} (format {FORMAT}); {_REMOVE.format(folder)}")
     listed_files = [shard["file"] for shard in shards]
     on_disk = sorted(n for n in os.listdir(folder) if n.startswith("shard-") and n.endswith(".arrow"))
     if listed_files != shard_names(len(shards)) or on_disk != listed_files:  # a shard dropped, repeated or added
@@ -245,18 +254,41 @@ def open_split(folder: str, key: str) -> "Split | None":
             f"{folder} holds {len(on_disk)}{which}: they must be shard-00000.arrow, shard-00001.arrow, ... in order, "
             f"each once; {_REMOVE.format(folder)}"
         )
-    tables = []
-    for shard in manifest["shards"]:
-        shard_path = os.path.join(folder, shard["file"])
-        table = read_shard(shard_path, key, shard.get(CHECKSUM))  # manifests before checksums were kept have none
-        if (table.num_rows, _tokens(table)) != (shard["documents"], shard["tokens"]):
-            raise DataError(
-                f"token shard {os.path.join(folder, shard['file'])} holds {table.num_rows} documents and "
-                f"{_tokens(table)} tokens, its manifest {shard['documents']} and {shard['tokens']}; "
-                + _REMOVE.format(folder)
-            )
-        tables.append(table)
-    return Split([os.path.join(folder, s["file"]) for s in manifest["shards"]], key, tables)
+    tables = [check_shard(folder, shard, key) for shard in shards]
+    return Split([os.path.join(folder, s["file"]) for s in shards], key, tables)
+
+
+def _listing(path: str, key: str) -> list[dict] | None:
+    """The shards a manifest (or progress file) at ``path`` lists; None if there is none."""
+    try:
+        with open(path) as f:
+            listing = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path} cannot be read ({e}); {_REMOVE.format(os.path.dirname(path))}") from None
+    shards = listing.get("shards") if isinstance(listing, dict) else None
+    entry = {"file": str, "documents": int, "tokens": int}
+    listed = isinstance(shards, list) and all(
+        isinstance(s, dict) and all(isinstance(s.get(k), kind) for k, kind in entry.items()) for s in shards
+    )
+    if not listed or listing.get("key") != key or listing.get("format") != FORMAT:
+        raise DataError(
+            f"{path} is not the manifest of {key} (format {FORMAT}); {_REMOVE.format(os.path.dirname(path))}"
+        )
+    return shards
+
+
+def check_shard(folder: str, shard: dict, key: str) -> pa.Table:
+    """The shard a manifest lists as ``shard``, checked against its checksum, documents and tokens there."""
+    path = os.path.join(folder, shard["file"])
+    table = read_shard(path, key, shard.get(CHECKSUM))  # manifests before checksums were kept have none
+    if (table.num_rows, _tokens(table)) != (shard["documents"], shard["tokens"]):
+        raise DataError(
+            f"token shard {path} holds {table.num_rows} documents and {_tokens(table)} tokens, its manifest "
+            f"{shard['documents']} and {shard['tokens']}; {_REMOVE.format(folder)}"
+        )
+    return table
 
 
 class Split:
