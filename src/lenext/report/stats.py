@@ -107,7 +107,11 @@ class Table:
     rows: pd.DataFrame
     not_learned: pd.DataFrame
     chance: tuple[float, ...] = ()
-    ranked: bool = True  # a best can be named (``ranked_table``)
+    unranked: str = ""  # why no best is named, "" where one is (``unranked_because``)
+
+    @property
+    def ranked(self) -> bool:
+        return not self.unranked
 
     @property
     def index(self) -> pd.Index:
@@ -172,10 +176,10 @@ def _table(key: TableKey, records: pd.DataFrame) -> Table:
     )
     cells = cells.drop(columns=["recorded", "measured", "valued"])
     metric = METRICS[key.metric]
-    ranked = ranked_table(key, records)
+    unranked = unranked_because(key, records)
     measured = cells[cells.status == "ok"]["mean"]  # a diverged seed's NaN included; n/a, "-", not learned not
     best = {
-        length: _best(means.droplevel("length"), metric.higher_is_better if ranked else None)
+        length: _best(means.droplevel("length"), None if unranked else metric.higher_is_better)
         for length, means in measured.groupby(level="length")
     }
     best = {length: best.get(length, ()) for length in cells.index.get_level_values("length").unique()}
@@ -201,18 +205,20 @@ def _table(key: TableKey, records: pd.DataFrame) -> Table:
     not_learned = records[records.accuracy_as_trained < LEARNED_AT].drop_duplicates("run")
     not_learned = not_learned.assign(at=not_learned.own_train_len.astype(int))  # where accuracy_as_trained is
     chance = tuple(float(c) for c in records.chance.dropna().unique())
-    return Table(key, cells, seeds, rows, not_learned[["row", "seed", "accuracy_as_trained", "at"]], chance, ranked)
+    not_learned = not_learned[["row", "seed", "accuracy_as_trained", "at"]]
+    return Table(key, cells, seeds, rows, not_learned, chance, unranked)
 
 
-def ranked_table(key: TableKey, records: pd.DataFrame) -> bool:
-    """Whether a table's rows can be ranked: its metric has a direction, and it is no key-token perplexity of rows
-    that picked their own key tokens (no common evaluator: each is below e^max_nll by construction, over a set of
-    its own; docs/evaluation.md)."""
+def unranked_because(key: TableKey, records: pd.DataFrame) -> str:
+    """Why a table's rows cannot be ranked, as its heading says it ("" where they can): its metric has no direction,
+    or it is a key-token perplexity of rows that picked their own key tokens (no common evaluator: each is below
+    e^max_nll by construction, over a set of its own; docs/evaluation.md)."""
+    if not METRICS[key.metric].ranked:
+        return "describes the rows"
     evaluators = records.evaluator
-    own_keys = (
-        key.protocol == KeyTokens.name and key.metric == "ppl" and (evaluators.isna().any() or evaluators.nunique() > 1)
-    )
-    return METRICS[key.metric].ranked and not own_keys
+    if key.protocol == KeyTokens.name and key.metric == "ppl" and (evaluators.isna().any() or evaluators.nunique() > 1):
+        return "each row over key tokens of its own choosing (no common eval.key_evaluator)"
+    return ""
 
 
 def _best(means: pd.Series, higher_is_better: bool | None) -> tuple[str, ...]:

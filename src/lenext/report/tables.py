@@ -31,9 +31,7 @@ def what_a_table_shows(table: Table, seeds: str) -> str:
     direction)."""
     metric = table.metric
     chance = "".join(f", chance {c * metric.scale:.{metric.digits}f}%" for c in table.chance)
-    marked = "best per column in bold" if table.ranked else "describes the rows, no best marked"
-    if metric.ranked and not table.ranked:
-        marked = "each row over key tokens of its own choosing (no common eval.key_evaluator): no best marked"
+    marked = f"{table.unranked}: no best marked" if table.unranked else "best per column in bold"
     if not seeds:  # every cell without a value (no key token at any length)
         return f"{metric.name}{chance}: no value at any length"
     return f"{metric.name}{chance}, mean +- std over {seeds}; {marked}"
