@@ -621,3 +621,29 @@ def test_a_probes_chance_level_comes_from_its_task_and_no_binomial_claim_is_made
     assert token.chance == (1 / 16,) and tables[TableKey(32, "accuracy", "exact_match", "copy")].chance == ()
     takeaway = figures.lengths_takeaway(token, ["rope"])
     assert takeaway == "at 2x L_train: rope at 7% per-token (chance 6%)"  # 7% over 64 answers: no claim either way
+
+
+def test_a_probe_with_one_token_per_answer_tables_its_exact_match_alone(tmp_path):
+    """Recall (a value per answer) and a one-digit passkey: per-token accuracy is the exact match, so it is neither
+    tabled nor drawn twice, and table.md says so; a two-digit passkey keeps both."""
+    for task, digits in (("recall", 5), ("passkey", 1), ("passkey", 2)):
+        identity = {"data.symbols": 16, "data.pairs": 4, "data.digits": digits}
+        token = 0.5 if task == "recall" or digits == 1 else 0.7
+        rows = [{"protocol": "accuracy", "scaling": None, "length": n, "status": "ok", "exact_match": 0.5,
+                 "token_accuracy": token, "answers": 64} for n in (32, 64)]  # fmt: skip
+        meta = {"pe": {"name": "rope"}, "pe_name": "rope", "train_len": 32, "seed": 0, "task": task}
+        folder = tmp_path / "runs" / f"{task}{digits}"
+        os.makedirs(folder)
+        with open(folder / "results.json", "w") as f:
+            json.dump({"complete": True, "meta": {**meta, "identity": identity}, "rows": rows}, f)
+    markdown = report([str(tmp_path / "runs")], str(tmp_path / "out"), figures=False)
+    headings = [line for line in markdown.splitlines() if line.startswith("### ")]
+    assert [(h.split(",")[0], "per-token" in h) for h in headings] == [
+        ("### passkey", False),  # both passkeys
+        ("### passkey", True),  # the two-digit one alone
+        ("### recall", False),
+    ]
+    assert (
+        "passkey (data.digits=1); recall (data.pairs=4, data.symbols=16): one token per answer, so per-token "
+        "accuracy is the exact match: not shown twice." in markdown
+    )

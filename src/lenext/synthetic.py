@@ -97,6 +97,11 @@ class Task:
         length; None where it is about 0 (a whole string guessed) or no guess defines it."""
         raise NotImplementedError
 
+    @property
+    def answer_tokens(self) -> int | None:
+        """The tokens of each answer (None: they vary with the length). With one, per-token accuracy is exact match."""
+        raise NotImplementedError
+
     def symbols_of(self, count: int, gen: torch.Generator) -> list[int]:
         return [SPECIALS + s for s in torch.randint(self.symbols, (count,), generator=gen).tolist()]
 
@@ -118,6 +123,10 @@ class Copy(Task):
 
     def chance(self, metric: str) -> float | None:
         return 1 / self.symbols if metric == "token_accuracy" else None  # a string of m symbols: 1 / symbols^m
+
+    @property
+    def answer_tokens(self) -> int | None:
+        return None  # half the sequence
 
 
 class Recall(Task):
@@ -146,6 +155,10 @@ class Recall(Task):
         # what that scores depends on how it guesses among the values left (docs/probes.md), not one level.
         return None
 
+    @property
+    def answer_tokens(self) -> int | None:
+        return 1  # a value
+
 
 class Passkey(Task):
     name = "passkey"
@@ -166,6 +179,10 @@ class Passkey(Task):
     def chance(self, metric: str) -> float | None:
         whole = 0.1**self.digits  # all digits; below 0.1% (4 digits or more) about 0, as a heading shows it
         return 0.1 if metric == "token_accuracy" else (whole if whole >= 1e-3 else None)
+
+    @property
+    def answer_tokens(self) -> int | None:
+        return self.digits
 
 
 TASK_CLASSES = {task.name: task for task in (Copy, Recall, Passkey)}

@@ -27,7 +27,7 @@ from lenext.pe.rope import redundant_variants
 from lenext.protocols import ACCURACY, METRICS_OF, PROTOCOLS
 from lenext.results import ERROR_FILE, POSITIONS_FILE, RESULTS_FILE, not_lenext_results
 from lenext.spec import METHOD_NAMES, STAGE_MARK, Row, first_stage_row
-from lenext.synthetic import TASK_CLASSES
+from lenext.synthetic import TASK_CLASSES, Task
 from lenext.temperature import TEMPERATURE
 
 LEARNED_AT = 0.9  # a probe run below this exact match at its own training length did not learn its task there
@@ -337,15 +337,26 @@ class Run:
         did not is kept out of every mean beyond L_train: what it does there measures nothing."""
         return self.accuracy_as_trained is None or self.accuracy_as_trained >= LEARNED_AT
 
+    @property
+    def probe(self) -> Task | None:
+        """A probe's task with the settings it ran with; None for text, or a file that does not record them."""
+        identity, keys = self.meta.get("identity") or {}, ("data.symbols", "data.pairs", "data.digits")
+        if self.task not in TASK_CLASSES or not all(k in identity for k in keys):
+            return None
+        return TASK_CLASSES[self.task](*(identity[k] for k in keys))
+
+    def metrics(self, protocol: str) -> tuple[str, ...]:
+        """The metrics tabled of its ``protocol``'s rows (``metrics_of``), less a probe's per-token accuracy where
+        each answer is one token: it is the exact match then."""
+        one_token = protocol == ACCURACY and self.probe is not None and self.probe.answer_tokens == 1
+        return tuple(m for m in metrics_of(protocol) if not (one_token and m == "token_accuracy"))
+
     def chance(self, metric: str, row: dict) -> float | None:
         """``metric``'s chance level on ``row``: a haystack row records its rank accuracy's; a probe's comes from its
-        task and the settings it ran with (``Task.chance``; none for a file that does not record them)."""
+        task and the settings it ran with (``Task.chance``)."""
         if metric == "rank_accuracy":
             return row.get("chance")
-        identity, keys = self.meta.get("identity") or {}, ("data.symbols", "data.pairs", "data.digits")
-        if row["protocol"] != ACCURACY or self.task not in TASK_CLASSES or not all(k in identity for k in keys):
-            return None
-        return TASK_CLASSES[self.task](*(identity[k] for k in keys)).chance(metric)
+        return self.probe.chance(metric) if row["protocol"] == ACCURACY and self.probe else None
 
     def shown_variant(self, variant: str | None) -> str | None:
         """The variant a row names: None for the PE as trained."""
@@ -499,8 +510,9 @@ FLOAT_COLUMNS = (
 
 def tidy(runs: list[Run]) -> pd.DataFrame:
     """One record per (run, row, metric), in the order found (the sweep's): a row's metrics are those its protocol
-    declares (``metrics_of``: ``ppl`` for perplexity, ``ppl`` and ``key_share`` for key tokens, ``rank_accuracy``
-    and ``exact_match`` for the haystack protocols, ``exact_match`` and ``token_accuracy`` for a probe's rows),
+    declares (``Run.metrics``: ``ppl`` for perplexity, ``ppl`` and ``key_share`` for key tokens, ``rank_accuracy``
+    and ``exact_match`` for the haystack protocols, ``exact_match`` and ``token_accuracy`` for a probe's rows, the
+    latter only where an answer has several tokens),
     depth rows included (passkey's, the haystack protocols'), with their ``depth``; ``value`` null where the row
     has none (no key token at L_train), its status then ``NO_VALUE``; NaN where the run measured NaN (diverged).
 
@@ -518,7 +530,7 @@ def tidy(runs: list[Run]) -> pd.DataFrame:
     for run in runs:
         fields, meta = run.fields, run.meta
         for row in run.rows:
-            for metric in metrics_of(row["protocol"]):
+            for metric in run.metrics(row["protocol"]):
                 records.append(
                     {
                         "run": run.folder,
@@ -584,6 +596,13 @@ class Loaded:
     def evaluation_machines(self) -> Counter:
         """The machines that evaluated models lenext did not train (``eval.py hf=``), with their number of runs."""
         return Counter(run.machine for run in self.runs if run.machine and run.evaluated_only)
+
+    @property
+    def one_token_tasks(self) -> list[str]:
+        """The probes whose answers are one token each, with their settings (``Task.describe``): their per-token
+        accuracy is not tabled (``Run.metrics``)."""
+        probes = [run.probe for run in self.runs]
+        return list(dict.fromkeys(probe.describe() for probe in probes if probe and probe.answer_tokens == 1))
 
     @property
     def merged_variants(self) -> list[str]:

@@ -138,6 +138,14 @@ def untempered_note(labels: tuple[str, ...]) -> str:
     )
 
 
+def one_token_note(tasks: list[str]) -> str:
+    """One line naming the probes whose per-token accuracy is not tabled: one token per answer makes it the exact
+    match."""
+    if not tasks:
+        return ""
+    return f"{'; '.join(tasks)}: one token per answer, so per-token accuracy is the exact match: not shown twice.\n\n"
+
+
 def _listed(counts: dict[str, int]) -> str:
     return "; ".join(f"{name} ({n} run{'s' if n != 1 else ''})" for name, n in counts.items())
 
@@ -165,6 +173,7 @@ def report_markdown(tables: dict[TableKey, Table], loaded: Loaded) -> str:
         + "\n"
         + same_as_note(loaded.merged_variants)
         + untempered_note(loaded.untempered)
+        + one_token_note(loaded.one_token_tasks)
         + hardware_note(loaded.machines, loaded.evaluation_machines)
     )
     if loaded.incomplete:
