@@ -224,13 +224,13 @@ def unranked_because(key: TableKey, records: pd.DataFrame) -> str:
 def _best(means: pd.Series, higher_is_better: bool | None) -> tuple[str, ...]:
     """The labels sharing the best of ``means`` (by label, the rows measured: NaN where a seed diverged): several
     where rows tie (a scaling at L_train is the model as trained; accuracies tie at 100%); none when no row has a
-    value, every measured row ties (nothing is singled out: accuracies all at 0%) or the metric has no direction
-    (``higher_is_better`` None)."""
+    value, every measured row ties (nothing is singled out: accuracies all at 0%, or one row alone) or the metric
+    has no direction (``higher_is_better`` None)."""
     rows, means = len(means), means.dropna()  # a diverged row is measured: it did not tie
     if means.empty or higher_is_better is None:
         return ()
     leaders = tuple(means.index[means == (means.max() if higher_is_better else means.min())])
-    return () if len(leaders) == rows > 1 else leaders
+    return () if len(leaders) == rows else leaders
 
 
 def _separable_from_all(cells: pd.DataFrame, seeds: pd.Series, a: str, leaders: tuple, length: int) -> bool | None:
