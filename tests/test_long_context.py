@@ -1,6 +1,7 @@
 """Key-token perplexity and natural-haystack retrieval (lenext.protocols, lenext.haystack) against their definitions
 computed here independently: a plain per-target loop in float64, and oracles whose retrieval is known."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -383,3 +384,41 @@ def test_bf16_autocast_measures_what_fp32_does(protocol, sotu_data):
     assert fp32["tokens"] > 0 and bf16["mean_nll"] == pytest.approx(fp32["mean_nll"], rel=0.02)
     if protocol == "key_tokens":  # a gain near 0 may cross the threshold under bf16: the share moves a little
         assert bf16["key_share"] == pytest.approx(fp32["key_share"], abs=0.1)
+
+
+def test_a_row_holds_its_protocols_parameters_and_row_fields_alone_so_a_parameter_never_overwrites_a_measure(
+    sotu_data,
+):
+    """Every registered protocol swept (and the temperature variant): each row's keys are ``ROW_FIELDS`` and its
+    protocol's parameters, given as set. A protocol with a parameter named as a row field is refused when registered:
+    its value would overwrite the measure, and the report would drop the field from every other protocol's rows."""
+    net = tiny_net(vocab=sotu_data.vocab_size, train_len=32)
+    evaluation = sotu_data.evaluation("validation")
+    settings = eval_cfg(
+        protocol=list(PROTOCOLS),
+        lengths=[32, 160],
+        variants=["none", "temperature"],
+        haystack_samples=1,
+        haystack_candidates=2,
+        max_windows=2,
+        stride=8,
+        key_context=16,
+    )
+    plan = sweep_plan(settings, 32, None, evaluation.protocols)
+    rows, _ = sweep(net, evaluation, plan, settings)
+    assert {row["protocol"] for row in rows} == set(PROTOCOLS)
+    for row in rows:
+        parameters = PROTOCOLS[row["protocol"]].from_plan(plan).parameters()
+        assert set(row) - set(parameters) <= protocols.ROW_FIELDS, row["protocol"]
+        assert {key: row[key] for key in parameters} == parameters
+
+    @dataclasses.dataclass(frozen=True)
+    class Clashing(protocols.NonOverlapping):
+        name = "clashing"
+        tokens: int = 8
+
+        def parameters(self) -> dict:
+            return {"tokens": self.tokens}
+
+    with pytest.raises(TypeError, match=r"protocol clashing: its parameters \['tokens'\] are names a results row"):
+        protocols.registry(protocols.NonOverlapping, Clashing)

@@ -384,20 +384,41 @@ class Answers:
         return cap_windows(windows, max_windows)
 
 
-PROTOCOLS: dict[str, type[TextProtocol]] = {
-    p.name: p
-    for p in (
-        NonOverlapping,
-        Sliding,
-        LastK,
-        KeyTokens,
-        NeedleSingle,
-        NeedleMultiKey,
-        NeedleMultiValue,
-        NeedleMultiQuery,
-        VariableTracking,
-    )
-}
+# What a results row measures or names besides its protocol's parameters. A parameter of one of these names would
+# overwrite the measurement (or, since the report drops any protocol's parameter from the other protocols' rows,
+# remove it from every row): ``registry`` refuses it.
+ROW_FIELDS = frozenset(
+    {
+        *("protocol", "variant", "length", "length_factor", "variant_factor", "temperature_c"),
+        *("temperature_fitted_on", "status", "reason", "windows", "tokens", "seconds", "peak_mem_mb", "depth"),
+        *("ppl", "mean_nll", "bytes", "bits_per_byte", "all_ppl", "key_share", "answers", "chance"),
+        *("exact_match", "token_accuracy", "rank_accuracy"),
+    }
+)
+
+
+def registry(*protocols: type[TextProtocol]) -> dict[str, type[TextProtocol]]:
+    """The protocols by name; a TypeError for one whose parameters take a name a row uses (``ROW_FIELDS``)."""
+    for protocol in protocols:
+        if clash := sorted(set(protocol().parameters()) & ROW_FIELDS):
+            raise TypeError(
+                f"protocol {protocol.name}: its parameters {clash} are names a results row uses for what it measures "
+                "(lenext.protocols.ROW_FIELDS); name them otherwise"
+            )
+    return {protocol.name: protocol for protocol in protocols}
+
+
+PROTOCOLS: dict[str, type[TextProtocol]] = registry(
+    NonOverlapping,
+    Sliding,
+    LastK,
+    KeyTokens,
+    NeedleSingle,
+    NeedleMultiKey,
+    NeedleMultiValue,
+    NeedleMultiQuery,
+    VariableTracking,
+)
 PROTOCOL_NAMES = (*PROTOCOLS, ACCURACY)
 METRICS_OF = {name: protocol.metrics for name, protocol in (*PROTOCOLS.items(), (ACCURACY, Answers))}
 
