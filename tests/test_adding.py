@@ -84,6 +84,10 @@ def test_the_example_pe_is_its_formula_on_both_paths():
     keyed = causal_attention(q, k, v, pe.layer(0).terms(None, q, k, positions))
     assert_close(keyed.double(), expected, atol=1e-5, rtol=1e-5)
     assert_close(eager_flex(q, k, v, pe.score_mod(q, positions, 0)).double(), expected, atol=1e-5, rtol=1e-5)
+    q, k, v = q.double(), k.double(), v.double()  # a float64 model, the oracles' reference: float64 throughout
+    assert_close(
+        causal_attention(q, k, v, pe.double().layer(0).terms(None, q, k, positions)), expected, atol=1e-12, rtol=1e-12
+    )
     node = {"_target_": "tests.examples.fixed_slope.FixedSlope", "_partial_": True, "slope": -1.0}
     with pytest.raises(ConfigError, match=r"^pe.slope=-1.0 is invalid: it must be"):
         schema.check(OmegaConf.create({"pe": node}), None, {})

@@ -19,7 +19,7 @@ class FixedSlope(PositionalEncoding):
     def key_bias(self, positions, layer):
         # -slope (i - j) = slope (j - last) - slope (i - last): the second term is constant along a row and
         # softmax ignores it, so a bias of the key alone is exact and keeps SDPA's fused kernel.
-        keys = (positions - positions[:, -1:]).float()  # (B or 1, K), fp32 also under bf16
+        keys = (positions - positions[:, -1:]).to(self.bias_dtype)  # (B or 1, K): fp32 under bf16, float64 in float64
         return (self.slope * keys)[:, None, None, :].expand(-1, self.shape.n_heads, -1, -1)  # (B or 1, H, 1, K)
 
     def score_mod(self, q, positions, layer):

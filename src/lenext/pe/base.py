@@ -203,6 +203,13 @@ class PositionalEncoding(nn.Module):
     def __init__(self, shape: AttentionShape):
         super().__init__()
         self.shape = shape
+        # Empty, so free: it follows the module's dtype (``.double()``) for a PE without parameters (``bias_dtype``).
+        self.register_buffer("_dtype", torch.empty(0), persistent=False)
+
+    @property
+    def bias_dtype(self) -> torch.dtype:
+        """The dtype a score bias is computed in: fp32 (under bf16 too), float64 in a float64 model (the oracles')."""
+        return torch.float64 if self._dtype.dtype == torch.float64 else torch.float32
 
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: (B, L, d_model) token embeddings -> same shape with position information."""
