@@ -88,6 +88,7 @@ def test_the_example_pe_is_its_formula_on_both_paths():
     assert_close(
         causal_attention(q, k, v, pe.double().layer(0).terms(None, q, k, positions)), expected, atol=1e-12, rtol=1e-12
     )
+    assert pe.describe() == {"name": "FixedSlope", "slope": 0.3}  # in results files and the run's first log line
     node = {"_target_": "tests.examples.fixed_slope.FixedSlope", "_partial_": True, "slope": -1.0}
     with pytest.raises(ConfigError, match=r"^pe.slope=-1.0 is invalid: it must be"):
         schema.check(OmegaConf.create({"pe": node}), None, {})

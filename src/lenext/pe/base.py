@@ -305,8 +305,8 @@ class PositionalEncoding(nn.Module):
         return {**trained, **changes}
 
     def describe(self) -> dict:
-        """Parameters that identify this PE in results files."""
-        return {"name": type(self).__name__}
+        """What identifies this PE in results files and the run's first log line: its class and settings."""
+        return {"name": type(self).__name__, **self.hyperparameters()}
 
     def hyperparameters(self) -> dict:
         """The constructor's settings as this PE resolved them (each default derived from the model or L_train
