@@ -4,7 +4,9 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
+import lenext.configs
 import pytest
 import torch
 
@@ -18,6 +20,8 @@ def test_unknown_pe_lists_the_available_ones(tmp_path):
     assert result.stderr.startswith("error: pe=nonsense is not one of the pe configs; they are: alibi,")
     for name in ("alibi", "rope", "shaw", "t5", "nope"):
         assert name in result.stderr
+    # where they were read from: a second checkout on PYTHONPATH reads the installed one's
+    assert result.stderr.rstrip().endswith(f"(in {Path(lenext.configs.__path__[0]) / 'pe'})")
 
 
 @pytest.mark.parametrize(

@@ -170,7 +170,7 @@ def check_overrides(config_name: str, overrides: list[str], multirun: bool = Fal
                 if value is not None and str(value) not in options:
                     raise ConfigError(
                         f"{key}={value} is not one of the {key} configs{did_you_mean(str(value), options)}; "
-                        f"they are: {', '.join(options)}"
+                        f"they are: {', '.join(options)} (in {config_folder(key)})"
                     )
         if not key.startswith("hydra.") and not override.is_sweep_override():
             first_values.append(override.input_line)
@@ -299,9 +299,14 @@ def check_diagnosis_job(cfg: DictConfig) -> None:
 JOB_CHECKS = {"train": check_training_job, "eval": check_evaluation_job, "diagnose": check_diagnosis_job}
 
 
+def config_folder(group: str):
+    """Where the package's configs of ``group`` are read from (an editable install's: its checkout's configs/)."""
+    return resources.files(CONFIG_PACKAGE).joinpath(*group.split("/"))
+
+
 def group_options(group: str) -> list[str]:
     """The options of config group ``group`` in the package's configs (none: not a group)."""
-    folder = resources.files(CONFIG_PACKAGE).joinpath(*group.split("/"))
+    folder = config_folder(group)
     if not folder.is_dir():
         return []
     return sorted(item.name.removesuffix(".yaml") for item in folder.iterdir() if item.name.endswith(".yaml"))
