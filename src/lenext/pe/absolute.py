@@ -63,6 +63,3 @@ class Learned(PositionalEncoding):
                 f"a sequence reaching position {last} needs positions it never trained"
             )
         return x + self.table(positions).to(x.dtype)
-
-    def describe(self) -> dict:
-        return {"name": "Learned", "max_len": self.max_len}

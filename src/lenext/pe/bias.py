@@ -132,14 +132,6 @@ class T5Bias(PositionalEncoding):
         # tensor with atomic adds, and far fewer of them collide than on the (buckets, H) table.
         return distance_score_mod(self._by_distance(layer, position_span(positions), q.device), positions, q.size(0))
 
-    def describe(self) -> dict:
-        return {
-            "name": "T5Bias",
-            "num_buckets": self.num_buckets,
-            "max_distance": self.max_distance,
-            "per_layer": self.per_layer,
-        }
-
 
 class ShawRelative(PositionalEncoding):
     """Relative position representations (Shaw et al. 2018) with clipping distance k.
@@ -201,9 +193,6 @@ class ShawRelative(PositionalEncoding):
             return mass @ table.to(probs.dtype)  # (B, H, rows, d_head)
 
         return shaw_values
-
-    def describe(self) -> dict:
-        return {"name": "ShawRelative", **self.hyperparameters()}
 
     def hyperparameters(self) -> dict:  # ``value_term`` names a site of the interface, not the setting
         return {"k": self.k, "value_term": self.value_table is not None}

@@ -75,6 +75,3 @@ class KERPLE(PositionalEncoding):
         r1, r2 = (r.float() for r in self.kernel_parameters(layer))  # flex's scores are fp32
         distance = torch.arange(position_span(positions), device=q.device, dtype=torch.float32)[:, None]
         return distance_score_mod(kerple_kernel(distance, r1, r2, self.kernel), positions, q.size(0))  # (N, H)
-
-    def describe(self) -> dict:
-        return {"name": "KERPLE", "kernel": self.kernel, "per_layer": self.per_layer}

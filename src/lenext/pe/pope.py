@@ -47,6 +47,3 @@ class PoPE(PositionalEncoding):
             key_cos, key_sin = cos * offset_cos - sin * offset_sin, sin * offset_cos + cos * offset_sin
             key = torch.cat([key * key_cos, key * key_sin], dim=-1)
         return query.to(q.dtype), key.to(k.dtype)
-
-    def describe(self) -> dict:
-        return {"name": "PoPE", "base": self.base}
