@@ -932,9 +932,6 @@ class LMDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self.document_loader("validation", self.max_len)
 
-    def test_dataloader(self) -> DataLoader:
-        return self.document_loader("test", self.max_len)
-
     def document_loader(self, split: str, length: int) -> DataLoader:
         windows = DocumentWindows(self.documents(split), length, self.validation_max_windows)
         if len(windows) == 0:

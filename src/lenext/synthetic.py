@@ -315,9 +315,6 @@ class SyntheticDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self._loader("validation")
 
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
-
     def _loader(self, split: str) -> DataLoader:
         """The sweep's samples at L_train: validation during training is the sweep's 1x row."""
         indices = cap_windows(list(range(self.eval_samples)), self.validation_max_windows)

@@ -682,7 +682,7 @@ def legend_columns(names: list[str], width: float = PANEL_WIDTH) -> int:
     return max(1, min(len(names), 3, room // longest))
 
 
-def legend_below(ax, entries: int | None = None) -> None:
+def legend_below(ax) -> None:
     """The panel's legend below its axes, in as many columns as fit its width."""
     names = ax.get_legend_handles_labels()[1]
     if names:
