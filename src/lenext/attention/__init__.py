@@ -118,8 +118,8 @@ def logit_temperature(c: float | None, length: int, train_len: int) -> float:
 
 class LengthScale(nn.Module):
     """The row scale of ``AttentionSettings.scale`` for one layer: (1, H, L, 1) fp32, or None for ``none``; times
-    the evaluation-time logit temperature beta(L / L_train) while ``temperature`` (its c) is set (``temperature``
-    in lenext.evaluate): (1, 1, L, 1) alone, None where beta is 1."""
+    the evaluation-time logit temperature beta(L / L_train) while ``temperature`` (its c) is set
+    (``lenext.temperature``): (1, 1, L, 1) alone, None where beta is 1."""
 
     def __init__(self, settings: AttentionSettings, n_heads: int, train_len: int):
         super().__init__()

@@ -275,7 +275,7 @@ class RoPE(PositionalEncoding):
         shape: AttentionShape,
         base: PositiveFloat = 10000.0,
         scaling: Literal[SCALINGS] = "none",
-        factor: Annotated[float, Range(1)] | None = None,  # null: L / L_train at each length L (dynamic_ntk: max 1)
+        factor: Annotated[float, Range(1)] | None = None,  # null: max(1, L / C) at each length L (dynamic_ntk: 1)
         beta_fast: PositiveFloat = 32.0,
         beta_slow: PositiveFloat = 1.0,
         low_freq_factor: PositiveFloat = 1.0,

@@ -129,7 +129,7 @@ METHOD_STYLES = {
 AS_TRAINED = (PALETTE[0], "o")
 FIRST_STAGE, SECOND_STAGE = "-", "--"  # line styles: the first stage's weights, a second stage's
 HEATMAP = "cividis"  # colour-blind safe, dark (0%) to light (100%)
-# Kept for figures of one's own (docs/adding/figure.md): a PE's rows in its colour, told apart by line style.
+# ``row_styles``' (figures of one's own, docs/adding/figure.md): a PE's rows in its colour, told apart by line style.
 LINE_STYLES = ("-", "--", ":", "-.", (0, (1, 3)), (0, (6, 2, 1, 2, 1, 2)), (0, (9, 3)), (0, (3, 1, 1, 1, 1, 1)))
 MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
 
