@@ -25,6 +25,7 @@ from lenext.module import processes_trained
 from lenext.pe import PE_CLASSES
 from lenext.pe.rope import redundant_variants
 from lenext.protocols import ACCURACY, METRICS_OF, PROTOCOLS
+from lenext.resolve import flat_settings
 from lenext.results import ERROR_FILE, POSITIONS_FILE, RESULTS_FILE, not_lenext_results
 from lenext.spec import METHOD_NAMES, STAGE_MARK, Row, first_stage_row
 from lenext.synthetic import TASK_CLASSES, Task
@@ -193,7 +194,7 @@ def settings(meta: dict) -> dict:
         if described.get("data.seed") == meta["seed"]:  # data.seed defaults to ${seed}
             del described["data.seed"]
     else:
-        described = flat({"model": meta.get("model") or {}})
+        described = flat_settings({"model": meta.get("model") or {}})
         described |= {"data.max_len": meta["train_len"], "tokens_trained": meta.get("tokens_trained")}
         if meta.get("positions"):
             described["train.positions"] = meta["positions"]["train"]
@@ -202,7 +203,7 @@ def settings(meta: dict) -> dict:
         described.pop("init_from", None)
         described |= {"init_from.row": base["row"], "init_from.steps": base["steps"]}
         described["init_from.train_len"] = base.get("train_len")
-    described |= flat({"pe": {**(meta.get("pe_config") or {}), **meta["pe"]}})
+    described |= flat_settings({"pe": {**(meta.get("pe_config") or {}), **meta["pe"]}})
     described |= {"row": meta["row"], "split": meta.get("split")}
     described[EVALUATED_BY] = RE_EVALUATION if "checkpoint" in meta else "train.py"
     trainer = (((meta.get("run") or {}).get("config") or {}).get("trainer")) or {}
@@ -227,17 +228,6 @@ def devices(tokens_trained: int | None, identity) -> int | None:
     if tokens_trained is None or not all(isinstance(f, int) and f > 0 for f in (steps, *batch)):
         return None
     return round(processes_trained(tokens_trained, steps, *batch))
-
-
-def flat(settings: dict, prefix: str = "") -> dict:
-    """Nested settings as dotted keys, as ``meta.identity`` keeps them."""
-    flattened = {}
-    for key, value in settings.items():
-        if isinstance(value, dict):
-            flattened |= flat(value, f"{prefix}{key}.")
-        else:
-            flattened[f"{prefix}{key}"] = value
-    return flattened
 
 
 @dataclass(frozen=True)
