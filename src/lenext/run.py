@@ -26,9 +26,9 @@ from lenext.evaluate import sweep
 from lenext.files import atomic_path
 from lenext.hardware import refuse_more_cpu_processes_than_cores, refuse_nodes_without_a_cluster
 from lenext.loggers import CSVLogger, log_results_to_wandb
-from lenext.module import CheckpointOnStop, tokens_trained
+from lenext.module import VAL_LOSS, VAL_PPL, VAL_WINDOWS, CheckpointOnStop, answer_metric, tokens_trained
 from lenext.progress import StepsBar, next_steps, validation_scope
-from lenext.resolve import EVAL_NODES, TRAIN_NODES, EvalScriptSettings, TrainSettings, resolve_evaluation
+from lenext.resolve import AS_TRAINED, EVAL_NODES, TRAIN_NODES, EvalScriptSettings, TrainSettings, resolve_evaluation
 from lenext.results import RESULTS_FILE, code_commit, format_rows, run_metadata, training_precision, write_results
 from lenext.run_folder import (
     FINISHED_IDENTITY,
@@ -64,7 +64,7 @@ def train(cfg: DictConfig) -> dict:
     if done:
         first = done["rows"][0]
         print(f"skipping {cfg.paths.output_dir}: its {RESULTS_FILE} is complete")
-        return {"val/ppl": first["ppl"], "val/loss": first["mean_nll"], "skipped": True}
+        return {VAL_PPL: first["ppl"], VAL_LOSS: first["mean_nll"], "skipped": True}
     spec, weights = resolve_training(cfg)
     identity = run_identity(cfg, FINISHED_IDENTITY)  # what a re-launch into this folder must repeat to skip it
     datamodule, module, trainer = build(cfg, spec, weights)
@@ -108,12 +108,13 @@ def train(cfg: DictConfig) -> dict:
             ) from None
         raise
     measured = validation_scope(
-        spec, int(metrics["val/windows"]), len(datamodule.val_dataloader().dataset.samples), datamodule.protocols
+        spec, int(metrics[VAL_WINDOWS]), len(datamodule.val_dataloader().dataset.samples), datamodule.protocols
     )
-    accuracy = f", exact match {metrics['val/exact_match']:.3f}" if "val/exact_match" in metrics else ""
+    exact_match = answer_metric("exact_match")
+    accuracy = f", exact match {metrics[exact_match]:.3f}" if exact_match in metrics else ""
     say(
-        f"validation perplexity at L_train={spec.train_len} over {measured}: {metrics['val/ppl']:.2f} "
-        f"(loss {metrics['val/loss']:.4f}{accuracy}, row {spec.row})"
+        f"validation perplexity at L_train={spec.train_len} over {measured}: {metrics[VAL_PPL]:.2f} "
+        f"(loss {metrics[VAL_LOSS]:.4f}{accuracy}, row {spec.row})"
     )
     evaluated = bool(spec.plan) and not cfg.trainer.get("fast_dev_run")
     if evaluated:
@@ -231,7 +232,7 @@ def checkpoint_model(cfg: DictConfig, path: str, check_only: bool = False):
     try:
         net.load_state_dict(state, assign=check_only)
     except RuntimeError as e:  # a change that changes the PE's parameters (per_layer, hidden, num_buckets)
-        changed = ", ".join(f"pe.{k}" for k, v in cfg.pe.items() if v != "as_trained") or "the PE settings"
+        changed = ", ".join(f"pe.{k}" for k, v in cfg.pe.items() if v != AS_TRAINED) or "the PE settings"
         raise ConfigError(
             f"{changed}: the checkpoint's weights do not fit the PE built with it ({str(e).splitlines()[-1].strip()}); "
             "only settings that keep the PE's parameter shapes can change at evaluation"

@@ -21,7 +21,7 @@ import pandas as pd
 from lenext.attention import AttentionSettings
 from lenext.diagnostics import DIAGNOSTICS_FILE
 from lenext.evaluate import EvalSettings
-from lenext.module import processes_trained
+from lenext.module import VAL_PPL, processes_trained
 from lenext.pe import PE_CLASSES
 from lenext.pe.rope import redundant_variants
 from lenext.protocols import ACCURACY, METRICS_OF, PROTOCOLS
@@ -648,7 +648,7 @@ def validation_curve(run: Run) -> pd.DataFrame | None:
     if not run.meta.get("lineage") or not os.path.exists(file):
         return None
     logged = pd.read_csv(file, dtype=str, keep_default_na=False)  # "" on the rows of other metrics; "nan": diverged
-    if "val/ppl" not in logged:
+    if VAL_PPL not in logged:
         return None
-    validated = logged[logged["val/ppl"] != ""]
-    return pd.DataFrame({"step": validated.step.astype(int), "val/ppl": validated["val/ppl"].astype(float)})
+    validated = logged[logged[VAL_PPL] != ""]
+    return pd.DataFrame({"step": validated.step.astype(int), VAL_PPL: validated[VAL_PPL].astype(float)})
