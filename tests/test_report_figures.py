@@ -171,16 +171,16 @@ def test_a_panel_comparing_one_pes_variants_colours_them_by_method(tmp_path):
     assert len(set(rope)) == len(rope)
     # Every method panel draws a method in the same colour and the PE as trained in blue, which no method has:
     # vermillion is YaRN in p_rope's panel too, though p_rope's own colour is vermillion.
-    assert colour["rope"] == figures.AS_TRAINED[0]
+    assert colour["rope"] == figures.AS_TRAINED_STYLE[0]
     assert figures.pe_colour("p_rope") == figures.METHOD_STYLES["yarn"][0]
     info = pd.DataFrame(
         {"base": [None, None], "variant": [None, "yarn"], "extension_method": ["none", "yarn"], "pe": "p_rope"},
         index=["p_rope", "p_rope (yarn)"],
     )
     styles = figures.line_styles(info, list(info.index), by_method=True)
-    assert styles["p_rope"]["color"] == figures.AS_TRAINED[0]
+    assert styles["p_rope"]["color"] == figures.AS_TRAINED_STYLE[0]
     assert styles["p_rope (yarn)"]["color"] == figures.METHOD_STYLES["yarn"][0]
-    assert figures.AS_TRAINED[0] not in {colour for colour, _ in figures.METHOD_STYLES.values()}
+    assert figures.AS_TRAINED_STYLE[0] not in {colour for colour, _ in figures.METHOD_STYLES.values()}
 
 
 def test_two_pes_of_one_panel_never_share_a_colour():

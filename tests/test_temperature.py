@@ -295,12 +295,14 @@ def test_a_windowed_models_rows_report_the_beta_its_attention_applies():
     """Under attention.window=W the attention takes beta at min(L, W) (the keys a row sees): the rows said beta at L
     (W 12, L_train 8, c 0.5: 1.693 at 32 where 1.203 is applied)."""
     from lenext.attention import AttentionSettings
-    from lenext.temperature import TemperatureFit, row_fields
+    from lenext.temperature import TemperatureFit, variant_columns
 
     net = decoder(ALiBi, attention=AttentionSettings(window=12))
     fit = TemperatureFit(0.5, None, (16, 32), "nonoverlap", ((0.0, 1.0), (0.5, 0.9)))
     for length in (8, 16, 32):
-        assert row_fields(net, TEMPERATURE, length, fit)["variant_factor"] == pytest.approx(
+        assert variant_columns(net, TEMPERATURE, length, fit)["variant_factor"] == pytest.approx(
             1 + 0.5 * math.log(max(1.0, min(length, 12) / TRAIN_LEN))
         )
-    assert row_fields(decoder(ALiBi), TEMPERATURE, 32, fit)["variant_factor"] == pytest.approx(1 + 0.5 * math.log(4))
+    assert variant_columns(decoder(ALiBi), TEMPERATURE, 32, fit)["variant_factor"] == pytest.approx(
+        1 + 0.5 * math.log(4)
+    )

@@ -27,7 +27,14 @@ from lenext.positions import PositionScheme
 from lenext.protocols import PROTOCOL_NAMES, PROTOCOLS, KeyTokens, Sliding, TextProtocol, Window, evaluator_file
 from lenext.ranges import NonNegativeFloat, PositiveFloat, PositiveInt, Range, Share
 from lenext.scoring import Measured
-from lenext.temperature import TEMPERATURE, asks_temperature, describe_fit, fit_temperature, row_fields, variant_scope
+from lenext.temperature import (
+    TEMPERATURE,
+    asks_temperature,
+    describe_fit,
+    fit_temperature,
+    variant_columns,
+    variant_scope,
+)
 
 log = logging.getLogger("lenext")
 Protocol = Literal[PROTOCOL_NAMES]
@@ -291,7 +298,7 @@ def sweep(
                         "variant": variant,
                         "length": length,
                         "length_factor": length / plan.base_len,
-                        **row_fields(net, variant, length, fit),
+                        **variant_columns(net, variant, length, fit),
                         **protocol.parameters(),
                     }
                     windows = protocol.capped(windows, eval_cfg.max_windows)

@@ -154,7 +154,7 @@ def variant_scope(net, variant: str | None, fit: TemperatureFit | None) -> Itera
             yield
 
 
-def row_fields(net, variant: str | None, length: int, fit: TemperatureFit | None) -> dict:
+def variant_columns(net, variant: str | None, length: int, fit: TemperatureFit | None) -> dict:
     """A sweep row's ``variant_factor`` (RoPE's s; the temperature's beta at this length, as the layers that see
     the most keys apply it: at min(L, W) under a window W) and, for the temperature, its c and the split it was
     fitted on."""

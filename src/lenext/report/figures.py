@@ -16,7 +16,7 @@ What every built-in figure keeps to, so that each panel says one thing:
   one later in ``KNOWN_PES`` then takes a colour no PE of the panel has (``distinct_colours``).
 - **Panels that compare one thing**: the PEs as trained, coloured by PE; one PE's evaluation-time
   variants and second stages, coloured by method (``METHOD_STYLES``: RoPE's scalings and the stages' methods, PI as
-  ``linear``, the PE as trained in ``AS_TRAINED``'s blue, in every such panel); or PEs with one second stage each
+  ``linear``, the PE as trained in ``AS_TRAINED_STYLE``'s blue, in every such panel); or PEs with one second stage each
   beside their bases. A method ``METHOD_STYLES`` does not list takes a colour no other row of its panel has. Line
   style says which weights: solid the first stage's (as trained, or scaled at evaluation), dashed a second stage's.
 - **At most ``MAX_CURVES`` curves a panel**: more rows are split by PE family, by PE, and a PE's rows by zero-shot
@@ -111,7 +111,7 @@ KNOWN_PES = {
 }
 # An extension method's colour and marker where a panel compares one PE's methods (a variant's name; a second stage's
 # method as a variant is named: PI is linear), the same in every such panel. The PE as trained (and ``none``, direct
-# fine-tuning) is ``AS_TRAINED`` there, whatever the PE: a method's colour never stands for a PE in one panel and
+# fine-tuning) is ``AS_TRAINED_STYLE`` there, whatever the PE: a method's colour never stands for a PE in one panel and
 # for a method in the next.
 METHOD_STYLES = {
     "linear": (PALETTE[1], "s"),
@@ -126,7 +126,7 @@ METHOD_STYLES = {
     "pose+pi": (PALETTE[7], "h"),
     "pose+yarn": (PALETTE[8], "p"),
 }
-AS_TRAINED = (PALETTE[0], "o")
+AS_TRAINED_STYLE = (PALETTE[0], "o")
 FIRST_STAGE, SECOND_STAGE = "-", "--"  # line styles: the first stage's weights, a second stage's
 HEATMAP = "cividis"  # colour-blind safe, dark (0%) to light (100%)
 # ``row_styles``' (figures of one's own, docs/adding/figure.md): a PE's rows in its colour, told apart by line style.
@@ -197,9 +197,9 @@ def pe_colour(name: str) -> str:
 
 def method_style(method: str) -> tuple[str, str]:
     """An extension method's colour and marker in a panel of one PE's rows: ``METHOD_STYLES``' (a method not listed:
-    from a hash of its name, never ``AS_TRAINED``'s colour); ``none`` is ``AS_TRAINED``."""
+    from a hash of its name, never ``AS_TRAINED_STYLE``'s colour); ``none`` is ``AS_TRAINED_STYLE``."""
     if method == "none":
-        return AS_TRAINED
+        return AS_TRAINED_STYLE
     return METHOD_STYLES.get(method) or (
         PALETTE[1 + zlib.crc32(method.encode()) % (len(PALETTE) - 1)],
         MARKERS[zlib.crc32(method.encode()) % len(MARKERS)],
@@ -234,7 +234,7 @@ def distinct_colours(natural: dict[str, str], rank: Callable[[str], int]) -> dic
 
 
 def line_styles(info: pd.DataFrame, labels: list[str], by_method: bool) -> dict[str, dict]:
-    """matplotlib settings per row: ``by_method`` (one PE's rows), its method's colour and marker (``AS_TRAINED``
+    """matplotlib settings per row: ``by_method`` (one PE's rows), its method's colour and marker (``AS_TRAINED_STYLE``
     for the PE as trained); else its PE's (``pe_style``). Two PEs (methods) of one panel never share a colour: the
     one later in ``KNOWN_PES`` (``METHOD_STYLES``; unlisted ones last) takes one no other has
     (``distinct_colours``). Solid for a first stage's weights, dashed for a second stage's."""
@@ -242,7 +242,7 @@ def line_styles(info: pd.DataFrame, labels: list[str], by_method: bool) -> dict[
     for label in labels:
         known = label in info.index
         dashed[label] = known and pd.notna(info.base[label])
-        # as trained, extension_method is "none": AS_TRAINED's style
+        # as trained, extension_method is "none": AS_TRAINED_STYLE's style
         keys[label] = info.extension_method[label] if by_method and known else colour_key(info, label)
         natural[keys[label]] = method_style(keys[label]) if by_method and known else pe_style(keys[label])
     order = ["none", *METHOD_STYLES] if by_method else list(KNOWN_PES)
