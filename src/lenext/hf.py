@@ -36,13 +36,11 @@ from lenext.hardware import canonical_precision, machine_description
 from lenext.hf_self_extend import ATTENTION_NAME
 from lenext.hf_self_extend import install as install_self_extend
 from lenext.model import chunked_nll
-from lenext.pe.rope import self_extend_group
+from lenext.pe.rope import TRANSFORMERS_ROPE_TYPES, self_extend_group
 from lenext.resolve import EVAL_NODES, EvalScriptSettings, flat_settings
 from lenext.results import code_commit, format_rows, write_results
 from lenext.run_folder import record_command, refuse_a_training_runs_folder
 
-# lenext's variant -> transformers' rope_type: the scalings both define.
-ROPE_TYPES = {"none": "default", "linear": "linear", "dynamic_ntk": "dynamic", "yarn": "yarn", "llama3": "llama3"}
 SELF_EXTEND = "self_extend"  # lenext's grouped positions, through the model's attention (lenext.hf_self_extend)
 # A model's own rotary settings a scaling keeps (partial rotary, multimodal sections).
 KEPT_ROPE_KEYS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
@@ -187,7 +185,7 @@ class HFPositions:
         rope = getattr(model.config, "rope_parameters", None)
         self.rope = dict(rope) if isinstance(rope, dict) and "rope_type" in rope else None
         # transformers' dynamic module keeps the longest length it saw, so the model's own is rebuilt per length
-        self.dynamic = self.rope is not None and self.rope["rope_type"] == ROPE_TYPES["dynamic_ntk"]
+        self.dynamic = self.rope is not None and self.rope["rope_type"] == TRANSFORMERS_ROPE_TYPES["dynamic_ntk"]
         self.active: str | None = None  # the variant set, when not the model as trained
         self.self_extend = None  # its attention function, once Self-Extend is asked for (lenext.hf_self_extend)
         self.trained_attention = model.config._attn_implementation
@@ -207,11 +205,12 @@ class HFPositions:
                 f"eval.variants={asked} is invalid for this model: it has no RoPE settings (rope_parameters) with "
                 "one rotary module set transformers can rebuild under a scaling"
             )
-        unknown = [name for name in asked if name not in (*ROPE_TYPES, SELF_EXTEND)]
+        unknown = [name for name in asked if name not in (*TRANSFORMERS_ROPE_TYPES, SELF_EXTEND)]
         if unknown:
             raise ConfigError(
                 f"eval.variants={asked} is invalid for a Hugging Face model: {', '.join(unknown)} is not a scaling "
-                f"transformers defines nor Self-Extend; its variants are {', '.join(ROPE_TYPES)}, {SELF_EXTEND}"
+                f"transformers defines nor Self-Extend; its variants are "
+                f"{', '.join(TRANSFORMERS_ROPE_TYPES)}, {SELF_EXTEND}"
             )
         if SELF_EXTEND in asked and self.self_extend is None:
             reason = "it has several rotary modules" if len(self.trained_modules) > 1 else None
@@ -265,7 +264,7 @@ class HFPositions:
             config.max_position_embeddings = self.context  # dynamic NTK grows its base beyond C, as lenext's
             # The model's own rotary settings (partial rotary, multimodal sections) kept; its scaling replaced.
             kept = {k: v for k, v in self.rope.items() if k in KEPT_ROPE_KEYS}
-            parameters = {**kept, "rope_type": ROPE_TYPES[name]}
+            parameters = {**kept, "rope_type": TRANSFORMERS_ROPE_TYPES[name]}
             if name != "none":
                 parameters |= {"factor": key[1], "original_max_position_embeddings": self.context}
             if name == "llama3":  # the constants lenext's llama3 scaling takes by default (Llama 3.1's)

@@ -13,10 +13,11 @@ from torch import nn
 
 from lenext.model import NORM_EPS, Decoder
 from lenext.pe import Learned, RoPE
-from lenext.pe.rope import ntk_exponent
+from lenext.pe.rope import TRANSFORMERS_ROPE_TYPES, ntk_exponent
 
-# lenext's RoPE scalings with a fixed factor -> transformers' rope_type (static NTK is RoPE at a larger base).
-ROPE_TYPES = {"none": "default", "ntk": "default", "linear": "linear", "yarn": "yarn", "llama3": "llama3"}
+# lenext's RoPE scalings with a fixed factor -> transformers' rope_type (static NTK is RoPE at a larger base; dynamic
+# NTK's frequencies differ, refused below).
+ROPE_TYPES = {**TRANSFORMERS_ROPE_TYPES, "ntk": TRANSFORMERS_ROPE_TYPES["none"]}
 
 
 def plain_attention(net: Decoder) -> str | None:

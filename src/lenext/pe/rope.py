@@ -139,6 +139,14 @@ ROPE_SCALINGS: dict[str, Callable[[RopeSettings], tuple[torch.Tensor, float]]] =
     "self_extend": no_scaling,  # its positions are grouped instead: RoPE.logits
 }
 SCALINGS = tuple(ROPE_SCALINGS)
+# The scalings transformers defines too, with its rope_type: a Hugging Face model's variants, an export's config.
+TRANSFORMERS_ROPE_TYPES = {
+    "none": "default",
+    "linear": "linear",
+    "dynamic_ntk": "dynamic",
+    "yarn": "yarn",
+    "llama3": "llama3",
+}
 
 # Scalings equal to another by construction when both take their factor from the span of a forward pass's
 # positions (factor null, extending from the span trained): dynamic NTK's s = L / C is NTK's automatic one. They
