@@ -101,6 +101,7 @@ def test_each_protocol_equals_a_plain_transformers_loop(architecture, tmp_path, 
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     context = 2 * CONTEXT if architecture == "gpt2" else CONTEXT  # GPT-2's trained context is its table's size
     assert results["meta"]["row"] == f"hf:{architecture}" and results["meta"]["train_len"] == context
+    assert results["meta"]["versions"]["transformers"] and results["meta"]["python"]  # as a run's results record
     model = load_model(str(folder))
     from lenext.data import LMDataModule
 

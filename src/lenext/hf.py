@@ -32,13 +32,13 @@ from lenext.build import CONFIG_PACKAGE, instantiate
 from lenext.data import external_tokenizer, token_id_bound
 from lenext.errors import ConfigError, LengthNotSupported, first_line
 from lenext.evaluate import EvalSettings, SweepPlan, sweep, sweep_plan
-from lenext.hardware import canonical_precision, machine_description
+from lenext.hardware import canonical_precision
 from lenext.hf_self_extend import ATTENTION_NAME
 from lenext.hf_self_extend import install as install_self_extend
 from lenext.model import chunked_nll
 from lenext.pe.rope import TRANSFORMERS_ROPE_TYPES, self_extend_group
 from lenext.resolve import EVAL_NODES, EvalScriptSettings, flat_settings
-from lenext.results import code_commit, format_rows, write_results
+from lenext.results import environment, format_rows, write_results
 from lenext.run_folder import record_command, refuse_a_training_runs_folder
 
 SELF_EXTEND = "self_extend"  # lenext's grouped positions, through the model's attention (lenext.hf_self_extend)
@@ -416,9 +416,7 @@ def evaluate_hf(cfg: DictConfig) -> str:
                 ignore=("data.cache_dir",),  # where the cache lives, not what was measured
             ),
         },
-        "git_commit": code_commit(),
-        "device": str(device),
-        "hardware": {**machine_description(), "training_precision": None},
+        **environment(str(device), None),
         "precision": precision,
     }
     path = write_results(cfg.paths.output_dir, meta, rows, curves)

@@ -45,9 +45,9 @@ def code_commit() -> str | None:
     return f"{commit}-dirty" if commit and changed else commit or None
 
 
-def run_metadata(spec, net, data, split: str, tokens_trained: int | None) -> dict:
-    """Everything needed to identify and reproduce a results file: the run (``lenext.spec.RunSpec``) whole, and
-    the fields readers use at the top."""
+def environment(device: str, training_precision: str | None) -> dict:
+    """What a results file records of the code and the machine that made it (a run's, or a Hugging Face model's):
+    throughput and bf16 rounding depend on the machine and the precision the model was trained in."""
 
     def version(package: str) -> str | None:
         try:
@@ -55,6 +55,19 @@ def run_metadata(spec, net, data, split: str, tokens_trained: int | None) -> dic
         except metadata.PackageNotFoundError:
             return None
 
+    packages = ("lenext", "torch", "lightning", "transformers", "datasets", "tokenizers")
+    return {
+        "git_commit": code_commit(),
+        "versions": {package: version(package) for package in packages},
+        "python": platform.python_version(),
+        "device": device,
+        "hardware": {**machine_description(), "training_precision": training_precision},
+    }
+
+
+def run_metadata(spec, net, data, split: str, tokens_trained: int | None) -> dict:
+    """Everything needed to identify and reproduce a results file: the run (``lenext.spec.RunSpec``) whole, and
+    the fields readers use at the top."""
     scheme, config, stored = spec.scheme, spec.config, spec.stored()
     return {
         "row": spec.row,
@@ -85,12 +98,7 @@ def run_metadata(spec, net, data, split: str, tokens_trained: int | None) -> dic
         "lineage": [
             {k: v for k, v in dataclasses.asdict(stage).items() if k != "config"} for stage in spec.lineage
         ],  # the bases' configs: meta.run.lineage
-        "git_commit": code_commit(),
-        "versions": {p: version(p) for p in ("lenext", "torch", "lightning", "datasets", "tokenizers")},
-        "python": platform.python_version(),
-        "device": str(next(net.parameters()).device),
-        # This machine, with the precision the model was trained in: throughput and bf16 rounding depend on both.
-        "hardware": {**machine_description(), "training_precision": training_precision(spec)},
+        **environment(str(next(net.parameters()).device), training_precision(spec)),
         "run": stored,
     }
 
