@@ -44,6 +44,7 @@ from lenext.attention import recording
 from lenext.errors import CheckpointError, ConfigError, LengthNotSupported
 from lenext.files import atomic_path, write_atomic
 from lenext.hardware import Precision, precision_autocast
+from lenext.pe.base import PositionalEncoding
 from lenext.positions import PositionScheme, generator, window_positions
 from lenext.protocols import cap_windows
 from lenext.ranges import PositiveFloat, PositiveInt
@@ -221,16 +222,9 @@ def layer_windows(net) -> list[int | None]:
 def rotary_frequencies(pe) -> tuple[str, Callable[[int], torch.Tensor]] | None:
     """(name, length -> inverse frequencies (n,) float64) of the first rotary PE in ``pe`` (a model's PE: RoPE, its
     scalings, xPos, p-RoPE, a mix's RoPE member; PoPE's d_head frequencies), or None when it rotates nothing."""
-    from lenext.pe.pope import PoPE
-    from lenext.pe.rope import RoPE
-
     for name, module in pe.named_modules():
-        if isinstance(module, RoPE):
-            return name or "pe", lambda length, rope=module: rope.frequencies(length)[0].to(torch.float64)
-        if isinstance(module, PoPE):
-            dim = module.shape.head_dim
-            theta = module.base ** -(torch.arange(dim, dtype=torch.float64) / dim)
-            return name or "pe", lambda length, theta=theta: theta
+        if isinstance(module, PositionalEncoding) and module.rotary_frequencies(1) is not None:
+            return name or "pe", module.rotary_frequencies
     return None
 
 

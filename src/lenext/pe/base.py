@@ -287,6 +287,11 @@ class PositionalEncoding(nn.Module):
         """Inside the block the PE is the named variant (switched in place, restored after)."""
         yield
 
+    def rotary_frequencies(self, length: int) -> torch.Tensor | None:
+        """The inverse frequencies (n,) float64 the PE rotates q and k by, for positions spanning ``length`` (its
+        scaling's there); None for a PE that rotates by none (the diagnostics' rotation coverage)."""
+        return None
+
     def scaling_factor(self, length: int) -> float | None:
         """The factor by which the PE rescales positions for a sequence whose positions span ``length``, if it does."""
         return None

@@ -20,6 +20,11 @@ from lenext.pe.base import AttentionShape, PositionalEncoding
 from lenext.ranges import PositiveFloat
 
 
+def pope_frequencies(base: float, head_dim: int) -> torch.Tensor:
+    """theta_c = base^(-c / d_head), c < d_head (float64): one per channel, not per pair as RoPE's."""
+    return base ** -(torch.arange(head_dim, dtype=torch.float64) / head_dim)
+
+
 class PoPE(PositionalEncoding):
     """Content in the magnitudes, position in the phases."""
 
@@ -32,10 +37,13 @@ class PoPE(PositionalEncoding):
         self.base = base
         self.phase_bias = nn.Parameter(torch.zeros(shape.n_heads, 1, shape.head_dim))  # delta: (H, 1, d_head)
 
+    def rotary_frequencies(self, length: int) -> torch.Tensor:
+        return pope_frequencies(self.base, self.shape.head_dim)  # the same at every length
+
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k: (B, H, L, d_head) -> (B, H, L, 2 d_head) each."""
-        head_dim, wide = q.size(-1), torch.promote_types(q.dtype, torch.float32)
-        inv_freq = self.base ** -(torch.arange(head_dim, dtype=torch.float64, device=q.device) / head_dim)
+        wide = torch.promote_types(q.dtype, torch.float32)
+        inv_freq = pope_frequencies(self.base, q.size(-1)).to(q.device)
         angles = positions.to(torch.float64)[:, None, :, None] * inv_freq  # (B or 1, 1, L, d_head), exact at any L
         cos, sin = angles.cos().to(wide), angles.sin().to(wide)
         offset = self.phase_bias.clamp(-2 * math.pi, 0).to(wide)  # (H, 1, d_head)

@@ -387,6 +387,9 @@ class RoPE(PositionalEncoding):
         inv_freq[self.rotated_pairs :] = 0
         return inv_freq, attention_factor
 
+    def rotary_frequencies(self, length: int) -> torch.Tensor:
+        return self.frequencies(length)[0]
+
     def _rotations(self, length: int, like: torch.Tensor) -> torch.Tensor:
         """(length, d_head/2) complex table e^{i p theta_t} of positions p < length for rotating ``like`` (complex64;
         complex128 for float64), built once per (length, scaling) in float64."""
