@@ -32,7 +32,7 @@ from lenext.diagnostics import (
 )
 from lenext.errors import CheckpointError, ConfigError
 from lenext.model import Decoder
-from lenext.pe import ALiBi, NoPE, RoPE, T5Bias
+from lenext.pe import ALiBi, NoPE, PoPE, RoPE, T5Bias
 from lenext.positions import PoSE, PositionScheme, Randomized
 from tests.conftest import hidden_keys
 from tests.forked import run_command
@@ -375,6 +375,10 @@ def test_rotation_coverage_follows_its_formula_in_float64():
     pi = rotation_coverage(scaled(span), {32: scaled(32)}, span)
     assert pi["frequencies"][3]["unseen"]["32"] == pytest.approx(1 / 32, abs=1e-15)
     assert rotary_frequencies(Decoder(VOCAB, span, ALiBi, d_model=16, n_layers=1, n_heads=2).pe) is None
+    # PoPE: theta_c = base^(-c / d), one per channel of the head (8), at every length
+    _, pope = rotary_frequencies(Decoder(VOCAB, span, PoPE, d_model=16, n_layers=1, n_heads=2).pe)
+    per_channel = torch.tensor([10000.0 ** (-c / 8) for c in range(8)], dtype=torch.float64)
+    torch.testing.assert_close(pope(64), per_channel, rtol=1e-15, atol=0)
 
 
 def test_the_distances_training_gives_counted_by_hand():
