@@ -56,7 +56,9 @@ def write_diagnostics(run, seed_shift: float, gains: dict, scaling: str | None =
                 {"length": n, "unseen_fraction": f, "frequencies_with_unseen_angles": 1} for n, f in unseen.items()
             ]
         }
-    meta = {"row": "x", "pe": {"name": "RoPE", "scaling": scaling} if scaling else {"name": "ALiBi"}, "train_len": 64}
+    trained = json.loads((run / "results.json").read_text())["meta"]  # the run it diagnoses
+    pe = {"name": "RoPE", "scaling": scaling} if scaling else {"name": "ALiBi"}
+    meta = {"row": trained.get("row") or trained["pe_name"], "pe": pe, "train_len": trained["train_len"]}
     result = {"meta": meta, "lengths": lengths, "rotation_coverage": coverage, "trained_distances": {}}
     (folder / "diagnostics.json").write_text(json.dumps(result))
 
@@ -125,6 +127,26 @@ def test_a_diagnosed_variant_is_its_own_row_and_a_report_without_diagnostics_wri
     write_run(plain / "0", "rope", 0, {64: 20.0, 128: 30.0})
     report([str(plain)], str(tmp_path / "out"))
     assert not any((tmp_path / "out" / name).exists() for name in ("diagnostics.csv", "diagnostics.png"))
+
+
+def test_diagnostics_of_another_run_or_unreadable_are_left_out_and_listed(diagnosed, tmp_path):
+    """diagnose.py's output put in the wrong run's folder (another row) would pair that run's perplexity with
+    another model's attention; a truncated file would vanish without a word. Both are listed in table.md."""
+    other = diagnosed / "0" / "diagnostics" / "diagnostics.json"  # rope's, seed 0
+    result = json.loads(other.read_text())
+    other.write_text(json.dumps({**result, "meta": {**result["meta"], "row": "learned", "checkpoint": "l.ckpt"}}))
+    (diagnosed / "1" / "diagnostics" / "diagnostics.json").write_text('{"meta": {')  # alibi's, seed 0
+    markdown = report([str(diagnosed)], str(tmp_path / "out"))
+    assert (
+        f"- `{diagnosed / '0'}`: diagnostics.json diagnoses l.ckpt (row learned, L_train 64), not this run (row rope, "
+        "L_train 64): left out" in markdown
+    )
+    assert (
+        f"- `{diagnosed / '1'}`: unreadable diagnostics.json (JSONDecodeError): its diagnostics are left out"
+        in markdown
+    )
+    frame = Summary(load([str(diagnosed)])).diagnostics
+    assert set(frame[frame.label == "rope"].seeds) == {1} and set(frame[frame.label == "alibi"].seeds) == {1}
 
 
 def test_diagnostics_figure_draws_a_panel_per_statistic_in_the_pes_colours_with_computed_titles(diagnosed):

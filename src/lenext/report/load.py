@@ -108,19 +108,30 @@ def diagnose_output(files: list[str]) -> bool:
 
 def diagnostics_of(run: "Run") -> dict | None:
     """The run's attention diagnostics (``<run>/diagnostics/diagnostics.json``, written by ``python diagnose.py
-    ckpt=<run> hydra.run.dir=<run>/diagnostics``), None where it has none or the file is unreadable or not
-    diagnose.py's (no ``meta`` or ``lengths``)."""
+    ckpt=<run> hydra.run.dir=<run>/diagnostics``), None where it has none or ``read_diagnostics`` leaves it out."""
+    return read_diagnostics(run)[0]
+
+
+def read_diagnostics(run: "Run") -> tuple[dict | None, str | None]:
+    """(the run's diagnostics, None) or (None, why they are left out: unreadable, not diagnose.py's, or of a
+    checkpoint of another row or L_train than the run's); (None, None) where it has none."""
     file = os.path.join(run.folder, DIAGNOSTICS_FOLDER, DIAGNOSTICS_FILE)
     if not os.path.isfile(file):
-        return None
+        return None, None
     try:
         with open(file, encoding="utf-8") as f:
             result = json.load(f)
-    except (OSError, ValueError, RecursionError):
-        return None
+    except (OSError, ValueError, RecursionError) as e:
+        return None, f"unreadable {DIAGNOSTICS_FILE} ({type(e).__name__}): its diagnostics are left out"
     if not isinstance(result, dict) or not isinstance(result.get("meta"), dict) or "lengths" not in result:
-        return None
-    return result
+        return None, f"{DIAGNOSTICS_FILE} is not diagnose.py's: left out"
+    meta = result["meta"]
+    if (meta.get("row"), meta.get("train_len")) != (run.row, run.meta["train_len"]):
+        return None, (
+            f"{DIAGNOSTICS_FILE} diagnoses {meta.get('checkpoint')} (row {meta.get('row')}, L_train "
+            f"{meta.get('train_len')}), not this run (row {run.row}, L_train {run.meta['train_len']}): left out"
+        )
+    return result, None
 
 
 def normalized_row(row: dict) -> dict:
@@ -620,6 +631,7 @@ def load(folders: list[str]) -> Loaded:
     not counted."""
     complete, incomplete = find_runs(folders)
     runs, repeats = runs_of(complete)
+    incomplete += [(run.folder, why) for run in runs if (why := read_diagnostics(run)[1])]
     frame = tidy(runs)
     untempered = untempered_labels(frame)
     return Loaded(runs, repeats, incomplete, frame[~frame.label.isin(untempered)], untempered)

@@ -178,7 +178,7 @@ def report_markdown(tables: dict[TableKey, Table], loaded: Loaded) -> str:
     )
     if loaded.incomplete:
         markdown += (
-            "\nIncomplete or failed runs (not in the table):\n\n"
+            "\nIncomplete or failed runs, and files left out (not in the tables or figures):\n\n"
             + "\n".join(f"- `{run}`: {why}" for run, why in loaded.incomplete)
             + "\n"
         )
