@@ -221,3 +221,24 @@ def test_a_tokenizer_json_alone_starts_documents_with_its_end_of_text_as_a_file_
     _, from_file = external_tokenizer(str(tmp_path / "folder" / "tokenizer.json"))
     loaded, from_folder = external_tokenizer(str(tmp_path / "folder"))
     assert from_file == from_folder == 2 and loaded.encode("a b", add_special_tokens=False).ids == [1, 3]
+
+
+def test_a_folder_of_the_corpus_that_cannot_be_read_is_named_not_passed_over(tmp_path, monkeypatch):
+    """glob leaves out a folder it cannot list, and the documents in it: the corpus would shrink without a word. A
+    path that does not exist is said to be missing."""
+    (tmp_path / "sub").mkdir()
+    for folder in (tmp_path, tmp_path / "sub"):
+        (folder / "doc.txt").write_text("a document")
+    scandir = os.scandir
+
+    def unreadable(path="."):
+        if os.fspath(path) == str(tmp_path / "sub"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", unreadable)
+    message = rf"^data.corpus.path: the folder {tmp_path / 'sub'} cannot be read: Permission denied; fix or remove it$"
+    with pytest.raises(DataError, match=message):
+        list(TextFiles(str(tmp_path)).documents("train"))
+    with pytest.raises(DataError, match=rf"^data.corpus.path='{tmp_path / 'nowhere'}' does not exist"):
+        list(TextFiles(str(tmp_path / "nowhere")).documents("train"))

@@ -147,6 +147,11 @@ class TextFiles(Corpus):
 
     @functools.cached_property
     def files(self) -> list[str]:
+        if not glob.has_magic(self.path) and not os.path.exists(self.path):
+            raise DataError(f"data.corpus.path={self.path!r} does not exist: give a folder or glob of documents")
+        if os.path.isdir(self.path):  # glob passes over a folder it cannot read, and its documents with it
+            for _ in os.walk(self.path, onerror=_unreadable_folder):
+                pass
         pattern = os.path.join(self.path, "**", "*") if os.path.isdir(self.path) else self.path
         found = sorted(f for f in glob.glob(pattern, recursive=True) if f.endswith(DOCUMENT_FILES))
         if not found:
@@ -269,6 +274,10 @@ def _batches(source, column: str, file: str) -> Iterator:
             return
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"data.corpus.path: {file} cannot be read as Parquet ({e}); fix or remove it") from None
+
+
+def _unreadable_folder(error: OSError):
+    raise DataError(f"data.corpus.path: the folder {error.filename} cannot be read: {error.strerror}; fix or remove it")
 
 
 def _open(file: str):
