@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -250,6 +251,15 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_written(
     with pytest.raises(ConfigError, match=r"results.txt is a file, not a folder: give a folder path$"):
         export(checkpoint, str(a_file), force=True, cache_dir=cache_dir)
     assert a_file.read_text() == "mine"
+    run = tmp_path / "a_run"  # another run's folder: --force deleted its checkpoints (an audit found it)
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_text("weights")
+    with pytest.raises(ConfigError, match=r"a_run holds a lenext run.s checkpoints/last.ckpt: --force replaces an ex"):
+        export(checkpoint, str(run), force=True, cache_dir=cache_dir)
+    assert (run / "checkpoints" / "last.ckpt").read_text() == "weights"
+    shutil.rmtree(run)
+    with pytest.raises(ConfigError, match=r"^the export's folder is '' \(an unset variable\?\)"):
+        export(checkpoint, "", cache_dir=cache_dir)
     with pytest.raises(ConfigError, match=r"^--cache-dir .*results.txt cannot be the data cache \(.*is not a folder"):
         export(checkpoint, str(tmp_path / "e"), cache_dir=str(a_file))  # a traceback from deep in the data code
     with pytest.raises(ConfigError, match=r"^--architecture llama is invalid for this checkpoint: its blocks use "):

@@ -23,6 +23,7 @@ from lenext.errors import ConfigError, errors_in_one_line
 from lenext.export.native import NATIVE
 from lenext.export.remote import write_remote
 from lenext.model import Decoder
+from lenext.results import RESULTS_FILE
 
 ARCHITECTURES = ("auto", "remote", *NATIVE)
 # How far the exported model's logits may be from lenext's (relative, over the whole logits tensor): rounding only.
@@ -78,7 +79,10 @@ def exported_tokenizer(spec, cache_dir: str):
 def refuse_unsafe_folder(out: str, checkpoint: str, force: bool) -> Path:
     """The export's folder, resolved, refused in one line before any work where writing it would fail or lose
     something: inside a file, a link, the folder the command runs in (or one holding it), one holding the
-    checkpoint, a file (even with ``--force``), or one that holds something without ``--force``."""
+    checkpoint, a file (even with ``--force``), one that holds something without ``--force``, or a run's checkpoints or
+    results (even with ``--force``)."""
+    if not out.strip():
+        raise ConfigError("the export's folder is '' (an unset variable?): give a folder path")
     target = Path(out).resolve()
     if Path(out).is_symlink():
         raise ConfigError(f"{out} is a symbolic link: give the folder itself, or a new folder")
@@ -94,6 +98,12 @@ def refuse_unsafe_folder(out: str, checkpoint: str, force: bool) -> Path:
         raise ConfigError(f"{out} is a file, not a folder: give a folder path")
     if target.exists() and any(target.iterdir()) and not force:
         raise ConfigError(f"{out} exists and is not an empty folder: give a new folder, or --force to replace it")
+    held = next((p for p in target.rglob("*") if p.name == RESULTS_FILE or p.suffix == ".ckpt"), None)
+    if held:  # a run's checkpoints and results are never an export's to replace
+        raise ConfigError(
+            f"{out} holds a lenext run's {held.relative_to(target)}: --force replaces an export, not a run; give a "
+            "new folder"
+        )
     return target
 
 
