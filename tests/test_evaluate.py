@@ -539,8 +539,9 @@ def compose_eval(tmp_path, output_dir, ckpt, *overrides):
 
 
 def test_an_evaluation_into_a_training_runs_folder_is_refused_before_any_work(tmp_path):
-    """eval.py writes a results.json of its own: into a training run's folder it would replace the run's; into an
-    earlier evaluation's folder it may (ckpt= and hf= alike)."""
+    """eval.py writes a results.json of its own: into a training run's folder it would replace the run's, into
+    another model's evaluation's folder that evaluation's (an audit lost one so); into an earlier evaluation of the
+    same model's folder it may (ckpt= and hf= alike)."""
     run = tmp_path / "run"
     run.mkdir()
     trained = json.dumps({"complete": True, "meta": {"row": "rope", "seed": 0}, "rows": []})
@@ -548,7 +549,14 @@ def test_an_evaluation_into_a_training_runs_folder_is_refused_before_any_work(tm
     with pytest.raises(ConfigError, match=rf"^hydra.run.dir={run} holds a training run's results.json, which this "):
         evaluate_checkpoint(compose_eval(tmp_path, run, tmp_path / "missing.ckpt"))
     assert (run / "results.json").read_text() == trained
-    (run / "results.json").write_text(trained.replace('"seed": 0', '"seed": 0, "checkpoint": "/x.ckpt"'))
+    another = trained.replace('"seed": 0', '"seed": 0, "checkpoint": "/x.ckpt"')
+    (run / "results.json").write_text(another)
+    message = rf"^hydra.run.dir={run} holds the results of another model's evaluation \(/x.ckpt\), which this "
+    with pytest.raises(ConfigError, match=message):
+        evaluate_checkpoint(compose_eval(tmp_path, run, tmp_path / "missing.ckpt"))
+    assert (run / "results.json").read_text() == another
+    same = trained.replace('"seed": 0', f'"seed": 0, "checkpoint": "{tmp_path / "missing.ckpt"}"')
+    (run / "results.json").write_text(same)
     with pytest.raises(CheckpointError, match=r"^ckpt="):  # past the folder: the missing checkpoint is named
         evaluate_checkpoint(compose_eval(tmp_path, run, tmp_path / "missing.ckpt"))
 

@@ -368,7 +368,7 @@ def evaluate_hf(cfg: DictConfig) -> str:
     """eval.py hf=...: check every setting (``checked_hf``), load the model, check what needs it before reading the
     corpus, sweep, write results.json."""
     schema.check(cfg, EvalScriptSettings, EVAL_NODES)
-    refuse_a_training_runs_folder(cfg.paths.output_dir)
+    refuse_a_training_runs_folder(cfg.paths.output_dir, evaluated=("hf", cfg.hf))
     source, config, tokenizer, data_node, data, settings, plan = checked_hf(cfg)
     model = load_model(source, cfg.trust_remote_code, config)
     embeds = model.get_input_embeddings().num_embeddings

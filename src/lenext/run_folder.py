@@ -120,9 +120,12 @@ def completed_results(cfg: DictConfig) -> dict | None:
     return results
 
 
-def refuse_a_training_runs_folder(output_dir: str, key: str = "hydra.run.dir", folder: str | None = None) -> None:
+def refuse_a_training_runs_folder(
+    output_dir: str, key: str = "hydra.run.dir", folder: str | None = None, evaluated: tuple[str, str] | None = None
+) -> None:
     """An evaluation (eval.py's ckpt= or hf=) writes a results.json of its own: refused before any work where the
-    folder holds a training run's (one without ``meta.checkpoint`` or ``meta.hf``), which it would replace.
+    folder holds a training run's (one without ``meta.checkpoint`` or ``meta.hf``), which it would replace, or
+    (given ``evaluated``: ("checkpoint", its absolute path) or ("hf", the model as given)) another model's evaluation.
     ``key`` and ``folder``: the setting that chose the folder, and its value (a sweep's folder, above the job's)."""
     path = os.path.join(output_dir, RESULTS_FILE)
     try:
@@ -136,6 +139,14 @@ def refuse_a_training_runs_folder(output_dir: str, key: str = "hydra.run.dir", f
             f"{key}={folder or output_dir} holds a training run's {held}, which this evaluation would replace: "
             f"give it another folder ({key}=...)"
         )
+    if isinstance(meta, dict) and evaluated:
+        kind, model = evaluated
+        theirs = meta.get("checkpoint") if "checkpoint" in meta else (meta.get("hf") or {}).get("model")
+        if theirs != model:
+            raise ConfigError(
+                f"{key}={folder or output_dir} holds the results of another model's evaluation ({theirs}), which this "
+                f"evaluation of {kind} {model} would replace: give it another folder ({key}=...)"
+            )
 
 
 def record_command(cfg: DictConfig) -> None:
