@@ -645,3 +645,14 @@ def test_an_evaluation_without_curves_leaves_no_earlier_positions_file(tmp_path)
     assert (tmp_path / POSITIONS_FILE).exists()
     write_results(str(tmp_path), {}, [], [])
     assert not (tmp_path / POSITIONS_FILE).exists() and (tmp_path / "results.json").exists()
+
+
+def test_hf_settings_given_with_a_checkpoint_are_refused_not_ignored(tmp_path):
+    """context= and trust_remote_code= are an HF model's: with ckpt= they changed nothing, without a word (the
+    evaluation ran at the checkpoint's own L_train)."""
+    for given, named in (("context=64", "context=64"), ("trust_remote_code=true", "trust_remote_code=True")):
+        cfg = compose_eval(tmp_path, tmp_path / "out", tmp_path / "missing.ckpt", given)
+        with pytest.raises(ConfigError, match=rf"^{named} applies to hf= evaluations"):
+            evaluate_checkpoint(cfg)
+    with pytest.raises(ConfigError, match=r"^data= applies to hf= evaluations"):
+        evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "out", tmp_path / "missing.ckpt", "data=sotu"))

@@ -245,6 +245,9 @@ def evaluation_model(cfg: DictConfig, check_only: bool = False):
     (by the evaluation, and by an eval.py sweep for each job before the first starts: ``check_only``)."""
     if cfg.get("data"):
         raise ConfigError("data= applies to hf= evaluations: a checkpoint is evaluated on the data it was trained on")
+    hf_only = {"context": cfg.get("context"), "trust_remote_code": cfg.get("trust_remote_code")}
+    if given := [f"{key}={value}" for key, value in hf_only.items() if value not in (None, False)]:
+        raise ConfigError(f"{', '.join(given)} applies to hf= evaluations: a checkpoint's L_train and code are its own")
     return checkpoint_model(cfg, cfg.ckpt, check_only)
 
 
