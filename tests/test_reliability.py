@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -204,8 +205,14 @@ def test_non_finite_loss_stops_with_the_step_named():
     module.trainer = lightning.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
     with torch.no_grad():
         module.net.embedding.weight.fill_(float("nan"))
-    with pytest.raises(LenextError, match="at step 0.*last good checkpoint"):
-        module.training_step({"tokens": torch.randint(0, 50, (2, 9))}, 0)
+    with pytest.raises(LenextError, match="at step 0; the run stopped and it had written no checkpoint yet"):
+        module.training_step({"tokens": torch.randint(0, 50, (2, 9))}, 0)  # it named a last.ckpt there was not
+    with tempfile.TemporaryDirectory() as folder:
+        callback = lightning.pytorch.callbacks.ModelCheckpoint(dirpath=folder, save_last=True)
+        module.trainer = lightning.Trainer(logger=False, callbacks=[callback], enable_progress_bar=False)
+        open(os.path.join(folder, "last.ckpt"), "w").close()
+        with pytest.raises(LenextError, match="at step 0; the run stopped and its last good checkpoint is checkpoints"):
+            module.training_step({"tokens": torch.randint(0, 50, (2, 9))}, 0)
 
 
 PES = sorted(p.stem for p in (CONFIG_FOLDER / "pe").glob("*.yaml"))

@@ -294,9 +294,16 @@ class LanguageModel(L.LightningModule):
         )
         loss = scored_targets(self.net, batch, positions).mean()
         if not torch.isfinite(loss):
+            callback = self.trainer.checkpoint_callback
+            last = callback and callback.dirpath and os.path.join(callback.dirpath, "last.ckpt")
+            kept = (
+                "its last good checkpoint is checkpoints/last.ckpt"
+                if last and os.path.exists(last)
+                else ("it had written no checkpoint yet")
+            )
             raise NonFiniteLoss(
-                f"the training loss became {loss.item()} at step {self.global_step}; the run stopped and its "
-                "last good checkpoint is checkpoints/last.ckpt. Lower module.lr or try trainer.precision=32-true"
+                f"the training loss became {loss.item()} at step {self.global_step}; the run stopped and {kept}. "
+                "Lower module.lr or try trainer.precision=32-true"
             )
         self.log(TRAIN_LOSS, loss, prog_bar=True, sync_dist=True)  # the global batch's, not rank 0's share
         return loss
