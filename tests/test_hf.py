@@ -175,6 +175,14 @@ def test_what_cannot_be_evaluated_is_refused_in_one_line_before_any_work(tmp_pat
         ConfigError, match=r"^hf='.*model_only' holds no tokenizer transformers can load \(none of tokenizer.json, "
     ):
         evaluate_hf(compose_hf(tmp_path, small_text_corpus, tmp_path / "model_only"))
+    from transformers import AutoModelForCausalLM
+
+    # GPT-NeoX's weights without a tokenizer (a probe's export): transformers made an empty one, and every row of the
+    # results read "no windows"
+    AutoModelForCausalLM.from_config(tiny_config("gpt_neox")).save_pretrained(tmp_path / "neox_only")
+    with pytest.raises(ConfigError, match=r"^hf='.*neox_only' holds no tokenizer transformers can load \(none of "):
+        evaluate_hf(compose_hf(tmp_path, small_text_corpus, tmp_path / "neox_only"))
+    assert not (tmp_path / "out" / "results.json").exists()
     shutil.copytree(folder, tmp_path / "truncated")  # a download cut short: safetensors' own error, not a traceback
     weights = tmp_path / "truncated" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])

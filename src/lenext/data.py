@@ -507,6 +507,8 @@ def external_tokenizer(path: str, key: str = "data.tokenizer"):
         return tokenizer, start
     if not os.path.isdir(path):
         raise ConfigError(f"{where} does not exist: give a tokenizer.json or a Hugging Face tokenizer folder")
+    if not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):  # else transformers makes one
+        raise ConfigError(f"{where} holds no tokenizer transformers can load (none of {', '.join(TOKENIZER_FILES)})")
     from transformers import AutoTokenizer
 
     try:
@@ -514,10 +516,7 @@ def external_tokenizer(path: str, key: str = "data.tokenizer"):
     except (OSError, ValueError) as e:
         if "trust_remote_code" in str(e):
             raise ConfigError(f"{where}: its tokenizer's code is in the folder, which lenext does not run") from None
-        reason = first_line(e)
-        if not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
-            reason = f"none of {', '.join(TOKENIZER_FILES)}"
-        raise ConfigError(f"{where} holds no tokenizer transformers can load ({reason})") from None
+        raise ConfigError(f"{where} holds no tokenizer transformers can load ({first_line(e)})") from None
     if not loaded.is_fast:
         raise ConfigError(f"{where}: its tokenizer has no fast (tokenizers) version, which lenext tokenizes with")
     start = loaded.bos_token_id if loaded.bos_token_id is not None else loaded.eos_token_id
