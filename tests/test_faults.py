@@ -379,6 +379,10 @@ def test_report_skips_another_tools_results_and_says_so(tmp_path, capsys):
         (lambda r: r["meta"].update(identity={"eval.variants": 5}), "meta.identity.eval.variants"),
         (lambda r: r["rows"][0].update(rank_accuracy="high"), "rows[0].rank_accuracy"),
         (lambda r: r["meta"].update(hardware={"gpu": None}), "meta.hardware.cpu"),
+        # Values no evaluation writes (hand-edited files had been tabled: -5.00, "weird" as "-")
+        (lambda r: r["rows"][0].update(ppl=-5.0), "rows[0].ppl=-5.0 is outside [1, inf]"),
+        (lambda r: r["rows"][0].update(status="weird"), "rows[0].status='weird' is none of ok, no windows, not appl"),
+        (lambda r: r["rows"][0].update(exact_match=1.5), "rows[0].exact_match=1.5 is outside [0, 1]"),
     ],
 )
 def test_report_lists_a_results_file_it_cannot_read_as_lenexts(tmp_path, capsys, change, problem):
@@ -566,3 +570,14 @@ def test_a_relaunch_refused_for_its_settings_keeps_the_record_of_the_run_there(t
     assert "- eval.enabled=false" in (fresh / ".hydra" / "overrides.yaml").read_text().splitlines()
     assert "max_steps: 1" in (fresh / ".hydra" / "config.yaml").read_text()
     assert (fresh / ".hydra" / "hydra.yaml").read_text().startswith("hydra:\n")
+
+
+def test_a_results_file_marked_complete_by_anything_but_true_is_not_counted(tmp_path, capsys):
+    """``"complete": "yes"`` (hand-edited) was taken for a complete run."""
+    write_run(tmp_path / "0", "alibi", 0, {64: 20.0})
+    write_run(tmp_path / "1", "rope", 0, {64: 21.0})
+    results = json.loads((tmp_path / "1" / "results.json").read_text())
+    (tmp_path / "1" / "results.json").write_text(json.dumps({**results, "complete": "yes"}))
+    report_main([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert f"`{tmp_path / '1'}`: results.json not marked complete" in out and "| rope |" not in out

@@ -8,6 +8,7 @@ failed.
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import platform
 import subprocess
@@ -139,10 +140,21 @@ def not_lenext_results(results) -> str | None:
             **{f"rows[{i}].{m}": (row.get(m), (int, float, type(None))) for m in ("ppl", *ROW_METRICS)},
         }
     wrong = [key for key, (value, kind) in fields.items() if not isinstance(value, kind) or isinstance(value, bool)]
-    return f"{wrong[0]} is missing or of another type" if wrong else None
+    if wrong:
+        return f"{wrong[0]} is missing or of another type"
+    for i, row in enumerate(rows):
+        if row["status"] not in ROW_STATUSES:
+            return f"rows[{i}].status={row['status']!r} is none of {', '.join(ROW_STATUSES)}"
+        for metric in ("ppl", *ROW_METRICS):
+            value, (low, high) = row.get(metric), METRIC_RANGES.get(metric, (0, 1))
+            if value is not None and not math.isnan(value) and not low <= value <= high:  # NaN: a diverged run's
+                return f"rows[{i}].{metric}={value} is outside [{low}, {high}], where every {metric} lies"
+    return None
 
 
 ROW_METRICS = tuple(dict.fromkeys(metric for metrics in METRICS_OF.values() for metric in metrics))
+ROW_STATUSES = ("ok", "no windows", "not applicable")
+METRIC_RANGES = {"ppl": (1, math.inf)}  # exp of a mean of NLLs >= 0; the others are shares, in [0, 1]
 
 
 def optional_fields(meta: dict) -> dict:

@@ -92,7 +92,7 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
                 problem = not_lenext_results(results)
                 if problem:
                     incomplete.append((root, f"{RESULTS_FILE} is not lenext's ({problem})"))
-                elif results.get("complete"):
+                elif results.get("complete") is True:
                     complete.append((root, results))
                 else:
                     incomplete.append((root, f"{RESULTS_FILE} not marked complete"))
