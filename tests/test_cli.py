@@ -147,3 +147,14 @@ def test_a_library_errors_first_line_is_what_a_one_line_error_quotes():
 
     assert first_line(ValueError("Unknown split 'x'.\nShould be one of ...")) == "Unknown split 'x'."
     assert first_line(KeyError()) == "KeyError" and first_line(OSError("  ")) == "OSError"
+
+
+def test_a_value_for_a_node_of_settings_names_its_settings():
+    """eval.py's pe node holds the checkpoint's PE settings: pe=alibi read 'pe is not a setting of this config (did
+    you mean pe?)'."""
+    from lenext.cli import check_overrides
+    from lenext.errors import ConfigError
+
+    message = r"^pe is a node of settings here, not a config to choose: give them one by one \(pe.<setting>=...\); "
+    with pytest.raises(ConfigError, match=message + r"its settings: factor, scaling$"):
+        check_overrides("eval", ["ckpt=x.ckpt", "pe=alibi"])

@@ -222,6 +222,12 @@ def not_a_setting(config_name: str, overrides: list[str], error: Exception) -> C
     root = compose(config_name, overrides=rest)
     node = OmegaConf.select(root, path) if path else root
     known = sorted(k for k in node if k not in HYDRA_KEYS) if isinstance(node, DictConfig) else []
+    settings = OmegaConf.select(root, unknown.group(1)) if name in known else None
+    if isinstance(settings, DictConfig):  # pe=alibi to eval.py, whose pe node holds the checkpoint's PE settings
+        return ConfigError(
+            f"{unknown.group(1)} is a node of settings here, not a config to choose: give them one by one "
+            f"({unknown.group(1)}.<setting>=...); its settings: {', '.join(sorted(settings)) or 'none'}"
+        )
     return ConfigError(
         f"{unknown.group(1)} is not a setting of {path or 'this config'}{did_you_mean(name, known, path)}; "
         f"the settings there: {', '.join(known) or 'none'}"
