@@ -138,7 +138,7 @@ def test_corpus_with_an_empty_split_fails_before_tokenizing(tmp_path):
     (tmp_path / "only.txt").write_text("just one document")
     data = LMDataModule(TextFiles(str(tmp_path), holdout_every=3), cache_dir=str(tmp_path / "cache"))
     with pytest.raises(
-        DataError, match=r"no validation documents: check data.corpus \(of every data.corpus.holdout_every=3 documents"
+        DataError, match=r"no validation documents: check data.corpus \(data.corpus.path='.*': of every data.corpus.holdout_every=3 "
     ):
         data.load()
 

@@ -248,8 +248,8 @@ class TextFiles(Corpus):
 
     def empty_split_hint(self) -> str:
         return (
-            f" (of every data.corpus.holdout_every={self.holdout_every} documents, the last two are held out: give "
-            "more documents, or a smaller holdout_every, at least 3)"
+            f" (data.corpus.path={self.path!r}: of every data.corpus.holdout_every={self.holdout_every} documents, the "
+            "last two are held out: give more documents, or a smaller holdout_every, at least 3)"
         )
 
     def documents(self, split: str) -> Iterator[str]:
