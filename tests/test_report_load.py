@@ -275,3 +275,23 @@ def test_the_pe_family_and_display_name_come_from_the_pe(tmp_path, layout):
         (tmp_path / "0" / "results.json").write_text(json.dumps(results))
     frame = load([str(tmp_path)]).frame
     assert (set(frame.family), set(frame.display_name), set(frame.pe)) == ({"additive bias"}, {"T5"}, {"t5"})
+
+
+def test_a_run_made_before_a_setting_existed_pools_with_one_that_has_it_at_its_default(tmp_path):
+    """Seeds added to a study with a later lenext record settings the first ones predate (model.norm, drop_pe,
+    attention.qk_norm, the long-context protocols' eval.*): they read as the default that did what the code did
+    before, so the seeds pool. How the tokenizer was made (data.tokenizer, its sample) is told by the tokenizer's
+    id: the same id pools, another does not."""
+    t5_run(tmp_path / "old", 0, 64, {64: 30.0}, meta={"tokenizer": "sotu-v2048"})
+    added = {"model.norm": "layernorm", "drop_pe": False, "attention.qk_norm": False, "eval.key_gain": 2.0}
+    made = {"data.tokenizer": None, "data.tokenizer_sample_mb": 256}
+    t5_run(tmp_path / "new", 1, 64, {64: 32.0}, meta={"tokenizer": "sotu-v2048"}, **added, **made)
+    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
+    assert set(lines) - {"PE"} == {"t5"} and "| 31.00 ± 1.41 |" in lines["t5"]
+    t5_run(tmp_path / "other", 2, 64, {64: 40.0}, meta={"tokenizer": "sotu-v4096"}, **added, **made)
+    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
+    assert "t5 [data.tokenizer_id=sotu-v2048]" in lines and "t5 [data.tokenizer_id=sotu-v4096]" in lines
+    t5_run(tmp_path / "rms", 3, 64, {64: 50.0}, meta={"tokenizer": "sotu-v2048"}, **{**added, "model.norm": "rmsnorm"})
+    assert "t5 [model.norm=rmsnorm, data.tokenizer_id=sotu-v2048]" in table_lines(
+        report([str(tmp_path)], str(tmp_path / "out2"))
+    )

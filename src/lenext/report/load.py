@@ -15,10 +15,13 @@ import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from functools import cached_property
+from importlib import resources
 
 import pandas as pd
+from omegaconf import OmegaConf
 
 from lenext.attention import AttentionSettings
+from lenext.build import CONFIG_PACKAGE
 from lenext.diagnostics import DIAGNOSTICS_FILE
 from lenext.evaluate import EvalSettings
 from lenext.module import VAL_PPL, processes_trained
@@ -44,6 +47,18 @@ UNRECORDED = "?"  # a setting's value in a row label where the results file does
 DIAGNOSTICS_FOLDER = "diagnostics"  # <run>/diagnostics/diagnostics.json: diagnose.py's output for the run
 DIAGNOSE_LOG = "diagnose.log"  # diagnose.py's log: a folder holding it (and no results) is no run
 
+EVAL_DEFAULTS = OmegaConf.to_container(OmegaConf.load(resources.files(CONFIG_PACKAGE).joinpath("eval", "default.yaml")))
+# Settings added after results files were first written, at the value that does what the code did before them
+# (their default since): a file that predates one reads as having it, so its runs pool with later seeds of theirs.
+# Evaluation settings of the protocols added since change nothing the older files measured.
+SETTINGS_ADDED = {
+    **{f"attention.{field.name}": field.default for field in dataclasses.fields(AttentionSettings)},
+    **{f"eval.{key}": value for key, value in EVAL_DEFAULTS.items() if key.startswith(("key_", "haystack_"))},
+    "model.norm": "layernorm",
+    "drop_pe": False,
+}
+# How a run's tokenizer was made: its id (meta.tokenizer, from its content) says which it is, whatever made it.
+TOKENIZER_SETTINGS = ("data.tokenizer", "data.tokenizer_sample_mb")
 # Keys of results files written before variants had a generic name.
 OLD_ROW_KEYS = {"scaling": "variant", "rope_factor": "variant_factor"}
 OLD_POSITIONS_COLUMNS = {"scaling": "variant"}
@@ -204,6 +219,10 @@ def settings(meta: dict) -> dict:
         described = {key: value for key, value in identity.items() if key != "seed" and not key.startswith("pe.")}
         if described.get("data.seed") == meta["seed"]:  # data.seed defaults to ${seed}
             del described["data.seed"]
+        described = {**SETTINGS_ADDED, **described}
+        if meta.get("tokenizer"):
+            described = {key: v for key, v in described.items() if key not in TOKENIZER_SETTINGS}
+            described["data.tokenizer_id"] = meta["tokenizer"]
     else:
         described = flat_settings({"model": meta.get("model") or {}})
         described |= {"data.max_len": meta["train_len"], "tokens_trained": meta.get("tokens_trained")}
