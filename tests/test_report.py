@@ -454,7 +454,7 @@ def test_dynamic_ntk_rows_equal_to_ntk_by_construction_are_not_shown_twice(tmp_p
 
 
 def write_probe_run(folder, pe, seed, exact_by_length, train_len=32, task="copy", extra_rows=(), meta=None):
-    """A probe run's results: exact match and per-token accuracy (exact + 0.05) at each length, then
+    """A probe run's results: exact match and per-token accuracy (exact + 0.05, at most 1) at each length, then
     ``extra_rows`` (passkey's depth rows); ``meta`` adds to its meta's keys."""
     rows = [
         {
@@ -462,7 +462,7 @@ def write_probe_run(folder, pe, seed, exact_by_length, train_len=32, task="copy"
             "scaling": None,
             "length": length,
             "exact_match": exact,
-            "token_accuracy": exact + 0.05,
+            "token_accuracy": min(1.0, exact + 0.05),  # every token of an exact answer is right
             "status": "ok",
             "peak_mem_mb": 1.0,
         }
@@ -611,7 +611,7 @@ def test_a_probes_chance_level_comes_from_its_task_and_no_binomial_claim_is_made
     identity = {"data.symbols": 16, "data.pairs": 8, "data.digits": 5}
     for seed in range(2):
         rows = [{"protocol": "accuracy", "scaling": None, "length": n, "status": "ok", "exact_match": e,
-                 "token_accuracy": e + 0.02, "answers": 64} for n, e in ((32, 1.0), (64, 0.05))]  # fmt: skip
+                 "token_accuracy": min(1.0, e + 0.02), "answers": 64} for n, e in ((32, 1.0), (64, 0.05))]  # fmt: skip
         meta = {"pe": {"name": "rope"}, "pe_name": "rope", "train_len": 32, "seed": seed, "task": "copy"}
         os.makedirs(tmp_path / str(seed), exist_ok=True)
         with open(tmp_path / str(seed) / "results.json", "w") as f:

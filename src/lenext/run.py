@@ -254,7 +254,9 @@ def evaluation_model(cfg: DictConfig, check_only: bool = False):
 def evaluate_checkpoint(cfg: DictConfig) -> str:
     """eval.py: rebuild the model from a checkpoint, with its PE as eval.py changes it, sweep, write results."""
     schema.check(cfg, EvalScriptSettings, EVAL_NODES)
-    refuse_a_training_runs_folder(cfg.paths.output_dir, evaluated=("checkpoint", os.path.abspath(cfg.ckpt)))
+    refuse_a_training_runs_folder(
+        cfg.paths.output_dir, evaluated=cfg.ckpt and ("checkpoint", os.path.abspath(cfg.ckpt))
+    )
     spec, datamodule, net, checkpoint = evaluation_model(cfg)
     record_command(cfg)  # accepted: every check passed
     datamodule.load()
