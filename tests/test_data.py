@@ -230,12 +230,19 @@ def test_a_folder_of_the_corpus_that_cannot_be_read_is_named_not_passed_over(tmp
         (folder / "doc.txt").write_text("a document")
     scandir = os.scandir
 
+    (tmp_path / ".hidden").mkdir()  # glob's ** never reads a hidden folder: one that cannot be read is no error
+
     def unreadable(path="."):
-        if os.fspath(path) == str(tmp_path / "sub"):
+        if os.fspath(path) == str(tmp_path / ".hidden"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        if os.fspath(path) == str(tmp_path / "sub") and unread_sub:
             raise PermissionError(13, "Permission denied", os.fspath(path))
         return scandir(path)
 
+    unread_sub = False
     monkeypatch.setattr(os, "scandir", unreadable)
+    assert len(TextFiles(str(tmp_path)).files) == 2
+    unread_sub = True
     message = rf"^data.corpus.path: the folder {tmp_path / 'sub'} cannot be read: Permission denied; fix or remove it$"
     with pytest.raises(DataError, match=message):
         list(TextFiles(str(tmp_path)).documents("train"))

@@ -150,8 +150,8 @@ class TextFiles(Corpus):
         if not glob.has_magic(self.path) and not os.path.exists(self.path):
             raise DataError(f"data.corpus.path={self.path!r} does not exist: give a folder or glob of documents")
         if os.path.isdir(self.path):  # glob passes over a folder it cannot read, and its documents with it
-            for _ in os.walk(self.path, onerror=_unreadable_folder):
-                pass
+            for _, folders, _ in os.walk(self.path, onerror=_unreadable_folder):
+                folders[:] = [name for name in folders if not name.startswith(".")]  # hidden: glob's ** skips them
         pattern = os.path.join(self.path, "**", "*") if os.path.isdir(self.path) else self.path
         found = sorted(f for f in glob.glob(pattern, recursive=True) if f.endswith(DOCUMENT_FILES))
         if not found:

@@ -167,7 +167,7 @@ def completed_shards(folder: str, key: str) -> list[tuple[str, int, int, str]]:
         path = os.path.join(folder, name)
         if name in listed:
             shard = listed[name]
-            check_shard(folder, shard, key)
+            _checked_shard(folder, shard, key)
             done.append((path, shard["documents"], shard["tokens"], shard.get(CHECKSUM) or file_checksum(path)))
         else:
             table = read_shard(path, key)
@@ -254,7 +254,7 @@ def open_split(folder: str, key: str) -> "Split | None":
             f"{folder} holds {len(on_disk)}{which}: they must be shard-00000.arrow, shard-00001.arrow, ... in order, "
             f"each once; {_REMOVE.format(folder)}"
         )
-    tables = [check_shard(folder, shard, key) for shard in shards]
+    tables = [_checked_shard(folder, shard, key) for shard in shards]
     return Split([os.path.join(folder, s["file"]) for s in shards], key, tables)
 
 
@@ -279,7 +279,7 @@ def _listing(path: str, key: str) -> list[dict] | None:
     return shards
 
 
-def check_shard(folder: str, shard: dict, key: str) -> pa.Table:
+def _checked_shard(folder: str, shard: dict, key: str) -> pa.Table:
     """The shard a manifest lists as ``shard``, checked against its checksum, documents and tokens there."""
     path = os.path.join(folder, shard["file"])
     table = read_shard(path, key, shard.get(CHECKSUM))  # manifests before checksums were kept have none
