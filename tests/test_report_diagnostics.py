@@ -147,6 +147,11 @@ def test_diagnostics_of_another_run_or_unreadable_are_left_out_and_listed(diagno
     )
     frame = Summary(load([str(diagnosed)])).diagnostics
     assert set(frame[frame.label == "rope"].seeds) == {1} and set(frame[frame.label == "alibi"].seeds) == {1}
+    wider = diagnosed / "7"  # a row whose label names a setting: its diagnostics name the row alone, and pair
+    write_run(wider, "alibi", 0, {64: 21.0, 128: 20.0}, meta={"model": {"d_model": 64}})
+    write_diagnostics(wider, 0.0, {64: 0.0, 128: 0.0})
+    frame = Summary(load([str(diagnosed)])).diagnostics
+    assert "alibi [model.d_model=64]" in set(frame.label)
 
 
 def test_diagnostics_figure_draws_a_panel_per_statistic_in_the_pes_colours_with_computed_titles(diagnosed):

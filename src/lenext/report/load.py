@@ -124,13 +124,14 @@ def diagnose_output(files: list[str]) -> bool:
 def diagnostics_of(run: "Run") -> dict | None:
     """The run's attention diagnostics (``<run>/diagnostics/diagnostics.json``, written by ``python diagnose.py
     ckpt=<run> hydra.run.dir=<run>/diagnostics``), None where it has none or ``read_diagnostics`` leaves it out."""
-    return read_diagnostics(run)[0]
+    return run.diagnostics[0]
 
 
-def read_diagnostics(run: "Run") -> tuple[dict | None, str | None]:
-    """(the run's diagnostics, None) or (None, why they are left out: unreadable, not diagnose.py's, or of a
-    checkpoint of another row or L_train than the run's); (None, None) where it has none."""
-    file = os.path.join(run.folder, DIAGNOSTICS_FOLDER, DIAGNOSTICS_FILE)
+def read_diagnostics(folder: str, row: str, train_len: int) -> tuple[dict | None, str | None]:
+    """(the diagnostics of the run in ``folder``, None) or (None, why they are left out: unreadable, not
+    diagnose.py's, or of a checkpoint of another ``row`` or ``train_len`` than the run's); (None, None) where it has
+    none."""
+    file = os.path.join(folder, DIAGNOSTICS_FOLDER, DIAGNOSTICS_FILE)
     if not os.path.isfile(file):
         return None, None
     try:
@@ -141,10 +142,10 @@ def read_diagnostics(run: "Run") -> tuple[dict | None, str | None]:
     if not isinstance(result, dict) or not isinstance(result.get("meta"), dict) or "lengths" not in result:
         return None, f"{DIAGNOSTICS_FILE} is not diagnose.py's: left out"
     meta = result["meta"]
-    if (meta.get("row"), meta.get("train_len")) != (run.row, run.meta["train_len"]):
+    if (meta.get("row"), meta.get("train_len")) != (row, train_len):
         return None, (
             f"{DIAGNOSTICS_FILE} diagnoses {meta.get('checkpoint')} (row {meta.get('row')}, L_train "
-            f"{meta.get('train_len')}), not this run (row {run.row}, L_train {run.meta['train_len']}): left out"
+            f"{meta.get('train_len')}), not this run (row {row}, L_train {train_len}): left out"
         )
     return result, None
 
@@ -357,7 +358,13 @@ class Run:
         did not is kept out of every mean beyond L_train: what it does there measures nothing."""
         return self.accuracy_as_trained is None or self.accuracy_as_trained >= LEARNED_AT
 
-    @property
+    @cached_property
+    def diagnostics(self) -> tuple[dict | None, str | None]:
+        """Its attention diagnostics, or why they are left out (``read_diagnostics``): by its row's name, not its
+        label, which may name settings."""
+        return read_diagnostics(self.folder, self.meta["row"], self.meta["train_len"])
+
+    @cached_property
     def probe(self) -> Task | None:
         """A probe's task with the settings it ran with; None for text, or a file that does not record them."""
         identity, keys = self.meta.get("identity") or {}, ("data.symbols", "data.pairs", "data.digits")
@@ -650,7 +657,7 @@ def load(folders: list[str]) -> Loaded:
     not counted."""
     complete, incomplete = find_runs(folders)
     runs, repeats = runs_of(complete)
-    incomplete += [(run.folder, why) for run in runs if (why := read_diagnostics(run)[1])]
+    incomplete += [(run.folder, why) for run in runs if (why := run.diagnostics[1])]
     frame = tidy(runs)
     untempered = untempered_labels(frame)
     return Loaded(runs, repeats, incomplete, frame[~frame.label.isin(untempered)], untempered)
