@@ -39,7 +39,7 @@ from lenext.model import chunked_nll
 from lenext.pe.rope import TRANSFORMERS_ROPE_TYPES, self_extend_group
 from lenext.resolve import EVAL_NODES, EvalScriptSettings, flat_settings
 from lenext.results import environment, format_rows, write_results
-from lenext.run_folder import record_command, refuse_a_training_runs_folder
+from lenext.run_folder import record_command, refuse_results_it_would_replace
 
 SELF_EXTEND = "self_extend"  # lenext's grouped positions, through the model's attention (lenext.hf_self_extend)
 # A model's own rotary settings a scaling keeps (partial rotary, multimodal sections).
@@ -368,7 +368,7 @@ def evaluate_hf(cfg: DictConfig) -> str:
     """eval.py hf=...: check every setting (``checked_hf``), load the model, check what needs it before reading the
     corpus, sweep, write results.json."""
     schema.check(cfg, EvalScriptSettings, EVAL_NODES)
-    refuse_a_training_runs_folder(cfg.paths.output_dir, evaluated=("hf", cfg.hf))
+    refuse_results_it_would_replace(cfg.paths.output_dir, evaluated=("hf", cfg.hf))
     source, config, tokenizer, data_node, data, settings, plan = checked_hf(cfg)
     model = load_model(source, cfg.trust_remote_code, config)
     embeds = model.get_input_embeddings().num_embeddings

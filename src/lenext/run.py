@@ -35,7 +35,7 @@ from lenext.run_folder import (
     check_settings,
     completed_results,
     record_command,
-    refuse_a_training_runs_folder,
+    refuse_results_it_would_replace,
     refuse_resuming_on_other_processes,
     resolve_training,
     run_identity,
@@ -254,7 +254,7 @@ def evaluation_model(cfg: DictConfig, check_only: bool = False):
 def evaluate_checkpoint(cfg: DictConfig) -> str:
     """eval.py: rebuild the model from a checkpoint, with its PE as eval.py changes it, sweep, write results."""
     schema.check(cfg, EvalScriptSettings, EVAL_NODES)
-    refuse_a_training_runs_folder(
+    refuse_results_it_would_replace(
         cfg.paths.output_dir, evaluated=cfg.ckpt and ("checkpoint", os.path.abspath(cfg.ckpt))
     )
     spec, datamodule, net, checkpoint = evaluation_model(cfg)

@@ -120,7 +120,7 @@ def completed_results(cfg: DictConfig) -> dict | None:
     return results
 
 
-def refuse_a_training_runs_folder(
+def refuse_results_it_would_replace(
     output_dir: str, key: str = "hydra.run.dir", folder: str | None = None, evaluated: tuple[str, str] | None = None
 ) -> None:
     """An evaluation (eval.py's ckpt= or hf=) writes a results.json of its own: refused before any work where the
@@ -167,7 +167,7 @@ def record_command(cfg: DictConfig) -> None:
 
 class EvaluationFolders(Callback):
     """eval.py's run folder, or the job folders (``<sweep>/<job number>``) its sweep folder already holds, checked
-    before any job starts (``refuse_a_training_runs_folder``): a sweep into a training sweep's folder is refused
+    before any job starts (``refuse_results_it_would_replace``): a sweep into a training sweep's folder is refused
     before its first job, not job by job, each failed job writing its error.txt into a training run's folder."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -176,7 +176,7 @@ class EvaluationFolders(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = config.hydra.sweep.dir
         if OmegaConf.to_container(config.hydra.sweep)["subdir"] != "${hydra.job.num}":
-            return  # job folders named otherwise: each job checks its own (refuse_a_training_runs_folder)
+            return  # job folders named otherwise: each job checks its own (refuse_results_it_would_replace)
         for name in sorted(os.listdir(sweep)) if os.path.isdir(sweep) else []:
             if name.isdigit():  # a job folder of this sweep, by the default name
                 self._check(os.path.join(sweep, name), "hydra.sweep.dir", sweep)
@@ -184,7 +184,7 @@ class EvaluationFolders(Callback):
     @staticmethod
     def _check(*where: str) -> None:
         with errors_in_one_line():
-            refuse_a_training_runs_folder(*where)
+            refuse_results_it_would_replace(*where)
 
 
 def implied_identity(meta: dict, cfg: DictConfig) -> dict:
