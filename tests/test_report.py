@@ -267,6 +267,29 @@ def test_rows_tied_for_the_best_are_all_bold_and_the_others_are_tested_against_e
     assert "**" not in markdown.split("| PE")[1] and " ~" not in markdown and "† |" not in markdown
 
 
+def test_rows_measured_on_other_text_are_shown_but_none_is_marked_best(tmp_path):
+    """A perplexity per token of another corpus, tokenizer or split is another quantity: such rows share a table
+    (each labelled by its setting) with no best and no ~; an older file, which records its split alone, ranks
+    beside a newer one on that split."""
+    sotu = {"data.corpus._target_": "lenext.data.Sotu", "data.tokenizer_id": "sotu-v512"}
+    own = {"data.corpus._target_": "lenext.data.TextFiles", "data.tokenizer_id": "files-v512"}
+    for job, (pe, identity, ppl) in enumerate([("alibi", sotu, 20.0), ("rope", own, 30.0), ("rope", sotu, 25.0)]):
+        for seed in (0, 1):
+            meta = {"identity": {"model.d_model": 64, **identity}, "split": "validation"}
+            write_run(tmp_path / "mixed" / f"{job}_{seed}", pe, seed, {64: ppl + seed}, meta=meta)
+    markdown = report([str(tmp_path / "mixed")], str(tmp_path / "out"))
+    assert "rows measured on different text (another corpus, tokenizer or split): no best marked" in markdown
+    lines = [line for line in markdown.splitlines() if line.startswith("| ") and " ± " in line]
+    assert len(lines) == 3 and "**" not in "".join(lines) and " ~" not in "".join(lines)
+    assert not pd.read_csv(tmp_path / "out" / "table.csv").best.any()
+
+    write_run(tmp_path / "older" / "0", "nope", 0, {64: 40.0}, meta={"split": "validation"})  # no identity
+    kept = report(
+        [str(tmp_path / "mixed" / f"0_{seed}") for seed in (0, 1)] + [str(tmp_path / "older")], str(tmp_path / "o2")
+    )
+    assert "**20.50 ± 0.71**" in kept
+
+
 def test_a_temperature_row_fitted_to_c_0_in_every_seed_is_neither_tabled_nor_drawn_twice(tmp_path):
     """c = 0 makes beta = 1: the row equals the PE as trained. A row with c = 0 in only some seeds is kept whole (its
     mean over every seed), or it would average the seeds with c > 0 alone."""

@@ -59,6 +59,9 @@ SETTINGS_ADDED = {
 }
 # How a run's tokenizer was made: its id (meta.tokenizer, from its content) says which it is, whatever made it.
 TOKENIZER_SETTINGS = ("data.tokenizer", "data.tokenizer_sample_mb")
+# The settings that say which text a run was measured on: values on other text (another corpus, tokenizer or split)
+# are not comparable.
+TEXT_SETTINGS = ("data._target_", "data.corpus", "data.tokenizer", "split")
 # Keys of results files written before variants had a generic name.
 OLD_ROW_KEYS = {"scaling": "variant", "rope_factor": "variant_factor"}
 OLD_POSITIONS_COLUMNS = {"scaling": "variant"}
@@ -287,6 +290,12 @@ class Run:
     def group(self) -> str:
         """The settings as one string: the key runs are pooled by."""
         return json.dumps(self.settings, sort_keys=True, default=str)
+
+    @cached_property
+    def text(self) -> str:
+        """The text its rows measure, as one string: its corpus, tokenizer and split (``TEXT_SETTINGS``)."""
+        measured = {key: value for key, value in self.settings.items() if key.startswith(TEXT_SETTINGS)}
+        return json.dumps(measured, sort_keys=True, default=str)
 
     @property
     def seed(self) -> int:
@@ -527,7 +536,7 @@ COLUMNS = (
     *("run", "group", "row", "label", "pe", "positions", "attention", "base", "method", "stage_len", "root"),
     *("extension_method", "family", "display_name", "task", "train_len", "seed", "protocol", "variant", "metric"),
     *("length", "depth", "value", "answers", "chance", "status", "counted", "peak_mem_mb", "train_tokens_per_s"),
-    *("accuracy_as_trained", "own_train_len", "machine", "temperature_c", "evaluator"),
+    *("accuracy_as_trained", "own_train_len", "machine", "temperature_c", "evaluator", "text"),
 )
 FLOAT_COLUMNS = (
     *("depth", "value", "answers", "chance", "peak_mem_mb", "train_tokens_per_s", "accuracy_as_trained"),
@@ -552,7 +561,7 @@ def tidy(runs: list[Run]) -> pd.DataFrame:
     ``counted`` (whether means count it: ``Run.learned``, or within the run's own training length), ``peak_mem_mb``,
     ``train_tokens_per_s``, ``accuracy_as_trained``, ``own_train_len`` (the run's own training length, where that
     accuracy is measured: a PoSE stage's is the first stage's, not its target), ``machine``, ``temperature_c`` (a
-    temperature row's fitted c), ``evaluator`` (a key-token row's: null, the model itself)."""
+    temperature row's fitted c), ``evaluator`` (a key-token row's: null, the model itself), ``text`` (``Run.text``)."""
     records = []
     for run in runs:
         fields, meta = run.fields, run.meta
@@ -594,6 +603,7 @@ def tidy(runs: list[Run]) -> pd.DataFrame:
                         "machine": run.machine,
                         "temperature_c": row.get("temperature_c"),
                         "evaluator": row.get("evaluator"),
+                        "text": run.text,
                     }
                 )
     frame = pd.DataFrame.from_records(records, columns=COLUMNS)

@@ -1,6 +1,7 @@
 """Statistics over the tidy frame (``lenext.report.load.tidy``), by group-by: the tables' cells, and the data the
 per-position, adaptation and depth (passkey, haystack) figures draw. The rules are the package's (``lenext.report``)."""
 
+import json
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -211,14 +212,25 @@ def _table(key: TableKey, records: pd.DataFrame) -> Table:
 
 def unranked_because(key: TableKey, records: pd.DataFrame) -> str:
     """Why a table's rows cannot be ranked, as its heading says it ("" where they can): its metric has no direction,
-    or it is a key-token perplexity of rows that picked their own key tokens (no common evaluator: each is below
-    e^max_nll by construction, over a set of its own; docs/evaluation.md)."""
+    its rows were measured on different text (``Run.text``: a perplexity per token of another tokenizer, corpus or
+    split is another quantity), or it is a key-token perplexity of rows that picked their own key tokens (no common
+    evaluator: each is below e^max_nll by construction, over a set of its own; docs/evaluation.md)."""
     if not METRICS[key.metric].ranked:
         return "describes the rows"
+    if not one_text(records.text.unique()):
+        return "rows measured on different text (another corpus, tokenizer or split)"
     evaluators = records.evaluator
     if key.protocol == KeyTokens.name and key.metric == "ppl" and (evaluators.isna().any() or evaluators.nunique() > 1):
         return "each row over key tokens of its own choosing (no common eval.key_evaluator)"
     return ""
+
+
+def one_text(texts) -> bool:
+    """Whether runs' ``Run.text`` say they measured the same text: no setting of it differs among the runs that
+    record it (an older results file records its split alone)."""
+    recorded = [json.loads(text) for text in texts]
+    keys = {key for text in recorded for key in text}
+    return all(len({json.dumps(text[key], default=str) for text in recorded if key in text}) <= 1 for key in keys)
 
 
 def _best(means: pd.Series, higher_is_better: bool | None) -> tuple[str, ...]:
