@@ -346,6 +346,12 @@ def test_checkpoint_evaluation_matches_training_validation_and_writes_documented
     assert base["meta"]["pe"]["base"] == 2 and base["rows"][0]["status"] == "ok"
     evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "fit", ckpt, "eval.lengths=[32]", "split=train"))
     assert json.loads((tmp_path / "fit" / "results.json").read_text())["meta"]["split"] == "train"
+    # A run folder is read as its last.ckpt, which the results name: as eval.py given that file.
+    evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "folder", tmp_path, "eval.lengths=[32]", "split=train"))
+    by_folder = json.loads((tmp_path / "folder" / "results.json").read_text())
+    assert by_folder["meta"]["checkpoint"] == str(ckpt)
+    fit_rows = json.loads((tmp_path / "fit" / "results.json").read_text())["rows"]
+    assert [r["ppl"] for r in by_folder["rows"]] == [r["ppl"] for r in fit_rows]
     # A checkpoint from before the `train` node (positions) and the stored RunSpec existed evaluates at 0..L-1.
     old = torch.load(ckpt, map_location="cpu", weights_only=False)
     config = old["hyper_parameters"].pop("run")["config"]
@@ -656,3 +662,22 @@ def test_hf_settings_given_with_a_checkpoint_are_refused_not_ignored(tmp_path):
             evaluate_checkpoint(cfg)
     with pytest.raises(ConfigError, match=r"^data= applies to hf= evaluations"):
         evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "out", tmp_path / "missing.ckpt", "data=sotu"))
+
+
+def test_a_folder_given_for_a_checkpoint_is_its_last_ckpt_or_its_only_one_else_refused(tmp_path):
+    """eval.py, diagnose.py, init_from= and eval.key_evaluator take a run folder as the checkpoint in it: last.ckpt
+    (in it or one level down), else its one .ckpt; a folder of none, or of several and no last.ckpt, is named."""
+    from lenext.checkpoints import checkpoint_file
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"^ckpt='.*run' is a folder without a checkpoint \(no \*.ckpt in it"):
+        checkpoint_file(str(run))
+    (run / "checkpoints" / "best.ckpt").write_bytes(b"")
+    assert checkpoint_file(str(run)) == str(run / "checkpoints" / "best.ckpt")
+    (run / "checkpoints" / "step=10.ckpt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"^init_from='.*run' holds several checkpoints and no one last.ckpt"):
+        checkpoint_file(str(run), "init_from")
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert checkpoint_file(str(run)) == str(run / "checkpoints" / "last.ckpt")
+    assert checkpoint_file(str(run / "checkpoints" / "best.ckpt")) == str(run / "checkpoints" / "best.ckpt")

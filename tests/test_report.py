@@ -124,6 +124,13 @@ def test_a_results_file_given_for_a_folder_is_named_not_out(sweep_dir):
         main([str(results)])
 
 
+def test_an_empty_out_is_refused_before_any_work(sweep_dir):
+    """``--out $DIR`` with DIR empty: not the default folder in silence."""
+    with pytest.raises(SystemExit, match=r"^error: --out='' is invalid: give the folder"):
+        main([str(sweep_dir), "--out", ""])
+    assert not (sweep_dir / "report").exists()
+
+
 def test_a_model_lenext_did_not_train_names_its_machine_without_a_precision(tmp_path):
     write_run(tmp_path / "0", "rope", 0, {64: 20.0}, hardware={**HARDWARE, "training_precision": None})
     assert load([str(tmp_path)]).runs[0].machine == "AMD EPYC (AVX512_BF16, 2 cores)"

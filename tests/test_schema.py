@@ -203,7 +203,9 @@ def test_what_lightning_accepts_passes_the_preflight(override, tmp_path):
 
 
 def test_eval_without_a_checkpoint_says_to_give_one(tmp_path):
-    with pytest.raises(ConfigError, match=r"^ckpt is required: pass a .ckpt file from a training run, or hf=<model"):
+    with pytest.raises(
+        ConfigError, match=r"^ckpt is required: pass a run folder or a .ckpt file from a training run, or hf=<model"
+    ):
         evaluate_checkpoint(compose_with("eval", [], tmp_path))
 
 

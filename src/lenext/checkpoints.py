@@ -17,19 +17,34 @@ from lenext.resolve import resolve, stored_pe_name
 from lenext.spec import RunSpec, Stage
 
 
+def checkpoint_file(path: str, key: str | None = "ckpt") -> str:
+    """The .ckpt ``path`` names: the file itself, or in a run folder its last.ckpt (in it or one level down, where
+    a run keeps it), else the folder's one .ckpt; a CheckpointError (naming it as ``key``=path) where a folder holds
+    none, or several and no last.ckpt."""
+    if not path or not os.path.isdir(path):
+        return path
+    named = f"{key}={path!r}" if key else path
+    found = sorted(glob.glob(os.path.join(path, "*.ckpt")) + glob.glob(os.path.join(path, "*", "*.ckpt")))
+    last = [file for file in found if os.path.basename(file) == "last.ckpt"]
+    if len(last) == 1 or len(found) == 1:
+        return (last or found)[0]
+    if not found:
+        raise CheckpointError(f"{named} is a folder without a checkpoint (no *.ckpt in it or one level down)")
+    raise CheckpointError(f"{named} holds several checkpoints and no one last.ckpt: pass one of {', '.join(found)}")
+
+
 def load_checkpoint(path: str, key: str | None = "ckpt") -> dict:
-    """The checkpoint dict, or a CheckpointError that says what is wrong with the file (named as ``key``=path)."""
+    """The checkpoint dict of ``path`` (a .ckpt or a run folder: ``checkpoint_file``), or a CheckpointError that
+    says what is wrong with the file (named as ``key``=path)."""
     named = f"{key}={path!r}" if key else path
     if key == "ckpt" and not path:
-        raise ConfigError("ckpt is required: pass a .ckpt file from a training run, or hf=<model folder>")
-    if path and os.path.isdir(path):
-        found = sorted(glob.glob(os.path.join(path, "*.ckpt")) + glob.glob(os.path.join(path, "*", "*.ckpt")))
-        found.sort(key=lambda file: os.path.basename(file) != "last.ckpt")  # a run's last checkpoint first
-        inside = f" (it holds {found[0]}{' and others' if len(found) > 1 else ''})" if found else " (it holds none)"
-        raise CheckpointError(f"{named} is a folder, not a checkpoint: pass a .ckpt file{inside}")
+        raise ConfigError(
+            "ckpt is required: pass a run folder or a .ckpt file from a training run, or hf=<model folder>"
+        )
+    path = checkpoint_file(path, key)
     if not path or not os.path.isfile(path):
         raise CheckpointError(
-            f"{named} does not exist: pass the path of a .ckpt file from a training run "
+            f"{named} does not exist: pass a run folder or the path of a .ckpt file from a training run "
             "(logs/train/runs/<time>/checkpoints/last.ckpt)"
         )
     try:

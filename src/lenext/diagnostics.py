@@ -22,7 +22,6 @@ of the tokens w_1..w_{h-1} at their first occurrence and at the repeat, h positi
 difference, nats per token: near 0 for a model without induction heads, large for one that copies.
 """
 
-import glob
 import json
 import logging
 import math
@@ -41,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lenext import schema
 from lenext.attention import recording
-from lenext.errors import CheckpointError, ConfigError, LengthNotSupported
+from lenext.errors import ConfigError, LengthNotSupported
 from lenext.files import atomic_path, write_atomic
 from lenext.hardware import Precision, precision_autocast
 from lenext.pe.base import PositionalEncoding
@@ -328,19 +327,6 @@ class DiagnoseSettings:
     precision: Precision | None  # null: 32-true (exact statistics), on any device
 
 
-def checkpoint_file(path: str | None) -> str:
-    """The .ckpt to read: ``path`` itself, or in a run folder its last.ckpt (else its only or first .ckpt)."""
-    if not path:
-        raise ConfigError("ckpt is required: pass a run folder or a .ckpt file of train.py (ckpt=<path>)")
-    if os.path.isdir(path):
-        found = sorted(glob.glob(os.path.join(path, "*.ckpt")) + glob.glob(os.path.join(path, "*", "*.ckpt")))
-        found.sort(key=lambda file: os.path.basename(file) != "last.ckpt")
-        if not found:
-            raise CheckpointError(f"ckpt={path!r} is a folder without a checkpoint (no *.ckpt in it or one level down)")
-        return found[0]
-    return path
-
-
 # The eval.py keys ``evaluation_config`` sets, and this command's keys that give them.
 EVALUATION_KEYS = {
     "lengths": "lengths",
@@ -388,10 +374,13 @@ def diagnosed_model(cfg: DictConfig, check_only: bool = False):
     """(checkpoint file, and ``lenext.run.checkpoint_model``'s spec, data module, model and checkpoint) of
     diagnose.py's config, every setting checked before any work (by the diagnosis, and by a diagnose.py sweep for
     each job before the first starts: ``check_only``)."""
+    from lenext.checkpoints import checkpoint_file
     from lenext.resolve import EVAL_NODES
     from lenext.run import checkpoint_model
 
     schema.check(cfg, DiagnoseSettings, {k: v for k, v in EVAL_NODES.items() if k in ("paths", "pe")})
+    if not cfg.ckpt:
+        raise ConfigError("ckpt is required: pass a run folder or a .ckpt file of train.py (ckpt=<path>)")
     path = checkpoint_file(cfg.ckpt)
     try:
         return (path, *checkpoint_model(evaluation_config(cfg), path, check_only))

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lenext import schema
 from lenext.attention.flex import fresh_compile_state
 from lenext.build import build_module, build_net, hydra_config, instantiate, unsharded
-from lenext.checkpoints import load_checkpoint, net_state, stored_spec
+from lenext.checkpoints import checkpoint_file, load_checkpoint, net_state, stored_spec
 from lenext.errors import ConfigError, Stopped
 from lenext.evaluate import sweep
 from lenext.files import atomic_path
@@ -254,15 +254,16 @@ def evaluation_model(cfg: DictConfig, check_only: bool = False):
 def evaluate_checkpoint(cfg: DictConfig) -> str:
     """eval.py: rebuild the model from a checkpoint, with its PE as eval.py changes it, sweep, write results."""
     schema.check(cfg, EvalScriptSettings, EVAL_NODES)
+    checkpoint_path = checkpoint_file(cfg.ckpt)  # a run folder: its last.ckpt
     refuse_results_it_would_replace(
-        cfg.paths.output_dir, evaluated=cfg.ckpt and ("checkpoint", os.path.abspath(cfg.ckpt))
+        cfg.paths.output_dir, evaluated=checkpoint_path and ("checkpoint", os.path.abspath(checkpoint_path))
     )
     spec, datamodule, net, checkpoint = evaluation_model(cfg)
     record_command(cfg)  # accepted: every check passed
     datamodule.load()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     identity = run_identity(OmegaConf.create(spec.config), FINISHED_IDENTITY)
-    extra = {"checkpoint": os.path.abspath(cfg.ckpt), "identity": identity}
+    extra = {"checkpoint": os.path.abspath(checkpoint_path), "identity": identity}
     # tokens_trained: absent from checkpoints written before it was kept
     path = evaluate_and_write(spec, net.to(device), datamodule, cfg.split, checkpoint.get("tokens_trained"), cfg, extra)
     trained_in = training_precision(spec)

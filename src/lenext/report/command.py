@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"error: {folder!r} is a file, not a folder: give the run folder that holds it "
                 f"({os.path.dirname(os.path.abspath(folder))}), a multirun folder or run folders"
             )
+    if args.out is not None and not args.out.strip():  # an unset shell variable, most likely
+        raise SystemExit("error: --out='' is invalid: give the folder to write the report to, or leave --out out")
     out = args.out or os.path.join(args.folders[0], "report")
     problem = unwritable(out)
     if problem:
