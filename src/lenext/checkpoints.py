@@ -103,8 +103,10 @@ class Base:
 
 
 def read_base(path: str) -> Base:
-    """The base checkpoint ``init_from``, refused in one line if unreadable."""
+    """The base checkpoint ``init_from`` (a .ckpt or a run folder), refused in one line if unreadable; its stage
+    names the file read."""
     checkpoint = load_checkpoint(path, "init_from")
     spec = stored_spec(checkpoint, f"init_from={path}")
     steps, tokens = checkpoint.get("global_step", 0), checkpoint.get("tokens_trained")
-    return Base(spec, spec.as_stage(os.path.abspath(path), steps, tokens), net_state(checkpoint))
+    stage = spec.as_stage(os.path.abspath(checkpoint_file(path, "init_from")), steps, tokens)
+    return Base(spec, stage, net_state(checkpoint))
