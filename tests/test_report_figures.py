@@ -457,3 +457,33 @@ def test_a_near_constant_axis_is_kept_at_or_above_the_least_value_its_quantity_t
     assert flat.get_ylim() == pytest.approx((0.98, 1.02)) and floored.get_ylim() == pytest.approx((1.0, 1.04))
     assert share.get_ylim() == pytest.approx((0.96, 1.0))
     figures.pyplot().close(fig)
+
+
+def test_a_point_of_an_adaptation_curve_pooling_fewer_seeds_is_named_in_its_legend(tmp_path):
+    """Step 0 logged by one seed of three (runs made before it was logged beside later ones): its mean is that
+    seed's, and the legend says so; a curve whose every point pools all its seeds adds nothing."""
+    from tests.test_report import second_stage
+
+    for seed in range(3):
+        for job, pe in enumerate(("rope", "alibi"), start=2 * seed):  # the sweep's order: rope first
+            folder = tmp_path / str(job)
+            write_run(folder, pe, seed, {64: 5.0, 256: 4.0}, train_len=256, meta=second_stage(pe, "direct"))
+            (folder / "csv").mkdir()
+            before = "-1,9.0\n" if seed == 2 and pe == "rope" else ""  # rope: step 0 of its last seed alone
+            curve = "49,3.0\n99,2.0\n" if pe == "rope" else "49,4.0\n99,2.5\n"
+            (folder / "csv" / "metrics.csv").write_text(f"step,val/ppl\n{before}{curve}")
+    summary = summary_of(tmp_path)
+    rope = summary.adaptation[summary.adaptation.row == "rope -> direct@256"]
+    assert list(rope.step) == [0, 50, 99] and list(rope.seeds) == [1, 3, 3]  # drawn in order of steps
+    assert list(summary.adaptation.row.unique()) == ["rope -> direct@256", "alibi -> direct@256"]
+    fig = figures.adaptation(summary)
+    names = {row_of(entry): entry for _, entry, *_ in drawn_lines(fig)}
+    # The title compares the curves where all have a value: not rope's step 0 against alibi's step 50.
+    (title,) = [" ".join(ax.get_title().split()) for ax in fig.axes if ax.get_title()]
+    assert title.endswith(
+        "rope -> direct@256 lowest at step 50 (3.00), alibi -> direct@256 highest (4.00); 0.50 apart at step 99"
+    )
+    assert names == {
+        "rope -> direct@256": "rope -> direct@256 [1 seed at step 0]",
+        "alibi -> direct@256": "alibi -> direct@256",
+    }

@@ -1038,7 +1038,9 @@ def adaptation(summary: Summary):
             section.append(drawn)
     note, marks = seed_marks(frame.groupby("row").seeds.max(), "mean ± std")
     for drawn in section:
-        drawn.names = {row: row + marks.get(row, "") for row in drawn.panel.labels}
+        drawn.names = {
+            row: row + marks.get(row, "") + fewer_seeds_mark(frame[frame.row == row]) for row in drawn.panel.labels
+        }
     note += "; a stage validates at its own training length (L' at full length, L_train for PoSE)"
     fig, placed = panel_grid([section], note)
     for ax, drawn in placed:
@@ -1057,13 +1059,35 @@ def adaptation(summary: Summary):
     return fig
 
 
+def fewer_seeds_mark(curve: pd.DataFrame) -> str:
+    """What a row's legend entry adds where some of its points pool fewer seeds than the rest (a validation some
+    seeds did not log, such as step 0 of runs made before it was logged): `` [2 seeds at step 0]``."""
+    fewer = curve[curve.seeds < curve.seeds.max()]
+    if fewer.empty:
+        return ""
+    counts = "/".join(str(n) for n in sorted(fewer.seeds.unique()))
+    where = f"step {int(fewer.step.iloc[0])}" if len(fewer) == 1 else f"{len(fewer)} of its steps"
+    return f" [{counts} seed{'s' * (counts != '1')} at {where}]"
+
+
 def adaptation_takeaway(curves: dict[str, pd.DataFrame]) -> str:
-    """The lowest and highest validation perplexity at the first step logged, and their spread at the last; or
-    that every curve is at one value (to two decimals)."""
-    first = pd.Series({row: curve["mean"].iloc[0] for row, curve in curves.items()})
-    last = pd.Series({row: curve["mean"].iloc[-1] for row, curve in curves.items()})
-    start = min(int(curve.step.iloc[0]) for curve in curves.values())
-    end = max(int(curve.step.iloc[-1]) for curve in curves.values())
+    """The lowest and highest validation perplexity at the first step every curve logged, and their spread at the
+    last such step (each curve's first and last where they share none); or that every curve is at one value (to two
+    decimals)."""
+    steps = [set(curve.step) for curve in curves.values()]
+    shared = sorted(set.intersection(*steps))
+    start, end = (shared[0], shared[-1]) if shared else (min(map(min, steps)), max(map(max, steps)))
+
+    def at(step, fallback: int) -> pd.Series:
+        return pd.Series(
+            {
+                row: curve["mean"][curve.step == step].iloc[0] if shared else curve["mean"].iloc[fallback]
+                for row, curve in curves.items()
+            }
+        )
+
+    first, last = at(start, 0), at(end, -1)
+    start, end = int(start), int(end)
     every = pd.concat([curve["mean"] for curve in curves.values()])
     if round(every.min(), 2) == round(every.max(), 2):
         return f"every curve at {every.min():.2f} from step {start} on: validation does not tell them apart"

@@ -363,7 +363,12 @@ def adaptation(runs: list[Run]) -> pd.DataFrame:
     if not records:
         return pd.DataFrame()
     grouped = pd.DataFrame(records).groupby(["train_len", "val_len", "row", "step"], sort=False)
-    return grouped.agg(mean=("ppl", seed_mean), std=("ppl", seed_std), seeds=("ppl", "size")).reset_index()
+    curves = grouped.agg(mean=("ppl", seed_mean), std=("ppl", seed_std), seeds=("ppl", "size")).reset_index()
+    # Each row's steps in order, the rows in the sweep's: a step only a later seed logged (step 0) came last
+    first_seen = {row: index for index, row in enumerate(curves.row.unique())}
+    return curves.sort_values(["row", "step"], key=lambda c: c.map(first_seen) if c.name == "row" else c).reset_index(
+        drop=True
+    )
 
 
 DEPTH_KEY = ["name", "protocol", "metric", "train_len", "label", "depth", "length"]
