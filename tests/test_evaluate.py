@@ -430,12 +430,14 @@ def test_an_override_that_changes_the_pes_weights_is_refused_before_the_corpus_l
     assert not (tmp_path / "eval").exists()
     # A sweep's check of each job (check_only) refuses it alike, building the model on the meta device: its
     # parameters are the checkpoint's tensors, with no memory or initialization of their own (1B: 17 s saved a job)
-    from lenext.run import evaluation_model
+    from lenext.run import checkpoint_model
 
     with pytest.raises(ConfigError, match=r"^pe.num_buckets: the checkpoint's weights do not fit the PE built with it"):
-        evaluation_model(eval_config, check_only=True)
+        checkpoint_model(eval_config, eval_config.ckpt, check_only=True)
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
-    _, _, net, checkpoint = evaluation_model(compose_eval(tmp_path, tmp_path / "eval", ckpt), check_only=True)
+    _, _, net, checkpoint = checkpoint_model(
+        compose_eval(tmp_path, tmp_path / "eval", ckpt), str(ckpt), check_only=True
+    )
     state = net_state(checkpoint)
     assert all(p.data_ptr() == state[name].data_ptr() for name, p in net.named_parameters())
 
@@ -660,8 +662,9 @@ def test_hf_settings_given_with_a_checkpoint_are_refused_not_ignored(tmp_path):
         cfg = compose_eval(tmp_path, tmp_path / "out", tmp_path / "missing.ckpt", given)
         with pytest.raises(ConfigError, match=rf"^{named} applies to hf= evaluations"):
             evaluate_checkpoint(cfg)
-    with pytest.raises(ConfigError, match=r"^data= applies to hf= evaluations"):
-        evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "out", tmp_path / "missing.ckpt", "data=sotu"))
+    for data in ("sotu", "synthetic"):  # synthetic's data.seed is ${seed}, which eval.py's config has not: said first
+        with pytest.raises(ConfigError, match=r"^data= applies to hf= evaluations"):
+            evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "out", tmp_path / "missing.ckpt", f"data={data}"))
 
 
 def test_a_folder_given_for_a_checkpoint_is_its_last_ckpt_or_its_only_one_else_refused(tmp_path):

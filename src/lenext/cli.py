@@ -49,7 +49,7 @@ from lenext.lock import launched_by_another_process, remove_unused_folder
 from lenext.progress import sweep_grid
 from lenext.resolve import EVAL_NODES, RENAMED_KEYS, TRAIN_NODES, EvalScriptSettings, TrainSettings
 from lenext.results import ERROR_FILE
-from lenext.run import evaluate_checkpoint, evaluation_model, train
+from lenext.run import check_evaluation_settings, checkpoint_model, evaluate_checkpoint, train
 from lenext.run_folder import check_settings, preflight
 from lenext.schema import HYDRA_KEYS, did_you_mean
 
@@ -287,12 +287,14 @@ def check_training_job(cfg: DictConfig) -> None:
 
 def check_evaluation_job(cfg: DictConfig) -> None:
     """An eval.py job's checks before any work: types and ranges, then its checkpoint's run with this job's settings
-    (``evaluation_model``) or its Hugging Face model's folder, tokenizer and plan (``checked_hf``)."""
-    schema.check(cfg, EvalScriptSettings, EVAL_NODES)
+    (``check_evaluation_settings``, ``checkpoint_model``) or its Hugging Face model's folder, tokenizer and plan
+    (``checked_hf``)."""
     if cfg.get("hf"):
+        schema.check(cfg, EvalScriptSettings, EVAL_NODES)
         checked_hf(cfg)
     else:
-        evaluation_model(cfg, check_only=True)
+        check_evaluation_settings(cfg)
+        checkpoint_model(cfg, cfg.ckpt, check_only=True)
 
 
 def check_diagnosis_job(cfg: DictConfig) -> None:

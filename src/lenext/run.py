@@ -240,25 +240,26 @@ def checkpoint_model(cfg: DictConfig, path: str, check_only: bool = False):
     return spec, datamodule, net, checkpoint
 
 
-def evaluation_model(cfg: DictConfig, check_only: bool = False):
-    """eval.py ckpt=: ``checkpoint_model`` of a config ``schema.check`` passed, every setting checked before any work
-    (by the evaluation, and by an eval.py sweep for each job before the first starts: ``check_only``)."""
+def check_evaluation_settings(cfg: DictConfig) -> None:
+    """eval.py ckpt='s settings, checked before any work (by the evaluation, and by an eval.py sweep for each job
+    before the first starts): hf='s own refused first (data= would fail on what it interpolates), then types and
+    ranges; ``checkpoint_model`` checks the rest against the checkpoint."""
     if cfg.get("data"):
         raise ConfigError("data= applies to hf= evaluations: a checkpoint is evaluated on the data it was trained on")
     hf_only = {"context": cfg.get("context"), "trust_remote_code": cfg.get("trust_remote_code")}
     if given := [f"{key}={value}" for key, value in hf_only.items() if value not in (None, False)]:
         raise ConfigError(f"{', '.join(given)} applies to hf= evaluations: a checkpoint's L_train and code are its own")
-    return checkpoint_model(cfg, cfg.ckpt, check_only)
+    schema.check(cfg, EvalScriptSettings, EVAL_NODES)
 
 
 def evaluate_checkpoint(cfg: DictConfig) -> str:
     """eval.py: rebuild the model from a checkpoint, with its PE as eval.py changes it, sweep, write results."""
-    schema.check(cfg, EvalScriptSettings, EVAL_NODES)
+    check_evaluation_settings(cfg)
     checkpoint_path = checkpoint_file(cfg.ckpt)  # a run folder: its last.ckpt
     refuse_results_it_would_replace(
         cfg.paths.output_dir, evaluated=checkpoint_path and ("checkpoint", os.path.abspath(checkpoint_path))
     )
-    spec, datamodule, net, checkpoint = evaluation_model(cfg)
+    spec, datamodule, net, checkpoint = checkpoint_model(cfg, cfg.ckpt)
     record_command(cfg)  # accepted: every check passed
     datamodule.load()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
