@@ -204,6 +204,11 @@ def test_what_cannot_be_evaluated_is_refused_in_one_line_before_any_work(tmp_pat
         ConfigError, match=rf"its tokenizer has {VOCAB} token ids, more than the {VOCAB // 2} its model"
     ):
         evaluate_hf(compose_hf(tmp_path, small_text_corpus, tmp_path / "small_vocab"))
+    # Without tokenizer_config.json transformers builds GPT-NeoX's tokenizer, which adds its pad token: not "another
+    # model's tokenizer", the missing file is named.
+    (model_folder(tmp_path, tokenizer_folder, "gpt_neox") / "tokenizer_config.json").unlink()
+    with pytest.raises(ConfigError, match=r"\('<\|padding\|>' beyond them\): the folder has no tokenizer_config.json"):
+        evaluate_hf(compose_hf(tmp_path, small_text_corpus, tmp_path / "gpt_neox"))
     assert not (tmp_path / "out").exists() and not (tmp_path / ".cache").exists()
 
 

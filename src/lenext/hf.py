@@ -374,9 +374,17 @@ def evaluate_hf(cfg: DictConfig) -> str:
     embeds = model.get_input_embeddings().num_embeddings
     ids = token_id_bound(tokenizer)
     if ids > embeds:  # before the corpus is tokenized
+        beyond = sorted(token for token, id_ in tokenizer.get_vocab(with_added_tokens=True).items() if id_ >= embeds)
+        shown = ", ".join(repr(token) for token in beyond[:3]) + (", ..." if len(beyond) > 3 else "")
+        why = (
+            "the folder has no tokenizer_config.json, without which transformers adds the model type's default "
+            "special tokens: restore it (lenext-export writes one)"
+            if os.path.isdir(source) and not os.path.exists(os.path.join(source, "tokenizer_config.json"))
+            else "a tokenizer of another model?"
+        )
         raise ConfigError(
-            f"hf={cfg.hf}: its tokenizer has {ids} token ids, more than the {embeds} its model "
-            "embeds (a tokenizer of another model?)"
+            f"hf={cfg.hf}: its tokenizer has {ids} token ids, more than the {embeds} its model embeds ({shown} "
+            f"beyond them): {why}"
         )
     net = HFLanguageModel(model, cfg.context)
     net.pe.variants(settings.variants, max(plan.lengths))  # refuses, before the corpus is read, what it cannot take
