@@ -91,3 +91,21 @@ def test_the_scale_presets_have_the_parameters_their_files_state(preset):
     embeddings = net.embedding.weight.numel() + net.head.weight.numel()
     assert stated == [counts[1] - embeddings, *counts]
     assert net.blocks[0].mlp.down.in_features % 256 == 0  # the MLP width GPUs tile well
+
+
+def test_a_library_refusing_a_setting_is_named_with_the_settings_it_names_and_their_values():
+    """Lightning's Trainer names `devices`: the line says trainer.devices=-1, as for lenext's own keys, not
+    "trainer is invalid"; a refusal naming no setting of the group names the group."""
+    from omegaconf import OmegaConf
+
+    from lenext.build import instantiate
+    from lenext.errors import ConfigError
+
+    node = OmegaConf.create({"_target_": "lightning.Trainer", "accelerator": "cpu", "devices": -1, "logger": False})
+    with pytest.raises(ConfigError, match=r"^trainer.devices=-1 is invalid: lightning.Trainer refused it: `devices` "):
+        instantiate(node, "trainer")
+    node = OmegaConf.create({"_target_": "lightning.Trainer", "accelerator": "cpu", "precision": "64-bits"})
+    with pytest.raises(
+        ConfigError, match=r"^trainer is invalid: lightning.Trainer refused it: Precision '64-bits' is invalid"
+    ):
+        instantiate(node, "trainer")

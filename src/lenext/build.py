@@ -1,6 +1,7 @@
 """Objects from config nodes: ``instantiate`` (every refusal as one line) and the one place a model is built (runs,
 eval.py, benchmarks)."""
 
+import re
 from importlib import resources
 
 import hydra
@@ -35,7 +36,10 @@ def instantiate(node, key: str, **kwargs):
         if cause is not None and (not isinstance(cause, REFUSALS) or str(node.get("_target_")).startswith("lenext.")):
             raise cause from e
         reason = first_line(cause or e)
-        raise ConfigError(f"{key} is invalid: {node.get('_target_')} refused it: {reason}") from e
+        # the settings the library names (`devices`), with their values: else the group alone
+        named = [name for name in dict.fromkeys(re.findall(r"`(\w+)`", reason)) if name in node]
+        settings = ", ".join(f"{key}.{name}={node[name]}" for name in named) or key
+        raise ConfigError(f"{settings} is invalid: {node.get('_target_')} refused it: {reason}") from e
 
 
 CONFIG_PACKAGE = "lenext.configs"
