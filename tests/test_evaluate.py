@@ -684,3 +684,18 @@ def test_a_folder_given_for_a_checkpoint_is_its_last_ckpt_or_its_only_one_else_r
     (run / "checkpoints" / "last.ckpt").write_bytes(b"")
     assert checkpoint_file(str(run)) == str(run / "checkpoints" / "last.ckpt")
     assert checkpoint_file(str(run / "checkpoints" / "best.ckpt")) == str(run / "checkpoints" / "best.ckpt")
+
+
+def test_a_resume_from_a_run_folder_hands_lightning_its_last_ckpt(trained_run, tmp_path, cache_dir, small_text_corpus):
+    """ckpt_path=<run folder> resumes from the file the folder holds: Lightning is given that file, not the folder."""
+    from hydra import compose, initialize_config_module
+
+    from lenext.cli import CONFIG_PACKAGE
+    from lenext.run_folder import resume_checkpoint
+
+    overrides = small_corpus_overrides(small_text_corpus, "pe=rope", "trainer.max_steps=2", "eval.enabled=false")
+    paths = [f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path / 'run'}", f"paths.cache_dir={cache_dir}"]
+    with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
+        cfg = compose("train", overrides=[*paths, *overrides, f"ckpt_path={trained_run}"])
+    path, _ = resume_checkpoint(cfg)
+    assert path == str(trained_run / "checkpoints" / "last.ckpt")

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lenext import schema
 from lenext.build import instantiate, preset_of
-from lenext.checkpoints import Base, load_checkpoint, read_base, stored_spec
+from lenext.checkpoints import Base, checkpoint_file, load_checkpoint, read_base, stored_spec
 from lenext.errors import CheckpointError, ConfigError, errors_in_one_line
 from lenext.files import write_atomic
 from lenext.hardware import canonical_precision
@@ -209,7 +209,7 @@ def resume_checkpoint(cfg: DictConfig) -> tuple[str, RunSpec] | None:
     checkpoints = os.path.join(cfg.paths.output_dir, "checkpoints")
     last = os.path.join(checkpoints, "last.ckpt")
     if cfg.ckpt_path not in (None, "last"):
-        path, key = cfg.ckpt_path, "ckpt_path"
+        path, key = checkpoint_file(cfg.ckpt_path, "ckpt_path"), "ckpt_path"  # a run folder: its last.ckpt
     elif os.path.exists(last):
         path, key = last, None
     elif cfg.ckpt_path == "last":

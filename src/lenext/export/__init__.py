@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="lenext-export",
         description="Write a lenext checkpoint as a Hugging Face model folder (docs/export.md).",
     )
-    parser.add_argument("checkpoint", help="a .ckpt file of a lenext run (its checkpoints/last.ckpt)")
+    parser.add_argument("checkpoint", help="a .ckpt file of a lenext run, or its run folder (its last.ckpt)")
     parser.add_argument("out", help="the model folder to write (new or empty)")
     parser.add_argument(
         "--architecture",
