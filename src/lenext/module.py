@@ -299,7 +299,7 @@ class LanguageModel(L.LightningModule):
             kept = (
                 "its last good checkpoint is checkpoints/last.ckpt"
                 if last and os.path.exists(last)
-                else ("it had written no checkpoint yet")
+                else "it had written no checkpoint yet"
             )
             raise NonFiniteLoss(
                 f"the training loss became {loss.item()} at step {self.global_step}; the run stopped and {kept}. "
