@@ -374,7 +374,8 @@ def evaluate_hf(cfg: DictConfig) -> str:
     embeds = model.get_input_embeddings().num_embeddings
     ids = token_id_bound(tokenizer)
     if ids > embeds:  # before the corpus is tokenized
-        beyond = sorted(token for token, id_ in tokenizer.get_vocab(with_added_tokens=True).items() if id_ >= embeds)
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        beyond = sorted((token for token, id_ in vocab.items() if id_ >= embeds), key=vocab.get)  # by id
         shown = ", ".join(repr(token) for token in beyond[:3]) + (", ..." if len(beyond) > 3 else "")
         why = (
             "the folder has no tokenizer_config.json, without which transformers adds the model type's default "
