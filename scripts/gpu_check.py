@@ -370,7 +370,32 @@ def tokens_per_second(arm, steps: int, tokens_per_step: int, device: str) -> flo
     return steps * tokens_per_step / (time.perf_counter() - t0)
 
 
-def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log, model=None, vocab=0):
+def step_profile(arm, device: str, steps: int = 3, top: int = 8) -> dict:
+    """Where ``steps`` of ``arm`` spend their time (torch.profiler): the wall time of a step, the device's busy
+    time (its kernels' summed time; the rest of the step the GPU waits for the CPU to launch work) and the ``top``
+    kernels (on the CPU: operators) by their own time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            arm.step()
+        sync(device)
+        wall = (time.perf_counter() - t0) / steps
+    own = "self_device_time_total" if cuda else "self_cpu_time_total"  # microseconds, over the steps
+    events = [e for e in prof.key_averages() if not cuda or e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: getattr(e, own), reverse=True)
+    busy = sum(getattr(e, own) for e in events) / steps / 1e6
+    return {
+        "step_s": wall,
+        "busy_s": busy,
+        "top": [(e.key, getattr(e, own) / steps / 1e6, e.count // steps) for e in events[:top]],
+    }
+
+
+def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log, model=None, vocab=0, profile=False):
     start, arms, results = time.perf_counter(), {}, {"skipped": {}}
     # One compile state for the section: every row's flex kernel stays compiled for the timed repetitions.
     fresh_compile_state()
@@ -427,6 +452,8 @@ def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log
             "warmup_s": arms[name].warmup_s,
             "warmup_steps": warmup,
         }
+        if profile:
+            results[name]["profile"] = step_profile(arms[name], device)
     return results
 
 
@@ -525,9 +552,10 @@ class ShardedArm:
         }
 
 
-def bench_fsdp(model, vocab, length, batch, steps, reps, device, log) -> dict:
+def bench_fsdp(model, vocab, length, batch, steps, reps, device, log, profile=False) -> dict:
     """FSDP2 against DDP on one device: the same net and batch, one step's loss and parameters compared, then
-    interleaved repetitions of ``steps`` steps (median tokens/s), each arm's peak memory."""
+    interleaved repetitions of ``steps`` steps (median tokens/s), each arm's peak memory (``profile``: and where
+    each arm's step spends its time)."""
     import socket
 
     import torch.distributed as dist
@@ -571,6 +599,7 @@ def bench_fsdp(model, vocab, length, batch, steps, reps, device, log) -> dict:
             "tokens_per_s": {kind: statistics.median(r) for kind, r in rates.items()},
             "ratio": statistics.median(f / d for f, d in zip(rates["fsdp"], rates["ddp"], strict=True)),
             "peak_bytes": peaks,
+            **({"profile": {kind: step_profile(arm, device) for kind, arm in arms.items()}} if profile else {}),
         }
     finally:
         dist.destroy_process_group()
@@ -755,6 +784,10 @@ def render(info, settings, exact=None, training=None, lightning=None, fsdp=None,
         lines += render_lightning(lightning)
     if fsdp is not None:
         lines += render_fsdp(fsdp)
+    profiles = {n: r["profile"] for n, r in (training or {}).items() if isinstance(r, dict) and "profile" in r}
+    profiles |= {f"fsdp section: {kind}": p for kind, p in (fsdp or {}).get("profile", {}).items()}
+    if profiles:
+        lines += render_profiles(profiles)
     if export is not None:
         lines += render_export(export)
     return "\n".join(lines) + "\n"
@@ -778,6 +811,26 @@ def render_fsdp(r) -> list[str]:
         f"{r['worst_parameter_error']:.1e}.",
         "",
     ]
+
+
+def render_profiles(profiles: dict) -> list[str]:
+    lines = [
+        "## Where a step's time goes",
+        "",
+        "Each arm's steps again under torch.profiler, after its timed repetitions: the step's wall time (the "
+        "profiler's own cost included), the device's busy time (its kernels' summed time: the rest of the step the "
+        "GPU waited for the CPU), and the kernels taking most of it, per step.",
+        "",
+        "| arm | step | device busy | busy share | top kernels (ms per step, calls per step) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for name, p in profiles.items():
+        top = "; ".join(f"`{key[:60]}` {1e3 * s:.2f} ms x{n}" for key, s, n in p["top"])
+        lines.append(
+            f"| {name} | {1e3 * p['step_s']:.2f} ms | {1e3 * p['busy_s']:.2f} ms | "
+            f"{p['busy_s'] / p['step_s']:.0%} | {top} |"
+        )
+    return [*lines, ""]
 
 
 def render_exactness(exact) -> list[str]:
@@ -884,6 +937,11 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", type=int, default=32000, help="training with --model: its vocabulary")
     parser.add_argument("--length", type=int, default=1024, help="training: L")
     parser.add_argument("--batch", type=int, default=16, help="training: sequences per step")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="training and fsdp: each arm's step profiled (device busy time, top kernels)",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device (torch.cuda.is_available() is False); --device cpu runs a smoke test")
@@ -959,6 +1017,7 @@ def main(argv=None) -> None:
             log=log,
             model=args.model,
             vocab=args.vocab,
+            profile=args.profile,
             **settings_t,
         )
         save()
@@ -971,7 +1030,7 @@ def main(argv=None) -> None:
     if "fsdp" in sections:
         quick = dict(length=64, batch=2, steps=2, reps=2) if args.quick else dict(steps=5, reps=6)
         sizes = dict(length=args.length, batch=args.batch) | quick
-        results["fsdp"] = bench_fsdp(args.model, args.vocab, device=args.device, log=log, **sizes)
+        results["fsdp"] = bench_fsdp(args.model, args.vocab, device=args.device, log=log, profile=args.profile, **sizes)
         save()
     if "export" in sections:
         results["export"] = bench_export(args.device, log, factor=2 if args.quick else 8)
