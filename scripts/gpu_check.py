@@ -385,7 +385,12 @@ def step_profile(arm, device: str, steps: int = 3, top: int = 8) -> dict:
         sync(device)
         wall = (time.perf_counter() - t0) / steps
     own = "self_device_time_total" if cuda else "self_cpu_time_total"  # microseconds, over the steps
-    events = [e for e in prof.key_averages() if not cuda or e.device_type == torch.autograd.DeviceType.CUDA]
+    # the device's kernels (a range a ``record_function`` marks on the device too, DDP's forward, is not one)
+    events = [
+        e
+        for e in prof.key_averages()
+        if not cuda or (e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    ]
     events.sort(key=lambda e: getattr(e, own), reverse=True)
     busy = sum(getattr(e, own) for e in events) / steps / 1e6
     return {
