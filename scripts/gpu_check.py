@@ -1,11 +1,12 @@
 """The GPU check (docs/performance.md, "The GPU check"): what lenext's CUDA paths compute and how fast they train.
 
 Run on a machine with a CUDA GPU: ``make gpu-check`` (it installs what the machine's CUDA torch lacks from
-``.gpu-wheels/``, made here by ``make gpu-wheels``). Sections, each written to the report as soon as it ends, so a
-run cut off keeps what it measured; exactness and training take no new row once their share of ``--budget`` is
-spent, and say which rows they did not reach (training still times at least two repetitions; the Lightning
-section's size is fixed). Each section's share is of the time left when it starts: what a section leaves unspent
-goes to the sections after it.
+``.gpu-wheels/``, made here by ``make gpu-wheels``). Sections, each written to the report as soon as it ends
+(exactness after each row), so a run cut off keeps what it measured; exactness and training take no new row once
+their share of ``--budget`` is spent, and say which rows they did not reach (training still times at least two
+repetitions; the Lightning section's size is fixed). Each section's share is of the time left when it starts: what
+a section leaves unspent goes to the sections after it. ``--profile``: each training and FSDP arm's step again
+under torch.profiler (the device's busy time, its top kernels).
 
 1. exactness: every PE config (and the attention settings' rows), a 2-layer model at L_train 64, its per-token NLL
    and every parameter's gradient on CUDA against float64 on the CPU: fp32 (TF32 off) on the automatic path,
@@ -256,7 +257,8 @@ def passes(arm: str, err: dict) -> bool:
     return err["nll"] <= nll_tol and (err["grad"] is None or err["grad"] <= grad_tol)
 
 
-def bench_exactness(rows, lengths, device, budget, log, compiled=()):
+def bench_exactness(rows, lengths, device, budget, log, compiled=(), measured=lambda results: None):
+    """``measured``: called with the results after each row, so that a run cut off keeps the rows it finished."""
     start, results = time.perf_counter(), {}
     cases = [(lengths[0], False)] + [(length, drawn) for length in lengths[1:] for drawn in (False, True)]
     for row in rows:
@@ -280,6 +282,7 @@ def bench_exactness(rows, lengths, device, budget, log, compiled=()):
                 results[row][case] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
                 log(traceback.format_exc())
             log(f"  exact {row:<22} {case:<15} {time.perf_counter() - t0:5.1f} s  {summarise(results[row][case])}")
+        measured(results)
     return results
 
 
@@ -1007,10 +1010,14 @@ def main(argv=None) -> None:
         lengths = (16, 40) if args.quick else (EXACT_TRAIN_LEN, 8 * EXACT_TRAIN_LEN)
         exact_rows = list(dict.fromkeys(pe_of(r) for r in rows))  # kernels off: training's matter
         compiled = {pe_of(r) for r in rows if "compile" in r.split("@")}  # also checked compiled (on CUDA)
-        results["exact"] = bench_exactness(
-            exact_rows, lengths, args.device, budget=budget("exactness"), log=log, compiled=compiled
+
+        def measured(exact: dict) -> None:
+            results["exact"] = exact
+            save()
+
+        bench_exactness(
+            exact_rows, lengths, args.device, budget=budget("exactness"), log=log, compiled=compiled, measured=measured
         )
-        save()
     if "training" in sections:
         quick = dict(length=128, batch=2, warmup=1, steps=1, reps=2) if args.quick else {}
         settings_t = dict(length=args.length, batch=args.batch, warmup=3, steps=5, reps=5) | quick

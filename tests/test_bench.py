@@ -145,6 +145,7 @@ def test_the_gpu_check_runs_its_sections_on_a_cpu(gpu_check, tmp_path, monkeypat
             "training,fsdp",
             "--rows",
             "nope,t5,fox@nokernels",
+            "--profile",
             "--out",
             str(trained),
         ]
@@ -153,12 +154,37 @@ def test_the_gpu_check_runs_its_sections_on_a_cpu(gpu_check, tmp_path, monkeypat
     assert "| t5 |" in report and "| xt:t5 |" in report and "| fox@nokernels |" in report
     fsdp = json.loads(trained.with_suffix(".json").read_text())["fsdp"]
     assert fsdp["loss"]["ddp"] == fsdp["loss"]["fsdp"] and fsdp["worst_parameter_error"] < 1e-6
+    # --profile: every arm's step under the profiler, its busy time within its step, its top operators named
+    profiles = report.split("## Where a step's time goes")[1]
+    for arm in ("nope", "t5", "fox@nokernels", "xt:t5", "fsdp section: ddp", "fsdp section: fsdp"):
+        line = next(line for line in profiles.splitlines() if line.startswith(f"| {arm} |"))
+        step, busy = (float(cell.removesuffix(" ms")) for cell in line.split(" | ")[1:3])
+        assert 0 < busy <= step * 1.01 and "`aten::" in line
     with pytest.raises(SystemExit, match="fox@nofal: @nofal is not a row suffix"):
         gpu_check.main(["--device", "cpu", "--quick", "--rows", "fox@nofal", "--out", str(trained)])
     with pytest.raises(SystemExit, match=r"--rows rope\+sb@compile: rope\+sb is not a row; rows are alibi, cope, "):
         gpu_check.main(["--device", "cpu", "--quick", "--rows", "rope+sb@compile", "--out", str(trained)])
     with pytest.raises(SystemExit, match="--sections exprt is not a section; they are exactness, training"):
         gpu_check.main(["--device", "cpu", "--quick", "--sections", "training,exprt", "--out", str(trained)])
+
+
+def test_a_gpu_check_cut_off_keeps_the_exactness_rows_it_finished(gpu_check, tmp_path, monkeypatch):
+    """The report is written after each exactness row: a run its time limit kills (or a row that takes the device
+    down) keeps the rows before it."""
+    out, build = tmp_path / "exact.md", gpu_check.exact_net
+
+    def exact_net(row, *args):
+        if row == "alibi":
+            raise KeyboardInterrupt  # as a kill would stop the run
+        return build(row, *args)
+
+    monkeypatch.setattr(gpu_check, "exact_net", exact_net)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main(
+            ["--device", "cpu", "--quick", "--sections", "exactness", "--rows", "nope,alibi", "--out", str(out)]
+        )
+    report = out.read_text()
+    assert "| nope | L 16, L 40, L 40, drawn |" in report and "| alibi |" not in report
 
 
 def test_the_gpu_checks_export_section_loads_each_export_and_computes_lenexts_numbers(gpu_check, tmp_path, monkeypatch):

@@ -249,3 +249,27 @@ def test_each_layer_owns_its_projections():
     projections = [block.attn.pe.w_proj for block in model.blocks]
     assert len({id(p) for p in projections}) == 3
     assert model.pe.hyperparameters() == {"conv_size": 3}
+
+
+@pytest.mark.parametrize(
+    "device, head_dim, served",
+    [("cuda", 64, True), ("cuda", 16, False), ("cuda", 32, False), ("cuda", 128, False), ("cpu", 16, True)],
+)
+def test_fla_serves_path_at_the_head_dims_measured_right(device, head_dim, served, monkeypatch):
+    """fla's PaTH kernel takes a CUDA layer at head dim 64 only: on an H200 its tiles gave w gradients 50-78% off at
+    16 and an illegal memory access at 32 (docs/pes/path.md); lenext's chunked logits serve the others. Under
+    Triton's interpreter (the CPU's kernel tests) every head dim fla is built for."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import lenext.attention.fla_kernels as fla_kernels
+    from lenext.pe.base import ScoreTerms
+
+    monkeypatch.setattr(fla_kernels, "kernels", lambda: SimpleNamespace())  # fla as if installed
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with FakeTensorMode():  # a CUDA tensor's device and dtype, on a machine without CUDA
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        q = torch.empty(2, 2, 128, head_dim, device=device, dtype=dtype)
+    terms = ScoreTerms(householders=lambda: None)
+    assert fla_kernels.fla_serves(q, terms, window=None) is served

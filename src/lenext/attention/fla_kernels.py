@@ -5,7 +5,8 @@ training paths of the PEs they serve, on CUDA.
   cumulative sum, the causal softmax and the gates' gradient in one kernel, accumulating in fp32, so its gate
   gradient is not the one a bf16 kernel's bias gradient loses (docs/pes/fox.md). Any window; head dims to 256.
 - PaTH's Householder products (``ScoreTerms.householders``), FoX's gates with them or not: ``parallel_path_attn``,
-  no (B, H, L, L) logits (it carries queries across its chunks in fp16). No window; head dims 16, 32, 64 or 128.
+  no (B, H, L, L) logits (it carries queries across its chunks in fp16). No window; head dim 64 on CUDA (16, 32,
+  64 or 128 under Triton's interpreter: ``PATH_HEAD_DIMS``).
 - Stick-breaking weights (``attention.normalizer=stick_breaking``) of q . k alone (no bias, no window):
   ``parallel_stickbreaking_attn``, which returns each query's leftover stick with its output and takes that
   leftover's gradient, so lenext's leftover on the query's own value stays exact.
@@ -27,7 +28,9 @@ from lenext.pe.base import ScoreTerms
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256  # fla's forgetting-attention and stick-breaking kernels'
-PATH_HEAD_DIMS = (16, 32, 64, 128)  # the head dims fla's PaTH kernel is built for
+# The head dims fla's PaTH kernel serves: under Triton's interpreter all it is built for; on CUDA the one measured
+# right (docs/pes/path.md: on an H200 its tiles gave w gradients 50-78% off at 16 and crashed at 32; 128 unmeasured)
+PATH_HEAD_DIMS = {"cpu": (16, 32, 64, 128), "cuda": (64,)}
 
 
 @cache
@@ -71,7 +74,7 @@ def fla_serves(q: torch.Tensor, terms: ScoreTerms, window: int | None, stick_bre
     gated = len(terms.biases) == 1 and terms.biases[0].gates is not None  # FoX's gates and no other bias
     if terms.householders is None:
         return gated and terms.logits is None and q.size(-1) <= MAX_HEAD_DIM
-    return (gated or not terms.biases) and window is None and q.size(-1) in PATH_HEAD_DIMS
+    return (gated or not terms.biases) and window is None and q.size(-1) in PATH_HEAD_DIMS[q.device.type]
 
 
 def fla_attention(q, k, v, terms: ScoreTerms, window: int | None, stick_breaking: bool = False) -> torch.Tensor:
