@@ -87,19 +87,22 @@ gpu-env:  ## on a CUDA machine: the wheels of .gpu-wheels/ and lenext (its confi
 gpu-check: gpu-env  ## on a CUDA machine: exactness and training speed of every PE -> benchmarks/gpu-check-run.md (docs/performance.md)
 	PYTHONPATH=.gpu-env $(GPU_PY) scripts/gpu_check.py $(ARGS)
 
-# One seed of experiment=paper, one process per PE side by side: a small model leaves a large GPU mostly idle.
-# Each starts once the one before has built its model, so the first trains and caches the tokenizer the others read.
+# One seed of an experiment (experiment=paper unless GPU_STUDY_EXPERIMENT names another), one process per PE side by
+# side: a small model leaves a large GPU mostly idle. Each starts once the one before has built its model, so the
+# first trains and caches the tokenizer the others read.
 GPU_STUDY_PES ?= nope rope alibi t5
-gpu-study: gpu-env  ## on a CUDA machine: seed 0 of experiment=paper, PEs in parallel -> logs/studies/gpu_paper/<pe> (docs/performance.md)
-	@mkdir -p logs/studies/gpu_paper; pids=""; \
+GPU_STUDY_EXPERIMENT ?= paper
+GPU_STUDY_DIR := logs/studies/gpu_$(GPU_STUDY_EXPERIMENT)
+gpu-study: gpu-env  ## on a CUDA machine: seed 0 of experiment=paper (GPU_STUDY_EXPERIMENT=...), PEs in parallel -> logs/studies/gpu_<experiment>/<pe> (docs/performance.md)
+	@mkdir -p $(GPU_STUDY_DIR); pids=""; \
 	for pe in $(GPU_STUDY_PES); do \
-		PYTHONPATH=.gpu-env $(GPU_PY) train.py experiment=paper seed=0 pe=$$pe \
-			hydra.sweep.dir=logs/studies/gpu_paper/$$pe $(ARGS) > logs/studies/gpu_paper/$$pe.log 2>&1 & \
+		PYTHONPATH=.gpu-env $(GPU_PY) train.py experiment=$(GPU_STUDY_EXPERIMENT) seed=0 pe=$$pe \
+			hydra.sweep.dir=$(GPU_STUDY_DIR)/$$pe $(ARGS) > $(GPU_STUDY_DIR)/$$pe.log 2>&1 & \
 		pids="$$pids $$!"; \
-		while kill -0 $$! 2>/dev/null && ! grep -q "parameters, PE" logs/studies/gpu_paper/$$pe.log; do sleep 2; done; \
+		while kill -0 $$! 2>/dev/null && ! grep -q "parameters, PE" $(GPU_STUDY_DIR)/$$pe.log; do sleep 2; done; \
 	done; \
 	status=0; for p in $$pids; do wait $$p || status=1; done; \
-	tail -n 12 logs/studies/gpu_paper/*.log; exit $$status
+	tail -n 12 $(GPU_STUDY_DIR)/*.log; exit $$status
 
 docs: install  ## build the documentation site into site/ in strict mode (a broken link, snippet or unlisted page fails)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict

@@ -19,7 +19,9 @@ under torch.profiler (the device's busy time, its top kernels).
    ratio to NoPE, model FLOPs utilisation (``bench.training_flops_per_token`` against this GPU's measured bf16
    GEMM peak), peak memory.
 3. lightning: lenext's LightningModule under lightning.Trainer against a bare loop doing the same training
-   (``bench.bare_steps`` on the GPU), RoPE, the small model at L 512, batch 16, arms interleaved.
+   (``bench.bare_steps`` on the GPU), RoPE, the small model at L 512, batch 16, arms interleaved (with ``--model``:
+   that preset at ``--length`` and ``--batch``; ``--compile``: both arms' blocks compiled); Lightning's tokens/s
+   and MFU.
 4. x-transformers: the same shape built by x-transformers, interleaved with lenext's rows, nope, rope, alibi, t5.
 5. fsdp (asked by name): FSDP2 as trainer=fsdp shards against DDP, one rank, NoPE at the training shape
    (``--model``, ``--length``, ``--batch``): two steps' parameters compared, tokens/s interleaved, peak memory.
@@ -469,11 +471,12 @@ def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log
 # 3. Lightning against a bare loop
 
 
-def lightning_config(output_dir: str, steps: int, length: int, batch: int):
+def lightning_config(output_dir: str, steps: int, length: int, batch: int, model=None, vocab=0, compiled=False):
     overrides = [
         "pe=rope",
-        "model=small",
-        f"data.vocab_size={TRAIN_SHAPE['vocab_size']}",
+        f"model={model or 'small'}",
+        f"data.vocab_size={vocab if model else TRAIN_SHAPE['vocab_size']}",
+        f"module.compile={str(compiled).lower()}",
         f"data.max_len={length}",
         f"data.batch_size={batch}",
         f"paths.output_dir={output_dir}",
@@ -487,10 +490,13 @@ def lightning_config(output_dir: str, steps: int, length: int, batch: int):
         return compose("train", overrides=overrides)
 
 
-def bench_lightning(length, batch, steps, reps, device, log):
+def bench_lightning(length, batch, steps, reps, device, log, model=None, vocab=0, compiled=False):
+    """lenext's training under Lightning against the bare loop, RoPE at ``model`` (the small preset if None), each
+    arm's blocks compiled with ``compiled`` (``module.compile=true``); Lightning's tokens/s and MFU besides."""
     arms = {"lightning": [], "bare": []}
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = lightning_config(tmp, steps + 1, length, batch)
+        cfg = lightning_config(tmp, steps + 1, length, batch, model, vocab, compiled)
+        flops = bench.training_flops_per_token(bench.study_net(cfg), length)
         for rep in range(reps):
             for arm in arms if rep % 2 == 0 else dict(reversed(arms.items())):
                 torch.manual_seed(bench.SEED)
@@ -498,12 +504,20 @@ def bench_lightning(length, batch, steps, reps, device, log):
                 if arm == "lightning":
                     ends = bench.lightning_steps(cfg, bench.study_module(cfg), loader)
                 else:
-                    ends = bench.bare_steps(cfg, bench.study_net(cfg).to(device), loader, device=device)
+                    net = bench.study_net(cfg).to(device)
+                    if compiled:  # as the module's configure_model does
+                        net.compile_blocks()
+                    ends = bench.bare_steps(cfg, net, loader, device=device)
                 arms[arm].append(statistics.median(b - a for a, b in zip(ends[1:], ends[2:], strict=False)))
                 log(f"  {arm:<10} rep {rep + 1}: {1000 * arms[arm][-1]:.2f} ms/step")
+    tokens_per_s = batch * length / statistics.median(arms["lightning"])
     return {
         "ms_lightning": 1000 * statistics.median(arms["lightning"]),
         "ms_bare": 1000 * statistics.median(arms["bare"]),
+        "model": model or "small",
+        "compiled": compiled,
+        "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * flops / gpu_gemm_peak(device) if device == "cuda" else None,
         "length": length,
         "batch": batch,
         "steps": steps,
@@ -922,11 +936,20 @@ def render_lightning(r) -> list[str]:
         "## Lightning against a bare loop",
         "<!-- --8<-- [start:lightning] -->",
         "",
-        f"RoPE, the small model, L {r['length']}, batch {r['batch']}, bf16-mixed; each arm a fresh fit of "
-        f"{r['steps']} + 1 steps, {r['reps']} repetitions alternating; median step time.",
+        f"RoPE, the model {r.get('model', 'small')}{', its blocks compiled' if r.get('compiled') else ''}, L "
+        f"{r['length']}, batch {r['batch']}, bf16-mixed; each arm a fresh fit of {r['steps']} + 1 steps, "
+        f"{r['reps']} repetitions alternating; median step time.",
         "",
         f"- Lightning: {r['ms_lightning']:.2f} ms/step; bare loop: {r['ms_bare']:.2f} ms/step; ratio {ratio:.3f} "
         f"(target <= {target:g}: {'meets' if ratio <= target else 'misses'})",
+        *(
+            [
+                f"- Lightning's training: {r['tokens_per_s']:,.0f} tokens/s"
+                + (f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] else "")
+            ]
+            if "tokens_per_s" in r
+            else []
+        ),
         "",
         "<!-- --8<-- [end:lightning] -->",
         "",
@@ -945,6 +968,9 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", type=int, default=32000, help="training with --model: its vocabulary")
     parser.add_argument("--length", type=int, default=1024, help="training: L")
     parser.add_argument("--batch", type=int, default=16, help="training: sequences per step")
+    parser.add_argument(
+        "--compile", action="store_true", help="lightning: both arms' blocks compiled (module.compile=true)"
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -1034,10 +1060,11 @@ def main(argv=None) -> None:
         )
         save()
     if "lightning" in sections:
-        quick = (
-            dict(length=64, batch=2, steps=3, reps=2) if args.quick else dict(length=512, batch=16, steps=30, reps=4)
+        sizes = dict(length=args.length, batch=args.batch) if args.model else dict(length=512, batch=16)
+        sizes = dict(length=64, batch=2, steps=3, reps=2) if args.quick else sizes | dict(steps=30, reps=4)
+        results["lightning"] = bench_lightning(
+            device=args.device, log=log, model=args.model, vocab=args.vocab, compiled=args.compile, **sizes
         )
-        results["lightning"] = bench_lightning(device=args.device, log=log, **quick)
         save()
     if "fsdp" in sections:
         quick = dict(length=64, batch=2, steps=2, reps=2) if args.quick else dict(steps=5, reps=6)

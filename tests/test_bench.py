@@ -168,6 +168,19 @@ def test_the_gpu_check_runs_its_sections_on_a_cpu(gpu_check, tmp_path, monkeypat
         gpu_check.main(["--device", "cpu", "--quick", "--sections", "training,exprt", "--out", str(trained)])
 
 
+def test_the_gpu_checks_lightning_section_trains_the_preset_asked(gpu_check, tmp_path):
+    """``--model``: the Lightning section trains that preset (here the tiny one, on the CPU) beside the bare loop and
+    reports Lightning's own tokens/s."""
+    out = tmp_path / "lightning.md"
+    gpu_check.main(
+        ["--device", "cpu", "--quick", "--sections", "lightning", "--model", "tiny", "--vocab", "64", "--out", str(out)]
+    )
+    report, result = out.read_text(), json.loads(out.with_suffix(".json").read_text())["lightning"]
+    assert "RoPE, the model tiny, L 64, batch 2" in report and result["model"] == "tiny" and not result["compiled"]
+    assert f"- Lightning's training: {result['tokens_per_s']:,.0f} tokens/s" in report
+    assert result["tokens_per_s"] == pytest.approx(2 * 64 / (result["ms_lightning"] / 1000))
+
+
 def test_a_gpu_check_cut_off_keeps_the_exactness_rows_it_finished(gpu_check, tmp_path, monkeypatch):
     """The report is written after each exactness row: a run its time limit kills (or a row that takes the device
     down) keeps the rows before it."""
