@@ -375,10 +375,10 @@ def tokens_per_second(arm, steps: int, tokens_per_step: int, device: str) -> flo
     return steps * tokens_per_step / (time.perf_counter() - t0)
 
 
-def step_profile(arm, device: str, steps: int = 3, top: int = 8) -> dict:
-    """Where ``steps`` of ``arm`` spend their time (torch.profiler): the wall time of a step, the device's busy
-    time (its kernels' summed time; the rest of the step the GPU waits for the CPU to launch work) and the ``top``
-    kernels (on the CPU: operators) by their own time."""
+def step_profile(arm, device: str, timed_step_s: float, steps: int = 3, top: int = 8) -> dict:
+    """Where ``steps`` of ``arm`` spend their time (torch.profiler): the device's busy time a step (its kernels'
+    summed time: of a step timed without the profiler, ``timed_step_s``, the rest is the GPU waiting for the CPU to
+    launch work), the ``top`` kernels (on the CPU: operators) by their own time, and the profiled step's wall time."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device == "cuda"
@@ -400,6 +400,7 @@ def step_profile(arm, device: str, steps: int = 3, top: int = 8) -> dict:
     busy = sum(getattr(e, own) for e in events) / steps / 1e6
     return {
         "step_s": wall,
+        "timed_step_s": timed_step_s,
         "busy_s": busy,
         "top": [(e.key, getattr(e, own) / steps / 1e6, e.count // steps) for e in events[:top]],
     }
@@ -463,7 +464,7 @@ def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log
             "warmup_steps": warmup,
         }
         if profile:
-            results[name]["profile"] = step_profile(arms[name], device)
+            results[name]["profile"] = step_profile(arms[name], device, batch * length / tokens_per_s)
     return results
 
 
@@ -621,7 +622,16 @@ def bench_fsdp(model, vocab, length, batch, steps, reps, device, log, profile=Fa
             "tokens_per_s": {kind: statistics.median(r) for kind, r in rates.items()},
             "ratio": statistics.median(f / d for f, d in zip(rates["fsdp"], rates["ddp"], strict=True)),
             "peak_bytes": peaks,
-            **({"profile": {kind: step_profile(arm, device) for kind, arm in arms.items()}} if profile else {}),
+            **(
+                {
+                    "profile": {
+                        kind: step_profile(arm, device, batch * length / statistics.median(rates[kind]))
+                        for kind, arm in arms.items()
+                    }
+                }
+                if profile
+                else {}
+            ),
         }
     finally:
         dist.destroy_process_group()
@@ -839,18 +849,19 @@ def render_profiles(profiles: dict) -> list[str]:
     lines = [
         "## Where a step's time goes",
         "",
-        "Each arm's steps again under torch.profiler, after its timed repetitions: the step's wall time (the "
-        "profiler's own cost included), the device's busy time (its kernels' summed time: the rest of the step the "
-        "GPU waited for the CPU), and the kernels taking most of it, per step.",
+        "Each arm's steps again under torch.profiler, after its timed repetitions: the device's kernels' time a "
+        "step, against the step's time in the timed repetitions (without the profiler; the profiled step's in "
+        "brackets): the rest of a step the GPU waited for the CPU to launch work. Then the kernels taking most of "
+        "it, per step.",
         "",
-        "| arm | step | device busy | busy share | top kernels (ms per step, calls per step) |",
+        "| arm | kernels a step | the step (profiled) | kernels' share | top kernels (ms per step, calls per step) |",
         "|---|---:|---:|---:|---|",
     ]
     for name, p in profiles.items():
         top = "; ".join(f"`{key[:60]}` {1e3 * s:.2f} ms x{n}" for key, s, n in p["top"])
         lines.append(
-            f"| {name} | {1e3 * p['step_s']:.2f} ms | {1e3 * p['busy_s']:.2f} ms | "
-            f"{p['busy_s'] / p['step_s']:.0%} | {top} |"
+            f"| {name} | {1e3 * p['busy_s']:.2f} ms | {1e3 * p['timed_step_s']:.2f} ms ({1e3 * p['step_s']:.2f} ms) | "
+            f"{p['busy_s'] / p['timed_step_s']:.0%} | {top} |"
         )
     return [*lines, ""]
 

@@ -4,6 +4,7 @@ names the machine."""
 import importlib.util
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -152,14 +153,21 @@ def test_the_gpu_check_runs_its_sections_on_a_cpu(gpu_check, tmp_path, monkeypat
     )
     report = trained.read_text()
     assert "| t5 |" in report and "| xt:t5 |" in report and "| fox@nokernels |" in report
-    fsdp = json.loads(trained.with_suffix(".json").read_text())["fsdp"]
+    measured = json.loads(trained.with_suffix(".json").read_text())
+    fsdp = measured["fsdp"]
     assert fsdp["loss"]["ddp"] == fsdp["loss"]["fsdp"] and fsdp["worst_parameter_error"] < 1e-6
-    # --profile: every arm's step under the profiler, its busy time within its step, its top operators named
+    # --profile: every arm's step under the profiler, its busy time within the profiled step, beside the timed step
+    # (its tokens/s's), its top operators named
     profiles = report.split("## Where a step's time goes")[1]
     for arm in ("nope", "t5", "fox@nokernels", "xt:t5", "fsdp section: ddp", "fsdp section: fsdp"):
         line = next(line for line in profiles.splitlines() if line.startswith(f"| {arm} |"))
-        step, busy = (float(cell.removesuffix(" ms")) for cell in line.split(" | ")[1:3])
-        assert 0 < busy <= step * 1.01 and "`aten::" in line
+        busy, timed, profiled = (float(n) for n in re.findall(r"([\d.]+) ms", line)[:3])
+        assert 0 < busy <= profiled * 1.01 and "`aten::" in line
+        kind = arm.removeprefix("fsdp section: ")  # --quick: training 2 x 128 tokens a step, fsdp 2 x 64
+        in_fsdp = kind != arm
+        tokens = 2 * 64 if in_fsdp else 2 * 128
+        tokens_per_s = fsdp["tokens_per_s"][kind] if in_fsdp else measured["training"][arm]["tokens_per_s"]
+        assert timed == pytest.approx(1000 * tokens / tokens_per_s, abs=0.01)
     with pytest.raises(SystemExit, match="fox@nofal: @nofal is not a row suffix"):
         gpu_check.main(["--device", "cpu", "--quick", "--rows", "fox@nofal", "--out", str(trained)])
     with pytest.raises(SystemExit, match=r"--rows rope\+sb@compile: rope\+sb is not a row; rows are alibi, cope, "):
