@@ -20,8 +20,8 @@ under torch.profiler (the device's busy time, its top kernels).
    GEMM peak), peak memory.
 3. lightning: lenext's LightningModule under lightning.Trainer against a bare loop doing the same training
    (``bench.bare_steps`` on the GPU), RoPE, the small model at L 512, batch 16, arms interleaved (with ``--model``:
-   that preset at ``--length`` and ``--batch``; ``--compile``: both arms' blocks compiled); Lightning's tokens/s
-   and MFU.
+   that preset at ``--length`` and ``--batch``; ``--lightning-compile``: both arms' blocks compiled); Lightning's
+   tokens/s and MFU.
 4. x-transformers: the same shape built by x-transformers, interleaved with lenext's rows, nope, rope, alibi, t5.
 5. fsdp (asked by name): FSDP2 as trainer=fsdp shards against DDP, one rank, NoPE at the training shape
    (``--model``, ``--length``, ``--batch``): two steps' parameters compared, tokens/s interleaved, peak memory.
@@ -285,6 +285,7 @@ def bench_exactness(rows, lengths, device, budget, log, compiled=(), measured=la
                 log(traceback.format_exc())
             log(f"  exact {row:<22} {case:<15} {time.perf_counter() - t0:5.1f} s  {summarise(results[row][case])}")
         measured(results)
+    measured(results)  # the rows the budget did not reach, named
     return results
 
 
@@ -375,10 +376,26 @@ def tokens_per_second(arm, steps: int, tokens_per_step: int, device: str) -> flo
     return steps * tokens_per_step / (time.perf_counter() - t0)
 
 
-def step_profile(arm, device: str, timed_step_s: float, steps: int = 3, top: int = 8) -> dict:
-    """Where ``steps`` of ``arm`` spend their time (torch.profiler): the device's busy time a step (its kernels'
-    summed time: of a step timed without the profiler, ``timed_step_s``, the rest is the GPU waiting for the CPU to
-    launch work), the ``top`` kernels (on the CPU: operators) by their own time, and the profiled step's wall time."""
+def device_kernels(averages, cuda: bool) -> list:
+    """The profiler's averages (``key_averages()``) that are the device's kernels (on the CPU: its operators), most
+    time first: a range a ``record_function`` marks on the device too (DDP's forward, the optimizer's step) is not
+    a kernel."""
+    if cuda:
+        cuda_type = torch.autograd.DeviceType.CUDA
+        averages = [e for e in averages if e.device_type == cuda_type and not getattr(e, "is_user_annotation", False)]
+    return sorted(averages, key=lambda e: self_time(e, cuda), reverse=True)
+
+
+def self_time(event, cuda: bool) -> float:
+    """A profiler average's own time in seconds, over the steps profiled: on the device, or on the CPU."""
+    return (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e6
+
+
+def step_profile(arm, device: str, tokens_per_step: int, tokens_per_s: float, steps: int = 3, top: int = 8) -> dict:
+    """Where ``steps`` of ``arm`` spend their time (torch.profiler): its kernels' time a step, summed over them (and
+    over streams: where kernels overlap, more than the time the device was busy), against the step timed without
+    the profiler (``tokens_per_step / tokens_per_s``): the rest of it the GPU waited for the CPU to launch work at
+    least. The ``top`` kernels (on the CPU: operators) by their own time, and the profiled step's wall time."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device == "cuda"
@@ -389,20 +406,12 @@ def step_profile(arm, device: str, timed_step_s: float, steps: int = 3, top: int
             arm.step()
         sync(device)
         wall = (time.perf_counter() - t0) / steps
-    own = "self_device_time_total" if cuda else "self_cpu_time_total"  # microseconds, over the steps
-    # the device's kernels (a range a ``record_function`` marks on the device too, DDP's forward, is not one)
-    events = [
-        e
-        for e in prof.key_averages()
-        if not cuda or (e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
-    ]
-    events.sort(key=lambda e: getattr(e, own), reverse=True)
-    busy = sum(getattr(e, own) for e in events) / steps / 1e6
+    kernels = device_kernels(prof.key_averages(), cuda)
     return {
         "step_s": wall,
-        "timed_step_s": timed_step_s,
-        "busy_s": busy,
-        "top": [(e.key, getattr(e, own) / steps / 1e6, e.count // steps) for e in events[:top]],
+        "timed_step_s": tokens_per_step / tokens_per_s,
+        "busy_s": sum(self_time(e, cuda) for e in kernels) / steps,  # the kernels' summed time a step
+        "top": [(e.key, self_time(e, cuda) / steps, e.count // steps) for e in kernels[:top]],
     }
 
 
@@ -464,7 +473,7 @@ def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log
             "warmup_steps": warmup,
         }
         if profile:
-            results[name]["profile"] = step_profile(arms[name], device, batch * length / tokens_per_s)
+            results[name]["profile"] = step_profile(arms[name], device, batch * length, tokens_per_s)
     return results
 
 
@@ -610,7 +619,8 @@ def bench_fsdp(model, vocab, length, batch, steps, reps, device, log, profile=Fa
             for kind in list(arms) if rep % 2 == 0 else list(reversed(arms)):
                 rates[kind].append(tokens_per_second(arms[kind], steps, batch * length, device))
             log(f"  rep {rep + 1}: " + ", ".join(f"{k} {rates[k][-1]:.0f}" for k in rates))
-        return {
+        tokens_per_s = {kind: statistics.median(r) for kind, r in rates.items()}
+        results = {
             "model": model or "small",
             "parameters": sum(p.numel() for p in net.parameters()),
             "length": length,
@@ -619,20 +629,15 @@ def bench_fsdp(model, vocab, length, batch, steps, reps, device, log, profile=Fa
             "reps": reps,
             "loss": {kind: arm.loss for kind, arm in arms.items()},
             "worst_parameter_error": worst,
-            "tokens_per_s": {kind: statistics.median(r) for kind, r in rates.items()},
+            "tokens_per_s": tokens_per_s,
             "ratio": statistics.median(f / d for f, d in zip(rates["fsdp"], rates["ddp"], strict=True)),
             "peak_bytes": peaks,
-            **(
-                {
-                    "profile": {
-                        kind: step_profile(arm, device, batch * length / statistics.median(rates[kind]))
-                        for kind, arm in arms.items()
-                    }
-                }
-                if profile
-                else {}
-            ),
         }
+        if profile:
+            results["profile"] = {
+                kind: step_profile(arm, device, batch * length, tokens_per_s[kind]) for kind, arm in arms.items()
+            }
+        return results
     finally:
         dist.destroy_process_group()
 
@@ -850,18 +855,20 @@ def render_profiles(profiles: dict) -> list[str]:
         "## Where a step's time goes",
         "",
         "Each arm's steps again under torch.profiler, after its timed repetitions: the device's kernels' time a "
-        "step, against the step's time in the timed repetitions (without the profiler; the profiled step's in "
-        "brackets): the rest of a step the GPU waited for the CPU to launch work. Then the kernels taking most of "
-        "it, per step.",
+        "step, summed (over streams too: kernels that overlap count twice), against the step's time in the timed "
+        "repetitions, without the profiler (the profiled step's in brackets; `-` in files written before "
+        "2026-11-30 02:00 UTC): the rest of a step the GPU waited for the CPU to launch work, at least. Then the "
+        "kernels taking most of it, per step.",
         "",
-        "| arm | kernels a step | the step (profiled) | kernels' share | top kernels (ms per step, calls per step) |",
+        "| arm | kernels' time a step | timed step (profiled step) | kernels' share | top kernels (ms a step, calls) |",
         "|---|---:|---:|---:|---|",
     ]
     for name, p in profiles.items():
         top = "; ".join(f"`{key[:60]}` {1e3 * s:.2f} ms x{n}" for key, s, n in p["top"])
+        timed = p.get("timed_step_s")  # not in files written before 2026-11-30 02:00 UTC
+        timed_cell, share = (f"{1e3 * timed:.2f} ms", f"{p['busy_s'] / timed:.0%}") if timed else ("-", "-")
         lines.append(
-            f"| {name} | {1e3 * p['busy_s']:.2f} ms | {1e3 * p['timed_step_s']:.2f} ms ({1e3 * p['step_s']:.2f} ms) | "
-            f"{p['busy_s'] / p['timed_step_s']:.0%} | {top} |"
+            f"| {name} | {1e3 * p['busy_s']:.2f} ms | {timed_cell} ({1e3 * p['step_s']:.2f} ms) | {share} | {top} |"
         )
     return [*lines, ""]
 
@@ -878,7 +885,8 @@ def render_exactness(exact) -> list[str]:
         "Each cell: the largest error of the per-token NLL (absolute) / of any parameter's gradient (relative to "
         "that tensor's largest entry), over the cases; `no grad`: the NLL under no_grad, evaluation's paths (on CUDA "
         "FIRE past its threshold and FoX through flex score_mods; on the CPU the query blocks through SDPA). "
-        "The `cuda bf16` arm of FoX, PaTH and stick-breaking runs fla's kernels (with fla installed), and CoPE's "
+        "The `cuda bf16` arm of FoX, PaTH (at head dim 64 only: its `head dim 64` case) and stick-breaking runs "
+        "fla's kernels (with fla installed), and CoPE's "
         "lenext's CoPE kernel; under Triton's interpreter their `cpu fp32` arm runs them; `kernels off`: the paths "
         "without them. "
         "Passes: fp32 within "
@@ -980,7 +988,7 @@ def main(argv=None) -> None:
     parser.add_argument("--length", type=int, default=1024, help="training: L")
     parser.add_argument("--batch", type=int, default=16, help="training: sequences per step")
     parser.add_argument(
-        "--compile", action="store_true", help="lightning: both arms' blocks compiled (module.compile=true)"
+        "--lightning-compile", action="store_true", help="lightning: both arms' blocks compiled (module.compile=true)"
     )
     parser.add_argument(
         "--profile",
@@ -1074,7 +1082,7 @@ def main(argv=None) -> None:
         sizes = dict(length=args.length, batch=args.batch) if args.model else dict(length=512, batch=16)
         sizes = dict(length=64, batch=2, steps=3, reps=2) if args.quick else sizes | dict(steps=30, reps=4)
         results["lightning"] = bench_lightning(
-            device=args.device, log=log, model=args.model, vocab=args.vocab, compiled=args.compile, **sizes
+            device=args.device, log=log, model=args.model, vocab=args.vocab, compiled=args.lightning_compile, **sizes
         )
         save()
     if "fsdp" in sections:

@@ -163,17 +163,44 @@ def test_the_gpu_check_runs_its_sections_on_a_cpu(gpu_check, tmp_path, monkeypat
         line = next(line for line in profiles.splitlines() if line.startswith(f"| {arm} |"))
         busy, timed, profiled = (float(n) for n in re.findall(r"([\d.]+) ms", line)[:3])
         assert 0 < busy <= profiled * 1.01 and "`aten::" in line
-        kind = arm.removeprefix("fsdp section: ")  # --quick: training 2 x 128 tokens a step, fsdp 2 x 64
-        in_fsdp = kind != arm
-        tokens = 2 * 64 if in_fsdp else 2 * 128
-        tokens_per_s = fsdp["tokens_per_s"][kind] if in_fsdp else measured["training"][arm]["tokens_per_s"]
-        assert timed == pytest.approx(1000 * tokens / tokens_per_s, abs=0.01)
+        kind = arm.removeprefix("fsdp section: ")
+        section = fsdp if kind != arm else measured["training"]
+        tokens_per_s = fsdp["tokens_per_s"][kind] if kind != arm else section[arm]["tokens_per_s"]
+        assert timed == pytest.approx(1000 * section["batch"] * section["length"] / tokens_per_s, abs=0.01)
     with pytest.raises(SystemExit, match="fox@nofal: @nofal is not a row suffix"):
         gpu_check.main(["--device", "cpu", "--quick", "--rows", "fox@nofal", "--out", str(trained)])
     with pytest.raises(SystemExit, match=r"--rows rope\+sb@compile: rope\+sb is not a row; rows are alibi, cope, "):
         gpu_check.main(["--device", "cpu", "--quick", "--rows", "rope+sb@compile", "--out", str(trained)])
     with pytest.raises(SystemExit, match="--sections exprt is not a section; they are exactness, training"):
         gpu_check.main(["--device", "cpu", "--quick", "--sections", "training,exprt", "--out", str(trained)])
+
+
+def test_the_gpu_checks_profile_counts_the_devices_kernels_alone(gpu_check):
+    """On CUDA a profile's time is its kernels': the CPU's operators and the ranges a ``record_function`` marks on
+    the device too (DDP's forward, the optimizer's step: they span kernels already counted) are left out, the rest
+    ordered by their own time."""
+    from types import SimpleNamespace
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(key, device_type, device_us, annotation=False):
+        return SimpleNamespace(
+            key=key,
+            device_type=device_type,
+            self_device_time_total=device_us,
+            self_cpu_time_total=10.0,
+            is_user_annotation=annotation,
+        )
+
+    averages = [
+        event("gemm", cuda, 300.0),
+        event("DistributedDataParallel.forward", cuda, 900.0, annotation=True),
+        event("aten::mm", cpu, 0.0),
+        event("softmax", cuda, 500.0),
+    ]
+    assert [e.key for e in gpu_check.device_kernels(averages, cuda=True)] == ["softmax", "gemm"]
+    assert len(gpu_check.device_kernels(averages, cuda=False)) == 4  # the CPU's: every operator
+    assert gpu_check.self_time(averages[0], cuda=True) == pytest.approx(3e-4)
 
 
 def test_the_gpu_checks_lightning_section_trains_the_preset_asked(gpu_check, tmp_path):

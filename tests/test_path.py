@@ -253,12 +253,19 @@ def test_each_layer_owns_its_projections():
 
 @pytest.mark.parametrize(
     "device, head_dim, served",
-    [("cuda", 64, True), ("cuda", 16, False), ("cuda", 32, False), ("cuda", 128, False), ("cpu", 16, True)],
+    [
+        ("cuda", 64, True),
+        ("cuda", 16, False),
+        ("cuda", 32, False),
+        ("cuda", 128, False),
+        ("cpu", 16, True),
+        ("mps", 64, False),  # no Triton there, interpreted or not
+    ],
 )
 def test_fla_serves_path_at_the_head_dims_measured_right(device, head_dim, served, monkeypatch):
     """fla's PaTH kernel takes a CUDA layer at head dim 64 only: on an H200 its tiles gave w gradients 50-78% off at
     16 and an illegal memory access at 32 (docs/pes/path.md); lenext's chunked logits serve the others. Under
-    Triton's interpreter (the CPU's kernel tests) every head dim fla is built for."""
+    Triton's interpreter (the CPU's kernel tests) every head dim fla is built for; on another device none."""
     from types import SimpleNamespace
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -269,7 +276,7 @@ def test_fla_serves_path_at_the_head_dims_measured_right(device, head_dim, serve
     monkeypatch.setattr(fla_kernels, "kernels", lambda: SimpleNamespace())  # fla as if installed
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with FakeTensorMode():  # a CUDA tensor's device and dtype, on a machine without CUDA
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32  # what Triton serves there
         q = torch.empty(2, 2, 128, head_dim, device=device, dtype=dtype)
     terms = ScoreTerms(householders=lambda: None)
     assert fla_kernels.fla_serves(q, terms, window=None) is served

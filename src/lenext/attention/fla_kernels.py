@@ -56,10 +56,12 @@ def kernel_dtype(q: torch.Tensor) -> torch.dtype:
 
 def triton_serves(q: torch.Tensor) -> bool:
     """Whether Triton kernels (fla's, lenext's CoPE kernel) may compute attention for q: on CUDA in bf16 or fp16
-    (Triton's dots take fp32 as TF32), or under Triton's interpreter in fp32 (its dots exact; it has no bf16)."""
+    (Triton's dots take fp32 as TF32), or under Triton's interpreter on the CPU in fp32 (its dots exact; it has no
+    bf16)."""
     if q.is_cuda:
         return kernel_dtype(q) in HALF_DTYPES
-    return os.environ.get("TRITON_INTERPRET") == "1" and kernel_dtype(q) == torch.float32
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and q.device.type == "cpu"
+    return interpreted and kernel_dtype(q) == torch.float32
 
 
 def fla_serves(q: torch.Tensor, terms: ScoreTerms, window: int | None, stick_breaking: bool = False) -> bool:
