@@ -400,15 +400,10 @@ def step_profile(arm, device: str, tokens_per_step: int, tokens_per_s: float, st
 
     cuda = device == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            arm.step()
-        sync(device)
-        wall = (time.perf_counter() - t0) / steps
+        profiled_tokens_per_s = tokens_per_second(arm, steps, tokens_per_step, device)
     kernels = device_kernels(prof.key_averages(), cuda)
     return {
-        "step_s": wall,
+        "step_s": tokens_per_step / profiled_tokens_per_s,
         "timed_step_s": tokens_per_step / tokens_per_s,
         "busy_s": sum(self_time(e, cuda) for e in kernels) / steps,  # the kernels' summed time a step
         "top": [(e.key, self_time(e, cuda) / steps, e.count // steps) for e in kernels[:top]],
@@ -506,7 +501,6 @@ def bench_lightning(length, batch, steps, reps, device, log, model=None, vocab=0
     arms = {"lightning": [], "bare": []}
     with tempfile.TemporaryDirectory() as tmp:
         cfg = lightning_config(tmp, steps + 1, length, batch, model, vocab, compiled)
-        flops = bench.training_flops_per_token(bench.study_net(cfg), length)
         for rep in range(reps):
             for arm in arms if rep % 2 == 0 else dict(reversed(arms.items())):
                 torch.manual_seed(bench.SEED)
@@ -515,6 +509,10 @@ def bench_lightning(length, batch, steps, reps, device, log, model=None, vocab=0
                     ends = bench.lightning_steps(cfg, bench.study_module(cfg), loader)
                 else:
                     net = bench.study_net(cfg).to(device)
+                    flops, parameters = (
+                        bench.training_flops_per_token(net, length),
+                        sum(p.numel() for p in net.parameters()),
+                    )
                     if compiled:  # as the module's configure_model does
                         net.compile_blocks()
                     ends = bench.bare_steps(cfg, net, loader, device=device)
@@ -525,6 +523,7 @@ def bench_lightning(length, batch, steps, reps, device, log, model=None, vocab=0
         "ms_lightning": 1000 * statistics.median(arms["lightning"]),
         "ms_bare": 1000 * statistics.median(arms["bare"]),
         "model": model or "small",
+        "parameters": parameters,
         "compiled": compiled,
         "tokens_per_s": tokens_per_s,
         "mfu": tokens_per_s * flops / gpu_gemm_peak(device) if device == "cuda" else None,

@@ -214,6 +214,9 @@ def test_the_gpu_checks_lightning_section_trains_the_preset_asked(gpu_check, tmp
     assert "RoPE, the model tiny, L 64, batch 2" in report and result["model"] == "tiny" and not result["compiled"]
     assert f"- Lightning's training: {result['tokens_per_s']:,.0f} tokens/s" in report
     assert result["tokens_per_s"] == pytest.approx(2 * 64 / (result["ms_lightning"] / 1000))
+    # the net trained is the preset's at vocabulary 64, as the training rows build a preset's (row_config)
+    tiny = gpu_check.build("rope", 64, {"vocab_size": 64}, "tiny")
+    assert result["parameters"] == sum(p.numel() for p in tiny.parameters())
 
 
 def test_a_gpu_check_cut_off_keeps_the_exactness_rows_it_finished(gpu_check, tmp_path, monkeypatch):
