@@ -85,7 +85,8 @@ PE_NAMES = sorted(
     for p in (Path(str(resources.files(CONFIG_PACKAGE))) / "pe").glob("*.yaml")
     if not p.stem.endswith("_randomized")
 )
-ATTENTION_ROWS = {
+SETTING_ROWS = {  # a PE with settings of its own or of the attention
+    "shaw+value_term": ["pe.value_term=true"],
     "nope+ssmax": ["attention.scale=ssmax"],
     "rope+ssmax": ["attention.scale=ssmax"],
     "nope+stick_breaking": ["attention.normalizer=stick_breaking"],
@@ -130,7 +131,7 @@ def train_config(overrides: list[str], output_dir: str) -> DictConfig:
 
 def row_overrides(row: str) -> list[str]:
     """train.py's command line of a row."""
-    return [f"pe={row.partition('+')[0]}", *ATTENTION_ROWS.get(row, []), *DRAWN_ROWS.get(row, []), *MODEL]
+    return [f"pe={row.partition('+')[0]}", *SETTING_ROWS.get(row, []), *DRAWN_ROWS.get(row, []), *MODEL]
 
 
 def row_config(row: str) -> DictConfig:
@@ -159,13 +160,13 @@ def small_shape() -> dict:
 
 def training_rows(wanted: list[str] | None = None) -> list[str]:
     """Every training row, or those ``wanted`` (``--rows``) and nope, which every ratio is taken against."""
-    rows = PE_NAMES + list(ATTENTION_ROWS) + list(DRAWN_ROWS)
+    rows = PE_NAMES + list(SETTING_ROWS) + list(DRAWN_ROWS)
     return rows if wanted is None else [row for row in rows if row in wanted or row == "nope"]
 
 
 def forward_rows(wanted: list[str] | None = None) -> list[str]:
     """Every forward row (drawn training positions change nothing at evaluation), or those ``wanted``."""
-    rows = PE_NAMES + list(ATTENTION_ROWS)
+    rows = PE_NAMES + list(SETTING_ROWS)
     return rows if wanted is None else [row for row in rows if row in wanted]
 
 
@@ -817,6 +818,8 @@ def render_header(info, settings, elapsed) -> list[str]:
 
 def render_training(settings, training) -> list[str]:
     model = settings["model"]
+    added = [f"`{' '.join(SETTING_ROWS[row])}` ({row})" for row in training["rows"] if row in SETTING_ROWS]
+    settings_words = f"; `<pe>+<setting>` adds {', '.join(added)}" if added else ""
     lines = [
         "## Training throughput",
         "",
@@ -830,8 +833,7 @@ def render_training(settings, training) -> list[str]:
         "without the token embedding, plus 6 x layers x d_model x L for causal attention; a PE's own work "
         f"not counted) over the GEMM peak measured in this precision ({training['gemm_peak'] / 1e9:.0f} GFLOP/s: "
         f"the best of ten 2048 x 2048 matmuls). A row's model is the one `train.py pe=<pe> {' '.join(MODEL)}` "
-        "trains; `<pe>+ssmax`, `<pe>+stick_breaking`: with `attention.scale=ssmax`, "
-        "`attention.normalizer=stick_breaking`.",
+        f"trains{settings_words}.",
         "",
         "| PE | tokens/s | ratio vs nope | range | target | meets | MFU |",
         "|---|---:|---:|---|---:|---|---:|",

@@ -73,8 +73,7 @@ FIRST = ["dape", "pope", "path", "path_fox", "cope", "fox", "fox_rope", "p_rope"
 VARIANTS = {  # rows beside the PE configs: "<row>": (pe config, overrides)
     "rope_yarn": ["pe.scaling=yarn", "pe.factor=4"],
     "kerple_power": ["pe.kernel=power"],
-    "shaw_value": ["pe.value_term=true"],
-    **bench.ATTENTION_ROWS,
+    **bench.SETTING_ROWS,
     "rope+stick_breaking": ["attention.normalizer=stick_breaking"],  # fla's kernel after RoPE's rotation
 }
 EXACT_SHAPE = dict(vocab_size=97, d_model=64, n_layers=2, n_heads=4)
@@ -125,7 +124,7 @@ def pe_of(row: str) -> str:
 def row_config(row: str, model: str | None = None):
     """train.py's composed config for a row: ``<pe>`` or a variant (``rope_yarn``, ``nope+ssmax``), with the
     ``model`` preset if named."""
-    pe = {"rope_yarn": "rope", "kerple_power": "kerple", "shaw_value": "shaw"}.get(row, row.partition("+")[0])
+    pe = {"rope_yarn": "rope", "kerple_power": "kerple"}.get(row, row.partition("+")[0])
     with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
         return compose("train", overrides=[f"pe={pe}", *VARIANTS.get(row, []), *([f"model={model}"] if model else [])])
 

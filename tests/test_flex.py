@@ -6,6 +6,7 @@ BlockMask go through eager (uncompiled) flex_attention on CPU, forward only, whi
 
 import logging
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,6 +31,12 @@ PES = {
     "kerple": lambda: KERPLE(SHAPE),
     "kerple_power": lambda: KERPLE(SHAPE, kernel="power"),
 }
+
+
+def score_mod_of(pe, q, k, positions, layer):
+    """The score_mod the attention gives flex for the PE's bias (its own, or its key or band form's), or None."""
+    terms = pe.layer(layer).terms(None, q, k, positions)
+    return attention_module.flex_score_mod(terms.biases[0], q.size(-2)) if terms.biases else None
 
 
 def eager_flex(q, k, v, score_mod, window=None):
@@ -62,7 +69,7 @@ def test_score_mod_matches_causal_attention(kind, length, positions):
         pe.project_()
         q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM) for _ in range(3))
         for layer in range(LAYERS):
-            got = eager_flex(q, k, v, pe.score_mod(q, positions, layer))
+            got = eager_flex(q, k, v, score_mod_of(pe, q, k, positions, layer))
             assert_close(
                 got, causal_attention(q, k, v, pe.layer(layer).terms(None, q, k, positions)), atol=1e-5, rtol=1e-5
             )
@@ -141,7 +148,7 @@ def test_window_block_mask_matches_windowed_causal_attention(kind, window, lengt
         for param in pe.parameters():
             param.normal_(std=0.5)
         q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM) for _ in range(3))
-        got = eager_flex(q, k, v, pe.score_mod(q, positions, 0), window)
+        got = eager_flex(q, k, v, score_mod_of(pe, q, k, positions, 0), window)
         expected = causal_attention(q, k, v, pe.layer(0).terms(None, q, k, positions), window)
     assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
@@ -186,12 +193,12 @@ def flex_on_cpu(monkeypatch):
     (forward only: CPU flex has no backward); each call's block mask recorded."""
     calls = []
 
-    def eager(q, k, v, score_mod=None, block_mask=None):
+    def eager(q, k, v, score_mod=None, block_mask=None, **aux):  # aux: return_aux, or return_lse before torch 2.9
         calls.append(block_mask)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return attention_module.flex_attention(
-                q.detach(), k.detach(), v.detach(), score_mod=score_mod, block_mask=block_mask
+                q.detach(), k.detach(), v.detach(), score_mod=score_mod, block_mask=block_mask, **aux
             )
 
     monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
@@ -255,10 +262,11 @@ def test_the_dispatcher_takes_flex_for_fire_past_its_threshold_only_without_a_gr
 
 
 def test_pes_flex_cannot_express_return_no_score_mod():
-    """Without a score_mod the attention keeps its SDPA paths: no bias. Shaw's a^V is a value term, which sends the
-    attention to its explicit path before it asks for a score_mod."""
+    """Without a score_mod of its own the attention makes one from the bias's key or band form (Shaw's), or keeps
+    SDPA (no bias)."""
     q, positions = torch.randn(1, HEADS, 8, HEAD_DIM), sequential_positions(8)
     assert NoPE(SHAPE).score_mod(q, positions, 0) is None
+    assert ShawRelative(SHAPE, k=3).score_mod(q, positions, 0) is None
     assert ShawRelative(SHAPE, k=3, value_term=True).value_term(positions, 0) is not None
     assert ShawRelative(SHAPE, k=3).value_term(positions, 0) is None
 
@@ -304,3 +312,70 @@ def test_an_evaluation_sweep_compiles_flex_a_bounded_number_of_times_not_once_pe
             net.token_nll(tokens[:, :-1], tokens[:, 1:])
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs == [1, 2, 3, 3, 3]
+
+
+def shaw_with_values(clip: int = 3) -> ShawRelative:
+    pe = ShawRelative(SHAPE, k=clip, value_term=True)
+    with torch.no_grad():
+        for param in pe.parameters():
+            param.normal_(std=0.5)  # large enough that a wrong offset or weight changes the output
+    return pe
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+@pytest.mark.parametrize("length", [64, 200])
+def test_the_dispatcher_sends_shaws_value_term_to_flex(length, positions, flex_on_cpu):
+    """Shaw with a^V on CUDA: flex scores the band bias and gives its log-sum-exp, from which the band's weights and
+    the value term follow; the float64 naive formula's output (forward: flex has no backward on a CPU)."""
+    from tests.test_pe import naive_biased_attention
+
+    pe, positions = shaw_with_values(), POSITIONS[positions](length)
+    gen = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen) for _ in range(3))
+    with torch.no_grad():
+        got = causal_attention(q, k, v, pe.layer(1).terms(None, q, k, positions))
+        expected = naive_biased_attention(q, k, v, pe, 1, positions)
+    assert len(flex_on_cpu) == 1
+    assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def dense_flex(q, k, v, score_mod=None, block_mask=None, **aux):
+    """flex_attention's definition written out, differentiable on a CPU: every score through ``score_mod``, the
+    causal mask, softmax; (out, the log-sum-exp) in flex's return convention."""
+    batch, heads, length, _ = q.shape
+    b, h = torch.arange(batch)[:, None, None, None], torch.arange(heads)[None, :, None, None]
+    i, j = torch.arange(length)[None, None, :, None], torch.arange(length)[None, None, None, :]
+    scores = score_mod(q @ k.transpose(-2, -1) * q.size(-1) ** -0.5, b, h, i, j).masked_fill(j > i, float("-inf"))
+    out, logsumexp = scores.softmax(-1) @ v, scores.logsumexp(-1)
+    return (out, logsumexp) if "return_lse" in aux else (out, SimpleNamespace(lse=logsumexp))
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+@pytest.mark.parametrize("clip", [3, 64])  # 64 > L: every key in the band
+def test_shaws_value_term_on_flex_has_the_naive_formulas_gradients(clip, positions, monkeypatch):
+    """The gradients through the band's weights, exp(score - log-sum-exp), and the value term: q, k, v and both
+    tables against the float64 naive formula, with flex's definition (differentiable, float64) as the kernel."""
+    from tests.test_pe import naive_biased_attention
+
+    calls = []
+    monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
+    monkeypatch.setattr(
+        attention_module, "compiled_flex_attention", lambda: lambda *a, **kw: calls.append(1) or dense_flex(*a, **kw)
+    )
+    pe, length = shaw_with_values(clip).double(), 40
+    positions = POSITIONS[positions](length)
+    gen = torch.Generator().manual_seed(clip)
+    q, k, v = (
+        torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen, dtype=torch.float64, requires_grad=True)
+        for _ in range(3)
+    )
+    weight = torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen, dtype=torch.float64)
+    inputs = [q, k, v, pe.key_table, pe.value_table]
+    got = causal_attention(q, k, v, pe.layer(1).terms(None, q, k, positions))
+    expected = naive_biased_attention(q, k, v, pe, 1, positions)
+    assert_close(got, expected, atol=1e-12, rtol=1e-12)
+    assert calls == [1]
+    got_grads = torch.autograd.grad((got * weight).sum(), inputs)
+    for g, e in zip(got_grads, torch.autograd.grad((expected * weight).sum(), inputs), strict=True):
+        assert e.abs().sum() > 0
+        assert_close(g, e, atol=1e-12, rtol=1e-10)

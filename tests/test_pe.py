@@ -7,6 +7,7 @@ file runs in seconds on two CPU cores.
 
 import math
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ from lenext.pe import (
     sinusoidal_table,
     t5_bucket,
 )
-from lenext.pe.base import sequential_positions
+from lenext.pe.base import BandValues, sequential_positions
 from lenext.pe.rope import ROPE_SCALINGS, ROTATIONS
 from lenext.positions import generator, pose_positions, randomized_positions
 
@@ -1075,6 +1076,44 @@ def test_shaw_matches_naive_formula(length, clip, value_term):
     with torch.enable_grad():
         got = causal_attention(q, k, v, pe.layer(layer).terms(None, q, k, sequential_positions(q.size(-2))))
     assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_shaws_value_term_runs_on_the_band_kernel_in_fp32_and_bf16(monkeypatch):
+    """On the CPU Shaw with a^V takes BandedAttention, its value term from the band's weights (it had taken the
+    explicit query blocks); bf16 under autocast within bf16's rounding of the float64 formula."""
+    calls = []
+    kernel = attention_module.BandedAttention
+    monkeypatch.setattr(
+        attention_module, "BandedAttention", SimpleNamespace(apply=lambda *a: calls.append(1) or kernel.apply(*a))
+    )
+    pe = make_bias_pe("shaw_value")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(BATCH, HEADS, 150, HEAD_DIM, generator=gen) for _ in range(3))
+    expected = naive_biased_attention(q, k, v, pe, 1)
+    assert_close(
+        causal_attention(q, k, v, pe.layer(1).terms(None, q, k, sequential_positions(150))).double(),
+        expected,
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = [t.bfloat16() for t in (q, k, v)]
+        got = causal_attention(*half, pe.layer(1).terms(None, *half[:2], sequential_positions(150)))
+    assert got.dtype == torch.bfloat16
+    assert_close(got.double(), naive_biased_attention(*half, pe, 1), atol=3e-2, rtol=1e-2)
+    assert calls == [1, 1]
+
+
+def test_band_values_added_widen_the_narrower_band():
+    """Two value terms (two PEs' a^V) add: the narrower band's keys beyond it gain only its ``far``."""
+    gen = torch.Generator().manual_seed(0)
+    narrow = BandValues(torch.randn(4, generator=gen), torch.randn(1, 1, 6, 2, 4, generator=gen))
+    wide = BandValues(torch.randn(4, generator=gen), torch.randn(2, 1, 6, 5, 4, generator=gen))
+    weights = torch.rand(2, 3, 6, 5, generator=gen)
+    rows = slice(1, 4)
+    both = narrow.output(weights[..., rows, -2:], rows) + wide.output(weights[..., rows, :], rows)
+    assert_close((narrow + wide).output(weights[..., rows, :], rows), both)
+    assert_close((wide + narrow).output(weights[..., rows, :], rows), both)
 
 
 # --------------------------------------------------------------------------------------------

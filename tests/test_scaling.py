@@ -254,20 +254,22 @@ def test_evaluation_runs_compiled_blocks_as_they_are_so_a_sweep_compiles_nothing
 
 
 @pytest.mark.skipif(torch.__version__ < "2.6", reason="lenext's FlexAttention path needs torch >= 2.6")
-@pytest.mark.parametrize("pe", ["t5", "shaw", "alibi", "kerple", "rnope_swa", "fox"])
+@pytest.mark.parametrize("pe", ["t5", "shaw", "shaw+pe.value_term=true", "alibi", "kerple", "rnope_swa", "fox"])
 def test_a_block_on_the_gpus_flexattention_path_traces_as_one_graph(pe, compose_train, monkeypatch):
-    """On CUDA T5's and Shaw's band bias, ALiBi's and KERPLE's, sliding windows (RNoPE-SWA's, at 300 tokens past its
-    window) and FoX's key bias in evaluation go to FlexAttention: that path, chosen here on the CPU, traces as one
-    graph too (without a gradient: flex has no backward on a CPU), flex_attention
-    compiled with the block (calling torch.compile in it, as Lightning wraps it, broke the graph 5 times). FIRE's
-    does not: its learned threshold decides, per forward, which rows take the score_mod (docs/scaling.md)."""
+    """On CUDA T5's and Shaw's band bias (with a^V: flex's log-sum-exp and the band's weights), ALiBi's and KERPLE's,
+    sliding windows (RNoPE-SWA's, at 300 tokens past its window) and FoX's key bias in evaluation go to
+    FlexAttention: that path, chosen here on the CPU, traces as one graph too (without a gradient: flex has no
+    backward on a CPU), flex_attention compiled with the block (calling torch.compile in it, as Lightning wraps it,
+    broke the graph 5 times). FIRE's does not: its learned threshold decides, per forward, which rows take the
+    score_mod (docs/scaling.md)."""
     import torch._dynamo
 
     import lenext.attention as attention_module
     from lenext.pe.base import forward_span
 
     monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
-    net = tiny_module(compose_train, pe).net
+    pe, _, setting = pe.partition("+")
+    net = tiny_module(compose_train, pe, *filter(None, [setting])).net
     x, positions = torch.randn(2, 300, net.d_model), torch.arange(300)[None]
     assert net.blocks[0].attn.window is None or net.blocks[0].attn.window < 300
     torch._dynamo.reset()

@@ -10,12 +10,13 @@ docs/pes/index.md, "Attention paths"), never from its name:
   on chip;
 - a key bias that needs a gradient (FoX's), but on CUDA in fp32: SDPA ``is_causal`` in fp32 (also under bf16), the
   bias as an extra channel of q and k;
-- on CUDA, biases that each have a ``score_mod`` or a key form, and any sliding window (as a block mask): compiled
-  FlexAttention, no (L, L) tensor;
+- on CUDA, biases that each have a ``score_mod``, a key or a band form, and any sliding window (as a block mask):
+  compiled FlexAttention, no (L, L) tensor; one band bias with a value term of the band (Shaw's a^V): flex with its
+  log-sum-exp, from which the band's weights and the value term follow;
 - a key bias (ALiBi): a (B or 1, H, 1, L) fp32 mask on SDPA's fused causal kernel;
-- a band bias (T5, Shaw) on CPU: ``BandedAttention``, the fused causal flash kernel for the
-  keys beyond the band (bias 0) and the W band keys scored directly, in O(L W) extra memory;
-- otherwise (a pair bias: KERPLE, FIRE; a value term: Shaw's a^V; logits the PE computes itself:
+- a band bias (T5, Shaw), with a value term of the band or not, on CPU: ``BandedAttention``, the fused causal flash
+  kernel for the keys beyond the band (bias 0) and the W band keys scored directly, in O(L W) extra memory;
+- otherwise (a pair bias: KERPLE, FIRE; a value term beside other biases; logits the PE computes itself:
   Self-Extend; a window on CPU; no fused kernel): explicit scores in query blocks, so no (L, L) tensor at once.
 The PE gives biases; every mask (causal, the band's, a window's) is built here or in ``flex``.
 
@@ -39,6 +40,8 @@ from torch import nn
 from lenext.attention.band import BandedAttention, band_mask, cpu_flash
 from lenext.attention.fla_kernels import fla_attention, fla_serves, triton_serves
 from lenext.attention.flex import (
+    band_score_mod,
+    band_values_attention,
     causal_block_mask,
     compiled_flex_attention,
     flex_attention,
@@ -46,7 +49,7 @@ from lenext.attention.flex import (
     window_block_mask,
 )
 from lenext.errors import ConfigError
-from lenext.pe.base import NO_TERMS, Bias, Logits, LogitTerm, ScoreTerms, ValueTerm, device_budget
+from lenext.pe.base import NO_TERMS, BandValues, Bias, Logits, LogitTerm, ScoreTerms, device_budget
 from lenext.ranges import PositiveInt
 
 # Float elements of mask per query block on the explicit path, by device. CPU: small enough for the heap to reuse
@@ -212,18 +215,34 @@ def causal_attention(
         window = None  # every row sees all its keys
     # scores of q . k or the PE's logits, plus biases alone: what fused kernels compute (recording needs the explicit
     # path's weights); scores_only: bare under softmax (fla's kernel is stick-breaking's only fused path)
-    bare = value_term is None and len(terms.logit_terms) == 0 and _recorder is None
+    unrecorded = len(terms.logit_terms) == 0 and _recorder is None
+    bare = unrecorded and value_term is None
     scores_only = bare and not stick_breaking
     plain = scores_only and logits is None
     fused = plain and window is None
     if fused and not biases:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # a value term of the band beside one band bias (Shaw's a^V): it needs only the band's weights, which the band's
+    # fused paths have (BandedAttention's band, flex's log-sum-exp)
+    band_values = (
+        value_term is not None
+        and unrecorded
+        and not stick_breaking
+        and logits is None
+        and window is None
+        and row_scale is None
+        and len(biases) == 1
+        and biases[0].band is not None
+        and q.size(-1) == width
+    )
+    if band_values and flex_available(q):
+        return band_values_attention(flex_kernel(), q, k, v, biases[0].band(), value_term)
     if bare and row_scale is None and torch.is_grad_enabled() and fla_serves(q, terms, window, stick_breaking):
         return fla_attention(q, k, v, terms, window, stick_breaking)
     if contextual_serves(q, terms, window, row_scale, stick_breaking):
         return contextual_kernel()(q, k, v, terms.contextual())
     length = q.size(-2)
-    flex = plain and row_scale is None and flex_available(q) and all(b.flex or b.key for b in biases)
+    flex = plain and row_scale is None and flex_available(q) and all(b.flex or b.key or b.band for b in biases)
     # The keys' sum, unless flex takes every bias by its own score_mod (ALiBi's on CUDA)
     keyed = fused and row_scale is None and all(b.key for b in biases) and not (flex and all(b.flex for b in biases))
     key = sum(b.key(0, length) for b in biases) if keyed else None  # (B or 1, H, 1, L)
@@ -234,22 +253,19 @@ def causal_attention(
         if key is not None and not any(b.flex for b in biases):
             score_mods = [key_score_mod(key)]  # the keys' sum, made above
         else:
-            score_mods = [b.flex() if b.flex else key_score_mod(b.key(0, length)) for b in biases]
+            score_mods = [flex_score_mod(b, length) for b in biases]
         if all(score_mods):  # a PE may have no score_mod for these positions (FIRE past its threshold)
             mask = (
                 causal_block_mask(length, q.device) if window is None else window_block_mask(length, window, q.device)
             )
             score_mod = summed_score_mods(score_mods) if score_mods else None
-            # in a block torch.compile traces, flex_attention itself, which dynamo compiles with the block (a call
-            # of torch.compile there, which Lightning wraps, would break the block's graph)
-            kernel = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
-            return kernel(q, k, v, score_mod=score_mod, block_mask=mask)
+            return flex_kernel()(q, k, v, score_mod=score_mod, block_mask=mask)
     if key is not None and fused_mask_with_causal(q.device.type):
         # O(L) memory at any length; a strided mask (FoX's, a view of (B, L, H) gates) sends SDPA to (H, L, L) scores
         return _sdpa_keep_mask(q, k, v, attn_mask=key.contiguous(), is_causal=True)
     # BandedAttention computes in fp32: a float64 model (the oracles' reference) takes the explicit path
     if (
-        fused
+        (fused or band_values)
         and len(biases) == 1
         and biases[0].band
         and q.device.type == "cpu"
@@ -258,7 +274,9 @@ def causal_attention(
     ):
         band = biases[0].band()  # (B or 1, H, L, W)
         with torch.autocast(q.device.type, enabled=False):  # the band products stay fp32 under bf16
-            return BandedAttention.apply(q, k, v, band if row_scale is None else band * row_scale)
+            if value_term is None:
+                return BandedAttention.apply(q, k, v, band if row_scale is None else band * row_scale)
+            return (BandedAttention.apply(q, k, v, band, value_term.band) + value_term.far).to(q.dtype)
     bias = explicit_bias(biases, q, window, row_scale)
     return _blocked_attention(q, k, v, bias, value_term, logits, row_scale, window, terms.logit_terms, stick_breaking)
 
@@ -283,6 +301,19 @@ def contextual_kernel() -> Callable | None:
     except ImportError:
         return None
     return contextual_attention
+
+
+def flex_kernel() -> Callable:
+    """flex_attention compiled; in a block torch.compile traces, flex_attention itself, which dynamo compiles with
+    the block (a call of torch.compile there, which Lightning wraps, would break the block's graph)."""
+    return flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+
+
+def flex_score_mod(bias: Bias, length: int) -> Callable | None:
+    """A bias as a score_mod: its own (None where it has none for these positions), else its key or band form's."""
+    if bias.flex is not None:
+        return bias.flex()
+    return key_score_mod(bias.key(0, length)) if bias.key is not None else band_score_mod(bias.band())
 
 
 def flex_available(q: torch.Tensor) -> bool:
@@ -376,7 +407,7 @@ def _blocked_attention(
     k,
     v,
     bias: Callable[[int, int, int], torch.Tensor],
-    value_term: ValueTerm | None = None,
+    value_term: BandValues | None = None,
     logits: Logits | None = None,
     row_scale: torch.Tensor | None = None,
     window: int | None = None,
@@ -433,9 +464,18 @@ def _blocked_attention(
         if record is not None:
             record(_recorded(weights.detach(), start, first, stick_breaking), start, end, first)
         if value_term is not None:
-            block = block + value_term(F.pad(probs, (first, 0)) if first else probs, start, end)  # keys [0, end)
+            band_weights = band_of(weights, start, first, value_term.band.size(-2))
+            block = block + value_term.output(band_weights, slice(start, end)).to(block.dtype)
         out[:, :, start:end] = block
     return out
+
+
+def band_of(weights: torch.Tensor, start: int, first: int, width: int) -> torch.Tensor:
+    """(B, H, rows, W): the weights (B, H, rows, keys first..) of query rows start.. on their band's keys
+    i - W + 1 .. i (0 on keys before ``first``)."""
+    rows, device = weights.size(-2), weights.device
+    column = start - first + torch.arange(rows, device=device)[:, None] + torch.arange(width, device=device)
+    return F.pad(weights, (width - 1, 0)).gather(-1, column.expand(*weights.shape[:-1], width))  # W - 1 zero keys first
 
 
 def _recorded(weights: torch.Tensor, start: int, first: int, stick_breaking: bool) -> torch.Tensor:

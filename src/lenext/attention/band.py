@@ -1,4 +1,5 @@
-"""Causal attention with a banded score bias (T5, Shaw) on the fused CPU flash kernel, in O(L W) memory."""
+"""Causal attention with a banded score bias (T5, Shaw), and a value term of the band (Shaw's a^V), on the fused CPU
+flash kernel, in O(L W) memory."""
 
 import math
 from functools import cache
@@ -82,17 +83,19 @@ class BandedAttention(torch.autograd.Function):
     Row i's keys split in two. The far keys j <= i - W all carry bias 0: query rows W.. against
     key rows ..L-W-1 is a square causal problem, one call of the fused flash kernel with no mask.
     The W band keys are scored directly with the bias added, BAND_ROWS query rows per step, and the
-    two parts merge by their log-sum-exps. SDPA would run a mask that needs a gradient on its
-    unfused math path (softmax over (B, H, L, L) in memory, 3.5x slower here), so the backward is
-    written out: the flash kernel's own backward for the far keys (exact given the merged output
-    and log-sum-exp), and dS = P (dP - rowsum(dO * O)) on the band, which is also the bias gradient.
+    two parts merge by their log-sum-exps. A value term of the band (``added`` (B or 1, 1 or H, L, W, d),
+    ``BandValues.band``: what each band key's value gains) adds each row's band weights times it.
+    SDPA would run a mask that needs a gradient on its unfused math path (softmax over (B, H, L, L)
+    in memory, 3.5x slower here), so the backward is written out: the flash kernel's own backward
+    for the far keys (exact given the merged output and log-sum-exp), and dS = P (dP - rowsum(dO * O))
+    on the band, which is also the bias gradient (a band key's dP: dO . (v_j + added)).
     Each step keeps its (rows, W) and (rows, rows + W - 1) blocks in cache, rather than passing
     over (B, H, L, W) tensors once per operation.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, band):
-        # q, k, v: (B, H, L, d); band: (B or 1, H, L, W)
+    def forward(ctx, q, k, v, band, added=None):
+        # q, k, v: (B, H, L, d); band: (B or 1, H, L, W); added: None or (B or 1, 1 or H, L, W, d)
         # Contiguous once, so that each step's slices go to the batched matmuls without a copy
         # (the decoder's q, k, v are strided views of one projection).
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -114,14 +117,16 @@ class BandedAttention(torch.autograd.Function):
             far_share = (logsumexp_far[..., rows] - logsumexp[..., rows]).exp()[..., None]
             values = band_keys(v, start, n, width)
             out[..., rows, :] = write_band(buffer, probs[..., rows, :]) @ values + out_far[..., rows, :] * far_share
+            if added is not None:
+                out[..., rows, :] += (probs[..., rows, None, :] @ added[..., rows, :, :])[..., 0, :]
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, logsumexp, probs)
+        ctx.save_for_backward(q, k, v, out, logsumexp, probs, added)
         ctx.band_shape, ctx.band_dtype = band.shape, band.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, logsumexp, probs = ctx.saved_tensors
+        q, k, v, out, logsumexp, probs, added = ctx.saved_tensors
         length, width = probs.shape[-2:]
         scale = 1 / math.sqrt(q.size(-1))
         grad_out = grad_out.contiguous()
@@ -129,6 +134,7 @@ class BandedAttention(torch.autograd.Function):
         # -W + 1 .. L - 1: a step's band also reaches the W - 1 keys before its rows.
         grad_q, grad_k, grad_v = _far_key_grads(grad_out, q, k, v, out, logsumexp, width)
         grad_band = probs.new_empty(ctx.band_shape)
+        grad_added = None if added is None else torch.zeros_like(added)
         buffer = band_buffer(q, width)
         for rows in band_steps(length):
             start, n = rows.start, rows.stop - rows.start
@@ -136,6 +142,12 @@ class BandedAttention(torch.autograd.Function):
             d_out, band_probs = grad_out[..., rows, :].float(), probs[..., rows, :]
             rowsum = (d_out * out[..., rows, :].float()).sum(-1, keepdim=True)  # (B, H, n, 1)
             grad_probs = diagonal_band(d_out @ band_keys(v, start, n, width).transpose(-2, -1), width)
+            if added is not None:
+                grad_probs = grad_probs + (d_out[..., None, :] @ added[..., rows, :, :].transpose(-2, -1))[..., 0, :]
+                heads = "h" if added.size(1) > 1 else ""  # the term shared by the heads: summed over them
+                by_key = torch.einsum(f"bhnw,bhnd->b{heads}nwd", band_probs, d_out)
+                by_key = by_key.view(-1, added.size(1), n, width, v.size(-1))
+                grad_added[..., rows, :, :] = by_key.sum_to_size(added.size(0), *by_key.shape[1:])
             grad_scores = band_probs * (grad_probs - rowsum)  # dS on the band
             grad_band[..., rows, :] = grad_scores.sum_to_size(*ctx.band_shape[:-2], n, width)
             block = write_band(buffer, grad_scores * scale)  # d(q_i . k_j)
@@ -143,7 +155,7 @@ class BandedAttention(torch.autograd.Function):
             grad_k[..., spanned, :] += block.transpose(-2, -1) @ q[..., rows, :].float()
             grad_v[..., spanned, :] += write_band(buffer, band_probs).transpose(-2, -1) @ d_out
         grad_k, grad_v = grad_k[..., width - 1 :, :], grad_v[..., width - 1 :, :]
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), grad_band.to(ctx.band_dtype)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), grad_band.to(ctx.band_dtype), grad_added
 
 
 def _far_keys(q, k, v, width: int) -> tuple[torch.Tensor, torch.Tensor]:

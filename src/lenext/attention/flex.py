@@ -3,12 +3,20 @@
 from functools import cache
 
 import torch
+import torch.nn.functional as F
+
+from lenext.pe.base import BandValues
 
 # FlexAttention runs score-bias PEs on CUDA without any (L, L) tensor. torch 2.6 is the first
 # version whose backward reaches tensors a score_mod captures (the T5 table, Shaw's q . a^K).
-flex_attention = None
+flex_attention = AuxRequest = None
 if torch.__version__ >= "2.6":
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    try:  # torch >= 2.9 (earlier: return_lse)
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        pass
 
 FLEX_BLOCK = 128  # FlexAttention's sparse block size (its default)
 
@@ -105,3 +113,56 @@ def key_score_mod(key: torch.Tensor):
         return score + key[b, h, kv_idx]
 
     return per_sequence
+
+
+def band_score_mod(band: torch.Tensor):
+    """A band bias (B or 1, H, L, W) as a score_mod: key j = i - W + 1 + w of row i gets band[..., i, w], keys farther
+    back 0 (``Bias.band``'s form)."""
+    # W - 1 as a captured tensor: compiled flex turns a captured int that differs from an earlier compile's into a
+    # symbolic scalar, on which the lowering of its training graph fails (docs/pes/shaw.md)
+    nearest = torch.tensor(band.size(-1) - 1, device=band.device)
+
+    def column(q_idx, kv_idx):
+        return torch.clamp(nearest - (q_idx - kv_idx), 0, nearest)  # in range for every pair, used for the band's
+
+    if band.size(0) == 1:
+
+        def shared(score, b, h, q_idx, kv_idx):
+            return score + torch.where(q_idx - kv_idx <= nearest, band[0, h, q_idx, column(q_idx, kv_idx)], 0.0)
+
+        return shared
+
+    def per_sequence(score, b, h, q_idx, kv_idx):
+        return score + torch.where(q_idx - kv_idx <= nearest, band[b, h, q_idx, column(q_idx, kv_idx)], 0.0)
+
+    return per_sequence
+
+
+def attention_with_lse(kernel, q, k, v, score_mod, block_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernel`` (flex_attention, compiled or not) returning (out, its log-sum-exp (B, H, L) fp32), both
+    differentiable."""
+    if AuxRequest is None:
+        return kernel(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True)
+    out, aux = kernel(q, k, v, score_mod=score_mod, block_mask=block_mask, return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
+def band_weights(q: torch.Tensor, k: torch.Tensor, band: torch.Tensor, logsumexp: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, W) fp32 (float64 for float64 q): row i's softmax weights on its band's keys i - W + 1 .. i (0 on
+    keys before the first), exp(score - logsumexp) from the row's log-sum-exp over all its keys; the band's scores
+    q_i . k_j / sqrt(d) + band written out as W products of q with k shifted: O(L W d), no (L, L) tensor."""
+    length, width = band.shape[-2:]
+    wide = torch.promote_types(q.dtype, torch.float32)  # float64 for a float64 model
+    queries = q.to(wide)
+    keys = F.pad(k.to(wide), (0, 0, width - 1, 0))  # row i + w: key i - W + 1 + w (zeros before key 0)
+    dots = torch.stack([(queries * keys[..., w : w + length, :]).sum(-1) for w in range(width)], -1)
+    before_first = torch.arange(length, device=q.device)[:, None] + torch.arange(width, device=q.device) < width - 1
+    return (dots * q.size(-1) ** -0.5 + band - logsumexp[..., None]).exp().masked_fill(before_first, 0.0)
+
+
+def band_values_attention(kernel, q, k, v, band: torch.Tensor, values: BandValues) -> torch.Tensor:
+    """Causal attention with a band bias (B or 1, H, L, W) and a value term in band form (Shaw's a^V) on flex:
+    the fused kernel's output and log-sum-exp, then the value term from the band's weights alone."""
+    out, logsumexp = attention_with_lse(kernel, q, k, v, band_score_mod(band), causal_block_mask(q.size(-2), q.device))
+    added = values.output(band_weights(q, k, band, logsumexp), slice(None))
+    return (out.to(added.dtype) + added).to(out.dtype)

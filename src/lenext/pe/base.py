@@ -22,7 +22,7 @@ that gathers them into terms:
 - ``pair_bias``: any bias(i, j) of the two positions (KERPLE, FIRE);
 - ``score_mod``: one of the biases above as a FlexAttention score_mod, for CUDA (never alone:
   elsewhere the attention runs the other form);
-- ``value_term``: an extra attention output computed from the probabilities (Shaw's a^V);
+- ``value_term``: a term added to the values per (query, key) pair, as a band (``BandValues``: Shaw's a^V);
 - ``logits(q, k, positions)``: the logits themselves, for a PE whose logit is not one product of the
   rotated q and k (Self-Extend: two rotations merged per pair); ``rotate`` then leaves q and k as they are.
 
@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lenext.errors import ConfigError
@@ -53,7 +54,6 @@ def device_budget(budgets: dict[str, int], device: torch.device) -> int:
 
 
 PairBias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-ValueTerm = Callable[[torch.Tensor, int, int], torch.Tensor]
 Logits = Callable[[int, int], torch.Tensor]
 KeyBias = Callable[[int, int], torch.Tensor]
 LogitTerm = Callable[[torch.Tensor, int, int, int], torch.Tensor]
@@ -69,7 +69,8 @@ class Bias:
     - ``band()``: (B or 1, H, L, W), ``PositionalEncoding.band_bias``'s form.
     - ``pair(start, end, first)``: (B or 1, H, end - start, end - first) fp32 bias of query rows [start, end)
       against keys [first, end), for j <= i (values at j > i must be finite; the attention masks them).
-    - ``flex()``: a FlexAttention score_mod adding the bias (CUDA), or None where it has none for these positions.
+    - ``flex()``: a FlexAttention score_mod adding the bias (CUDA), or None where it has none for these positions;
+      without it, flex takes the key or band form as one.
     - ``gates()``: (B, L, H) fp32 log gates g, for a bias(i, j) = sum_{t = j+1..i} g_t (FoX's forget gates):
       fla's forgetting-attention kernel while training on CUDA (``lenext.attention.fla_kernels``).
     Forms that cost work are functions, called only by the path that uses them.
@@ -80,6 +81,33 @@ class Bias:
     pair: Callable[[int, int, int], torch.Tensor] | None = None
     flex: Callable[[], ScoreMod] | None = None
     gates: Callable[[], torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class BandValues:
+    """A value term: query i sees key j's value plus ``far`` + ``band[..., i, w]`` for the W keys j = i - W + 1 + w of
+    its band (the layout of ``Bias.band``), plus ``far`` alone for every key farther back (Shaw's a^V).
+
+    - ``far``: (d_head,);
+    - ``band``: (B or 1, 1 or H, L, W, d_head), what each band key adds beyond ``far`` (0 where it adds nothing more).
+    The attention weights of a row sum to 1, so the term adds ``far`` + sum_w p_iw band[..., i, w] to its output:
+    only the band's weights are needed, which every fused path has (``lenext.attention``).
+    """
+
+    far: torch.Tensor
+    band: torch.Tensor
+
+    def output(self, band_weights: torch.Tensor, rows: slice) -> torch.Tensor:
+        """(B, H, R, d_head) in the band's dtype: the term's output for query ``rows``, from their weights on the band
+        (B, H, R, W)."""
+        band = self.band[..., rows, :, :]
+        return self.far.to(band.dtype) + (band_weights.to(band.dtype)[..., None, :] @ band)[..., 0, :]
+
+    def __add__(self, other: "BandValues") -> "BandValues":
+        """Both terms: the narrower band widened by keys that add nothing beyond its ``far``."""
+        width = max(self.band.size(-2), other.band.size(-2))
+        widened = [F.pad(t.band, (0, 0, width - t.band.size(-2), 0)) for t in (self, other)]
+        return BandValues(self.far + other.far, widened[0] + widened[1])
 
 
 @dataclass(frozen=True)
@@ -97,7 +125,7 @@ class ScoreTerms:
     """
 
     biases: tuple[Bias, ...] = ()
-    value: ValueTerm | None = None
+    value: BandValues | None = None
     logits: Logits | None = None
     logit_terms: tuple[LogitTerm, ...] = ()
     householders: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -107,13 +135,7 @@ class ScoreTerms:
         """Both PEs' terms: biases summed, value terms added; one PE at most computes the logits."""
         if self.logits is not None and other.logits is not None:
             raise ConfigError("two PEs that each compute the attention logits themselves cannot be combined")
-        value = self.value or other.value
-        if self.value is not None and other.value is not None:
-            first, second = self.value, other.value
-
-            def value(probs, start, end):
-                return first(probs, start, end) + second(probs, start, end)
-
+        value = other.value if self.value is None else self.value if other.value is None else self.value + other.value
         logit_terms = self.logit_terms + other.logit_terms
         householders = self.householders or other.householders
         contextual = self.contextual or other.contextual
@@ -264,9 +286,8 @@ class PositionalEncoding(nn.Module):
         """
         return None
 
-    def value_term(self, positions: torch.Tensor, layer: int) -> ValueTerm | None:
-        """``(probs (B, H, R, K), start, end) -> (B, H, R, d_head)``: extra attention output for query
-        rows [start, end) from their probabilities over keys [0, end) (Shaw's a^V)."""
+    def value_term(self, positions: torch.Tensor, layer: int) -> BandValues | None:
+        """A term added to key j's value for query i (Shaw's a^V), constant beyond W keys back: ``BandValues``."""
         return None
 
     def logits(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> Logits | None:

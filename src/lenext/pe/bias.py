@@ -9,10 +9,10 @@ from torch import nn
 from lenext.errors import ConfigError
 from lenext.pe.base import (
     AttentionShape,
+    BandValues,
     PositionalEncoding,
     band_distances,
     distance_score_mod,
-    position_differences,
     position_span,
 )
 from lenext.ranges import PositiveInt, Range
@@ -169,30 +169,12 @@ class ShawRelative(PositionalEncoding):
         band = by_offset.gather(-1, index.expand(*by_offset.shape[:-1], -1))
         return band - by_offset[..., :1]  # relative to a^K_{-k}, the bias of every key k or more back
 
-    def score_mod(self, q, positions, layer):
-        by_offset = self._scores(q, self.key_table[layer])  # (B, H, L, 2k + 1)
-        positions = positions.expand(q.size(0), -1)
-        # k as a captured tensor: compiled flex turns a captured int that differs from an earlier compile's into a
-        # symbolic scalar, on which the lowering of its training graph fails (docs/pes/shaw.md).
-        k = torch.tensor(self.k, device=q.device)
-
-        def shaw(score, b, h, q_idx, kv_idx):
-            return score + by_offset[b, h, q_idx, torch.clamp(positions[b, kv_idx] - positions[b, q_idx], -k, k) + k]
-
-        return shaw
-
     def value_term(self, positions, layer):
         if self.value_table is None:
             return None
         table = self.value_table[layer]
-
-        def shaw_values(probs, start, end):
-            index = self._clipped(position_differences(positions[:, start:end], positions[:, :end]))
-            index = index[:, None].expand_as(probs)  # (B, H, rows, end)
-            mass = probs.new_zeros(*probs.shape[:-1], 2 * self.k + 1).scatter_add_(-1, index, probs)
-            return mass @ table.to(probs.dtype)  # (B, H, rows, d_head)
-
-        return shaw_values
+        rows = self._clipped(band_distances(positions, self.k))  # (B or 1, L, k) in [0, k]; 0: a^V_{-k}, the far keys'
+        return BandValues(far=table[0], band=(table[rows] - table[0])[:, None])  # band (B or 1, 1, L, k, d_head)
 
     def hyperparameters(self) -> dict:  # ``value_term`` names a site of the interface, not the setting
         return {"k": self.k, "value_term": self.value_table is not None}
