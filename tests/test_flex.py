@@ -341,12 +341,14 @@ def test_the_dispatcher_sends_shaws_value_term_to_flex(length, positions, flex_o
 
 def dense_flex(q, k, v, score_mod=None, block_mask=None, **aux):
     """flex_attention's definition written out, differentiable on a CPU: every score through ``score_mod``, the
-    causal mask, softmax; (out, the log-sum-exp) in flex's return convention."""
+    causal mask, softmax; out, or (out, the log-sum-exp) in flex's return convention when asked for it."""
     batch, heads, length, _ = q.shape
     b, h = torch.arange(batch)[:, None, None, None], torch.arange(heads)[None, :, None, None]
     i, j = torch.arange(length)[None, None, :, None], torch.arange(length)[None, None, None, :]
     scores = score_mod(q @ k.transpose(-2, -1) * q.size(-1) ** -0.5, b, h, i, j).masked_fill(j > i, float("-inf"))
     out, logsumexp = scores.softmax(-1) @ v, scores.logsumexp(-1)
+    if not aux:
+        return out
     return (out, logsumexp) if "return_lse" in aux else (out, SimpleNamespace(lse=logsumexp))
 
 
@@ -379,3 +381,49 @@ def test_shaws_value_term_on_flex_has_the_naive_formulas_gradients(clip, positio
     for g, e in zip(got_grads, torch.autograd.grad((expected * weight).sum(), inputs), strict=True):
         assert e.abs().sum() > 0
         assert_close(g, e, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("positions", ["sequential", "randomized"])
+@pytest.mark.parametrize("kind", ["t5", "t5_per_layer", "kerple", "kerple_power", "fire"])
+def test_per_distance_score_mods_have_the_naive_formulas_gradients(kind, positions, monkeypatch):
+    """T5's, KERPLE's and FIRE's tables read from ``DISTANCE_TABLE_COPIES`` copies by query index: outputs and
+    gradients (q, k, v, the PE's parameters) of the naive float64 formula, with flex's definition as the kernel."""
+    from tests.test_pe import make_bias_pe, naive_biased_attention
+
+    calls = []
+    monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
+    monkeypatch.setattr(
+        attention_module, "compiled_flex_attention", lambda: lambda *a, **kw: calls.append(1) or dense_flex(*a, **kw)
+    )
+    if kind == "fire":  # every query below its threshold: a table by distance
+        pe = FIRE(AttentionShape(d_model=4 * 8, n_heads=4, n_layers=2, train_len=16), init_threshold=4000.0)
+        with torch.no_grad():
+            for param in pe.parameters():
+                param.normal_(std=0.5)
+            pe.layers[1].c.abs_()
+    else:
+        pe = make_bias_pe(kind)
+    if isinstance(pe, KERPLE):  # r1, r2 off their floor, where the formula's clamp has no gradient
+        with torch.no_grad():
+            pe.r1.abs_().add_(0.05)
+            pe.r2.abs_().add_(0.05)
+        pe.project_()
+    pe, length = pe.double(), 40
+    positions = POSITIONS[positions](length)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, length, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    weight = torch.randn(2, 4, length, 8, generator=gen, dtype=torch.float64)
+    used = list(pe.layers[1].parameters() if isinstance(pe, FIRE) else pe.parameters())
+    inputs = [q, k, v, *(p for p in used if p.requires_grad)]
+    got = causal_attention(q, k, v, pe.layer(1).terms(None, q, k, positions))
+    expected = naive_biased_attention(q, k, v, pe, 1, positions)
+    assert calls == [1]
+    tolerance = 1e-6 if kind.startswith("kerple") else 1e-11  # KERPLE's table is fp32, as flex's scores
+    assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    got_grads = torch.autograd.grad((got * weight).sum(), inputs, allow_unused=True)
+    expected_grads = torch.autograd.grad((expected * weight).sum(), inputs, allow_unused=True)
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        if e is None:
+            assert g is None or not g.any()
+            continue
+        assert_close(g, e, atol=tolerance, rtol=1e-5 if kind.startswith("kerple") else 1e-9)

@@ -47,6 +47,11 @@ FAMILIES = ("no PE or absolute", "additive bias", "rotary", "2024-26 methods")
 HIDDEN_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}
 
 
+# Copies of a per-distance bias table that a FlexAttention score_mod reads (``distance_score_mod``): fewer atomic
+# additions of flex's backward to each address (docs/pes/index.md, "Attention paths")
+DISTANCE_TABLE_COPIES = 16
+
+
 def device_budget(budgets: dict[str, int], device: torch.device) -> int:
     """A per-device budget of elements (``HIDDEN_ELEMENTS``, attention's score blocks, the loss's logits) for
     ``device``: the CPU's on any device the table does not name."""
@@ -407,12 +412,18 @@ def position_differences(query_positions: torch.Tensor, key_positions: torch.Ten
 
 def distance_score_mod(table: torch.Tensor, positions: torch.Tensor, batch: int) -> Callable:
     """A score_mod adding ``table`` (N, H) looked up at |p_i - p_j| (positions (B or 1, L), N above the largest).
-    |i - j|, not max(i - j, 0): the masked scores (j > i) of the diagonal blocks then spread their zero gradients
-    over the table, instead of flex's backward adding them all atomically at distance 0 (T5 trained 3x slower)."""
+
+    flex's backward adds each score's gradient into the table atomically, and the scores of one distance fall on a
+    diagonal of each block: the additions to one address queue. So the score_mod reads one of
+    ``DISTANCE_TABLE_COPIES`` copies, chosen by query index, and autograd sums the copies' gradients; and it reads
+    |i - j|, not max(i - j, 0), so that the masked scores (j > i) of the diagonal blocks spread their zero gradients
+    over the table instead of adding them all at distance 0 (T5 trained 3x slower).
+    """
     positions = positions.expand(batch, -1)
+    copies = table.repeat(DISTANCE_TABLE_COPIES, 1, 1)  # (C, N, H), each copy its own cache lines
 
     def by_distance(score, b, h, q_idx, kv_idx):
-        return score + table[(positions[b, q_idx] - positions[b, kv_idx]).abs(), h]
+        return score + copies[q_idx % DISTANCE_TABLE_COPIES, (positions[b, q_idx] - positions[b, kv_idx]).abs(), h]
 
     return by_distance
 
