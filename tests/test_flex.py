@@ -6,6 +6,7 @@ BlockMask go through eager (uncompiled) flex_attention on CPU, forward only, whi
 
 import logging
 import warnings
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -280,7 +281,7 @@ def test_causal_block_mask_is_causal(length):
     assert causal_block_mask(length, torch.device("cpu")) is mask  # built once per (length, device)
 
 
-@pytest.mark.parametrize("pe", ["alibi", "t5", "kerple", "fox", "fire"])
+@pytest.mark.parametrize("pe", ["alibi", "t5", "kerple", "fox", "fire", "shaw", "shaw_value"])
 def test_an_evaluation_sweep_compiles_flex_a_bounded_number_of_times_not_once_per_length(pe, monkeypatch):
     """Over a sweep's lengths (64 to 1024, past FIRE's threshold) the compiled kernel's graphs stop at 3: the first
     length, the next (one query block: torch specializes a size of 1), then dynamic shapes for every longer one.
@@ -299,7 +300,8 @@ def test_an_evaluation_sweep_compiles_flex_a_bounded_number_of_times_not_once_pe
 
     monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
     monkeypatch.setattr(attention_module, "compiled_flex_attention", compiled)
-    pes = {"alibi": ALiBi, "t5": T5Bias, "kerple": KERPLE, "fox": FoX, "fire": FIRE}
+    pes = {"alibi": ALiBi, "t5": T5Bias, "kerple": KERPLE, "fox": FoX, "fire": FIRE, "shaw": ShawRelative}
+    pes["shaw_value"] = partial(ShawRelative, value_term=True)
     torch.manual_seed(0)
     net = Decoder(vocab_size=97, d_model=64, n_layers=2, n_heads=4, train_len=64, pe=pes[pe]).eval()
     torch._dynamo.reset()
