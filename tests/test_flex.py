@@ -262,7 +262,7 @@ def test_the_dispatcher_takes_flex_for_fire_past_its_threshold_only_without_a_gr
         assert len(flex_on_cpu) == flexed
 
 
-def test_pes_flex_cannot_express_return_no_score_mod():
+def test_a_bias_without_a_score_mod_of_its_own_reaches_flex_by_its_other_forms():
     """Without a score_mod of its own the attention makes one from the bias's key or band form (Shaw's), or keeps
     SDPA (no bias)."""
     q, positions = torch.randn(1, HEADS, 8, HEAD_DIM), sequential_positions(8)
@@ -429,3 +429,44 @@ def test_per_distance_score_mods_have_the_naive_formulas_gradients(kind, positio
             assert g is None or not g.any()
             continue
         assert_close(g, e, atol=tolerance, rtol=1e-5 if kind.startswith("kerple") else 1e-9)
+
+
+@pytest.mark.parametrize("flex", [True, False], ids=["flex", "band_kernel"])
+@pytest.mark.parametrize("bias_k, value_k", [(3, 5), (5, 3)])
+def test_a_value_band_of_another_width_than_the_bias_band_is_exact_on_the_fused_paths(
+    bias_k, value_k, flex, monkeypatch
+):
+    """A value term whose band is narrower or wider than the bias's (another PE's a^V beside it): the fused paths
+    widen the narrower one; outputs and gradients as the explicit query blocks give them."""
+    from lenext.pe.base import ScoreTerms
+
+    bias_pe, value_pe = shaw_with_values(bias_k), shaw_with_values(value_k)
+    positions = POSITIONS["randomized"](40)
+    gen = torch.Generator().manual_seed(bias_k)
+    q, k, v = (torch.randn(BATCH, HEADS, 40, HEAD_DIM, generator=gen, requires_grad=True) for _ in range(3))
+    weight = torch.randn(BATCH, HEADS, 40, HEAD_DIM, generator=gen)
+    inputs = [q, k, v, bias_pe.key_table, value_pe.value_table]
+
+    def terms():
+        return ScoreTerms(bias_pe.layer(1).terms(None, q, k, positions).biases, value_pe.value_term(positions, 1))
+
+    expected = explicit(q, k, v, terms())
+    if flex:
+        monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
+        monkeypatch.setattr(attention_module, "compiled_flex_attention", lambda: dense_flex)
+    got = causal_attention(q, k, v, terms())
+    assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    got_grads = torch.autograd.grad((got * weight).sum(), inputs)
+    for g, e in zip(got_grads, torch.autograd.grad((expected * weight).sum(), inputs), strict=True):
+        assert_close(g, e, atol=1e-5, rtol=1e-4)
+
+
+def test_stick_breaking_with_a_value_term_is_refused():
+    """The value term's band form needs a row's weights to sum to 1; stick-breaking's do not."""
+    from lenext.errors import ConfigError
+    from lenext.pe.base import ScoreTerms
+
+    pe, positions = shaw_with_values(), sequential_positions(8)
+    q = torch.randn(1, HEADS, 8, HEAD_DIM)
+    with pytest.raises(ConfigError, match=r"^attention.normalizer=stick_breaking is invalid with a value term"):
+        causal_attention(q, q, q, ScoreTerms((), pe.value_term(positions, 0)), stick_breaking=True)

@@ -209,6 +209,11 @@ def causal_attention(
             "attention.normalizer=stick_breaking is invalid with this PE: a bias given up to a per-row constant "
             "(without a pair form), which softmax ignores and stick-breaking does not"
         )
+    if stick_breaking and value_term is not None:
+        raise ConfigError(
+            "attention.normalizer=stick_breaking is invalid with a value term (Shaw's a^V): its band form needs "
+            "a row's weights to sum to 1, and stick-breaking's do not"
+        )
     if row_scale is not None:
         q = q * row_scale.to(q.dtype)  # exact for q.k; each bias path below scales its bias too, or is not taken
     if window is not None and window >= q.size(-2):
@@ -236,7 +241,7 @@ def causal_attention(
         and q.size(-1) == width
     )
     if band_values and flex_available(q):
-        return band_values_attention(flex_kernel(), q, k, v, biases[0].band(), value_term)
+        return band_values_attention(flex_kernel(), q, k, v, *matched_bands(biases[0].band(), value_term))
     if bare and row_scale is None and torch.is_grad_enabled() and fla_serves(q, terms, window, stick_breaking):
         return fla_attention(q, k, v, terms, window, stick_breaking)
     if contextual_serves(q, terms, window, row_scale, stick_breaking):
@@ -276,6 +281,7 @@ def causal_attention(
         with torch.autocast(q.device.type, enabled=False):  # the band products stay fp32 under bf16
             if value_term is None:
                 return BandedAttention.apply(q, k, v, band if row_scale is None else band * row_scale)
+            band, value_term = matched_bands(band, value_term)
             return (BandedAttention.apply(q, k, v, band, value_term.band) + value_term.far).to(q.dtype)
     bias = explicit_bias(biases, q, window, row_scale)
     return _blocked_attention(q, k, v, bias, value_term, logits, row_scale, window, terms.logit_terms, stick_breaking)
@@ -301,6 +307,13 @@ def contextual_kernel() -> Callable | None:
     except ImportError:
         return None
     return contextual_attention
+
+
+def matched_bands(band: torch.Tensor, values: BandValues) -> tuple[torch.Tensor, BandValues]:
+    """A band bias (B or 1, H, L, W) and a value term of a band at one width, the narrower widened by its farthest
+    keys (bias 0; their values gain ``far`` alone)."""
+    width = max(band.size(-1), values.band.size(-2))
+    return F.pad(band, (width - band.size(-1), 0)), values.widened(width)
 
 
 def flex_kernel() -> Callable:

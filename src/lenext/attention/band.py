@@ -134,7 +134,7 @@ class BandedAttention(torch.autograd.Function):
         # -W + 1 .. L - 1: a step's band also reaches the W - 1 keys before its rows.
         grad_q, grad_k, grad_v = _far_key_grads(grad_out, q, k, v, out, logsumexp, width)
         grad_band = probs.new_empty(ctx.band_shape)
-        grad_added = None if added is None else torch.zeros_like(added)
+        grad_added = torch.zeros_like(added) if added is not None and ctx.needs_input_grad[4] else None
         buffer = band_buffer(q, width)
         for rows in band_steps(length):
             start, n = rows.start, rows.stop - rows.start
@@ -144,6 +144,7 @@ class BandedAttention(torch.autograd.Function):
             grad_probs = diagonal_band(d_out @ band_keys(v, start, n, width).transpose(-2, -1), width)
             if added is not None:
                 grad_probs = grad_probs + (d_out[..., None, :] @ added[..., rows, :, :].transpose(-2, -1))[..., 0, :]
+            if grad_added is not None:
                 heads = "h" if added.size(1) > 1 else ""  # the term shared by the heads: summed over them
                 by_key = torch.einsum(f"bhnw,bhnd->b{heads}nwd", band_probs, d_out)
                 by_key = by_key.view(-1, added.size(1), n, width, v.size(-1))

@@ -123,7 +123,10 @@ def band_score_mod(band: torch.Tensor):
     nearest = torch.tensor(band.size(-1) - 1, device=band.device)
 
     def column(q_idx, kv_idx):
-        return torch.clamp(nearest - (q_idx - kv_idx), 0, nearest)  # in range for every pair, used for the band's
+        # in range for every pair; off the band spread by key, where flex's backward adds the zero gradients of
+        # a block's keys (one address per row would queue them)
+        offset = nearest - (q_idx - kv_idx)
+        return torch.where((offset >= 0) & (offset <= nearest), offset, kv_idx % (nearest + 1))
 
     if band.size(0) == 1:
 

@@ -108,11 +108,14 @@ class BandValues:
         band = self.band[..., rows, :, :]
         return self.far.to(band.dtype) + (band_weights.to(band.dtype)[..., None, :] @ band)[..., 0, :]
 
+    def widened(self, width: int) -> "BandValues":
+        """The same term over a band of ``width`` >= W keys: the keys added (the farthest) gain ``far`` alone."""
+        return BandValues(self.far, F.pad(self.band, (0, 0, width - self.band.size(-2), 0)))
+
     def __add__(self, other: "BandValues") -> "BandValues":
-        """Both terms: the narrower band widened by keys that add nothing beyond its ``far``."""
+        """Both terms, over the wider band."""
         width = max(self.band.size(-2), other.band.size(-2))
-        widened = [F.pad(t.band, (0, 0, width - t.band.size(-2), 0)) for t in (self, other)]
-        return BandValues(self.far + other.far, widened[0] + widened[1])
+        return BandValues(self.far + other.far, self.widened(width).band + other.widened(width).band)
 
 
 @dataclass(frozen=True)
@@ -414,16 +417,19 @@ def distance_score_mod(table: torch.Tensor, positions: torch.Tensor, batch: int)
     """A score_mod adding ``table`` (N, H) looked up at |p_i - p_j| (positions (B or 1, L), N above the largest).
 
     flex's backward adds each score's gradient into the table atomically, and the scores of one distance fall on a
-    diagonal of each block: the additions to one address queue. So the score_mod reads one of
+    diagonal of each block: the additions to one address queue. So while training the score_mod reads one of
     ``DISTANCE_TABLE_COPIES`` copies, chosen by query index, and autograd sums the copies' gradients; and it reads
     |i - j|, not max(i - j, 0), so that the masked scores (j > i) of the diagonal blocks spread their zero gradients
     over the table instead of adding them all at distance 0 (T5 trained 3x slower).
     """
     positions = positions.expand(batch, -1)
-    copies = table.repeat(DISTANCE_TABLE_COPIES, 1, 1)  # (C, N, H), each copy its own cache lines
+    # (C, N, H), each copy its own cache lines; without a gradient one (no additions: a smaller table to read)
+    copies = table.repeat(DISTANCE_TABLE_COPIES, 1, 1) if table.requires_grad else table[None]
+    # a tensor, not an int: compiled flex makes a captured int that changes into a symbolic scalar (docs/pes/shaw.md)
+    count = torch.tensor(copies.size(0), device=table.device)
 
     def by_distance(score, b, h, q_idx, kv_idx):
-        return score + copies[q_idx % DISTANCE_TABLE_COPIES, (positions[b, q_idx] - positions[b, kv_idx]).abs(), h]
+        return score + copies[q_idx % count, (positions[b, q_idx] - positions[b, kv_idx]).abs(), h]
 
     return by_distance
 
