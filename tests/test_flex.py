@@ -354,18 +354,28 @@ def dense_flex(q, k, v, score_mod=None, block_mask=None, **aux):
     return (out, logsumexp) if "return_lse" in aux else (out, SimpleNamespace(lse=logsumexp))
 
 
+@pytest.fixture
+def flex_by_definition(monkeypatch):
+    """``causal_attention``'s CUDA FlexAttention branch taken on the CPU with ``dense_flex`` as the kernel, gradients
+    included; each call recorded."""
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append(kwargs.get("block_mask"))
+        return dense_flex(*args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
+    monkeypatch.setattr(attention_module, "compiled_flex_attention", lambda: kernel)
+    return calls
+
+
 @pytest.mark.parametrize("positions", POSITIONS)
 @pytest.mark.parametrize("clip", [3, 64])  # 64 > L: every key in the band
-def test_shaws_value_term_on_flex_has_the_naive_formulas_gradients(clip, positions, monkeypatch):
+def test_shaws_value_term_on_flex_has_the_naive_formulas_gradients(clip, positions, flex_by_definition):
     """The gradients through the band's weights, exp(score - log-sum-exp), and the value term: q, k, v and both
     tables against the float64 naive formula, with flex's definition (differentiable, float64) as the kernel."""
     from tests.test_pe import naive_biased_attention
 
-    calls = []
-    monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
-    monkeypatch.setattr(
-        attention_module, "compiled_flex_attention", lambda: lambda *a, **kw: calls.append(1) or dense_flex(*a, **kw)
-    )
     pe, length = shaw_with_values(clip).double(), 40
     positions = POSITIONS[positions](length)
     gen = torch.Generator().manual_seed(clip)
@@ -378,7 +388,7 @@ def test_shaws_value_term_on_flex_has_the_naive_formulas_gradients(clip, positio
     got = causal_attention(q, k, v, pe.layer(1).terms(None, q, k, positions))
     expected = naive_biased_attention(q, k, v, pe, 1, positions)
     assert_close(got, expected, atol=1e-12, rtol=1e-12)
-    assert calls == [1]
+    assert len(flex_by_definition) == 1
     got_grads = torch.autograd.grad((got * weight).sum(), inputs)
     for g, e in zip(got_grads, torch.autograd.grad((expected * weight).sum(), inputs), strict=True):
         assert e.abs().sum() > 0
@@ -387,16 +397,11 @@ def test_shaws_value_term_on_flex_has_the_naive_formulas_gradients(clip, positio
 
 @pytest.mark.parametrize("positions", ["sequential", "randomized"])
 @pytest.mark.parametrize("kind", ["t5", "t5_per_layer", "kerple", "kerple_power", "fire"])
-def test_per_distance_score_mods_have_the_naive_formulas_gradients(kind, positions, monkeypatch):
+def test_per_distance_score_mods_have_the_naive_formulas_gradients(kind, positions, flex_by_definition):
     """T5's, KERPLE's and FIRE's tables read from ``DISTANCE_TABLE_COPIES`` copies by query index: outputs and
     gradients (q, k, v, the PE's parameters) of the naive float64 formula, with flex's definition as the kernel."""
     from tests.test_pe import make_bias_pe, naive_biased_attention
 
-    calls = []
-    monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
-    monkeypatch.setattr(
-        attention_module, "compiled_flex_attention", lambda: lambda *a, **kw: calls.append(1) or dense_flex(*a, **kw)
-    )
     if kind == "fire":  # every query below its threshold: a table by distance
         pe = FIRE(AttentionShape(d_model=4 * 8, n_heads=4, n_layers=2, train_len=16), init_threshold=4000.0)
         with torch.no_grad():
@@ -419,7 +424,7 @@ def test_per_distance_score_mods_have_the_naive_formulas_gradients(kind, positio
     inputs = [q, k, v, *(p for p in used if p.requires_grad)]
     got = causal_attention(q, k, v, pe.layer(1).terms(None, q, k, positions))
     expected = naive_biased_attention(q, k, v, pe, 1, positions)
-    assert calls == [1]
+    assert len(flex_by_definition) == 1
     tolerance = 1e-6 if kind.startswith("kerple") else 1e-11  # KERPLE's table is fp32, as flex's scores
     assert_close(got, expected, atol=tolerance, rtol=tolerance)
     got_grads = torch.autograd.grad((got * weight).sum(), inputs, allow_unused=True)
@@ -433,9 +438,7 @@ def test_per_distance_score_mods_have_the_naive_formulas_gradients(kind, positio
 
 @pytest.mark.parametrize("flex", [True, False], ids=["flex", "band_kernel"])
 @pytest.mark.parametrize("bias_k, value_k", [(3, 5), (5, 3)])
-def test_a_value_band_of_another_width_than_the_bias_band_is_exact_on_the_fused_paths(
-    bias_k, value_k, flex, monkeypatch
-):
+def test_a_value_band_of_another_width_than_the_bias_band_is_exact_on_the_fused_paths(bias_k, value_k, flex, request):
     """A value term whose band is narrower or wider than the bias's (another PE's a^V beside it): the fused paths
     widen the narrower one; outputs and gradients as the explicit query blocks give them."""
     from lenext.pe.base import ScoreTerms
@@ -451,10 +454,9 @@ def test_a_value_band_of_another_width_than_the_bias_band_is_exact_on_the_fused_
         return ScoreTerms(bias_pe.layer(1).terms(None, q, k, positions).biases, value_pe.value_term(positions, 1))
 
     expected = explicit(q, k, v, terms())
-    if flex:
-        monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
-        monkeypatch.setattr(attention_module, "compiled_flex_attention", lambda: dense_flex)
+    calls = request.getfixturevalue("flex_by_definition") if flex else []
     got = causal_attention(q, k, v, terms())
+    assert len(calls) == flex
     assert_close(got, expected, atol=1e-5, rtol=1e-5)
     got_grads = torch.autograd.grad((got * weight).sum(), inputs)
     for g, e in zip(got_grads, torch.autograd.grad((expected * weight).sum(), inputs), strict=True):

@@ -119,8 +119,9 @@ def band_score_mod(band: torch.Tensor):
     """A band bias (B or 1, H, L, W) as a score_mod: key j = i - W + 1 + w of row i gets band[..., i, w], keys farther
     back 0 (``Bias.band``'s form)."""
     # W - 1 as a captured tensor: compiled flex turns a captured int that differs from an earlier compile's into a
-    # symbolic scalar, on which the lowering of its training graph fails (docs/pes/shaw.md)
-    nearest = torch.tensor(band.size(-1) - 1, device=band.device)
+    # symbolic scalar, on which the lowering of its training graph fails (docs/pes/shaw.md). Filled on the device:
+    # torch.tensor would copy it from the host, waiting for the GPU, in every layer's forward
+    nearest = torch.full((), band.size(-1) - 1, device=band.device)
 
     def column(q_idx, kv_idx):
         # in range for every pair; off the band spread by key, where flex's backward adds the zero gradients of

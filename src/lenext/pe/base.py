@@ -425,8 +425,8 @@ def distance_score_mod(table: torch.Tensor, positions: torch.Tensor, batch: int)
     positions = positions.expand(batch, -1)
     # (C, N, H), each copy its own cache lines; without a gradient one (no additions: a smaller table to read)
     copies = table.repeat(DISTANCE_TABLE_COPIES, 1, 1) if table.requires_grad else table[None]
-    # a tensor, not an int: compiled flex makes a captured int that changes into a symbolic scalar (docs/pes/shaw.md)
-    count = torch.tensor(copies.size(0), device=table.device)
+    # a tensor, not an int, filled on the device: as band_score_mod's width (lenext.attention.flex)
+    count = torch.full((), copies.size(0), device=table.device)
 
     def by_distance(score, b, h, q_idx, kv_idx):
         return score + copies[q_idx % count, (positions[b, q_idx] - positions[b, kv_idx]).abs(), h]
