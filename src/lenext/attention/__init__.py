@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lenext.attention.band import BandedAttention, band_mask, cpu_flash
+from lenext.attention.band import BandedAttention, band_mask, cpu_flash, diagonal_band
 from lenext.attention.fla_kernels import fla_attention, fla_serves, triton_serves
 from lenext.attention.flex import (
     band_score_mod,
@@ -486,9 +486,8 @@ def _blocked_attention(
 def band_of(weights: torch.Tensor, start: int, first: int, width: int) -> torch.Tensor:
     """(B, H, rows, W): the weights (B, H, rows, keys first..) of query rows start.. on their band's keys
     i - W + 1 .. i (0 on keys before ``first``)."""
-    rows, device = weights.size(-2), weights.device
-    column = start - first + torch.arange(rows, device=device)[:, None] + torch.arange(width, device=device)
-    return F.pad(weights, (width - 1, 0)).gather(-1, column.expand(*weights.shape[:-1], width))  # W - 1 zero keys first
+    padded = F.pad(weights, (width - 1, 0))  # column c + W - 1: key first + c; row r's band from column start-first+r
+    return diagonal_band(padded[..., start - first :], width)
 
 
 def _recorded(weights: torch.Tensor, start: int, first: int, stick_breaking: bool) -> torch.Tensor:
