@@ -422,3 +422,31 @@ def test_a_row_holds_its_protocols_parameters_and_row_fields_alone_so_a_paramete
 
     with pytest.raises(TypeError, match=r"protocol clashing: its parameters \['tokens'\] are names a results row"):
         protocols.registry(protocols.NonOverlapping, Clashing)
+
+
+def test_a_samples_rows_are_scored_at_most_tokens_per_batch_a_pass_with_the_same_metrics(haystack, sotu_data):
+    """Multiquery ranks each of its 4 answers against 3 distractors: 13 rows of L tokens a sample, which went through
+    the model in one pass whatever eval.tokens_per_batch said (13 x 32k tokens at L 32k)."""
+    net = tiny_net(vocab=sotu_data.vocab_size, train_len=32)
+    length, samples, passes = 256, [(0, 0), (1, 2)], []
+    token_nll = net.token_nll
+
+    def recorded(tokens, *args, **kwargs):
+        passes.append(tokens.size(0))
+        return token_nll(tokens, *args, **kwargs)
+
+    def measured(tokens_per_batch: int) -> dict:
+        passes.clear()
+        return measure_haystack(
+            net, haystack, "multiquery", samples, DEPTHS, length, 3, tokens_per_batch, "32-true", None, 0
+        ).metrics
+
+    net.token_nll = recorded
+    whole = measured(10**6)
+    assert passes == [26]  # both samples' rows in one pass
+    for tokens_per_batch, rows in ((3 * length, 3), (length - 1, 1)):
+        split = measured(tokens_per_batch)
+        assert max(passes) == rows and sum(passes) == 26
+        assert split.keys() == whole.keys()
+        for metric, value in whole.items():
+            assert split[metric] == pytest.approx(value, rel=1e-6), metric

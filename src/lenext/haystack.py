@@ -296,9 +296,17 @@ def measure_haystack(
         drawn = window_positions(scheme or PositionScheme(), length, seed, keys)
         if drawn is not None:  # a sample's rows at its positions
             drawn = drawn.repeat_interleave(torch.tensor([len(b.rows) for b in built]), 0).to(device)
-        with autocast:
-            nll, predicted = net.token_nll(ids[:, :-1], ids[:, 1:], drawn, predictions=True)  # (R, L) each
-        nll, correct = nll.double(), predicted == ids[:, 1:]
+        # Rows are independent sequences: scored tokens_per_batch at a time, at least one row a pass.
+        per_pass = max(1, tokens_per_batch // length)
+        nll, predicted = [], []
+        for first_row in range(0, len(ids), per_pass):
+            rows = slice(first_row, first_row + per_pass)
+            positions = None if drawn is None else drawn[rows]
+            with autocast:
+                pass_nll, pass_predicted = net.token_nll(ids[rows, :-1], ids[rows, 1:], positions, predictions=True)
+            nll.append(pass_nll.double())
+            predicted.append(pass_predicted)
+        nll, correct = torch.cat(nll), torch.cat(predicted) == ids[:, 1:]  # (R, L) each
         first = 0
         for (_, d), sample in zip(group, built, strict=True):
             for span, others in zip(sample.answers, sample.distractor_rows, strict=True):
