@@ -384,6 +384,28 @@ def test_ctrl_c_outside_training_is_one_line_and_status_130(entry, capsys, monke
     )
 
 
+@pytest.mark.parametrize(
+    "program, full_error, one_line",
+    [("train.py", False, True), ("lenext-prepare", False, True), ("train.py", True, False), ("mine.py", False, False)],
+)
+def test_ctrl_c_while_a_command_loads_is_one_line_and_status_130(tmp_path, program, full_error, one_line):
+    """Ctrl-C in the seconds a command spends importing torch, Lightning and the rest, before its entry point catches
+    anything, leaves one line too; another program that imports lenext, and HYDRA_FULL_ERROR=1, keep the traceback."""
+    script = tmp_path / program
+    script.write_text("import os, signal, time\nimport lenext\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(60)\n")
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | (
+        {"HYDRA_FULL_ERROR": "1"} if full_error else {}
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    if one_line:
+        assert (done.returncode, done.stderr) == (
+            130,
+            "error: stopped by Ctrl-C (SIGINT); every file written so far is whole: run the same command to go on\n",
+        )
+    else:
+        assert done.returncode != 0 and "Traceback" in done.stderr and done.stderr.endswith("KeyboardInterrupt\n")
+
+
 def _default_callbacks(dirpath: Path, every_n_train_steps: int | None = None) -> list:
     """configs/callbacks/default.yaml's checkpoint callbacks and stop handling, writing into ``dirpath``; last.ckpt
     also every ``every_n_train_steps``."""

@@ -1,8 +1,14 @@
 """lenext: length-extrapolation experiments for positional encodings."""
 
+import sys
 import warnings
 
-import torch
+from lenext.errors import ctrl_c_in_one_line, started_as_command  # the standard library's modules only
+
+if started_as_command():  # before the seconds of loading torch and the rest, which Ctrl-C may interrupt
+    sys.excepthook = ctrl_c_in_one_line(sys.excepthook)
+
+import torch  # noqa: E402
 
 # Flush denormal floats to zero: ALiBi's far keys get probabilities below fp32's normal range, on which CPU
 # arithmetic crawls. Before torch's first parallel region: OpenMP's threads copy the flag once, when created.

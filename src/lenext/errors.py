@@ -9,7 +9,8 @@ import errno
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 
 class LenextError(Exception):
@@ -91,6 +92,38 @@ class NoSpace(LenextError):
     the same command, once there is space, goes on from them; every job of a sweep would meet the same."""
 
     ends_sweep = True
+
+
+# The programs that are lenext's commands: the repository's shims and the console scripts (``lenext-*``).
+COMMAND_FILES = ("train.py", "eval.py", "diagnose.py")
+
+
+def started_as_command() -> bool:
+    """Whether this process is one of lenext's commands, run from a shell: a shim, a console script or
+    ``python -m lenext.<module>``; not a session at a prompt, nor another program that imports lenext."""
+    program = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if program is None or hasattr(sys, "ps1") or sys.flags.interactive:
+        return False
+    package = Path(__file__).resolve().parent
+    return program.name in COMMAND_FILES or program.name.startswith("lenext-") or package in program.resolve().parents
+
+
+def ctrl_c_in_one_line(previous: Callable) -> Callable:
+    """A ``sys.excepthook`` for lenext's commands: a Ctrl-C that reaches the top, as it does while the libraries load
+    (before an entry point's ``errors_in_one_line``), printed as the one line every stop prints, the process ending
+    with its exit status (Python's own end varies: by SIGINT, or status 1 once torch has loaded); with
+    HYDRA_FULL_ERROR=1, and for any other exception, ``previous``'s traceback."""
+
+    def hook(kind, value, traceback) -> None:
+        if not issubclass(kind, KeyboardInterrupt) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            previous(kind, value, traceback)
+            return
+        stopped = interrupted()
+        print(f"error: {stopped}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(stopped.exit_status)  # nothing was started that an exit handler would finish
+
+    return hook
 
 
 @contextlib.contextmanager
