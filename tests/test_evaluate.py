@@ -142,13 +142,17 @@ def test_a_key_context_no_length_exceeds_is_refused():
         ),
         ({"haystack_depths": [0.5, 0.5]}, r"eval.haystack_depths=\[0.5, 0.5\] is invalid: it lists 0.5 twice"),
         ({"lengths": []}, r"eval.lengths=\[\] is invalid: give at least one length, or null"),
+        ({"lengths": [64, 128, 64]}, r"eval.lengths=\[64, 128, 64\] is invalid: it lists 64 twice"),
+        ({"factors": [1, 2, 2.0]}, r"eval.factors=\[1, 2, 2.0\] is invalid: it lists 2 twice"),
+        ({"variants": []}, r"eval.variants=\[\] is invalid: give at least one variant \(e.g. \[none,yarn\]\), or null"),
         ({"factors": [1, 1.99]}, r"eval.factors=\[1, 1.99\] is invalid: 1.99 x L_train 32 = 63.68 is no whole number"),
     ],
 )
 def test_lists_that_would_evaluate_twice_or_elsewhere_than_asked_are_refused(setting, refused):
     """An audit found these taken: a variant, protocol or depth listed twice gave its rows twice (a depth's haystack
     scored twice, its answers counted twice); eval.lengths=[] evaluated eval.factors' lengths; a factor of 1.99
-    evaluated L = 63 at L_train 32."""
+    evaluated L = 63 at L_train 32; a length or factor listed twice, and eval.variants=[], were taken without a word
+    (one row; the PE as trained)."""
     with pytest.raises(ConfigError, match="^" + refused):
         sweep_plan(eval_cfg(**setting), 32, None, ("nonoverlap", "niah_single"))
 
