@@ -6,7 +6,8 @@ Run on a machine with a CUDA GPU: ``make gpu-check`` (it installs what the machi
 their share of ``--budget`` is spent, and say which rows they did not reach (training still times at least two
 repetitions; the Lightning section's size is fixed). Each section's share is of the time left when it starts: what
 a section leaves unspent goes to the sections after it. ``--profile``: each training and FSDP arm's step again
-under torch.profiler (the device's busy time, its top kernels).
+under torch.profiler (the device's busy time, its top kernels). On CUDA the check runs in a child process, started
+again without any row that crashes it (``supervise``).
 
 1. exactness: every PE config (and the attention settings' rows), a 2-layer model at L_train 64, its per-token NLL
    and every parameter's gradient on CUDA against float64 on the CPU: fp32 (TF32 off) on the automatic path,
@@ -41,6 +42,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -97,6 +99,40 @@ KERNEL_ROWS = [*FLA_ROWS, "cope"]
 # The sections, in the order they run, each with its share of the --budget left when it starts (lightning, fsdp and
 # export have fixed sizes: their shares hold time back for them).
 SECTIONS = {"exactness": 0.4, "training": 0.45, "lightning": 0.15, "fsdp": 0.15, "export": 0.05}
+RESULT_KEYS = {
+    "exactness": "exact",
+    "training": "training",
+    "lightning": "lightning",
+    "fsdp": "fsdp",
+    "export": "export",
+}
+
+# A check run under ``supervise``: the file naming the section and row it is on, so that a crash can be pinned on
+# its row; and the exit status of a check whose device a row broke (a CUDA error fails every later call too).
+PROGRESS: Path | None = None
+DEVICE_LOST = 75
+
+
+def mark(section: str, row: str | None = None) -> None:
+    """Where the check is: ``supervise`` runs it again without this row (this section, for None) if it crashes."""
+    if PROGRESS is not None:
+        write_atomic(PROGRESS, json.dumps([section, row]))
+
+
+def end_if_device_lost(device: str) -> None:
+    """After a row failed: a CUDA error that broke the context (an illegal memory access) fails every later row, so a
+    supervised check ends, for ``supervise`` to start a fresh process without that row."""
+    if PROGRESS is None or device != "cuda":
+        return
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:
+        raise DeviceLost from None
+
+
+class DeviceLost(Exception):
+    """The CUDA context is broken (``end_if_device_lost``)."""
+
 
 ROW_SUFFIXES = {"compile", "nokernels", "ckpt"}  # <row>@compile, <row>@nokernels, <row>@ckpt (training rows; Arm)
 
@@ -266,6 +302,7 @@ def bench_exactness(rows, lengths, device, budget, log, compiled=(), measured=la
         if time.perf_counter() - start > budget:
             results[row] = {"skipped": "time budget"}
             continue
+        mark("exactness", row)
         fresh_compile_state()
         results[row], net, kernel = {}, exact_net(row), kernel_at_hand(row)
         runs = [(f"L {length}" + (", drawn" if drawn else ""), net, length, drawn) for length, drawn in cases]
@@ -282,6 +319,7 @@ def bench_exactness(rows, lengths, device, budget, log, compiled=(), measured=la
             except Exception as e:  # noqa: BLE001  (the report names it; the other rows still run)
                 results[row][case] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
                 log(traceback.format_exc())
+                end_if_device_lost(device)
             log(f"  exact {row:<22} {case:<15} {time.perf_counter() - t0:5.1f} s  {summarise(results[row][case])}")
         measured(results)
     measured(results)  # the rows the budget did not reach, named
@@ -418,6 +456,7 @@ def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log
         if time.perf_counter() - start > budget * 2 / 3:
             results["skipped"][row] = "time budget"
             continue
+        mark("training", row)
         try:
             if device == "cuda":  # the row's own peak: the earlier rows' models and optimizers stay allocated
                 torch.cuda.reset_peak_memory_stats()
@@ -434,14 +473,17 @@ def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log
         except Exception as e:  # noqa: BLE001
             results["skipped"][row] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             log(traceback.format_exc())
+            end_if_device_lost(device)
     names = list(arms)
     for name in names:  # untimed: whatever a later row's compile evicted or re-guarded is compiled again here
+        mark("training", name)
         arms[name].step()
     rates = {name: [] for name in names}
     for rep in range(reps if names else 0):
         if rep > 1 and time.perf_counter() - start > budget:
             break
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            mark("training", name)
             rates[name].append(tokens_per_second(arms[name], steps, batch * length, device))
         log(f"  rep {rep + 1}: " + ", ".join(f"{n} {rates[n][-1]:.0f}" for n in names))
     peak = gpu_gemm_peak(device) if device == "cuda" else float("nan")
@@ -467,6 +509,7 @@ def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log
             "warmup_steps": warmup,
         }
         if profile:
+            mark("training", name)
             results[name]["profile"] = step_profile(arms[name], device, batch * length, tokens_per_s)
     return results
 
@@ -810,7 +853,13 @@ def render_export(export) -> list[str]:
 def render(info, settings, exact=None, training=None, lightning=None, fsdp=None, export=None) -> str:
     lines = ["# lenext GPU check", ""]
     lines += [f"- {key}: {value}" for key, value in info.items()]
-    lines += [f"- command: `{settings['command']}`", f"- elapsed: {settings['elapsed']:.0f} s", ""]
+    lines += [f"- command: `{settings['command']}`", f"- elapsed: {settings['elapsed']:.0f} s"]
+    lines += [
+        f"- left out: {'`' + c['row'] + '`' if c['row'] else 'the section'} in {c['section']}, which {c['why']}; the "
+        "check went on in a new process"
+        for c in settings.get("crashed", [])
+    ]
+    lines.append("")
     if exact is not None:
         lines += render_exactness(exact)
     if training is not None:
@@ -973,6 +1022,93 @@ def render_lightning(r) -> list[str]:
     ]
 
 
+def run_sections(args, sections, rows, results, left_out, budget, log, save) -> None:
+    """The asked ``sections`` in their order, into ``results`` (saved after each); ``left_out``: each section's rows
+    that crashed an earlier process, by row, with why (``supervise``)."""
+    if "exactness" in sections:
+        lengths = (16, 40) if args.quick else (EXACT_TRAIN_LEN, 8 * EXACT_TRAIN_LEN)
+        exact_rows = list(dict.fromkeys(pe_of(r) for r in rows))  # kernels off: training's matter
+        kept = results.get("exact", {}) | {row: {"skipped": why} for row, why in left_out["exactness"].items()}
+        compiled = {pe_of(r) for r in rows if "compile" in r.split("@")}  # also checked compiled (on CUDA)
+
+        def measured(exact: dict) -> None:
+            results["exact"] = {row: (kept | exact)[row] for row in exact_rows if row in kept | exact}
+            save()
+
+        bench_exactness(
+            [row for row in exact_rows if row not in kept],
+            lengths,
+            args.device,
+            budget=budget("exactness"),
+            log=log,
+            compiled=compiled,
+            measured=measured,
+        )
+    if "training" in sections:
+        quick = dict(length=128, batch=2, warmup=1, steps=1, reps=2) if args.quick else {}
+        settings_t = dict(length=args.length, batch=args.batch, warmup=3, steps=5, reps=5) | quick
+        xt = [] if args.model else [f"xt:{r}" for r in XT_ROWS if r in rows]  # x-transformers: the small shape
+        trained = [row for row in ["nope"] + [r for r in rows if r != "nope"] + xt if row not in left_out["training"]]
+        results["training"] = bench_training(
+            trained,
+            device=args.device,
+            budget=budget("training"),
+            log=log,
+            model=args.model,
+            vocab=args.vocab,
+            profile=args.profile,
+            **settings_t,
+        )
+        results["training"]["skipped"] |= left_out["training"]
+        save()
+    if "lightning" in sections:
+        mark("lightning")
+        sizes = dict(length=args.length, batch=args.batch) if args.model else dict(length=512, batch=16)
+        sizes = dict(length=64, batch=2, steps=3, reps=2) if args.quick else sizes | dict(steps=30, reps=4)
+        results["lightning"] = bench_lightning(
+            device=args.device, log=log, model=args.model, vocab=args.vocab, compiled=args.lightning_compile, **sizes
+        )
+        save()
+    if "fsdp" in sections:
+        mark("fsdp")
+        quick = dict(length=64, batch=2, steps=2, reps=2) if args.quick else dict(steps=5, reps=6)
+        sizes = dict(length=args.length, batch=args.batch) | quick
+        results["fsdp"] = bench_fsdp(args.model, args.vocab, device=args.device, log=log, profile=args.profile, **sizes)
+        save()
+    if "export" in sections:
+        mark("export")
+        results["export"] = bench_export(args.device, log, factor=2 if args.quick else 8)
+        save()
+
+
+def supervise(argv: list[str], out: Path, budget: float) -> None:
+    """The check in a child process (``--relaunch``, the default on CUDA), started again, on the time left, when a
+    signal ends it (a segfault in a compile) or a row breaks its device (``DEVICE_LOST``): without the row it was on
+    (``mark``), the sections before keeping what they measured. The report names each row so left out. A lent GPU's
+    minutes are few: one crash had cost a call's every later row."""
+    progress, crashed, started = out.with_suffix(".progress"), [], time.time()
+    while True:
+        progress.unlink(missing_ok=True)
+        state = {"crashed": crashed, "started": started, "budget": max(0.0, budget - (time.time() - started))}
+        code = subprocess.run([sys.executable, __file__, *argv, "--child", json.dumps(state)]).returncode
+        if (code >= 0 and code != DEVICE_LOST) or not progress.exists():  # finished, failed, or crashed outside rows
+            progress.unlink(missing_ok=True)
+            if code:
+                sys.exit(code)
+            return
+        section, row = json.loads(progress.read_text())
+        why = "broke the device (a CUDA error)" if code == DEVICE_LOST else f"killed the process ({signal_name(-code)})"
+        crashed.append({"section": section, "row": row, "why": why})
+        print(f"gpu_check: {row or 'the section'} {why} in {section}: going on without it", flush=True)
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of the script")
@@ -993,6 +1129,13 @@ def main(argv=None) -> None:
         action="store_true",
         help="training and fsdp: each arm's step profiled (device busy time, top kernels)",
     )
+    parser.add_argument(
+        "--relaunch",
+        action=argparse.BooleanOptionalAction,
+        help="run the check in a child process, started again without a row that crashes it (default: on CUDA)",
+    )
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # supervise's state, as JSON: a child's own flag
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device (torch.cuda.is_available() is False); --device cpu runs a smoke test")
@@ -1020,12 +1163,34 @@ def main(argv=None) -> None:
     unknown = [section for section in sections if section not in SECTIONS]
     if unknown:
         sys.exit(f"gpu_check: --sections {','.join(unknown)} is not a section; they are {', '.join(SECTIONS)}")
-    started = time.perf_counter()
-    settings = {"command": " ".join(["python scripts/gpu_check.py", *(argv or sys.argv[1:])]), "elapsed": 0.0}
-    info, results = environment(args.device), {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.child is None and (args.device == "cuda" if args.relaunch is None else args.relaunch):
+        supervise(argv, args.out, args.budget)
+        return
+    state = json.loads(args.child) if args.child else {"crashed": [], "started": time.time()}
+    if args.child:
+        global PROGRESS
+        PROGRESS, args.budget = args.out.with_suffix(".progress"), state["budget"]
+        argv = argv[: argv.index("--child")]
+    crashed = state["crashed"]
+    started = time.perf_counter()
+    settings = {"command": " ".join(["python scripts/gpu_check.py", *argv]), "elapsed": 0.0, "crashed": crashed}
+    info, results = environment(args.device), {}
     log_file = args.out.with_suffix(".log")
-    log_file.unlink(missing_ok=True)
+    if crashed:  # a child started again: the sections before the crash's keep what they measured
+        resumed_at = list(SECTIONS).index(crashed[-1]["section"])
+        prior = json.loads(args.out.with_suffix(".json").read_text())
+        for section in [s for s in sections if list(SECTIONS).index(s) < resumed_at]:
+            sections.remove(section)
+            if RESULT_KEYS[section] in prior:
+                results[RESULT_KEYS[section]] = prior[RESULT_KEYS[section]]
+        if crashed[-1]["row"] is None:  # a section without rows (lightning, fsdp, export): left out
+            sections.remove(crashed[-1]["section"])
+        elif crashed[-1]["section"] == "exactness":  # its rows finished keep their numbers
+            results["exact"] = prior.get("exact", {})
+    else:
+        log_file.unlink(missing_ok=True)
+    left_out = {section: {c["row"]: c["why"] for c in crashed if c["section"] == section} for section in SECTIONS}
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 exactness means fp32
 
     def log(message: str) -> None:
@@ -1034,9 +1199,10 @@ def main(argv=None) -> None:
             f.write(message + "\n")
 
     def save() -> None:
-        settings["elapsed"] = time.perf_counter() - started
+        settings["elapsed"] = time.time() - state["started"]
         write_atomic(args.out, render(info, settings, **results))
-        write_atomic(args.out.with_suffix(".json"), json.dumps({"info": info, **results}, indent=1, default=str))
+        measured = {"info": info, "crashed": crashed, **results}
+        write_atomic(args.out.with_suffix(".json"), json.dumps(measured, indent=1, default=str))
 
     log(f"{info}; sections {', '.join(s for s in SECTIONS if s in sections)}, budget {args.budget:.0f} s")
 
@@ -1049,48 +1215,12 @@ def main(argv=None) -> None:
         log(f"{section}: {seconds:.0f} s")
         return seconds
 
-    if "exactness" in sections:
-        lengths = (16, 40) if args.quick else (EXACT_TRAIN_LEN, 8 * EXACT_TRAIN_LEN)
-        exact_rows = list(dict.fromkeys(pe_of(r) for r in rows))  # kernels off: training's matter
-        compiled = {pe_of(r) for r in rows if "compile" in r.split("@")}  # also checked compiled (on CUDA)
-
-        def measured(exact: dict) -> None:
-            results["exact"] = exact
-            save()
-
-        bench_exactness(
-            exact_rows, lengths, args.device, budget=budget("exactness"), log=log, compiled=compiled, measured=measured
-        )
-    if "training" in sections:
-        quick = dict(length=128, batch=2, warmup=1, steps=1, reps=2) if args.quick else {}
-        settings_t = dict(length=args.length, batch=args.batch, warmup=3, steps=5, reps=5) | quick
-        xt = [] if args.model else [f"xt:{r}" for r in XT_ROWS if r in rows]  # x-transformers: the small shape
-        results["training"] = bench_training(
-            ["nope"] + [r for r in rows if r != "nope"] + xt,
-            device=args.device,
-            budget=budget("training"),
-            log=log,
-            model=args.model,
-            vocab=args.vocab,
-            profile=args.profile,
-            **settings_t,
-        )
+    try:
+        run_sections(args, sections, rows, results, left_out, budget, log, save)
+    except DeviceLost:
         save()
-    if "lightning" in sections:
-        sizes = dict(length=args.length, batch=args.batch) if args.model else dict(length=512, batch=16)
-        sizes = dict(length=64, batch=2, steps=3, reps=2) if args.quick else sizes | dict(steps=30, reps=4)
-        results["lightning"] = bench_lightning(
-            device=args.device, log=log, model=args.model, vocab=args.vocab, compiled=args.lightning_compile, **sizes
-        )
-        save()
-    if "fsdp" in sections:
-        quick = dict(length=64, batch=2, steps=2, reps=2) if args.quick else dict(steps=5, reps=6)
-        sizes = dict(length=args.length, batch=args.batch) | quick
-        results["fsdp"] = bench_fsdp(args.model, args.vocab, device=args.device, log=log, profile=args.profile, **sizes)
-        save()
-    if "export" in sections:
-        results["export"] = bench_export(args.device, log, factor=2 if args.quick else 8)
-        save()
+        log(f"the device is lost after {PROGRESS and PROGRESS.read_text()}: ending this process")
+        sys.exit(DEVICE_LOST)
     save()
     log(f"wrote {args.out} in {time.perf_counter() - started:.0f} s")
 
