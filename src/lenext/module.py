@@ -22,7 +22,7 @@ from lenext.loggers import CSVLogger
 from lenext.model import Decoder
 from lenext.positions import PositionScheme, training_positions, window_positions
 from lenext.ranges import NonNegativeFloat, NonNegativeInt, PositiveFloat, Probability, Range
-from lenext.scoring import answer_metrics, answers_per_sample, mean_metric, scored_targets, sum_metric
+from lenext.scoring import AnswerMetrics, answers_per_sample, mean_metric, scored_targets, sum_metric
 
 
 class NonFiniteLoss(LenextError):
@@ -147,14 +147,14 @@ TRAIN_LOSS, VAL_LOSS, VAL_PPL, VAL_WINDOWS = "train/loss", "val/loss", "val/ppl"
 
 
 def answer_metric(name: str) -> str:
-    """The name a probe's validation logs its answer metric ``name`` (one of lenext.scoring.answer_metrics) under."""
+    """The name a probe's validation logs its answer metric ``name`` (one of lenext.scoring.AnswerMetrics) under."""
     return f"val/{name}"
 
 
 def logged_metrics(answers: bool) -> tuple[str, ...]:
     """Every name ``LanguageModel`` logs a metric under, a probe's answer metrics among them where its validation
     scores ``answers``: what a callback's ``monitor`` may name."""
-    names = answer_metrics(vocab_size=2) if answers else {}  # any vocabulary: only the names are read
+    names = AnswerMetrics() if answers else {}
     return (TRAIN_LOSS, VAL_LOSS, VAL_PPL, VAL_WINDOWS, *map(answer_metric, names))
 
 
@@ -223,7 +223,7 @@ class LanguageModel(L.LightningModule):
         # Weighted by token count, synchronised across DDP ranks: each token counts once.
         self.val_nll = mean_metric()
         self.val_windows = sum_metric()
-        self.val_answers = answer_metrics(net.embedding.num_embeddings)  # probes: exact match, token accuracy
+        self.val_answers = AnswerMetrics()  # probes: exact match, token accuracy
         self.train_seconds, self.train_tokens = 0.0, 0  # time inside training steps, for tokens/s (kept on resume)
         self._resumed_random_state = None  # a checkpoint's (on_load_checkpoint), until the first step sets it
 
