@@ -94,6 +94,24 @@ def test_a_key_evaluator_that_does_not_exist_or_reads_another_vocabulary_is_refu
         sweep_plan(eval_cfg(protocol="niah_single", haystack_depths=[]), 16, None, tuple(PROTOCOLS))
 
 
+def test_a_key_evaluator_folder_is_read_as_every_checkpoint_folder_is(trained_run, tmp_path):
+    """A run folder's one checkpoint, or the checkpoints folder itself, names the judge as it does for eval.py and
+    init_from= (lenext.checkpoints.checkpoint_file): eval.key_evaluator had looked for <folder>/checkpoints/last.ckpt
+    alone, and called a folder holding only best.ckpt, or a checkpoints folder, one that does not exist."""
+    import shutil
+
+    from lenext.checkpoints import load_checkpoint, net_state
+    from lenext.protocols import evaluator_net
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    shutil.copy(trained_run / "checkpoints" / "last.ckpt", tmp_path / "run" / "checkpoints" / "best.ckpt")
+    expected = net_state(load_checkpoint(str(trained_run)))["embedding.weight"]
+    for folder in (tmp_path / "run", tmp_path / "run" / "checkpoints", trained_run / "checkpoints"):
+        sweep_plan(eval_cfg(protocol="key_tokens", key_evaluator=str(folder)), 32, None, tuple(PROTOCOLS))
+        judge = evaluator_net(str(folder), tiny_net(vocab=expected.size(0)))
+        torch.testing.assert_close(judge.embedding.weight, expected, rtol=0, atol=0)
+
+
 def test_at_the_short_context_no_token_is_key():
     net, documents = tiny_net(), [np.arange(100, dtype=np.int32) % 50]
     protocol = KeyTokens(context=16, gain=0.0, max_nll=math.inf)  # any gain at all would make a key token

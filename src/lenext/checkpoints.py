@@ -17,10 +17,10 @@ from lenext.resolve import resolve, stored_pe_name
 from lenext.spec import RunSpec, Stage
 
 
-def checkpoint_file(path: str, key: str | None = "ckpt") -> str:
+def checkpoint_file(path: str, key: str | None = "ckpt", missing_ok: bool = False) -> str | None:
     """The .ckpt ``path`` names: the file itself, or in a run folder its last.ckpt (in it or one level down, where
     a run keeps it), else the folder's one .ckpt; a CheckpointError (naming it as ``key``=path) where a folder holds
-    none, or several and no last.ckpt."""
+    several and no last.ckpt, or none (None with ``missing_ok``: a run still training)."""
     if not path or not os.path.isdir(path):
         return path
     named = f"{key}={path!r}" if key else path
@@ -28,6 +28,8 @@ def checkpoint_file(path: str, key: str | None = "ckpt") -> str:
     last = [file for file in found if os.path.basename(file) == "last.ckpt"]
     if len(last) == 1 or len(found) == 1:
         return (last or found)[0]
+    if not found and missing_ok:
+        return None
     if not found:
         raise CheckpointError(f"{named} is a folder without a checkpoint (no *.ckpt in it or one level down)")
     raise CheckpointError(f"{named} holds several checkpoints and no one last.ckpt: pass one of {', '.join(found)}")

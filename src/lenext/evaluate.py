@@ -24,7 +24,7 @@ from lenext.hardware import release_freed_memory
 from lenext.haystack import HaystackText
 from lenext.pe import VARIANTS
 from lenext.positions import PositionScheme
-from lenext.protocols import PROTOCOL_NAMES, PROTOCOLS, KeyTokens, Sliding, TextProtocol, Window, evaluator_file
+from lenext.protocols import PROTOCOL_NAMES, PROTOCOLS, KeyTokens, Sliding, TextProtocol, Window
 from lenext.ranges import NonNegativeFloat, PositiveFloat, PositiveInt, Range, Share
 from lenext.scoring import Measured
 from lenext.temperature import (
@@ -237,8 +237,10 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
                 f"eval.key_evaluator={evaluator!r} does not exist: give a lenext checkpoint or run folder (or null: "
                 "the model itself)"
             )
-        file = evaluator_file(evaluator)
-        if os.path.isfile(file) and not zipfile.is_zipfile(file):  # a run folder still training: read when used
+        from lenext.checkpoints import checkpoint_file  # here: lenext.checkpoints imports lenext.resolve, and it this
+
+        file = checkpoint_file(evaluator, "eval.key_evaluator", missing_ok=True)  # None: a run still training
+        if file is not None and not zipfile.is_zipfile(file):
             raise CheckpointError(
                 f"eval.key_evaluator={evaluator!r} is not a checkpoint (torch.save writes a zip archive): give a "
                 "lenext checkpoint or run folder (or null: the model itself)"

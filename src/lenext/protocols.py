@@ -10,7 +10,6 @@ A new protocol is one class here and its entry in ``PROTOCOLS`` (docs/adding/pro
 """
 
 import math
-import os
 from dataclasses import dataclass
 from functools import cache
 from typing import ClassVar
@@ -280,11 +279,6 @@ class KeyTokens(TextProtocol):
         return Measured(metrics)
 
 
-def evaluator_file(path: str) -> str:
-    """The checkpoint eval.key_evaluator names: the file, or a run folder's last."""
-    return os.path.join(path, "checkpoints", "last.ckpt") if os.path.isdir(path) else path
-
-
 @cache
 def evaluator_net(path: str, like):
     """The model of the lenext checkpoint (or run folder) ``path`` that judges key tokens, on ``like``'s device;
@@ -292,7 +286,7 @@ def evaluator_net(path: str, like):
     from lenext.build import build_net  # lenext.build reads configs through lenext.resolve, which imports this
     from lenext.checkpoints import load_checkpoint, net_state, stored_spec
 
-    checkpoint = load_checkpoint(evaluator_file(path), "eval.key_evaluator")
+    checkpoint = load_checkpoint(path, "eval.key_evaluator")
     state = net_state(checkpoint)
     vocab, evaluated = state["embedding.weight"].size(0), like.embedding.num_embeddings  # a lenext or HF model's
     if vocab != evaluated:
