@@ -1087,6 +1087,8 @@ def supervise(argv: list[str], out: Path, budget: float) -> None:
     (``mark``), the sections before keeping what they measured. The report names each row so left out. A lent GPU's
     minutes are few: one crash had cost a call's every later row."""
     progress, crashed, started = out.with_suffix(".progress"), [], time.time()
+    # A SIGTERM (a timeout's) ends the child too: subprocess.run kills it on the way out of this exit.
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     while True:
         progress.unlink(missing_ok=True)
         state = {"crashed": crashed, "started": started, "budget": max(0.0, budget - (time.time() - started))}
