@@ -386,17 +386,23 @@ def test_ctrl_c_outside_training_is_one_line_and_status_130(entry, capsys, monke
 
 @pytest.mark.parametrize(
     "program, full_error, one_line",
-    [("train.py", False, True), ("lenext-prepare", False, True), ("train.py", True, False), ("mine.py", False, False)],
+    [("lenext-prepare", False, True), ("lenext-prepare", True, False), ("train.py", False, False)],
 )
 def test_ctrl_c_while_a_command_loads_is_one_line_and_status_130(tmp_path, program, full_error, one_line):
     """Ctrl-C in the seconds a command spends importing torch, Lightning and the rest, before its entry point catches
-    anything, leaves one line too; another program that imports lenext, and HYDRA_FULL_ERROR=1, keep the traceback."""
-    script = tmp_path / program
-    script.write_text("import os, signal, time\nimport lenext\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(60)\n")
+    anything, leaves one line too, and the exit handlers still run; another program that imports lenext (here a
+    train.py outside the repository's root), and HYDRA_FULL_ERROR=1, keep the traceback."""
+    script, handled = tmp_path / program, tmp_path / "exit handler ran"
+    script.write_text(
+        "import atexit, os, pathlib, signal, time\nimport lenext\n"
+        f"atexit.register(pathlib.Path({str(handled)!r}).touch)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(60)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | (
         {"HYDRA_FULL_ERROR": "1"} if full_error else {}
     )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert handled.exists()
     if one_line:
         assert (done.returncode, done.stderr) == (
             130,
@@ -404,6 +410,29 @@ def test_ctrl_c_while_a_command_loads_is_one_line_and_status_130(tmp_path, progr
         )
     else:
         assert done.returncode != 0 and "Traceback" in done.stderr and done.stderr.endswith("KeyboardInterrupt\n")
+
+
+@pytest.mark.parametrize(
+    "argv, orig_argv, command",
+    [
+        (["<root>/train.py"], [], True),
+        (["<root>/eval.py", "ckpt=run"], [], True),
+        (["<tmp>/train.py"], [], False),  # a user's own script of that name
+        (["/venv/bin/lenext-report", "logs"], [], True),
+        (["-m"], ["python", "-m", "lenext.report", "logs"], True),
+        (["-m"], ["python", "-u", "-mlenext.export", "a", "b"], True),
+        (["-m"], ["python", "-m", "lenextra"], False),
+        (["-m"], ["python", "-m", "pytest"], False),
+        (["/usr/bin/ipython"], [], False),
+    ],
+)
+def test_lenexts_commands_are_told_from_other_programs(argv, orig_argv, command, monkeypatch, tmp_path):
+    from lenext.errors import started_as_command
+
+    root = str(Path(__file__).resolve().parents[1])
+    monkeypatch.setattr(sys, "argv", [a.replace("<root>", root).replace("<tmp>", str(tmp_path)) for a in argv])
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
+    assert started_as_command() is command
 
 
 def _default_callbacks(dirpath: Path, every_n_train_steps: int | None = None) -> list:

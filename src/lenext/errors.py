@@ -4,6 +4,7 @@ The command-line entry points print these as one line (no traceback) and exit no
 anything else is a bug and keeps its traceback.
 """
 
+import atexit
 import contextlib
 import errno
 import os
@@ -94,35 +95,48 @@ class NoSpace(LenextError):
     ends_sweep = True
 
 
-# The programs that are lenext's commands: the repository's shims and the console scripts (``lenext-*``).
-COMMAND_FILES = ("train.py", "eval.py", "diagnose.py")
+# The repository's shims, at its root: ``python train.py`` and the like run lenext's commands.
+SHIMS = ("train.py", "eval.py", "diagnose.py")
 
 
 def started_as_command() -> bool:
-    """Whether this process is one of lenext's commands, run from a shell: a shim, a console script or
-    ``python -m lenext.<module>``; not a session at a prompt, nor another program that imports lenext."""
-    program = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    if program is None or hasattr(sys, "ps1") or sys.flags.interactive:
+    """Whether this process is one of lenext's commands: a console script (``lenext-*``), a shim at the repository's
+    root, ``python -m lenext.<module>``; not a session at a prompt, nor another program that imports lenext."""
+    if hasattr(sys, "ps1") or sys.flags.interactive or not sys.argv or not sys.argv[0]:
         return False
-    package = Path(__file__).resolve().parent
-    return program.name in COMMAND_FILES or program.name.startswith("lenext-") or package in program.resolve().parents
+    if sys.argv[0] == "-m":  # while -m imports the module's package; the module is in the interpreter's own argv
+        options = [*sys.orig_argv[1:], ""]  # -m lenext.report, or -mlenext.report
+        at = next((i for i, arg in enumerate(options) if arg.startswith("-m")), None)
+        module = "" if at is None else options[at][2:] or options[at + 1]
+        return module == "lenext" or module.startswith("lenext.")
+    program = Path(sys.argv[0])
+    root = Path(__file__).resolve().parents[2]  # src/lenext/errors.py in a checkout
+    return program.name.startswith("lenext-") or (program.name in SHIMS and program.resolve().parent == root)
 
 
 def ctrl_c_in_one_line(previous: Callable) -> Callable:
-    """A ``sys.excepthook`` for lenext's commands: a Ctrl-C that reaches the top, as it does while the libraries load
-    (before an entry point's ``errors_in_one_line``), printed as the one line every stop prints, the process ending
-    with its exit status (Python's own end varies: by SIGINT, or status 1 once torch has loaded); with
-    HYDRA_FULL_ERROR=1, and for any other exception, ``previous``'s traceback."""
+    """A ``sys.excepthook`` for lenext's commands: a Ctrl-C that reaches the top (while the libraries load, before an
+    entry point's ``errors_in_one_line``; between the jobs of a sweep) printed as the one line every stop prints,
+    and the command's status that of every stop by Ctrl-C, after the exit handlers have run (Python's own varies:
+    death by SIGINT, or 1 once torch has loaded); with HYDRA_FULL_ERROR=1, and for any other exception,
+    ``previous``'s traceback."""
+    stopped = interrupted()
+    status = []
 
     def hook(kind, value, traceback) -> None:
         if not issubclass(kind, KeyboardInterrupt) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             previous(kind, value, traceback)
             return
-        stopped = interrupted()
         print(f"error: {stopped}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(stopped.exit_status)  # nothing was started that an exit handler would finish
+        status.append(stopped.exit_status)
 
+    def exit_with_status() -> None:  # registered first, so run last: after every other exit handler
+        if status:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status[0])
+
+    atexit.register(exit_with_status)
     return hook
 
 
