@@ -99,39 +99,42 @@ KERNEL_ROWS = [*FLA_ROWS, "cope"]
 # The sections, in the order they run, each with its share of the --budget left when it starts (lightning, fsdp and
 # export have fixed sizes: their shares hold time back for them).
 SECTIONS = {"exactness": 0.4, "training": 0.45, "lightning": 0.15, "fsdp": 0.15, "export": 0.05}
-RESULT_KEYS = {
-    "exactness": "exact",
-    "training": "training",
-    "lightning": "lightning",
-    "fsdp": "fsdp",
-    "export": "export",
-}
-
 # A check run under ``supervise``: the file naming the section and row it is on, so that a crash can be pinned on
 # its row; and the exit status of a check whose device a row broke (a CUDA error fails every later call too).
 PROGRESS: Path | None = None
 DEVICE_LOST = 75
 
 
-def mark(section: str, row: str | None = None) -> None:
-    """Where the check is: ``supervise`` runs it again without this row (this section, for None) if it crashes."""
+def result_key(section: str) -> str:
+    """The key of a section's results in the report's JSON."""
+    return {"exactness": "exact"}.get(section, section)
+
+
+@contextlib.contextmanager
+def at(section: str, row: str | None = None):
+    """Work on ``row`` of ``section`` (None: the section's own, which has no rows), named in the progress file while
+    it runs so that ``supervise`` can leave out what crashes; the file is removed when the work ends, and kept when
+    it raises (``main`` ends a check whose device is lost, naming the row)."""
     if PROGRESS is not None:
         write_atomic(PROGRESS, json.dumps([section, row]))
+    yield
+    if PROGRESS is not None:
+        PROGRESS.unlink(missing_ok=True)
 
 
-def end_if_device_lost(device: str) -> None:
-    """After a row failed: a CUDA error that broke the context (an illegal memory access) fails every later row, so a
-    supervised check ends, for ``supervise`` to start a fresh process without that row."""
+def device_lost(device: str) -> bool:
+    """Whether a supervised check's CUDA context is broken (an illegal memory access): every later call would fail."""
     if PROGRESS is None or device != "cuda":
-        return
+        return False
     try:
         torch.cuda.synchronize()
     except RuntimeError:
-        raise DeviceLost from None
+        return True
+    return False
 
 
 class DeviceLost(Exception):
-    """The CUDA context is broken (``end_if_device_lost``)."""
+    """A row failed and the CUDA context with it (``device_lost``)."""
 
 
 ROW_SUFFIXES = {"compile", "nokernels", "ckpt"}  # <row>@compile, <row>@nokernels, <row>@ckpt (training rows; Arm)
@@ -302,28 +305,33 @@ def bench_exactness(rows, lengths, device, budget, log, compiled=(), measured=la
         if time.perf_counter() - start > budget:
             results[row] = {"skipped": "time budget"}
             continue
-        mark("exactness", row)
-        fresh_compile_state()
-        results[row], net, kernel = {}, exact_net(row), kernel_at_hand(row)
-        runs = [(f"L {length}" + (", drawn" if drawn else ""), net, length, drawn) for length, drawn in cases]
-        if kernel:  # a Triton kernel's row: also a wider head at a length no tile divides
-            length, shape = KERNEL_CASE
-            head_dim = shape["d_model"] // shape["n_heads"]
-            runs.append((f"L {length}, head dim {head_dim}", exact_net(row, shape), length, False))
-        for case, case_net, length, drawn in runs:
-            t0 = time.perf_counter()
-            try:
-                results[row][case] = exactness_case(case_net, length, drawn, device, kernel, row in compiled)
-            except LengthNotSupported as e:
-                results[row][case] = {"refused": str(e).splitlines()[0]}
-            except Exception as e:  # noqa: BLE001  (the report names it; the other rows still run)
-                results[row][case] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-                log(traceback.format_exc())
-                end_if_device_lost(device)
-            log(f"  exact {row:<22} {case:<15} {time.perf_counter() - t0:5.1f} s  {summarise(results[row][case])}")
+        with at("exactness", row):
+            exactness_row(row, results, cases, device, log, compiled)
         measured(results)
     measured(results)  # the rows the budget did not reach, named
     return results
+
+
+def exactness_row(row: str, results: dict, cases, device, log, compiled) -> None:
+    fresh_compile_state()
+    results[row], net, kernel = {}, exact_net(row), kernel_at_hand(row)
+    runs = [(f"L {length}" + (", drawn" if drawn else ""), net, length, drawn) for length, drawn in cases]
+    if kernel:  # a Triton kernel's row: also a wider head at a length no tile divides
+        length, shape = KERNEL_CASE
+        head_dim = shape["d_model"] // shape["n_heads"]
+        runs.append((f"L {length}, head dim {head_dim}", exact_net(row, shape), length, False))
+    for case, case_net, length, drawn in runs:
+        t0 = time.perf_counter()
+        try:
+            results[row][case] = exactness_case(case_net, length, drawn, device, kernel, row in compiled)
+        except LengthNotSupported as e:
+            results[row][case] = {"refused": str(e).splitlines()[0]}
+        except Exception as e:  # noqa: BLE001  (the report names it; the other rows still run)
+            results[row][case] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            log(traceback.format_exc())
+            if device_lost(device):
+                raise DeviceLost from e
+        log(f"  exact {row:<22} {case:<15} {time.perf_counter() - t0:5.1f} s  {summarise(results[row][case])}")
 
 
 def summarise(case: dict) -> str:
@@ -403,6 +411,28 @@ class Arm:
         return loss.detach()
 
 
+def warm_up(row, arms, results, length, batch, device, warmup, log, model, vocab) -> None:
+    """Build ``row``'s arm and run its first steps (its compiles) into ``arms``; a failure into ``results``."""
+    try:
+        if device == "cuda":  # the row's own peak: the earlier rows' models and optimizers stay allocated
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        arm = Arm(row, length, batch, device, model, vocab)
+        for _ in range(warmup):
+            loss = arm.step()
+        sync(device)
+        arm.warmup_s = time.perf_counter() - t0  # the compiles (flex's kernel, @compile's blocks) and first steps
+        arm.peak = torch.cuda.max_memory_allocated() - before if device == "cuda" else float("nan")
+        arms[row] = arm
+        log(f"  warmup {row:<22} {time.perf_counter() - t0:6.1f} s, loss {float(loss):.3f}")
+    except Exception as e:  # noqa: BLE001
+        results["skipped"][row] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        log(traceback.format_exc())
+        if device_lost(device):
+            raise DeviceLost from e
+
+
 def tokens_per_second(arm, steps: int, tokens_per_step: int, device: str) -> float:
     """``steps`` of ``arm`` timed, the device synchronised before and after."""
     sync(device)
@@ -456,35 +486,19 @@ def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log
         if time.perf_counter() - start > budget * 2 / 3:
             results["skipped"][row] = "time budget"
             continue
-        mark("training", row)
-        try:
-            if device == "cuda":  # the row's own peak: the earlier rows' models and optimizers stay allocated
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-            t0 = time.perf_counter()
-            arm = Arm(row, length, batch, device, model, vocab)
-            for _ in range(warmup):
-                loss = arm.step()
-            sync(device)
-            arm.warmup_s = time.perf_counter() - t0  # the compiles (flex's kernel, @compile's blocks) and first steps
-            arm.peak = torch.cuda.max_memory_allocated() - before if device == "cuda" else float("nan")
-            arms[row] = arm
-            log(f"  warmup {row:<22} {time.perf_counter() - t0:6.1f} s, loss {float(loss):.3f}")
-        except Exception as e:  # noqa: BLE001
-            results["skipped"][row] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            log(traceback.format_exc())
-            end_if_device_lost(device)
+        with at("training", row):
+            warm_up(row, arms, results, length, batch, device, warmup, log, model, vocab)
     names = list(arms)
     for name in names:  # untimed: whatever a later row's compile evicted or re-guarded is compiled again here
-        mark("training", name)
-        arms[name].step()
+        with at("training", name):
+            arms[name].step()
     rates = {name: [] for name in names}
     for rep in range(reps if names else 0):
         if rep > 1 and time.perf_counter() - start > budget:
             break
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            mark("training", name)
-            rates[name].append(tokens_per_second(arms[name], steps, batch * length, device))
+            with at("training", name):
+                rates[name].append(tokens_per_second(arms[name], steps, batch * length, device))
         log(f"  rep {rep + 1}: " + ", ".join(f"{n} {rates[n][-1]:.0f}" for n in names))
     peak = gpu_gemm_peak(device) if device == "cuda" else float("nan")
     nope = arms.get("nope")
@@ -509,8 +523,8 @@ def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log
             "warmup_steps": warmup,
         }
         if profile:
-            mark("training", name)
-            results[name]["profile"] = step_profile(arms[name], device, batch * length, tokens_per_s)
+            with at("training", name):
+                results[name]["profile"] = step_profile(arms[name], device, batch * length, tokens_per_s)
     return results
 
 
@@ -1028,7 +1042,7 @@ def run_sections(args, sections, rows, results, left_out, budget, log, save) -> 
     if "exactness" in sections:
         lengths = (16, 40) if args.quick else (EXACT_TRAIN_LEN, 8 * EXACT_TRAIN_LEN)
         exact_rows = list(dict.fromkeys(pe_of(r) for r in rows))  # kernels off: training's matter
-        kept = results.get("exact", {}) | {row: {"skipped": why} for row, why in left_out["exactness"].items()}
+        kept = {row: {"skipped": why} for row, why in left_out["exactness"].items()} | results.get("exact", {})
         compiled = {pe_of(r) for r in rows if "compile" in r.split("@")}  # also checked compiled (on CUDA)
 
         def measured(exact: dict) -> None:
@@ -1062,29 +1076,36 @@ def run_sections(args, sections, rows, results, left_out, budget, log, save) -> 
         results["training"]["skipped"] |= left_out["training"]
         save()
     if "lightning" in sections:
-        mark("lightning")
-        sizes = dict(length=args.length, batch=args.batch) if args.model else dict(length=512, batch=16)
-        sizes = dict(length=64, batch=2, steps=3, reps=2) if args.quick else sizes | dict(steps=30, reps=4)
-        results["lightning"] = bench_lightning(
-            device=args.device, log=log, model=args.model, vocab=args.vocab, compiled=args.lightning_compile, **sizes
-        )
-        save()
+        with at("lightning"):
+            sizes = dict(length=args.length, batch=args.batch) if args.model else dict(length=512, batch=16)
+            sizes = dict(length=64, batch=2, steps=3, reps=2) if args.quick else sizes | dict(steps=30, reps=4)
+            results["lightning"] = bench_lightning(
+                device=args.device,
+                log=log,
+                model=args.model,
+                vocab=args.vocab,
+                compiled=args.lightning_compile,
+                **sizes,
+            )
+            save()
     if "fsdp" in sections:
-        mark("fsdp")
-        quick = dict(length=64, batch=2, steps=2, reps=2) if args.quick else dict(steps=5, reps=6)
-        sizes = dict(length=args.length, batch=args.batch) | quick
-        results["fsdp"] = bench_fsdp(args.model, args.vocab, device=args.device, log=log, profile=args.profile, **sizes)
-        save()
+        with at("fsdp"):
+            quick = dict(length=64, batch=2, steps=2, reps=2) if args.quick else dict(steps=5, reps=6)
+            sizes = dict(length=args.length, batch=args.batch) | quick
+            results["fsdp"] = bench_fsdp(
+                args.model, args.vocab, device=args.device, log=log, profile=args.profile, **sizes
+            )
+            save()
     if "export" in sections:
-        mark("export")
-        results["export"] = bench_export(args.device, log, factor=2 if args.quick else 8)
-        save()
+        with at("export"):
+            results["export"] = bench_export(args.device, log, factor=2 if args.quick else 8)
+            save()
 
 
 def supervise(argv: list[str], out: Path, budget: float) -> None:
     """The check in a child process (``--relaunch``, the default on CUDA), started again, on the time left, when a
     signal ends it (a segfault in a compile) or a row breaks its device (``DEVICE_LOST``): without the row it was on
-    (``mark``), the sections before keeping what they measured. The report names each row so left out. A lent GPU's
+    (``at``), the sections before keeping what they measured. The report names each row so left out. A lent GPU's
     minutes are few: one crash had cost a call's every later row."""
     progress, crashed, started = out.with_suffix(".progress"), [], time.time()
     # A SIGTERM (a timeout's) ends the child too: subprocess.run kills it on the way out of this exit.
@@ -1096,7 +1117,7 @@ def supervise(argv: list[str], out: Path, budget: float) -> None:
         if (code >= 0 and code != DEVICE_LOST) or not progress.exists():  # finished, failed, or crashed outside rows
             progress.unlink(missing_ok=True)
             if code:
-                sys.exit(code)
+                sys.exit(code if code > 0 else 128 - code)  # as a shell reports a death by signal
             return
         section, row = json.loads(progress.read_text())
         why = "broke the device (a CUDA error)" if code == DEVICE_LOST else f"killed the process ({signal_name(-code)})"
@@ -1181,17 +1202,19 @@ def main(argv=None) -> None:
     log_file = args.out.with_suffix(".log")
     if crashed:  # a child started again: the sections before the crash's keep what they measured
         resumed_at = list(SECTIONS).index(crashed[-1]["section"])
-        prior = json.loads(args.out.with_suffix(".json").read_text())
+        saved = args.out.with_suffix(".json")
+        prior = json.loads(saved.read_text()) if saved.exists() else {}  # none: the crash came before any save
         for section in [s for s in sections if list(SECTIONS).index(s) < resumed_at]:
             sections.remove(section)
-            if RESULT_KEYS[section] in prior:
-                results[RESULT_KEYS[section]] = prior[RESULT_KEYS[section]]
+            if result_key(section) in prior:
+                results[result_key(section)] = prior[result_key(section)]
         if crashed[-1]["row"] is None:  # a section without rows (lightning, fsdp, export): left out
             sections.remove(crashed[-1]["section"])
         elif crashed[-1]["section"] == "exactness":  # its rows finished keep their numbers
             results["exact"] = prior.get("exact", {})
-    else:
-        log_file.unlink(missing_ok=True)
+    else:  # a report of an earlier check at --out would pass for this one's until its first save
+        for earlier in (log_file, args.out, args.out.with_suffix(".json")):
+            earlier.unlink(missing_ok=True)
     left_out = {section: {c["row"]: c["why"] for c in crashed if c["section"] == section} for section in SECTIONS}
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 exactness means fp32
 
@@ -1219,9 +1242,12 @@ def main(argv=None) -> None:
 
     try:
         run_sections(args, sections, rows, results, left_out, budget, log, save)
-    except DeviceLost:
+    except Exception as e:  # a row's failure that took the device with it: ended, for supervise to go on without it
+        if not (isinstance(e, DeviceLost) or device_lost(args.device)):
+            raise
         save()
-        log(f"the device is lost after {PROGRESS and PROGRESS.read_text()}: ending this process")
+        where = PROGRESS.read_text() if PROGRESS.exists() else "no row"
+        log(f"{traceback.format_exc()}the device is lost at {where}: ending this process")
         sys.exit(DEVICE_LOST)
     save()
     log(f"wrote {args.out} in {time.perf_counter() - started:.0f} s")

@@ -155,6 +155,8 @@ def test_lists_that_would_evaluate_twice_or_elsewhere_than_asked_are_refused(set
     (one row; the PE as trained)."""
     with pytest.raises(ConfigError, match="^" + refused):
         sweep_plan(eval_cfg(**setting), 32, None, ("nonoverlap", "niah_single"))
+    if "factors" in setting:  # beside eval.lengths, eval.factors are not read: not refused
+        assert sweep_plan(eval_cfg(lengths=[32, 64], **setting), 32, None, ("nonoverlap",)).lengths == [32, 64]
 
 
 def test_lengths_that_make_no_positive_token_count_are_refused_naming_the_key_given():

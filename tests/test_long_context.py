@@ -12,6 +12,7 @@ from lenext import protocols
 from lenext.errors import CheckpointError, ConfigError, LengthNotSupported
 from lenext.evaluate import TextEvaluation, sweep, sweep_plan
 from lenext.haystack import TASKS, HaystackText, measure_haystack, sample_rng
+from lenext.positions import Randomized
 from lenext.protocols import PROTOCOLS, KeyTokens, Window
 from tests.test_evaluate import eval_cfg, tiny_net
 
@@ -442,9 +443,11 @@ def test_a_row_holds_its_protocols_parameters_and_row_fields_alone_so_a_paramete
         protocols.registry(protocols.NonOverlapping, Clashing)
 
 
-def test_a_samples_rows_are_scored_at_most_tokens_per_batch_a_pass_with_the_same_metrics(haystack, sotu_data):
+@pytest.mark.parametrize("scheme", [None, Randomized(1024, 32)], ids=["sequential", "randomized"])
+def test_a_samples_rows_are_scored_at_most_tokens_per_batch_a_pass_with_the_same_metrics(haystack, sotu_data, scheme):
     """Multiquery ranks each of its 4 answers against 3 distractors: 13 rows of L tokens a sample, which went through
-    the model in one pass whatever eval.tokens_per_batch said (13 x 32k tokens at L 32k)."""
+    the model in one pass whatever eval.tokens_per_batch said (13 x 32k tokens at L 32k). Under randomized positions
+    each pass takes its rows' positions."""
     net = tiny_net(vocab=sotu_data.vocab_size, train_len=32)
     length, samples, passes = 256, [(0, 0), (1, 2)], []
     token_nll = net.token_nll
@@ -456,7 +459,7 @@ def test_a_samples_rows_are_scored_at_most_tokens_per_batch_a_pass_with_the_same
     def measured(tokens_per_batch: int) -> dict:
         passes.clear()
         return measure_haystack(
-            net, haystack, "multiquery", samples, DEPTHS, length, 3, tokens_per_batch, "32-true", None, 0
+            net, haystack, "multiquery", samples, DEPTHS, length, 3, tokens_per_batch, "32-true", scheme, 0
         ).metrics
 
     net.token_nll = recorded

@@ -376,3 +376,18 @@ def test_the_tiny_model_learns_passkey_at_l_train_in_a_short_cpu_run(compose_tra
     )
     metrics = train(cfg)
     assert metrics["val/exact_match"] >= 0.9, metrics
+
+
+def test_answer_metrics_are_float64_shares_by_update_and_by_call():
+    """Exact match over answers, token accuracy over their tokens, as exact float64 fractions; a call (torchmetrics'
+    forward) returns the batch's and accumulates as update does."""
+    from lenext.scoring import AnswerMetrics
+
+    metrics = AnswerMetrics()
+    predicted, targets = torch.tensor([[1, 2, 3], [1, 2, 4]]), torch.tensor([[1, 2, 3], [1, 2, 3]])
+    batch = metrics(predicted, targets)
+    assert (batch["exact_match"].item(), batch["token_accuracy"].item()) == (1 / 2, 5 / 6)
+    metrics.update(predicted[:1], targets[:1])
+    total = metrics.compute()
+    assert total["exact_match"].dtype == torch.float64
+    assert (total["exact_match"].item(), total["token_accuracy"].item()) == (2 / 3, 8 / 9)

@@ -188,7 +188,8 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
     if getattr(eval_cfg, "variants", None) == []:  # null asks for the PE as trained; [] would too, unsaid
         raise ConfigError("eval.variants=[] is invalid: give at least one variant (e.g. [none,yarn]), or null")
     # Each entry is rows of its own: twice, twice the rows (or, for a length, one row that was asked for twice).
-    for key in ("protocol", "variants", "haystack_depths", "lengths", "factors"):
+    # eval.factors only where they make the lengths: beside eval.lengths they are not read.
+    for key in ("protocol", "variants", "haystack_depths", "lengths", *([] if eval_cfg.lengths else ["factors"])):
         listed = getattr(eval_cfg, key, None)
         if not isinstance(listed, str) and listed is not None and len(set(listed)) < len(listed):
             twice = next(value for value in listed if list(listed).count(value) > 1)

@@ -132,9 +132,17 @@ class AnswerMetrics(MetricCollection):
         super().__init__({"exact_match": mean_metric(), "token_accuracy": mean_metric()}, compute_groups=False)
 
     def update(self, predicted: torch.Tensor, targets: torch.Tensor) -> None:
+        for name, values in self.scored(predicted, targets).items():
+            self[name].update(values)
+
+    def forward(self, predicted: torch.Tensor, targets: torch.Tensor) -> dict:
+        """The batch's values, accumulated as ``update`` does (torchmetrics' ``forward``)."""
+        return {name: self[name](values) for name, values in self.scored(predicted, targets).items()}
+
+    @staticmethod
+    def scored(predicted: torch.Tensor, targets: torch.Tensor) -> dict:
         correct = (predicted == targets).double()
-        self["exact_match"].update(correct.amin(-1))  # every token of the answer right
-        self["token_accuracy"].update(correct)
+        return {"exact_match": correct.amin(-1), "token_accuracy": correct}  # an answer: every token of it right
 
 
 @torch.no_grad()
