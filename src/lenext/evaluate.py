@@ -238,7 +238,7 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
                 f"eval.key_evaluator={evaluator!r} does not exist: give a lenext checkpoint or run folder (or null: "
                 "the model itself)"
             )
-        from lenext.checkpoints import checkpoint_file  # here: lenext.checkpoints imports lenext.resolve, and it this
+        from lenext.checkpoints import checkpoint_file  # here: it imports lenext.resolve, which imports this
 
         file = checkpoint_file(evaluator, "eval.key_evaluator", missing_ok=True)  # None: a run still training
         if file is not None and not zipfile.is_zipfile(file):
