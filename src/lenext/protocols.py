@@ -417,6 +417,12 @@ PROTOCOL_NAMES = (*PROTOCOLS, ACCURACY)
 METRICS_OF = {name: protocol.metrics for name, protocol in (*PROTOCOLS.items(), (ACCURACY, Answers))}
 
 
+def metric_range(metric: str) -> tuple[float, float]:
+    """The values a row metric can take, as results files hold it: a perplexity, exp of a mean of NLLs >= 0, is at
+    least 1; every other metric is a share, in [0, 1]."""
+    return (1.0, math.inf) if metric == "ppl" else (0.0, 1.0)
+
+
 def cap_windows(windows: list, max_windows: int | None) -> list:
     """At most ``max_windows`` of ``windows``, evenly spread: every k-th, k = ceil(n / max_windows), so at least
     about half of ``max_windows`` (the rule the committed studies were made with); all of them for null."""

@@ -18,7 +18,7 @@ from importlib import metadata
 from lenext.evaluate import evaluation_positions
 from lenext.files import write_atomic
 from lenext.hardware import PRECISION_NAMES, machine_description
-from lenext.protocols import METRICS_OF
+from lenext.protocols import METRICS_OF, metric_range
 
 RESULTS_FILE, POSITIONS_FILE, ERROR_FILE = "results.json", "positions.csv", "error.txt"
 
@@ -146,15 +146,14 @@ def not_lenext_results(results) -> str | None:
         if row["status"] not in ROW_STATUSES:
             return f"rows[{i}].status={row['status']!r} is none of {', '.join(ROW_STATUSES)}"
         for metric in ("ppl", *ROW_METRICS):
-            value, (low, high) = row.get(metric), METRIC_RANGES.get(metric, (0, 1))
+            value, (low, high) = row.get(metric), metric_range(metric)
             if value is not None and not math.isnan(value) and not low <= value <= high:  # NaN: a diverged run's
-                return f"rows[{i}].{metric}={value} is outside [{low}, {high}], where every {metric} lies"
+                return f"rows[{i}].{metric}={value} is outside [{low:g}, {high:g}], where every {metric} lies"
     return None
 
 
 ROW_METRICS = tuple(dict.fromkeys(metric for metrics in METRICS_OF.values() for metric in metrics))
 ROW_STATUSES = ("ok", "no windows", "not applicable")
-METRIC_RANGES = {"ppl": (1, math.inf)}  # exp of a mean of NLLs >= 0; the others are shares, in [0, 1]
 
 
 def optional_fields(meta: dict) -> dict:

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from lenext.diagnostics import STATISTICS
-from lenext.protocols import KeyTokens
+from lenext.protocols import KeyTokens, metric_range
 from lenext.report.load import (
     LEARNED_AT,
     NO_VALUE,
@@ -32,6 +32,7 @@ class Metric(NamedTuple):
     than scores them (the share of key tokens: more is neither better nor worse), so no cell is marked best and
     none is tested for separability from a best."""
 
+    key: str  # as results files and protocols name it (``lenext.protocols.METRICS_OF``)
     name: str
     scale: float  # shown as value x scale
     digits: int
@@ -51,8 +52,9 @@ class Metric(NamedTuple):
 
     @property
     def bounds(self) -> tuple[float, float]:
-        """The values the metric can take, as shown: a share 0-100%, a perplexity at least 1."""
-        return (0.0, 100.0) if self.percent else (1.0, float("inf"))
+        """The values the metric can take, as shown (``lenext.protocols.metric_range``, scaled)."""
+        low, high = metric_range(self.key)
+        return low * self.scale, high * self.scale
 
     @property
     def short_name(self) -> str:
@@ -61,12 +63,15 @@ class Metric(NamedTuple):
 
 # Every metric a protocol declares (lenext.protocols.METRICS_OF) has an entry; tests/test_report.py checks it.
 METRICS = {
-    "ppl": Metric("perplexity", 1, 2, False),
-    "exact_match": Metric("exact-match accuracy %", 100, 1, True),
-    "token_accuracy": Metric("per-token accuracy %", 100, 1, True, per_answer=False),
-    "rank_accuracy": Metric("rank accuracy %", 100, 1, True, short="rank accuracy"),
-    # Neither better: more key tokens says the windows hold more that long context helps, not that a PE is better.
-    "key_share": Metric("key-token share %", 100, 2, None, short="key-token share"),
+    metric.key: metric
+    for metric in (
+        Metric("ppl", "perplexity", 1, 2, False),
+        Metric("exact_match", "exact-match accuracy %", 100, 1, True),
+        Metric("token_accuracy", "per-token accuracy %", 100, 1, True, per_answer=False),
+        Metric("rank_accuracy", "rank accuracy %", 100, 1, True, short="rank accuracy"),
+        # Neither better: more key tokens says the windows hold more that long context helps, not a better PE.
+        Metric("key_share", "key-token share %", 100, 2, None, short="key-token share"),
+    )
 }
 
 
