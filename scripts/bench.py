@@ -19,7 +19,9 @@ overrides, resolved by ``lenext.resolve`` and built by ``lenext.build.build_net`
    the arms interleaved;
 5. ``eval.py hf=``'s evaluation of a Hugging Face Llama against a bare transformers loop;
 6. training throughput against a peer, x-transformers, on the same shape, step and batch as section 1, for the
-   PEs both have: each PE's lenext and x-transformers arms interleaved, their ratio paired by repetition.
+   PEs both have: each PE's lenext and x-transformers arms interleaved, their ratio paired by repetition;
+7. NoPE's training step of section 1 with lenext's AdamW (torch's fused kernel) against torch's default AdamW,
+   interleaved, and the optimizer step alone in each arm.
 
 Every report names the CPU, its ISA and whether it computes bf16 natively (lenext.hardware).
 
@@ -30,6 +32,7 @@ Usage:
     .venv/bin/python scripts/bench.py --sections lightning --out benchmarks/bench-lightning.md  # section 4
     .venv/bin/python scripts/bench.py --sections training,forward --rows cope,fox,nope+ssmax  # some rows only
     .venv/bin/python scripts/bench.py --sections peer --out benchmarks/bench-peer.md  # section 6
+    .venv/bin/python scripts/bench.py --sections adamw --out benchmarks/bench-adamw.md  # section 7
 """
 
 import argparse
@@ -65,7 +68,7 @@ from lenext.errors import LengthNotSupported
 from lenext.files import write_atomic
 from lenext.hardware import default_precision, keep_freed_memory, machine_description, precision_autocast
 from lenext.model import LOGIT_CHUNK_ELEMENTS, Decoder
-from lenext.module import adamw_with_schedule
+from lenext.module import adamw, adamw_with_schedule
 from lenext.pe.base import sequential_positions
 from lenext.positions import training_positions
 from lenext.resolve import TRAIN_NODES, TrainSettings, config_pe_name, resolve
@@ -96,7 +99,7 @@ DRAWN_ROWS = {  # RoPE trained at positions drawn anew every step
     "rope+pose": ["train.positions=pose"],
 }
 SAMPLING_TARGET = 0.02  # drawing positions: at most this share of a training step
-SECTIONS = ["training", "forward", "shaw", "lightning", "hf", "peer"]
+SECTIONS = ["training", "forward", "shaw", "lightning", "hf", "peer", "adamw"]
 TARGETS = {  # training tokens/s vs nope
     "rope": 0.95,
     "alibi": 0.9,
@@ -189,7 +192,7 @@ class TrainingRow:
     def __init__(self, row: str, precision: str):
         self.net, spec = row_model(row)
         self.net.train()
-        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4)
+        self.optimizer = adamw(self.net.parameters(), lr=1e-4)
         self.scheme, self.seed, self.precision, self.step = spec.scheme, spec.seed, precision, 0
 
     def train(self, tokens: torch.Tensor, targets: torch.Tensor, steps: int) -> float:
@@ -331,7 +334,7 @@ class PeerRow:
     def __init__(self, row: str, precision: str):
         self.net = xtransformers_net(row, TRAIN_LEN)
         self.net.train()
-        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4)
+        self.optimizer = adamw(self.net.parameters(), lr=1e-4)
         self.precision = precision
 
     def train(self, tokens: torch.Tensor, targets: torch.Tensor, steps: int) -> float:
@@ -407,6 +410,75 @@ def render_peer(settings, peer) -> list[str]:
             f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f} | >= {PEER_TARGET} | "
             f"{'yes' if row['ratio'] >= PEER_TARGET else '**no**'} | {row['mfu']:.2f} | {row['peer_mfu']:.2f} |"
         )
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+# 7. The optimizer: lenext's fused AdamW against torch's default
+
+
+class TimedOptimizerRow(TrainingRow):
+    """NoPE's row of section 1 with ``optimizer``, timing its steps alone as well (``optimizer_s``)."""
+
+    def __init__(self, precision: str, optimizer):
+        super().__init__("nope", precision)
+        self.optimizer, self.optimizer_s = optimizer(self.net.parameters(), lr=1e-4), []
+        step = self.optimizer.step
+
+        def timed_step():
+            start = time.perf_counter()
+            step()
+            self.optimizer_s.append(time.perf_counter() - start)
+
+        self.optimizer.step = timed_step
+
+
+def bench_adamw(precision, batch, warmup, steps, reps, log):
+    """NoPE's training tokens/s with lenext's AdamW and with torch's default (medians), their ratio paired by
+    repetition, and each arm's optimizer step alone (median milliseconds of the timed steps)."""
+    arms = {"lenext": TimedOptimizerRow(precision, adamw), "default": TimedOptimizerRow(precision, torch.optim.AdamW)}
+    assert arms["lenext"].optimizer.defaults["fused"] and not arms["default"].optimizer.defaults["fused"]
+    for arm in arms.values():
+        arm.net.load_state_dict(arms["lenext"].net.state_dict())  # the same weights: the same step, twice
+    rates = interleaved_rates(arms, batch, warmup, steps, reps, log)
+    paired = [f / d for f, d in zip(rates["lenext"], rates["default"], strict=True)]
+    return {
+        "parameters": sum(p.numel() for p in arms["lenext"].net.parameters()),
+        "ratio": statistics.median(paired),
+        "ratio_min": min(paired),
+        "ratio_max": max(paired),
+        **{
+            name: {
+                "tokens_per_s": statistics.median(rates[name]),
+                "optimizer_ms": statistics.median(arm.optimizer_s[warmup:]) * 1e3,
+                "step_ms": batch * TRAIN_LEN / statistics.median(rates[name]) * 1e3,
+            }
+            for name, arm in arms.items()
+        },
+    }
+
+
+def render_adamw(settings, result) -> list[str]:
+    lines = [
+        "## AdamW",
+        "",
+        f"NoPE's row of section 1 ({result['parameters']:,} parameters, L={settings['train_length']}, batch "
+        f"{settings['train_batch']}) with lenext's AdamW (`lenext.module.adamw`: torch's fused kernel) and with "
+        "torch's default AdamW (on a CPU, a loop of operations per tensor), from the same weights, interleaved "
+        f"round-robin over {settings['reps']} repetitions of {timed_steps(settings)} after {settings['warmup']} "
+        "warmup steps. tokens/s: medians; the optimizer's step alone: median of the timed steps; ratio: median over "
+        "repetitions of lenext / default in the same repetition, with its range.",
+        "",
+        "| AdamW | tokens/s | step ms | optimizer step ms |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, words in (("lenext", "lenext's (fused)"), ("default", "torch's default")):
+        arm = result[name]
+        lines.append(f"| {words} | {arm['tokens_per_s']:.0f} | {arm['step_ms']:.0f} | {arm['optimizer_ms']:.1f} |")
+    lines += [
+        "",
+        f"lenext / default: **{result['ratio']:.3f}** ({result['ratio_min']:.2f}-{result['ratio_max']:.2f}).",
+    ]
     return lines
 
 
@@ -1050,6 +1122,7 @@ SECTION_MARKERS = {  # heading -> the name docs/performance.md includes the sect
     "## The study's training step": "lightning",
     "## `eval.py hf=`": "hf",
     "## Against x-transformers": "peer",
+    "## AdamW": "adamw",
 }
 
 
@@ -1071,7 +1144,9 @@ def with_section_markers(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def render(info, settings, elapsed, training=None, forward=None, shaw=None, lightning=None, hf=None, peer=None) -> str:
+def render(
+    info, settings, elapsed, training=None, forward=None, shaw=None, lightning=None, hf=None, peer=None, adamw=None
+) -> str:
     sections = [render_header(info, settings, elapsed)]
     if training is not None:
         sections.append(render_training(settings, training))
@@ -1085,6 +1160,8 @@ def render(info, settings, elapsed, training=None, forward=None, shaw=None, ligh
         sections.append(render_hf(settings, hf))
     if peer is not None:
         sections.append(render_peer(settings, peer))
+    if adamw is not None:
+        sections.append(render_adamw(settings, adamw))
     return with_section_markers("\n\n".join("\n".join(lines) for lines in sections))
 
 
@@ -1227,7 +1304,19 @@ def main(argv=None) -> None:
         log,
         peer_rows,
     )
-    text = render(info, settings, time.perf_counter() - started, training, forward, shaw, lightning, hf, peer)
+    optimizer = measured(
+        "adamw",
+        bench_adamw,
+        args.precision,
+        settings["train_batch"],
+        settings["warmup"],
+        settings["steps"],
+        settings["reps"],
+        log,
+    )
+    text = render(
+        info, settings, time.perf_counter() - started, training, forward, shaw, lightning, hf, peer, optimizer
+    )
     write_atomic(out, text)
     print()
     print(text)

@@ -330,13 +330,14 @@ class TrainingArm:
 
         from lenext.build import build_net
         from lenext.data import step_loader
+        from lenext.module import adamw
         from lenext.resolve import config_pe_name, resolve
 
         self.spec = resolve(cfg, config_pe_name(cfg), sweeps=False)
         torch.manual_seed(self.spec.seed)
         self.net = build_net(self.spec, vocab_size)
         self.net.train()
-        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4)
+        self.optimizer = adamw(self.net.parameters(), lr=1e-4)
         self.batches = iter(step_loader(windows, batch, seed=0, trainer=None, num_workers=0))
         self.step, self.losses = 0, []
 

@@ -67,6 +67,7 @@ from lenext.export.native import NATIVE  # noqa: E402
 from lenext.export.remote import write_remote  # noqa: E402
 from lenext.files import write_atomic  # noqa: E402
 from lenext.model import Decoder  # noqa: E402
+from lenext.module import adamw  # noqa: E402
 from lenext.positions import generator, randomized_positions  # noqa: E402
 from lenext.run_folder import resolve_training  # noqa: E402
 
@@ -390,7 +391,7 @@ class Arm:
             self.net.compile_blocks()
         if "ckpt" in row.split("@"):
             self.net.checkpoint_blocks = True
-        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4, fused=device == "cuda")
+        self.optimizer = adamw(self.net.parameters(), lr=1e-4)
         tokens = torch.randint(0, shape["vocab_size"], (batch, length + 1), generator=torch.Generator().manual_seed(0))
         self.tokens, self.targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
         self.xt, self.device = xt, device
@@ -621,7 +622,7 @@ class ShardedArm:
         else:
             shard(self.net, init_device_mesh(device, (1,), mesh_dim_names=("data_parallel",))["data_parallel"])
             self.loss_of = MeanNLL(self.net)
-        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4)
+        self.optimizer = adamw(self.net.parameters(), lr=1e-4)
         self.tokens, self.targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
     def step(self) -> torch.Tensor:

@@ -364,6 +364,25 @@ def test_the_peer_section_reports_each_pe_with_its_ratio_and_mfu(bench):
     assert 0 < nope["peer_mfu"] < 1.5  # against the machine's measured GEMM peak
 
 
+def test_the_adamw_section_times_two_optimizers_taking_the_same_steps(bench, monkeypatch):
+    """Section 7 compares lenext's fused AdamW with torch's default on one model from the same weights: both arms
+    take the same steps (their weights agree after them), and the report states the paired ratio and each
+    optimizer's own time."""
+    arms = []
+    monkeypatch.setattr(bench, "interleaved_rates", lambda arms_, *args: arms.append(arms_) or real(arms_, *args))
+    real = load_script("bench").interleaved_rates
+    result = bench.bench_adamw("fp32", batch=1, warmup=1, steps=1, reps=2, log=lambda line: None)
+    fused, default = (arms[0][name] for name in ("lenext", "default"))
+    assert len(fused.optimizer_s) == len(default.optimizer_s) == 3
+    for ours, theirs in zip(fused.net.parameters(), default.net.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert result["ratio_min"] <= result["ratio"] <= result["ratio_max"]
+    settings = {"train_length": bench.TRAIN_LEN, "train_batch": 1, "reps": 2, "steps": 1, "warmup": 1}
+    text = "\n".join(bench.render_adamw(settings, result))
+    assert f"**{result['ratio']:.3f}**" in text
+    assert f"| {result['default']['optimizer_ms']:.1f} |" in text
+
+
 def test_the_gpu_checks_sections_share_the_time_left_so_what_one_leaves_goes_to_the_next(
     gpu_check, monkeypatch, tmp_path
 ):

@@ -1,5 +1,8 @@
 """A short real training run learns: validation perplexity falls far below the uniform baseline."""
 
+import math
+
+import lightning as L
 import pandas as pd
 import pytest
 import torch
@@ -74,3 +77,64 @@ def test_logged_metrics_are_every_metric_a_run_logs(compose_train, small_text_co
     datamodule, module, trainer = build(cfg, resolve_training(cfg)[0])
     trainer.fit(module, datamodule=datamodule)
     assert sorted(trainer.callback_metrics) == sorted(logged_metrics(answers=probe))
+
+
+def test_adamw_with_schedule_is_the_papers_update_in_float64():
+    """Training's optimizer, torch's fused AdamW under lenext's schedule, against AdamW written out (Loshchilov &
+    Hutter 2019, Algorithm 2, with torch's decay of lr x wd x p) in float64: linear warmup over ``warmup_steps``,
+    cosine decay to ``min_lr_ratio`` x lr at ``total_steps`` and held there; weight decay on linear weights only."""
+    from lenext.module import adamw_with_schedule
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Embedding(7, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 3)).double()
+    lr, wd, (b1, b2), eps, warmup, total, floor = 0.1, 0.3, (0.8, 0.95), 1e-8, 3, 8, 0.2
+    optimizer, scheduler = adamw_with_schedule(net, total, lr, wd, (b1, b2), warmup, floor)
+    assert all(group["fused"] for group in optimizer.param_groups)
+    params = {name: p.detach().clone() for name, p in net.named_parameters()}
+    moments = {name: (torch.zeros_like(p), torch.zeros_like(p)) for name, p in params.items()}
+    for step in range(12):  # past total_steps: the rate stays at its floor
+        grads = {name: torch.randn_like(p) for name, p in params.items()}
+        for name, p in net.named_parameters():
+            p.grad = grads[name].clone()
+        optimizer.step()
+        scheduler.step()
+        progress = min(1.0, (step - warmup) / (total - warmup))
+        rate = lr * (
+            (step + 1) / warmup if step < warmup else floor + (1 - floor) * (1 + math.cos(math.pi * progress)) / 2
+        )
+        for name, p in params.items():
+            m, v = moments[name]
+            m.mul_(b1).add_((1 - b1) * grads[name])
+            v.mul_(b2).add_((1 - b2) * grads[name] ** 2)
+            decay = wd if name == "2.weight" else 0.0
+            p.mul_(1 - rate * decay)
+            p.sub_(rate * (m / (1 - b1 ** (step + 1))) / ((v / (1 - b2 ** (step + 1))).sqrt() + eps))
+        for name, p in net.named_parameters():
+            torch.testing.assert_close(p.detach(), params[name], rtol=1e-12, atol=1e-12, msg=f"{name} at step {step}")
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_training_clips_gradients_under_the_fused_adamw_in_every_precision(compose_train, precision):
+    """Lightning refuses gradient clipping for a fused optimizer under autocast (its check is for a gradient
+    scaler, which bf16 has none of): lenext clips in both precisions, every step, to ``trainer.gradient_clip_val``."""
+    cfg = compose_train(
+        *tiny_overrides("trainer.max_steps=3", "eval.enabled=false", "trainer.gradient_clip_val=1e-3"),
+        f"trainer.precision={precision}",
+    )
+    datamodule, module, trainer = build(cfg, resolve_training(cfg)[0])
+    norms = []
+
+    class AfterEachStep(L.Callback):
+        def on_train_start(self, trainer, module):
+            (optimizer,) = trainer.optimizers
+            assert optimizer.defaults["fused"]
+            # After the step: the gradients the step took, clipped (a pre-hook runs before the closure's backward).
+            optimizer.register_step_post_hook(
+                lambda optimizer, args, kwargs: norms.append(
+                    torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.parameters()])).item()
+                )
+            )
+
+    trainer.callbacks.append(AfterEachStep())
+    trainer.fit(module, datamodule=datamodule)
+    assert len(norms) == 3 and all(norm == pytest.approx(1e-3, rel=1e-3) for norm in norms), norms

@@ -12,6 +12,8 @@ import lightning as L
 import torch
 from lightning.fabric.plugins.io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 
@@ -352,6 +354,16 @@ class LanguageModel(L.LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        precision = self.trainer.precision_plugin
+        if isinstance(precision, MixedPrecision) and precision.scaler is None and gradient_clip_val:
+            # Lightning refuses to clip for a fused optimizer under any autocast, though only a gradient scaler's
+            # unscaling moves into the step (Lightning-AI/pytorch-lightning#21435); bf16 autocast has no scaler.
+            algorithm = GradClipAlgorithmType(gradient_clip_algorithm or GradClipAlgorithmType.NORM)
+            Precision.clip_gradients(precision, optimizer, gradient_clip_val, algorithm)
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
 
 def shard(net: Decoder, mesh) -> None:
     """FSDP2 over ``mesh``: each block's parameters, gradients and optimizer state split across its ranks and
@@ -361,6 +373,17 @@ def shard(net: Decoder, mesh) -> None:
     for block in net.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(net, mesh=mesh)
+
+
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
+
+def adamw(params, **settings) -> torch.optim.AdamW:
+    """AdamW as lenext trains with it: torch's fused kernel where every parameter is on a device that has one, one
+    pass over each tensor (on a CPU, torch's default otherwise is a loop of a dozen operations per tensor)."""
+    params = list(params)
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    return torch.optim.AdamW(params, fused=all(p.device.type in FUSED_ADAMW_DEVICES for p in tensors), **settings)
 
 
 def adamw_with_schedule(
@@ -380,7 +403,7 @@ def adamw_with_schedule(
     linear_weights = {id(m.weight) for m in net.modules() if isinstance(m, nn.Linear)}
     decay = [p for p in net.parameters() if id(p) in linear_weights]
     no_decay = [p for p in net.parameters() if id(p) not in linear_weights]
-    optimizer = torch.optim.AdamW(
+    optimizer = adamw(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr,
         betas=betas,
