@@ -530,6 +530,47 @@ def test_a_local_hub_file_rewritten_is_another_corpus(tmp_path):
     assert HubCorpus("json", data_files=files).fingerprint() != before
 
 
+def test_a_local_hub_file_found_by_a_glob_and_rewritten_is_another_corpus(tmp_path):
+    """data_files as a glob: the files it finds are fingerprinted, not the pattern (which names no file)."""
+    path = tmp_path / "books-0.jsonl"
+    path.write_text(json.dumps({"text": "one book"}) + "\n")
+    files = {"train": str(tmp_path / "books-*.jsonl")}
+    before = HubCorpus("json", data_files=files).fingerprint()
+    path.write_text(json.dumps({"text": "another, longer book"}) + "\n")
+    assert HubCorpus("json", data_files=files).fingerprint() != before
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_local_hub_file_that_is_not_json_is_named_in_one_line(tmp_path, streaming):
+    files = {}
+    for split in SPLITS:
+        files[split] = tmp_path / f"{split}.jsonl"
+        files[split].write_text(json.dumps({"text": f"{split} book"}) + "\n" + '{"text": "cut sho\n')
+    corpus = HubCorpus("json", data_files={split: str(file) for split, file in files.items()}, streaming=streaming)
+    message = rf"^data.corpus.data_files: 'json' cannot read {files['validation']} \(JSON parse error: .*row 1\)"
+    with pytest.raises(DataError, match=message):
+        list(corpus.documents("validation"))
+
+
+def test_a_trained_tokenizer_is_read_without_a_lock_so_a_read_only_cache_serves_and_no_run_waits(
+    tmp_path, small_shards, monkeypatch
+):
+    """A run whose tokenizer is in the cache takes no lock for it: none is writable in a read-only cache, and one
+    lock for every tokenizer made each run wait for any other corpus's tokenizer to train. A missing tokenizer is
+    trained under a lock of its own."""
+    write_corpus(tmp_path / "corpus")
+    corpus = TextFiles(str(tmp_path / "corpus"))
+    locks = []
+    real = lenext.data.preparing
+    monkeypatch.setattr(lenext.data, "preparing", lambda *args: locks.append(args) or real(*args))
+    first = prepared(corpus, tmp_path / "cache")
+    key = os.path.basename(first.tokenizer_path)[: -len(".json")]
+    assert (str(tmp_path / "cache" / "tokenizers"), f".{key}.lock") in locks
+    locks.clear()
+    assert prepared(corpus, tmp_path / "cache").tokenizer.to_str() == first.tokenizer.to_str()
+    assert locks == []
+
+
 def test_ptb_without_its_package_is_one_line(monkeypatch):
     import importlib.metadata
 

@@ -357,10 +357,11 @@ class HubCorpus(Corpus):
         split_names = json.dumps(self.split_names, sort_keys=True)
         paths = [self.data_files] if isinstance(self.data_files, str) else list((self.data_files or {}).values())
         stats = []
-        for path in (p for entry in paths for p in ([entry] if isinstance(entry, str) else entry)):
-            with contextlib.suppress(OSError):  # a hub path, not a local file
-                stat = os.stat(path)
-                stats.append(f"{path} {stat.st_size} {stat.st_mtime_ns}")
+        for given in (p for entry in paths for p in ([entry] if isinstance(entry, str) else entry)):
+            for path in sorted(glob.glob(given)) if glob.has_magic(given) else [given]:  # a glob: the files it finds
+                with contextlib.suppress(OSError):  # a hub path, not a local file
+                    stat = os.stat(path)
+                    stats.append(f"{path} {stat.st_size} {stat.st_mtime_ns}")
         settings = [files, split_names, self.text_field, str(self.wikitext_articles), *stats]
         return f"{self.name}-{_digest(settings)}"
 
@@ -389,6 +390,13 @@ class HubCorpus(Corpus):
             if self.data_files is None:
                 raise DataError(self._unreachable(type(e).__name__)) from e
             raise DataError(f"data.corpus.data_files: {first_line(e)}") from None  # a local file, not the hub
+        except (datasets.exceptions.DatasetGenerationError, pa.ArrowException) as e:  # a local file it cannot parse
+            cause = e.__cause__ or e  # datasets' error wraps the parser's, which says what is wrong and where
+            files = self.data_files.get(name) if isinstance(self.data_files, dict) else self.data_files
+            raise DataError(
+                f"data.corpus.data_files: {self.path!r} cannot read {files} ({first_line(cause)}), its "
+                f"{name!r} split: fix the file"
+            ) from None
         except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as e:
             raise DataError(self._unreachable(type(e).__name__)) from e
 
@@ -869,12 +877,14 @@ class LMDataModule(L.LightningDataModule):
                 return None
             key = f"{self.corpus.name}-{_digest(documents())}-v{self.requested_vocab}"
         self.tokenizer_path = os.path.join(self.cache_dir, "tokenizers", f"{key}.json")
-        with preparing(os.path.dirname(self.tokenizer_path)):  # ranks starting together: one trains, the rest wait
-            if not os.path.exists(self.tokenizer_path):
-                tokenizer = train_tokenizer(documents(), self.requested_vocab)
-                with atomic_path(self.tokenizer_path) as tmp:
-                    tokenizer.save(tmp)
-                self._made.append(f"tokenizers/{key}.json")
+        if not os.path.exists(self.tokenizer_path):  # a trained one is read without a lock: a read-only cache serves
+            # Ranks starting together: one trains, the rest wait; other tokenizers' runs do not.
+            with preparing(os.path.dirname(self.tokenizer_path), f".{key}.lock"):
+                if not os.path.exists(self.tokenizer_path):
+                    tokenizer = train_tokenizer(documents(), self.requested_vocab)
+                    with atomic_path(self.tokenizer_path) as tmp:
+                        tokenizer.save(tmp)
+                    self._made.append(f"tokenizers/{key}.json")
         try:
             self.tokenizer = for_documents(Tokenizer.from_file(self.tokenizer_path))
         except Exception as e:  # tokenizers' own error: a file damaged after it was written (its writes are atomic)

@@ -365,9 +365,10 @@ class TokenStream:
 
 
 @contextlib.contextmanager
-def preparing(folder: str) -> Iterator[None]:
-    """Hold ``folder``'s preparation lock: a second process preparing the same split waits, then finds it done."""
+def preparing(folder: str, lock: str = ".prepare.lock") -> Iterator[None]:
+    """Hold the preparation lock ``lock`` in ``folder``: a second process preparing the same thing (a split, a
+    tokenizer) waits, then finds it done."""
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, ".prepare.lock"), "a") as f:
+    with open(os.path.join(folder, lock), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         yield
