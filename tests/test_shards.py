@@ -508,13 +508,21 @@ def test_a_hub_corpus_of_local_files_from_the_command_line_and_its_mistakes(tmp_
             r"^data.corpus.text_field='body': row 0 of json's 'test' split has no column 'body' \(its columns: text, n",
         ),
         (
-            {"data_files": given.data_files, "split_names": OmegaConf.create({"test": "testing"})},
-            r"^data.corpus.split_names: 'json' has no split 'testing' for lenext's test split",
+            {"data_files": {s: f for s, f in given.data_files.items() if s != "test"}},
+            r"^data.corpus.split_names: 'json' has no split 'test' for lenext's test split",
         ),
     ]
     for settings, message in mistakes:
         with pytest.raises(DataError, match=message):
             list(HubCorpus("json", **settings).documents("test"))
+    misspelt = {**given.data_files, "valid": str(files["validation"])}
+    with pytest.raises(ConfigError, match=r"^data.corpus.data_files=.* is invalid: 'valid' is no split lenext reads"):
+        HubCorpus("json", data_files=misspelt)
+    renamed = OmegaConf.create({"test": "testing"})  # lenext's test split read from the files' "testing"
+    with pytest.raises(ConfigError, match=r"^data.corpus.data_files=.*: 'test' is no split lenext reads; its keys "):
+        HubCorpus("json", data_files=given.data_files, split_names=renamed)
+    with pytest.raises(ConfigError, match=r"^data.corpus.split_names=\{'dev': 'valid'\} is invalid: it must map"):
+        HubCorpus("json", data_files=given.data_files, split_names={"dev": "valid"})
     files["test"].write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": None}) + "\n")
     for streaming in (False, True):
         with pytest.raises(DataError, match=r"row 1 of json's 'test' split has null as its text, not a string"):

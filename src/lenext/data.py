@@ -347,7 +347,21 @@ class HubCorpus(Corpus):
         )
         self.path, self.config_name, self.text_field = path, name, text_field
         self.wikitext_articles, self.data_files, self.streaming = wikitext_articles, data_files, streaming
+        if split_names and any(k not in SPLITS or not isinstance(v, str) for k, v in split_names.items()):
+            raise ConfigError(
+                f"data.corpus.split_names={split_names!r} is invalid: it must map some of lenext's splits "
+                f"({', '.join(SPLITS)}) to the dataset's split names",
+                "data.corpus.split_names",
+            )
         self.split_names = {"train": "train", "validation": "validation", "test": "test", **(split_names or {})}
+        read = sorted(set(self.split_names.values()))
+        unread = [split for split in data_files or {} if split not in read] if isinstance(data_files, dict) else []
+        if unread:  # a misspelt split: its files would never be read
+            raise ConfigError(
+                f"data.corpus.data_files={data_files!r} is invalid: {unread[0]!r} is no split lenext reads; its keys "
+                f"must be the splits {', '.join(map(repr, read))} (data.corpus.split_names names them)",
+                "data.corpus.data_files",
+            )
         self.name = "-".join(p for p in (path.replace("/", "_"), name) if p)
 
     def fingerprint(self) -> str:
