@@ -581,3 +581,55 @@ def test_a_results_file_marked_complete_by_anything_but_true_is_not_counted(tmp_
     report_main([str(tmp_path)])
     out = capsys.readouterr().out
     assert f"`{tmp_path / '1'}`: results.json not marked complete" in out and "| rope |" not in out
+
+
+def test_a_checkpoint_meets_a_corpus_changed_since_it_trained_with_one_line(tmp_path, small_text_corpus):
+    """A corpus edited after a run trained trains another tokenizer: its token ids mean other text. Resuming the
+    run, evaluating or exporting its checkpoint, or starting a second stage from it, is refused in one line. A
+    corpus only touched (its files' times) prepares again to the same tokens, and the run resumes; one edited past
+    the tokenizer's sample keeps the tokenizer but not the training split, which a resume refuses and an
+    evaluation does not."""
+    import shutil
+
+    from lenext.export import export
+
+    corpus, run = tmp_path / "corpus", tmp_path / "run"
+    shutil.copytree(small_text_corpus, corpus)
+    # The tokenizer trains on the first document alone, so an edit past it changes the training split only.
+    settings = small_corpus_overrides(corpus, "eval.enabled=false", "data.tokenizer_sample_mb=0.01")
+    train_run = lambda steps, *more: run_command(  # noqa: E731
+        tmp_path, *settings, f"hydra.run.dir={run}", f"trainer.max_steps={steps}", *more
+    )
+    evaluate = lambda: forked.run_command(  # noqa: E731
+        "eval.py",
+        [f"ckpt={run}", "eval.factors=[1]", f"hydra.run.dir={tmp_path / 'eval'}"],
+        command_environment(tmp_path),
+        tmp_path,
+    )
+    assert train_run(2).returncode == 0
+    for file in corpus.iterdir():
+        os.utime(file, ns=(time.time_ns(), time.time_ns()))
+    assert train_run(3).returncode == 0, "a touched corpus resumes"
+
+    last = sorted(corpus.glob("*.txt"))[-4]  # a training document past the sample
+    last.write_text(last.read_text() + " and one more sentence, spoken at the end.")
+    resumed = train_run(4)
+    assert resumed.returncode == 1
+    assert re.match(
+        rf"error: {run}/checkpoints/last.ckpt was trained on other data than data=text_files-\S+ gives "
+        r"now \(train_tokens [\d,]+ there, [\d,]+ here\)",
+        one_line(resumed),
+    ), one_line(resumed)
+    assert evaluate().returncode == 0, "the same tokenizer: the checkpoint evaluates on the text as it is now"
+
+    first = sorted(corpus.glob("*.txt"))[0]  # the tokenizer's sample
+    first.write_text(first.read_text().replace(" the ", " THE "))
+    evaluated = evaluate()
+    assert evaluated.returncode == 1
+    assert one_line(evaluated).startswith(f"error: ckpt={run}/checkpoints/last.ckpt was trained on other data")
+    assert "(its tokenizer differs)" in one_line(evaluated)
+    staged = run_command(tmp_path, *settings, f"init_from={run}", f"hydra.run.dir={tmp_path / 'stage'}")
+    assert staged.returncode == 1 and "(its tokenizer differs)" in one_line(staged)
+    with pytest.raises(CheckpointError, match=r"was trained on other data .*\(its tokenizer differs\)"):
+        export(str(run), str(tmp_path / "exported"), cache_dir=os.environ.get("LENEXT_CACHE", str(tmp_path / ".cache")))
+    assert not (tmp_path / "exported").exists()

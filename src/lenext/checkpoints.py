@@ -112,3 +112,21 @@ def read_base(path: str) -> Base:
     steps, tokens = checkpoint.get("global_step", 0), checkpoint.get("tokens_trained")
     stage = spec.as_stage(os.path.abspath(checkpoint_file(path, "init_from")), steps, tokens)
     return Base(spec, stage, net_state(checkpoint))
+
+
+def refuse_other_data(recorded: dict | None, data, named: str, whole: bool = False) -> None:
+    """A CheckpointError where ``data`` is not what the checkpoint ``named`` trained on (``recorded``, its
+    ``trained_on``): another tokenizer (its token ids would mean other text) and, with ``whole`` (a resume), another
+    training split. None: a probe's, or a checkpoint from before lenext kept it."""
+    here = data.trained_on()
+    if not recorded or not here:
+        return
+    keys = [key for key in recorded if key in here and (whole or key == "tokenizer")]
+    differing = [key for key in keys if recorded[key] != here[key]]
+    if differing:
+        key = differing[0]
+        what = "its tokenizer differs" if key == "tokenizer" else f"{key} {recorded[key]:,} there, {here[key]:,} here"
+        raise CheckpointError(
+            f"{named} was trained on other data than data={data.name} gives now ({what}): the corpus or its data "
+            "settings changed since. Restore them" + (", or train a new run in another folder" if whole else "")
+        )

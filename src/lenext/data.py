@@ -802,6 +802,14 @@ class LMDataModule(L.LightningDataModule):
     def tokenizer_id(self) -> str:
         return os.path.basename(self.tokenizer_path)[: -len(".json")]
 
+    def trained_on(self) -> dict:
+        """What a checkpoint keeps of the data it trains on (``lenext.checkpoints.refuse_other_data``): the tokenizer,
+        by its contents (a corpus changed since trains another), and, once loaded, the training split's size."""
+        identity = {"tokenizer": _digest([self.tokenizer.to_str(), str(self.start_token)])}
+        if "train" in self.shards:
+            identity["train_documents"], identity["train_tokens"] = self.shards["train"].size
+        return identity
+
     def prepare_data(self) -> None:
         self.load()
 

@@ -228,6 +228,7 @@ class LanguageModel(L.LightningModule):
         self.val_answers = AnswerMetrics()  # probes: exact match, token accuracy
         self.train_seconds, self.train_tokens = 0.0, 0  # time inside training steps, for tokens/s (kept on resume)
         self._resumed_random_state = None  # a checkpoint's (on_load_checkpoint), until the first step sets it
+        self.trained_on = None  # its data's identity (the data module's trained_on), kept in its checkpoints
 
     def configure_model(self) -> None:
         """How the net runs, applied once per block before training (Lightning's hook): activations recomputed in
@@ -246,6 +247,8 @@ class LanguageModel(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["train_clock"] = {"seconds": self.train_seconds, "tokens": self.train_tokens}
         checkpoint["random_state"] = random_state(self.device)  # dropout's: a resumed run draws the same masks
+        if self.trained_on:
+            checkpoint["trained_on"] = self.trained_on
         if self.hparams.run:  # kept for eval.py's results files and a later stage's lineage
             checkpoint["tokens_trained"] = tokens_trained(self.trainer, self.hparams.run["config"]["data"])
 

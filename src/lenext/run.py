@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lenext import schema
 from lenext.attention.flex import fresh_compile_state
 from lenext.build import build_module, build_net, hydra_config, instantiate, unsharded
-from lenext.checkpoints import checkpoint_file, load_checkpoint, net_state, stored_spec
+from lenext.checkpoints import checkpoint_file, load_checkpoint, net_state, refuse_other_data, stored_spec
 from lenext.errors import ConfigError, Stopped
 from lenext.evaluate import sweep
 from lenext.files import atomic_path
@@ -199,7 +199,12 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     # Validation scores the windows of the sweep's nonoverlap row at L_train: the same measurement.
     datamodule = instantiate(cfg.data, "data", validation_max_windows=spec.eval.max_windows)
     datamodule.load()
+    if spec.start != "scratch":  # the checkpoint it starts from trained on this data (a corpus changed since: not)
+        named = spec.checkpoint if spec.start == "resume" else f"init_from={spec.checkpoint}"
+        trained_on = load_checkpoint(spec.checkpoint, key=None).get("trained_on")
+        refuse_other_data(trained_on, datamodule, named, whole=spec.start == "resume")
     module = build_module(cfg.module, spec, build_net(spec, datamodule.vocab_size, weights))
+    module.trained_on = datamodule.trained_on()
     return datamodule, module, trainer
 
 
@@ -260,8 +265,9 @@ def evaluate_checkpoint(cfg: DictConfig) -> str:
         cfg.paths.output_dir, evaluated=checkpoint_path and ("checkpoint", os.path.abspath(checkpoint_path))
     )
     spec, datamodule, net, checkpoint = checkpoint_model(cfg, cfg.ckpt)
-    record_command(cfg)  # accepted: every check passed
     datamodule.load()
+    refuse_other_data(checkpoint.get("trained_on"), datamodule, f"ckpt={checkpoint_path}")
+    record_command(cfg)  # accepted: every check passed
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     identity = run_identity(OmegaConf.create(spec.config), FINISHED_IDENTITY)
     extra = {"checkpoint": os.path.abspath(checkpoint_path), "identity": identity}

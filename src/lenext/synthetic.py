@@ -286,6 +286,9 @@ class SyntheticDataModule(L.LightningDataModule):
 
     tokenizer_id = None  # no tokenizer: the task writes token ids
 
+    def trained_on(self) -> None:
+        """Nothing beyond the task's settings, which the run's identity compares."""
+
     @property
     def name(self) -> str:
         return f"synthetic-{self.task.name}"

@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from lenext.build import build_net, instantiate
-from lenext.checkpoints import load_checkpoint, net_state, stored_spec
+from lenext.checkpoints import load_checkpoint, net_state, refuse_other_data, stored_spec
 from lenext.data import unmakeable_folder
 from lenext.errors import ConfigError, errors_in_one_line
 from lenext.export.native import NATIVE
@@ -45,16 +45,17 @@ def choose_architecture(net: Decoder, asked: str) -> str:
     return asked
 
 
-def exported_tokenizer(spec, cache_dir: str):
+def exported_tokenizer(spec, cache_dir: str, trained_on: dict | None, named: str):
     """The run's tokenizer as a transformers tokenizer (its BOS the token each document starts with, put before
     the text it encodes), or None for a probe task's token ids. Only the tokenizer is loaded (from the cache, or
-    trained again on the training split)."""
+    trained again on the training split), and refused if not the one the checkpoint ``named`` trained with."""
     node = OmegaConf.create(spec.config["data"])
     if "corpus" not in node:
         return None
     node.cache_dir = cache_dir
     data = instantiate(node, "data")
     data.load_tokenizer()
+    refuse_other_data(trained_on, data, named)
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -136,7 +137,7 @@ def export(checkpoint: str, out: str, architecture: str = "auto", force: bool = 
     state = net_state(loaded)
     net = build_net(spec, state["embedding.weight"].size(0), state).eval()
     chosen = choose_architecture(net, architecture)
-    tokenizer = exported_tokenizer(spec, cache)
+    tokenizer = exported_tokenizer(spec, cache, loaded.get("trained_on"), checkpoint)
     # The ids generation starts and stops at (transformers' defaults are other tokens of this vocabulary, or none).
     special_tokens = {
         "bos_token_id": tokenizer.bos_token_id if tokenizer else None,
