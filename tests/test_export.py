@@ -88,6 +88,29 @@ def test_every_pe_exports_with_its_own_code_and_gives_lenexts_logits(pe, tmp_pat
         assert not re.search(r"^\s*(from|import) lenext\b", file.read_text(), flags=re.MULTILINE), file.name
 
 
+@pytest.mark.parametrize("pe", ["learned", "xpos"])
+def test_a_pe_that_serves_few_positions_exports_its_limit_and_hf_evaluation_refuses_beyond_it(
+    pe, tmp_path, make_checkpoint, cache_dir
+):
+    """Beyond the positions a PE serves, lenext's forward raises LengthNotSupported (an n/a row); the export keeps
+    the limit, so eval.py hf= says n/a at the same lengths (xPos's code in the folder raised its own copy of the
+    error, which the sweep did not know, and ended the evaluation)."""
+    from lenext.errors import LengthNotSupported
+    from lenext.hf import HFLanguageModel, load_model
+
+    checkpoint, net = make_checkpoint(f"pe={pe}", *(["pe.scale_base=4"] if pe == "xpos" else []))
+    limit = {"learned": TRAIN_LEN, "xpos": 255}[pe]  # xPos: 2 x 4 x 40 / ln(3.5) positions at gamma 4
+    assert net.pe.position_limit == limit
+    export(checkpoint, str(tmp_path / "exported"), "remote", cache_dir=cache_dir)
+    model = HFLanguageModel(load_model(str(tmp_path / "exported"), trust_remote_code=True))
+    tokens = torch.randint(net.vocab_size, (1, limit + 1), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(
+        model.token_nll(tokens[:, :-1], tokens[:, 1:]), net.token_nll(tokens[:, :-1], tokens[:, 1:])
+    )
+    with pytest.raises(LengthNotSupported, match=f"serves at most {limit} tokens"):
+        model.token_nll(tokens, tokens)
+
+
 NATIVE_CASES = {
     # overrides: the architecture auto picks, and the rope_type its config names
     "rope": (("pe=rope",), "gpt_neox", "default"),
@@ -303,6 +326,33 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_written(
     assert error.startswith("error: ") and "\n" not in error
 
 
+def test_sigterm_while_lenext_export_writes_leaves_nothing_and_says_so(
+    tmp_path, make_checkpoint, cache_dir, capsys, monkeypatch
+):
+    """A SIGTERM (scancel, a machine going away) mid-export: one line, status 143, and neither the folder nor the
+    folder written aside for it (the default action of SIGTERM kept the latter, half-written)."""
+    import signal
+
+    import lenext.export
+
+    checkpoint, _ = make_checkpoint("pe=alibi")
+    written = lenext.export.write_remote
+
+    def write_then_stop(*args):
+        written(*args)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(lenext.export, "write_remote", write_then_stop)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exited:
+        main([checkpoint, str(tmp_path / "exported"), "--cache-dir", cache_dir])
+    assert exited.value.code == 143 and signal.getsignal(signal.SIGTERM) == before
+    assert capsys.readouterr().err.strip() == (
+        "error: stopped by SIGTERM; every file written so far is whole: run the same command to go on"
+    )
+    assert [p.name for p in tmp_path.iterdir() if "exported" in p.name] == []
+
+
 @pytest.mark.slow
 def test_lm_evaluation_harness_scores_an_export_as_lenext_does(tmp_path, make_checkpoint, cache_dir, small_text_corpus):
     """`lm_eval --model hf` on a task from a local file: its perplexity of each continuation is lenext's."""
@@ -375,3 +425,80 @@ def test_self_extend_on_a_hugging_face_model_is_lenexts(tmp_path, make_checkpoin
         assert exported["mean_nll"] == pytest.approx(mine["mean_nll"], rel=1e-6)
     plain = {r["length"]: r["mean_nll"] for r in theirs if r["variant"] is None and r["protocol"] == "nonoverlap"}
     assert extended[2]["mean_nll"] != pytest.approx(plain[256], rel=1e-3)  # grouping changed the scores beyond C
+
+
+@pytest.mark.parametrize("architecture", ["gpt_neox", "llama"])
+def test_an_export_of_rope_at_randomized_positions_scales_from_the_span_it_trained(
+    architecture, tmp_path, make_checkpoint, cache_dir, small_text_corpus
+):
+    """A zero-shot scaling extends from the span of positions a RoPE trained (RoPE.variant): N under randomized
+    positions, 1,024 here, not L_train, 32. Its export keeps that C, so eval.py hf= scales nothing at 96 tokens,
+    as lenext does (it scaled from 32, by 3, and called the rows yarn's and pi's)."""
+    checkpoint, net = make_checkpoint("pe=rope_randomized", *(["model=llama"] if architecture == "llama" else []))
+    span = net.pe.shape.trained_positions
+    assert span > 96
+    folder = tmp_path / "exported"
+    assert export(checkpoint, str(folder), architecture, cache_dir=cache_dir)[0] == architecture
+    sweep = ("eval.lengths=[32,96]", "eval.protocol=nonoverlap", "eval.variants=[yarn,linear]", "eval.max_windows=8")
+    evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "ckpt", checkpoint, *sweep, "eval.positions=sequential"))
+    data = ("data=text_files", f"data.corpus.path={small_text_corpus}", "data.corpus.holdout_every=4")
+    evaluate_hf(compose_eval(tmp_path, tmp_path / "hf", "null", f"hf={folder}", *data, *sweep))
+    ours, theirs = (json.loads((tmp_path / run / "results.json").read_text())["rows"] for run in ("ckpt", "hf"))
+    as_trained = {r["length"]: r["mean_nll"] for r in ours}
+    assert json.loads((folder / "config.json").read_text())["lenext_scaling_context"] == span
+    for row in theirs:
+        assert row["mean_nll"] == pytest.approx(as_trained[row["length"]], rel=1e-6), row
+        assert row["variant"] is None or row["variant_factor"] == 1.0, row
+
+
+def test_a_native_export_of_a_long_trained_llama_passes_its_check(tmp_path, make_checkpoint, cache_dir):
+    """The export's check of its logits runs on at most CHECK_LENGTH tokens, within TOLERANCE: at L_train 2,048,
+    transformers' fp32 RoPE angles put model=llama's logits over 1e-5 from lenext's (fp64 angles), which the check,
+    then at L_train within 1e-5, refused as a bug."""
+    checkpoint, net = make_checkpoint("pe=rope", "model=llama", "data.max_len=2048")
+    chosen, error, _ = export(checkpoint, str(tmp_path / "exported"), cache_dir=cache_dir)
+    assert chosen == "llama" and error < 1e-5
+    assert logit_errors(net, load(tmp_path / "exported", remote=False), (2048,))[0] > 1e-5  # fp32 angles
+
+
+def test_an_export_whose_code_cannot_run_is_refused_in_one_line(tmp_path, make_checkpoint, cache_dir):
+    """A remote-code folder whose code imports a package not installed, does not parse, or lacks one of its files:
+    one line saying the folder's code could not be run (a traceback before, or the weights blamed)."""
+    from lenext.hf import load_model
+
+    checkpoint, _ = make_checkpoint("pe=t5")
+    export(checkpoint, str(tmp_path / "exported"), "remote", cache_dir=cache_dir)
+    files = {path.name: path.read_text() for path in (tmp_path / "exported").glob("*.py")}
+    breakages = {
+        "import not_a_package_here\n": r"ImportError: .*not_a_package_here",
+        "def broken(:\n": r"SyntaxError: ",
+        None: r"(OSError|FileNotFoundError|ImportError): .*lenext_pe_bias",
+    }
+    for number, (line, message) in enumerate(breakages.items()):
+        folder = tmp_path / f"broken{number}"  # transformers caches a folder's code by its name: one per case
+        shutil.copytree(tmp_path / "exported", folder)
+        if line is None:
+            (folder / "lenext_pe_bias.py").unlink()
+        else:
+            (folder / "modeling_lenext.py").write_text(line + files["modeling_lenext.py"])
+        with pytest.raises(ConfigError) as refused:
+            load_model(str(folder), trust_remote_code=True)
+        text = str(refused.value)
+        assert (
+            text.startswith(f"hf={str(folder)!r}: the model's code in the folder could not be run (")
+            and "\n" not in text
+        )
+        assert re.search(message, text), text
+
+
+def test_hf_names_a_folder_under_home_and_a_hub_id_it_cannot_reach_in_one_line(tmp_path, monkeypatch):
+    from lenext.hf import hf_folder
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    assert hf_folder("~/model") == str(tmp_path / "model")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError) as refused:
+        hf_folder("exported/no_such_model")
+    assert "\n" not in str(refused.value) and str(refused.value).startswith("hf='exported/no_such_model' is neither")

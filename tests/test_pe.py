@@ -526,10 +526,10 @@ def test_xpos_under_an_evaluation_time_scaling_is_that_scaled_rope_times_the_uns
 
 def test_xpos_refuses_lengths_whose_scores_overflow_fp32():
     pe = XPos(AttentionShape(d_model=8, n_heads=1, n_layers=1, train_len=16), scale_base=4.0)
-    assert pe.max_length == 255  # 2 * 4 * 40 / ln(3.5)
-    x = torch.randn(1, 1, pe.max_length, 8)
+    assert pe.position_limit == 255  # 2 * 4 * 40 / ln(3.5)
+    x = torch.randn(1, 1, pe.position_limit, 8)
     q, k = rotate(pe, x, x)
-    future = torch.ones(pe.max_length, pe.max_length, dtype=torch.bool).triu(1)
+    future = torch.ones(pe.position_limit, pe.position_limit, dtype=torch.bool).triu(1)
     scores = (q @ k.transpose(-2, -1)).masked_fill(future, float("-inf"))  # the explicit paths' masked scores
     assert torch.isfinite(scores.softmax(-1)).all()
     with pytest.raises(LengthNotSupported, match="at most 255 positions"):

@@ -627,10 +627,14 @@ def test_a_report_replaces_an_earlier_reports_files_and_leaves_others(tmp_path, 
     (they stayed beside the new tables); files that are not a report's stay."""
     out = tmp_path / "out"
     out.mkdir()
-    for name in ("adaptation.csv", "passkey_depth.csv", "passkey_depth.png", "ppl_vs_length.png", "notes.txt"):
+    earlier = ("adaptation.csv", "passkey_depth.csv", "passkey_depth.png", "ppl_vs_length.png", "notes.txt")
+    # a killed report's temporaries (lenext.files.atomic_path's names), and one of a file not a report's
+    killed = (".ppl_vs_length.png.a1b2c3d4.tmp.png", ".table.md.x_9y8z7w.tmp", ".notes.txt.a1b2c3d4.tmp")
+    for name in (*earlier, *killed):
         (out / name).write_text("earlier")
     report([str(sweep_dir)], str(out), figures=False)
-    assert sorted(os.listdir(out)) == ["notes.txt", "per_position.csv", "table.csv", "table.md", "table.tex"]
+    kept = [".notes.txt.a1b2c3d4.tmp", "notes.txt"]
+    assert sorted(os.listdir(out)) == [*kept, "per_position.csv", "table.csv", "table.md", "table.tex"]
 
 
 def test_a_probes_chance_level_comes_from_its_task_and_no_binomial_claim_is_made_on_a_token_share(tmp_path):

@@ -353,7 +353,7 @@ def prepare_main() -> None:
         print(PREPARE_USAGE)
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # its progress: the splits as they start
-    with errors_in_one_line():
+    with errors_in_one_line(sigterm=True):
         sweeps = [o for o in overrides if o in ("-m", "--multirun") or _is_sweep(o)]
         if sweeps:
             raise ConfigError(f"lenext-prepare prepares one data config: {sweeps[0]} is a sweep; give one value")

@@ -158,11 +158,27 @@ def ctrl_c_or_full_disk_stops() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def errors_in_one_line() -> Iterator[None]:
-    """An entry point's body: a LenextError printed as one line and the command exits with its status; Ctrl-C and a
-    full disk the same (``ctrl_c_or_full_disk_stops``)."""
+def sigterm_stops() -> Iterator[None]:
+    """SIGTERM raised as ``Stopped`` while the body runs (in the main thread), so that what it was writing goes as on
+    Ctrl-C (an atomic write's temporary, a folder written aside) instead of staying half-written. Not for training,
+    which stops at a step boundary with a checkpoint (``lenext.module.CheckpointOnStop``)."""
+
+    def stop(signum, frame):
+        raise Stopped("stopped by SIGTERM; every file written so far is whole: run the same command to go on")
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
-        with ctrl_c_or_full_disk_stops():
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def errors_in_one_line(sigterm: bool = False) -> Iterator[None]:
+    """An entry point's body: a LenextError printed as one line and the command exits with its status; Ctrl-C and a
+    full disk the same (``ctrl_c_or_full_disk_stops``), and with ``sigterm``, SIGTERM (``sigterm_stops``)."""
+    try:
+        with ctrl_c_or_full_disk_stops(), sigterm_stops() if sigterm else contextlib.nullcontext():
             yield
     except LenextError as e:
         print_one_line(e)

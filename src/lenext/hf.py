@@ -83,10 +83,12 @@ def model_config(source: str, trust_remote_code: bool = False):
                 "to run it (it runs code from there)"
             ) from None
         raise ConfigError(f"{where} holds no model config transformers knows ({first_line(e)})") from None
+    except (ImportError, SyntaxError) as e:  # the folder's own code (trust_remote_code), or a package it imports
+        raise ConfigError(code_failed(where, e)) from None
     except OSError as e:
         if os.path.isdir(source):  # its config.json is no JSON, or cannot be read
-            raise ConfigError(f"{where} holds no model config transformers can read ({e})") from None
-        raise ConfigError(f"{where} is not a model folder or a hub id this machine reaches ({e})") from None
+            raise ConfigError(f"{where} holds no model config transformers can read ({first_line(e)})") from None
+        raise ConfigError(f"{where} is not a model folder or a hub id this machine reaches ({first_line(e)})") from None
     if not has_causal_lm(config):  # before any other setting is judged against it (its context)
         raise ConfigError(
             f"{where}: {type(config).__name__} is not a causal LM (an encoder-decoder, or transformers has no "
@@ -94,6 +96,12 @@ def model_config(source: str, trust_remote_code: bool = False):
             "before it"
         )
     return config
+
+
+def code_failed(where: str, error: BaseException) -> str:
+    """The one line for a model whose own code (``trust_remote_code``) cannot be run: a file of it missing or broken,
+    or a package it imports not installed."""
+    return f"{where}: the model's code in the folder could not be run ({type(error).__name__}: {first_line(error)})"
 
 
 def has_causal_lm(config) -> bool:
@@ -124,7 +132,11 @@ def load_model(source: str, trust_remote_code: bool = False, config=None):
         )
     except ValueError as e:
         raise ConfigError(f"{where}: {type(config).__name__} is not a causal LM ({first_line(e)})") from None
+    except (ImportError, SyntaxError) as e:
+        raise ConfigError(code_failed(where, e)) from None
     except (OSError, SafetensorError) as e:  # none, or a damaged file (a truncated download)
+        if trust_remote_code and ".py" in str(e):  # a module of the folder's code that is not there
+            raise ConfigError(code_failed(where, e)) from None
         raise ConfigError(f"{where} holds no weights transformers can load ({first_line(e)})") from None
     model.eval()
     if not sees_only_the_past(model, config.vocab_size):
@@ -182,6 +194,10 @@ class HFPositions:
 
     def __init__(self, model, context: int | None = None):
         self.model, self.context = model, trained_context(model.config, context)
+        # C of the scalings: a lenext export's RoPE's (the span of positions it trained), else the trained context
+        self.scaling_context = (
+            None if context else getattr(model.config, "lenext_scaling_context", None)
+        ) or self.context
         rope = getattr(model.config, "rope_parameters", None)
         self.rope = dict(rope) if isinstance(rope, dict) and "rope_type" in rope else None
         # transformers' dynamic module keeps the longest length it saw, so the model's own is rebuilt per length
@@ -215,7 +231,7 @@ class HFPositions:
         if SELF_EXTEND in asked and self.self_extend is None:
             reason = "it has several rotary modules" if len(self.trained_modules) > 1 else None
             reason = reason or ("its own RoPE is dynamic (rope_type dynamic), not fixed" if self.dynamic else None)
-            installed = reason or install_self_extend(self.model, *self.trained_modules.values(), self.context)
+            installed = reason or install_self_extend(self.model, *self.trained_modules.values(), self.scaling_context)
             if isinstance(installed, str):
                 raise ConfigError(
                     f"eval.variants={asked} is invalid for this model: Self-Extend cannot patch it, {installed}"
@@ -237,8 +253,8 @@ class HFPositions:
         if self.active is None:
             return None
         if self.active == SELF_EXTEND:  # its factor is the group size G
-            return float(self_extend_group(length, self.self_extend.window, self.context))
-        return 1.0 if self.active in ("none", "dynamic_ntk") else max(1.0, length / self.context)
+            return float(self_extend_group(length, self.self_extend.window, self.scaling_context))
+        return 1.0 if self.active in ("none", "dynamic_ntk") else max(1.0, length / self.scaling_context)
 
     def configure(self, length: int) -> None:
         """The model's rotary modules for the active variant at ``length`` (nothing to do as trained)."""
@@ -261,12 +277,12 @@ class HFPositions:
             self.model.set_attn_implementation(attention)
         if name not in (None, SELF_EXTEND):
             config = copy.deepcopy(self.model.config)
-            config.max_position_embeddings = self.context  # dynamic NTK grows its base beyond C, as lenext's
+            config.max_position_embeddings = self.scaling_context  # dynamic NTK grows its base beyond C, as lenext's
             # The model's own rotary settings (partial rotary, multimodal sections) kept; its scaling replaced.
             kept = {k: v for k, v in self.rope.items() if k in KEPT_ROPE_KEYS}
             parameters = {**kept, "rope_type": TRANSFORMERS_ROPE_TYPES[name]}
             if name != "none":
-                parameters |= {"factor": key[1], "original_max_position_embeddings": self.context}
+                parameters |= {"factor": key[1], "original_max_position_embeddings": self.scaling_context}
             if name == "llama3":  # the constants lenext's llama3 scaling takes by default (Llama 3.1's)
                 parameters |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
             config.rope_parameters = parameters
@@ -436,6 +452,7 @@ def evaluate_hf(cfg: DictConfig) -> str:
 
 def hf_folder(source: str) -> str:
     """A local folder as given; a hub id downloaded (where the machine reaches the hub) into the hub's cache."""
+    source = os.path.expanduser(source)  # a shell leaves hf=~/model as it is
     if os.path.isdir(source):
         if not os.path.isfile(os.path.join(source, "config.json")):
             raise ConfigError(
@@ -453,4 +470,6 @@ def hf_folder(source: str) -> str:
     try:
         return snapshot_download(source)
     except (HFValidationError, OSError) as e:
-        raise ConfigError(f"hf={source!r} is neither a local folder nor a hub id this machine reaches ({e})") from None
+        raise ConfigError(
+            f"hf={source!r} is neither a local folder nor a hub id this machine reaches ({first_line(e)})"
+        ) from None

@@ -26,8 +26,11 @@ from lenext.model import Decoder
 from lenext.results import RESULTS_FILE
 
 ARCHITECTURES = ("auto", "remote", *NATIVE)
-# How far the exported model's logits may be from lenext's (relative, over the whole logits tensor): rounding only.
-TOLERANCE = 1e-5
+# How far the exported model's logits may be from lenext's (relative, over the whole logits tensor), on a sequence of
+# at most CHECK_LENGTH tokens: a wrong conversion is off by 1e-2 and more; transformers' fp32 RoPE angles (lenext's
+# are fp64) drift with the length and with how sharp the attention is (docs/export.md).
+TOLERANCE = 1e-3
+CHECK_LENGTH = 256
 
 
 def choose_architecture(net: Decoder, asked: str) -> str:
@@ -153,7 +156,7 @@ def export(checkpoint: str, out: str, architecture: str = "auto", force: bool = 
             NATIVE[chosen].write(net, folder, spec.base_len, special_tokens)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
-        error = logit_error(net, folder, chosen == "remote", spec.train_len)
+        error = logit_error(net, folder, chosen == "remote", min(spec.train_len, CHECK_LENGTH))
         if not error <= TOLERANCE:
             raise RuntimeError(f"the {chosen} export's logits differ from lenext's by {error:.2e} (relative): a bug")
         if target.exists():
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # its bar of weights loaded, when the export is checked
-    with errors_in_one_line():
+    with errors_in_one_line(sigterm=True):
         chosen, error, with_tokenizer = export(args.checkpoint, args.out, args.architecture, args.force, args.cache_dir)
     remote = chosen == "remote"
     print(

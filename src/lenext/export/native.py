@@ -79,6 +79,15 @@ def half_rotation_order(n_heads: int, head_dim: int) -> torch.Tensor:
     return (torch.arange(n_heads)[:, None] * head_dim + within).flatten()
 
 
+def lenext_contexts(net: Decoder, context: int) -> dict:
+    """What lenext's HF import reads before transformers' settings (``lenext.hf``): ``lenext_context``, the run's
+    first L_train, which eval.factors multiply (a scaling's original context may differ); and for a RoPE,
+    ``lenext_scaling_context``, the C its evaluation-time scalings extend from (``RoPE.variant``: the span of
+    positions training reached; N under randomized positions, a second stage's L')."""
+    rope = {"lenext_scaling_context": net.pe.shape.trained_positions} if isinstance(net.pe, RoPE) else {}
+    return {"lenext_context": context, **rope}
+
+
 def shape_settings(net: Decoder) -> dict:
     """The model's shape in transformers' config names (Llama's, GPT-NeoX's; tools read them from any config)."""
     return {
@@ -117,8 +126,7 @@ class Architecture:
         import transformers
 
         settings, state = self.convert(net, context)
-        # C for lenext's HF import (lenext.hf.trained_context), which reads a scaling's original context otherwise
-        settings |= special_tokens | {"lenext_context": context}
+        settings |= special_tokens | lenext_contexts(net, context)
         model_class = getattr(transformers, self.model_class)
         model = model_class(model_class.config_class(**settings))
         missing, unexpected = model.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False)

@@ -14,9 +14,8 @@ import shutil
 from importlib import resources
 from pathlib import Path
 
-from lenext.export.native import shape_settings
+from lenext.export.native import lenext_contexts, shape_settings
 from lenext.model import Decoder
-from lenext.pe import Learned
 
 ROOT_MODULES = ("lenext.model", "lenext.pe")  # the decoder, and every PE (a config may name any of them)
 LENEXT_IMPORT = re.compile(r"^(\s*)from (lenext(?:\.\w+)*) import ", flags=re.MULTILINE)
@@ -82,7 +81,7 @@ def remote_config(net: Decoder, spec) -> dict:
         "auto_map": AUTO_MAP,
         **shape_settings(net),  # transformers' names, which tools read (generation, lm-evaluation-harness, vLLM)
         "max_position_embeddings": spec.base_len,  # the context eval.factors multiply, as for the checkpoint
-        "lenext_context": spec.base_len,  # as a native export's: what eval.py hf= reads first
+        **lenext_contexts(net, spec.base_len),  # as a native export's: what eval.py hf= reads first
         "lenext": {
             "model": config["model"],
             "pe": config["pe"],
@@ -90,5 +89,5 @@ def remote_config(net: Decoder, spec) -> dict:
             "train_len": spec.train_len,
             "reach": spec.reach,
         },
-        "position_limit": net.pe.max_len if isinstance(net.pe, Learned) else None,
+        "position_limit": net.pe.position_limit,
     }

@@ -55,6 +55,10 @@ class Learned(PositionalEncoding):
         self.table = nn.Embedding(self.max_len, shape.d_model)
         nn.init.normal_(self.table.weight, std=0.02)
 
+    @property
+    def position_limit(self) -> int:
+        return self.max_len
+
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         last = int(positions.max())
         if last >= self.max_len:

@@ -338,6 +338,12 @@ class PositionalEncoding(nn.Module):
                 raise ConfigError(f"pe.{key} does not apply to this checkpoint's PE ({trained['_target_']})")
         return {**trained, **changes}
 
+    @property
+    def position_limit(self) -> int | None:
+        """The most positions it serves (beyond, its forward raises ``LengthNotSupported``); None: any. An export
+        keeps it, so that the exported model refuses the same lengths."""
+        return None
+
     def describe(self) -> dict:
         """What identifies this PE in results files and the run's first log line: its class and settings."""
         return {"name": type(self).__name__, **self.hyperparameters()}

@@ -7,7 +7,7 @@ Positions are centred on L // 2 before the powers (as x-transformers does): the 
 and the largest factor is zeta_0^(-L / (2 gamma)) = 3.5^(L / (2 gamma)) instead of its square. Scores of
 a query and a key both far from the centre (including masked future ones) multiply two such factors:
 beyond e^40 each they overflow fp32, so longer sequences are refused as not applicable
-(``max_length``: 32.7k tokens at gamma 512).
+(``position_limit``: 32.7k tokens at gamma 512).
 Trained without a scaling; evaluation may still apply RoPE's frequency scalings to the rotation
 (``eval.variants``; Self-Extend's grouped positions are not among its variants).
 """
@@ -45,15 +45,15 @@ class XPos(RoPE):
         super().__init__(shape, base=base, original_len=original_len)
         self.scale_base = scale_base
         self._tables_key: tuple | None = None  # RoPE's rotation table the q and k tables were built from
-        if self.max_length < shape.trained_positions:
+        if self.position_limit < shape.trained_positions:
             raise ConfigError(
-                f"pe.scale_base={scale_base:g} is invalid: xPos then serves at most {self.max_length} positions, "
+                f"pe.scale_base={scale_base:g} is invalid: xPos then serves at most {self.position_limit} positions, "
                 f"fewer than the {shape.trained_positions} training uses; it must be at least "
                 f"{math.ceil(shape.trained_positions * -math.log(SMALLEST_ZETA) / (2 * LARGEST_LOG_FACTOR))}"
             )
 
     @property
-    def max_length(self) -> int:
+    def position_limit(self) -> int:
         """The longest sequence whose decay factors fp32 scores hold (see the module docstring)."""
         return math.floor(2 * self.scale_base * LARGEST_LOG_FACTOR / -math.log(SMALLEST_ZETA))
 
@@ -67,9 +67,9 @@ class XPos(RoPE):
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         length = position_span(positions)  # what the centring and the bound are about
-        if length > self.max_length:
+        if length > self.position_limit:
             raise LengthNotSupported(
-                f"xPos with scale_base {self.scale_base:g} serves at most {self.max_length} positions: its decay "
+                f"xPos with scale_base {self.scale_base:g} serves at most {self.position_limit} positions: its decay "
                 f"factors at position {length - 1} overflow fp32 scores (raise pe.scale_base for longer sequences)"
             )
         rotations = self._rotations(length, q)  # (span, d_head/2) complex, cached by RoPE

@@ -9,7 +9,7 @@ import tempfile
 import pandas as pd
 
 from lenext.errors import errors_in_one_line
-from lenext.files import write_atomic
+from lenext.files import TEMPORARY_MARK, write_atomic
 from lenext.report.figures import FIGURES, write_figures
 from lenext.report.load import load
 from lenext.report.stats import DEPTH_KEY, Summary
@@ -85,9 +85,11 @@ def report(folders: list[str], out: str, figures: bool = True) -> str:
 
 
 def remove_earlier_report(out: str) -> None:
-    """Remove what an earlier report wrote into ``out`` (its tables, figures and their data, by name), so that no
-    file of another study, or of these runs before, stays beside this report's; other files are left alone."""
+    """Remove what an earlier report wrote into ``out`` (its tables, figures and their data, by name, and the
+    temporaries of their writes a killed report left), so that no file of another study, or of these runs before,
+    stays beside this report's; other files are left alone."""
     owned = (*TABLE_FILES, *DATA_FILES, DEPTH_FILES, *FIGURES)
+    owned += tuple(f".{pattern}.*{TEMPORARY_MARK}*" for pattern in owned)  # lenext.files.atomic_path's names
     for name in os.listdir(out):
         path = os.path.join(out, name)
         if os.path.isfile(path) and any(fnmatch.fnmatchcase(name, pattern) for pattern in owned):
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     if problem:
         raise SystemExit(f"error: --out={out!r} cannot hold the report ({problem}): give a folder you can write to")
     try:
-        with errors_in_one_line():
+        with errors_in_one_line(sigterm=True):
             markdown = report(args.folders, out, figures=not args.no_figures)
     except OSError as e:  # the disk filled, a folder vanished: each file already written is whole (atomic writes)
         raise SystemExit(f"error: the report could not be written to {out!r}: {e}") from None
