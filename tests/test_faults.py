@@ -383,6 +383,16 @@ def test_report_skips_another_tools_results_and_says_so(tmp_path, capsys):
         (lambda r: r["rows"][0].update(ppl=-5.0), "rows[0].ppl=-5.0 is outside [1, inf]"),
         (lambda r: r["rows"][0].update(status="weird"), "rows[0].status='weird' is none of ok, no windows, not appl"),
         (lambda r: r["rows"][0].update(exact_match=1.5), "rows[0].exact_match=1.5 is outside [0, 1]"),
+        # Fields the report reads that had passed, then sent a traceback (found by an audit)
+        (lambda r: r["rows"][0].update(peak_mem_mb="big"), "rows[0].peak_mem_mb"),
+        (lambda r: r["rows"][0].update(depth="deep"), "rows[0].depth"),
+        (lambda r: r["meta"].update(train_tokens_per_s="fast"), "meta.train_tokens_per_s"),
+        (lambda r: r["meta"].update(task=5), "meta.task"),
+        (lambda r: r["meta"].update(checkpoint=5), "meta.checkpoint"),
+        (lambda r: r["meta"].update(pe_config=[1]), "meta.pe_config"),
+        (lambda r: r["meta"].update(row_fields={"pe": "rope", "colour": "red"}), "meta.row_fields.colour is no field"),
+        # A row twice: counted as two seeds' (n = 2, std 0 from one run)
+        (lambda r: r["rows"].append(dict(r["rows"][0])), "rows[1] repeats rows[0] (its protocol, variant and length)"),
     ],
 )
 def test_report_lists_a_results_file_it_cannot_read_as_lenexts(tmp_path, capsys, change, problem):
@@ -633,3 +643,26 @@ def test_a_checkpoint_meets_a_corpus_changed_since_it_trained_with_one_line(tmp_
     with pytest.raises(CheckpointError, match=r"was trained on other data .*\(its tokenizer differs\)"):
         export(str(run), str(tmp_path / "exported"), cache_dir=os.environ.get("LENEXT_CACHE", str(tmp_path / ".cache")))
     assert not (tmp_path / "exported").exists()
+
+
+@pytest.mark.parametrize(
+    "written, problem",
+    [
+        ("variant,length,position,mean_nll,count\n,64,0,3.5,8\n,64,1,3.", "positions.csv is not lenext's"),  # cut
+        ("a,b\n1,2\n", "positions.csv is not lenext's"),  # another tool's
+        (b"\xff\xfe\x00garbage", "positions.csv cannot be read"),
+    ],
+)
+def test_report_leaves_out_a_per_position_curve_it_cannot_read_and_says_so(tmp_path, capsys, written, problem):
+    """A half-written or foreign positions.csv (it sent a traceback after the tables were written): the run's curve
+    is left out and listed; its rows stay in the tables, the other runs' curves in the figure data."""
+    write_run(tmp_path / "0", "alibi", 0, {64: 20.0})
+    write_run(tmp_path / "1", "rope", 0, {64: 21.0})
+    path = tmp_path / "1" / "positions.csv"
+    path.write_bytes(written) if isinstance(written, bytes) else path.write_text(written)
+    report_main([str(tmp_path), "--no-figures"])
+    out = capsys.readouterr().out
+    assert f"`{tmp_path / '1'}`: {problem}" in out and "its per-position curve left out" in out
+    assert "| alibi |" in out and "| rope |" in out
+    curves = (tmp_path / "report" / "per_position.csv").read_text()
+    assert "alibi" in curves and "rope" not in curves

@@ -19,6 +19,7 @@ from lenext.evaluate import evaluation_positions
 from lenext.files import write_atomic
 from lenext.hardware import PRECISION_NAMES, machine_description
 from lenext.protocols import METRICS_OF, metric_range
+from lenext.spec import Row
 
 RESULTS_FILE, POSITIONS_FILE, ERROR_FILE = "results.json", "positions.csv", "error.txt"
 
@@ -137,12 +138,22 @@ def not_lenext_results(results) -> str | None:
             f"rows[{i}].length": (row.get("length"), int),
             # ``scaling``: the variant's key in results written before variants had a generic name
             f"rows[{i}].variant": (row.get("variant", row.get("scaling")), (str, type(None))),
-            **{f"rows[{i}].{m}": (row.get(m), (int, float, type(None))) for m in ("ppl", *ROW_METRICS)},
+            **{f"rows[{i}].{m}": (row.get(m), (int, float, type(None))) for m in (*NUMBERS_READ, *ROW_METRICS)},
         }
     wrong = [key for key, (value, kind) in fields.items() if not isinstance(value, kind) or isinstance(value, bool)]
     if wrong:
         return f"{wrong[0]} is missing or of another type"
+    row_fields = meta.get("row_fields") or {}
+    unknown = [key for key in row_fields if key not in {field.name for field in dataclasses.fields(Row)}]
+    if unknown:
+        return f"meta.row_fields.{unknown[0]} is no field of a row"
+    seen = {}
     for i, row in enumerate(rows):
+        # One row per measurement: a repeated one would be counted as another seed's
+        key = json.dumps([row["protocol"], row.get("variant", row.get("scaling")), row["length"], row.get("depth")])
+        if key in seen:
+            return f"rows[{i}] repeats rows[{seen[key]}] (its protocol, variant and length)"
+        seen[key] = i
         if row["status"] not in ROW_STATUSES:
             return f"rows[{i}].status={row['status']!r} is none of {', '.join(ROW_STATUSES)}"
         for metric in ("ppl", *ROW_METRICS):
@@ -154,6 +165,7 @@ def not_lenext_results(results) -> str | None:
 
 ROW_METRICS = tuple(dict.fromkeys(metric for metrics in METRICS_OF.values() for metric in metrics))
 ROW_STATUSES = ("ok", "no windows", "not applicable")
+NUMBERS_READ = ("ppl", "depth", "answers", "peak_mem_mb", "temperature_c")  # of a row, where it has them
 
 
 def optional_fields(meta: dict) -> dict:
@@ -166,6 +178,10 @@ def optional_fields(meta: dict) -> dict:
     row_fields, lineage, hardware, identity = (meta.get(k) for k in ("row_fields", "lineage", "hardware", "identity"))
     run = meta.get("run")
     fields = {
+        "meta.task": (meta.get("task"), (str, type(None))),
+        "meta.checkpoint": (meta.get("checkpoint"), (str, type(None))),
+        "meta.pe_config": (meta.get("pe_config"), (dict, type(None))),
+        "meta.train_tokens_per_s": (meta.get("train_tokens_per_s"), (int, float, type(None))),
         "meta.run": (run, (dict, type(None))),
         "meta.run.config": (at(run, "config"), (dict, type(None))),
         "meta.run.config.trainer": (at(at(run, "config"), "trainer"), (dict, type(None))),

@@ -374,6 +374,11 @@ class Run:
         return read_diagnostics(self.folder, self.meta["row"], self.meta["train_len"])
 
     @cached_property
+    def positions(self) -> tuple[pd.DataFrame | None, str | None]:
+        """Its per-position loss, or why it is left out (``read_positions``)."""
+        return read_positions(self.folder)
+
+    @cached_property
     def probe(self) -> Task | None:
         """A probe's task with the settings it ran with; None for text, or a file that does not record them."""
         identity, keys = self.meta.get("identity") or {}, ("data.symbols", "data.pairs", "data.digits")
@@ -667,7 +672,7 @@ def load(folders: list[str]) -> Loaded:
     not counted."""
     complete, incomplete = find_runs(folders)
     runs, repeats = runs_of(complete)
-    incomplete += [(run.folder, why) for run in runs if (why := run.diagnostics[1])]
+    incomplete += [(run.folder, why) for run in runs for why in (run.diagnostics[1], run.positions[1]) if why]
     frame = tidy(runs)
     untempered = untempered_labels(frame)
     return Loaded(runs, repeats, incomplete, frame[~frame.label.isin(untempered)], untempered)
@@ -680,13 +685,33 @@ def collect(complete: list[tuple[str, dict]]) -> pd.DataFrame:
 
 def positions_curve(run: Run) -> pd.DataFrame | None:
     """The run's per-position loss (``positions.csv``: variant, length, position, mean_nll, count; the variant ""
-    as trained), None if it has none."""
-    file = os.path.join(run.folder, POSITIONS_FILE)
+    as trained), None if it has none or it is left out."""
+    return run.positions[0]
+
+
+POSITIONS_INTEGERS = ("length", "position", "count")
+
+
+def read_positions(folder: str) -> tuple[pd.DataFrame | None, str | None]:
+    """(the per-position loss in ``folder``, None), (None, None) where it has none, or (None, why it is left out: a
+    file that cannot be parsed, or whose columns are not lenext's whole)."""
+    file = os.path.join(folder, POSITIONS_FILE)
     if not os.path.exists(file):
-        return None
-    # The variant "" (as trained) kept a string; a diverged run's mean_nll "nan" read as NaN.
-    curve = pd.read_csv(file, keep_default_na=False, na_values={"mean_nll": ["nan"]})
-    return curve.rename(columns=OLD_POSITIONS_COLUMNS)
+        return None, None
+    try:  # The variant "" (as trained) kept a string; a diverged run's mean_nll "nan" read as NaN.
+        curve = pd.read_csv(file, keep_default_na=False, na_values={"mean_nll": ["nan"]})
+    except (OSError, ValueError) as e:  # pandas' parser errors are ValueErrors, as is text that is not UTF-8
+        return None, f"{POSITIONS_FILE} cannot be read ({type(e).__name__}): its per-position curve left out"
+    curve = curve.rename(columns=OLD_POSITIONS_COLUMNS)
+    whole = {"variant", "mean_nll", *POSITIONS_INTEGERS} <= set(curve.columns) and all(
+        pd.api.types.is_integer_dtype(curve[column]) for column in POSITIONS_INTEGERS
+    )
+    if not whole or not pd.api.types.is_numeric_dtype(curve.mean_nll):
+        return None, (
+            f"{POSITIONS_FILE} is not lenext's (columns variant, length, position, mean_nll, count, each row whole): "
+            "its per-position curve left out"
+        )
+    return curve, None
 
 
 def validation_curve(run: Run) -> pd.DataFrame | None:
