@@ -186,7 +186,7 @@ def test_runs_at_other_training_settings_are_labelled_by_each_setting_that_diffe
 
 def test_seeds_of_a_fixed_data_seed_pool_with_the_run_where_it_equals_the_seed(tmp_path):
     """A sweep seed=0,1,2 with data.seed=0: the seed-0 run's data.seed follows its seed, and still pools with the
-    other two; a sweep where data.seed follows the seed stays a row of its own."""
+    other two; a sweep where data.seed follows the seed is a row of its own, whose seed 0 that run is too."""
     for seed in range(3):
         t5_run(tmp_path / "fixed" / str(seed), seed, 64, {64: 30.0 + 2 * seed}, **{"data.seed": 0})
     lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
@@ -195,7 +195,15 @@ def test_seeds_of_a_fixed_data_seed_pool_with_the_run_where_it_equals_the_seed(t
         t5_run(tmp_path / "following" / str(seed), seed, 64, {64: 40.0 + seed})
     lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
     assert "| **32.00 ± 2.00** |" in lines["t5 [data.seed=0]"]
-    assert "| 41.50 ± 0.71 |" in lines["t5 [data.seed=?]"]
+    assert "| 37.67 ± 6.66 " in lines["t5 [data.seed=?]"]  # fixed/0's 30 (seed 0, data.seed 0), 41, 42
+    # Its seed 0 too: that run and the fixed sweep's seed 0 are one setting, a seed of both rows (the following
+    # sweep had lost its seed 0 to the fixed one, whose own seed 0 was then called a repeat: found by an audit).
+    t5_run(tmp_path / "following" / "0", 0, 64, {64: 30.0})
+    loaded = load([str(tmp_path)])
+    assert loaded.repeats == [(str(tmp_path / "following" / "0"), str(tmp_path / "fixed" / "0"))]
+    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
+    assert "| **32.00 ± 2.00** |" in lines["t5 [data.seed=0]"]
+    assert "| 37.67 ± 6.66 " in lines["t5 [data.seed=?]"]  # the same three seeds
 
 
 def test_a_seed_measured_nan_makes_its_cell_nan_and_a_row_without_a_value_shows_a_dash(tmp_path):
@@ -295,3 +303,16 @@ def test_a_run_made_before_a_setting_existed_pools_with_one_that_has_it_at_its_d
     assert "t5 [model.norm=rmsnorm, data.tokenizer_id=sotu-v2048]" in table_lines(
         report([str(tmp_path)], str(tmp_path / "out2"))
     )
+
+
+def test_runs_reached_through_links_are_read_and_a_link_above_is_not_followed_again(tmp_path):
+    """A folder of links to runs elsewhere (os.walk passed over them without a word); a link to a folder above
+    the one walked is not walked twice."""
+    for seed in range(2):
+        t5_run(tmp_path / "runs" / str(seed), seed, 64, {64: 30.0 + seed})
+    (tmp_path / "study").mkdir()
+    for seed in range(2):
+        (tmp_path / "study" / f"r{seed}").symlink_to(tmp_path / "runs" / str(seed), target_is_directory=True)
+    (tmp_path / "study" / "loop").symlink_to(tmp_path / "study", target_is_directory=True)
+    loaded = load([str(tmp_path / "study")])
+    assert sorted(run.seed for run in loaded.runs) == [0, 1] and not loaded.repeats and not loaded.incomplete

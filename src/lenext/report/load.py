@@ -85,10 +85,18 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
     for folder in folders:
         if not os.path.isdir(folder):
             raise SystemExit(f"error: {folder!r} is not a folder: give a multirun folder or run folders")
-        for root, dirs, files in os.walk(folder):
+        visited = set()  # folders by their real path: a link to a run is read, a link to a folder above it once
+        for root, dirs, files in os.walk(folder, followlinks=True):
+            visited.add(os.path.realpath(root))
             # Job folders in job order (2 before 10): rows and lines follow the order the sweep listed its PEs.
             dirs[:] = sorted(
-                (d for d in dirs if not d.startswith(".") and d not in ("checkpoints", "csv", "report")),
+                (
+                    d
+                    for d in dirs
+                    if not d.startswith(".")
+                    and d not in ("checkpoints", "csv", "report")
+                    and os.path.realpath(os.path.join(root, d)) not in visited
+                ),
                 key=lambda d: (not d.isdigit(), int(d) if d.isdigit() else 0, d),
             )
             is_run = ".hydra" in os.listdir(root)
@@ -451,17 +459,23 @@ def merged_variants(meta: dict, rows: list[dict]) -> set[str]:
 def with_fixed_data_seeds(runs: list[Run]) -> list[Run]:
     """The runs, each whose data.seed equals its seed (left out of its settings: the default follows the seed) given
     that data.seed as a setting where runs of otherwise equal settings fixed it at that value: a sweep over seed with
-    data.seed=v holds one run where the two agree, which pools with the sweep's others."""
+    data.seed=v holds one run where the two agree, which pools with the sweep's others. Where its own settings have
+    other seeds too (a sweep where data.seed follows the seed), the run is a seed of both."""
     groups = {run.group for run in runs}
+    seeds: dict[str, set[int]] = {}
+    for run in runs:
+        seeds.setdefault(run.group, set()).add(run.seed)
 
-    def joined(run: Run) -> Run:
+    def joined(run: Run) -> list[Run]:
         identity = run.meta.get("identity")
         if not isinstance(identity, dict) or "data.seed" in run.settings or identity.get("data.seed") != run.seed:
-            return run
+            return [run]
         fixed = dataclasses.replace(run, settings={**run.settings, "data.seed": run.seed})
-        return fixed if fixed.group in groups else run
+        if fixed.group not in groups:
+            return [run]
+        return [run, fixed] if len(seeds[run.group]) > 1 else [fixed]
 
-    return [joined(run) for run in runs]
+    return [each for run in runs for each in joined(run)]
 
 
 def count_once(runs: list[Run]) -> tuple[list[Run], list[tuple[str, str]]]:
@@ -472,7 +486,8 @@ def count_once(runs: list[Run]) -> tuple[list[Run], list[tuple[str, str]]]:
     for run in runs:
         key = (run.group, run.seed)
         if key in first:
-            repeats.append((run.folder, first[key]))
+            if run.folder != first[key] and (run.folder, first[key]) not in repeats:  # one in two rows: listed once
+                repeats.append((run.folder, first[key]))
         else:
             first[key] = run.folder
             counted.append(run)
