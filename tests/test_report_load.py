@@ -316,3 +316,19 @@ def test_runs_reached_through_links_are_read_and_a_link_above_is_not_followed_ag
     (tmp_path / "study" / "loop").symlink_to(tmp_path / "study", target_is_directory=True)
     loaded = load([str(tmp_path / "study")])
     assert sorted(run.seed for run in loaded.runs) == [0, 1] and not loaded.repeats and not loaded.incomplete
+
+
+def test_jobs_an_interrupted_sweep_never_started_are_listed_from_its_multirun_yaml(tmp_path):
+    """A sweep stopped during job 1 of 3 leaves no folder for job 2: its multirun.yaml (Hydra's, the sweep as
+    launched: the command line's sweeps and the preset's) says there were three, and the report lists the third."""
+    t5_run(tmp_path / "0", 0, 64, {64: 30.0})
+    (tmp_path / "1" / ".hydra").mkdir(parents=True)  # started, stopped: no results
+    (tmp_path / "multirun.yaml").write_text(
+        "hydra:\n  sweep:\n    dir: " + str(tmp_path) + "\n    subdir: ${hydra.job.num}\n"
+        "  sweeper:\n    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper\n"
+        "    params:\n      seed: 0,1,2\n  overrides:\n    task:\n    - model=tiny\n    - seed=0,1,2\n"
+    )
+    incomplete = dict(load([str(tmp_path)]).incomplete)
+    assert incomplete[str(tmp_path / "1")].startswith("no results.json")
+    assert incomplete[str(tmp_path / "2")] == "not started: job 2 of the 3 its multirun.yaml lists"
+    assert str(tmp_path / "0") not in incomplete

@@ -100,6 +100,8 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
                 key=lambda d: (not d.isdigit(), int(d) if d.isdigit() else 0, d),
             )
             is_run = ".hydra" in os.listdir(root)
+            if SWEEP_FILE in files:
+                incomplete += unstarted_jobs(root)
             if diagnose_output(files):  # diagnose.py's folder (<run>/diagnostics): read with its run, no run itself
                 continue
             if ERROR_FILE in files and (
@@ -125,6 +127,33 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
             elif is_run and not any(d.isdigit() for d in dirs):
                 incomplete.append((root, f"no {RESULTS_FILE}: failed, interrupted or still running"))
     return complete, incomplete
+
+
+SWEEP_FILE = "multirun.yaml"  # Hydra's, in a sweep's folder: the sweep as launched
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def unstarted_jobs(folder: str) -> list[tuple[str, str]]:
+    """(folder, why) for each job of the sweep in ``folder`` that has no folder (an interrupted sweep stops before
+    them), from its ``multirun.yaml``: a basic sweep's grid, its jobs in folders named by number. None otherwise."""
+    from omegaconf import OmegaConf
+
+    from lenext.progress import sweep_grid
+
+    try:
+        hydra = OmegaConf.load(os.path.join(folder, SWEEP_FILE)).hydra
+        sweeper, subdir = hydra.sweeper, OmegaConf.to_container(hydra.sweep, resolve=False).get("subdir")
+        if sweeper.get("_target_") != BASIC_SWEEPER or subdir != "${hydra.job.num}":
+            return []
+        params = OmegaConf.to_container(sweeper.params) if sweeper.get("params") else None
+        jobs, _ = sweep_grid(list(hydra.overrides.task), params)
+    except Exception:  # noqa: BLE001 (a file Hydra did not write whole, or of another version: nothing to say)
+        return []
+    return [
+        (os.path.join(folder, str(job)), f"not started: job {job} of the {jobs} its {SWEEP_FILE} lists")
+        for job in range(jobs)
+        if not os.path.isdir(os.path.join(folder, str(job)))
+    ]
 
 
 def diagnose_output(files: list[str]) -> bool:
