@@ -487,3 +487,27 @@ def test_a_point_of_an_adaptation_curve_pooling_fewer_seeds_is_named_in_its_lege
         "rope -> direct@256": "rope -> direct@256 [1 seed at step 0]",
         "alibi -> direct@256": "alibi -> direct@256",
     }
+
+
+def test_rows_of_one_pe_under_other_settings_share_its_colour_and_are_told_apart_by_line_and_marker():
+    """Runs of one PE with other settings (``rope [trainer.precision=...]``) in one panel: the PE's colour for each
+    (a suffixed label had its colour from a hash: another PE's, found by an audit), a line style and marker each,
+    so the legend tells them apart (they were drawn alike); a second stage stays dashed."""
+    from lenext.report.figures import PALETTE, line_styles, pe_style
+
+    labels = ["rope [p=32]", "rope [p=bf16]", "alibi [p=32]", "alibi [p=bf16]", "rope [p=32] -> pi@128"]
+    info = pd.DataFrame(
+        {
+            "base": [None, None, None, None, "rope [p=32]"],
+            "extension_method": ["none", "none", "none", "none", "pi"],
+            "pe": ["rope", "rope", "alibi", "alibi", "rope"],
+        },
+        index=labels,
+    )
+    styles = line_styles(info, labels, by_method=False)
+    assert styles["rope [p=32]"]["color"] == styles["rope [p=bf16]"]["color"] == pe_style("rope")[0]
+    assert styles["alibi [p=32]"]["color"] == styles["alibi [p=bf16]"]["color"] == pe_style("alibi")[0]
+    assert pe_style("rope")[0] != pe_style("alibi")[0] and pe_style("rope")[0] in PALETTE
+    drawn = {label: (s["color"], s["marker"], str(s["ls"])) for label, s in styles.items() if label != labels[-1]}
+    assert len(set(drawn.values())) == 4 and styles["rope [p=32]"]["ls"] == styles["alibi [p=32]"]["ls"] == "-"
+    assert styles[labels[-1]]["ls"] == "--"

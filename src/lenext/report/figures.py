@@ -128,6 +128,11 @@ METHOD_STYLES = {
 }
 AS_TRAINED_STYLE = (PALETTE[0], "o")
 FIRST_STAGE, SECOND_STAGE = "-", "--"  # line styles: the first stage's weights, a second stage's
+# A stage's line style for each row of one PE (or method) in a panel, runs of other settings after the first.
+REPEAT_STYLES = {
+    False: (FIRST_STAGE, ":", "-.", (0, (1, 3))),
+    True: (SECOND_STAGE, (0, (6, 2, 1, 2, 1, 2)), (0, (9, 3))),
+}
 HEATMAP = "cividis"  # colour-blind safe, dark (0%) to light (100%)
 # ``row_styles``' (figures of one's own, docs/adding/figure.md): a PE's rows in its colour, told apart by line style.
 LINE_STYLES = ("-", "--", ":", "-.", (0, (1, 3)), (0, (6, 2, 1, 2, 1, 2)), (0, (9, 3)), (0, (3, 1, 1, 1, 1, 1)))
@@ -208,11 +213,11 @@ def method_style(method: str) -> tuple[str, str]:
 
 def row_info(summary: Summary) -> pd.DataFrame:
     """Per row label: ``Summary.labels`` with the row's training ``positions`` and ``stage_len``, and ``pe``, the
-    name its colour is keyed by: its own label as trained, its row with a variant, its first stage's later."""
+    name its colour is keyed by: its root, the first-stage row it descends from without the settings that tell
+    runs of one name apart (one colour per PE in every panel; ``line_styles`` tells such rows apart)."""
     first = summary.frame.drop_duplicates("label").set_index("label")
     info = summary.labels.join(first[["positions", "stage_len"]])
-    later = info.base.notna()
-    info["pe"] = info.row.where(info.variant.notna(), info.index.to_series()).where(~later, info.root)
+    info["pe"] = info.root
     return info
 
 
@@ -238,22 +243,30 @@ def line_styles(info: pd.DataFrame, labels: list[str], by_method: bool) -> dict[
     for the PE as trained); else its PE's (``pe_style``). Two PEs (methods) of one panel never share a colour: the
     one later in ``KNOWN_PES`` (``METHOD_STYLES``; unlisted ones last) takes one no other has
     (``distinct_colours``). Solid for a first stage's weights, dashed for a second stage's."""
-    keys, natural, dashed = {}, {}, {}
+    keys, natural, dashed, nth, seen = {}, {}, {}, {}, {}
     for label in labels:
         known = label in info.index
         dashed[label] = known and pd.notna(info.base[label])
         # as trained, extension_method is "none": AS_TRAINED_STYLE's style
         keys[label] = info.extension_method[label] if by_method and known else colour_key(info, label)
         natural[keys[label]] = method_style(keys[label]) if by_method and known else pe_style(keys[label])
+        # rows of one key and stage (runs of one PE with other settings): the first as the key's, the rest apart
+        nth[label] = seen[keys[label], dashed[label]] = seen.get((keys[label], dashed[label]), -1) + 1
     order = ["none", *METHOD_STYLES] if by_method else list(KNOWN_PES)
     colours = distinct_colours(
         {key: style[0] for key, style in natural.items()},
         lambda key: order.index(key) if key in order else len(order),
     )
-    return {
-        label: {"color": colours[key], "marker": natural[key][1], "ls": SECOND_STAGE if dashed[label] else FIRST_STAGE}
-        for label, key in keys.items()
-    }
+
+    def style(label: str, key: str) -> dict:
+        marker, n = natural[key][1], nth[label]
+        if n:
+            others = [m for m in MARKERS if m != marker]
+            marker = others[(n - 1) % len(others)]
+        kinds = REPEAT_STYLES[dashed[label]]
+        return {"color": colours[key], "marker": marker, "ls": kinds[n % len(kinds)]}
+
+    return {label: style(label, key) for label, key in keys.items()}
 
 
 def row_styles(roots: pd.Series) -> dict[str, dict]:
