@@ -391,6 +391,8 @@ def test_report_skips_another_tools_results_and_says_so(tmp_path, capsys):
         (lambda r: r["meta"].update(checkpoint=5), "meta.checkpoint"),
         (lambda r: r["meta"].update(pe_config=[1]), "meta.pe_config"),
         (lambda r: r["meta"].update(row_fields={"pe": "rope", "colour": "red"}), "meta.row_fields.colour is no field"),
+        (lambda r: r["meta"].update(train_len=0), "meta.train_len=0 is not a length"),
+        (lambda r: r["rows"][0].update(length=-64), "rows[0].length=-64 is not a length"),
         # A row twice: counted as two seeds' (n = 2, std 0 from one run)
         (lambda r: r["rows"].append(dict(r["rows"][0])), "rows[1] repeats rows[0] (its protocol, variant and length)"),
     ],

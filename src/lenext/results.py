@@ -143,6 +143,8 @@ def not_lenext_results(results) -> str | None:
     wrong = [key for key, (value, kind) in fields.items() if not isinstance(value, kind) or isinstance(value, bool)]
     if wrong:
         return f"{wrong[0]} is missing or of another type"
+    if meta["train_len"] < 1:
+        return f"meta.train_len={meta['train_len']} is not a length"
     row_fields = meta.get("row_fields") or {}
     unknown = [key for key in row_fields if key not in {field.name for field in dataclasses.fields(Row)}]
     if unknown:
@@ -154,6 +156,8 @@ def not_lenext_results(results) -> str | None:
         if key in seen:
             return f"rows[{i}] repeats rows[{seen[key]}] (its protocol, variant and length)"
         seen[key] = i
+        if row["length"] < 1:
+            return f"rows[{i}].length={row['length']} is not a length"
         if row["status"] not in ROW_STATUSES:
             return f"rows[{i}].status={row['status']!r} is none of {', '.join(ROW_STATUSES)}"
         for metric in ("ppl", *ROW_METRICS):
