@@ -511,3 +511,19 @@ def test_rows_of_one_pe_under_other_settings_share_its_colour_and_are_told_apart
     drawn = {label: (s["color"], s["marker"], str(s["ls"])) for label, s in styles.items() if label != labels[-1]}
     assert len(set(drawn.values())) == 4 and styles["rope [p=32]"]["ls"] == styles["alibi [p=32]"]["ls"] == "-"
     assert styles[labels[-1]]["ls"] == "--"
+
+
+def test_apart_from_chance_is_an_exact_binomial_test_at_5_percent():
+    """The titles' "none apart from chance" takes the exact two-sided binomial test (scipy's binomtest as the
+    oracle); the normal approximation it used called 0 right of 60 at chance 1/16 apart (p = 0.053)."""
+    stats = pytest.importorskip("scipy.stats")
+    from lenext.report.figures import binomial_p_value
+
+    for trials in (1, 7, 60, 96, 250):
+        for p in (0.01, 1 / 16, 1 / 13, 0.25, 0.5):
+            for successes in sorted(
+                {min(k, trials) for k in (0, 1, 2, 3, trials // 3, trials // 2, trials - 1, trials)}
+            ):
+                expected = stats.binomtest(successes, trials, p).pvalue
+                assert binomial_p_value(successes, trials, p) == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    assert binomial_p_value(0, 60, 1 / 16) > 0.05 and binomial_p_value(3, 96, 0.01) > 0.05
