@@ -233,10 +233,13 @@ def test_a_lone_seed_is_never_tested_the_table_says_why_and_marks_its_cells(tmp_
     assert "**9.00**" in lines["alibi"] and "30.05 ± 0.07 † |" in lines["nope"] and "10.10 ± 0.14 † |" in lines["t5"]
 
 
-def test_latex_row_labels_set_a_second_stages_arrow_and_escape_underscores():
+def test_latex_row_labels_set_a_second_stages_arrow_and_escape_latexs_special_characters():
     from lenext.report.tables import latex_label
 
     assert latex_label("rope_ntk -> pose+yarn@256 (self_extend)") == "rope\\_ntk $\\to$ pose+yarn@256 (self\\_extend)"
+    assert latex_label("t5 [data.corpus.path=~/a b&c%{1}#$^\\]") == (
+        "t5 [data.corpus.path=\\textasciitilde{}/a b\\&c\\%\\{1\\}\\#\\$\\textasciicircum{}\\textbackslash{}]"
+    )
 
 
 def test_rows_tied_for_the_best_are_all_bold_and_the_others_are_tested_against_each(tmp_path):

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from lenext.attention import AttentionSettings
 from lenext.build import CONFIG_PACKAGE
-from lenext.diagnostics import DIAGNOSTICS_FILE
+from lenext.diagnostics import DIAGNOSTICS_FILE, STATISTICS
 from lenext.evaluate import EvalSettings
 from lenext.module import VAL_PPL, processes_trained
 from lenext.pe import PE_CLASSES
@@ -179,7 +179,7 @@ def read_diagnostics(folder: str, row: str, train_len: int) -> tuple[dict | None
             result = json.load(f)
     except (OSError, ValueError, RecursionError) as e:
         return None, f"unreadable {DIAGNOSTICS_FILE} ({type(e).__name__}): its diagnostics are left out"
-    if not isinstance(result, dict) or not isinstance(result.get("meta"), dict) or "lengths" not in result:
+    if not isinstance(result, dict) or not isinstance(result.get("meta"), dict) or not diagnosed_lengths(result):
         return None, f"{DIAGNOSTICS_FILE} is not diagnose.py's: left out"
     meta = result["meta"]
     if (meta.get("row"), meta.get("train_len")) != (row, train_len):
@@ -188,6 +188,26 @@ def read_diagnostics(folder: str, row: str, train_len: int) -> tuple[dict | None
             f"{meta.get('train_len')}), not this run (row {row}, L_train {train_len}): left out"
         )
     return result, None
+
+
+def diagnosed_lengths(result: dict) -> bool:
+    """Whether a diagnostics file's ``lengths`` are as diagnose.py writes them where the report reads them: entries
+    with an integer length, each statistic a value per layer and head (a list of lists of numbers)."""
+    lengths = result.get("lengths")
+    if not isinstance(lengths, list) or not all(isinstance(e, dict) and type(e.get("length")) is int for e in lengths):
+        return False
+    for entry in lengths:
+        rows = entry.get("rows") or {}
+        if not isinstance(rows, dict) or not all(isinstance(s, dict | None) for s in rows.values()):
+            return False
+        for statistics in filter(None, rows.values()):  # None: no query row of that kind at this length
+            for name in STATISTICS:
+                layers = statistics.get(name) or []
+                if not isinstance(layers, list) or not all(
+                    isinstance(layer, list) and all(isinstance(v, int | float) for v in layer) for layer in layers
+                ):
+                    return False
+    return True
 
 
 def normalized_row(row: dict) -> dict:

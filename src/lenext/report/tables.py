@@ -191,10 +191,14 @@ def report_markdown(tables: dict[TableKey, Table], loaded: Loaded) -> str:
     return markdown
 
 
+LATEX_SPECIAL = {c: "\\" + c for c in "&%$#_{}"} | {"~": "\\textasciitilde{}", "^": "\\textasciicircum{}"}
+LATEX_SPECIAL["\\"] = "\\textbackslash{}"
+
+
 def latex_label(label: str) -> str:
-    """A row label as LaTeX sets it: ``_`` escaped, a second stage's ``->`` an arrow (its ``>`` prints as an
-    inverted question mark in the default font)."""
-    return label.replace("_", "\\_").replace(" -> ", " $\\to$ ")
+    """A row label as LaTeX sets it: its special characters escaped (a setting's value may hold any), a second
+    stage's ``->`` an arrow (its ``>`` prints as an inverted question mark in the default font)."""
+    return "".join(LATEX_SPECIAL.get(c, c) for c in label).replace(" -> ", " $\\to$ ")
 
 
 def to_latex(tables: dict[TableKey, Table]) -> str:
