@@ -1262,17 +1262,9 @@ def main(argv=None) -> None:
     if "peer" in args.sections and not peer_rows:
         log(f"peer: skipped, --rows names none of its PEs ({', '.join(PEER_PES)})")
         args.sections = [section for section in args.sections if section != "peer"]
-    training = measured(
-        "training",
-        bench_training,
-        args.precision,
-        settings["train_batch"],
-        settings["warmup"],
-        settings["steps"],
-        settings["reps"],
-        log,
-        training_rows(args.rows),
-    )
+    # The training-step sections' shared arguments: precision, batch, warmup steps, timed steps, repetitions, log
+    steps = (args.precision, settings["train_batch"], settings["warmup"], settings["steps"], settings["reps"], log)
+    training = measured("training", bench_training, *steps, training_rows(args.rows))
     forward = measured(
         "forward",
         bench_forward,
@@ -1293,27 +1285,8 @@ def main(argv=None) -> None:
     )
 
     hf = measured("hf", bench_hf, args.precision, 1024, settings["hf_reps"], log)
-    peer = measured(
-        "peer",
-        bench_peer,
-        args.precision,
-        settings["train_batch"],
-        settings["warmup"],
-        settings["steps"],
-        settings["reps"],
-        log,
-        peer_rows,
-    )
-    optimizer = measured(
-        "adamw",
-        bench_adamw,
-        args.precision,
-        settings["train_batch"],
-        settings["warmup"],
-        settings["steps"],
-        settings["reps"],
-        log,
-    )
+    peer = measured("peer", bench_peer, *steps, peer_rows)
+    optimizer = measured("adamw", bench_adamw, *steps)
     text = render(
         info, settings, time.perf_counter() - started, training, forward, shaw, lightning, hf, peer, optimizer
     )
