@@ -1263,8 +1263,8 @@ def main(argv=None) -> None:
         log(f"peer: skipped, --rows names none of its PEs ({', '.join(PEER_PES)})")
         args.sections = [section for section in args.sections if section != "peer"]
     # The training-step sections' shared arguments: precision, batch, warmup steps, timed steps, repetitions, log
-    steps = (args.precision, settings["train_batch"], settings["warmup"], settings["steps"], settings["reps"], log)
-    training = measured("training", bench_training, *steps, training_rows(args.rows))
+    timed = (args.precision, settings["train_batch"], settings["warmup"], settings["steps"], settings["reps"], log)
+    training = measured("training", bench_training, *timed, training_rows(args.rows))
     forward = measured(
         "forward",
         bench_forward,
@@ -1285,8 +1285,8 @@ def main(argv=None) -> None:
     )
 
     hf = measured("hf", bench_hf, args.precision, 1024, settings["hf_reps"], log)
-    peer = measured("peer", bench_peer, *steps, peer_rows)
-    optimizer = measured("adamw", bench_adamw, *steps)
+    peer = measured("peer", bench_peer, *timed, peer_rows)
+    optimizer = measured("adamw", bench_adamw, *timed)
     text = render(
         info, settings, time.perf_counter() - started, training, forward, shaw, lightning, hf, peer, optimizer
     )
