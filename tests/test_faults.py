@@ -668,3 +668,19 @@ def test_report_leaves_out_a_per_position_curve_it_cannot_read_and_says_so(tmp_p
     assert "| alibi |" in out and "| rope |" in out
     curves = (tmp_path / "report" / "per_position.csv").read_text()
     assert "alibi" in curves and "rope" not in curves
+
+
+def test_a_sweep_of_second_stages_from_a_base_already_there_checks_every_job_first(
+    tmp_path, small_text_corpus, trained_run
+):
+    """A sweep whose jobs start from an existing base (init_from): a job that does not fit it (shorter than its
+    L_train) is refused before the first job trains (it was found after job 0 had trained, minutes later)."""
+    sweep = tmp_path / "sweep"
+    overrides = small_corpus_overrides(
+        small_text_corpus, "pe=rope", f"init_from={trained_run}", "data.max_len=64,16", f"hydra.sweep.dir={sweep}"
+    )
+    result = run_command(tmp_path, "-m", *overrides, "trainer.max_steps=1", "eval.enabled=false")
+    assert result.returncode == 1
+    line = one_line(result)
+    assert line.startswith("error: job 1 of the sweep (data.max_len=16): data.max_len=16 is invalid for a second stage")
+    assert line.endswith("; no job was started") and not (sweep / "0").exists()

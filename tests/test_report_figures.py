@@ -511,12 +511,23 @@ def test_rows_of_one_pe_under_other_settings_share_its_colour_and_are_told_apart
     drawn = {label: (s["color"], s["marker"], str(s["ls"])) for label, s in styles.items() if label != labels[-1]}
     assert len(set(drawn.values())) == 4 and styles["rope [p=32]"]["ls"] == styles["alibi [p=32]"]["ls"] == "-"
     assert styles[labels[-1]]["ls"] == "--"
+    # The committed first study with its fp32 copy: each row of a PE keyed by the PE, its variants' too
+    from lenext.report.load import load
+    from lenext.report.stats import Summary
+    from tests.conftest import ROOT
+
+    info = figures.row_info(Summary(load([str(ROOT / "studies" / "classic")])))
+    assert (
+        info.pe["rope [trainer.precision=32-true]"] == info.pe["rope [trainer.precision=bf16-mixed] (yarn)"] == "rope"
+    )
+    assert info.pe["t5 [trainer.precision=32-true]"] == "t5"
 
 
 def test_apart_from_chance_is_an_exact_binomial_test_at_5_percent():
     """The titles' "none apart from chance" takes the exact two-sided binomial test (scipy's binomtest as the
     oracle); the normal approximation it used called 0 right of 60 at chance 1/16 apart (p = 0.053)."""
-    stats = pytest.importorskip("scipy.stats")
+    from scipy import stats
+
     from lenext.report.figures import binomial_p_value
 
     for trials in (1, 7, 60, 96, 250):

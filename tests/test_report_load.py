@@ -204,6 +204,15 @@ def test_seeds_of_a_fixed_data_seed_pool_with_the_run_where_it_equals_the_seed(t
     lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
     assert "| **32.00 ± 2.00** |" in lines["t5 [data.seed=0]"]
     assert "| 37.67 ± 6.66 " in lines["t5 [data.seed=?]"]  # the same three seeds
+    # Two fixed sweeps, data.seed=0,1 x seed=0,1,2, and none following the seed: two rows, not a third of the two
+    # runs where data.seed and seed agree (found by a review).
+    two = tmp_path / "two"
+    for data_seed in range(2):
+        for seed in range(3):
+            t5_run(two / f"{data_seed}{seed}", seed, 64, {64: 30.0 + 10 * data_seed + seed}, **{"data.seed": data_seed})
+    lines = table_lines(report([str(two)], str(tmp_path / "out_two")))
+    assert set(lines) - {"PE"} == {"t5 [data.seed=0]", "t5 [data.seed=1]"}
+    assert "31.00 ± 1.00" in lines["t5 [data.seed=0]"] and "41.00 ± 1.00" in lines["t5 [data.seed=1]"]
 
 
 def test_a_seed_measured_nan_makes_its_cell_nan_and_a_row_without_a_value_shows_a_dash(tmp_path):
@@ -314,6 +323,7 @@ def test_runs_reached_through_links_are_read_and_a_link_above_is_not_followed_ag
     for seed in range(2):
         (tmp_path / "study" / f"r{seed}").symlink_to(tmp_path / "runs" / str(seed), target_is_directory=True)
     (tmp_path / "study" / "loop").symlink_to(tmp_path / "study", target_is_directory=True)
+    (tmp_path / "study" / "z").symlink_to(tmp_path / "study" / "r0", target_is_directory=True)  # read once
     loaded = load([str(tmp_path / "study")])
     assert sorted(run.seed for run in loaded.runs) == [0, 1] and not loaded.repeats and not loaded.incomplete
 

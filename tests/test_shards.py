@@ -539,10 +539,12 @@ def test_a_local_hub_file_rewritten_is_another_corpus(tmp_path):
 
 
 def test_a_local_hub_file_found_by_a_glob_and_rewritten_is_another_corpus(tmp_path):
-    """data_files as a glob: the files it finds are fingerprinted, not the pattern (which names no file)."""
-    path = tmp_path / "books-0.jsonl"
+    """data_files as a glob (``**`` as datasets takes it): the files it finds are fingerprinted, not the pattern
+    (which names no file)."""
+    (tmp_path / "shelf").mkdir()
+    path = tmp_path / "shelf" / "books-0.jsonl"
     path.write_text(json.dumps({"text": "one book"}) + "\n")
-    files = {"train": str(tmp_path / "books-*.jsonl")}
+    files = {"train": str(tmp_path / "**" / "books-*.jsonl")}
     before = HubCorpus("json", data_files=files).fingerprint()
     path.write_text(json.dumps({"text": "another, longer book"}) + "\n")
     assert HubCorpus("json", data_files=files).fingerprint() != before

@@ -30,6 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lenext import schema
 from lenext.build import CONFIG_PACKAGE, hydra_config, instantiate
+from lenext.checkpoints import checkpoint_file
 from lenext.data import LMDataModule
 from lenext.diagnostics import diagnosed_model
 from lenext.errors import (
@@ -278,8 +279,11 @@ def check_sweep_jobs(config_name: str, parsed: list, preset_params: dict | None)
 
 def check_training_job(cfg: DictConfig) -> None:
     """A train.py job's checks before any work: types and ranges, then the settings that only fail together
-    (``preflight``); a second stage's base (``init_from``) is read by its own job only."""
-    if not cfg.get("init_from"):
+    (``preflight``), a second stage's against its base (``init_from``) where the base is there already; one the
+    sweep trains first (experiment=extension) is read by its own job only."""
+    init_from = cfg.get("init_from")
+    base = init_from and checkpoint_file(os.path.expanduser(init_from), "init_from", missing_ok=True)
+    if not init_from or (base and os.path.isfile(base)):
         preflight(cfg, TrainSettings, TRAIN_NODES, sweeps=cfg.eval.enabled)
     else:
         check_settings(cfg, TrainSettings, TRAIN_NODES)

@@ -372,7 +372,8 @@ class HubCorpus(Corpus):
         paths = [self.data_files] if isinstance(self.data_files, str) else list((self.data_files or {}).values())
         stats = []
         for given in (p for entry in paths for p in ([entry] if isinstance(entry, str) else entry)):
-            for path in sorted(glob.glob(given)) if glob.has_magic(given) else [given]:  # a glob: the files it finds
+            found = sorted(glob.glob(given, recursive=True)) if glob.has_magic(given) else [given]  # ** as datasets
+            for path in found:
                 with contextlib.suppress(OSError):  # a hub path, not a local file
                     stat = os.stat(path)
                     stats.append(f"{path} {stat.st_size} {stat.st_mtime_ns}")
@@ -804,8 +805,10 @@ class LMDataModule(L.LightningDataModule):
 
     def trained_on(self) -> dict:
         """What a checkpoint keeps of the data it trains on (``lenext.checkpoints.refuse_other_data``): the tokenizer,
-        by its contents (a corpus changed since trains another), and, once loaded, the training split's size."""
-        identity = {"tokenizer": _digest([self.tokenizer.to_str(), str(self.start_token)])}
+        by its vocabulary (a corpus changed since trains another; its JSON form varies with the tokenizers version),
+        and, once loaded, the training split's size."""
+        vocabulary = sorted(self.tokenizer.get_vocab(with_added_tokens=True).items())  # what ids mean, in any version
+        identity = {"tokenizer": _digest([json.dumps(vocabulary), str(self.start_token)])}
         if "train" in self.shards:
             identity["train_documents"], identity["train_tokens"] = self.shards["train"].size
         return identity

@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import os
+import re
 from collections.abc import Iterator
 from importlib import resources
 from typing import NamedTuple
@@ -83,8 +84,10 @@ def model_config(source: str, trust_remote_code: bool = False):
                 "to run it (it runs code from there)"
             ) from None
         raise ConfigError(f"{where} holds no model config transformers knows ({first_line(e)})") from None
-    except (ImportError, SyntaxError) as e:  # the folder's own code (trust_remote_code), or a package it imports
-        raise ConfigError(code_failed(where, e)) from None
+    except (ImportError, SyntaxError) as e:
+        if not trust_remote_code:
+            raise
+        raise ConfigError(code_failed(where, e)) from None  # the folder's own code, or a package it imports
     except OSError as e:
         if os.path.isdir(source):  # its config.json is no JSON, or cannot be read
             raise ConfigError(f"{where} holds no model config transformers can read ({first_line(e)})") from None
@@ -133,9 +136,11 @@ def load_model(source: str, trust_remote_code: bool = False, config=None):
     except ValueError as e:
         raise ConfigError(f"{where}: {type(config).__name__} is not a causal LM ({first_line(e)})") from None
     except (ImportError, SyntaxError) as e:
+        if not trust_remote_code:
+            raise
         raise ConfigError(code_failed(where, e)) from None
     except (OSError, SafetensorError) as e:  # none, or a damaged file (a truncated download)
-        if trust_remote_code and ".py" in str(e):  # a module of the folder's code that is not there
+        if trust_remote_code and re.search(r"\w\.py\b", str(e)):  # a module of the folder's code that is not there
             raise ConfigError(code_failed(where, e)) from None
         raise ConfigError(f"{where} holds no weights transformers can load ({first_line(e)})") from None
     model.eval()

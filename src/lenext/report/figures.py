@@ -128,14 +128,11 @@ METHOD_STYLES = {
 }
 AS_TRAINED_STYLE = (PALETTE[0], "o")
 FIRST_STAGE, SECOND_STAGE = "-", "--"  # line styles: the first stage's weights, a second stage's
-# A stage's line style for each row of one PE (or method) in a panel, runs of other settings after the first.
-REPEAT_STYLES = {
-    False: (FIRST_STAGE, ":", "-.", (0, (1, 3))),
-    True: (SECOND_STAGE, (0, (6, 2, 1, 2, 1, 2)), (0, (9, 3))),
-}
 HEATMAP = "cividis"  # colour-blind safe, dark (0%) to light (100%)
 # ``row_styles``' (figures of one's own, docs/adding/figure.md): a PE's rows in its colour, told apart by line style.
 LINE_STYLES = ("-", "--", ":", "-.", (0, (1, 3)), (0, (6, 2, 1, 2, 1, 2)), (0, (9, 3)), (0, (3, 1, 1, 1, 1, 1)))
+# A stage's line style for each row of one PE (or method) in a panel, runs of other settings after the first.
+REPEAT_STYLES = {False: (FIRST_STAGE, *LINE_STYLES[2:5]), True: (SECOND_STAGE, *LINE_STYLES[5:])}
 MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
 
 

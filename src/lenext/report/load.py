@@ -87,6 +87,9 @@ def find_runs(folders: list[str]) -> tuple[list[tuple[str, dict]], list[tuple[st
             raise SystemExit(f"error: {folder!r} is not a folder: give a multirun folder or run folders")
         visited = set()  # folders by their real path: a link to a run is read, a link to a folder above it once
         for root, dirs, files in os.walk(folder, followlinks=True):
+            if os.path.realpath(root) in visited:  # a link to a folder read already (a run, not a copy of it)
+                dirs[:] = []
+                continue
             visited.add(os.path.realpath(root))
             # Job folders in job order (2 before 10): rows and lines follow the order the sweep listed its PEs.
             dirs[:] = sorted(
@@ -135,9 +138,8 @@ BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 def unstarted_jobs(folder: str) -> list[tuple[str, str]]:
     """(folder, why) for each job of the sweep in ``folder`` that has no folder (an interrupted sweep stops before
-    them), from its ``multirun.yaml``: a basic sweep's grid, its jobs in folders named by number. None otherwise."""
-    from omegaconf import OmegaConf
-
+    them), from its ``multirun.yaml``: a basic sweep's grid, its jobs in folders named by number; none for another
+    sweeper or a file it cannot read."""
     from lenext.progress import sweep_grid
 
     try:
@@ -508,23 +510,27 @@ def merged_variants(meta: dict, rows: list[dict]) -> set[str]:
 def with_fixed_data_seeds(runs: list[Run]) -> list[Run]:
     """The runs, each whose data.seed equals its seed (left out of its settings: the default follows the seed) given
     that data.seed as a setting where runs of otherwise equal settings fixed it at that value: a sweep over seed with
-    data.seed=v holds one run where the two agree, which pools with the sweep's others. Where its own settings have
-    other seeds too (a sweep where data.seed follows the seed), the run is a seed of both."""
+    data.seed=v holds one run where the two agree, which pools with the sweep's others. Where a sweep in which
+    data.seed follows the seed is there too (a run of its settings that joins no fixed sweep), the run is a seed of
+    both."""
     groups = {run.group for run in runs}
-    seeds: dict[str, set[int]] = {}
-    for run in runs:
-        seeds.setdefault(run.group, set()).add(run.seed)
 
-    def joined(run: Run) -> list[Run]:
+    def fixed(run: Run) -> Run | None:
         identity = run.meta.get("identity")
         if not isinstance(identity, dict) or "data.seed" in run.settings or identity.get("data.seed") != run.seed:
-            return [run]
-        fixed = dataclasses.replace(run, settings={**run.settings, "data.seed": run.seed})
-        if fixed.group not in groups:
-            return [run]
-        return [run, fixed] if len(seeds[run.group]) > 1 else [fixed]
+            return None
+        joined = dataclasses.replace(run, settings={**run.settings, "data.seed": run.seed})
+        return joined if joined.group in groups else None
 
-    return [each for run in runs for each in joined(run)]
+    joins = [(run, fixed(run)) for run in runs]
+    following = {run.group for run, joined in joins if joined is None}
+    counted = []
+    for run, joined in joins:
+        if joined is None or run.group in following:
+            counted.append(run)
+        if joined is not None:
+            counted.append(joined)
+    return counted
 
 
 def count_once(runs: list[Run]) -> tuple[list[Run], list[tuple[str, str]]]:
@@ -736,7 +742,10 @@ def load(folders: list[str]) -> Loaded:
     not counted."""
     complete, incomplete = find_runs(folders)
     runs, repeats = runs_of(complete)
-    incomplete += [(run.folder, why) for run in runs for why in (run.diagnostics[1], run.positions[1]) if why]
+    # a run counted in two rows (``with_fixed_data_seeds``) listed once
+    incomplete += list(
+        dict.fromkeys((run.folder, why) for run in runs for why in (run.diagnostics[1], run.positions[1]) if why)
+    )
     frame = tidy(runs)
     untempered = untempered_labels(frame)
     return Loaded(runs, repeats, incomplete, frame[~frame.label.isin(untempered)], untempered)
