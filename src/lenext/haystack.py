@@ -189,7 +189,7 @@ class HaystackText:
 
     def sentence_end_near(self, fill: np.ndarray, at: int) -> int:
         """The token boundary nearest ``at`` that follows a sentence's end (or the haystack's start), within a
-        twentieth of the haystack; else ``at`` itself."""
+        twentieth of the haystack (2 tokens in one shorter than 40); else ``at`` itself."""
         reach = max(2, len(fill) // 20)
         for offset in range(reach + 1):
             for b in (at - offset, at + offset):
