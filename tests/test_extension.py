@@ -221,6 +221,11 @@ def alibi_base(compose_run) -> str:
             r"^attention.scale='ssmax' is invalid for a second stage: .*attention.scale='none'",
         ),
         (["ALIBI"], r"^pe.scaling=yarn is invalid for a second stage from .*: its PE .* takes no RoPE scaling"),
+        # a setting the stage gave, not one kept from its base: no word of what the base's weights fit
+        (
+            ["data.max_len=64", "pe.scaling=yarn", "pe.beta_fast=1", "pe.beta_slow=1"],
+            r"^pe.beta_fast=1 is invalid: it must exceed pe.beta_slow=1 \(YaRN [^;]*\)$",
+        ),
     ],
 )
 def test_what_a_base_cannot_serve_is_refused_before_any_work(

@@ -684,3 +684,17 @@ def test_a_sweep_of_second_stages_from_a_base_already_there_checks_every_job_fir
     line = one_line(result)
     assert line.startswith("error: job 1 of the sweep (data.max_len=16): data.max_len=16 is invalid for a second stage")
     assert line.endswith("; no job was started") and not (sweep / "0").exists()
+
+
+def test_a_refused_second_stage_that_changes_its_pe_leaves_one_line_and_no_folder(
+    tmp_path, small_text_corpus, trained_run
+):
+    """The stage's PE changes (pe.scaling=yarn) are said once the run is accepted: said before a later refusal,
+    they went to the run's log, which kept the refused command's folder."""
+    run = tmp_path / "stage"
+    overrides = small_corpus_overrides(small_text_corpus, "pe=rope", f"init_from={trained_run}", "pe.scaling=yarn")
+    result = run_command(
+        tmp_path, *overrides, "data.max_len=64", "eval.protocol=last_k", "eval.last_k=1000", f"hydra.run.dir={run}"
+    )
+    assert result.returncode == 1 and "eval.last_k=1000" in one_line(result)
+    assert "second stage:" not in result.stdout + result.stderr and not run.exists()

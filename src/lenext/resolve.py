@@ -9,7 +9,6 @@ the caller passes a base (``lenext.checkpoints.Base``) or a stored run in.
 
 import dataclasses
 import importlib
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -31,7 +30,6 @@ from lenext.spec import RunSpec, first_stage_row, later_stage_row
 if TYPE_CHECKING:
     from lenext.checkpoints import Base
 
-log = logging.getLogger("lenext")
 AS_TRAINED = "as_trained"
 
 
@@ -319,10 +317,18 @@ def stage_settings(pe: dict, theirs: dict, key: str, where: str) -> dict:
                 f"{key}.{name}={value!r} is invalid for a second stage: {where} was trained with {key}.{name}="
                 f"{theirs.get(name)!r}, which its weights keep; repeat that value (a second stage may change {may})"
             )
-    for name in changeable:  # the command's values, its config's defaults included: said, not silent
-        if name in theirs and merged.get(name) != theirs[name]:
-            log.info("second stage: %s.%s=%r (the base's: %r)", key, name, merged.get(name), theirs[name])
     return merged
+
+
+def stage_changes(pe: dict, theirs: dict) -> list[str]:
+    """A second stage's resolved PE node ``pe`` where it differs from its base's, ``theirs``, in the settings a stage
+    may change (the command's values, its config's defaults included: said once the run is accepted, not silent)."""
+    changeable = get_object(theirs["_target_"]).STAGE_SETTINGS
+    return [
+        f"pe.{name}={pe.get(name)!r} (the base's: {theirs[name]!r})"
+        for name in changeable
+        if name in theirs and pe.get(name) != theirs[name]
+    ]
 
 
 def stage_pe_resolved(config: dict, pe_name: str, base: "Base", reach: int) -> dict:
@@ -332,6 +338,9 @@ def stage_pe_resolved(config: dict, pe_name: str, base: "Base", reach: int) -> d
     try:
         return resolved_pe({**config, "pe": pe}, config["data"]["max_len"], reach, base)
     except ConfigError as e:
+        key = e.key or str(e).split("=", 1)[0].split(" ", 1)[0]  # its messages begin with the key
+        if key in {f"pe.{name}" for name in get_object(pe["_target_"]).STAGE_SETTINGS}:
+            raise  # a setting this stage gave, not one it kept from the base
         raise ConfigError(
             f"{e}; but a second stage keeps the PE settings of init_from={base.stage.checkpoint}, which its weights "
             f"fit: this PE cannot be trained further at {reach} positions"

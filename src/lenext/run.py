@@ -28,7 +28,15 @@ from lenext.hardware import refuse_more_cpu_processes_than_cores, refuse_nodes_w
 from lenext.loggers import CSVLogger, log_results_to_wandb
 from lenext.module import VAL_LOSS, VAL_PPL, VAL_WINDOWS, CheckpointOnStop, answer_metric, tokens_trained
 from lenext.progress import StepsBar, next_steps, validation_scope
-from lenext.resolve import AS_TRAINED, EVAL_NODES, TRAIN_NODES, EvalScriptSettings, TrainSettings, resolve_evaluation
+from lenext.resolve import (
+    AS_TRAINED,
+    EVAL_NODES,
+    TRAIN_NODES,
+    EvalScriptSettings,
+    TrainSettings,
+    resolve_evaluation,
+    stage_changes,
+)
 from lenext.results import RESULTS_FILE, code_commit, format_rows, run_metadata, training_precision, write_results
 from lenext.run_folder import (
     FINISHED_IDENTITY,
@@ -85,6 +93,8 @@ def train(cfg: DictConfig) -> dict:
     )
     if spec.start == "init_from":
         log.info("second stage of %s: its weights, a fresh optimizer and schedule", spec.checkpoint)
+        for change in stage_changes(spec.config["pe"], spec.lineage[-1].config["pe"]):
+            log.info("second stage: %s", change)
     stop = next((c for c in trainer.callbacks if isinstance(c, CheckpointOnStop)), None)
     try:
         if spec.start == "init_from":
