@@ -359,3 +359,15 @@ def test_a_pe_made_of_pes_extends_its_rope_member(compose_run):
     refused = second_stage(compose_run, base, "fox_base", "pe=fox_rope", "+pe.pes.rope.base=500", "data.max_len=64")
     with pytest.raises(ConfigError, match=r"^pe.pes.rope.base=500 is invalid for a second stage"):
         resolve_training(refused)[0]
+
+
+def test_a_second_stage_says_the_pe_settings_it_changed_and_a_dropped_pe_none():
+    """Said once the run is accepted: each setting a stage changed from its base's, and nothing for DroPE's NoPE,
+    whose settings are not the base's changed (compared name by name, they read as pe.scaling=None)."""
+    from lenext.resolve import stage_changes
+
+    base = {"_target_": "lenext.pe.RoPE", "_partial_": True, "base": 10000.0, "scaling": "none", "factor": None}
+    stage = {**base, "scaling": "yarn", "factor": 4.0}
+    assert stage_changes(stage, base) == ["pe.scaling='yarn' (the base's: 'none')", "pe.factor=4.0 (the base's: None)"]
+    assert stage_changes(base, base) == []
+    assert stage_changes({"_target_": "lenext.pe.NoPE", "_partial_": True}, base) == []

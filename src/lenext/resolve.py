@@ -322,7 +322,10 @@ def stage_settings(pe: dict, theirs: dict, key: str, where: str) -> dict:
 
 def stage_changes(pe: dict, theirs: dict) -> list[str]:
     """A second stage's resolved PE node ``pe`` where it differs from its base's, ``theirs``, in the settings a stage
-    may change (the command's values, its config's defaults included: said once the run is accepted, not silent)."""
+    may change (the command's values, its config's defaults included: said once the run is accepted, not silent);
+    none for a stage of another PE (DroPE's NoPE), whose settings are not the base's changed."""
+    if pe.get("_target_") != theirs["_target_"]:
+        return []
     changeable = get_object(theirs["_target_"]).STAGE_SETTINGS
     return [
         f"pe.{name}={pe.get(name)!r} (the base's: {theirs[name]!r})"
