@@ -434,7 +434,8 @@ class Run:
 
     @cached_property
     def positions(self) -> tuple[pd.DataFrame | None, str | None]:
-        """Its per-position loss, or why it is left out (``read_positions``)."""
+        """Its per-position loss (``positions.csv``: variant, length, position, mean_nll, count; the variant "" as
+        trained), or why it is left out (``read_positions``); (None, None) where it has none."""
         return read_positions(self.folder)
 
     @cached_property
@@ -754,12 +755,6 @@ def load(folders: list[str]) -> Loaded:
 def collect(complete: list[tuple[str, dict]]) -> pd.DataFrame:
     """The tidy frame of ``find_runs``' complete runs (``tidy``)."""
     return tidy(runs_of(complete)[0])
-
-
-def positions_curve(run: Run) -> pd.DataFrame | None:
-    """The run's per-position loss (``positions.csv``: variant, length, position, mean_nll, count; the variant ""
-    as trained), None if it has none or it is left out."""
-    return run.positions[0]
 
 
 POSITIONS_INTEGERS = ("length", "position", "count")

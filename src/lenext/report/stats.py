@@ -19,7 +19,6 @@ from lenext.report.load import (
     Run,
     diagnostics_of,
     metrics_of,
-    positions_curve,
     validation_curve,
 )
 
@@ -313,7 +312,7 @@ def binned_positions(runs: list[Run], left_out: tuple[str, ...] = ()) -> pd.Data
     Columns: train_len, label, length, bin_start, bin_end, mean_nll, std_nll, seeds, tokens."""
     per_run = []
     for run in runs:
-        curve = positions_curve(run)
+        curve, _ = run.positions  # why one is left out: listed with the incomplete runs
         if curve is None:
             continue
         longest = curve[curve.length == curve.length.max()]
