@@ -524,17 +524,21 @@ def test_rows_of_one_pe_under_other_settings_share_its_colour_and_are_told_apart
 
 
 def test_apart_from_chance_is_an_exact_binomial_test_at_5_percent():
-    """The titles' "none apart from chance" takes the exact two-sided binomial test (scipy's binomtest as the
-    oracle); the normal approximation it used called 0 right of 60 at chance 1/16 apart (p = 0.053)."""
-    from scipy import stats
+    """The titles' "none apart from chance": a row is apart where the exact two-sided binomial p-value of its count
+    (the sum of the probabilities of every count no more likely, computed here in exact fractions) is below 5%. The
+    normal approximation it used called 0 right of 60 at chance 1/16 apart (p = 0.053)."""
+    from fractions import Fraction
+    from math import comb
+    from types import SimpleNamespace
 
-    from lenext.report.figures import binomial_p_value
+    def exact_p(successes: int, trials: int, p: Fraction) -> Fraction:
+        pmf = [comb(trials, k) * p**k * (1 - p) ** (trials - k) for k in range(trials + 1)]
+        return sum(q for q in pmf if q <= pmf[successes])
 
-    for trials in (1, 7, 60, 96, 250):
-        for p in (0.01, 1 / 16, 1 / 13, 0.25, 0.5):
-            for successes in sorted(
-                {min(k, trials) for k in (0, 1, 2, 3, trials // 3, trials // 2, trials - 1, trials)}
-            ):
-                expected = stats.binomtest(successes, trials, p).pvalue
-                assert binomial_p_value(successes, trials, p) == pytest.approx(expected, rel=1e-9, abs=1e-15)
-    assert binomial_p_value(0, 60, 1 / 16) > 0.05 and binomial_p_value(3, 96, 0.01) > 0.05
+    for trials, chance in ((60, Fraction(1, 16)), (96, Fraction(1, 100)), (13, Fraction(1, 13)), (40, Fraction(1, 4))):
+        labels = [f"{k} of {trials}" for k in range(trials + 1)]
+        cells = {label: pd.Series({"mean": k / trials, "answers": trials}) for k, label in enumerate(labels)}
+        table = SimpleNamespace(chance=(float(chance),), cell=lambda label, length: cells[label])  # noqa: B023
+        apart = figures.apart_from_chance(table, labels, 64)
+        assert apart == [label for k, label in enumerate(labels) if exact_p(k, trials, chance) < Fraction(1, 20)]
+        assert "0 of 60" not in apart and "0 of 96" not in apart

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+from scipy.stats import binomtest
 
 from lenext.files import atomic_path
 from lenext.pe import FAMILIES
@@ -493,29 +494,9 @@ def apart_from_chance(table: Table, labels: list[str], length: int) -> list[str]
         if cell is None or pd.isna(cell.answers) or not cell.answers:
             return None
         answers = int(cell.answers)
-        if binomial_p_value(round(cell["mean"] * answers), answers, chance) < 0.05:
+        if binomtest(round(cell["mean"] * answers), answers, chance).pvalue < 0.05:
             apart.append(label)
     return apart
-
-
-def binomial_p_value(successes: int, trials: int, p: float) -> float:
-    """The exact two-sided p-value of ``successes`` in ``trials`` at rate ``p``: the probability of every count no
-    more likely than it (scipy's ``binomtest``, its default)."""
-
-    def log_pmf(k: int) -> float:
-        if p in (0.0, 1.0):
-            return 0.0 if k == trials * p else -math.inf
-        return (
-            math.lgamma(trials + 1)
-            - math.lgamma(k + 1)
-            - math.lgamma(trials - k + 1)
-            + k * math.log(p)
-            + (trials - k) * math.log1p(-p)
-        )
-
-    observed = log_pmf(successes)
-    tail = [math.exp(value) for k in range(trials + 1) if (value := log_pmf(k)) <= observed + 1e-7]
-    return min(1.0, math.fsum(tail))
 
 
 def growth(ratio: float, noun: str) -> str:
