@@ -710,3 +710,30 @@ def test_a_hub_corpus_on_a_machine_without_the_hub_is_refused_at_once(monkeypatc
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("datasets was asked"))
     with pytest.raises(DataError, match=r"^could not load 'Salesforce/wikitext' from the Hugging Face hub \(huggingfa"):
         next(HubCorpus("Salesforce/wikitext", "wikitext-103-raw-v1").documents("train"))
+
+
+def test_a_local_dataset_folder_rewritten_is_another_corpus(tmp_path):
+    """``path`` a local dataset folder (datasets finds its files): an edited file in it is another corpus, not the
+    shards prepared from the file before."""
+    (tmp_path / "shelf" / "data").mkdir(parents=True)
+    path = tmp_path / "shelf" / "data" / "train.jsonl"
+    path.write_text(json.dumps({"text": "one book"}) + "\n")
+    before = HubCorpus(str(tmp_path / "shelf")).fingerprint()
+    assert HubCorpus(str(tmp_path / "shelf")).fingerprint() == before
+    path.write_text(json.dumps({"text": "another, longer book"}) + "\n")
+    assert HubCorpus(str(tmp_path / "shelf")).fingerprint() != before
+
+
+def test_a_local_dataset_folder_is_read_without_the_hub(tmp_path, monkeypatch):
+    """A folder as ``path`` is read by datasets from disk: an offline machine reads it, and a file in it that
+    cannot be parsed is named under data.corpus.path."""
+    monkeypatch.setattr(lenext.data, "unreachable_hub", lambda: "huggingface.co: offline")
+    for split in SPLITS:
+        (tmp_path / f"{split}.jsonl").write_text(json.dumps({"text": f"{split} book"}) + "\n")
+    assert list(HubCorpus(str(tmp_path)).documents("validation")) == ["validation book"]
+    (tmp_path / "test.jsonl").write_text('{"text": "cut sho\n')
+    with pytest.raises(DataError, match=rf"^data.corpus.path: '{tmp_path}' cannot read {tmp_path} \(JSON parse"):
+        list(HubCorpus(str(tmp_path)).documents("test"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"^data.corpus.path: .* doesn't contain any data files"):
+        list(HubCorpus(str(tmp_path / "empty")).documents("test"))

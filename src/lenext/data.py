@@ -169,12 +169,8 @@ class TextFiles(Corpus):
         return files
 
     def fingerprint(self) -> str:
-        stats = []
-        for file in self.files:
-            with contextlib.suppress(OSError):  # a dangling link: named when read
-                stat = os.stat(file)
-                stats.append(f"{file} {stat.st_size} {stat.st_mtime_ns}")
-        return f"{self.name}-{_digest([str(self.holdout_every), self.text_field, *stats])}"
+        stamps = _file_stamps(self.files)  # a dangling link has none: it is named when read
+        return f"{self.name}-{_digest([str(self.holdout_every), self.text_field, *stamps])}"
 
     def _all_documents(self) -> Iterator[str]:
         for file in self.files:
@@ -262,6 +258,17 @@ class TextFiles(Corpus):
 
 DOCUMENT_FILES = (".txt", ".jsonl", ".parquet")
 BYTE_ORDER_MARK = "\ufeff"  # as editors save one before a file's text: not part of it
+
+
+def _file_stamps(paths: Iterable[str]) -> list[str]:
+    """Each local path's size and modification time: what tells an edited file from the one prepared. A path that
+    is not on this machine (a hub path, a dangling link) has none."""
+    stamps = []
+    for path in paths:
+        with contextlib.suppress(OSError):
+            stat = os.stat(path)
+            stamps.append(f"{path} {stat.st_size} {stat.st_mtime_ns}")
+    return stamps
 
 
 def _batches(source, column: str, file: str) -> Iterator:
@@ -365,25 +372,25 @@ class HubCorpus(Corpus):
         self.name = "-".join(p for p in (path.replace("/", "_"), name) if p)
 
     def fingerprint(self) -> str:
-        """Its settings, and the size and modification time of each local data file (a hub dataset is taken as
-        it is named: a new revision under the same name is not noticed)."""
+        """Its settings, and the size and modification time of each local data file, and of each file under a
+        local dataset folder given as ``path`` (a hub dataset is taken as it is named: a new revision under the
+        same name is not noticed)."""
         files = json.dumps(self.data_files, sort_keys=True, default=str)
         split_names = json.dumps(self.split_names, sort_keys=True)
         paths = [self.data_files] if isinstance(self.data_files, str) else list((self.data_files or {}).values())
-        stats = []
+        found = []
         for given in (p for entry in paths for p in ([entry] if isinstance(entry, str) else entry)):
-            found = sorted(glob.glob(given, recursive=True)) if glob.has_magic(given) else [given]  # ** as datasets
-            for path in found:
-                with contextlib.suppress(OSError):  # a hub path, not a local file
-                    stat = os.stat(path)
-                    stats.append(f"{path} {stat.st_size} {stat.st_mtime_ns}")
-        settings = [files, split_names, self.text_field, str(self.wikitext_articles), *stats]
+            found += sorted(glob.glob(given, recursive=True)) if glob.has_magic(given) else [given]  # ** as datasets
+        if os.path.isdir(self.path):  # a local dataset: everything in it, wherever data_files points in it
+            found += sorted(glob.glob(os.path.join(self.path, "**"), recursive=True))
+        settings = [files, split_names, self.text_field, str(self.wikitext_articles), *_file_stamps(found)]
         return f"{self.name}-{_digest(settings)}"
 
     def documents(self, split: str) -> Iterator[str]:
         import datasets
 
-        unreachable = unreachable_hub() if self.data_files is None else None  # local files need no hub
+        local = self.data_files is not None or os.path.exists(self.path)
+        unreachable = None if local else unreachable_hub()  # local files need no hub
         if unreachable:
             raise DataError(self._unreachable(unreachable))
         name = self.split_names[split]
@@ -402,18 +409,24 @@ class HubCorpus(Corpus):
             texts = self._texts(rows, split)
             yield from group_wikitext_articles(texts) if self.wikitext_articles else (t for t in texts if t.strip())
         except (FileNotFoundError, PermissionError) as e:
-            if self.data_files is None:
+            if not local:
                 raise DataError(self._unreachable(type(e).__name__)) from e
-            raise DataError(f"data.corpus.data_files: {first_line(e)}") from None  # a local file, not the hub
+            raise DataError(f"{self._local_key}: {first_line(e)}") from None  # a local file, not the hub
         except (datasets.exceptions.DatasetGenerationError, pa.ArrowException) as e:  # a local file it cannot parse
             cause = e.__cause__ or e  # datasets' error wraps the parser's, which says what is wrong and where
-            files = self.data_files.get(name) if isinstance(self.data_files, dict) else self.data_files
+            files = self.data_files.get(name) if isinstance(self.data_files, dict) else self.data_files or self.path
             raise DataError(
-                f"data.corpus.data_files: {self.path!r} cannot read {files} ({first_line(cause)}), its "
+                f"{self._local_key}: {self.path!r} cannot read {files} ({first_line(cause)}), its "
                 f"{name!r} split: fix the file"
             ) from None
         except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as e:
+            if local:
+                raise DataError(f"{self._local_key}: {self.path!r} cannot be read ({first_line(e)})") from None
             raise DataError(self._unreachable(type(e).__name__)) from e
+
+    @property
+    def _local_key(self) -> str:
+        return "data.corpus.path" if self.data_files is None else "data.corpus.data_files"
 
     def _unreachable(self, reason: str) -> str:
         return (
