@@ -283,7 +283,7 @@ def test_checkpoint_problems_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(str(tmp_path / "missing.ckpt"))
     good = tmp_path / "good.ckpt"
-    torch.save({"hyper_parameters": {"run_config": {"seed": 0}}, "state_dict": {}}, good)
+    torch.save({"hyper_parameters": {"run_config": {"seed": 0}}, "state_dict": {"net.w": torch.ones(1)}}, good)
     assert load_checkpoint(str(good))["hyper_parameters"]["run_config"] == {"seed": 0}
     truncated = tmp_path / "truncated.ckpt"
     truncated.write_bytes(good.read_bytes()[:100])
@@ -293,6 +293,10 @@ def test_checkpoint_problems_are_named(tmp_path):
     torch.save({"state_dict": {}}, other)
     with pytest.raises(CheckpointError, match="not a lenext checkpoint"):
         load_checkpoint(str(other))
+    for weights in ({}, {"state_dict": {}}, {"state_dict": None}):  # a lenext run's settings without its weights
+        torch.save({"hyper_parameters": {"run_config": {"seed": 0}}, **weights}, other)
+        with pytest.raises(CheckpointError, match=rf"^ckpt='{other}' holds no weights \(no state_dict inside\)"):
+            load_checkpoint(str(other))
 
 
 def test_an_interrupted_write_leaves_no_temporary_file_behind(tmp_path):

@@ -61,6 +61,8 @@ def load_checkpoint(path: str, key: str | None = "ckpt") -> dict:
     stored = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
     if not isinstance(stored, dict) or not ({"run", "run_config"} & set(stored)):  # run_config: before RunSpec
         raise CheckpointError(f"{named} is not a lenext checkpoint (no run configuration inside)")
+    if not isinstance(checkpoint.get("state_dict"), dict) or not checkpoint["state_dict"]:
+        raise CheckpointError(f"{named} holds no weights (no state_dict inside): pass a checkpoint a run saved")
     return checkpoint
 
 
