@@ -398,6 +398,22 @@ def test_parquet_files_are_documents_and_a_null_row_is_named(tmp_path):
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "c.parquet")
     with pytest.raises(DataError, match=r"c.parquet: it has no 'text'; it must have a string column 'text'"):
         list(TextFiles(str(tmp_path)).documents("train"))
+    pq.write_table(pa.table({"text": [1]}), tmp_path / "c.parquet")
+    with pytest.raises(DataError, match=r"c.parquet: its 'text' column is int64; it must have a string column"):
+        list(TextFiles(str(tmp_path)).documents("train"))
+
+
+@pytest.mark.parametrize("layout", ["large_string", "string_view", "dictionary"])
+def test_a_parquet_text_column_in_any_string_layout_is_read(tmp_path, layout):
+    """Arrow stores strings in several layouts (pandas' categoricals are written dictionary-encoded): each is
+    text, read as the plain one is."""
+    texts = ["one book", "another book", "one book"]
+    column = (
+        pa.array(texts).dictionary_encode() if layout == "dictionary" else pa.array(texts, type=getattr(pa, layout)())
+    )
+    pq.write_table(pa.table({"text": column}), tmp_path / "a.parquet")
+    assert str(pq.ParquetFile(tmp_path / "a.parquet").schema_arrow.field("text").type).startswith(layout)
+    assert list(TextFiles(str(tmp_path), holdout_every=100).documents("train")) == texts
 
 
 def test_a_streamed_hub_corpus_gives_the_documents_and_shards_of_a_downloaded_one(tmp_path, small_shards):

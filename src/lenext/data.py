@@ -212,7 +212,7 @@ class TextFiles(Corpus):
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"data.corpus.path: {file} cannot be read as Parquet ({e}); fix or remove it") from None
         field = source.schema_arrow.field(self.text_field) if self.text_field in source.schema_arrow.names else None
-        if field is None or not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+        if field is None or not _is_text(field.type):
             problem = f"its {self.text_field!r} column is {field.type}" if field else f"it has no {self.text_field!r}"
             raise DataError(
                 f"data.corpus.path: {file}: {problem}; it must have a string column {self.text_field!r} "
@@ -269,6 +269,13 @@ def _file_stamps(paths: Iterable[str]) -> list[str]:
             stat = os.stat(path)
             stamps.append(f"{path} {stat.st_size} {stat.st_mtime_ns}")
     return stamps
+
+
+def _is_text(column_type: pa.DataType) -> bool:
+    """A Parquet column of strings in any of Arrow's layouts: plain, large, view, or dictionary-encoded."""
+    if pa.types.is_dictionary(column_type):
+        column_type = column_type.value_type
+    return any(is_(column_type) for is_ in (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view))
 
 
 def _batches(source, column: str, file: str) -> Iterator:
