@@ -102,9 +102,12 @@ def test_a_killed_preparation_resumes_after_its_whole_shards_to_the_same_shards(
     corpus, folder = killed_preparation(tmp_path, monkeypatch)
     kept = {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*.arrow")}
     assert len(kept) >= 2 and not list(folder.glob(".*.tmp")) and not (folder / "manifest.json").exists()
+    for name in (".shard-00009.arrow.a1b2c3d4.tmp", ".manifest.json.a1b2c3d4.tmp", "..progress.json.a1b2c3d4.tmp"):
+        (folder / name).write_text("a SIGKILL mid-write leaves these")
     caplog.set_level("INFO", logger="lenext")
     resumed = prepared(corpus, tmp_path / "cache")
     assert "resumed after" in caplog.text
+    assert not list(folder.glob(".*.tmp"))
     assert all((folder / name).stat().st_mtime_ns == mtime for name, mtime in kept.items())  # not rewritten
     assert not (folder / ".progress.json").exists()  # the manifest took its place
     fresh = prepared(corpus, tmp_path / "fresh")

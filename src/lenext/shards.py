@@ -26,7 +26,7 @@ import pyarrow as pa
 import xxhash
 
 from lenext.errors import DataError
-from lenext.files import atomic_path, fsync, write_atomic
+from lenext.files import TEMPORARY, atomic_path, fsync, write_atomic
 
 SHARD_TOKENS = 1 << 24  # tokens per shard (32 MiB of uint16): small enough to rewrite after a kill
 FORMAT = 1  # bumped when the layout changes, so an older folder is refused rather than misread
@@ -49,9 +49,8 @@ class SplitWriter:
         self.folder, self.key = folder, key
         fields = [pa.field("ids", pa.list_(ids_type))] + [pa.field("byte_ends", pa.list_(pa.int64()))] * with_bytes
         self.schema = pa.schema(fields, metadata={"lenext.key": key, "lenext.format": str(FORMAT)})
-        for name in os.listdir(folder):  # a shard a kill left half-written (the caller holds the folder's lock)
-            if name.startswith(".shard-") and name.endswith(".tmp"):
-                os.unlink(os.path.join(folder, name))
+        for name in filter(TEMPORARY.match, os.listdir(folder)):  # a shard or listing a kill left half-written
+            os.unlink(os.path.join(folder, name))  # (the caller holds the folder's lock)
         self.done = completed_shards(folder, key)
         self.resume_from = sum(documents for _, documents, _, _ in self.done)
 
