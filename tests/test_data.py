@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import types
+import typing
 
 import numpy as np
 import pytest
@@ -248,3 +249,15 @@ def test_a_folder_of_the_corpus_that_cannot_be_read_is_named_not_passed_over(tmp
         list(TextFiles(str(tmp_path)).documents("train"))
     with pytest.raises(DataError, match=rf"^data.corpus.path='{tmp_path / 'nowhere'}' does not exist"):
         list(TextFiles(str(tmp_path / "nowhere")).documents("train"))
+
+
+def test_the_smallest_vocabulary_allowed_is_the_one_trained():
+    """data.vocab_size counts the 256 bytes and EOS: its lower bound, 257, is a tokenizer of exactly 257 tokens
+    (256 gave 257), and every size above it is the size asked for."""
+    from lenext.data import train_tokenizer
+
+    documents = [" ".join(f"word{i * j}" for j in range(200)) for i in range(20)]
+    (bounds,) = typing.get_type_hints(LMDataModule.__init__, include_extras=True)["vocab_size"].__metadata__
+    lowest = int(bounds.low)
+    for size in (lowest, lowest + 40):
+        assert train_tokenizer(documents, size).get_vocab_size() == size

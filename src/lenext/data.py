@@ -766,7 +766,7 @@ class LMDataModule(L.LightningDataModule):
         self,
         corpus: Corpus,
         max_len: PositiveInt = 128,  # L_train
-        vocab_size: Annotated[int, Range(256, 2**21)] = 8192,  # all 256 bytes kept; 2^21: beyond any model's
+        vocab_size: Annotated[int, Range(257, 2**21)] = 8192,  # 256 bytes and EOS at least; 2^21: beyond any model's
         batch_size: PositiveInt = 16,
         eval_batch_size: PositiveInt | None = None,
         num_workers: NonNegativeInt = 0,
