@@ -355,7 +355,7 @@ def test_a_key_evaluator_of_another_vocabulary_is_refused_in_one_line_for_a_hugg
 def test_the_trained_context_is_the_one_given_then_a_lenext_exports_then_a_scalings_original_then_the_window():
     """A lenext run under YaRN trained at L_train 32 from an original context of 16 is exported with both: its
     evaluation's lengths are factors of 32, as the checkpoint's are."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Phi3Config
 
     from lenext.hf import trained_context
 
@@ -364,6 +364,10 @@ def test_the_trained_context_is_the_one_given_then_a_lenext_exports_then_a_scali
     assert trained_context(LlamaConfig(max_position_embeddings=64)) == 64
     exported = LlamaConfig(max_position_embeddings=32, rope_parameters=yarn, lenext_context=32)
     assert trained_context(exported) == 32 and trained_context(exported, given=128) == 128
+    # Phi-3's long models keep the original context at the config's top level, beside LongRoPE's factors
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [4.0] * 48}
+    phi3 = Phi3Config(max_position_embeddings=131072, original_max_position_embeddings=4096, rope_scaling=longrope)
+    assert trained_context(phi3) == 4096
 
 
 def test_partial_rotary_stays_partial_under_a_variant(tmp_path, tokenizer_folder):
