@@ -2,6 +2,7 @@
 (docs/adding/figure.md, whose example is tests/examples/longest_length.py)."""
 
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -542,3 +543,17 @@ def test_apart_from_chance_is_an_exact_binomial_test_at_5_percent():
         apart = figures.apart_from_chance(table, labels, 64)
         assert apart == [label for k, label in enumerate(labels) if exact_p(k, trials, chance) < Fraction(1, 20)]
         assert "0 of 60" not in apart and "0 of 96" not in apart
+
+
+def test_the_extension_figure_keeps_what_its_tables_say_of_ranking_and_chance(tmp_path, monkeypatch):
+    """extension.png draws each table's fine-tuned rows alone: a table whose rows cannot be ranked (measured on
+    different text) names no best there either."""
+    summary = summary_of(extension_runs(tmp_path / "runs"))
+    why = "rows measured on different text (another corpus, tokenizer or split)"
+    for key, table in summary.tables.items():
+        summary.tables[key] = replace(table, unranked=why, chance=(0.5,))
+    drawn = []
+    monkeypatch.setattr(figures, "draw_lengths", lambda summary, tables, **_: drawn.extend(tables))
+    figures.extension(summary)
+    assert drawn and all(table.unranked == why and table.chance == (0.5,) for table in drawn)
+    assert all(not figures.lengths_takeaway(table, list(table.index)).count("least") for table in drawn)

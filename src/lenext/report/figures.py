@@ -34,7 +34,7 @@ import textwrap
 import zlib
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -1012,7 +1012,7 @@ def extension(summary: Summary):
         rows = labels.loc[table.index]
         fine_tuned = set(rows.root[rows.base.notna()])
         kept = [label for label in table.index if rows.root[label] in fine_tuned]
-        tables.append(Table(table.key, table.cells.loc[kept], table.seeds, table.rows.loc[kept], table.not_learned))
+        tables.append(replace(table, cells=table.cells.loc[kept], rows=table.rows.loc[kept]))  # unranked kept
     return draw_lengths(summary, tables, pes_as_trained=False)
 
 
