@@ -142,8 +142,21 @@ def test_diagnostics_of_another_run_or_unreadable_are_left_out_and_listed(diagno
         for statistics in filter(None, (entry.get("rows") or {}).values()):
             statistics["entropy"] = [value for layer in statistics["entropy"] for value in layer]
     flat.write_text(json.dumps(result))
+    write_run(diagnosed / "5", "rope", 2, {64: 20.0, 128: 30.0}, scaling="none")
+    write_diagnostics(diagnosed / "5", 0.0, {64: 1.0, 128: 0.5}, "none", {64: 0.0, 128: 0.25})
+    write_run(diagnosed / "6", "alibi", 2, {64: 21.0, 128: 20.0})
+    write_diagnostics(diagnosed / "6", 0.0, {64: 0.0, 128: 0.0})
+    for job, damage in ((6, "copying"), (5, "rotation_coverage")):  # a field of another type: a traceback
+        damaged = diagnosed / str(job) / "diagnostics" / "diagnostics.json"
+        result = json.loads(damaged.read_text())
+        if damage == "copying":
+            result["lengths"][0]["copying"]["gain"] = "1.5"
+        else:
+            result["rotation_coverage"] = {"summary": [{"length": 64, "unseen_fraction": "a quarter"}]}
+        damaged.write_text(json.dumps(result))
     markdown = report([str(diagnosed)], str(tmp_path / "out"))
-    assert f"- `{diagnosed / '2'}`: diagnostics.json is not diagnose.py's: left out" in markdown
+    for job in (2, 5, 6):
+        assert f"- `{diagnosed / str(job)}`: diagnostics.json is not diagnose.py's: left out" in markdown
     assert (
         f"- `{diagnosed / '0'}`: diagnostics.json diagnoses l.ckpt (row learned, L_train 64), not this run (row rope, "
         "L_train 64): left out" in markdown

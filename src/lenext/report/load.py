@@ -193,12 +193,23 @@ def read_diagnostics(folder: str, row: str, train_len: int) -> tuple[dict | None
 
 
 def diagnosed_lengths(result: dict) -> bool:
-    """Whether a diagnostics file's ``lengths`` are as diagnose.py writes them where the report reads them: entries
-    with an integer length, each statistic a value per layer and head (a list of lists of numbers)."""
+    """Whether a diagnostics file is as diagnose.py writes it where the report reads it: ``lengths`` entries with an
+    integer length, each statistic a value per layer and head (a list of lists of numbers), the copying score's
+    fields numbers or null; the rotation coverage's summary entries an integer length and a number."""
     lengths = result.get("lengths")
     if not isinstance(lengths, list) or not all(isinstance(e, dict) and type(e.get("length")) is int for e in lengths):
         return False
+    coverage = result.get("rotation_coverage") or {}
+    summary = coverage.get("summary") or [] if isinstance(coverage, dict) else None
+    if not isinstance(summary, list) or not all(
+        isinstance(e, dict) and type(e.get("length")) is int and isinstance(e.get("unseen_fraction"), int | float)
+        for e in summary
+    ):
+        return False
     for entry in lengths:
+        copying = entry.get("copying") or {}
+        if not isinstance(copying, dict) or not all(isinstance(v, int | float | None) for v in copying.values()):
+            return False
         rows = entry.get("rows") or {}
         if not isinstance(rows, dict) or not all(isinstance(s, dict | None) for s in rows.values()):
             return False
