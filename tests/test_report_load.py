@@ -195,7 +195,7 @@ def test_seeds_of_a_fixed_data_seed_pool_with_the_run_where_it_equals_the_seed(t
         t5_run(tmp_path / "following" / str(seed), seed, 64, {64: 40.0 + seed})
     lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
     assert "| **32.00 ± 2.00** |" in lines["t5 [data.seed=0]"]
-    assert "| 37.67 ± 6.66 " in lines["t5 [data.seed=?]"]  # fixed/0's 30 (seed 0, data.seed 0), 41, 42
+    assert "| 37.67 ± 6.66 " in lines["t5 [data.seed=${seed}]"]  # fixed/0's 30 (seed 0, data.seed 0), 41, 42
     # Its seed 0 too: that run and the fixed sweep's seed 0 are one setting, a seed of both rows (the following
     # sweep had lost its seed 0 to the fixed one, whose own seed 0 was then called a repeat: found by an audit).
     t5_run(tmp_path / "following" / "0", 0, 64, {64: 30.0})
@@ -203,7 +203,7 @@ def test_seeds_of_a_fixed_data_seed_pool_with_the_run_where_it_equals_the_seed(t
     assert loaded.repeats == [(str(tmp_path / "following" / "0"), str(tmp_path / "fixed" / "0"))]
     lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
     assert "| **32.00 ± 2.00** |" in lines["t5 [data.seed=0]"]
-    assert "| 37.67 ± 6.66 " in lines["t5 [data.seed=?]"]  # the same three seeds
+    assert "| 37.67 ± 6.66 " in lines["t5 [data.seed=${seed}]"]  # the same three seeds
     # Two fixed sweeps, data.seed=0,1 x seed=0,1,2, and none following the seed: two rows, not a third of the two
     # runs where data.seed and seed agree (found by a review).
     two = tmp_path / "two"

@@ -44,6 +44,7 @@ PE_CLASS_BY_NAME = {name: pe for pe in PE_CLASSES for name in (pe.__name__, pe.D
 EVALUATED_BY = "evaluated_by"  # the setting that tells an eval.py re-evaluation from the run's own evaluation
 RE_EVALUATION = "eval.py"
 UNRECORDED = "?"  # a setting's value in a row label where the results file does not record it
+FOLLOWS_SEED = "${seed}"  # data.seed's value in a run's settings where it equals the seed (its default follows it)
 DIAGNOSTICS_FOLDER = "diagnostics"  # <run>/diagnostics/diagnostics.json: diagnose.py's output for the run
 DIAGNOSE_LOG = "diagnose.log"  # diagnose.py's log: a folder holding it (and no results) is no run
 
@@ -280,7 +281,7 @@ def row_fields(meta: dict) -> Row:
 def settings(meta: dict) -> dict:
     """What a run measures, as flat settings, less its seed: runs are pooled over seeds only when these are equal.
 
-    ``meta.identity`` where the file keeps it (``data.seed`` left out when it follows the seed); for older files
+    ``meta.identity`` where the file keeps it (``data.seed`` ``FOLLOWS_SEED`` where it equals the seed); for older files
     what they record: the model, L_train and the training positions. A second stage's ``init_from``, a path of its
     own per seed, as its base's row, L_train and steps (``meta.lineage``). With the PE resolved (``pe.*``: its
     config, each default the code derives replaced by the value the PE was built with, from ``meta.pe``), the row,
@@ -292,7 +293,7 @@ def settings(meta: dict) -> dict:
     if isinstance(identity, dict):
         described = {key: value for key, value in identity.items() if key != "seed" and not key.startswith("pe.")}
         if described.get("data.seed") == meta["seed"]:  # data.seed defaults to ${seed}
-            del described["data.seed"]
+            described["data.seed"] = FOLLOWS_SEED
         described = {**SETTINGS_ADDED, **described}
         if meta.get("tokenizer"):
             described = {key: v for key, v in described.items() if key not in TOKENIZER_SETTINGS}
@@ -520,8 +521,8 @@ def merged_variants(meta: dict, rows: list[dict]) -> set[str]:
 
 
 def with_fixed_data_seeds(runs: list[Run]) -> list[Run]:
-    """The runs, each whose data.seed equals its seed (left out of its settings: the default follows the seed) given
-    that data.seed as a setting where runs of otherwise equal settings fixed it at that value: a sweep over seed with
+    """The runs, each whose data.seed equals its seed (``FOLLOWS_SEED`` in its settings: the default follows the
+    seed) given that data.seed as a setting where runs of otherwise equal settings fixed it at that value: a sweep over seed with
     data.seed=v holds one run where the two agree, which pools with the sweep's others. Where a sweep in which
     data.seed follows the seed is there too (a run of its settings that joins no fixed sweep), the run is a seed of
     both."""
@@ -529,7 +530,7 @@ def with_fixed_data_seeds(runs: list[Run]) -> list[Run]:
 
     def fixed(run: Run) -> Run | None:
         identity = run.meta.get("identity")
-        if not isinstance(identity, dict) or "data.seed" in run.settings or identity.get("data.seed") != run.seed:
+        if run.settings.get("data.seed") != FOLLOWS_SEED:
             return None
         joined = dataclasses.replace(run, settings={**run.settings, "data.seed": run.seed})
         return joined if joined.group in groups else None
