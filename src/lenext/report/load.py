@@ -522,14 +522,13 @@ def merged_variants(meta: dict, rows: list[dict]) -> set[str]:
 
 def with_fixed_data_seeds(runs: list[Run]) -> list[Run]:
     """The runs, each whose data.seed equals its seed (``FOLLOWS_SEED`` in its settings: the default follows the
-    seed) given that data.seed as a setting where runs of otherwise equal settings fixed it at that value: a sweep over seed with
-    data.seed=v holds one run where the two agree, which pools with the sweep's others. Where a sweep in which
-    data.seed follows the seed is there too (a run of its settings that joins no fixed sweep), the run is a seed of
-    both."""
+    seed) given that data.seed as a setting where runs of otherwise equal settings fixed it at that value: a sweep
+    over seed with data.seed=v holds one run where the two agree, which pools with the sweep's others. Where a sweep
+    in which data.seed follows the seed is there too (a run of its settings that joins no fixed sweep), the run is a
+    seed of both."""
     groups = {run.group for run in runs}
 
     def fixed(run: Run) -> Run | None:
-        identity = run.meta.get("identity")
         if run.settings.get("data.seed") != FOLLOWS_SEED:
             return None
         joined = dataclasses.replace(run, settings={**run.settings, "data.seed": run.seed})
