@@ -87,6 +87,18 @@ def test_help_says_what_the_command_does_with_examples_and_its_groups():
             "trainer=ddp_sim and trainer=fsdp_sim run DDP and FSDP as processes on this CPU",
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU"),
         ),
+        (["trainer=fsdp_sim", "trainer.devices=abc"], "trainer.devices='abc' is invalid: it must be a number"),
+        pytest.param(
+            ["trainer=fsdp_sim", "trainer.devices=-1"],
+            "trainer.devices=-1 is invalid here: it counts the node's CUDA GPUs, and it has none",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU"),
+        ),
+        # Lightning checks the mesh once both processes have started, after the corpus is prepared
+        (
+            ["trainer=fsdp_sim", "trainer.strategy.data_parallel_size=3"],
+            "data_parallel_size=3 is invalid: it must be 2",
+        ),
+        (["trainer=fsdp_sim", "trainer.strategy.tensor_parallel_size=2"], "tensor_parallel_size=2 is invalid"),
         (["model.n_heads=3"], "model.n_heads"),
         (["pe=shaw", "pe.k=0"], "pe.k"),
         (["pe=t5", "pe.max_distance=8"], "pe.max_distance"),

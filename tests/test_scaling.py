@@ -118,7 +118,7 @@ def test_fsdp_on_every_gpu_of_a_machine_without_one_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with initialize_config_module(config_module="lenext.configs", version_base="1.3"):
         cfg = compose("train", overrides=["trainer=fsdp", "trainer.devices=auto"])
-    with pytest.raises(Exception, match="trainer.devices=auto finds no CUDA GPU: trainer=fsdp shards over GPUs"):
+    with pytest.raises(Exception, match="trainer.devices=auto is invalid here: it counts the node's CUDA GPUs"):
         OmegaConf.to_container(cfg.trainer.strategy, resolve=True)
 
 

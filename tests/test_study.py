@@ -1,5 +1,6 @@
 """Studies: presets, skipping finished runs, resuming, reproducibility, DDP evaluation, launchers."""
 
+import csv
 import json
 import os
 import re
@@ -148,8 +149,14 @@ def test_ddp_sim_trains_and_evaluates_like_one_process(small_text_corpus, tmp_pa
         *small_corpus_overrides(small_text_corpus, "trainer.max_steps=4", "eval.factors=[1,2]"),
         f"paths.cache_dir={tmp_path / '.cache'}",
     ]
-    ddp = run_train(tmp_path, *common, "trainer=ddp_sim", f"hydra.run.dir={tmp_path / 'ddp'}")
+    ddp = run_train(
+        tmp_path, *common, "trainer=ddp_sim", "trainer.log_every_n_steps=1", f"hydra.run.dir={tmp_path / 'ddp'}"
+    )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
+    # Every step's training loss, and the last validation at the last step (ddp_spawn's run logged neither)
+    logged = list(csv.DictReader((tmp_path / "ddp" / "csv" / "metrics.csv").open()))
+    assert [int(row["step"]) for row in logged if row.get("train/loss")] == [0, 1, 2, 3]
+    assert int([row for row in logged if row.get("val/loss")][-1]["step"]) == 3
     rows = json.loads((tmp_path / "ddp" / "results.json").read_text())["rows"]
     assert [r["status"] for r in rows] == ["ok", "ok"]
     # Validation split its windows between the two ranks and scored each once: the sweep's 1x row, exactly.

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib import resources
 
 import hydra
@@ -67,13 +67,23 @@ def all_devices(devices, num_nodes) -> int:
     if devices in ("auto", -1, "-1"):
         per_node = torch.cuda.device_count()
         if per_node == 0:
-            raise ConfigError(f"trainer.devices={devices} finds no CUDA GPU: trainer=fsdp shards over GPUs")
-    elif isinstance(devices, str):
-        per_node = len([index for index in devices.split(",") if index.strip()]) if "," in devices else int(devices)
-    elif isinstance(devices, int):
+            raise ConfigError(
+                f"trainer.devices={devices} is invalid here: it counts the node's CUDA GPUs, and it has none; give a "
+                "number of processes (trainer.devices=2)"
+            )
+    elif isinstance(devices, str) and "," in devices:
+        per_node = len([index for index in devices.split(",") if index.strip()])
+    elif isinstance(devices, str) and devices.strip().isdigit():
+        per_node = int(devices)
+    elif isinstance(devices, int) and not isinstance(devices, bool):
         per_node = devices
-    else:
+    elif isinstance(devices, Sequence) and not isinstance(devices, str):
         per_node = len(devices)
+    else:
+        raise ConfigError(
+            f"trainer.devices={devices!r} is invalid: it must be a number of devices (2), -1 or auto (every GPU of "
+            "the node), or device indices ([0,1] or '0,1')"
+        )
     return per_node * int(num_nodes)
 
 

@@ -15,6 +15,7 @@ import re
 from typing import Literal
 
 import torch
+from omegaconf import OmegaConf
 
 from lenext.errors import ConfigError
 
@@ -126,6 +127,26 @@ def refuse_nodes_without_a_cluster(num_nodes: int) -> None:
         )
 
 
+def refuse_a_mesh_that_does_not_fit(strategy, world_size: int) -> None:
+    """A ConfigError for trainer=fsdp's mesh (``trainer.strategy``, Lightning's ModelParallelStrategy) other than
+    every process in data parallel: Lightning checks it only once every process has started, after the corpus is
+    prepared, and lenext applies FSDP alone (no tensor-parallel plan: its ranks would train apart)."""
+    if not OmegaConf.is_dict(strategy) or not str(strategy.get("_target_")).endswith(".ModelParallelStrategy"):
+        return
+    tensor = strategy.get("tensor_parallel_size", "auto")
+    if tensor != 1:
+        raise ConfigError(
+            f"trainer.strategy.tensor_parallel_size={tensor} is invalid: it must be 1 (lenext shards every "
+            "parameter with FSDP over every process, and has no tensor-parallel plan)"
+        )
+    data = strategy.get("data_parallel_size", "auto")
+    if data != world_size:
+        raise ConfigError(
+            f"trainer.strategy.data_parallel_size={data} is invalid: it must be {world_size}, trainer.devices x "
+            "trainer.num_nodes (every process holds a shard)"
+        )
+
+
 def refuse_more_cpu_processes_than_cores(devices, num_devices: int, device_type: str) -> None:
     """A ConfigError for more CPU devices than the machine has cores: each is a process of its own, and dozens of
     them (``trainer.devices=64`` on 2 cores) took the machine's memory before the first step."""
@@ -190,7 +211,7 @@ def keep_freed_memory() -> bool:
     or more that the free heap cannot serve is still mapped apart and given back when freed: with mmap off
     altogether the heap fragmented, and a 16k-token forward took 0.8-0.9 GB extra instead of < 0.5 GB. False
     where the C library is not glibc or refuses a setting. Called by ``train.py``, ``eval.py`` and the benchmark
-    before any work; the worker processes of ``ddp_spawn`` (``trainer=ddp_sim``) run without it.
+    before any work.
     """
     libc = _glibc()
     # Setting either turns off glibc's adaptive thresholds: the mmap threshold is pinned where they would end.

@@ -24,7 +24,11 @@ from lenext.checkpoints import checkpoint_file, load_checkpoint, net_state, refu
 from lenext.errors import ConfigError, Stopped
 from lenext.evaluate import sweep
 from lenext.files import atomic_path
-from lenext.hardware import refuse_more_cpu_processes_than_cores, refuse_nodes_without_a_cluster
+from lenext.hardware import (
+    refuse_a_mesh_that_does_not_fit,
+    refuse_more_cpu_processes_than_cores,
+    refuse_nodes_without_a_cluster,
+)
 from lenext.loggers import CSVLogger, log_results_to_wandb
 from lenext.module import VAL_LOSS, VAL_PPL, VAL_WINDOWS, CheckpointOnStop, answer_metric, tokens_trained
 from lenext.progress import StepsBar, next_steps, validation_scope
@@ -197,6 +201,7 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     refuse_more_cpu_processes_than_cores(
         cfg.trainer.get("devices"), trainer.num_devices, trainer.strategy.root_device.type
     )
+    refuse_a_mesh_that_does_not_fit(cfg.trainer.get("strategy"), trainer.num_devices * trainer.num_nodes)
     if spec.start == "resume":
         refuse_resuming_on_other_processes(spec.checkpoint, trainer)
     if cfg.module.get("compile") and trainer.strategy.root_device.type == "cpu":

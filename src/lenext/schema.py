@@ -133,7 +133,7 @@ def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]
         try:
             value = node[key]
         except OmegaConfBaseException as e:
-            raise ConfigError(f"{full} cannot be resolved: {first_line(e)}") from None
+            raise _raised_by_a_resolver(e) or ConfigError(f"{full} cannot be resolved: {first_line(e)}") from None
         built_with = getattr(declarer, "BUILT_WITH", ())
         if key in built_with:  # lenext passes it when it builds the object: a value here would be overridden
             settings = sorted(k for k in parameters if k != "**" and k not in built_with)
@@ -179,6 +179,14 @@ def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]
             copies.append((full, value, expected, node._get_node(key)._value()))
         else:
             _refuse_unless_conforms(full, value, expected)
+
+
+def _raised_by_a_resolver(error: BaseException) -> ConfigError | None:
+    """The ConfigError a lenext resolver raised (``${all_devices:...}``), which OmegaConf wraps: it names the setting
+    the user gave, not the one interpolated from it."""
+    while error is not None and not isinstance(error, ConfigError):
+        error = error.__cause__ or error.__context__
+    return error
 
 
 def did_you_mean(name: str, known: Iterable[str], prefix: str = "") -> str:
