@@ -156,7 +156,7 @@ def test_ddp_sim_trains_and_evaluates_like_one_process(small_text_corpus, tmp_pa
     # Every step's training loss, and the last validation at the last step (ddp_spawn's run logged neither)
     logged = list(csv.DictReader((tmp_path / "ddp" / "csv" / "metrics.csv").open()))
     assert [int(row["step"]) for row in logged if row.get("train/loss")] == [0, 1, 2, 3]
-    assert int([row for row in logged if row.get("val/loss")][-1]["step"]) == 3
+    assert int([row for row in logged if row.get("val/loss")][-1]["step"]) == 4  # the steps done
     rows = json.loads((tmp_path / "ddp" / "results.json").read_text())["rows"]
     assert [r["status"] for r in rows] == ["ok", "ok"]
     # Validation split its windows between the two ranks and scored each once: the sweep's 1x row, exactly.
