@@ -99,6 +99,7 @@ def test_help_says_what_the_command_does_with_examples_and_its_groups():
             "data_parallel_size=3 is invalid: it must be 2",
         ),
         (["trainer=fsdp_sim", "trainer.strategy.tensor_parallel_size=2"], "tensor_parallel_size=2 is invalid"),
+        (["model=llama_125m", "model.mlp_ratio=0.001"], "model.mlp_ratio=0.001 is invalid at model.d_model=768"),
         (["model.n_heads=3"], "model.n_heads"),
         (["pe=shaw", "pe.k=0"], "pe.k"),
         (["pe=t5", "pe.max_distance=8"], "pe.max_distance"),

@@ -145,7 +145,13 @@ class Decoder(nn.Module):
         attention = attention or AttentionSettings()
         self.embedding = nn.Embedding(vocab_size, d_model)
         self.dropout = nn.Dropout(dropout)
-        hidden = int(mlp_ratio * d_model * (2 / 3 if mlp == "swiglu" else 1))  # same parameter count either way
+        shrink = "2/3 x " if mlp == "swiglu" else ""  # same parameter count either way
+        hidden = int(mlp_ratio * d_model * (2 / 3 if shrink else 1))
+        if hidden < 1:
+            raise ConfigError(
+                f"model.mlp_ratio={mlp_ratio} is invalid at model.d_model={d_model}: the MLP's width, {shrink}"
+                "mlp_ratio x d_model, rounds down to 0; it must be at least 1"
+            )
         self.blocks = nn.ModuleList(
             Block(d_model, n_heads, hidden, mlp, norm, self.pe.layer(layer), attention, train_len, dropout)
             for layer in range(n_layers)
