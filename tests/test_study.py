@@ -150,9 +150,15 @@ def test_ddp_sim_trains_and_evaluates_like_one_process(small_text_corpus, tmp_pa
         f"paths.cache_dir={tmp_path / '.cache'}",
     ]
     ddp = run_train(
-        tmp_path, *common, "trainer=ddp_sim", "trainer.log_every_n_steps=1", f"hydra.run.dir={tmp_path / 'ddp'}"
+        tmp_path,
+        *common,
+        "trainer=ddp_sim",
+        "trainer.log_every_n_steps=1",
+        "trainer.enable_progress_bar=false",
+        f"hydra.run.dir={tmp_path / 'ddp'}",
     )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert re.search(r"^step 1 of 4: loss \d+\.\d+ \(rank 0's share of each batch\), ", ddp.stdout, re.M), ddp.stdout
     # Every step's training loss, and the last validation at the last step (ddp_spawn's run logged neither)
     logged = list(csv.DictReader((tmp_path / "ddp" / "csv" / "metrics.csv").open()))
     assert [int(row["step"]) for row in logged if row.get("train/loss")] == [0, 1, 2, 3]

@@ -206,8 +206,9 @@ class TrainingProgress(L.Callback):
         per_step = (now - self.started) / max(1, step - self.first_step)
         left = (trainer.max_steps - step) * per_step
         speed = pl_module.train_tokens / pl_module.train_seconds * trainer.world_size if pl_module.train_seconds else 0
+        whose = " (rank 0's share of each batch)" if trainer.world_size > 1 else ""  # a collective per line could hang
         line = (
-            f"step {step} of {trainer.max_steps}: loss {float(self.loss_sum) / self.losses:.3f}, "
+            f"step {step} of {trainer.max_steps}: loss {float(self.loss_sum) / self.losses:.3f}{whose}, "
             f"{speed:,.0f} tokens/s; training ~{duration(left)} left"
         )
         if STUDY.total:  # the jobs after this one, at the mean of those trained so far (or this one's)
