@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import re
+import socket
 import subprocess
 import sys
 
@@ -664,6 +665,18 @@ def test_a_remote_that_cannot_be_opened_is_refused_before_any_work(tmp_path):
     for url in urls:
         with pytest.raises(ConfigError, match=rf"^data.remote={re.escape(repr(url))} cannot be opened: \S"):
             LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote=url)
+
+
+def test_a_remote_that_cannot_be_reached_is_refused_before_any_work(tmp_path, monkeypatch):
+    """fsspec's HTTP store says a file is absent where its host cannot be reached: the remote is asked once at the
+    start, not after the corpus is prepared and pushed."""
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{unused.getsockname()[1]}/cache"
+    monkeypatch.setattr(LMDataModule, "load", lambda self: pytest.fail("the corpus was read"))
+    with pytest.raises(ConfigError, match=rf"^data.remote='{url}' cannot be reached \(ClientConnectorError: .*\): it"):
+        LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote=url)
+    LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote=(tmp_path / "empty").as_uri())
 
 
 def test_machines_pushing_the_same_split_at_once_both_succeed(tmp_path, small_shards):

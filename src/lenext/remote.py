@@ -12,7 +12,7 @@ import uuid
 
 import fsspec
 
-from lenext.errors import ConfigError, DataError
+from lenext.errors import ConfigError, DataError, first_line
 from lenext.files import atomic_path, fsync
 from lenext.shards import MANIFEST
 
@@ -26,6 +26,15 @@ class RemoteCache:
         except (ImportError, ValueError) as e:  # an unknown protocol, or its package (s3fs, gcsfs, adlfs) missing
             raise ConfigError(f"data.remote={url!r} cannot be opened: {e}") from None
         self.url, self.root = url.rstrip("/"), root.rstrip("/")
+        try:  # now, not once the corpus is prepared: fsspec's HTTP exists() and info() say "absent" for a host it
+            self.fs.ls(self.root, detail=False)  # cannot reach; ls() raises (the cache's root holds two folders)
+        except FileNotFoundError:
+            pass  # an empty prefix: the first machine to prepare fills it
+        except Exception as e:  # noqa: BLE001 (each store has its own: botocore's, google-auth's, HTTP errors)
+            raise ConfigError(
+                f"data.remote={url!r} cannot be reached ({type(e).__name__}: {first_line(e)}): it must be a store "
+                "this machine can read and write"
+            ) from None
 
     def pull_file(self, cache_dir: str, relative: str) -> None:
         """The remote's copy of a file into the cache, if the cache lacks it and the remote has it."""
