@@ -504,12 +504,19 @@ def test_training_at_drawn_positions_is_reproducible_and_evaluates_as_its_scheme
         assert not (tmp_path / "long").exists()
 
 
-@pytest.mark.parametrize("override", ["+attention.window=8", "+train.positions=randomized"])
-def test_eval_refuses_the_training_settings_it_would_not_apply(override, trained_run, tmp_path):
+@pytest.mark.parametrize(
+    "override, why",
+    [
+        ("+attention.window=8", "the checkpoint keeps its attention settings"),
+        ("+train.positions=randomized", r"the checkpoint keeps its training positions \(eval.positions evaluates"),
+        ("+model.d_model=8", "the checkpoint keeps its model"),
+    ],
+)
+def test_eval_refuses_the_training_settings_it_would_not_apply(override, why, trained_run, tmp_path):
     """An audit found +attention.* and +train.* taken by eval.py: the checkpoint's own were evaluated, the rows
-    those of the model as trained."""
+    those of the model as trained. The refusal says where the setting comes from."""
     key, ckpt = override.removeprefix("+").split("=")[0], trained_run / "checkpoints" / "last.ckpt"
-    with pytest.raises(ConfigError, match=rf"^{key} is not a setting lenext knows; remove it$"):
+    with pytest.raises(ConfigError, match=rf"^{key} is not a setting of this command: {why}"):
         evaluate_checkpoint(compose_eval(tmp_path, tmp_path / "eval", ckpt, "eval.lengths=[32]", override))
     assert not (tmp_path / "eval").exists()
 

@@ -66,6 +66,12 @@ class EvalScriptSettings:
     trust_remote_code: bool = False  # hf: run the model folder's own code, for a model transformers lacks
     context: PositiveInt | None = None  # hf: the model's trained context, where its config does not say it
 
+    FIXED = {  # what the checkpoint keeps: evaluated as trained, or changed through the evaluation's own settings
+        "attention": "the checkpoint keeps its attention settings (a new one is a second stage: init_from)",
+        "train": "the checkpoint keeps its training positions (eval.positions evaluates at other ones)",
+        "model": "the checkpoint keeps its model",
+    }
+
 
 def checkpoint_pe_overrides(
     scaling: Literal[(AS_TRAINED, *VARIANTS)],

@@ -134,6 +134,10 @@ def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]
             value = node[key]
         except OmegaConfBaseException as e:
             raise _raised_by_a_resolver(e) or ConfigError(f"{full} cannot be resolved: {first_line(e)}") from None
+        fixed = getattr(declarer, "FIXED", {}).get(key)
+        if fixed:  # a node the command takes from elsewhere (eval.py: the checkpoint's training settings)
+            leaf = next(iter(value), None) if isinstance(value, DictConfig) else None
+            raise ConfigError(f"{full}{f'.{leaf}' if leaf else ''} is not a setting of this command: {fixed}", full)
         built_with = getattr(declarer, "BUILT_WITH", ())
         if key in built_with:  # lenext passes it when it builds the object: a value here would be overridden
             settings = sorted(k for k in parameters if k != "**" and k not in built_with)
