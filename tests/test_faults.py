@@ -173,9 +173,11 @@ def test_a_finished_run_is_skipped_only_under_its_own_budget_and_evaluation(comp
             ("pe=alibi", "pe._target_"),
             ("train.positions=randomized", "train.positions='sequential' there"),
         ):
-            with pytest.raises(ConfigError, match=rf"results.json belongs to a run with other settings.*{key}"):
+            with pytest.raises(ConfigError, match=rf"results.json belongs to a run with other settings.*{key}") as e:
                 train(compose_train(*overrides, changed))
-    with pytest.raises(ConfigError, match=r"To train a finished run further .* delete its results.json"):
+            # training further is the remedy of a longer budget alone (resuming another PE fails)
+            assert ("To train a finished run further" in str(e.value)) == changed.startswith("trainer.max_steps")
+    with pytest.raises(ConfigError, match=r"To train a finished run further, delete its results.json"):
         train(compose_train(*overrides, "trainer.max_steps=4"))
     (tmp_path / "results.json").unlink()  # unfinished: resumable with a longer budget, not a shorter one
     with pytest.raises(ConfigError, match=r"^trainer.max_steps=2 is invalid for this run: .*last.ckpt is at step 3"):

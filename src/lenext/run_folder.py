@@ -58,15 +58,17 @@ def run_identity(cfg: DictConfig, keys: tuple[str, ...] = RUN_IDENTITY, ignore: 
     )
 
 
-def refuse_other_settings(stored: dict, cfg: DictConfig, what: str, remedy: str) -> None:
+def refuse_other_settings(stored: dict, cfg: DictConfig, what: str, remedy: str, more_steps: str = "") -> None:
     """A RunFolderMismatch naming the settings where ``stored`` (the identity of the run ``what`` belongs to) and this
-    command differ. Not compared: keys ``stored`` lacks (written before they existed), and keys this command leaves
-    null (a default the code resolves, which older runs stored resolved: T5's max_distance)."""
+    command differ, with ``remedy`` (and ``more_steps`` where trainer.max_steps alone differs). Not compared: keys
+    ``stored`` lacks (written before they existed), and keys this command leaves null (a default the code resolves,
+    which older runs stored resolved: T5's max_distance)."""
     here = run_identity(cfg, tuple(dict.fromkeys(key.split(".")[0] for key in stored)) or RUN_IDENTITY, ())
     differing = [k for k in stored if k in here and here[k] is not None and not same_setting(k, stored[k], here[k])]
     if differing:
         shown = "; ".join(f"{k}={stored[k]!r} there, {here[k]!r} here" for k in differing[:3])
         more = f" (and {len(differing) - 3} more)" if len(differing) > 3 else ""
+        remedy += f". {more_steps}" if more_steps and differing == ["trainer.max_steps"] else ""
         raise RunFolderMismatch(
             f"{what} belongs to a run with other settings than this command: {shown}{more}. {remedy}"
         )
@@ -83,10 +85,7 @@ ANOTHER_FOLDER = (
     "Repeat the run's own settings, or give this run another folder (hydra.run.dir=..., or hydra.sweep.dir=... "
     "for a sweep)"
 )
-FINISHED_ELSEWHERE = (
-    f"{ANOTHER_FOLDER}. To train a finished run further (a larger trainer.max_steps), delete its results.json: "
-    "it resumes from checkpoints/last.ckpt"
-)
+TRAIN_FURTHER = "To train a finished run further, delete its results.json: it resumes from checkpoints/last.ckpt"
 
 
 def completed_results(cfg: DictConfig) -> dict | None:
@@ -116,7 +115,7 @@ def completed_results(cfg: DictConfig) -> dict | None:
         config = OmegaConf.create(config)
         given = [key for key in STEP_SETTINGS if OmegaConf.select(config, key, default=ABSENT) is not ABSENT]
         stored |= {key: value for key, value in run_identity(config, tuple(given), ()).items() if key not in stored}
-    refuse_other_settings(stored, cfg, path, FINISHED_ELSEWHERE)
+    refuse_other_settings(stored, cfg, path, ANOTHER_FOLDER, more_steps=TRAIN_FURTHER)
     return results
 
 
