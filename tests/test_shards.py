@@ -747,13 +747,14 @@ def test_a_hub_corpus_on_a_machine_without_the_hub_is_refused_at_once(monkeypatc
 def test_a_local_dataset_folder_rewritten_is_another_corpus(tmp_path):
     """``path`` a local dataset folder (datasets finds its files): an edited file in it is another corpus, not the
     shards prepared from the file before."""
-    (tmp_path / "shelf" / "data").mkdir(parents=True)
-    path = tmp_path / "shelf" / "data" / "train.jsonl"
+    shelf = tmp_path / "shelf [v2]"  # a glob's characters in its name
+    (shelf / "data").mkdir(parents=True)
+    path = shelf / "data" / "train.jsonl"
     path.write_text(json.dumps({"text": "one book"}) + "\n")
-    before = HubCorpus(str(tmp_path / "shelf")).fingerprint()
-    assert HubCorpus(str(tmp_path / "shelf")).fingerprint() == before
+    before = HubCorpus(str(shelf)).fingerprint()
+    assert HubCorpus(str(shelf)).fingerprint() == before
     path.write_text(json.dumps({"text": "another, longer book"}) + "\n")
-    assert HubCorpus(str(tmp_path / "shelf")).fingerprint() != before
+    assert HubCorpus(str(shelf)).fingerprint() != before
 
 
 def test_a_local_dataset_folder_is_read_without_the_hub(tmp_path, monkeypatch):

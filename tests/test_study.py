@@ -184,6 +184,25 @@ def test_ddp_sim_trains_and_evaluates_like_one_process(small_text_corpus, tmp_pa
 
 
 @pytest.mark.slow
+def test_a_sweep_of_ddp_runs_says_each_job_once(small_text_corpus, tmp_path):
+    """Lightning starts rank 1 with the sweep's command line, so it walks the sweep beside rank 0: rank 0 alone says
+    how the study goes (each job's line and the next step were printed twice, one with rank 1's times)."""
+    overrides = small_corpus_overrides(small_text_corpus, "trainer.max_steps=2", "eval.factors=[1]", "seed=0,1")
+    result = run_train(
+        tmp_path,
+        "-m",
+        *overrides,
+        "trainer=ddp_sim",
+        f"paths.cache_dir={tmp_path / '.cache'}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for line in ("study: job 1 of 2 done", "study: job 2 of 2 done", "next: python -m lenext.report"):
+        assert result.stdout.count(line) == 1, result.stdout
+    assert all((tmp_path / "sweep" / job / "results.json").exists() for job in ("0", "1"))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("pe", ["rope", "fire"])
 def test_trainer_fsdp_trains_and_evaluates_like_one_process_on_the_same_global_batches(pe, small_text_corpus, tmp_path):
     common = [
@@ -240,6 +259,10 @@ def test_a_bad_setting_of_any_job_refuses_the_sweep_before_its_first_job(tmp_pat
     for sweep, expected in (
         (["module.lr=1e-3,-1"], "job 1 of the sweep (module.lr=-1): module.lr=-1 is invalid: it must be a finite"),
         (["pe=rope,alibi", "pe.scaling=yarn"], "job 1 of the sweep (pe=alibi): pe.scaling is not a setting of pe;"),
+        (  # joblib's workers cannot start DDP's processes: the sweep died in a traceback
+            ["seed=0,1", "trainer=ddp_sim", "hydra/launcher=parallel"],
+            "job 0 of the sweep (seed=0): trainer.strategy=ddp is invalid under hydra/launcher=parallel",
+        ),
     ):
         result = run_train(tmp_path, "-m", *tiny_overrides(*sweep))
         assert result.returncode == 1 and result.stderr.startswith(f"error: {expected}"), result.stderr[-2000:]

@@ -263,10 +263,13 @@ def check_sweep_jobs(config_name: str, parsed: list, preset_params: dict | None)
         for number, job in enumerate(jobs):
             task = [line for line in job if not line.startswith(("hydra.", "hydra/"))]
             try:
-                cfg = compose(config_name, overrides=task, return_hydra_config=True)
+                launcher = [line for line in job if line.startswith("hydra/launcher=")]
+                cfg = compose(config_name, overrides=[*task, *launcher], return_hydra_config=True)
                 with open_dict(cfg):  # as the launcher sets them, for ${hydra:job.num} in a job's settings
                     cfg.hydra.job.num, cfg.hydra.job.id = number, f"job_id_for_{number}"
                 hydra_state.set_config(cfg)  # ${hydra:...} in a job's settings (a second stage's init_from)
+                if "joblib" in str(cfg.hydra.launcher.get("_target_")).lower():
+                    refuse_processes_of_its_own(cfg)
                 with open_dict(cfg):
                     del cfg["hydra"]
                     cfg.paths.output_dir = "."  # a job's folder: Hydra's, once the sweep runs
@@ -285,6 +288,19 @@ def check_sweep_jobs(config_name: str, parsed: list, preset_params: dict | None)
             )
     finally:
         hydra_state.cfg = found
+
+
+def refuse_processes_of_its_own(cfg: DictConfig) -> None:
+    """A ConfigError for a job whose trainer starts processes of its own (DDP, FSDP), for joblib's launcher: its
+    workers cannot start them (Lightning's launcher re-runs the command line, a loky worker's), and the sweep died in
+    a traceback."""
+    strategy = (cfg.get("trainer") or {}).get("strategy")
+    if strategy not in (None, "auto"):
+        shown = strategy if isinstance(strategy, str) else strategy.get("_target_")
+        raise ConfigError(
+            f"trainer.strategy={shown} is invalid under hydra/launcher=parallel: joblib's workers cannot start its "
+            "processes; sweep such jobs with the default launcher (one after another) or hydra/launcher=slurm"
+        )
 
 
 def check_training_job(cfg: DictConfig) -> None:

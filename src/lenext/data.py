@@ -389,7 +389,7 @@ class HubCorpus(Corpus):
         for given in (p for entry in paths for p in ([entry] if isinstance(entry, str) else entry)):
             found += sorted(glob.glob(given, recursive=True)) if glob.has_magic(given) else [given]  # ** as datasets
         if os.path.isdir(self.path):  # a local dataset: everything in it, wherever data_files points in it
-            found += sorted(glob.glob(os.path.join(self.path, "**"), recursive=True))
+            found += sorted(glob.glob(os.path.join(glob.escape(self.path), "**"), recursive=True))
         settings = [files, split_names, self.text_field, str(self.wikitext_articles), *_file_stamps(found)]
         return f"{self.name}-{_digest(settings)}"
 

@@ -314,8 +314,9 @@ class LanguageModel(L.LightningModule):
         return loss
 
     def on_validation_epoch_start(self) -> None:
-        # reset() gives each process state tensors of its own: ddp_spawn shares the module's CPU tensors
-        # between the processes it starts, metric states included, so ranks would add into each other's sums.
+        # reset() gives each process state tensors of its own: ddp_spawn (trainer.strategy=ddp_spawn) shares the
+        # module's CPU tensors between the processes it starts, metric states included, so ranks would add into each
+        # other's sums.
         for metric in (self.val_nll, self.val_windows, self.val_answers):
             metric.reset()
 

@@ -34,6 +34,7 @@ from hydra.experimental.callback import Callback
 from lightning.pytorch.callbacks import RichProgressBar
 from omegaconf import DictConfig
 
+from lenext.lock import launched_by_another_process
 from lenext.ranges import PositiveFloat
 from lenext.results import ERROR_FILE
 from lenext.spec import RunSpec
@@ -93,6 +94,8 @@ class StudyProgress(Callback):
         self.started = time.monotonic()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if launched_by_another_process():  # a DDP/FSDP rank: Lightning starts it with the sweep's command line
+            return  # it walks the sweep beside rank 0, which alone says how the study goes
         self.sweep_pid, self.earlier_errors = os.getpid(), error_files(config.hydra.sweep.dir)
         self.total, self.swept_keys = sweep_grid(config.hydra.overrides.task, config.hydra.sweeper.get("params"))
         STUDY.total, STUDY.done, STUDY.trained_seconds = self.total, 0, self.trained_seconds

@@ -60,15 +60,16 @@ def run_identity(cfg: DictConfig, keys: tuple[str, ...] = RUN_IDENTITY, ignore: 
 
 def refuse_other_settings(stored: dict, cfg: DictConfig, what: str, remedy: str, more_steps: str = "") -> None:
     """A RunFolderMismatch naming the settings where ``stored`` (the identity of the run ``what`` belongs to) and this
-    command differ, with ``remedy`` (and ``more_steps`` where trainer.max_steps alone differs). Not compared: keys
-    ``stored`` lacks (written before they existed), and keys this command leaves null (a default the code resolves,
-    which older runs stored resolved: T5's max_distance)."""
+    command differ, with ``remedy`` (and ``more_steps`` where a larger trainer.max_steps alone differs). Not
+    compared: keys ``stored`` lacks (written before they existed), and keys this command leaves null (a default the
+    code resolves, which older runs stored resolved: T5's max_distance)."""
     here = run_identity(cfg, tuple(dict.fromkeys(key.split(".")[0] for key in stored)) or RUN_IDENTITY, ())
     differing = [k for k in stored if k in here and here[k] is not None and not same_setting(k, stored[k], here[k])]
     if differing:
         shown = "; ".join(f"{k}={stored[k]!r} there, {here[k]!r} here" for k in differing[:3])
         more = f" (and {len(differing) - 3} more)" if len(differing) > 3 else ""
-        remedy += f". {more_steps}" if more_steps and differing == ["trainer.max_steps"] else ""
+        longer = differing == ["trainer.max_steps"] and here["trainer.max_steps"] > stored["trainer.max_steps"]
+        remedy += f". {more_steps}" if more_steps and longer else ""
         raise RunFolderMismatch(
             f"{what} belongs to a run with other settings than this command: {shown}{more}. {remedy}"
         )
