@@ -667,13 +667,12 @@ def test_a_remote_that_cannot_be_opened_is_refused_before_any_work(tmp_path):
             LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote=url)
 
 
-def test_a_remote_that_cannot_be_reached_is_refused_before_any_work(tmp_path, monkeypatch):
+def test_a_remote_that_cannot_be_reached_is_refused_before_any_work(tmp_path):
     """fsspec's HTTP store says a file is absent where its host cannot be reached: the remote is asked once at the
-    start, not after the corpus is prepared and pushed."""
+    start (the data module's construction, before its load), not after the corpus is prepared and pushed."""
     with socket.socket() as unused:  # a port nothing listens on
         unused.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{unused.getsockname()[1]}/cache"
-    monkeypatch.setattr(LMDataModule, "load", lambda self: pytest.fail("the corpus was read"))
     with pytest.raises(ConfigError, match=rf"^data.remote='{url}' cannot be reached \(ClientConnectorError: .*\): it"):
         LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote=url)
     LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote=(tmp_path / "empty").as_uri())
