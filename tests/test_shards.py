@@ -743,6 +743,53 @@ def test_a_hub_corpus_on_a_machine_without_the_hub_is_refused_at_once(monkeypatc
         next(HubCorpus("Salesforce/wikitext", "wikitext-103-raw-v1").documents("train"))
 
 
+def test_a_pinned_hub_revision_is_read_and_is_another_corpus(monkeypatch):
+    """``data.corpus.revision`` reaches datasets, and each revision prepares its own shards; unpinned, the
+    fingerprint is the one it had before the setting existed (shards prepared then are reused)."""
+    import datasets
+
+    asked = []
+
+    def load_dataset(path, name, **options):
+        asked.append(options["revision"])
+        return [{"text": f"a book at {options['revision']}"}]
+
+    monkeypatch.setattr(lenext.data, "unreachable_hub", lambda: None)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    pinned = HubCorpus("deepmind/pg19", revision="a1b2c3")
+    assert list(pinned.documents("test")) == ["a book at a1b2c3"] and asked == ["a1b2c3"]
+    fingerprints = {HubCorpus("deepmind/pg19", revision=r).fingerprint() for r in (None, "a1b2c3", "main")}
+    assert len(fingerprints) == 3
+    assert HubCorpus("deepmind/pg19").fingerprint() == "deepmind_pg19-cadbe0403fc6"  # as before revision existed
+
+
+def test_a_revision_the_hub_lacks_is_named_under_its_key(monkeypatch):
+    """datasets says so with DatasetNotFoundError: the hub answered, so not "this machine may be offline"."""
+    import datasets
+
+    def missing(what):
+        def load_dataset(*args, **options):
+            raise datasets.exceptions.DatasetNotFoundError(what)
+
+        return load_dataset
+
+    monkeypatch.setattr(lenext.data, "unreachable_hub", lambda: None)
+    monkeypatch.setattr(datasets, "load_dataset", missing("Revision 'v9' doesn't exist for dataset 'deepmind/pg19'."))
+    with pytest.raises(DataError, match=r"^data.corpus.revision: Revision 'v9' doesn't exist .*; name one of its com"):
+        list(HubCorpus("deepmind/pg19", revision="v9").documents("train"))
+    monkeypatch.setattr(datasets, "load_dataset", missing("Dataset 'deepmind/pg20' doesn't exist on the Hub."))
+    with pytest.raises(DataError, match=r"^data.corpus.path: Dataset 'deepmind/pg20' doesn't exist on the Hub.; name"):
+        list(HubCorpus("deepmind/pg20").documents("train"))
+
+
+def test_a_revision_of_local_data_is_refused(tmp_path):
+    (tmp_path / "train.jsonl").write_text(json.dumps({"text": "a book"}) + "\n")
+    with pytest.raises(ConfigError, match=r"^data.corpus.revision='v1' is invalid: .* data.corpus.data_files names"):
+        HubCorpus("json", data_files={"train": str(tmp_path / "train.jsonl")}, revision="v1")
+    with pytest.raises(ConfigError, match=r"^data.corpus.revision='v1' is invalid: .* data.corpus.path names local"):
+        HubCorpus(str(tmp_path), revision="v1")
+
+
 def test_a_local_dataset_folder_rewritten_is_another_corpus(tmp_path):
     """``path`` a local dataset folder (datasets finds its files): an edited file in it is another corpus, not the
     shards prepared from the file before."""

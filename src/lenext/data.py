@@ -341,6 +341,7 @@ class HubCorpus(Corpus):
     (WikiText's layout). Otherwise each row is one document (PG-19: one book per row).
     ``streaming``: rows are read as they download (``load_dataset(streaming=True)``), nothing cached whole.
     ``path``/``data_files`` also accept a local dataset of the same schema (``path: json`` or ``parquet``).
+    ``revision``: the hub dataset's commit (or branch or tag) read; unpinned, its newest.
     """
 
     def __init__(
@@ -352,6 +353,7 @@ class HubCorpus(Corpus):
         data_files: dict | None = None,
         split_names: dict | None = None,
         streaming: bool = False,
+        revision: str | None = None,
     ):
         from omegaconf import OmegaConf
 
@@ -361,6 +363,13 @@ class HubCorpus(Corpus):
         )
         self.path, self.config_name, self.text_field = path, name, text_field
         self.wikitext_articles, self.data_files, self.streaming = wikitext_articles, data_files, streaming
+        self.revision = revision
+        if revision is not None and self._local:
+            raise ConfigError(
+                f"data.corpus.revision={revision!r} is invalid: it pins a hub dataset's commit, and {self._local_key} "
+                "names local data, which has none; set data.corpus.revision=null",
+                "data.corpus.revision",
+            )
         if split_names and any(k not in SPLITS or not isinstance(v, str) for k, v in split_names.items()):
             raise ConfigError(
                 f"data.corpus.split_names={split_names!r} is invalid: it must map some of lenext's splits "
@@ -380,8 +389,8 @@ class HubCorpus(Corpus):
 
     def fingerprint(self) -> str:
         """Its settings, and the size and modification time of each local data file, and of each file under a
-        local dataset folder given as ``path`` (a hub dataset is taken as it is named: a new revision under the
-        same name is not noticed)."""
+        local dataset folder given as ``path`` (a hub dataset is its ``revision``; unpinned, it is taken as it is
+        named: a new revision under the same name is not noticed)."""
         files = json.dumps(self.data_files, sort_keys=True, default=str)
         split_names = json.dumps(self.split_names, sort_keys=True)
         paths = [self.data_files] if isinstance(self.data_files, str) else list((self.data_files or {}).values())
@@ -391,12 +400,14 @@ class HubCorpus(Corpus):
         if os.path.isdir(self.path):  # a local dataset: everything in it, wherever data_files points in it
             found += sorted(glob.glob(os.path.join(glob.escape(self.path), "**"), recursive=True))
         settings = [files, split_names, self.text_field, str(self.wikitext_articles), *_file_stamps(found)]
+        if self.revision is not None:  # unpinned corpora keep the fingerprint (and shards) they had
+            settings.append(f"revision={self.revision}")
         return f"{self.name}-{_digest(settings)}"
 
     def documents(self, split: str) -> Iterator[str]:
         import datasets
 
-        local = self.data_files is not None or os.path.exists(self.path)
+        local = self._local
         unreachable = None if local else unreachable_hub()  # local files need no hub
         if unreachable:
             raise DataError(self._unreachable(unreachable))
@@ -404,7 +415,12 @@ class HubCorpus(Corpus):
         try:
             try:
                 rows = datasets.load_dataset(
-                    self.path, self.config_name, data_files=self.data_files, split=name, streaming=self.streaming
+                    self.path,
+                    self.config_name,
+                    data_files=self.data_files,
+                    split=name,
+                    streaming=self.streaming,
+                    revision=self.revision,
                 )
             except (ValueError, KeyError) as e:
                 if "split" not in str(e).lower():
@@ -415,10 +431,12 @@ class HubCorpus(Corpus):
                 ) from None
             texts = self._texts(rows, split)
             yield from group_wikitext_articles(texts) if self.wikitext_articles else (t for t in texts if t.strip())
-        except (FileNotFoundError, PermissionError) as e:
-            if not local:
-                raise DataError(self._unreachable(type(e).__name__)) from e
-            raise DataError(f"{self._local_key}: {first_line(e)}") from None  # a local file, not the hub
+        except (FileNotFoundError, PermissionError) as e:  # datasets' DatasetNotFoundError among them
+            if local:
+                raise DataError(f"{self._local_key}: {first_line(e)}") from None
+            if isinstance(e, datasets.exceptions.DatasetNotFoundError):  # the hub answered: no such dataset or revision
+                raise DataError(self._not_on_hub(e)) from None
+            raise DataError(self._unreachable(type(e).__name__)) from e
         except (datasets.exceptions.DatasetGenerationError, pa.ArrowException) as e:  # a local file it cannot parse
             cause = e.__cause__ or e  # datasets' error wraps the parser's, which says what is wrong and where
             files = self.data_files.get(name) if isinstance(self.data_files, dict) else self.data_files or self.path
@@ -426,14 +444,26 @@ class HubCorpus(Corpus):
                 f"{self._local_key}: {self.path!r} cannot read {files} ({first_line(cause)}), its "
                 f"{name!r} split: fix the file"
             ) from None
-        except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as e:
+        except (ConnectionError, OSError) as e:
             if local:
                 raise DataError(f"{self._local_key}: {self.path!r} cannot be read ({first_line(e)})") from None
             raise DataError(self._unreachable(type(e).__name__)) from e
 
     @property
+    def _local(self) -> bool:
+        return self.data_files is not None or os.path.exists(self.path)
+
+    @property
     def _local_key(self) -> str:
         return "data.corpus.path" if self.data_files is None else "data.corpus.data_files"
+
+    def _not_on_hub(self, error: Exception) -> str:
+        if self.revision is not None and "Revision" in str(error):
+            return f"data.corpus.revision: {first_line(error)}; name one of its commits, branches or tags"
+        return (
+            f"data.corpus.path: {first_line(error)}; name a dataset on the Hugging Face hub this machine may read, "
+            "or a local folder"
+        )
 
     def _unreachable(self, reason: str) -> str:
         return (
