@@ -4,6 +4,7 @@ import functools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -19,10 +20,10 @@ import lenext.model
 import lenext.results
 from lenext.checkpoints import net_state
 from lenext.errors import CheckpointError, ConfigError
-from lenext.evaluate import TextEvaluation, sweep, sweep_plan
+from lenext.evaluate import PROTOCOL_SETTINGS, TextEvaluation, sweep, sweep_plan
 from lenext.model import Decoder
 from lenext.pe import ALiBi, Learned, RoPE, T5Bias
-from lenext.protocols import LastK, NonOverlapping, Sliding, cap_windows
+from lenext.protocols import PROTOCOLS, KeyTokens, LastK, NonOverlapping, Sliding, cap_windows
 from lenext.run import evaluate_checkpoint, train
 from lenext.scoring import evaluate_length
 from tests.conftest import small_corpus_overrides, tiny_overrides
@@ -105,19 +106,58 @@ def test_the_plan_defaults_and_the_window_cap_are_as_documented():
     assert (given.lengths, given.stride, given.k) == ([16, 32, 64], 3, 5)
 
 
+HAYSTACKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking")
+
+
 @pytest.mark.parametrize(
     "setting, protocol",
-    [({"stride": 8}, "sliding"), ({"last_k": 4}, "last_k"), ({"key_context": 8}, "key_tokens")],
+    [
+        ({"stride": 8}, "sliding"),
+        ({"last_k": 4}, "last_k"),
+        ({"key_context": 8}, "key_tokens"),
+        ({"key_gain": 5.0}, "key_tokens"),
+        ({"key_max_nll": 1.0}, "key_tokens"),
+        ({"key_evaluator": "judge.ckpt"}, "key_tokens"),
+        ({"haystack_samples": 16}, HAYSTACKS),
+        ({"haystack_candidates": 9}, HAYSTACKS),
+        ({"haystack_depths": [0.5]}, HAYSTACKS),
+    ],
 )
 def test_a_protocols_own_setting_given_without_the_protocol_is_refused(setting, protocol):
-    """eval.stride=8 with nonoverlap alone would evaluate nonoverlap as if nothing were asked."""
-    (key, value), every = next(iter(setting.items())), ("nonoverlap", "sliding", "last_k", "key_tokens")
-    expected = rf"^eval.{key}={value} changes nothing here: it is a setting of the {protocol} protocol, which "
-    with pytest.raises(
-        ConfigError, match=expected + rf"eval.protocol=\[nonoverlap\] does not evaluate; add {protocol}"
-    ):
+    """eval.stride=8 with nonoverlap alone would evaluate nonoverlap as if nothing were asked; so would
+    eval.haystack_samples=16, whose config default is not null. A setting of the haystack protocols is read by
+    any one of them."""
+    (key, value), every = next(iter(setting.items())), ("nonoverlap", "sliding", "last_k", "key_tokens", *HAYSTACKS)
+    whose = f"the {protocol} protocol" if isinstance(protocol, str) else f"the {', '.join(protocol)} protocols"
+    expected = rf"^eval.{key}={re.escape(str(value))} changes nothing here: it is a setting of {whose}, which "
+    add = protocol if isinstance(protocol, str) else "one of them"
+    with pytest.raises(ConfigError, match=expected + rf"eval.protocol=\[nonoverlap\] does not evaluate; add {add}"):
         sweep_plan(eval_cfg(protocol=["nonoverlap"], **setting), 16, None, every)
-    assert sweep_plan(eval_cfg(protocol=["nonoverlap", protocol], **setting), 16, None, every)
+    reader = protocol if isinstance(protocol, str) else protocol[-1]
+    evaluated = {**setting, "key_evaluator": None} if key == "key_evaluator" else setting  # not on disk here
+    assert sweep_plan(eval_cfg(protocol=["nonoverlap", reader], **evaluated), 16, None, every)
+
+
+def test_a_protocols_own_setting_at_its_config_default_asks_nothing():
+    """configs/eval/default.yaml shows some protocol defaults (key_gain: 2.0): those values, the ones the protocols
+    use when the key is null, pass in any sweep, and the config and the protocols agree on them."""
+    defaults = OmegaConf.load("configs/eval/default.yaml")
+    every = ("nonoverlap", "sliding", "last_k", "key_tokens", *HAYSTACKS)
+    for protocol in PROTOCOLS.values():
+        for key, unset in protocol.own_settings.items():
+            assert defaults[key] == unset, key
+    shown = {key: defaults[key] for key in PROTOCOL_SETTINGS}
+    assert sweep_plan(eval_cfg(protocol=["nonoverlap"], **shown), 16, None, every)
+    assert (KeyTokens().gain, KeyTokens().max_nll) == (defaults.key_gain, defaults.key_max_nll)
+    haystack = PROTOCOLS["niah_single"]()
+    assert (list(haystack.depths), haystack.samples, haystack.candidates) == (
+        defaults.haystack_depths,
+        defaults.haystack_samples,
+        defaults.haystack_candidates,
+    )
+
+
+def test_cap_windows_spreads_evenly():
     assert cap_windows(list(range(100)), 7) == list(range(0, 100, 15))
     assert cap_windows(list(range(10)), None) == list(range(10))
 

@@ -393,9 +393,8 @@ def test_bf16_autocast_measures_what_fp32_does(protocol, sotu_data):
     rounding of fp32's."""
     net = tiny_net(vocab=sotu_data.vocab_size, train_len=32)
     evaluation = sotu_data.evaluation("validation")
-    settings = eval_cfg(
-        protocol=protocol, lengths=[128], max_windows=8, haystack_samples=1, key_gain=0.0, key_max_nll=100.0
-    )
+    own = {"haystack_samples": 1} if protocol == "niah_single" else {"key_gain": 0.0, "key_max_nll": 100.0}
+    settings = eval_cfg(protocol=protocol, lengths=[128], max_windows=8, **own)
     plan = sweep_plan(settings, 32, None, evaluation.protocols)
     rows = {p: sweep(net, evaluation, plan, settings, p)[0][0] for p in ("32-true", "bf16-mixed")}
     fp32, bf16 = rows["32-true"], rows["bf16-mixed"]

@@ -219,15 +219,7 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
         raise ConfigError(
             f"{setting} is invalid with eval.protocol=sliding: it must be at most the shortest length, {min(lengths)}"
         )
-    for name, protocol in PROTOCOLS.items():
-        given = [(key, value) for key in protocol.own_settings if (value := getattr(eval_cfg, key, None)) is not None]
-        if given and name not in plan_protocols:
-            key, value = given[0]
-            shown = asked if isinstance(asked, str) else f"[{','.join(asked)}]"
-            raise ConfigError(
-                f"eval.{key}={value} changes nothing here: it is a setting of the {name} protocol, which "
-                f"eval.protocol={shown} does not evaluate; add {name} to eval.protocol, or drop eval.{key}"
-            )
+    refuse_settings_of_other_protocols(eval_cfg, plan_protocols, asked)
     evaluation_positions(eval_cfg, scheme or PositionScheme()).check_evaluation_length(max(lengths))
     if getattr(eval_cfg, "haystack_depths", None) == []:
         raise ConfigError("eval.haystack_depths=[] is invalid: give at least one depth in [0, 1], e.g. [0.5]")
@@ -263,6 +255,26 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
             "(within the short context no target is key); give a shorter eval.key_context or a longer length"
         )
     return plan
+
+
+def refuse_settings_of_other_protocols(eval_cfg, plan_protocols: list[str], asked) -> None:
+    """A protocol's own setting, set to ask something of it in a sweep that evaluates none of the protocols that
+    read it, is refused: it would change nothing."""
+    readers: dict[str, list[str]] = {}
+    for name, protocol in PROTOCOLS.items():
+        for key in protocol.own_settings:
+            readers.setdefault(key, []).append(name)
+    for key, names in readers.items():
+        value = getattr(eval_cfg, key, None)
+        if value is None or value == PROTOCOLS[names[0]].own_settings[key] or set(names) & set(plan_protocols):
+            continue
+        shown = asked if isinstance(asked, str) else f"[{','.join(asked)}]"
+        whose = f"the {names[0]} protocol" if len(names) == 1 else f"the {', '.join(names)} protocols"
+        add = names[0] if len(names) == 1 else "one of them"
+        raise ConfigError(
+            f"eval.{key}={value} changes nothing here: it is a setting of {whose}, which eval.protocol={shown} "
+            f"does not evaluate; add {add} to eval.protocol, or drop eval.{key}"
+        )
 
 
 def sweep(

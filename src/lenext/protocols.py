@@ -39,8 +39,9 @@ class TextProtocol:
     name: ClassVar[str]
     per_position: ClassVar[bool] = False  # whether its rows have a per-position loss curve (eval.per_position)
     metrics: ClassVar[tuple[str, ...]] = ("ppl",)  # the row metrics the report tables, the first its headline
-    # eval keys, null by default, that only this protocol reads: given without it, refused (they would change nothing)
-    own_settings: ClassVar[tuple[str, ...]] = ()
+    # eval keys only this protocol reads, each with its value that asks nothing (null, or the default the config
+    # shows): set otherwise in a sweep without the protocol, refused (it would change nothing)
+    own_settings: ClassVar[dict[str, object]] = {}
 
     @classmethod
     def from_plan(cls, plan) -> "TextProtocol":
@@ -125,7 +126,7 @@ class Sliding(TextProtocol):
     after the first window): each token once, each with at least L - stride tokens of context."""
 
     name = "sliding"
-    own_settings = ("stride",)
+    own_settings = {"stride": None}
     stride: int = 1
 
     @classmethod
@@ -157,7 +158,7 @@ class LastK(TextProtocol):
     lengths compare like for like."""
 
     name = "last_k"
-    own_settings = ("last_k",)
+    own_settings = {"last_k": None}
     k: int = 1
     block: int = 1  # the sweep's longest length
 
@@ -191,10 +192,10 @@ class KeyTokens(TextProtocol):
 
     name = "key_tokens"
     metrics = ("ppl", "key_share")
-    own_settings = ("key_context", "key_evaluator")
+    own_settings = {"key_context": None, "key_gain": 2.0, "key_max_nll": 2.0, "key_evaluator": None}
     context: int = 1  # the short context: L_train by default
-    gain: float = 2.0
-    max_nll: float = 2.0  # LongPPL's -beta
+    gain: float = own_settings["key_gain"]
+    max_nll: float = own_settings["key_max_nll"]  # LongPPL's -beta
     evaluator: str | None = None
 
     @classmethod
@@ -305,9 +306,10 @@ class Haystack(TextProtocol):
 
     task: ClassVar[str]
     metrics = ("rank_accuracy", "exact_match")
-    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
-    samples: int = 8
-    candidates: int = 4
+    own_settings = {"haystack_depths": [0.0, 0.25, 0.5, 0.75, 1.0], "haystack_samples": 8, "haystack_candidates": 4}
+    depths: tuple[float, ...] = tuple(own_settings["haystack_depths"])
+    samples: int = own_settings["haystack_samples"]
+    candidates: int = own_settings["haystack_candidates"]
 
     @classmethod
     def from_plan(cls, plan) -> "Haystack":
