@@ -44,7 +44,13 @@ from lenext.pe import (
     t5_bucket,
 )
 from lenext.pe.base import BandValues, sequential_positions
-from lenext.pe.rope import ROPE_SCALINGS, ROTATIONS
+from lenext.pe.rope import (
+    ROPE_SCALINGS,
+    ROTATIONS,
+    TRANSFORMERS_ROPE_TYPES,
+    RopeSettings,
+    transformers_rope_parameters,
+)
 from lenext.positions import generator, pose_positions, randomized_positions
 
 VOCAB, TRAIN_LEN = 97, 16
@@ -261,6 +267,31 @@ ORACLE_GRID = pytest.mark.parametrize("dim", [16, 64, 128])
 BASES = pytest.mark.parametrize("base", [10000.0, 500000.0])
 FACTORS = pytest.mark.parametrize("factor", [2.0, 4.0, 8.0, 16.0])
 TRAIN_LENS = (16, 512, 4096)
+
+
+@pytest.mark.parametrize("scaling", list(TRANSFORMERS_ROPE_TYPES))
+def test_the_rope_parameters_lenext_gives_transformers_are_complete_and_mean_lenexts_scaling(scaling, caplog):
+    """What an export's config.json and eval.py hf='s variants hand transformers: every key its validation asks for
+    and none it does not know (a warning per model load), and frequencies equal to lenext's scaling's, constants
+    other than the defaults included."""
+    hf = hf_rope()
+    dim, base, train_len, length = 32, 10000.0, 64, 256
+    settings = RopeSettings(dim, base, scaling, 4.0, length, train_len, beta_fast=16.0, low_freq_factor=2.0)
+    parameters = transformers_rope_parameters(scaling, 4.0, train_len, settings)
+    context = length if scaling == "llama3" else train_len  # Llama 3's config: the extended context, above C
+    with caplog.at_level("WARNING", logger="transformers"):
+        config = hf_config(dim, base, context, parameters)
+    assert not caplog.records
+    if scaling == "none":
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        expected, expected_attention = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        arguments = {"seq_len": length} if scaling == "dynamic_ntk" else {}
+        expected, expected_attention = hf.ROPE_INIT_FUNCTIONS[parameters["rope_type"]](config, **arguments)
+    got, attention = ROPE_SCALINGS[scaling](settings)
+    assert_close(got.float(), expected, rtol=1e-5, atol=0)
+    assert attention == pytest.approx(expected_attention)
 
 
 @ORACLE_GRID

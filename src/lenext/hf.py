@@ -37,7 +37,7 @@ from lenext.hardware import canonical_precision
 from lenext.hf_self_extend import ATTENTION_NAME
 from lenext.hf_self_extend import install as install_self_extend
 from lenext.model import chunked_nll
-from lenext.pe.rope import TRANSFORMERS_ROPE_TYPES, self_extend_group
+from lenext.pe.rope import TRANSFORMERS_ROPE_TYPES, self_extend_group, transformers_rope_parameters, unset_factor
 from lenext.resolve import EVAL_NODES, EvalScriptSettings, flat_settings
 from lenext.results import environment, format_rows, write_results
 from lenext.run_folder import record_command, refuse_results_it_would_replace
@@ -259,7 +259,7 @@ class HFPositions:
             return None
         if self.active == SELF_EXTEND:  # its factor is the group size G
             return float(self_extend_group(length, self.self_extend.window, self.scaling_context))
-        return 1.0 if self.active in ("none", "dynamic_ntk") else max(1.0, length / self.scaling_context)
+        return unset_factor(self.active, length, self.scaling_context)
 
     def configure(self, length: int) -> None:
         """The model's rotary modules for the active variant at ``length`` (nothing to do as trained)."""
@@ -285,12 +285,7 @@ class HFPositions:
             config.max_position_embeddings = self.scaling_context  # dynamic NTK grows its base beyond C, as lenext's
             # The model's own rotary settings (partial rotary, multimodal sections) kept; its scaling replaced.
             kept = {k: v for k, v in self.rope.items() if k in KEPT_ROPE_KEYS}
-            parameters = {**kept, "rope_type": TRANSFORMERS_ROPE_TYPES[name]}
-            if name != "none":
-                parameters |= {"factor": key[1], "original_max_position_embeddings": self.scaling_context}
-            if name == "llama3":  # the constants lenext's llama3 scaling takes by default (Llama 3.1's)
-                parameters |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
-            config.rope_parameters = parameters
+            config.rope_parameters = {**kept, **transformers_rope_parameters(name, key[1], self.scaling_context)}
             for path, module in self.trained_modules.items():
                 self._replace(path, type(module)(config=config).to(module.inv_freq.device))
         self._built_for = key

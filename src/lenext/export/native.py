@@ -13,7 +13,7 @@ from torch import nn
 
 from lenext.model import NORM_EPS, Decoder
 from lenext.pe import Learned, RoPE
-from lenext.pe.rope import TRANSFORMERS_ROPE_TYPES, ntk_exponent
+from lenext.pe.rope import TRANSFORMERS_ROPE_TYPES, ntk_exponent, transformers_rope_parameters
 
 # lenext's RoPE scalings with a fixed factor -> transformers' rope_type (static NTK is RoPE at a larger base; dynamic
 # NTK's frequencies differ, refused below).
@@ -58,19 +58,10 @@ def rope_parameters(rope: RoPE) -> dict | str:
             f"pe.scaling={rope.scaling} with factor null takes its factor from each sequence's length; transformers "
             "fixes it in the config"
         )
-    theta = rope.base
-    if rope.scaling == "ntk":
+    if rope.scaling == "ntk":  # a fixed NTK scaling is RoPE of a larger base
         theta = rope.base * rope.factor ** ntk_exponent(rope.settings(rope.original_len))
-    parameters = {"rope_type": ROPE_TYPES[rope.scaling], "rope_theta": theta}
-    if rope.scaling in ("linear", "yarn", "llama3"):
-        parameters["factor"] = float(rope.factor)
-    if rope.scaling in ("yarn", "llama3"):
-        parameters["original_max_position_embeddings"] = rope.original_len
-    if rope.scaling == "yarn":
-        parameters |= {"beta_fast": rope.beta_fast, "beta_slow": rope.beta_slow}
-    if rope.scaling == "llama3":
-        parameters |= {"low_freq_factor": rope.low_freq_factor, "high_freq_factor": rope.high_freq_factor}
-    return parameters
+        return {"rope_type": TRANSFORMERS_ROPE_TYPES["none"], "rope_theta": theta}
+    return {"rope_theta": rope.base, **transformers_rope_parameters(rope.scaling, rope.factor, rope.original_len, rope)}
 
 
 def half_rotation_order(n_heads: int, head_dim: int) -> torch.Tensor:

@@ -147,6 +147,26 @@ TRANSFORMERS_ROPE_TYPES = {
     "yarn": "yarn",
     "llama3": "llama3",
 }
+# The keys of each one's rope_parameters beyond rope_type and rope_theta, as transformers' validation asks for them
+# (the constants are named as lenext names them; original_max_position_embeddings is C).
+TRANSFORMERS_ROPE_KEYS = {
+    "none": (),
+    "linear": ("factor",),
+    "dynamic_ntk": ("factor",),  # its C is the config's max_position_embeddings
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+}
+
+
+def transformers_rope_parameters(scaling: str, factor: float, original_len: int, constants=None) -> dict:
+    """transformers' rope_parameters, less rope_theta, for ``scaling`` (one it defines) at ``factor`` from the
+    context ``original_len``; the scaling's constants from ``constants`` (a RoPE or RopeSettings), else their
+    defaults."""
+    values = {"factor": factor and float(factor), "original_max_position_embeddings": original_len}
+    values |= {name: getattr(constants or RopeSettings, name) for name in CONSTANTS}
+    keys = TRANSFORMERS_ROPE_KEYS[scaling]
+    return {"rope_type": TRANSFORMERS_ROPE_TYPES[scaling], **{key: values[key] for key in keys}}
+
 
 # Scalings equal to another by construction when both take their factor from the span of a forward pass's
 # positions (factor null, extending from the span trained): dynamic NTK's s = L / C is NTK's automatic one. They
@@ -156,6 +176,12 @@ SAME_AS = {"dynamic_ntk": "ntk"}
 # dynamic NTK (its base grows with the length itself), the group size for Self-Extend. Kept null in a second stage.
 PER_LENGTH = ("none", "dynamic_ntk", "self_extend")
 FOLLOWS_SPAN = ("dynamic_ntk", "self_extend")  # of those, the ones whose frequencies or grouping vary with the span
+
+
+def unset_factor(scaling: str, length: int, original_len: int) -> float:
+    """The factor s of ``scaling`` where none is set, for positions spanning ``length``: L / C, at least 1, or 1
+    for the scalings that take their own at each length (``PER_LENGTH``)."""
+    return 1.0 if scaling in PER_LENGTH else max(1.0, length / original_len)
 
 
 def redundant_variants(asked, trained: str | None, trained_per_span: bool) -> set[str]:
@@ -196,7 +222,7 @@ class Rotation:
             return 1.0
         if rope.factor is not None:
             return float(rope.factor)
-        return 1.0 if rope.scaling in PER_LENGTH else max(1.0, length / rope.original_len)
+        return unset_factor(rope.scaling, length, rope.original_len)
 
     def rotate(self, rope: "RoPE", q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         rotations = rope._rotations(rope._span(positions), q)[positions][:, None]  # (B or 1, 1, L, d_head/2)
@@ -284,10 +310,10 @@ class RoPE(PositionalEncoding):
         base: PositiveFloat = 10000.0,
         scaling: Literal[SCALINGS] = "none",
         factor: Annotated[float, Range(1)] | None = None,  # null: max(1, L / C) at each length L (dynamic_ntk: 1)
-        beta_fast: PositiveFloat = 32.0,
-        beta_slow: PositiveFloat = 1.0,
-        low_freq_factor: PositiveFloat = 1.0,
-        high_freq_factor: PositiveFloat = 4.0,
+        beta_fast: PositiveFloat = RopeSettings.beta_fast,
+        beta_slow: PositiveFloat = RopeSettings.beta_slow,
+        low_freq_factor: PositiveFloat = RopeSettings.low_freq_factor,
+        high_freq_factor: PositiveFloat = RopeSettings.high_freq_factor,
         original_len: PositiveInt | None = None,  # null: the positions training reaches (module docstring)
         neighbor_window: PositiveInt | None = None,  # Self-Extend's W; null: C // 4 (of a variant's C)
         fraction: Annotated[float, Range(0, 1)] = 1.0,  # p-RoPE: the share of frequencies rotated, highest first
