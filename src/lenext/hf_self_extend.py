@@ -11,9 +11,10 @@ halves (Llama, Qwen2, Mistral and their kin); ``supports`` checks it on the mode
 import torch
 from torch import nn
 
+from lenext.attention import SCORE_BLOCK_ELEMENTS
 from lenext.errors import first_line
-from lenext.model import LOGIT_CHUNK_ELEMENTS
-from lenext.pe.rope import self_extend_window
+from lenext.pe.base import device_budget
+from lenext.pe.rope import self_extend_positions, self_extend_window
 
 ATTENTION_NAME = "lenext_self_extend"
 
@@ -39,11 +40,10 @@ class SelfExtendAttention:
         if key != self._tables_key:
             positions = torch.arange(length, device=device)
             cos, sin = self.rotary(torch.empty(0, dtype=dtype, device=device), positions[None])  # as the model did
-            grouped = torch.div(positions, self.group, rounding_mode="floor")
             scale = getattr(self.rotary, "attention_scaling", 1.0)
             inv_freq = self.rotary.inv_freq.double().to(device)
             far = []
-            for at in (grouped + self.window - self.window / self.group, grouped):  # query's, key's
+            for at in self_extend_positions(positions, self.group, self.window):  # query's, key's
                 angles = at.double()[:, None] * inv_freq  # (L, d/2)
                 angles = torch.cat((angles, angles), dim=-1)
                 far += [angles.cos() * scale, angles.sin() * scale]
@@ -64,7 +64,7 @@ class SelfExtendAttention:
         positions = torch.arange(length, device=query.device)
         near_q, near_k = query.double(), key.double()
         scaling = scaling if scaling is not None else query.size(-1) ** -0.5
-        rows = max(1, LOGIT_CHUNK_ELEMENTS["cpu"] // (query.size(0) * query.size(1) * length))
+        rows = max(1, device_budget(SCORE_BLOCK_ELEMENTS, query.device) // (query.size(0) * query.size(1) * length))
         output = torch.empty_like(query)
         for start in range(0, length, rows):
             end = min(length, start + rows)

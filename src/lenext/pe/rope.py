@@ -254,9 +254,9 @@ class SelfExtend(Rotation):
         span = rope._span(positions)
         group, window = rope.scaling_factor(span), rope.window
         true = rope._rotations(span, q)[positions][:, None]  # (B or 1, 1, L, d_head/2)
-        grouped_keys = torch.div(positions, group, rounding_mode="floor")
+        grouped_queries, grouped_keys = self_extend_positions(positions, group, window)
         near_q, near_k = _rotate(q, true), _rotate(k, true)
-        far_q = _rotate(q, rope._rotations_at(grouped_keys + window - window / group, q))
+        far_q = _rotate(q, rope._rotations_at(grouped_queries, q))
         far_k = _rotate(k, rope._rotations_at(grouped_keys, q))
         scale = q.size(-1) ** -0.5
 
@@ -270,6 +270,13 @@ class SelfExtend(Rotation):
 
     def describe(self, rope) -> dict:
         return {"neighbor_window": rope.window}
+
+
+def self_extend_positions(positions: torch.Tensor, group: float, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Self-Extend's grouped query and key positions: floor(p / G) + W - W / G and floor(p / G), so that a query and
+    a key W apart or more stand at most W apart after grouping."""
+    keys = torch.div(positions, group, rounding_mode="floor")
+    return keys + window - window / group, keys
 
 
 def self_extend_group(length: int, window: int, original_len: int) -> int:
