@@ -1,4 +1,5 @@
-"""The LightningModule: next-token loss, perplexity metrics, AdamW with warmup + cosine decay."""
+"""The LightningModule: next-token loss, perplexity metrics, AdamW with warmup + cosine decay; and how checkpoints
+are written (atomically, ``last.ckpt`` every validation, one on SIGTERM or Ctrl-C) with the state a resume needs."""
 
 import math
 import os

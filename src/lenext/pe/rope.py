@@ -1,7 +1,7 @@
 """Rotary position embedding (Su et al. 2021) and its length-scaling variants.
 
 Pairing convention: interleaved pairs (x[2t], x[2t+1]) rotated as one complex number, as in
-RoFormer and seed 001; rotation is a complex multiplication (the fastest eager form on CPU).
+RoFormer; rotation is a complex multiplication (the fastest eager form on CPU).
 
 Scalings (docs/pes/rope.md), with s the factor and C the original context (``original_len``:
 transformers' ``original_max_position_embeddings``, litgpt's ``original_max_seq_len``), one function
