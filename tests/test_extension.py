@@ -250,6 +250,16 @@ def test_an_unreadable_base_is_named(compose_run, tmp_path):
         train(second_stage(compose_run, str(broken), "unreadable"))
 
 
+def test_a_second_stage_may_keep_its_cache_elsewhere(compose_run, rope_base, tmp_path):
+    """data.cache_dir and data.remote say where the prepared corpus is kept, not what it is: a stage on another
+    cluster, with its own object store, is the same stage."""
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    elsewhere = (f"data.remote=file://{mirror}", f"paths.cache_dir={tmp_path / 'cache'}", "data.max_len=64")
+    spec = resolve_training(second_stage(compose_run, rope_base, "elsewhere", "pe.scaling=yarn", *elsewhere))[0]
+    assert spec.config["data"]["remote"] == f"file://{mirror}"
+
+
 def test_factor_null_is_fixed_at_l_prime_over_c_in_a_second_stage_and_per_length_in_a_first(compose_run, rope_base):
     first = build_net(resolve_training(compose_run("first", "pe=rope_ntk"))[0], 512).pe
     assert first.factor is None and first.scaling_factor(8 * BASE_LEN) == 8.0  # evaluation-time: L / C

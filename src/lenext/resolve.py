@@ -249,6 +249,7 @@ STAGE_DATA_SETTINGS = (
     "eval_batch_size",
     "num_workers",
     "cache_dir",
+    "remote",  # a mirror of the cache: the same corpus's tokens, wherever they are kept
     "seed",
     "eval_samples",
     "train_samples",
