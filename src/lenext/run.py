@@ -82,9 +82,28 @@ def train(cfg: DictConfig) -> dict:
     datamodule, module, trainer = build(cfg, spec, weights)
     record_command(cfg)  # accepted: build's checks passed
     del weights  # held by the module's net now
+    log_run_start(spec, module, trainer)
+    metrics = fit_and_validate(spec, trainer, module, datamodule)
+    say = print if rank_zero_only.rank == 0 else lambda *_: None  # under a subprocess launcher each rank runs this
+    say(validation_line(spec, metrics, datamodule))
+    evaluated = bool(spec.plan) and not cfg.trainer.get("fast_dev_run")
+    if evaluated:
+        speed = module.train_tokens / module.train_seconds * trainer.world_size if module.train_seconds else None
+        # fit's teardown may leave the net on the CPU; under FSDP it is sharded
+        net = unsharded(module.net, spec, datamodule.vocab_size).to(trainer.strategy.root_device)
+        extra = {"identity": identity, "train_tokens_per_s": speed}
+        path = evaluate_and_write(spec, net, datamodule, "validation", tokens_trained(trainer, cfg.data), cfg, extra)
+        log_results_to_wandb(trainer, path)
+    hydra_cfg = hydra_config()
+    if not (hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN) and trainer.is_global_zero:
+        print(next_steps(cfg.paths.output_dir, evaluated))
+    return metrics
+
+
+def log_run_start(spec: RunSpec, module, trainer) -> None:
+    """The run's line: its row, size, PE and settings, L_train, precision and device; a second stage's changes."""
     n_params = sum(p.numel() for p in module.net.parameters())
     pe = ", ".join(f"{k} {v}" for k, v in module.net.pe.describe().items() if k != "name")
-    say = print if rank_zero_only.rank == 0 else lambda *_: None  # under a subprocess launcher each rank runs this
     (log.info if rank_zero_only.rank == 0 else log.debug)(
         "%s: %.2fM parameters, PE %s (%s), L_train %d, %s on %s",
         spec.row,
@@ -99,6 +118,11 @@ def train(cfg: DictConfig) -> dict:
         log.info("second stage of %s: its weights, a fresh optimizer and schedule", spec.checkpoint)
         for change in stage_changes(spec.config["pe"], spec.lineage[-1].config["pe"]):
             log.info("second stage: %s", change)
+
+
+def fit_and_validate(spec: RunSpec, trainer, module, datamodule) -> dict:
+    """Training from where the run starts, then the validation at the steps done: its metrics. A stop signal
+    raises ``Stopped`` once last.ckpt holds where training stopped."""
     stop = next((c for c in trainer.callbacks if isinstance(c, CheckpointOnStop)), None)
     try:
         if spec.start == "init_from":
@@ -121,27 +145,19 @@ def train(cfg: DictConfig) -> dict:
                 "callbacks.stop_checkpoint is off"
             ) from None
         raise
+    return metrics
+
+
+def validation_line(spec: RunSpec, metrics: dict, datamodule) -> str:
     measured = validation_scope(
         spec, int(metrics[VAL_WINDOWS]), len(datamodule.val_dataloader().dataset.samples), datamodule.protocols
     )
     exact_match = answer_metric("exact_match")
     accuracy = f", exact match {metrics[exact_match]:.3f}" if exact_match in metrics else ""
-    say(
+    return (
         f"validation perplexity at L_train={spec.train_len} over {measured}: {metrics[VAL_PPL]:.2f} "
         f"(loss {metrics[VAL_LOSS]:.4f}{accuracy}, row {spec.row})"
     )
-    evaluated = bool(spec.plan) and not cfg.trainer.get("fast_dev_run")
-    if evaluated:
-        speed = module.train_tokens / module.train_seconds * trainer.world_size if module.train_seconds else None
-        # fit's teardown may leave the net on the CPU; under FSDP it is sharded
-        net = unsharded(module.net, spec, datamodule.vocab_size).to(trainer.strategy.root_device)
-        extra = {"identity": identity, "train_tokens_per_s": speed}
-        path = evaluate_and_write(spec, net, datamodule, "validation", tokens_trained(trainer, cfg.data), cfg, extra)
-        log_results_to_wandb(trainer, path)
-    hydra_cfg = hydra_config()
-    if not (hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN) and trainer.is_global_zero:
-        print(next_steps(cfg.paths.output_dir, evaluated))
-    return metrics
 
 
 def log_validation_before_training(trainer, module, datamodule) -> None:
