@@ -187,29 +187,8 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
             )
     if getattr(eval_cfg, "variants", None) == []:  # null asks for the PE as trained; [] would too, unsaid
         raise ConfigError("eval.variants=[] is invalid: give at least one variant (e.g. [none,yarn]), or null")
-    # Each entry is rows of its own: twice, twice the rows (or, for a length, one row that was asked for twice).
-    # eval.factors only where they make the lengths: beside eval.lengths they are not read.
-    for key in ("protocol", "variants", "haystack_depths", "lengths", *([] if eval_cfg.lengths else ["factors"])):
-        listed = getattr(eval_cfg, key, None)
-        if not isinstance(listed, str) and listed is not None and len(set(listed)) < len(listed):
-            twice = next(value for value in listed if list(listed).count(value) > 1)
-            raise ConfigError(f"eval.{key}={list(listed)} is invalid: it lists {twice} twice; give each once")
-    if eval_cfg.lengths is not None and len(eval_cfg.lengths) == 0:
-        raise ConfigError("eval.lengths=[] is invalid: give at least one length, or null (eval.factors x L_train)")
-    given = "lengths" if eval_cfg.lengths else "factors"  # the key the lengths come from: named if they are bad
-    lengths = sorted(set(eval_cfg.lengths or [int(f * base_len) for f in eval_cfg.factors or []]))
-    if not lengths or min(lengths) < 1:
-        shown = list(getattr(eval_cfg, given) or [])
-        raise ConfigError(
-            f"eval.{given}={shown} is invalid: give eval.lengths or eval.factors that make positive token counts "
-            f"(of L_train {base_len})"
-        )
-    for factor in [] if eval_cfg.lengths else eval_cfg.factors or []:
-        if not float(factor * base_len).is_integer():
-            raise ConfigError(
-                f"eval.factors={list(eval_cfg.factors)} is invalid: {factor:g} x L_train {base_len} = "
-                f"{factor * base_len:g} is no whole number of tokens; give factors that make one, or eval.lengths"
-            )
+    refuse_entries_given_twice(eval_cfg)
+    lengths = plan_lengths(eval_cfg, base_len)
     k = eval_cfg.last_k or min(lengths)
     if k > min(lengths):
         raise ConfigError(f"eval.last_k={k} is invalid: it must be at most the shortest length, {min(lengths)}")
@@ -223,21 +202,7 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
     evaluation_positions(eval_cfg, scheme or PositionScheme()).check_evaluation_length(max(lengths))
     if getattr(eval_cfg, "haystack_depths", None) == []:
         raise ConfigError("eval.haystack_depths=[] is invalid: give at least one depth in [0, 1], e.g. [0.5]")
-    evaluator = getattr(eval_cfg, "key_evaluator", None)
-    if evaluator is not None:
-        if not os.path.exists(evaluator):
-            raise ConfigError(
-                f"eval.key_evaluator={evaluator!r} does not exist: give a lenext checkpoint or run folder (or null: "
-                "the model itself)"
-            )
-        from lenext.checkpoints import checkpoint_file  # here: it imports lenext.resolve, which imports this
-
-        file = checkpoint_file(evaluator, "eval.key_evaluator", missing_ok=True)  # None: a run still training
-        if file is not None and not zipfile.is_zipfile(file):
-            raise CheckpointError(
-                f"eval.key_evaluator={evaluator!r} is not a checkpoint (torch.save writes a zip archive): give a "
-                "lenext checkpoint or run folder (or null: the model itself)"
-            )
+    refuse_a_key_evaluator_that_is_no_checkpoint(getattr(eval_cfg, "key_evaluator", None))
     plan = SweepPlan(
         plan_protocols,
         lengths,
@@ -255,6 +220,55 @@ def sweep_plan(eval_cfg, base_len: int, scheme: PositionScheme | None, protocols
             "(within the short context no target is key); give a shorter eval.key_context or a longer length"
         )
     return plan
+
+
+def refuse_entries_given_twice(eval_cfg) -> None:
+    """Each entry is rows of its own: twice, twice the rows (or, for a length, one row that was asked for twice).
+    eval.factors only where they make the lengths: beside eval.lengths they are not read."""
+    for key in ("protocol", "variants", "haystack_depths", "lengths", *([] if eval_cfg.lengths else ["factors"])):
+        listed = getattr(eval_cfg, key, None)
+        if not isinstance(listed, str) and listed is not None and len(set(listed)) < len(listed):
+            twice = next(value for value in listed if list(listed).count(value) > 1)
+            raise ConfigError(f"eval.{key}={list(listed)} is invalid: it lists {twice} twice; give each once")
+
+
+def plan_lengths(eval_cfg, base_len: int) -> list[int]:
+    """The evaluation lengths, ascending: eval.lengths, else eval.factors x ``base_len``, each a whole number."""
+    if eval_cfg.lengths is not None and len(eval_cfg.lengths) == 0:
+        raise ConfigError("eval.lengths=[] is invalid: give at least one length, or null (eval.factors x L_train)")
+    given = "lengths" if eval_cfg.lengths else "factors"  # the key the lengths come from: named if they are bad
+    lengths = sorted(set(eval_cfg.lengths or [int(f * base_len) for f in eval_cfg.factors or []]))
+    if not lengths or min(lengths) < 1:
+        shown = list(getattr(eval_cfg, given) or [])
+        raise ConfigError(
+            f"eval.{given}={shown} is invalid: give eval.lengths or eval.factors that make positive token counts "
+            f"(of L_train {base_len})"
+        )
+    for factor in [] if eval_cfg.lengths else eval_cfg.factors or []:
+        if not float(factor * base_len).is_integer():
+            raise ConfigError(
+                f"eval.factors={list(eval_cfg.factors)} is invalid: {factor:g} x L_train {base_len} = "
+                f"{factor * base_len:g} is no whole number of tokens; give factors that make one, or eval.lengths"
+            )
+    return lengths
+
+
+def refuse_a_key_evaluator_that_is_no_checkpoint(evaluator: str | None) -> None:
+    if evaluator is None:
+        return
+    if not os.path.exists(evaluator):
+        raise ConfigError(
+            f"eval.key_evaluator={evaluator!r} does not exist: give a lenext checkpoint or run folder (or null: "
+            "the model itself)"
+        )
+    from lenext.checkpoints import checkpoint_file  # here: it imports lenext.resolve, which imports this
+
+    file = checkpoint_file(evaluator, "eval.key_evaluator", missing_ok=True)  # None: a run still training
+    if file is not None and not zipfile.is_zipfile(file):
+        raise CheckpointError(
+            f"eval.key_evaluator={evaluator!r} is not a checkpoint (torch.save writes a zip archive): give a "
+            "lenext checkpoint or run folder (or null: the model itself)"
+        )
 
 
 def refuse_settings_of_other_protocols(eval_cfg, plan_protocols: list[str], asked) -> None:
