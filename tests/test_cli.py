@@ -60,6 +60,25 @@ def test_a_mistyped_option_or_key_is_answered_with_the_closest_name_in_one_line(
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "override, why",
+    [
+        ("model.d_model=8", "the checkpoint keeps its model"),
+        ("model=small", "the checkpoint keeps its model"),
+        ("train.positions=pose", "the checkpoint keeps its training positions (eval.positions evaluates at"),
+        ("attention.scale=ssmax", "the checkpoint keeps its attention settings"),
+    ],
+)
+def test_eval_py_names_where_a_training_setting_comes_from_with_or_without_a_plus(tmp_path, override, why):
+    """Without +, Hydra refuses the key (eval.py's config has no such node): that said "not a setting of model; the
+    settings there: none". With +, the schema says it; both now say the checkpoint keeps it."""
+    arguments = [f"ckpt={tmp_path / 'none.ckpt'}", override]
+    result = run_command("eval.py", arguments, {**os.environ, "LENEXT_ROOT": str(tmp_path)}, tmp_path)
+    lines, key = result.stderr.strip().splitlines(), override.split("=")[0]
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: {key} is not a setting of this command: {why}"), result.stderr
+
+
 def test_help_says_what_the_command_does_with_examples_and_its_groups():
     """train.py in a new interpreter (the shim itself), eval.py forked (tests/forked.py)."""
     for script, purpose, group in (("train.py", "train a decoder", "pe: alibi"), ("eval.py", "evaluate a", "eval:")):

@@ -229,6 +229,9 @@ def not_a_setting(config_name: str, overrides: list[str], error: Exception) -> C
     if not unknown:
         return None
     path, _, name = unknown.group(1).rpartition(".")
+    fixed = getattr(COMMAND_SETTINGS.get(config_name), "FIXED", {}).get(unknown.group(1).split(".")[0])
+    if fixed:  # eval.py's model.d_model=8: a node the command takes from the checkpoint
+        return ConfigError(f"{unknown.group(1)} is not a setting of this command: {fixed}")
     rest = [line for line in overrides if not line.lstrip("+~").startswith(unknown.group(1) + "=")]
     root = compose(config_name, overrides=rest)
     node = OmegaConf.select(root, path) if path else root
@@ -335,6 +338,7 @@ def check_diagnosis_job(cfg: DictConfig) -> None:
 
 # Each entry point's checks of one job, which its sweeps run on every job before the first starts.
 JOB_CHECKS = {"train": check_training_job, "eval": check_evaluation_job, "diagnose": check_diagnosis_job}
+COMMAND_SETTINGS = {"train": TrainSettings, "eval": EvalScriptSettings}  # each command's own schema
 
 
 def config_folder(group: str):
