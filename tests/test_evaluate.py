@@ -146,6 +146,8 @@ def test_a_protocols_own_setting_at_its_config_default_asks_nothing():
     for protocol in PROTOCOLS.values():
         for key, unset in protocol.own_settings.items():
             assert defaults[key] == unset, key
+    owned = {key for protocol in PROTOCOLS.values() for key in protocol.own_settings}
+    assert owned == {*PROTOCOL_SETTINGS, "stride", "last_k"}  # the plan keeps those two as fields of its own
     shown = {key: defaults[key] for key in PROTOCOL_SETTINGS}
     assert sweep_plan(eval_cfg(protocol=["nonoverlap"], **shown), 16, None, every)
     assert (KeyTokens().gain, KeyTokens().max_nll) == (defaults.key_gain, defaults.key_max_nll)
