@@ -296,11 +296,12 @@ def test_the_pe_family_and_display_name_come_from_the_pe(tmp_path, layout):
 
 def test_a_run_made_before_a_setting_existed_pools_with_one_that_has_it_at_its_default(tmp_path):
     """Seeds added to a study with a later lenext record settings the first ones predate (model.norm, drop_pe,
-    attention.qk_norm, the long-context protocols' eval.*): they read as the default that did what the code did
-    before, so the seeds pool. How the tokenizer was made (data.tokenizer, its sample) is told by the tokenizer's
-    id: the same id pools, another does not."""
+    attention.qk_norm, the long-context protocols' eval.*, a hub corpus's revision): they read as the default that
+    did what the code did before, so the seeds pool. How the tokenizer was made (data.tokenizer, its sample) is
+    told by the tokenizer's id: the same id pools, another does not."""
     t5_run(tmp_path / "old", 0, 64, {64: 30.0}, meta={"tokenizer": "sotu-v2048"})
     added = {"model.norm": "layernorm", "drop_pe": False, "attention.qk_norm": False, "eval.key_gain": 2.0}
+    added["data.corpus.revision"] = None
     made = {"data.tokenizer": None, "data.tokenizer_sample_mb": 256}
     t5_run(tmp_path / "new", 1, 64, {64: 32.0}, meta={"tokenizer": "sotu-v2048"}, **added, **made)
     lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))

@@ -57,6 +57,7 @@ SETTINGS_ADDED = {
     **{f"eval.{key}": value for key, value in EVAL_DEFAULTS.items() if key.startswith(("key_", "haystack_"))},
     "model.norm": "layernorm",
     "drop_pe": False,
+    "data.corpus.revision": None,  # a hub corpus's: unpinned before it could be pinned
 }
 # How a run's tokenizer was made: its id (meta.tokenizer, from its content) says which it is, whatever made it.
 TOKENIZER_SETTINGS = ("data.tokenizer", "data.tokenizer_sample_mb")
