@@ -52,7 +52,7 @@ def test_key_token_perplexity_equals_the_definition_computed_target_by_target(ev
     target at a time: each target's short context rebuilt from the definition."""
     length, net = 40, loud_net(0)
     judge = net if evaluator is None else loud_net(1)
-    monkeypatch.setattr(protocols, "evaluator_net", lambda path, like: judge)
+    monkeypatch.setattr(protocols, "evaluator_net", lambda path, like, tokenizer_digest: judge)
     rng = np.random.default_rng(1)
     documents = [rng.integers(0, 50, n).astype(np.int32) for n in (90, 45)]
     byte_ends = [np.cumsum(rng.integers(1, 4, len(d))) for d in documents]
@@ -109,8 +109,25 @@ def test_a_key_evaluator_folder_is_read_as_every_checkpoint_folder_is(trained_ru
     expected = net_state(load_checkpoint(str(trained_run)))["embedding.weight"]
     for folder in (tmp_path / "run", tmp_path / "run" / "checkpoints", trained_run / "checkpoints"):
         sweep_plan(eval_cfg(protocol="key_tokens", key_evaluator=str(folder)), 32, None, tuple(PROTOCOLS))
-        judge = evaluator_net(str(folder), tiny_net(vocab=expected.size(0)))
+        judge = evaluator_net(str(folder), tiny_net(vocab=expected.size(0)), None)
         torch.testing.assert_close(judge.embedding.weight, expected, rtol=0, atol=0)
+
+
+def test_a_key_evaluator_trained_with_another_tokenizer_is_refused_once_the_data_is_prepared(trained_run, sotu_data):
+    """An audit found one of the same vocabulary size accepted: it read the evaluated documents' token ids as its
+    own text's, and chose meaningless key tokens. The run folder's tokenizer passes; another corpus's is refused,
+    before any evaluation (train.py and eval.py call this once the corpus is prepared)."""
+    from types import SimpleNamespace
+
+    from lenext.checkpoints import load_checkpoint
+    from lenext.protocols import refuse_an_evaluator_of_other_text
+
+    plan = sweep_plan(eval_cfg(protocol="key_tokens", key_evaluator=str(trained_run)), 32, None, tuple(PROTOCOLS))
+    own = load_checkpoint(str(trained_run))["trained_on"]
+    refuse_an_evaluator_of_other_text(plan, SimpleNamespace(trained_on=lambda: own))
+    assert sotu_data.trained_on()["tokenizer"] != own["tokenizer"]
+    with pytest.raises(ConfigError, match=rf"^eval.key_evaluator='{trained_run}' was trained with another tokeni"):
+        refuse_an_evaluator_of_other_text(plan, sotu_data)
 
 
 def test_at_the_short_context_no_token_is_key():

@@ -38,6 +38,7 @@ from lenext.hf_self_extend import ATTENTION_NAME
 from lenext.hf_self_extend import install as install_self_extend
 from lenext.model import chunked_nll
 from lenext.pe.rope import TRANSFORMERS_ROPE_TYPES, self_extend_group, transformers_rope_parameters, unset_factor
+from lenext.protocols import refuse_an_evaluator_of_other_text
 from lenext.resolve import EVAL_NODES, EvalScriptSettings, flat_settings
 from lenext.results import environment, format_rows, write_results
 from lenext.run_folder import record_command, refuse_results_it_would_replace
@@ -409,6 +410,7 @@ def evaluate_hf(cfg: DictConfig) -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = canonical_precision(cfg.precision or ("bf16-mixed" if device.type == "cuda" else "32-true"))
     data.load()
+    refuse_an_evaluator_of_other_text(plan, data)
     rows, curves = sweep(net.to(device), data.evaluation(cfg.split), plan, settings, precision)
     meta = {
         "row": row_name(cfg.hf),

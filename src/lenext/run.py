@@ -32,6 +32,7 @@ from lenext.hardware import (
 from lenext.loggers import CSVLogger, log_results_to_wandb
 from lenext.module import VAL_LOSS, VAL_PPL, VAL_WINDOWS, CheckpointOnStop, answer_metric, tokens_trained
 from lenext.progress import StepsBar, next_steps, validation_scope
+from lenext.protocols import refuse_an_evaluator_of_other_text
 from lenext.resolve import (
     AS_TRAINED,
     EVAL_NODES,
@@ -234,6 +235,7 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
         named = spec.checkpoint if spec.start == "resume" else f"init_from={spec.checkpoint}"
         trained_on = load_checkpoint(spec.checkpoint, key=None).get("trained_on")
         refuse_other_data(trained_on, datamodule, named, whole=spec.start == "resume")
+    refuse_an_evaluator_of_other_text(spec.plan, datamodule)
     module = build_module(cfg.module, spec, build_net(spec, datamodule.vocab_size, weights))
     module.trained_on = datamodule.trained_on()
     return datamodule, module, trainer
@@ -298,6 +300,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> str:
     spec, datamodule, net, checkpoint = checkpoint_model(cfg, cfg.ckpt)
     datamodule.load()
     refuse_other_data(checkpoint.get("trained_on"), datamodule, f"ckpt={checkpoint_path}")
+    refuse_an_evaluator_of_other_text(spec.plan, datamodule)
     record_command(cfg)  # accepted: every check passed
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     identity = run_identity(OmegaConf.create(spec.config), FINISHED_IDENTITY)
