@@ -667,6 +667,16 @@ def test_a_remote_that_cannot_be_opened_is_refused_before_any_work(tmp_path):
             LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote=url)
 
 
+def test_a_remote_url_with_one_slash_is_refused_not_taken_for_a_local_folder(tmp_path, monkeypatch):
+    """fsspec reads s3:/bucket/x as a relative local path: the cache was mirrored into ./s3:/bucket/x, exit 0."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"^data.remote='s3:/bucket/x' is not a URL: .* \(did you mean s3://bucket/x\?\)"
+    ):
+        LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote="s3:/bucket/x")
+    assert not (tmp_path / "s3:").exists()
+
+
 def test_a_remote_that_cannot_be_reached_is_refused_before_any_work(tmp_path):
     """fsspec's HTTP store says a file is absent where its host cannot be reached: the remote is asked once at the
     start (the data module's construction, before its load), not after the corpus is prepared and pushed."""
@@ -675,6 +685,11 @@ def test_a_remote_that_cannot_be_reached_is_refused_before_any_work(tmp_path):
         url = f"http://127.0.0.1:{unused.getsockname()[1]}/cache"
     with pytest.raises(ConfigError, match=rf"^data.remote='{url}' cannot be reached \(ClientConnectorError: .*\): it"):
         LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote=url)
+    ftp = url.replace("http://", "ftp://")  # fsspec's FTP store connects as it is made: that raised a traceback
+    with pytest.raises(
+        ConfigError, match=rf"^data.remote='{ftp}' cannot be reached \(ConnectionRefusedError: .*\): it"
+    ):
+        LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote=ftp)
     LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote=(tmp_path / "empty").as_uri())
 
 

@@ -8,6 +8,7 @@ taken for a whole one. A pulled folder is checked as a locally prepared one is (
 """
 
 import os
+import re
 import uuid
 
 import fsspec
@@ -21,20 +22,25 @@ class RemoteCache:
     """The cache's mirror at ``url``. Each method takes a path relative to both roots: a file, or a split folder."""
 
     def __init__(self, url: str):
+        scheme = re.match(r"([a-z][a-z0-9+.-]+):/(?!/)", url)  # s3:/bucket: fsspec would take it for a local folder
+        if scheme:
+            raise ConfigError(
+                f"data.remote={url!r} is not a URL: it must be <protocol>://... (did you mean "
+                f"{scheme.group(1)}://{url[scheme.end() :]}?), or a local folder"
+            )
         try:
             self.fs, root = fsspec.core.url_to_fs(url)
         except (ImportError, ValueError) as e:  # an unknown protocol, or its package (s3fs, gcsfs, adlfs) missing
             raise ConfigError(f"data.remote={url!r} cannot be opened: {e}") from None
+        except Exception as e:  # noqa: BLE001 (a store that connects when made: ftp's socket errors)
+            raise unreachable(url, e) from None
         self.url, self.root = url.rstrip("/"), root.rstrip("/")
         try:  # now, not once the corpus is prepared: fsspec's HTTP exists() and info() say "absent" for a host it
             self.fs.ls(self.root, detail=False)  # cannot reach; ls() raises (the cache's root holds two folders)
         except FileNotFoundError:
             pass  # an empty prefix: the first machine to prepare fills it
         except Exception as e:  # noqa: BLE001 (each store has its own: botocore's, google-auth's, HTTP errors)
-            raise ConfigError(
-                f"data.remote={url!r} cannot be reached ({type(e).__name__}: {first_line(e)}): it must be a store "
-                "this machine can read and write"
-            ) from None
+            raise unreachable(url, e) from None
 
     def pull_file(self, cache_dir: str, relative: str) -> None:
         """The remote's copy of a file into the cache, if the cache lacks it and the remote has it."""
@@ -87,3 +93,10 @@ class RemoteCache:
             return method(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 (each store has its own: botocore's, google-auth's, HTTP errors)
             raise DataError(f"data.remote: {self.url}/{relative} failed ({type(e).__name__}: {e})") from None
+
+
+def unreachable(url: str, error: Exception) -> ConfigError:
+    return ConfigError(
+        f"data.remote={url!r} cannot be reached ({type(error).__name__}: {first_line(error)}): it must be a store "
+        "this machine can read and write"
+    )
