@@ -48,6 +48,11 @@ def test_unknown_pe_lists_the_available_ones(tmp_path):
             ["-m", "pe=glob(rope_n*)"],
             "error: pe=glob(rope_n*) is invalid: list the options instead (rope_nope,rope_ntk)",
         ),
+        (  # Hydra's grammar refuses a non-ASCII character unquoted: its four lines named no key
+            ["pe=rópe"],
+            "error: pe=rópe cannot be read as an override (at 'ó'): quote a value that holds spaces, non-ASCII ",
+        ),
+        (["data.max_len=32=64"], "error: data.max_len=32=64 cannot be read as an override (mismatched input '='"),
         (  # a sweep's config asked for: Hydra's ValueError, as a traceback
             ["-m", "pe=rope,alibi", "--cfg", "job"],
             "error: --multirun and --cfg cannot be given together: give one of --run, --multirun, --cfg, --info,",

@@ -162,12 +162,12 @@ def checked_command_line(config_name: str) -> Callable:
 
 
 def check_overrides(config_name: str, overrides: list[str], multirun: bool = False, jobs: bool = True) -> None:
-    """The checks of ``checked_command_line``; overrides Hydra cannot parse are left to Hydra. A sweep (``-m``, or a
-    preset's) has every job checked (``check_sweep_jobs``) unless ``jobs`` is false (--cfg, --help)."""
+    """The checks of ``checked_command_line``. A sweep (``-m``, or a preset's) has every job checked
+    (``check_sweep_jobs``) unless ``jobs`` is false (--cfg, --help)."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
-    except HydraException:
-        return
+    except HydraException as e:
+        raise unreadable_override(overrides, e) from None
     own_configs = not any(o.key_or_group == "hydra.searchpath" for o in parsed)  # else groups may have more options
     first_values = []  # one job's overrides: the first value of each sweep
     for override in parsed:
@@ -203,6 +203,26 @@ def check_overrides(config_name: str, overrides: list[str], multirun: bool = Fal
             basic = first.hydra.sweeper.get("_target_", "").endswith(".BasicSweeper")  # its grid known here
             if jobs and basic and (multirun or first.hydra.mode == RunMode.MULTIRUN):
                 check_sweep_jobs(config_name, parsed, first.hydra.sweeper.get("params"))
+
+
+def unreadable_override(overrides: list[str], error: HydraException) -> ConfigError:
+    """The override Hydra's grammar cannot read (a space, a non-ASCII character, an unmatched quote in its value),
+    named in one line with the quoting that reads it; Hydra's own message is four lines and names no key."""
+    lexer = "LexerNoViableAltException: "
+    for line in overrides:
+        try:
+            OverridesParser.create().parse_overrides([line])
+        except HydraException as e:
+            message = str(e).splitlines()
+            caret = message[1].find("^") - len(lexer) if message[0].startswith(lexer) and len(message) > 1 else -1
+            where = f"at {line[caret]!r}" if 0 <= caret < len(line) else first_line(e)
+            key, _, value = line.partition("=")
+            quote = "'" if '"' in value else '"'
+            return ConfigError(
+                f"{line} cannot be read as an override ({where}): quote a value that holds spaces, non-ASCII "
+                f"characters or any of =,[]{{}}()'\": {key}={quote}{value.strip(quote)}{quote}"
+            )
+    return ConfigError(first_line(error))
 
 
 def sweep_values(override, options: list[str]) -> list:
