@@ -53,6 +53,12 @@ def test_unknown_pe_lists_the_available_ones(tmp_path):
             "error: pe=rópe cannot be read as an override (at 'ó'): quote a value that holds spaces, non-ASCII ",
         ),
         (["data.max_len=32=64"], "error: data.max_len=32=64 cannot be read as an override (mismatched input '='"),
+        (  # an option ends the overrides for Hydra's parser: its usage, 8 lines, exit 2
+            ["model=tiny", "-m", "seed=0,1"],
+            "error: seed=0,1 comes after an option: give the options first, then every override (python train.py -m "
+            "model=tiny seed=0,1)",
+        ),
+        (["--sweep", "seed=0,1"], "error: --sweep is not an option of this command: --help lists them"),
         (  # a sweep's config asked for: Hydra's ValueError, as a traceback
             ["-m", "pe=rope,alibi", "--cfg", "job"],
             "error: --multirun and --cfg cannot be given together: give one of --run, --multirun, --cfg, --info,",

@@ -133,7 +133,8 @@ def checked_command_line(config_name: str) -> Callable:
         @functools.wraps(main)
         def wrapper(*args, **kwargs):
             with errors_in_one_line():
-                command = get_args_parser().parse_args(sys.argv[1:])
+                command, unread = get_args_parser().parse_known_args(sys.argv[1:])
+                refuse_unread_arguments(command, unread)
                 modes = [  # Hydra refuses more than one with a traceback
                     flag
                     for flag, given in (
@@ -159,6 +160,23 @@ def checked_command_line(config_name: str) -> Callable:
         return wrapper
 
     return decorate
+
+
+def refuse_unread_arguments(command, unread: list[str]) -> None:
+    """What Hydra's parser leaves (it would print its usage and exit 2): an option it lacks, or overrides after an
+    option (``train.py model=tiny -m seed=0,1``: an option ends the overrides), with the command as it reads."""
+    if not unread:
+        return
+    unknown = next((argument for argument in unread if argument.startswith("-")), None)
+    if unknown:
+        raise ConfigError(f"{unknown} is not an option of this command: --help lists them")
+    overrides = [*command.overrides, *unread]
+    options = [argument for argument in sys.argv[1:] if argument not in overrides]
+    script = os.path.basename(sys.argv[0])
+    raise ConfigError(
+        f"{unread[0]} comes after an option: give the options first, then every override "
+        f"(python {script} {' '.join([*options, *overrides])})"
+    )
 
 
 def check_overrides(config_name: str, overrides: list[str], multirun: bool = False, jobs: bool = True) -> None:
