@@ -563,6 +563,25 @@ def test_eval_refuses_the_training_settings_it_would_not_apply(override, why, tr
     assert not (tmp_path / "eval").exists()
 
 
+def test_a_run_folder_whose_last_checkpoint_is_cut_names_the_file_read_and_the_one_to_use(trained_run, tmp_path):
+    """An audit found ckpt=<folder> with a 0-byte last.ckpt (a run being written) named the folder alone."""
+    import shutil
+
+    from lenext.checkpoints import load_checkpoint
+
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    (folder / "last.ckpt").write_bytes(b"")
+    shutil.copy(trained_run / "checkpoints" / "last.ckpt", folder / "best.ckpt")
+    expected = (
+        rf"^ckpt='{tmp_path / 'run'}' \(its checkpoints/last.ckpt\) cannot be read \(.*; use another checkpoint "
+        rf"of the run \(ckpt={folder / 'best.ckpt'}\)$"
+    )
+    with pytest.raises(CheckpointError, match=expected):
+        load_checkpoint(str(tmp_path / "run"))
+    assert load_checkpoint(str(folder / "best.ckpt"))["global_step"] == 2
+
+
 def test_an_eval_sweep_checks_every_job_before_the_first_starts(trained_run, tmp_path):
     """An audit found eval.py -m unchecked: its third job's bad value failed after two evaluations. Each job is
     checked as it checks itself: its keys, its checkpoint and its plan against the checkpoint's run."""

@@ -43,7 +43,9 @@ def load_checkpoint(path: str, key: str | None = "ckpt") -> dict:
         raise ConfigError(
             "ckpt is required: pass a run folder or a .ckpt file from a training run, or hf=<model folder>"
         )
-    path = checkpoint_file(path, key)
+    given, path = path, checkpoint_file(path, key)
+    if path and os.path.abspath(path) != os.path.abspath(given):  # a run folder: the file it reads, named
+        named = f"{named} (its {os.path.relpath(path, given)})"
     if not path or not os.path.isfile(path):
         raise CheckpointError(
             f"{named} does not exist: pass a run folder or the path of a .ckpt file from a training run "
@@ -54,9 +56,13 @@ def load_checkpoint(path: str, key: str | None = "ckpt") -> dict:
         # Memory-mapped: a resume reads it here for its settings and Lightning reads it again, so no second copy.
         checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as e:  # truncated zip, pickle garbage, ...: all mean the file is not usable
+        folder = os.path.dirname(path)
+        others = sorted(f for f in os.listdir(folder) if f.endswith(".ckpt") and f != os.path.basename(path))
+        another = f" ({key}={os.path.join(folder, others[0])})" if others else ""
         raise CheckpointError(
             f"{named} cannot be read ({type(e).__name__}): the file is truncated (a run killed or a disk filled "
-            "while it was written) or not a PyTorch checkpoint" + ("; use another checkpoint of the run" if key else "")
+            "while it was written) or not a PyTorch checkpoint"
+            + (f"; use another checkpoint of the run{another}" if key else "")
         ) from e
     stored = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
     if not isinstance(stored, dict) or not ({"run", "run_config"} & set(stored)):  # run_config: before RunSpec
