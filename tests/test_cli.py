@@ -48,12 +48,14 @@ def test_unknown_pe_lists_the_available_ones(tmp_path):
             ["-m", "pe=glob(rope_n*)"],
             "error: pe=glob(rope_n*) is invalid: list the options instead (rope_nope,rope_ntk)",
         ),
-        (  # Hydra's grammar refuses a non-ASCII character unquoted: its four lines named no key
+        (  # Hydra's grammar refuses a non-ASCII character unquoted: its message named no key
             ["pe=rópe"],
-            "error: pe=rópe cannot be read as an override (at 'ó'): quote a value that holds spaces, non-ASCII ",
+            "error: pe=rópe cannot be read as an override (at 'ó'): quote a value that holds non-ASCII characters "
+            """or any of =,[]{}()'": 'pe="rópe"'""",
         ),
         (["data.max_len=32=64"], "error: data.max_len=32=64 cannot be read as an override (mismatched input '='"),
-        (  # an option ends the overrides for Hydra's parser: its usage, 8 lines, exit 2
+        (["data.max_len"], "error: data.max_len cannot be read as an override (missing EQUAL at '<EOF>'): give key"),
+        (  # an option ends the overrides for Hydra's parser: it printed its usage
             ["model=tiny", "-m", "seed=0,1"],
             "error: seed=0,1 comes after an option: give the options first, then every override (python train.py -m "
             "model=tiny seed=0,1)",

@@ -26,7 +26,7 @@ from lenext.pe import ALiBi, Learned, RoPE, T5Bias
 from lenext.protocols import PROTOCOLS, KeyTokens, LastK, NonOverlapping, Sliding, cap_windows
 from lenext.run import evaluate_checkpoint, train
 from lenext.scoring import evaluate_length
-from tests.conftest import small_corpus_overrides, tiny_overrides
+from tests.conftest import CONFIG_FOLDER, small_corpus_overrides, tiny_overrides
 
 DOC_LENGTHS = [1, 40, 97, 130, 64, 65]
 
@@ -141,7 +141,7 @@ def test_a_protocols_own_setting_given_without_the_protocol_is_refused(setting, 
 def test_a_protocols_own_setting_at_its_config_default_asks_nothing():
     """configs/eval/default.yaml shows some protocol defaults (key_gain: 2.0): those values, the ones the protocols
     use when the key is null, pass in any sweep, and the config and the protocols agree on them."""
-    defaults = OmegaConf.load("configs/eval/default.yaml")
+    defaults = OmegaConf.load(CONFIG_FOLDER / "eval" / "default.yaml")
     every = ("nonoverlap", "sliding", "last_k", "key_tokens", *HAYSTACKS)
     for protocol in PROTOCOLS.values():
         for key, unset in protocol.own_settings.items():
@@ -563,7 +563,9 @@ def test_eval_refuses_the_training_settings_it_would_not_apply(override, why, tr
     assert not (tmp_path / "eval").exists()
 
 
-def test_a_run_folder_whose_last_checkpoint_is_cut_names_the_file_read_and_the_one_to_use(trained_run, tmp_path):
+def test_a_run_folder_whose_last_checkpoint_is_cut_names_the_file_read_and_the_one_to_use(
+    trained_run, tmp_path, monkeypatch
+):
     """An audit found ckpt=<folder> with a 0-byte last.ckpt (a run being written) named the folder alone."""
     import shutil
 
@@ -580,6 +582,9 @@ def test_a_run_folder_whose_last_checkpoint_is_cut_names_the_file_read_and_the_o
     with pytest.raises(CheckpointError, match=expected):
         load_checkpoint(str(tmp_path / "run"))
     assert load_checkpoint(str(folder / "best.ckpt"))["global_step"] == 2
+    monkeypatch.chdir(folder)  # a bare file name: its folder is the working one
+    with pytest.raises(CheckpointError, match=r"^ckpt='last.ckpt' cannot be read .* of the run \(ckpt=./best.ckpt\)$"):
+        load_checkpoint("last.ckpt")
 
 
 def test_an_eval_sweep_checks_every_job_before_the_first_starts(trained_run, tmp_path):

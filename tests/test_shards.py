@@ -675,6 +675,8 @@ def test_a_remote_url_with_one_slash_is_refused_not_taken_for_a_local_folder(tmp
     ):
         LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote="s3:/bucket/x")
     assert not (tmp_path / "s3:").exists()
+    for local in (f"file:{tmp_path / 'mirror'}", f"local:{tmp_path / 'mirror'}"):  # fsspec's local paths, as meant
+        LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote=local)
 
 
 def test_a_remote_that_cannot_be_reached_is_refused_before_any_work(tmp_path):

@@ -4,6 +4,7 @@ A checkpoint is read once per use: a second stage's base (``init_from``) is read
 checks and the run starts from.
 """
 
+import contextlib
 import glob
 import os
 from dataclasses import dataclass
@@ -35,6 +36,15 @@ def checkpoint_file(path: str, key: str | None = "ckpt", missing_ok: bool = Fals
     raise CheckpointError(f"{named} holds several checkpoints and no one last.ckpt: pass one of {', '.join(found)}")
 
 
+def another_checkpoint(path: str, key: str) -> str:
+    """Advice for an unreadable checkpoint: another of the run's, named where its folder holds one."""
+    folder = os.path.dirname(path) or "."
+    others = []
+    with contextlib.suppress(OSError):
+        others = sorted(f for f in os.listdir(folder) if f.endswith(".ckpt") and f != os.path.basename(path))
+    return "use another checkpoint of the run" + (f" ({key}={os.path.join(folder, others[0])})" if others else "")
+
+
 def load_checkpoint(path: str, key: str | None = "ckpt") -> dict:
     """The checkpoint dict of ``path`` (a .ckpt or a run folder: ``checkpoint_file``), or a CheckpointError that
     says what is wrong with the file (named as ``key``=path)."""
@@ -56,13 +66,9 @@ def load_checkpoint(path: str, key: str | None = "ckpt") -> dict:
         # Memory-mapped: a resume reads it here for its settings and Lightning reads it again, so no second copy.
         checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as e:  # truncated zip, pickle garbage, ...: all mean the file is not usable
-        folder = os.path.dirname(path)
-        others = sorted(f for f in os.listdir(folder) if f.endswith(".ckpt") and f != os.path.basename(path))
-        another = f" ({key}={os.path.join(folder, others[0])})" if others else ""
         raise CheckpointError(
             f"{named} cannot be read ({type(e).__name__}): the file is truncated (a run killed or a disk filled "
-            "while it was written) or not a PyTorch checkpoint"
-            + (f"; use another checkpoint of the run{another}" if key else "")
+            "while it was written) or not a PyTorch checkpoint" + (f"; {another_checkpoint(path, key)}" if key else "")
         ) from e
     stored = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
     if not isinstance(stored, dict) or not ({"run", "run_config"} & set(stored)):  # run_config: before RunSpec

@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import re
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from importlib import resources
@@ -170,12 +171,13 @@ def refuse_unread_arguments(command, unread: list[str]) -> None:
     unknown = next((argument for argument in unread if argument.startswith("-")), None)
     if unknown:
         raise ConfigError(f"{unknown} is not an option of this command: --help lists them")
-    overrides = [*command.overrides, *unread]
-    options = [argument for argument in sys.argv[1:] if argument not in overrides]
+    overrides, options = [*command.overrides, *unread], list(sys.argv[1:])
+    for override in overrides:  # the last of equal strings: an option's value comes before the overrides
+        del options[len(options) - 1 - options[::-1].index(override)]
     script = os.path.basename(sys.argv[0])
+    command_line = shlex.join([*(["python"] if script.endswith(".py") else []), script, *options, *overrides])
     raise ConfigError(
-        f"{unread[0]} comes after an option: give the options first, then every override "
-        f"(python {script} {' '.join([*options, *overrides])})"
+        f"{unread[0]} comes after an option: give the options first, then every override ({command_line})"
     )
 
 
@@ -224,21 +226,24 @@ def check_overrides(config_name: str, overrides: list[str], multirun: bool = Fal
 
 
 def unreadable_override(overrides: list[str], error: HydraException) -> ConfigError:
-    """The override Hydra's grammar cannot read (a space, a non-ASCII character, an unmatched quote in its value),
-    named in one line with the quoting that reads it; Hydra's own message is four lines and names no key."""
+    """The override Hydra's grammar cannot read (a non-ASCII character, a stray quote or bracket in its value, no
+    ``=``), named in one line with where it stops and, for a value, the quoting that reads it, as a shell passes it
+    on; Hydra's own message names no override."""
     lexer = "LexerNoViableAltException: "
     for line in overrides:
         try:
             OverridesParser.create().parse_overrides([line])
         except HydraException as e:
-            message = str(e).splitlines()
+            message = [m for m in str(e).splitlines() if not m.startswith("See https://")]
             caret = message[1].find("^") - len(lexer) if message[0].startswith(lexer) and len(message) > 1 else -1
-            where = f"at {line[caret]!r}" if 0 <= caret < len(line) else first_line(e)
-            key, _, value = line.partition("=")
+            where = f"at {line[caret]!r}" if 0 <= caret < len(line) else message[-1].strip()
+            key, equals, value = line.partition("=")
+            if not equals:
+                return ConfigError(f"{line} cannot be read as an override ({where}): give key=value")
             quote = "'" if '"' in value else '"'
             return ConfigError(
-                f"{line} cannot be read as an override ({where}): quote a value that holds spaces, non-ASCII "
-                f"characters or any of =,[]{{}}()'\": {key}={quote}{value.strip(quote)}{quote}"
+                f"{line} cannot be read as an override ({where}): quote a value that holds non-ASCII characters "
+                f"or any of =,[]{{}}()'\": {shlex.quote(f'{key}={quote}{value.strip(quote)}{quote}')}"
             )
     return ConfigError(first_line(error))
 

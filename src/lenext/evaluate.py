@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import ListConfig
 
 from lenext.errors import CheckpointError, ConfigError, LengthNotSupported
 from lenext.hardware import release_freed_memory
@@ -287,6 +288,7 @@ def refuse_settings_of_other_protocols(eval_cfg, plan_protocols: list[str], aske
             readers.setdefault(key, []).append(name)
     for key, names in readers.items():
         value = getattr(eval_cfg, key, None)
+        value = list(value) if isinstance(value, (tuple, ListConfig)) else value  # compared as the config's list
         if value is None or value == PROTOCOLS[names[0]].own_settings[key] or set(names) & set(plan_protocols):
             continue
         shown = asked if isinstance(asked, str) else f"[{','.join(asked)}]"
@@ -294,7 +296,7 @@ def refuse_settings_of_other_protocols(eval_cfg, plan_protocols: list[str], aske
         add = names[0] if len(names) == 1 else "one of them"
         raise ConfigError(
             f"eval.{key}={value} changes nothing here: it is a setting of {whose}, which eval.protocol={shown} "
-            f"does not evaluate; add {add} to eval.protocol, or drop eval.{key}"
+            f"does not evaluate; add {add} to eval.protocol, or drop eval.{key} (a preset's: eval.{key}=null)"
         )
 
 

@@ -39,8 +39,8 @@ class TextProtocol:
     name: ClassVar[str]
     per_position: ClassVar[bool] = False  # whether its rows have a per-position loss curve (eval.per_position)
     metrics: ClassVar[tuple[str, ...]] = ("ppl",)  # the row metrics the report tables, the first its headline
-    # eval keys only this protocol reads, each with its value that asks nothing (null, or the default the config
-    # shows): set otherwise in a sweep without the protocol, refused (it would change nothing)
+    # eval keys only this protocol (and its subclasses) reads, each with its value that asks nothing (null, or the
+    # default the config shows): set otherwise in a sweep without the protocol, refused (it would change nothing)
     own_settings: ClassVar[dict[str, object]] = {}
 
     @classmethod
@@ -319,10 +319,10 @@ def refuse_an_evaluator_of_other_text(plan, data) -> None:
     from lenext.checkpoints import checkpoint_file, load_checkpoint
 
     path = plan.protocol_settings.get("key_evaluator") if plan else None
-    trained_on = getattr(data, "trained_on", None)  # the probes' data writes token ids: no tokenizer
-    if path is None or trained_on is None or checkpoint_file(path, "eval.key_evaluator", missing_ok=True) is None:
+    here = data.trained_on() if path else None  # None: the probes' data, which writes token ids (no tokenizer)
+    if not here or checkpoint_file(path, "eval.key_evaluator", missing_ok=True) is None:
         return
-    refuse_other_tokenizer(path, load_checkpoint(path, "eval.key_evaluator"), trained_on()["tokenizer"])
+    refuse_other_tokenizer(path, load_checkpoint(path, "eval.key_evaluator"), here["tokenizer"])
 
 
 @dataclass(frozen=True)

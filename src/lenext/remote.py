@@ -22,8 +22,9 @@ class RemoteCache:
     """The cache's mirror at ``url``. Each method takes a path relative to both roots: a file, or a split folder."""
 
     def __init__(self, url: str):
-        scheme = re.match(r"([a-z][a-z0-9+.-]+):/(?!/)", url)  # s3:/bucket: fsspec would take it for a local folder
-        if scheme:
+        # s3:/bucket: fsspec would take it for a local folder of that name (file:/path is its local path, as meant)
+        scheme = re.match(r"([a-z][a-z0-9+.-]+):/(?!/)", url, re.IGNORECASE)
+        if scheme and scheme.group(1).lower() not in ("file", "local"):
             raise ConfigError(
                 f"data.remote={url!r} is not a URL: it must be <protocol>://... (did you mean "
                 f"{scheme.group(1)}://{url[scheme.end() :]}?), or a local folder"

@@ -162,7 +162,7 @@ def transformers_rope_parameters(scaling: str, factor: float, original_len: int,
     """transformers' rope_parameters, less rope_theta, for ``scaling`` (one it defines) at ``factor`` from the
     context ``original_len``; the scaling's constants from ``constants`` (a RoPE or RopeSettings), else their
     defaults."""
-    values = {"factor": factor and float(factor), "original_max_position_embeddings": original_len}
+    values = {"factor": None if factor is None else float(factor), "original_max_position_embeddings": original_len}
     values |= {name: getattr(constants or RopeSettings, name) for name in CONSTANTS}
     keys = TRANSFORMERS_ROPE_KEYS[scaling]
     return {"rope_type": TRANSFORMERS_ROPE_TYPES[scaling], **{key: values[key] for key in keys}}
@@ -273,8 +273,8 @@ class SelfExtend(Rotation):
 
 
 def self_extend_positions(positions: torch.Tensor, group: float, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Self-Extend's grouped query and key positions: floor(p / G) + W - W / G and floor(p / G), so that a query and
-    a key W apart or more stand at most W apart after grouping."""
+    """Self-Extend's grouped query and key positions: floor(p / G) + W - W / G and floor(p / G); a query's grouped
+    distance to a key W or more back continues from about W (the neighbour window's last) and grows G times slower."""
     keys = torch.div(positions, group, rounding_mode="floor")
     return keys + window - window / group, keys
 
