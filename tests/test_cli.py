@@ -92,6 +92,18 @@ def test_eval_py_names_where_a_training_setting_comes_from_with_or_without_a_plu
     assert lines[0].startswith(f"error: {key} is not a setting of this command: {why}"), result.stderr
 
 
+@pytest.mark.parametrize("override", ["model.d_model=8", "+model.d_model=8", "+train.positions=pose"])
+def test_diagnose_py_names_where_a_training_setting_comes_from(tmp_path, override):
+    """diagnose.py reads the checkpoint's model and positions, as eval.py does: the same answer, with or without +
+    (it said "not a setting lenext knows; remove it", or "not a setting of model; the settings there: none")."""
+    arguments = [f"ckpt={tmp_path / 'none.ckpt'}", override]
+    result = run_command("diagnose.py", arguments, {**os.environ, "LENEXT_ROOT": str(tmp_path)}, tmp_path)
+    key, kept = override.lstrip("+").split("=")[0], "training positions" if "train" in override else "model"
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        f"error: {key} is not a setting of this command: the checkpoint keeps its {kept}"
+    ]
+
+
 def test_help_says_what_the_command_does_with_examples_and_its_groups():
     """train.py in a new interpreter (the shim itself), eval.py forked (tests/forked.py)."""
     for script, purpose, group in (("train.py", "train a decoder", "pe: alibi"), ("eval.py", "evaluate a", "eval:")):

@@ -33,7 +33,7 @@ from lenext import schema
 from lenext.build import CONFIG_PACKAGE, hydra_config, instantiate
 from lenext.checkpoints import checkpoint_file
 from lenext.data import LMDataModule
-from lenext.diagnostics import diagnosed_model
+from lenext.diagnostics import DiagnoseSettings, diagnosed_model
 from lenext.errors import (
     CheckpointError,
     ConfigError,
@@ -274,7 +274,7 @@ def not_a_setting(config_name: str, overrides: list[str], error: Exception) -> C
     path, _, name = unknown.group(1).rpartition(".")
     fixed = getattr(COMMAND_SETTINGS.get(config_name), "FIXED", {}).get(unknown.group(1).split(".")[0])
     if fixed:  # eval.py's model.d_model=8: a node the command takes from the checkpoint
-        return ConfigError(f"{unknown.group(1)} is not a setting of this command: {fixed}")
+        return schema.kept_elsewhere(unknown.group(1), fixed)
     rest = [line for line in overrides if not line.lstrip("+~").startswith(unknown.group(1) + "=")]
     root = compose(config_name, overrides=rest)
     node = OmegaConf.select(root, path) if path else root
@@ -381,7 +381,7 @@ def check_diagnosis_job(cfg: DictConfig) -> None:
 
 # Each entry point's checks of one job, which its sweeps run on every job before the first starts.
 JOB_CHECKS = {"train": check_training_job, "eval": check_evaluation_job, "diagnose": check_diagnosis_job}
-COMMAND_SETTINGS = {"train": TrainSettings, "eval": EvalScriptSettings}  # each command's own schema
+COMMAND_SETTINGS = {"train": TrainSettings, "eval": EvalScriptSettings, "diagnose": DiagnoseSettings}
 
 
 def config_folder(group: str):

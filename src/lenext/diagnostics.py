@@ -326,6 +326,12 @@ class DiagnoseSettings:
     tokens_per_batch: PositiveInt
     precision: Precision | None  # null: 32-true (exact statistics), on any device
 
+    FIXED = {  # what the checkpoint keeps: diagnosed as trained
+        "attention": "the checkpoint keeps its attention settings",
+        "train": "the checkpoint keeps its training positions",
+        "model": "the checkpoint keeps its model",
+    }
+
 
 # The eval.py keys ``evaluation_config`` sets, and this command's keys that give them.
 EVALUATION_KEYS = {

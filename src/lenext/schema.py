@@ -137,7 +137,7 @@ def _check_node(node: DictConfig, path: str, declarer, declared: dict[str, type]
         fixed = getattr(declarer, "FIXED", {}).get(key)
         if fixed:  # a node the command takes from elsewhere (eval.py: the checkpoint's training settings)
             leaf = next(iter(value), None) if isinstance(value, DictConfig) else None
-            raise ConfigError(f"{full}{f'.{leaf}' if leaf else ''} is not a setting of this command: {fixed}", full)
+            raise kept_elsewhere(f"{full}{f'.{leaf}' if leaf else ''}", fixed)
         built_with = getattr(declarer, "BUILT_WITH", ())
         if key in built_with:  # lenext passes it when it builds the object: a value here would be overridden
             settings = sorted(k for k in parameters if k != "**" and k not in built_with)
@@ -296,3 +296,8 @@ def describe(annotation) -> str:
     if origin is dict:
         return f"a mapping of names to ({describe(args[1])})" if args else "a mapping"
     return f"a {getattr(annotation, '__name__', str(annotation))} config node"
+
+
+def kept_elsewhere(key: str, where: str) -> ConfigError:
+    """A key of a node the command takes from elsewhere (eval.py's and diagnose.py's ``FIXED``: the checkpoint's)."""
+    return ConfigError(f"{key} is not a setting of this command: {where}", key.split(".")[0])
