@@ -349,7 +349,7 @@ def test_a_key_evaluator_of_another_vocabulary_is_refused_in_one_line_for_a_hugg
     monkeypatch.setattr(lenext.checkpoints, "net_state", lambda checkpoint: {"embedding.weight": torch.zeros(512, 4)})
     with pytest.raises(ConfigError, match=r"^eval.key_evaluator='judge.ckpt' has a vocabulary of 512 tokens, the "
                        r"evaluated model 300: it must be a run on the same data and tokenizer$"):  # fmt: skip
-        evaluator_net("judge.ckpt", net, None)
+        evaluator_net("judge.ckpt", net)
 
 
 def test_the_trained_context_is_the_one_given_then_a_lenext_exports_then_a_scalings_original_then_the_window():

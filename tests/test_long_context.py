@@ -52,7 +52,7 @@ def test_key_token_perplexity_equals_the_definition_computed_target_by_target(ev
     target at a time: each target's short context rebuilt from the definition."""
     length, net = 40, loud_net(0)
     judge = net if evaluator is None else loud_net(1)
-    monkeypatch.setattr(protocols, "evaluator_net", lambda path, like, tokenizer_digest: judge)
+    monkeypatch.setattr(protocols, "evaluator_net", lambda path, like: judge)
     rng = np.random.default_rng(1)
     documents = [rng.integers(0, 50, n).astype(np.int32) for n in (90, 45)]
     byte_ends = [np.cumsum(rng.integers(1, 4, len(d))) for d in documents]
@@ -109,7 +109,7 @@ def test_a_key_evaluator_folder_is_read_as_every_checkpoint_folder_is(trained_ru
     expected = net_state(load_checkpoint(str(trained_run)))["embedding.weight"]
     for folder in (tmp_path / "run", tmp_path / "run" / "checkpoints", trained_run / "checkpoints"):
         sweep_plan(eval_cfg(protocol="key_tokens", key_evaluator=str(folder)), 32, None, tuple(PROTOCOLS))
-        judge = evaluator_net(str(folder), tiny_net(vocab=expected.size(0)), None)
+        judge = evaluator_net(str(folder), tiny_net(vocab=expected.size(0)))
         torch.testing.assert_close(judge.embedding.weight, expected, rtol=0, atol=0)
 
 

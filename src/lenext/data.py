@@ -847,7 +847,7 @@ class LMDataModule(L.LightningDataModule):
 
     def evaluation(self, split: str) -> TextEvaluation:
         byte_ends = self.documents(split, "byte_ends") if split != "train" else None
-        return TextEvaluation(self.documents(split), byte_ends, self.tokenizer, self.trained_on()["tokenizer"])
+        return TextEvaluation(self.documents(split), byte_ends, self.tokenizer)
 
     @property
     def tokenizer_id(self) -> str:

@@ -81,18 +81,11 @@ class PeakMemory:
 class TextEvaluation:
     """The sweep's view of held-out documents: the text protocols (lenext.protocols) measured on them."""
 
-    def __init__(
-        self,
-        documents: list[np.ndarray],
-        byte_ends: list[np.ndarray] | None = None,
-        tokenizer=None,
-        tokenizer_digest: str | None = None,
-    ):
+    def __init__(self, documents: list[np.ndarray], byte_ends: list[np.ndarray] | None = None, tokenizer=None):
         """``byte_ends``: per document, the text's bytes up to each token's end (lenext.data), for bits per byte;
-        ``tokenizer`` (a tokenizers.Tokenizer): the one that wrote the documents, for the haystack protocols;
-        ``tokenizer_digest``: its identity as checkpoints keep it (``trained_on``), for a key-token evaluator."""
+        ``tokenizer`` (a tokenizers.Tokenizer): the one that wrote the documents, for the haystack protocols."""
         self.documents, self.byte_ends, self.lengths = documents, byte_ends, [len(d) for d in documents]
-        self.tokenizer, self.tokenizer_digest, self._haystack = tokenizer, tokenizer_digest, None
+        self.tokenizer, self._haystack = tokenizer, None
 
     def haystack(self) -> HaystackText:
         """The documents as haystack text, with the tokenizer that writes needles (made once)."""

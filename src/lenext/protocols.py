@@ -237,7 +237,7 @@ class KeyTokens(TextProtocol):
     @torch.no_grad()
     def measure(self, net, evaluation, windows, length, settings, precision, scheme, seed) -> Measured:
         device = next(net.parameters()).device
-        judge = net if self.evaluator is None else evaluator_net(self.evaluator, net, evaluation.tokenizer_digest)
+        judge = net if self.evaluator is None else evaluator_net(self.evaluator, net)
         judge_scheme = scheme if judge is net else None  # the evaluator reads its windows at 0..L-1
         rank, world = distributed()
         counted = ("key_nll", "key_tokens", "targets", "all_nll", *(("key_bytes",) if evaluation.byte_ends else ()))
@@ -281,10 +281,10 @@ class KeyTokens(TextProtocol):
 
 
 @cache
-def evaluator_net(path: str, like, tokenizer_digest: str | None):
+def evaluator_net(path: str, like):
     """The model of the lenext checkpoint (or run folder) ``path`` that judges key tokens, on ``like``'s device;
-    a ConfigError unless its vocabulary is the evaluated model's and it trained with the tokenizer that wrote the
-    evaluated documents (``tokenizer_digest``; None, or a checkpoint that keeps none: not compared)."""
+    a ConfigError unless its vocabulary is the evaluated model's (its tokenizer was checked against the data's
+    before any work: ``refuse_an_evaluator_of_other_text``)."""
     from lenext.build import build_net  # lenext.build reads configs through lenext.resolve, which imports this
     from lenext.checkpoints import load_checkpoint, net_state, stored_spec
 
@@ -296,33 +296,27 @@ def evaluator_net(path: str, like, tokenizer_digest: str | None):
             f"eval.key_evaluator={path!r} has a vocabulary of {vocab} tokens, the evaluated model {evaluated}: "
             "it must be a run on the same data and tokenizer"
         )
-    refuse_other_tokenizer(path, checkpoint, tokenizer_digest)
     judge = build_net(stored_spec(checkpoint, f"eval.key_evaluator={path}"), vocab, state)
     return judge.to(next(like.parameters()).device).eval()
 
 
-def refuse_other_tokenizer(path: str, checkpoint: dict, tokenizer_digest: str | None) -> None:
-    """A ConfigError where the evaluator ``checkpoint`` trained with another tokenizer than the one that wrote the
-    evaluated documents (``tokenizer_digest``, as checkpoints keep it: ``trained_on``): the same token ids would
-    mean other text to it. Not compared where either is unknown (a checkpoint from before lenext kept it)."""
-    recorded = (checkpoint.get("trained_on") or {}).get("tokenizer")
-    if recorded and tokenizer_digest and recorded != tokenizer_digest:
+def refuse_an_evaluator_of_other_text(plan, data) -> None:
+    """Before any work, once ``data`` is prepared: eval.key_evaluator trained with another tokenizer than the one
+    that wrote ``data``'s documents (checkpoints keep it: ``trained_on``), whose token ids would mean other text to
+    it. Not compared where either is unknown: the probes' data (token ids, no tokenizer), a checkpoint from before
+    lenext kept it, an evaluator still training (no checkpoint yet)."""
+    from lenext.checkpoints import checkpoint_file, load_checkpoint
+
+    path = plan.protocol_settings.get("key_evaluator") if plan else None
+    here = data.trained_on() if path else None
+    if not here or checkpoint_file(path, "eval.key_evaluator", missing_ok=True) is None:
+        return
+    recorded = (load_checkpoint(path, "eval.key_evaluator").get("trained_on") or {}).get("tokenizer")
+    if recorded and recorded != here["tokenizer"]:
         raise ConfigError(
             f"eval.key_evaluator={path!r} was trained with another tokenizer than the one that wrote the evaluated "
             "text (its token ids mean other text to it): it must be a run on the same data and tokenizer"
         )
-
-
-def refuse_an_evaluator_of_other_text(plan, data) -> None:
-    """Before any work, once ``data`` is prepared: eval.key_evaluator trained with another tokenizer than ``data``'s
-    (``refuse_other_tokenizer``); an evaluator still training, with no checkpoint yet, is checked when it is read."""
-    from lenext.checkpoints import checkpoint_file, load_checkpoint
-
-    path = plan.protocol_settings.get("key_evaluator") if plan else None
-    here = data.trained_on() if path else None  # None: the probes' data, which writes token ids (no tokenizer)
-    if not here or checkpoint_file(path, "eval.key_evaluator", missing_ok=True) is None:
-        return
-    refuse_other_tokenizer(path, load_checkpoint(path, "eval.key_evaluator"), here["tokenizer"])
 
 
 @dataclass(frozen=True)
