@@ -693,21 +693,24 @@ def study_module(cfg):
 
 
 class StepClock(L.Callback):
-    """The time at the end of every training step."""
+    """The time at the end of every training step; ``on_step`` (a profiler's ``step``) called after each."""
 
-    def __init__(self):
-        self.ends = []
+    def __init__(self, on_step=None):
+        self.ends, self.on_step = [], on_step
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if module.device.type == "cuda":
             torch.cuda.synchronize()
         self.ends.append(time.perf_counter())
+        if self.on_step:
+            self.on_step()
 
 
-def lightning_steps(cfg, module, loader, save_to: str | None = None) -> list[float]:
+def lightning_steps(cfg, module, loader, save_to: str | None = None, on_step=None) -> list[float]:
     """Fit ``module`` with the trainer, callbacks and loggers train.py builds from ``cfg``; step end times. The
-    fitted module is saved to ``save_to`` when given (a base for a second stage)."""
-    clock = StepClock()
+    fitted module is saved to ``save_to`` when given (a base for a second stage); ``on_step`` is called after each
+    step."""
+    clock = StepClock(on_step)
     callbacks = [instantiate(c, f"callbacks.{name}") for name, c in cfg.callbacks.items()] + [clock]
     loggers = [instantiate(c, f"logger.{name}") for name, c in cfg.logger.items()]
     trainer = instantiate(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers)
@@ -717,9 +720,9 @@ def lightning_steps(cfg, module, loader, save_to: str | None = None) -> list[flo
     return clock.ends
 
 
-def bare_steps(cfg, net, loader, device: str = "cpu") -> list[float]:
+def bare_steps(cfg, net, loader, device: str = "cpu", on_step=None) -> list[float]:
     """The same training by hand: autocast, loss, backward, gradient clipping, AdamW and schedule steps; the
-    batches moved to ``device`` (``net``'s), as Lightning moves them."""
+    batches moved to ``device`` (``net``'s), as Lightning moves them; ``on_step`` is called after each step."""
     optim = cfg.module
     optimizer, scheduler = adamw_with_schedule(
         net,
@@ -744,6 +747,8 @@ def bare_steps(cfg, net, loader, device: str = "cpu") -> list[float]:
         if device == "cuda":
             torch.cuda.synchronize()
         ends.append(time.perf_counter())
+        if on_step:
+            on_step()
     return ends
 
 

@@ -5,9 +5,9 @@ Run on a machine with a CUDA GPU: ``make gpu-check`` (it installs what the machi
 (exactness after each row), so a run cut off keeps what it measured; exactness and training take no new row once
 their share of ``--budget`` is spent, and say which rows they did not reach (training still times at least two
 repetitions; the Lightning section's size is fixed). Each section's share is of the time left when it starts: what
-a section leaves unspent goes to the sections after it. ``--profile``: each training and FSDP arm's step again
-under torch.profiler (the device's busy time, its top kernels). On CUDA the check runs in a child process, started
-again without any row that crashes it (``supervise``).
+a section leaves unspent goes to the sections after it. ``--profile``: each training, Lightning and FSDP arm's steps
+again under torch.profiler (the device's busy time, the host's reads of device values, the top kernels). On CUDA
+the check runs in a child process, started again without any row that crashes it (``supervise``).
 
 1. exactness: every PE config (and the attention settings' rows), a 2-layer model at L_train 64, its per-token NLL
    and every parameter's gradient on CUDA against float64 on the CPU: fp32 (TF32 off) on the automatic path,
@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -459,23 +460,55 @@ def self_time(event, cuda: bool) -> float:
     return (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e6
 
 
-def step_profile(arm, device: str, tokens_per_step: int, tokens_per_s: float, steps: int = 3, top: int = 8) -> dict:
-    """Where ``steps`` of ``arm`` spend their time (torch.profiler): its kernels' time a step, summed over them (and
-    over streams: where kernels overlap, more than the time the device was busy), against the step timed without
-    the profiler (``tokens_per_step / tokens_per_s``): the rest of it the GPU waited for the CPU to launch work at
-    least. The ``top`` kernels (on the CPU: operators) by their own time, and the profiled step's wall time."""
-    from torch.profiler import ProfilerActivity, profile
+def step_profile(arm, device: str, tokens_per_step: int, tokens_per_s: float, steps: int = 3) -> dict:
+    """Where ``steps`` of ``arm`` spend their time (torch.profiler), as ``profiled_steps`` says, against the step
+    timed without the profiler (``tokens_per_step / tokens_per_s``)."""
+    from torch.profiler import profile
 
-    cuda = device == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with profile(activities=profiled_activities(device)) as prof:
         profiled_tokens_per_s = tokens_per_second(arm, steps, tokens_per_step, device)
-    kernels = device_kernels(prof.key_averages(), cuda)
+    step_s, timed_step_s = tokens_per_step / profiled_tokens_per_s, tokens_per_step / tokens_per_s
+    return profiled_steps(prof.key_averages(), device, steps, step_s, timed_step_s)
+
+
+def profiled_activities(device: str) -> list:
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+
+
+def profiled_steps(averages, device: str, steps: int, step_s: float, timed_step_s: float, top: int = 8) -> dict:
+    """A profile of ``steps`` steps: the kernels' time a step, summed over them (and over streams: where kernels
+    overlap, more than the time the device was busy), against the step timed without the profiler
+    (``timed_step_s``): the rest of it the GPU waited for the CPU to launch work at least; the reads of a device
+    value by the host a step (``aten::_local_scalar_dense``: ``.item()``, a tensor's truth; on a GPU each waits for
+    every kernel queued before it); the ``top`` kernels (on the CPU: operators) by their own time, and the
+    profiled step's wall time (``step_s``)."""
+    cuda = device == "cuda"
+    kernels = device_kernels(averages, cuda)
     return {
-        "step_s": tokens_per_step / profiled_tokens_per_s,
-        "timed_step_s": tokens_per_step / tokens_per_s,
+        "step_s": step_s,
+        "timed_step_s": timed_step_s,
         "busy_s": sum(self_time(e, cuda) for e in kernels) / steps,  # the kernels' summed time a step
+        "host_reads": sum(e.count for e in averages if e.key == "aten::_local_scalar_dense") / steps,
         "top": [(e.key, self_time(e, cuda) / steps, e.count // steps) for e in kernels[:top]],
     }
+
+
+def fit_profile(fit, device: str, steps: int, timed_step_s: float) -> dict:
+    """``profiled_steps`` of a fresh fit of ``steps`` + 1 steps (``fit(on_step)``, calling ``on_step`` after each
+    step and returning the steps' end times), its first step (the optimizer's state made) left out."""
+    from torch.profiler import profile, schedule
+
+    averages = []  # the active steps' (the profiler clears them as its cycle ends)
+    with profile(
+        activities=profiled_activities(device),
+        schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
+        on_trace_ready=lambda prof: averages.append(prof.key_averages()),
+    ) as prof:
+        ends = fit(prof.step)
+    step_s = statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False))
+    return profiled_steps(averages[0], device, steps, step_s, timed_step_s)
 
 
 def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log, model=None, vocab=0, profile=False):
@@ -552,29 +585,34 @@ def lightning_config(output_dir: str, steps: int, length: int, batch: int, model
         return compose("train", overrides=overrides)
 
 
-def bench_lightning(length, batch, steps, reps, device, log, model=None, vocab=0, compiled=False):
+def bench_lightning(length, batch, steps, reps, device, log, model=None, vocab=0, compiled=False, profile=False):
     """lenext's training under Lightning against the bare loop, RoPE at ``model`` (the small preset if None), each
-    arm's blocks compiled with ``compiled`` (``module.compile=true``); Lightning's tokens/s and MFU besides."""
-    arms = {"lightning": [], "bare": []}
+    arm's blocks compiled with ``compiled`` (``module.compile=true``); Lightning's tokens/s and MFU besides
+    (``profile``: and a fit of each arm again under the profiler)."""
+    arms, profiles = {"lightning": [], "bare": []}, {}
     with tempfile.TemporaryDirectory() as tmp:
         cfg = lightning_config(tmp, steps + 1, length, batch, model, vocab, compiled)
+        net = bench.study_net(cfg)
+        flops, parameters = bench.training_flops_per_token(net, length), sum(p.numel() for p in net.parameters())
+
+        def fit(arm, on_step=None) -> list[float]:
+            torch.manual_seed(bench.SEED)
+            loader = bench.study_loader(cfg, steps + 1)
+            if arm == "lightning":
+                return bench.lightning_steps(cfg, bench.study_module(cfg), loader, on_step=on_step)
+            net = bench.study_net(cfg).to(device)
+            if compiled:  # as the module's configure_model does
+                net.compile_blocks()
+            return bench.bare_steps(cfg, net, loader, device=device, on_step=on_step)
+
         for rep in range(reps):
             for arm in arms if rep % 2 == 0 else dict(reversed(arms.items())):
-                torch.manual_seed(bench.SEED)
-                loader = bench.study_loader(cfg, steps + 1)
-                if arm == "lightning":
-                    ends = bench.lightning_steps(cfg, bench.study_module(cfg), loader)
-                else:
-                    net = bench.study_net(cfg).to(device)
-                    flops, parameters = (
-                        bench.training_flops_per_token(net, length),
-                        sum(p.numel() for p in net.parameters()),
-                    )
-                    if compiled:  # as the module's configure_model does
-                        net.compile_blocks()
-                    ends = bench.bare_steps(cfg, net, loader, device=device)
+                ends = fit(arm)
                 arms[arm].append(statistics.median(b - a for a, b in zip(ends[1:], ends[2:], strict=False)))
                 log(f"  {arm:<10} rep {rep + 1}: {1000 * arms[arm][-1]:.2f} ms/step")
+        if profile:
+            for arm, times in arms.items():
+                profiles[arm] = fit_profile(partial(fit, arm), device, steps, statistics.median(times))
     tokens_per_s = batch * length / statistics.median(arms["lightning"])
     return {
         "ms_lightning": 1000 * statistics.median(arms["lightning"]),
@@ -588,6 +626,7 @@ def bench_lightning(length, batch, steps, reps, device, log, model=None, vocab=0
         "batch": batch,
         "steps": steps,
         "reps": reps,
+        **({"profile": profiles} if profile else {}),
     }
 
 
@@ -884,6 +923,7 @@ def render(info, settings, exact=None, training=None, lightning=None, fsdp=None,
     if fsdp is not None:
         lines += render_fsdp(fsdp)
     profiles = {n: r["profile"] for n, r in (training or {}).items() if isinstance(r, dict) and "profile" in r}
+    profiles |= {f"lightning section: {arm}": p for arm, p in (lightning or {}).get("profile", {}).items()}
     profiles |= {f"fsdp section: {kind}": p for kind, p in (fsdp or {}).get("profile", {}).items()}
     if profiles:
         lines += render_profiles(profiles)
@@ -919,18 +959,22 @@ def render_profiles(profiles: dict) -> list[str]:
         "Each arm's steps again under torch.profiler, after its timed repetitions: the device's kernels' time a "
         "step, summed (over streams too: kernels that overlap count twice), against the step's time in the timed "
         "repetitions, without the profiler (the profiled step's in brackets; `-` in files written before "
-        "2026-11-30 02:00 UTC): the rest of a step the GPU waited for the CPU to launch work, at least. Then the "
-        "kernels taking most of it, per step.",
+        "2026-11-30 02:00 UTC): the rest of a step the GPU waited for the CPU to launch work, at least. The host's "
+        "reads of a device value a step (`aten::_local_scalar_dense`: on a GPU each waits for the kernels queued "
+        "before it; `-` in files written before 2026-11-30 20:00 UTC). Then the kernels taking most of it, per step.",
         "",
-        "| arm | kernels' time a step | timed step (profiled step) | kernels' share | top kernels (ms a step, calls) |",
-        "|---|---:|---:|---:|---|",
+        "| arm | kernels' time a step | timed step (profiled step) | kernels' share | host reads a step | "
+        "top kernels (ms a step, calls) |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for name, p in profiles.items():
         top = "; ".join(f"`{key[:60]}` {1e3 * s:.2f} ms x{n}" for key, s, n in p["top"])
         timed = p.get("timed_step_s")  # not in files written before 2026-11-30 02:00 UTC
         timed_cell, share = (f"{1e3 * timed:.2f} ms", f"{p['busy_s'] / timed:.0%}") if timed else ("-", "-")
+        reads = "-" if p.get("host_reads") is None else f"{p['host_reads']:g}"
         lines.append(
-            f"| {name} | {1e3 * p['busy_s']:.2f} ms | {timed_cell} ({1e3 * p['step_s']:.2f} ms) | {share} | {top} |"
+            f"| {name} | {1e3 * p['busy_s']:.2f} ms | {timed_cell} ({1e3 * p['step_s']:.2f} ms) | {share} | {reads} "
+            f"| {top} |"
         )
     return [*lines, ""]
 
@@ -1086,6 +1130,7 @@ def run_sections(args, sections, rows, results, left_out, budget, log, save) -> 
                 model=args.model,
                 vocab=args.vocab,
                 compiled=args.lightning_compile,
+                profile=args.profile,
                 **sizes,
             )
             save()
@@ -1151,7 +1196,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="training and fsdp: each arm's step profiled (device busy time, top kernels)",
+        help="training, lightning and fsdp: each arm's steps profiled (device busy time, host reads, top kernels)",
     )
     parser.add_argument(
         "--relaunch",

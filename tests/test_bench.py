@@ -253,11 +253,11 @@ def test_the_gpu_checks_profile_counts_the_devices_kernels_alone(gpu_check):
 
 def test_the_gpu_checks_lightning_section_trains_the_preset_asked(gpu_check, tmp_path):
     """``--model``: the Lightning section trains that preset (here the tiny one, on the CPU) beside the bare loop and
-    reports Lightning's own tokens/s."""
+    reports Lightning's own tokens/s; ``--profile``: each arm's steps profiled, with the host's reads of device
+    values a step."""
     out = tmp_path / "lightning.md"
-    gpu_check.main(
-        ["--device", "cpu", "--quick", "--sections", "lightning", "--model", "tiny", "--vocab", "64", "--out", str(out)]
-    )
+    args = ["--device", "cpu", "--quick", "--sections", "lightning", "--model", "tiny", "--vocab", "64", "--profile"]
+    gpu_check.main([*args, "--out", str(out)])
     report, result = out.read_text(), json.loads(out.with_suffix(".json").read_text())["lightning"]
     assert "RoPE, the model tiny, L 64, batch 2" in report and result["model"] == "tiny" and not result["compiled"]
     assert f"- Lightning's training: {result['tokens_per_s']:,.0f} tokens/s" in report
@@ -265,6 +265,15 @@ def test_the_gpu_checks_lightning_section_trains_the_preset_asked(gpu_check, tmp
     # the net trained is the preset's at vocabulary 64, as the training rows build a preset's (row_config)
     tiny = gpu_check.build("rope", 64, {"vocab_size": 64}, "tiny")
     assert result["parameters"] == sum(p.numel() for p in tiny.parameters())
+    profiles = report.split("## Where a step's time goes")[1]
+    for arm in ("lightning", "bare"):
+        line = next(line for line in profiles.splitlines() if line.startswith(f"| lightning section: {arm} |"))
+        busy, timed, profiled = (float(n) for n in re.findall(r"([\d.]+) ms", line)[:3])
+        assert 0 < busy <= profiled * 1.01 and timed == pytest.approx(result[f"ms_{arm}"], abs=0.01)
+    # lenext's module reads its loss's finiteness every step, beside what both arms read (on a CPU, torch's fused
+    # AdamW reads its learning rate and step count)
+    reads = {arm: result["profile"][arm]["host_reads"] for arm in ("lightning", "bare")}
+    assert reads["lightning"] >= reads["bare"] + 1, reads
 
 
 def test_a_gpu_check_cut_off_keeps_the_exactness_rows_it_finished(gpu_check, tmp_path, monkeypatch):

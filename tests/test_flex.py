@@ -398,8 +398,8 @@ def test_shaws_value_term_on_flex_has_the_naive_formulas_gradients(clip, positio
 @pytest.mark.parametrize("positions", ["sequential", "randomized"])
 @pytest.mark.parametrize("kind", ["t5", "t5_per_layer", "kerple", "kerple_power", "fire"])
 def test_per_distance_score_mods_have_the_naive_formulas_gradients(kind, positions, flex_by_definition):
-    """T5's, KERPLE's and FIRE's tables read from ``DISTANCE_TABLE_COPIES`` copies by query index: outputs and
-    gradients (q, k, v, the PE's parameters) of the naive float64 formula, with flex's definition as the kernel."""
+    """T5's, KERPLE's and FIRE's tables read by distance in a score_mod: outputs and gradients (q, k, v, the PE's
+    parameters) of the naive float64 formula, with flex's definition as the kernel."""
     from tests.test_pe import make_bias_pe, naive_biased_attention
 
     if kind == "fire":  # every query below its threshold: a table by distance

@@ -218,7 +218,7 @@ def test_a_block_traces_as_one_graph(pe, compose_train):
     net = tiny_module(compose_train, pe).net
     x, positions = torch.randn(2, 16, net.d_model), torch.arange(16)[None]
     torch._dynamo.reset()
-    with forward_span(positions):
+    with forward_span(positions, 16):
         explained = torch._dynamo.explain(net.blocks[0])(x, positions)
     assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
 
@@ -273,15 +273,32 @@ def test_a_block_on_the_gpus_flexattention_path_traces_as_one_graph(pe, compose_
     x, positions = torch.randn(2, 300, net.d_model), torch.arange(300)[None]
     assert net.blocks[0].attn.window is None or net.blocks[0].attn.window < 300
     torch._dynamo.reset()
-    with forward_span(positions), torch.no_grad():
+    with forward_span(positions, 300), torch.no_grad():
         explained = torch._dynamo.explain(net.blocks[0])(x, positions)
     assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
 
 
-def test_a_pes_span_is_read_from_its_positions_outside_a_compiled_block():
-    """position_span is the forward's span only while torch.compile traces; elsewhere, the positions given."""
+def test_a_pes_span_is_the_forwards_for_its_positions_and_read_from_any_other():
+    """Inside a forward, position_span of the forward's own positions is the span the decoder read (taken as given);
+    of other positions (Self-Extend's grouped ones, say), read from them; outside a forward, read."""
     from lenext.pe.base import forward_span, position_span
 
-    with forward_span(torch.arange(64)[None]):
-        assert position_span(torch.arange(10)[None]) == 10
-    assert position_span(torch.tensor([[0, 5, 900]])) == 901
+    positions = torch.arange(64)[None]
+    with forward_span(positions, 99):
+        assert position_span(positions) == 99 and position_span(torch.arange(10)[None]) == 10
+    assert position_span(positions) == 64 and position_span(torch.tensor([[0, 5, 900]])) == 901
+
+
+@pytest.mark.parametrize("pe", ["nope", "sinusoidal", "learned", "rope", "p_rope", "xpos", "alibi", "kerple"])
+def test_a_training_step_reads_the_positions_span_once_or_not_at_all(pe, compose_train):
+    """A PE's tables need the positions' span; each layer read it from the device (.item()), and on a GPU each read
+    waits for every kernel queued before it. The decoder reads it once a forward, not at all at 0..L-1: a training
+    step (forward and backward) reads no device value at sequential positions, one at drawn ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    net = tiny_module(compose_train, pe).net
+    tokens = torch.randint(64, (2, 9), generator=torch.Generator().manual_seed(0))
+    for positions, reads in ((None, 0), (torch.tensor([[0, 2, 3, 5, 8, 9, 12, 15]]), 1)):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            net.token_nll(tokens[:, :-1], tokens[:, 1:], positions).mean().backward()
+        assert sum(e.name == "aten::_local_scalar_dense" for e in prof.events()) == reads

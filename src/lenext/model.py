@@ -179,8 +179,8 @@ class Decoder(nn.Module):
     def compile_blocks(self) -> None:
         """Each block compiled with torch.compile (``module.compile=true``), for training: forwards with a gradient
         run the compiled blocks, at the training length; evaluation runs the blocks as they are, so a sweep over
-        lengths does not recompile them per length (docs/scaling.md). The decoder then reads the positions' span
-        once per forward, before its blocks, so a compiled block reads no tensor's value (``forward_span``)."""
+        lengths does not recompile them per length (docs/scaling.md). A compiled block reads no tensor's value: the
+        positions' span is the one the decoder read before its blocks (``forward_span``)."""
         import torch._dynamo
 
         # dynamo's limit counts the graphs of one code object, which every block shares; a PE that reads its layer's
@@ -192,14 +192,16 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, L) at positions (B or 1, L), strictly increasing; None: 0..L-1."""
+        if torch.compiler.is_compiling():  # a whole compiled decoder: its PEs read the span in its graph
+            span = None
+        else:  # read once here, not in each layer's PE: on a GPU a read waits for every kernel queued before it
+            span = tokens.size(1) if positions is None else int(positions.max()) + 1
         if positions is None:
             positions = sequential_positions(tokens.size(1), tokens.device)
-        x = self.embedding(tokens)  # (B, L, d)
-        x = self.dropout(self.pe.embed(x, positions))
         compiled = self.compiled_blocks is not None and torch.is_grad_enabled()
-        # Eager, and a whole compiled decoder, read the span where a PE needs it
-        span = int(positions.max()) + 1 if compiled and not torch.compiler.is_compiling() else None
+        x = self.embedding(tokens)  # (B, L, d)
         with forward_span(positions, span) if span else contextlib.nullcontext():
+            x = self.dropout(self.pe.embed(x, positions))
             for block in self.compiled_blocks if compiled else self.blocks:
                 if self.checkpoint_blocks and torch.is_grad_enabled():
                     # the backward recomputes the block outside this context: with the span set again, a compiled

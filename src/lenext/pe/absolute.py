@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from lenext.errors import ConfigError, LengthNotSupported
-from lenext.pe.base import AttentionShape, PositionalEncoding
+from lenext.pe.base import AttentionShape, PositionalEncoding, position_span
 from lenext.ranges import PositiveInt
 
 
@@ -29,7 +29,7 @@ class Sinusoidal(PositionalEncoding):
         self.register_buffer("table", torch.empty(0, shape.d_model), persistent=False)
 
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        needed = int(positions.max()) + 1
+        needed = position_span(positions)
         if self.table.size(0) < needed:
             self.table = sinusoidal_table(needed, self.shape.d_model).to(x.device)
         return x + self.table[positions].to(x.dtype)  # (B or 1, L, d) broadcast over the batch
@@ -60,7 +60,7 @@ class Learned(PositionalEncoding):
         return self.max_len
 
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        last = int(positions.max())
+        last = position_span(positions) - 1
         if last >= self.max_len:
             raise LengthNotSupported(
                 f"learned positional embeddings exist for positions 0..{self.max_len - 1}; "

@@ -47,11 +47,6 @@ FAMILIES = ("no PE or absolute", "additive bias", "rotary", "2024-26 methods")
 HIDDEN_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}
 
 
-# Copies of a per-distance bias table that a FlexAttention score_mod reads (``distance_score_mod``): fewer atomic
-# additions of flex's backward to each address (docs/pes/index.md, "Attention paths")
-DISTANCE_TABLE_COPIES = 16
-
-
 def device_budget(budgets: dict[str, int], device: torch.device) -> int:
     """A per-device budget of elements (``HIDDEN_ELEMENTS``, attention's score blocks, the loss's logits) for
     ``device``: the CPU's on any device the table does not name."""
@@ -175,26 +170,28 @@ class AttentionShape:
         return self.max_position or self.train_len
 
 
-# 1 + the largest position of the forward the decoder is running (``forward_span``), or None outside one.
+# The forward the decoder is running (``forward_span``): its positions and 1 + their largest; None outside one.
+_forward_positions: torch.Tensor | None = None
 _forward_span: int | None = None
 
 
 @contextmanager
-def forward_span(positions: torch.Tensor, span: int | None = None) -> Iterator[None]:
-    """Inside the block, ``position_span`` of a compiled block is the span of ``positions`` (``span``, if the caller
-    read it already), read here once, before the blocks run (Decoder.forward)."""
-    global _forward_span
-    previous, _forward_span = _forward_span, int(positions.max()) + 1 if span is None else span
+def forward_span(positions: torch.Tensor, span: int) -> Iterator[None]:
+    """Inside the block, ``position_span`` of ``positions`` is ``span``, which the decoder read once per forward."""
+    global _forward_positions, _forward_span
+    previous = _forward_positions, _forward_span
+    _forward_positions, _forward_span = positions, span
     try:
         yield
     finally:
-        _forward_span = previous
+        _forward_positions, _forward_span = previous
 
 
 def position_span(positions: torch.Tensor) -> int:
-    """1 + the largest of ``positions`` (B or 1, L): the positions a PE's tables must cover. While torch.compile
-    traces a block, the span the decoder read before its blocks: reading it there (.item()) breaks the graph."""
-    if torch.compiler.is_compiling() and _forward_span is not None:
+    """1 + the largest of ``positions`` (B or 1, L): the positions a PE's tables must cover. Of the positions of the
+    forward the decoder is running, the span it read before its blocks (and while torch.compile traces a block, of
+    any): read here (.item()), it would wait for the GPU in every layer, and break a compiled block's graph."""
+    if _forward_span is not None and (torch.compiler.is_compiling() or positions is _forward_positions):
         return _forward_span
     return int(positions.max()) + 1
 
@@ -421,21 +418,13 @@ def position_differences(query_positions: torch.Tensor, key_positions: torch.Ten
 
 def distance_score_mod(table: torch.Tensor, positions: torch.Tensor, batch: int) -> Callable:
     """A score_mod adding ``table`` (N, H) looked up at |p_i - p_j| (positions (B or 1, L), N above the largest).
-
-    flex's backward adds each score's gradient into the table atomically, and the scores of one distance fall on a
-    diagonal of each block: the additions to one address queue. So while training the score_mod reads one of
-    ``DISTANCE_TABLE_COPIES`` copies, chosen by query index, and autograd sums the copies' gradients; and it reads
-    |i - j|, not max(i - j, 0), so that the masked scores (j > i) of the diagonal blocks spread their zero gradients
-    over the table instead of adding them all at distance 0 (T5 trained 3x slower).
-    """
+    |i - j|, not max(i - j, 0): the masked scores (j > i) of the diagonal blocks then spread their zero gradients
+    over the table, instead of flex's backward adding them all atomically at distance 0 (T5 trained 3x slower).
+    One table, not copies of it by query index: 16 copies trained slower on a GPU (docs/performance.md)."""
     positions = positions.expand(batch, -1)
-    # (C, N, H), each copy its own cache lines; without a gradient one (no additions: a smaller table to read)
-    copies = table.repeat(DISTANCE_TABLE_COPIES, 1, 1) if table.requires_grad else table[None]
-    # a tensor, not an int, filled on the device: as band_score_mod's width (lenext.attention.flex)
-    count = torch.full((), copies.size(0), device=table.device)
 
     def by_distance(score, b, h, q_idx, kv_idx):
-        return score + copies[q_idx % count, (positions[b, q_idx] - positions[b, kv_idx]).abs(), h]
+        return score + table[(positions[b, q_idx] - positions[b, kv_idx]).abs(), h]
 
     return by_distance
 
