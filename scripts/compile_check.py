@@ -232,7 +232,8 @@ def worker(pe: str, steps: int, threads: int, parts: list[str]) -> dict:
                 eager(tokens[:, :-1])
             hook.remove()
             block_args = [a.detach() for a in captured["args"]]
-            with forward_span(block_args[1]):  # as Decoder.forward calls its blocks: the positions' span read once
+            positions = block_args[1]
+            with forward_span(positions, int(positions.max()) + 1):  # as Decoder.forward calls its compiled blocks
                 row["explain_block"] = explain(eager.blocks[0], *block_args)
             row["explain_decoder"] = explain(eager, tokens[:, :-1])
             row["done"].append("explain")

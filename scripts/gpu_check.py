@@ -447,11 +447,11 @@ def tokens_per_second(arm, steps: int, tokens_per_step: int, device: str) -> flo
 
 def device_kernels(averages, cuda: bool) -> list:
     """The profiler's averages (``key_averages()``) that are the device's kernels (on the CPU: its operators), most
-    time first: a range a ``record_function`` marks on the device too (DDP's forward, the optimizer's step) is not
-    a kernel."""
+    time first: a range a ``record_function`` marks (DDP's forward, the optimizer's step, a profiled step), on the
+    device too, is not a kernel, and its own time on the CPU is the Python between operators."""
+    averages = [e for e in averages if not getattr(e, "is_user_annotation", False)]
     if cuda:
-        cuda_type = torch.autograd.DeviceType.CUDA
-        averages = [e for e in averages if e.device_type == cuda_type and not getattr(e, "is_user_annotation", False)]
+        averages = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
     return sorted(averages, key=lambda e: self_time(e, cuda), reverse=True)
 
 
@@ -472,6 +472,7 @@ def step_profile(arm, device: str, tokens_per_step: int, tokens_per_s: float, st
 
 
 def profiled_activities(device: str) -> list:
+    """What torch.profiler records on ``device``: the CPU's operators, and on CUDA the GPU's kernels."""
     from torch.profiler import ProfilerActivity
 
     return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])

@@ -110,7 +110,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def block_in_span(block: nn.Module, span: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def block_in_span(block: nn.Module, span: int | None, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``block`` run with the positions' ``span`` set (``forward_span``), as the decoder runs its compiled blocks."""
     with forward_span(positions, span):
         return block(x, positions)
@@ -192,21 +192,21 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, L) at positions (B or 1, L), strictly increasing; None: 0..L-1."""
-        if torch.compiler.is_compiling():  # a whole compiled decoder: its PEs read the span in its graph
-            span = None
-        else:  # read once here, not in each layer's PE: on a GPU a read waits for every kernel queued before it
-            span = tokens.size(1) if positions is None else int(positions.max()) + 1
+        compiled = self.compiled_blocks is not None and torch.is_grad_enabled()
+        # The positions' span, for the PEs' tables: known at 0..L-1; for compiled blocks read here (a read in a block
+        # breaks its graph); else read once, by the first PE that needs it (position_span)
+        span = tokens.size(1) if positions is None else int(positions.max()) + 1 if compiled else None
         if positions is None:
             positions = sequential_positions(tokens.size(1), tokens.device)
-        compiled = self.compiled_blocks is not None and torch.is_grad_enabled()
         x = self.embedding(tokens)  # (B, L, d)
-        with forward_span(positions, span) if span else contextlib.nullcontext():
+        # a whole compiled decoder: its PEs read the span in its graph
+        with contextlib.nullcontext() if torch.compiler.is_compiling() else forward_span(positions, span):
             x = self.dropout(self.pe.embed(x, positions))
             for block in self.compiled_blocks if compiled else self.blocks:
                 if self.checkpoint_blocks and torch.is_grad_enabled():
                     # the backward recomputes the block outside this context: with the span set again, a compiled
                     # block traces the graph its forward did (else it saved other tensors, and the backward failed)
-                    run = functools.partial(block_in_span, block, span) if span else block
+                    run = functools.partial(block_in_span, block, span)
                     x = checkpoint(run, x, positions, use_reentrant=False)
                 else:
                     x = block(x, positions)

@@ -170,14 +170,16 @@ class AttentionShape:
         return self.max_position or self.train_len
 
 
-# The forward the decoder is running (``forward_span``): its positions and 1 + their largest; None outside one.
+# The forward the decoder is running (``forward_span``): its positions and 1 + their largest (None until a PE reads
+# it); both None outside one.
 _forward_positions: torch.Tensor | None = None
 _forward_span: int | None = None
 
 
 @contextmanager
-def forward_span(positions: torch.Tensor, span: int) -> Iterator[None]:
-    """Inside the block, ``position_span`` of ``positions`` is ``span``, which the decoder read once per forward."""
+def forward_span(positions: torch.Tensor, span: int | None) -> Iterator[None]:
+    """Inside the ``with``, ``position_span`` of ``positions`` is ``span`` (None: read by the first PE that needs it,
+    then kept for the rest of the forward)."""
     global _forward_positions, _forward_span
     previous = _forward_positions, _forward_span
     _forward_positions, _forward_span = positions, span
@@ -189,11 +191,17 @@ def forward_span(positions: torch.Tensor, span: int) -> Iterator[None]:
 
 def position_span(positions: torch.Tensor) -> int:
     """1 + the largest of ``positions`` (B or 1, L): the positions a PE's tables must cover. Of the positions of the
-    forward the decoder is running, the span it read before its blocks (and while torch.compile traces a block, of
-    any): read here (.item()), it would wait for the GPU in every layer, and break a compiled block's graph."""
-    if _forward_span is not None and (torch.compiler.is_compiling() or positions is _forward_positions):
+    forward the decoder is running, read once a forward, by the first PE that asks (on a GPU a read waits for every
+    kernel queued before it); while torch.compile traces a block, the span the decoder read before its blocks (a
+    read breaks the graph)."""
+    global _forward_span
+    if torch.compiler.is_compiling() and _forward_span is not None:
         return _forward_span
-    return int(positions.max()) + 1
+    if positions is not _forward_positions:
+        return int(positions.max()) + 1
+    if _forward_span is None:
+        _forward_span = int(positions.max()) + 1
+    return _forward_span
 
 
 def sequential_positions(length: int, device: torch.device | str = "cpu") -> torch.Tensor:
