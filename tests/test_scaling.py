@@ -304,12 +304,14 @@ def test_a_training_step_reads_the_positions_span_once_or_not_at_all(pe, reads, 
     """A PE's tables need the positions' span; each layer read it from the device (.item()), and on a GPU each read
     waits for every kernel queued before it. It is read once a forward, by the first PE that needs it, and not at all
     at 0..L-1: a training step (forward and backward) reads no device value at sequential positions, and at drawn
-    ones one where a PE needs the span (KERPLE's table on a CPU spans its band, not the positions)."""
+    ones one where a PE needs the span (KERPLE's table on a CPU spans its band, not the positions); with activation
+    checkpointing one (the decoder's, which the recomputed blocks reuse) for any PE."""
     from torch.profiler import ProfilerActivity, profile
 
-    net = tiny_module(compose_train, pe).net
     tokens = torch.randint(64, (2, 9), generator=torch.Generator().manual_seed(0))
-    for positions, expected in ((None, 0), (torch.tensor([[0, 2, 3, 5, 8, 9, 12, 15]]), reads)):
+    drawn = torch.tensor([[0, 2, 3, 5, 8, 9, 12, 15]])
+    for checkpointed, positions, expected in ((False, None, 0), (False, drawn, reads), (True, drawn, 1)):
+        net = tiny_module(compose_train, pe, activation_checkpointing=checkpointed).net
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             net.token_nll(tokens[:, :-1], tokens[:, 1:], positions).mean().backward()
         assert sum(e.name == "aten::_local_scalar_dense" for e in prof.events()) == expected

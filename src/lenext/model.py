@@ -193,17 +193,22 @@ class Decoder(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, L) at positions (B or 1, L), strictly increasing; None: 0..L-1."""
         compiled = self.compiled_blocks is not None and torch.is_grad_enabled()
-        # The positions' span, for the PEs' tables: known at 0..L-1; for compiled blocks read here (a read in a block
-        # breaks its graph); else read once, by the first PE that needs it (position_span)
-        span = tokens.size(1) if positions is None else int(positions.max()) + 1 if compiled else None
+        recomputed = self.checkpoint_blocks and torch.is_grad_enabled()  # the backward runs blocks outside this forward
+        # The positions' span, for the PEs' tables: known at 0..L-1; read here for compiled blocks (a read in a block
+        # breaks its graph) and recomputed ones (else each recomputed layer reads it again); else read once, by the
+        # first PE that needs it (position_span)
         if positions is None:
-            positions = sequential_positions(tokens.size(1), tokens.device)
+            span, positions = tokens.size(1), sequential_positions(tokens.size(1), tokens.device)
+        elif (compiled or recomputed) and not torch.compiler.is_compiling():
+            span = int(positions.max()) + 1
+        else:
+            span = None
         x = self.embedding(tokens)  # (B, L, d)
         # a whole compiled decoder: its PEs read the span in its graph
         with contextlib.nullcontext() if torch.compiler.is_compiling() else forward_span(positions, span):
             x = self.dropout(self.pe.embed(x, positions))
             for block in self.compiled_blocks if compiled else self.blocks:
-                if self.checkpoint_blocks and torch.is_grad_enabled():
+                if recomputed:
                     # the backward recomputes the block outside this context: with the span set again, a compiled
                     # block traces the graph its forward did (else it saved other tensors, and the backward failed)
                     run = functools.partial(block_in_span, block, span)
