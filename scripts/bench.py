@@ -692,14 +692,22 @@ def study_module(cfg):
     return build_module(cfg.module, spec, run_net(spec, cfg.data.vocab_size, weights))
 
 
+def mean_step_seconds(ends: list[float]) -> float:
+    """A step's mean wall time from the end of the first step (untimed: the optimizer's state made there) to the
+    end of the last. On CUDA only those two ends wait for the GPU: a wait at every step would expose the host's
+    work between steps, which a run without one overlaps with the GPU's."""
+    return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+
 class StepClock(L.Callback):
-    """The time at the end of every training step; ``on_step`` (a profiler's ``step``) called after each."""
+    """The time at the end of every training step (on CUDA the first and last waiting for the GPU:
+    ``mean_step_seconds``); ``on_step`` (a profiler's ``step``) called after each."""
 
     def __init__(self, on_step=None):
         self.ends, self.on_step = [], on_step
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if module.device.type == "cuda":
+        if module.device.type == "cuda" and (not self.ends or trainer.global_step >= trainer.max_steps):
             torch.cuda.synchronize()
         self.ends.append(time.perf_counter())
         if self.on_step:
@@ -734,7 +742,7 @@ def bare_steps(cfg, net, loader, device: str = "cpu", on_step=None) -> list[floa
         optim.min_lr_ratio,
     )
     ends = []
-    for batch in loader:
+    for index, batch in enumerate(loader):
         tokens = batch["tokens"].to(device, non_blocking=True)
         with precision_autocast(torch.device(device), cfg.trainer.precision):
             loss = net.token_nll(tokens[:, :-1], tokens[:, 1:]).mean()
@@ -744,7 +752,7 @@ def bare_steps(cfg, net, loader, device: str = "cpu", on_step=None) -> list[floa
         net.pe.project_()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        if device == "cuda":
+        if device == "cuda" and index in (0, len(loader) - 1):  # as StepClock
             torch.cuda.synchronize()
         ends.append(time.perf_counter())
         if on_step:
@@ -787,7 +795,7 @@ def bench_lightning(reps, steps, log, compiled=True):
                 ends = (
                     lightning_steps(cfg, modules[arm], loader) if arm in modules else bare_steps(cfg, nets[arm], loader)
                 )
-            return (ends[-1] - ends[0]) / (len(ends) - 1)
+            return mean_step_seconds(ends)
 
         for arm in list(arms)[1:]:  # warmup: oneDNN primitives, autocast, Lightning's first fit (the base's: above)
             run(arm)

@@ -508,7 +508,7 @@ def fit_profile(fit, device: str, steps: int, timed_step_s: float) -> dict:
         on_trace_ready=lambda prof: averages.append(prof.key_averages()),
     ) as prof:
         ends = fit(prof.step)
-    step_s = statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False))
+    step_s = bench.mean_step_seconds(ends)
     return profiled_steps(averages[0], device, steps, step_s, timed_step_s)
 
 
@@ -581,6 +581,7 @@ def lightning_config(output_dir: str, steps: int, length: int, batch: int, model
         f"trainer.max_steps={steps}",
         f"trainer.val_check_interval={steps}",
         "trainer.enable_progress_bar=false",
+        "~callbacks.progress",  # a line (and a read of the loss) every tenth of the steps: every third step here
     ]
     with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
         return compose("train", overrides=overrides)
@@ -609,7 +610,7 @@ def bench_lightning(length, batch, steps, reps, device, log, model=None, vocab=0
         for rep in range(reps):
             for arm in arms if rep % 2 == 0 else dict(reversed(arms.items())):
                 ends = fit(arm)
-                arms[arm].append(statistics.median(b - a for a, b in zip(ends[1:], ends[2:], strict=False)))
+                arms[arm].append(bench.mean_step_seconds(ends))
                 log(f"  {arm:<10} rep {rep + 1}: {1000 * arms[arm][-1]:.2f} ms/step")
         if profile:
             for arm, times in arms.items():
@@ -621,6 +622,7 @@ def bench_lightning(length, batch, steps, reps, device, log, model=None, vocab=0
         "model": model or "small",
         "parameters": parameters,
         "compiled": compiled,
+        "synced_ends_only": True,  # the GPU waited for at the first and last steps' ends only (bench.StepClock)
         "tokens_per_s": tokens_per_s,
         "mfu": tokens_per_s * flops / gpu_gemm_peak(device) if device == "cuda" else None,
         "length": length,
@@ -1064,7 +1066,8 @@ def render_lightning(r) -> list[str]:
         "",
         f"RoPE, the model {r.get('model', 'small')}{', its blocks compiled' if r.get('compiled') else ''}, L "
         f"{r['length']}, batch {r['batch']}, bf16-mixed; each arm a fresh fit of {r['steps']} + 1 steps, "
-        f"{r['reps']} repetitions alternating; median step time.",
+        f"{r['reps']} repetitions alternating; a fit's mean step time after its first step, median of the fits"
+        f"{'' if r.get('synced_ends_only') else ' (every step waiting for the GPU at its end, as until 2026-11-30)'}.",
         "",
         f"- Lightning: {r['ms_lightning']:.2f} ms/step; bare loop: {r['ms_bare']:.2f} ms/step; ratio {ratio:.3f} "
         f"(target <= {target:g}: {'meets' if ratio <= target else 'misses'})",

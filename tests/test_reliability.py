@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -200,19 +199,77 @@ def test_a_full_disk_or_quota_names_the_file_a_write_was_for(tmp_path, monkeypat
             raise OSError(errno.EACCES, "Permission denied")
 
 
-def test_non_finite_loss_stops_with_the_step_named():
-    module = LanguageModel(Decoder(50, 8, NoPE, d_model=16, n_layers=1, n_heads=2))
-    module.trainer = lightning.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    with torch.no_grad():
-        module.net.embedding.weight.fill_(float("nan"))
-    with pytest.raises(LenextError, match="at step 0; the run stopped and it had written no checkpoint yet"):
-        module.training_step({"tokens": torch.randint(0, 50, (2, 9))}, 0)  # it named a last.ckpt there was not
-    with tempfile.TemporaryDirectory() as folder:
-        callback = lightning.pytorch.callbacks.ModelCheckpoint(dirpath=folder, save_last=True)
-        module.trainer = lightning.Trainer(logger=False, callbacks=[callback], enable_progress_bar=False)
-        open(os.path.join(folder, "last.ckpt"), "w").close()
-        with pytest.raises(LenextError, match="at step 0; the run stopped and its last good checkpoint is checkpoints"):
-            module.training_step({"tokens": torch.randint(0, 50, (2, 9))}, 0)
+class _NaNWeightsAt(lightning.Callback):
+    """Makes every loss from optimizer step ``step`` on NaN."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                module.net.embedding.weight.fill_(float("nan"))
+
+
+def _fit_tiny(callbacks, steps: int = 12, log_every: int = 5, progress_bar: bool = False) -> LanguageModel:
+    module = LanguageModel(Decoder(50, 8, NoPE, d_model=16, n_layers=1, n_heads=2), warmup_steps=0)
+    trainer = lightning.Trainer(
+        max_steps=steps,
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=any(isinstance(c, lightning.pytorch.callbacks.ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=progress_bar,
+        enable_model_summary=False,
+        log_every_n_steps=log_every,
+        accelerator="cpu",
+    )
+    tokens = torch.randint(0, 50, (2 * steps, 9), generator=torch.Generator().manual_seed(0))
+    trainer.fit(module, torch.utils.data.DataLoader([{"tokens": t} for t in tokens], batch_size=2))
+    return module
+
+
+def test_non_finite_loss_stops_with_its_first_step_named_and_no_checkpoint_written_after_it(tmp_path):
+    """The loss is tested on the device and read at the loggers' steps and before any checkpoint (a read a step
+    would make the host wait for the GPU every step): the error names the first bad step, not the step it was
+    read at, and the last checkpoint is the last one before it."""
+    with pytest.raises(LenextError, match=r"became nan at step 3; the run stopped and it had written no checkpoint"):
+        _fit_tiny([_NaNWeightsAt(3)])  # read at step 5
+    every_step = lightning.pytorch.callbacks.ModelCheckpoint(tmp_path, save_last=True, every_n_train_steps=1)
+    with pytest.raises(LenextError, match=r"became nan at step 3; the run stopped and its last good checkpoint is"):
+        _fit_tiny([every_step, _NaNWeightsAt(3)])
+    last = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 3 and all(t.isfinite().all() for t in last["state_dict"].values())
+    with pytest.raises(LenextError, match=r"became nan at step 11;"):  # after the last logging step: at the end
+        _fit_tiny([_NaNWeightsAt(11)])
+    _fit_tiny([])  # finite: no error
+
+
+def _device_reads_of_a_fit(**fit) -> int:
+    """The host's reads of a tensor's value (``.item()``, a tensor's truth: on a GPU each waits for the kernels
+    queued before it) during a fit, the data loader's own (CPU tensors) left out."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                files = " ".join(frame.filename for frame in traceback.extract_stack())
+                reads.append(not any(loader in files for loader in ("utils/data", "lenext/data.py", "combined_loader")))
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        _fit_tiny([], **fit)
+    return sum(reads)
+
+
+def test_a_training_step_reads_no_device_value_unless_a_progress_bar_shows_the_loss():
+    """Each step read the loss twice (its finiteness, and Lightning's number for the progress bar, kept where no
+    bar shows it): the reads a fit makes do not grow with its steps. A bar shows the loss at every step."""
+    assert _device_reads_of_a_fit(steps=12, log_every=50) == _device_reads_of_a_fit(steps=24, log_every=50)
+    assert _device_reads_of_a_fit(steps=24, log_every=50, progress_bar=True) >= 24
 
 
 PES = sorted(p.stem for p in (CONFIG_FOLDER / "pe").glob("*.yaml"))

@@ -230,6 +230,8 @@ class LanguageModel(L.LightningModule):
         self.train_seconds, self.train_tokens = 0.0, 0  # time inside training steps, for tokens/s (kept on resume)
         self._resumed_random_state = None  # a checkpoint's (on_load_checkpoint), until the first step sets it
         self.trained_on = None  # its data's identity (the data module's trained_on), kept in its checkpoints
+        self._non_finite: tuple[torch.Tensor, torch.Tensor] | None = None  # (step, loss) of the first, on the device
+        self._checked_at = -1  # the step whose losses were last checked
 
     def configure_model(self) -> None:
         """How the net runs, applied once per block before training (Lightning's hook): activations recomputed in
@@ -246,6 +248,7 @@ class LanguageModel(L.LightningModule):
             shard(self.net, self.device_mesh["data_parallel"])
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        self._stop_if_a_loss_was_not_finite()  # a checkpoint is never written from weights a bad step updated
         checkpoint["train_clock"] = {"seconds": self.train_seconds, "tokens": self.train_tokens}
         checkpoint["random_state"] = random_state(self.device)  # dropout's: a resumed run draws the same masks
         if self.trained_on:
@@ -272,6 +275,12 @@ class LanguageModel(L.LightningModule):
     def on_fit_start(self) -> None:
         warn_if_precision_is_slow(self.trainer.precision, self.device)
 
+    def on_train_start(self) -> None:
+        self._non_finite, self._checked_at = None, -1
+
+    def on_train_end(self) -> None:
+        self._stop_if_a_loss_was_not_finite()
+
     def on_train_batch_start(self, batch, batch_idx) -> None:
         if self._resumed_random_state is not None:
             set_random_state(self._resumed_random_state, self.device)
@@ -282,6 +291,8 @@ class LanguageModel(L.LightningModule):
         self.net.pe.project_()  # after the optimizer step: learned PE parameters back in their domain
         self.train_seconds += time.perf_counter() - self._step_started
         self.train_tokens += batch["tokens"][:, 1:].numel()
+        if self.global_step != self._checked_at and self.global_step % self.trainer.log_every_n_steps == 0:
+            self._stop_if_a_loss_was_not_finite()  # at the steps whose losses the loggers read anyway
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.net.logits(self.net(tokens, positions))
@@ -299,22 +310,48 @@ class LanguageModel(L.LightningModule):
             micro,
         )
         loss = scored_targets(self.net, batch, positions).mean()
-        if not torch.isfinite(loss):
-            callback = self.trainer.checkpoint_callback
-            last = callback and callback.dirpath and os.path.join(callback.dirpath, "last.ckpt")
-            kept = (
-                "its last good checkpoint is checkpoints/last.ckpt"
-                if last and os.path.exists(last)
-                else "it had written no checkpoint yet"
-            )
-            raise NonFiniteLoss(
-                f"the training loss became {loss.item()} at step {self.global_step}; the run stopped and {kept}. "
-                "Lower module.lr or try trainer.precision=32-true"
-            )
-        self.log(TRAIN_LOSS, loss, prog_bar=True, sync_dist=True)  # the global batch's, not rank 0's share
+        self._note_if_not_finite(loss)
+        # The global batch's, not rank 0's share. On a progress bar only where there is one: Lightning turns the
+        # bar's values into numbers every step, a wait for the GPU.
+        on_bar = self.trainer.progress_bar_callback is not None
+        self.log(TRAIN_LOSS, loss, prog_bar=on_bar, sync_dist=True)
         return loss
 
+    def _note_if_not_finite(self, loss: torch.Tensor) -> None:
+        """Keeps the step and value of the first loss that is not finite, on the loss's device: testing it on the
+        host here would make the host wait for the GPU at every step."""
+        if self._non_finite is None:
+            self._non_finite = (torch.full((), -1, device=loss.device), torch.zeros((), device=loss.device))
+        step, value = self._non_finite
+        first = ~torch.isfinite(loss.detach()) & (step < 0)
+        value = torch.where(first, loss.detach().float(), value)
+        self._non_finite = (torch.where(first, self.global_step, step), value)
+
+    def _stop_if_a_loss_was_not_finite(self) -> None:
+        """Raises NonFiniteLoss naming the first step, of any rank, whose training loss was not finite. Every rank
+        calls it at the same steps (the gather is a collective) and stops with the others."""
+        self._checked_at = self.global_step
+        if self._non_finite is None:
+            return
+        steps, values = (self.all_gather(t).reshape(-1) for t in self._non_finite)
+        if not bool((steps >= 0).any()):
+            return
+        first = int(torch.where(steps >= 0, steps, steps.max() + 1).argmin())
+        callback = self.trainer.checkpoint_callback
+        last = callback and callback.dirpath and os.path.join(callback.dirpath, "last.ckpt")
+        kept = (
+            "its last good checkpoint is checkpoints/last.ckpt"
+            if last and os.path.exists(last)
+            else "it had written no checkpoint yet"
+        )
+        raise NonFiniteLoss(
+            f"the training loss became {values[first].item()} at step {int(steps[first])}; the run stopped and "
+            f"{kept}. Lower module.lr or try trainer.precision=32-true"
+        )
+
     def on_validation_epoch_start(self) -> None:
+        if self.trainer.state.fn == "fit":  # no validation of weights a bad step updated
+            self._stop_if_a_loss_was_not_finite()
         # reset() gives each process state tensors of its own: ddp_spawn (trainer.strategy=ddp_spawn) shares the
         # module's CPU tensors between the processes it starts, metric states included, so ranks would add into each
         # other's sums.
