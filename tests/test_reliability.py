@@ -211,7 +211,19 @@ class _NaNWeightsAt(lightning.Callback):
                 module.net.embedding.weight.fill_(float("nan"))
 
 
-def _fit_tiny(callbacks, steps: int = 12, log_every: int = 5, progress_bar: bool = False) -> LanguageModel:
+class _Items(torch.utils.data.Dataset):
+    def __init__(self, items: list):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int):
+        return self.items[index]
+
+
+def _tiny_fit(callbacks, steps: int = 12, log_every: int = 5, progress_bar: bool = False, **trainer_settings):
+    """A tiny model, a trainer of ``steps`` steps and its data module (the same batches at every call)."""
     module = LanguageModel(Decoder(50, 8, NoPE, d_model=16, n_layers=1, n_heads=2), warmup_steps=0)
     trainer = lightning.Trainer(
         max_steps=steps,
@@ -222,9 +234,19 @@ def _fit_tiny(callbacks, steps: int = 12, log_every: int = 5, progress_bar: bool
         enable_model_summary=False,
         log_every_n_steps=log_every,
         accelerator="cpu",
+        num_sanity_val_steps=0,
+        **trainer_settings,
     )
     tokens = torch.randint(0, 50, (2 * steps, 9), generator=torch.Generator().manual_seed(0))
-    trainer.fit(module, torch.utils.data.DataLoader([{"tokens": t} for t in tokens], batch_size=2))
+    windows = [{"tokens": t} for t in tokens]
+    val = [{"tokens": t, "window": torch.tensor([i, 0]), "counted": torch.tensor(True)} for i, t in enumerate(tokens)]
+    data = lightning.LightningDataModule.from_datasets(_Items(windows), _Items(val[:4]), batch_size=2)
+    return module, trainer, data
+
+
+def _fit_tiny(callbacks, **settings) -> LanguageModel:
+    module, trainer, data = _tiny_fit(callbacks, **settings)
+    trainer.fit(module, datamodule=data)
     return module
 
 
@@ -241,7 +263,52 @@ def test_non_finite_loss_stops_with_its_first_step_named_and_no_checkpoint_writt
     assert last["global_step"] == 3 and all(t.isfinite().all() for t in last["state_dict"].values())
     with pytest.raises(LenextError, match=r"became nan at step 11;"):  # after the last logging step: at the end
         _fit_tiny([_NaNWeightsAt(11)])
+    with pytest.raises(LenextError, match=r"became nan at step 3;"):  # no logging: at the end
+        _fit_tiny([_NaNWeightsAt(3)], log_every=0)
     _fit_tiny([])  # finite: no error
+
+
+class _ValidationsEnded(lightning.Callback):
+    def __init__(self):
+        self.count = 0
+
+    def on_validation_epoch_end(self, trainer, module) -> None:
+        self.count += 1
+
+
+def test_no_validation_runs_on_weights_a_non_finite_loss_updated():
+    ended = _ValidationsEnded()
+    with pytest.raises(LenextError, match=r"became nan at step 3;"):  # before the validation after step 4
+        _fit_tiny([_NaNWeightsAt(3), ended], log_every=50, val_check_interval=4)
+    assert ended.count == 0
+
+
+class _SignalAt(lightning.Callback):
+    """SIGTERM as Lightning raises it under DDP, at the end of optimizer step ``step``."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise lightning.pytorch.utilities.exceptions.SIGTERMException
+
+
+def test_a_stop_after_a_non_finite_loss_says_so_and_writes_no_checkpoint(tmp_path):
+    """The stop's checkpoint finds the bad loss: the run says so (not that it stopped where last.ckpt holds it),
+    after Lightning's own cleanup."""
+    from lenext.module import CheckpointOnStop
+    from lenext.run import fit_and_validate
+
+    class Cleanup(lightning.Callback):  # Lightning's handling of the stop, after the stop's checkpoint
+        def on_exception(self, trainer, module, exception) -> None:
+            self.seen = exception
+
+    stop, cleanup = CheckpointOnStop(str(tmp_path)), Cleanup()
+    module, trainer, data = _tiny_fit([stop, cleanup, _NaNWeightsAt(3), _SignalAt(4)], log_every=50)
+    with pytest.raises(LenextError, match=r"became nan at step 3; the run stopped and it had written no checkpoint"):
+        fit_and_validate(SimpleNamespace(start="scratch"), trainer, module, data)
+    assert os.listdir(tmp_path) == [] and isinstance(cleanup.seen, SystemExit)
 
 
 def _device_reads_of_a_fit(**fit) -> int:

@@ -87,12 +87,13 @@ class CheckpointOnStop(L.Callback):
     def __init__(self, dirpath: str):
         self.dirpath = dirpath
         self.signal: int | None = None  # the signal that stopped the run
+        self.non_finite: NonFiniteLoss | None = None  # found by the stop's checkpoint: raised once Lightning cleaned up
         self.at_once = False  # by Ctrl-C reaching Lightning, not at a step boundary
         self._sigint_handler = None  # SIGINT's handler before this run's
         self._stop_deferred = False  # a stop asked for between the micro-batches of an optimizer step
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.signal, self.at_once, self._stop_deferred = None, False, False
+        self.signal, self.at_once, self._stop_deferred, self.non_finite = None, False, False, None
         if trainer.world_size == 1 and threading.current_thread() is threading.main_thread():  # handlers run there
             self._sigint_handler = signal.signal(signal.SIGINT, self._stop_at_step_boundary)
 
@@ -126,7 +127,10 @@ class CheckpointOnStop(L.Callback):
         self._restore()  # Lightning calls no teardown hook after an exception
         # During fit only: a stop in the final validation leaves the last.ckpt training ended with.
         if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":
-            trainer.save_checkpoint(os.path.join(self.dirpath, "last.ckpt"), weights_only=False)
+            try:
+                trainer.save_checkpoint(os.path.join(self.dirpath, "last.ckpt"), weights_only=False)
+            except NonFiniteLoss as error:  # raised here, it would cut short Lightning's cleanup (loggers, teardown)
+                self.non_finite = error
         elif isinstance(exception, KeyboardInterrupt):  # Lightning then exits with status 1, saying nothing
             self.signal, self.at_once = signal.SIGINT, True
 
@@ -291,7 +295,8 @@ class LanguageModel(L.LightningModule):
         self.net.pe.project_()  # after the optimizer step: learned PE parameters back in their domain
         self.train_seconds += time.perf_counter() - self._step_started
         self.train_tokens += batch["tokens"][:, 1:].numel()
-        if self.global_step != self._checked_at and self.global_step % self.trainer.log_every_n_steps == 0:
+        every = self.trainer.log_every_n_steps  # 0: no logging, and a check at checkpoints and the end only
+        if every and self.global_step != self._checked_at and self.global_step % every == 0:
             self._stop_if_a_loss_was_not_finite()  # at the steps whose losses the loggers read anyway
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -138,6 +138,8 @@ def fit_and_validate(spec: RunSpec, trainer, module, datamodule) -> dict:
             raise SIGTERMException
         keep_a_best_checkpoint(trainer)
     except SystemExit as e:  # SIGTERMException (a signal, at a step boundary), or Lightning's exit on a second Ctrl-C
+        if stop is not None and stop.non_finite is not None:  # the loss went bad before the signal: no checkpoint
+            raise stop.non_finite from None
         if stop is not None and (isinstance(e, SIGTERMException) or stop.at_once):
             raise stop.stopped(trainer) from None
         if isinstance(e, SIGTERMException):  # else the command would exit 0
