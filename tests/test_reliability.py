@@ -250,22 +250,23 @@ def _fit_tiny(callbacks, **settings) -> LanguageModel:
     return module
 
 
-def test_non_finite_loss_stops_with_its_first_step_named_and_no_checkpoint_written_after_it(tmp_path):
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_non_finite_loss_stops_with_its_first_step_named_and_no_checkpoint_written_after_it(tmp_path, precision):
     """The loss is tested on the device and read at the loggers' steps and before any checkpoint (a read a step
     would make the host wait for the GPU every step): the error names the first bad step, not the step it was
     read at, and the last checkpoint is the last one before it."""
     with pytest.raises(LenextError, match=r"became nan at step 3; the run stopped and it had written no checkpoint"):
-        _fit_tiny([_NaNWeightsAt(3)])  # read at step 5
+        _fit_tiny([_NaNWeightsAt(3)], precision=precision)  # read at step 5
     every_step = lightning.pytorch.callbacks.ModelCheckpoint(tmp_path, save_last=True, every_n_train_steps=1)
     with pytest.raises(LenextError, match=r"became nan at step 3; the run stopped and its last good checkpoint is"):
-        _fit_tiny([every_step, _NaNWeightsAt(3)])
+        _fit_tiny([every_step, _NaNWeightsAt(3)], precision=precision)
     last = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert last["global_step"] == 3 and all(t.isfinite().all() for t in last["state_dict"].values())
     with pytest.raises(LenextError, match=r"became nan at step 11;"):  # after the last logging step: at the end
-        _fit_tiny([_NaNWeightsAt(11)])
+        _fit_tiny([_NaNWeightsAt(11)], precision=precision)
     with pytest.raises(LenextError, match=r"became nan at step 3;"):  # no logging: at the end
-        _fit_tiny([_NaNWeightsAt(3)], log_every=0)
-    _fit_tiny([])  # finite: no error
+        _fit_tiny([_NaNWeightsAt(3)], log_every=0, precision=precision)
+    _fit_tiny([], precision=precision)  # finite: no error
 
 
 class _ValidationsEnded(lightning.Callback):
