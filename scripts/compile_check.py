@@ -7,7 +7,7 @@ state and crashes isolated; a per-PE timeout), on the tiny model of the tests (`
 0..15, this measures:
 
 1. graph breaks: ``torch._dynamo.explain`` on block 0's forward (its inputs captured from an eager forward, called as
-   the decoder calls it, inside ``forward_span``) and on the whole decoder's forward: ``graph_break_count`` and the
+   the decoder calls it, inside ``forward_reads``) and on the whole decoder's forward: ``graph_break_count`` and the
    first of ``break_reasons`` (one line, with the innermost lenext source line it was raised at);
 2. per-block compile (what ``module.compile=true`` does): a second net, same seed, ``compile_blocks()``;
    forward + backward of the next-token loss. Whether it compiles (else the exception's type and the first line
@@ -209,7 +209,7 @@ def stage(name: str, phase: str | None = None) -> None:
 def worker(pe: str, steps: int, threads: int, parts: list[str]) -> dict:
     import torch
 
-    from lenext.pe.base import forward_span
+    from lenext.pe.base import SPAN, forward_reads
 
     torch.set_num_threads(threads)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
@@ -233,7 +233,8 @@ def worker(pe: str, steps: int, threads: int, parts: list[str]) -> dict:
             hook.remove()
             block_args = [a.detach() for a in captured["args"]]
             positions = block_args[1]
-            with forward_span(positions, int(positions.max()) + 1):  # as Decoder.forward calls its compiled blocks
+            with forward_reads(positions, {SPAN: int(positions.max()) + 1}):  # as the decoder runs compiled blocks
+                eager.pe.read_before_blocks(positions)
                 row["explain_block"] = explain(eager.blocks[0], *block_args)
             row["explain_decoder"] = explain(eager, tokens[:, :-1])
             row["done"].append("explain")

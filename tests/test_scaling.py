@@ -209,16 +209,17 @@ def test_resuming_a_fire_run_from_before_its_vectors_reshapes_their_adamw_state(
 def test_a_block_traces_as_one_graph(pe, compose_train):
     """What module.compile compiles, a block, traces whole: no graph break (a PE's table span is read once per
     forward by the decoder, not inside a block; attention recording is a plain global; CoPE's and DAPE's logit terms
-    are counted with len(), as dynamo cannot take `not` of a tuple of functions). FIRE's learned threshold, read per
-    forward, and T5's and Shaw's CPU band kernel are the known exceptions (docs/scaling.md)."""
+    are counted with len(), as dynamo cannot take `not` of a tuple of functions). FIRE's query blocks, which read its
+    learned threshold per block, and T5's and Shaw's band kernel, the CPU's paths, are the known exceptions (on
+    CUDA's path each traces whole: below; docs/scaling.md)."""
     import torch._dynamo
 
-    from lenext.pe.base import forward_span
+    from lenext.pe.base import SPAN, forward_reads
 
     net = tiny_module(compose_train, pe).net
     x, positions = torch.randn(2, 16, net.d_model), torch.arange(16)[None]
     torch._dynamo.reset()
-    with forward_span(positions, 16):
+    with forward_reads(positions, {SPAN: 16}):
         explained = torch._dynamo.explain(net.blocks[0])(x, positions)
     assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
 
@@ -254,18 +255,24 @@ def test_evaluation_runs_compiled_blocks_as_they_are_so_a_sweep_compiles_nothing
 
 
 @pytest.mark.skipif(torch.__version__ < "2.6", reason="lenext's FlexAttention path needs torch >= 2.6")
-@pytest.mark.parametrize("pe", ["t5", "shaw", "shaw+pe.value_term=true", "alibi", "kerple", "rnope_swa", "fox"])
+@pytest.mark.parametrize(
+    "pe",
+    [
+        *("t5", "shaw", "shaw+pe.value_term=true", "alibi", "kerple", "rnope_swa", "fox"),
+        *("fire", "fire+pe.init_threshold=1000"),
+    ],
+)
 def test_a_block_on_the_gpus_flexattention_path_traces_as_one_graph(pe, compose_train, monkeypatch):
     """On CUDA T5's and Shaw's band bias (with a^V: flex's log-sum-exp and the band's weights), ALiBi's and KERPLE's,
-    sliding windows (RNoPE-SWA's, at 300 tokens past its window) and FoX's key bias in evaluation go to
-    FlexAttention: that path, chosen here on the CPU, traces as one graph too (without a gradient: flex has no
-    backward on a CPU), flex_attention compiled with the block (calling torch.compile in it, as Lightning wraps it,
-    broke the graph 5 times). FIRE's does not: its learned threshold decides, per forward, which rows take the
-    score_mod (docs/scaling.md)."""
+    FIRE's (past its threshold, its MLP per score; within it, a table by distance), sliding windows (RNoPE-SWA's, at
+    300 tokens past its window) and FoX's key bias in evaluation go to FlexAttention: that path, chosen here on the
+    CPU, traces as one graph too (without a gradient: flex has no backward on a CPU), flex_attention compiled with
+    the block (calling torch.compile in it, as Lightning wraps it, broke the graph 5 times). FIRE's learned thresholds,
+    which decide its form, are read before the blocks, as the decoder does for compiled ones (they broke the graph)."""
     import torch._dynamo
 
     import lenext.attention as attention_module
-    from lenext.pe.base import forward_span
+    from lenext.pe.base import SPAN, forward_reads
 
     monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
     pe, _, setting = pe.partition("+")
@@ -273,7 +280,8 @@ def test_a_block_on_the_gpus_flexattention_path_traces_as_one_graph(pe, compose_
     x, positions = torch.randn(2, 300, net.d_model), torch.arange(300)[None]
     assert net.blocks[0].attn.window is None or net.blocks[0].attn.window < 300
     torch._dynamo.reset()
-    with forward_span(positions, 300), torch.no_grad():
+    with forward_reads(positions, {SPAN: 300}), torch.no_grad():
+        net.pe.read_before_blocks(positions)  # as the decoder does before compiled blocks (FIRE's thresholds)
         explained = torch._dynamo.explain(net.blocks[0])(x, positions)
     assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
 
@@ -281,12 +289,12 @@ def test_a_block_on_the_gpus_flexattention_path_traces_as_one_graph(pe, compose_
 def test_a_pes_span_is_the_forwards_for_its_positions_and_read_from_any_other():
     """Inside a forward, position_span of the forward's own positions is the span the decoder read (taken as given);
     of other positions (Self-Extend's grouped ones, say), read from them; outside a forward, read."""
-    from lenext.pe.base import forward_span, position_span
+    from lenext.pe.base import SPAN, forward_reads, position_span
 
     positions = torch.arange(64)[None]
-    with forward_span(positions, 99):
+    with forward_reads(positions, {SPAN: 99}):
         assert position_span(positions) == 99 and position_span(torch.arange(10)[None]) == 10
-    with forward_span(positions, None):  # read by the first that needs it, then kept
+    with forward_reads(positions, {}):  # read by the first that needs it, then kept
         assert position_span(positions) == 64
         positions[0, -1] = 500
         assert position_span(positions) == 64
@@ -315,3 +323,30 @@ def test_a_training_step_reads_the_positions_span_once_or_not_at_all(pe, reads, 
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             net.token_nll(tokens[:, :-1], tokens[:, 1:], positions).mean().backward()
         assert sum(e.name == "aten::_local_scalar_dense" for e in prof.events()) == expected
+
+
+@pytest.mark.skipif(torch.__version__ < "2.6", reason="lenext's FlexAttention path needs torch >= 2.6")
+@pytest.mark.parametrize("threshold", [1000.0, 4.0])  # every query within L_thr (a table), past it (the MLP per score)
+def test_fire_on_the_gpus_flexattention_path_reads_its_thresholds_once_a_forward(threshold, compose_train, monkeypatch):
+    """Whether FIRE's bias is a table by distance depends on its learned thresholds: every layer read its own (a wait
+    for the GPU each); now every layer's is read at once, once a forward: one read at 0..L-1 (the span is known), two
+    at drawn positions (the span too), whatever the depth. Flex runs eager on the CPU, forward only."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import lenext.attention as attention_module
+
+    monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
+    monkeypatch.setattr(attention_module, "compiled_flex_attention", lambda: attention_module.flex_attention)
+    lists = []  # a tensor's values as a list: a read the profiler does not show on a CPU
+    monkeypatch.setattr(
+        torch.Tensor, "tolist", lambda self, tolist=torch.Tensor.tolist: lists.append(1) or tolist(self)
+    )
+    tokens = torch.randint(64, (2, 9), generator=torch.Generator().manual_seed(0))
+    drawn = torch.tensor([[0, 2, 3, 5, 8, 9, 12, 15]])
+    for layers in (2, 4):
+        net = tiny_module(compose_train, "fire", f"model.n_layers={layers}", f"pe.init_threshold={threshold}").net
+        for positions, expected in ((None, 1), (drawn, 2)):
+            lists.clear()
+            with profile(activities=[ProfilerActivity.CPU]) as prof, torch.no_grad():
+                net.token_nll(tokens[:, :-1], tokens[:, 1:], positions)
+            assert sum(e.name == "aten::_local_scalar_dense" for e in prof.events()) + len(lists) == expected

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from lenext.attention import AttentionSettings, LengthScale, causal_attention
 from lenext.errors import ConfigError
 from lenext.pe import AttentionShape, PositionalEncoding
-from lenext.pe.base import LayerPE, device_budget, forward_span, sequential_positions
+from lenext.pe.base import SPAN, LayerPE, device_budget, forward_reads, sequential_positions
 from lenext.ranges import PositiveFloat, PositiveInt, Probability
 
 # Logits made at a time, in floats: on CPU small enough for the heap to reuse each chunk instead of mapping it
@@ -110,9 +110,9 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def block_in_span(block: nn.Module, span: int | None, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``block`` run with the positions' ``span`` set (``forward_span``), as the decoder runs its compiled blocks."""
-    with forward_span(positions, span):
+def block_in_forward(block: nn.Module, reads: dict, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``block`` run with its forward's ``reads`` (``forward_reads``), as the decoder runs its blocks."""
+    with forward_reads(positions, reads):
         return block(x, positions)
 
 
@@ -180,7 +180,7 @@ class Decoder(nn.Module):
         """Each block compiled with torch.compile (``module.compile=true``), for training: forwards with a gradient
         run the compiled blocks, at the training length; evaluation runs the blocks as they are, so a sweep over
         lengths does not recompile them per length (docs/scaling.md). A compiled block reads no tensor's value: the
-        positions' span is the one the decoder read before its blocks (``forward_span``)."""
+        positions' span and a PE's other reads are those the decoder made before its blocks (``forward_reads``)."""
         import torch._dynamo
 
         # dynamo's limit counts the graphs of one code object, which every block shares; a PE that reads its layer's
@@ -194,24 +194,25 @@ class Decoder(nn.Module):
         """tokens (B, L) at positions (B or 1, L), strictly increasing; None: 0..L-1."""
         compiled = self.compiled_blocks is not None and torch.is_grad_enabled()
         recomputed = self.checkpoint_blocks and torch.is_grad_enabled()  # the backward runs blocks outside this forward
-        # The positions' span, for the PEs' tables: known at 0..L-1; read here for compiled blocks (a read in a block
-        # breaks its graph) and recomputed ones (else each recomputed layer reads it again); else read once, by the
-        # first PE that needs it (position_span)
+        # What the PEs read from tensors (the positions' span, FIRE's thresholds), read once a forward: the span is
+        # known at 0..L-1; the rest is read before the blocks for compiled ones (a read in a block breaks its graph)
+        # and recomputed ones (else each recomputed layer reads again); else by the first layer that needs it
+        before_blocks = (compiled or recomputed) and not torch.compiler.is_compiling()
         if positions is None:
-            span, positions = tokens.size(1), sequential_positions(tokens.size(1), tokens.device)
-        elif (compiled or recomputed) and not torch.compiler.is_compiling():
-            span = int(positions.max()) + 1
+            reads, positions = {SPAN: tokens.size(1)}, sequential_positions(tokens.size(1), tokens.device)
         else:
-            span = None
+            reads = {SPAN: int(positions.max()) + 1} if before_blocks else {}
         x = self.embedding(tokens)  # (B, L, d)
-        # a whole compiled decoder: its PEs read the span in its graph
-        with contextlib.nullcontext() if torch.compiler.is_compiling() else forward_span(positions, span):
+        # a whole compiled decoder: its PEs read in its graph
+        with contextlib.nullcontext() if torch.compiler.is_compiling() else forward_reads(positions, reads):
+            if before_blocks:
+                self.pe.read_before_blocks(positions)
             x = self.dropout(self.pe.embed(x, positions))
             for block in self.compiled_blocks if compiled else self.blocks:
                 if recomputed:
-                    # the backward recomputes the block outside this context: with the span set again, a compiled
+                    # the backward recomputes the block outside this context: with the reads set again, a compiled
                     # block traces the graph its forward did (else it saved other tensors, and the backward failed)
-                    run = functools.partial(block_in_span, block, span)
+                    run = functools.partial(block_in_forward, block, reads)
                     x = checkpoint(run, x, positions, use_reentrant=False)
                 else:
                     x = block(x, positions)

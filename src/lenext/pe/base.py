@@ -170,38 +170,43 @@ class AttentionShape:
         return self.max_position or self.train_len
 
 
-# The forward the decoder is running (``forward_span``): its positions and 1 + their largest (None until a PE reads
-# it); both None outside one.
+# The forward the decoder is running (``forward_reads``): its positions and the values its PEs read from tensors
+# once in it, by key (the positions' span under SPAN); both None outside one.
 _forward_positions: torch.Tensor | None = None
-_forward_span: int | None = None
+_forward_reads: dict[str, object] | None = None
+SPAN = "span"
 
 
 @contextmanager
-def forward_span(positions: torch.Tensor, span: int | None) -> Iterator[None]:
-    """Inside the ``with``, ``position_span`` of ``positions`` is ``span`` (None: read by the first PE that needs it,
-    then kept for the rest of the forward)."""
-    global _forward_positions, _forward_span
-    previous = _forward_positions, _forward_span
-    _forward_positions, _forward_span = positions, span
+def forward_reads(positions: torch.Tensor, reads: dict[str, object]) -> Iterator[None]:
+    """Inside the ``with``, ``read_once_a_forward`` of ``positions`` takes a value from ``reads`` when it holds the
+    key, else reads it and keeps it there for the rest of the forward (and a block the backward recomputes)."""
+    global _forward_positions, _forward_reads
+    previous = _forward_positions, _forward_reads
+    _forward_positions, _forward_reads = positions, reads
     try:
         yield
     finally:
-        _forward_positions, _forward_span = previous
+        _forward_positions, _forward_reads = previous
+
+
+def read_once_a_forward(positions: torch.Tensor, key: str, read: Callable[[], object]) -> object:
+    """``read()``, a value read from tensors (on a GPU a wait for every kernel queued before it), once a forward of
+    the decoder at ``positions``: the first layer that asks reads it, the others take it. Of other positions
+    (Self-Extend's grouped ones) or outside a forward, each call reads. While torch.compile traces a block, the value
+    the decoder read before its blocks (a read breaks the graph)."""
+    if torch.compiler.is_compiling() and _forward_reads is not None and key in _forward_reads:
+        return _forward_reads[key]
+    if positions is not _forward_positions:
+        return read()
+    if key not in _forward_reads:
+        _forward_reads[key] = read()
+    return _forward_reads[key]
 
 
 def position_span(positions: torch.Tensor) -> int:
-    """1 + the largest of ``positions`` (B or 1, L): the positions a PE's tables must cover. Of the positions of the
-    forward the decoder is running, read once a forward, by the first PE that asks (on a GPU a read waits for every
-    kernel queued before it); while torch.compile traces a block, the span the decoder read before its blocks (a
-    read breaks the graph)."""
-    global _forward_span
-    if torch.compiler.is_compiling() and _forward_span is not None:
-        return _forward_span
-    if positions is not _forward_positions:
-        return int(positions.max()) + 1
-    if _forward_span is None:
-        _forward_span = int(positions.max()) + 1
-    return _forward_span
+    """1 + the largest of ``positions`` (B or 1, L): the positions a PE's tables must cover, read once a forward."""
+    return read_once_a_forward(positions, SPAN, lambda: int(positions.max()) + 1)
 
 
 def sequential_positions(length: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -249,6 +254,11 @@ class PositionalEncoding(nn.Module):
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: (B, L, d_model) token embeddings -> same shape with position information."""
         return x
+
+    def read_before_blocks(self, positions: torch.Tensor) -> None:
+        """Make the reads of tensor values this PE's layers make once a forward (``read_once_a_forward``; the span
+        aside, which the decoder reads): the decoder calls it before blocks that must not read (compiled ones: a read
+        breaks the graph)."""
 
     def layer(self, index: int) -> "LayerPE":
         """The PE inside attention layer ``index``; the block holding it owns its parameters. By default a view

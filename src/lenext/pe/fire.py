@@ -7,7 +7,8 @@ the distance is normalised by the query's position once the query is past the th
 (multiplier init 1) are learned, with eps 1e-6 in the denominator, as in the paper's reference code.
 One FIRE per attention layer (``per_layer``), as each layer owns one there. ``init_threshold: null``
 starts L_thr at L_train. The bias depends on i itself, not only on i - j: a pair bias, scored in query blocks;
-while every query is below L_thr it is a function of i - j alone, which FlexAttention looks up on CUDA. Past it,
+while every query is below L_thr it is a function of i - j alone, which FlexAttention looks up on CUDA (whether it is
+is read once a forward, every layer's threshold at once: a read waits for the GPU). Past it,
 without a gradient (evaluation beyond L_train), FlexAttention runs the MLP itself on each score; with one, the
 query blocks (every score's gradient would be added onto the MLP's few weights at once).
 """
@@ -25,6 +26,7 @@ from lenext.pe.base import (
     device_budget,
     distance_score_mod,
     position_span,
+    read_once_a_forward,
 )
 from lenext.ranges import PositiveFloat, PositiveInt
 
@@ -78,14 +80,10 @@ class FireBias(nn.Module):
     def threshold(self) -> torch.Tensor:
         return (self.threshold_multiplier * self.init_threshold).abs()
 
-    def distance_table(self, longest: int) -> torch.Tensor | None:
-        """(longest, H): the bias of distances 0..longest-1 when every query position (below ``longest``) is at most
-        the threshold, where the normaliser is psi(L_thr) and the bias a function of the distance alone; None when
-        some query is past it."""
-        threshold = self.threshold()
-        if longest - 1 > threshold:
-            return None
-        return self._distance_table(longest, threshold).T
+    def distance_table(self, longest: int) -> torch.Tensor:
+        """(longest, H): the bias of distances 0..longest-1 while every query position (below ``longest``) is at most
+        the threshold, where the normaliser is psi(L_thr) and the bias a function of the distance alone."""
+        return self._distance_table(longest, self.threshold()).T
 
     def _distance_table(self, count: int, threshold: torch.Tensor) -> torch.Tensor:
         """(H, count): the bias of distances 0..count-1 for queries below the threshold."""
@@ -151,12 +149,24 @@ class FIRE(PositionalEncoding):
 
         return bias
 
-    def score_mod(self, q, positions, layer):
-        fire = self.layers[layer if len(self.layers) > 1 else 0]
+    def read_before_blocks(self, positions):
+        self.within_thresholds(positions)
+
+    def within_thresholds(self, positions: torch.Tensor) -> tuple[bool, ...]:
+        """Per layer, whether every query position is at most its learned threshold L_thr: read once a forward, every
+        layer's at once (a read waits for the GPU)."""
         span = position_span(positions)
-        table = fire.distance_table(span)  # no query past the threshold: a lookup by distance
-        if table is not None:
-            return distance_score_mod(table, positions, q.size(0))
+
+        def read() -> tuple[bool, ...]:
+            return tuple((torch.cat([fire.threshold() for fire in self.layers]) >= span - 1).tolist())
+
+        return read_once_a_forward(positions, f"FIRE {id(self)} within thresholds", read)
+
+    def score_mod(self, q, positions, layer):
+        index = layer if len(self.layers) > 1 else 0
+        fire, span = self.layers[index], position_span(positions)
+        if self.within_thresholds(positions)[index]:  # a lookup by distance
+            return distance_score_mod(fire.distance_table(span), positions, q.size(0))
         if not torch.is_grad_enabled():
             return fire.pair_score_mod(positions, q.size(0))
         if not self.warned_past_threshold:  # once: a learned threshold can drift below L_train in training

@@ -64,6 +64,10 @@ class Members(PositionalEncoding):
         factors = [pe.scaling_factor(length) for pe in self.pes.values()]
         return next((factor for factor in factors if factor is not None), None)
 
+    def read_before_blocks(self, positions: torch.Tensor) -> None:
+        for pe in self.pes.values():
+            pe.read_before_blocks(positions)
+
     def project_(self) -> None:
         for pe in self.pes.values():
             pe.project_()
