@@ -344,7 +344,8 @@ def test_fire_on_the_gpus_flexattention_path_reads_its_thresholds_once_a_forward
     tokens = torch.randint(64, (2, 9), generator=torch.Generator().manual_seed(0))
     drawn = torch.tensor([[0, 2, 3, 5, 8, 9, 12, 15]])
     for layers in (2, 4):
-        net = tiny_module(compose_train, "fire", f"model.n_layers={layers}", f"pe.init_threshold={threshold}").net
+        overrides = f"model.n_layers={layers}", f"pe.init_threshold={threshold}", "pe.hidden=4"  # per score: 4 units
+        net = tiny_module(compose_train, "fire", *overrides).net
         for positions, expected in ((None, 1), (drawn, 2)):
             lists.clear()
             with profile(activities=[ProfilerActivity.CPU]) as prof, torch.no_grad():
