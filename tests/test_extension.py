@@ -272,6 +272,7 @@ def test_factor_null_is_fixed_at_l_prime_over_c_in_a_second_stage_and_per_length
     assert explicit.config["pe"]["factor"] == 3 and math.isclose(build_net(explicit, 512).pe.scaling_factor(64), 3)
 
 
+@pytest.mark.slow  # a sweep of three stages of training
 def test_the_extension_presets_train_each_stage_from_its_own_base(tmp_path, small_text_corpus):
     """experiment=extension (RoPE) and extension_pes (the other PEs) into one sweep folder, as the study runs them,
     shrunk to seconds: every stage finds its base by PE and seed, and one report holds every row."""

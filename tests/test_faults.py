@@ -311,6 +311,7 @@ def test_the_temporary_files_a_killed_writer_left_are_removed_by_the_next_proces
     assert len(os.listdir(nested)) == 1
 
 
+@pytest.mark.slow  # two commands at once, one killed
 def test_a_run_launched_twice_into_one_folder_refuses_the_second(tmp_path, small_text_corpus):
     run_dir = tmp_path / "run"
     command = small_corpus_overrides(
@@ -331,6 +332,7 @@ def test_a_run_launched_twice_into_one_folder_refuses_the_second(tmp_path, small
     assert f"process {first.pid} " in one_line(second)
 
 
+@pytest.mark.slow  # two commands at once, one killed
 def test_a_sweep_launched_twice_into_one_folder_refuses_the_second(tmp_path, small_text_corpus):
     sweep = tmp_path / "sweep"
     command = [

@@ -26,6 +26,7 @@ def test_the_wheel_holds_every_package_of_the_source_and_the_configs():
     assert set(listed) == set(find_packages(ROOT / "src")) | {"lenext.configs"}
 
 
+@pytest.mark.slow  # builds and installs a wheel, then trains in a new interpreter: about a minute
 def test_the_installed_wheel_trains_evaluates_and_reports_from_any_folder(tmp_path, small_text_corpus):
     source = tmp_path / "source"  # a copy: building in the checkout would leave build/ and egg-info there
     for folder in ("src", "configs"):

@@ -432,6 +432,7 @@ def test_an_interrupted_write_leaves_no_temporary_file_behind(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["plot.png"] and (tmp_path / "plot.png").read_text() == "old"
 
 
+@pytest.mark.slow  # a run interrupted and resumed
 def test_ctrl_c_stops_training_at_a_step_boundary_and_the_same_command_resumes(small_text_corpus, tmp_path):
     """A first Ctrl-C (SIGINT) takes SIGTERM's path: last.ckpt where training stopped, one line, exit 130."""
     cache, env = tmp_path / "cache", {**os.environ, "LENEXT_ROOT": str(tmp_path)}

@@ -119,6 +119,7 @@ def _evaluate_on_rank(rank, world, port, out):
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow  # two processes (DDP)
 def test_evaluation_under_ddp_counts_each_token_once_and_matches_one_process(tmp_path):
     import socket
 
@@ -273,7 +274,7 @@ def test_a_bad_setting_of_any_job_refuses_the_sweep_before_its_first_job(tmp_pat
     assert result.stderr.startswith("error: job 0 of the sweep (pe=nope): trainer.max_steps=0 is invalid")
 
 
-@pytest.mark.parametrize("launcher", ["basic", "parallel"])
+@pytest.mark.parametrize("launcher", ["basic", pytest.param("parallel", marks=pytest.mark.slow)])  # jobs as processes
 def test_a_failing_job_is_recorded_and_the_sweep_goes_on(small_text_corpus, tmp_path, launcher):
     """With the basic launcher every job runs in the sweep's process; with `parallel` (joblib) two at once, each
     in its own process with half the cores' torch threads, and the sweep counts the failures from their files."""
