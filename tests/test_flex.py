@@ -17,7 +17,7 @@ import lenext.attention as attention_module
 from lenext.attention import causal_attention, causal_block_mask
 from lenext.attention.flex import key_score_mod, window_block_mask
 from lenext.pe import FIRE, KERPLE, ALiBi, AttentionShape, FoX, NoPE, ShawRelative, T5Bias
-from lenext.pe.base import sequential_positions
+from lenext.pe.base import position_span, sequential_positions
 from lenext.positions import generator, randomized_positions
 
 pytestmark = pytest.mark.skipif(attention_module.flex_attention is None, reason="FlexAttention needs torch >= 2.6")
@@ -106,7 +106,28 @@ def test_fire_score_mod_past_its_threshold_matches_causal_attention(length, posi
             for param in layer.mlp.parameters():
                 param.normal_(std=0.5)  # c and the threshold as initialised: rows on both sides of L_thr 40
         q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM) for _ in range(3))
-        assert not any(pe.within_thresholds(positions))  # queries past the threshold: no lookup
+        assert not any(pe.within_thresholds(positions, position_span(positions)))  # past the threshold: no lookup
+        for layer in range(LAYERS):
+            got = eager_flex(q, k, v, pe.score_mod(q, positions, layer))
+            assert_close(
+                got, causal_attention(q, k, v, pe.layer(layer).terms(None, q, k, positions)), atol=1e-5, rtol=1e-5
+            )
+
+
+@pytest.mark.parametrize("positions", ["sequential", "randomized"])
+def test_fire_layers_with_their_own_thresholds_each_take_their_own_form(positions):
+    """Each layer's learned threshold decides its form (all read at once, once a forward): with layer 0 within its
+    threshold (a table by distance) and layer 1 past it (the MLP per score), each still gives the query blocks'
+    attention (the other layer's form would not)."""
+    pe, positions = FIRE(SHAPE), POSITIONS[positions](100)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for layer, threshold in zip(pe.layers, (4000.0, 40.0), strict=True):
+            layer.threshold_multiplier.fill_(threshold / layer.init_threshold)
+            for param in layer.mlp.parameters():
+                param.normal_(std=0.5)
+        q, k, v = (torch.randn(BATCH, HEADS, 100, HEAD_DIM) for _ in range(3))
+        assert pe.within_thresholds(positions, position_span(positions)) == (True, False)
         for layer in range(LAYERS):
             got = eager_flex(q, k, v, pe.score_mod(q, positions, layer))
             assert_close(

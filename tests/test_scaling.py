@@ -210,8 +210,9 @@ def test_a_block_traces_as_one_graph(pe, compose_train):
     """What module.compile compiles, a block, traces whole: no graph break (a PE's table span is read once per
     forward by the decoder, not inside a block; attention recording is a plain global; CoPE's and DAPE's logit terms
     are counted with len(), as dynamo cannot take `not` of a tuple of functions). FIRE's query blocks, which read its
-    learned threshold per block, and T5's and Shaw's band kernel, the CPU's paths, are the known exceptions (on
-    CUDA's path each traces whole: below; docs/scaling.md)."""
+    learned threshold per block (the CPU's path, and CUDA's when training past the threshold), and T5's and Shaw's
+    band kernel, the CPU's path, are the known exceptions (on CUDA's flex path each traces whole: below;
+    docs/scaling.md)."""
     import torch._dynamo
 
     from lenext.pe.base import SPAN, forward_reads
@@ -351,3 +352,45 @@ def test_fire_on_the_gpus_flexattention_path_reads_its_thresholds_once_a_forward
             with profile(activities=[ProfilerActivity.CPU]) as prof, torch.no_grad():
                 net.token_nll(tokens[:, :-1], tokens[:, 1:], positions)
             assert sum(e.name == "aten::_local_scalar_dense" for e in prof.events()) + len(lists) == expected
+
+
+@pytest.mark.skipif(torch.__version__ < "2.6", reason="lenext's FlexAttention path needs torch >= 2.6")
+def test_compiled_fire_blocks_on_the_gpus_flexattention_path_take_the_thresholds_the_decoder_read(monkeypatch):
+    """The decoder reads FIRE's thresholds before compiled blocks (a PE made of PEs, here KERPLE's layer and FIRE's,
+    passes the call on to FIRE): the blocks break no graph, and a forward reads one value at 0..L-1 and two at drawn
+    positions, the eager output. A gradient is on (the compiled blocks run) with the parameters frozen: flex has no
+    backward on a CPU."""
+    import functools
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity, profile
+
+    import lenext.attention as attention_module
+    from lenext.pe.mix import PerLayer
+
+    monkeypatch.setattr(attention_module, "flex_available", lambda q: True)
+    monkeypatch.setattr(attention_module, "compiled_flex_attention", lambda: attention_module.flex_attention)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    lists = []  # a tensor's values as a list: a read the profiler does not show on a CPU
+    counted = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: lists.append(1) or counted(self))
+    fire = functools.partial(FIRE, hidden=4, init_threshold=64.0)  # past it, training leaves flex (said once)
+    torch.manual_seed(0)
+    pe = functools.partial(PerLayer, pes={"kerple": KERPLE, "fire": fire}, pattern=["kerple", "fire"])
+    net = Decoder(64, 16, pe, d_model=32, n_layers=2, n_heads=2).requires_grad_(False)
+    tokens = torch.randint(64, (2, 16))
+    drawn = torch.tensor([[0, 2, 3, 5, 8, 9, 12, 15, 16, 17, 19, 20, 22, 23, 25, 30]])
+    with torch.no_grad():
+        eager = [net(tokens, positions) for positions in (None, drawn)]
+    net.compile_blocks()
+    torch._dynamo.reset()
+    counters.clear()
+    for positions, expected, reference in ((None, 1, eager[0]), (drawn, 2, eager[1])):
+        net(tokens, positions)  # compiles the blocks for these positions (tracing reads what it traces)
+        lists.clear()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            compiled = net(tokens, positions)
+        assert sum(e.name == "aten::_local_scalar_dense" for e in prof.events()) + len(lists) == expected
+        torch.testing.assert_close(compiled, reference)
+    assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]

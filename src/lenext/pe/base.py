@@ -171,7 +171,8 @@ class AttentionShape:
 
 
 # The forward the decoder is running (``forward_reads``): its positions and the values its PEs read from tensors
-# once in it, by key (the positions' span under SPAN); both None outside one.
+# once in it, by key (the positions' span under SPAN); both None outside one. One forward at a time per process:
+# lenext runs no forwards in threads.
 _forward_positions: torch.Tensor | None = None
 _forward_reads: dict[str, object] | None = None
 SPAN = "span"
@@ -194,7 +195,8 @@ def read_once_a_forward(positions: torch.Tensor, key: str, read: Callable[[], ob
     """``read()``, a value read from tensors (on a GPU a wait for every kernel queued before it), once a forward of
     the decoder at ``positions``: the first layer that asks reads it, the others take it. Of other positions
     (Self-Extend's grouped ones) or outside a forward, each call reads. While torch.compile traces a block, the value
-    the decoder read before its blocks (a read breaks the graph)."""
+    the decoder read before its blocks, whatever the positions (a read breaks the graph; a block reads only of its
+    forward's)."""
     if torch.compiler.is_compiling() and _forward_reads is not None and key in _forward_reads:
         return _forward_reads[key]
     if positions is not _forward_positions:

@@ -7,8 +7,8 @@ the distance is normalised by the query's position once the query is past the th
 (multiplier init 1) are learned, with eps 1e-6 in the denominator, as in the paper's reference code.
 One FIRE per attention layer (``per_layer``), as each layer owns one there. ``init_threshold: null``
 starts L_thr at L_train. The bias depends on i itself, not only on i - j: a pair bias, scored in query blocks;
-while every query is below L_thr it is a function of i - j alone, which FlexAttention looks up on CUDA (whether it is
-is read once a forward, every layer's threshold at once: a read waits for the GPU). Past it,
+while every query is below L_thr it is a function of i - j alone, which FlexAttention looks up on CUDA (which is read
+once a forward, every layer's threshold at once: a read waits for the GPU). Past it,
 without a gradient (evaluation beyond L_train), FlexAttention runs the MLP itself on each score; with one, the
 query blocks (every score's gradient would be added onto the MLP's few weights at once).
 """
@@ -150,12 +150,11 @@ class FIRE(PositionalEncoding):
         return bias
 
     def read_before_blocks(self, positions):
-        self.within_thresholds(positions)
+        self.within_thresholds(positions, position_span(positions))
 
-    def within_thresholds(self, positions: torch.Tensor) -> tuple[bool, ...]:
-        """Per layer, whether every query position is at most its learned threshold L_thr: read once a forward, every
-        layer's at once (a read waits for the GPU)."""
-        span = position_span(positions)
+    def within_thresholds(self, positions: torch.Tensor, span: int) -> tuple[bool, ...]:
+        """Per layer, whether every query position (below ``span``) is at most its learned threshold L_thr: read once
+        a forward, every layer's at once (a read waits for the GPU)."""
 
         def read() -> tuple[bool, ...]:
             return tuple((torch.cat([fire.threshold() for fire in self.layers]) >= span - 1).tolist())
@@ -165,7 +164,7 @@ class FIRE(PositionalEncoding):
     def score_mod(self, q, positions, layer):
         index = layer if len(self.layers) > 1 else 0
         fire, span = self.layers[index], position_span(positions)
-        if self.within_thresholds(positions)[index]:  # a lookup by distance
+        if self.within_thresholds(positions, span)[index]:  # a lookup by distance
             return distance_score_mod(fire.distance_table(span), positions, q.size(0))
         if not torch.is_grad_enabled():
             return fire.pair_score_mod(positions, q.size(0))
