@@ -483,8 +483,9 @@ def profiled_steps(averages, device: str, steps: int, step_s: float, timed_step_
     overlap, more than the time the device was busy), against the step timed without the profiler
     (``timed_step_s``): the rest of it the GPU waited for the CPU to launch work at least; the reads of a device
     value by the host a step (``aten::_local_scalar_dense``: ``.item()``, a tensor's truth; on a GPU each waits for
-    every kernel queued before it); the ``top`` kernels (on the CPU: operators) by their own time, and the
-    profiled step's wall time (``step_s``)."""
+    every kernel queued before it) and on CUDA its waits for the GPU a step (``cudaStreamSynchronize``, which a copy
+    to the host such as ``.tolist()`` makes too, and not a read of a CPU tensor); the ``top`` kernels (on the CPU:
+    operators) by their own time, and the profiled step's wall time (``step_s``)."""
     cuda = device == "cuda"
     kernels = device_kernels(averages, cuda)
     return {
@@ -492,6 +493,7 @@ def profiled_steps(averages, device: str, steps: int, step_s: float, timed_step_
         "timed_step_s": timed_step_s,
         "busy_s": sum(self_time(e, cuda) for e in kernels) / steps,  # the kernels' summed time a step
         "host_reads": sum(e.count for e in averages if e.key == "aten::_local_scalar_dense") / steps,
+        "host_waits": sum(e.count for e in averages if e.key == "cudaStreamSynchronize") / steps if cuda else None,
         "top": [(e.key, self_time(e, cuda) / steps, e.count // steps) for e in kernels[:top]],
     }
 
@@ -976,7 +978,9 @@ def render_profiles(profiles: dict) -> list[str]:
         "repetitions, without the profiler (the profiled step's in brackets; `-` in files written before "
         "2026-11-30 02:00 UTC): the rest of a step the GPU waited for the CPU to launch work, at least. The host's "
         "reads of a device value a step (`aten::_local_scalar_dense`: on a GPU each waits for the kernels queued "
-        "before it; `-` in files written before 2026-11-30 20:00 UTC). Then the kernels taking most of it, per step.",
+        "before it; `-` in files written before 2026-11-30 20:00 UTC), on CUDA with its waits for the GPU a step in "
+        "brackets (`cudaStreamSynchronize`: copies to the host such as `.tolist()` too, reads of CPU tensors not; "
+        "since 2026-12-01). Then the kernels taking most of it, per step.",
         "",
         "| arm | kernels' time a step | timed step (profiled step) | kernels' share | host reads a step | "
         "top kernels (ms a step, calls) |",
@@ -987,6 +991,8 @@ def render_profiles(profiles: dict) -> list[str]:
         timed = p.get("timed_step_s")  # not in files written before 2026-11-30 02:00 UTC
         timed_cell, share = (f"{1e3 * timed:.2f} ms", f"{p['busy_s'] / timed:.0%}") if timed else ("-", "-")
         reads = "-" if p.get("host_reads") is None else f"{p['host_reads']:g}"
+        if p.get("host_waits") is not None:
+            reads += f" ({p['host_waits']:g})"
         lines.append(
             f"| {name} | {1e3 * p['busy_s']:.2f} ms | {timed_cell} ({1e3 * p['step_s']:.2f} ms) | {share} | {reads} "
             f"| {top} |"

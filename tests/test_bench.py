@@ -277,6 +277,24 @@ def test_the_gpu_checks_lightning_section_trains_the_preset_asked(gpu_check, tmp
     assert reads["lightning"] == reads["bare"] > 0, reads
 
 
+def test_a_profile_counts_the_hosts_reads_and_on_cuda_its_waits_for_the_gpu(gpu_check):
+    """A read of a device value shows as ``aten::_local_scalar_dense``; on CUDA every wait for the GPU as a stream
+    synchronization, which a copy to the host (``.tolist()``) makes without that operator (FIRE's thresholds)."""
+    from types import SimpleNamespace
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    averages = [
+        SimpleNamespace(key="aten::_local_scalar_dense", count=4, device_type=cpu, self_cpu_time_total=1.0),
+        SimpleNamespace(key="cudaStreamSynchronize", count=6, device_type=cpu, self_cpu_time_total=1.0),
+        SimpleNamespace(key="gemm", count=2, device_type=cuda, self_device_time_total=3e3, self_cpu_time_total=0.0),
+    ]
+    on_cuda = gpu_check.profiled_steps(averages, "cuda", 2, 0.1, 0.1)
+    assert (on_cuda["host_reads"], on_cuda["host_waits"], on_cuda["busy_s"]) == (2, 3, 1.5e-3)
+    assert gpu_check.profiled_steps(averages, "cpu", 2, 0.1, 0.1)["host_waits"] is None
+    row = gpu_check.render_profiles({"rope": on_cuda | {"top": []}})[-2]
+    assert row.split(" | ")[4] == "2 (3)", row
+
+
 def test_a_gpu_check_cut_off_keeps_the_exactness_rows_it_finished(gpu_check, tmp_path, monkeypatch):
     """The report is written after each exactness row: a run its time limit kills (or a row that takes the device
     down) keeps the rows before it."""
