@@ -7,8 +7,8 @@ the distance is normalised by the query's position once the query is past the th
 (multiplier init 1) are learned, with eps 1e-6 in the denominator, as in the paper's reference code.
 One FIRE per attention layer (``per_layer``), as each layer owns one there. ``init_threshold: null``
 starts L_thr at L_train. The bias depends on i itself, not only on i - j: a pair bias, scored in query blocks;
-while every query is below L_thr it is a function of i - j alone, which FlexAttention looks up on CUDA (which is read
-once a forward, every layer's threshold at once: a read waits for the GPU). Past it,
+while every query is below L_thr it is a function of i - j alone, which FlexAttention looks up on CUDA (to tell,
+every layer's threshold is read at once, once a forward: a read waits for the GPU). Past it,
 without a gradient (evaluation beyond L_train), FlexAttention runs the MLP itself on each score; with one, the
 query blocks (every score's gradient would be added onto the MLP's few weights at once).
 """
