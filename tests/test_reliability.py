@@ -772,3 +772,39 @@ def test_a_stop_during_gradient_accumulation_waits_for_the_optimizer_step(tmp_pa
     stopped = torch.load(checkpoints / "last.ckpt", weights_only=False)
     micro_batches = stopped["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"]
     assert stopped["global_step"] == 3 and micro_batches == 6
+
+
+def test_a_refused_run_closes_its_own_log_file_and_no_other_handler(compose_train, tmp_path, monkeypatch):
+    """A run refused in Hydra's RUN mode closes its log file in its folder (an empty one goes with the folder) and
+    leaves the process's other logging handlers open: logging.shutdown() closed them all, and a test runner's file
+    handler then failed at every later record ("--- Logging error ---" in a later test's output)."""
+    import logging
+
+    import lenext.cli as cli
+    from lenext.errors import ConfigError
+
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere.log"
+    run_dir.mkdir()
+    cfg = compose_train()
+    hydra = SimpleNamespace(mode=cli.RunMode.RUN, runtime=SimpleNamespace(output_dir=str(run_dir)))
+    monkeypatch.setattr(cli, "hydra_config", lambda: hydra)
+    runs_log, others = logging.FileHandler(run_dir / "train.log"), logging.FileHandler(elsewhere)
+    root = logging.getLogger()
+    for handler in (runs_log, others):
+        root.addHandler(handler)
+    try:
+
+        def refused(cfg):
+            raise ConfigError("model.d_model=-1 is invalid")
+
+        with pytest.raises(SystemExit):
+            cli.one_line_errors(refused)(cfg)
+        assert runs_log not in root.handlers and runs_log.stream is None  # closed
+        assert others in root.handlers and not others.stream.closed
+        logging.getLogger("lenext").warning("after a refused run")
+        others.flush()
+        assert "after a refused run" in elsewhere.read_text()
+    finally:
+        for handler in (runs_log, others):
+            root.removeHandler(handler)
+            handler.close()

@@ -118,11 +118,24 @@ def one_line_errors(main: Callable) -> Callable:
                 write_atomic(os.path.join(hydra_cfg.runtime.output_dir, ERROR_FILE), f"{e}\n")
                 return None
             if hydra_cfg and hydra_cfg.mode == RunMode.RUN:
-                logging.shutdown()  # the run's log file closed: an empty one goes with its folder
+                close_log_files_in(hydra_cfg.runtime.output_dir)  # an empty log then goes with its folder
                 remove_unused_folder(hydra_cfg.runtime.output_dir)
             sys.exit(e.exit_status)
 
     return wrapper
+
+
+def close_log_files_in(folder: str) -> None:
+    """Close and detach the logging handlers writing a file in ``folder`` (Hydra's log of the run); the process's
+    other handlers stay open (``logging.shutdown()`` closed them all: a process running commands in it, a test
+    runner, then failed at its next record)."""
+    folder = os.path.join(os.path.realpath(folder), "")
+    loggers = [logging.root, *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            if isinstance(handler, logging.FileHandler) and os.path.realpath(handler.baseFilename).startswith(folder):
+                logger.removeHandler(handler)
+                handler.close()
 
 
 def checked_command_line(config_name: str) -> Callable:
