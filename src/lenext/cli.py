@@ -127,8 +127,7 @@ def one_line_errors(main: Callable) -> Callable:
 
 def close_log_files_in(folder: str) -> None:
     """Close and detach the logging handlers writing a file in ``folder`` (Hydra's log of the run); the process's
-    other handlers stay open (``logging.shutdown()`` closed them all: a process running commands in it, a test
-    runner, then failed at its next record)."""
+    other handlers stay open (``logging.shutdown()`` closed them all, a test runner's or a notebook's too)."""
     folder = os.path.join(os.path.realpath(folder), "")
     loggers = [logging.root, *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]
     for logger in loggers:
