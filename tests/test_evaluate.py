@@ -5,8 +5,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -27,6 +25,7 @@ from lenext.protocols import PROTOCOLS, KeyTokens, LastK, NonOverlapping, Slidin
 from lenext.run import evaluate_checkpoint, train
 from lenext.scoring import evaluate_length
 from tests.conftest import CONFIG_FOLDER, small_corpus_overrides, tiny_overrides
+from tests.forked import run_command
 
 DOC_LENGTHS = [1, 40, 97, 130, 64, 65]
 
@@ -657,10 +656,9 @@ def test_eval_py_into_a_training_runs_folder_is_refused_before_any_job_starts(tr
     (run / ".hydra" / "config.yaml").write_text("pe: rope\n")
     (run / "results.json").write_text(json.dumps({"complete": True, "meta": {"row": "rope", "seed": 0}, "rows": []}))
     folder = ["-m", f"hydra.sweep.dir={run.parent}"] if mode == "sweep" else [f"hydra.run.dir={run}"]
-    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "eval.py")
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"LENEXT_ROOT": str(tmp_path)}
     ckpt = trained_run / "checkpoints" / "last.ckpt"
-    done = subprocess.run([sys.executable, script, *folder, f"ckpt={ckpt}"], env=env, capture_output=True, text=True)
+    done = run_command("eval.py", [*folder, f"ckpt={ckpt}"], env, tmp_path)
     key, named, held = (
         ("hydra.sweep.dir", run.parent, run / "results.json")
         if mode == "sweep"
@@ -681,13 +679,10 @@ def test_a_refused_evaluation_keeps_the_record_of_the_evaluation_in_its_folder(t
     run = tmp_path / "evaluated"
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "config.yaml").write_text("the evaluation's own\n")
-    root = os.path.dirname(os.path.dirname(__file__))
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"LENEXT_ROOT": str(tmp_path)}
     bad = "eval.factors=[0.3]" if script == "eval.py" else "factors=[0.3]"  # no whole number of tokens
-    command = [sys.executable, os.path.join(root, script), f"hydra.run.dir={run}", f"ckpt={trained_run}", bad]
-    if script == "eval.py":
-        command[-2] += "/checkpoints/last.ckpt"
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    ckpt = trained_run / "checkpoints" / "last.ckpt" if script == "eval.py" else trained_run
+    done = run_command(script, [f"hydra.run.dir={run}", f"ckpt={ckpt}", bad], env, tmp_path)
     assert done.returncode == 1 and "is no whole number of tokens" in done.stderr, done.stderr[-2000:]
     assert (run / ".hydra" / "config.yaml").read_text() == "the evaluation's own\n"
     assert os.listdir(run / ".hydra") == ["config.yaml"]
@@ -699,12 +694,10 @@ def test_an_eval_sweep_into_other_job_folders_of_a_training_sweep_folder_goes_on
     run.mkdir(parents=True)
     trained = json.dumps({"complete": True, "meta": {"row": "rope", "seed": 0}, "rows": []})
     (run / "results.json").write_text(trained)
-    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "eval.py")
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"LENEXT_ROOT": str(tmp_path)}
     folders = [f"hydra.sweep.dir={run.parent}", "hydra.sweep.subdir=eval_${hydra.job.num}"]
     ckpt = trained_run / "checkpoints" / "last.ckpt"
-    command = [sys.executable, script, "-m", *folders, f"ckpt={ckpt}", "eval.lengths=[32],[64]"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    done = run_command("eval.py", ["-m", *folders, f"ckpt={ckpt}", "eval.lengths=[32],[64]"], env, tmp_path)
     assert done.returncode == 0 and "holds a training run's" not in done.stderr, done.stderr[-2000:]
     assert all(json.loads((run.parent / f"eval_{n}" / "results.json").read_text())["complete"] for n in (0, 1))
     assert (run / "results.json").read_text() == trained

@@ -360,7 +360,7 @@ def test_report_skips_another_tools_results_and_says_so(tmp_path, capsys):
     write_run(tmp_path / "0", "alibi", 0, {64: 20.0})
     os.makedirs(tmp_path / "1" / ".hydra")
     (tmp_path / "1" / "results.json").write_text(json.dumps({"complete": True, "accuracy": 0.93}))
-    report_main([str(tmp_path)])
+    report_main([str(tmp_path), "--no-figures"])
     assert f"`{tmp_path / '1'}`: results.json is not lenext's (no meta object)" in capsys.readouterr().out
     with pytest.raises(
         SystemExit,
@@ -410,7 +410,7 @@ def test_report_lists_a_results_file_it_cannot_read_as_lenexts(tmp_path, capsys,
     (tmp_path / "1" / "results.json").write_text(json.dumps(results))
     (tmp_path / "2" / ".hydra").mkdir(parents=True)
     (tmp_path / "2" / "error.txt").write_bytes(b"caf\xe9")  # not UTF-8 either
-    report_main([str(tmp_path)])
+    report_main([str(tmp_path), "--no-figures"])
     out = capsys.readouterr().out
     assert f"results.json is not lenext's ({problem}" in out and "| alibi |" in out and "failed: caf" in out
 
@@ -595,7 +595,7 @@ def test_a_results_file_marked_complete_by_anything_but_true_is_not_counted(tmp_
     write_run(tmp_path / "1", "rope", 0, {64: 21.0})
     results = json.loads((tmp_path / "1" / "results.json").read_text())
     (tmp_path / "1" / "results.json").write_text(json.dumps({**results, "complete": "yes"}))
-    report_main([str(tmp_path)])
+    report_main([str(tmp_path), "--no-figures"])
     out = capsys.readouterr().out
     assert f"`{tmp_path / '1'}`: results.json not marked complete" in out and "| rope |" not in out
 

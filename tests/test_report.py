@@ -191,7 +191,7 @@ def test_significance_rule_separates_only_differences_beyond_two_std_with_consis
     _seeded_sweep(unpaired, {"shaw": flip["shaw"]}, first_seed=5)
     assert separable(_frame(unpaired), "shaw", "alibi", 64, "nonoverlap", 64) is True
 
-    markdown = report([str(sweep)], str(tmp_path / "out"))
+    markdown = report([str(sweep)], str(tmp_path / "out"), figures=False)
     lines = {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| ")}
     assert "**11.00 ± 1.00**" in lines["alibi"]
     assert "14.00 ± 0.50 |" in lines["t5"]
@@ -210,14 +210,14 @@ def test_a_lone_seed_is_never_tested_the_table_says_why_and_marks_its_cells(tmp_
 
     one_seed = _seeded_sweep(tmp_path / "one", {"alibi": [10.0], "nope": [10.1]})
     assert separable(_frame(one_seed), "nope", "alibi", 64, "nonoverlap", 64) is None
-    markdown = report([str(one_seed)], str(tmp_path / "out"))
+    markdown = report([str(one_seed)], str(tmp_path / "out"), figures=False)
     assert " ~" not in markdown and "over 1 seed;" in markdown and "One seed: no difference is tested" in markdown
 
     mixed = _seeded_sweep(
         tmp_path / "mixed", {"alibi": [10.0, 10.1, 10.2], "nope": [30.0], "t5": [10.15, 10.25, 10.35]}
     )
     assert separable(_frame(mixed), "nope", "alibi", 64, "nonoverlap", 64) is None
-    markdown = report([str(mixed)], str(tmp_path / "out_mixed"))
+    markdown = report([str(mixed)], str(tmp_path / "out_mixed"), figures=False)
     lines = {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| ")}
     assert "over 1-3 seeds;" in markdown and "tested only when it and the best both have >= 2 seeds" in markdown
     assert "| 30.00 † |" in lines["nope"] and "10.25 ± 0.10 ~ |" in lines["t5"]  # nope: one seed, not tested
@@ -228,7 +228,7 @@ def test_a_lone_seed_is_never_tested_the_table_says_why_and_marks_its_cells(tmp_
     )  # its legend
 
     lone_best = _seeded_sweep(tmp_path / "lone_best", {"alibi": [9.0], "nope": [30.0, 30.1], "t5": [10.0, 10.2]})
-    lines = report([str(lone_best)], str(tmp_path / "out_lone_best")).splitlines()
+    lines = report([str(lone_best)], str(tmp_path / "out_lone_best"), figures=False).splitlines()
     lines = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ")}
     assert "**9.00**" in lines["alibi"] and "30.05 ± 0.07 † |" in lines["nope"] and "10.10 ± 0.14 † |" in lines["t5"]
 
@@ -255,7 +255,7 @@ def test_rows_tied_for_the_best_are_all_bold_and_the_others_are_tested_against_e
             "fire": [30.0],  # one seed: not tested
         },
     )
-    lines = report([str(tied)], str(tmp_path / "out")).splitlines()
+    lines = report([str(tied)], str(tmp_path / "out"), figures=False).splitlines()
     lines = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ")}
     assert "**10.10 ± 0.10**" in lines["alibi"] and "**10.10 ± 0.10**" in lines["kerple"]
     assert "10.15 ± 0.10 ~ |" in lines["t5"] and "30.50 ± 0.50 |" in lines["nope"] and "30.00 † |" in lines["fire"]
@@ -265,7 +265,7 @@ def test_rows_tied_for_the_best_are_all_bold_and_the_others_are_tested_against_e
     # A row without a value (a diverged seed) is no row tied with them: the two stay bold; a NaN mean is not "†".
     rows = {"alibi": [10.0, 10.1], "kerple": [10.0, 10.1], "nope": [9.0, math.nan]}
     beside = _seeded_sweep(tmp_path / "beside", rows)
-    markdown = report([str(beside)], str(tmp_path / "out_beside"))
+    markdown = report([str(beside)], str(tmp_path / "out_beside"), figures=False)
     lines = {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| ")}
     assert "**10.05 ± 0.07**" in lines["alibi"] and "**10.05 ± 0.07**" in lines["kerple"]
     assert "†" not in markdown  # every cell has 2 seeds: nothing is marked or explained as untested
@@ -273,7 +273,7 @@ def test_rows_tied_for_the_best_are_all_bold_and_the_others_are_tested_against_e
     # Beside a row with nothing measured there (n/a: a learned table's end), the rows that all tie single none out.
     rows = {"alibi": [10.0, 10.1], "kerple": [10.0, 10.1], "learned": [None, None]}
     all_tied = _seeded_sweep(tmp_path / "all_tied", rows)
-    markdown = report([str(all_tied)], str(tmp_path / "out_all"))
+    markdown = report([str(all_tied)], str(tmp_path / "out_all"), figures=False)
     assert "**" not in markdown.split("| PE")[1] and " ~" not in markdown and "† |" not in markdown
 
 
@@ -287,7 +287,7 @@ def test_rows_measured_on_other_text_are_shown_but_none_is_marked_best(tmp_path)
         for seed in (0, 1):
             meta = {"identity": {"model.d_model": 64, **identity}, "split": "validation"}
             write_run(tmp_path / "mixed" / f"{job}_{seed}", pe, seed, {64: ppl + seed}, meta=meta)
-    markdown = report([str(tmp_path / "mixed")], str(tmp_path / "out"))
+    markdown = report([str(tmp_path / "mixed")], str(tmp_path / "out"), figures=False)
     assert "rows measured on different text (another corpus, tokenizer or split): no best marked" in markdown
     lines = [line for line in markdown.splitlines() if line.startswith("| ") and " ± " in line]
     assert len(lines) == 3 and "**" not in "".join(lines) and " ~" not in "".join(lines)
@@ -295,7 +295,9 @@ def test_rows_measured_on_other_text_are_shown_but_none_is_marked_best(tmp_path)
 
     write_run(tmp_path / "older" / "0", "nope", 0, {64: 40.0}, meta={"split": "validation"})  # no identity
     kept = report(
-        [str(tmp_path / "mixed" / f"0_{seed}") for seed in (0, 1)] + [str(tmp_path / "older")], str(tmp_path / "o2")
+        [str(tmp_path / "mixed" / f"0_{seed}") for seed in (0, 1)] + [str(tmp_path / "older")],
+        str(tmp_path / "o2"),
+        figures=False,
     )
     assert "**20.50 ± 0.71**" in kept
 
@@ -310,7 +312,7 @@ def test_a_temperature_row_fitted_to_c_0_in_every_seed_is_neither_tabled_nor_dra
         write_run(tmp_path / str(job), pe, seed, {64: ppl}, extra_rows=[{**row, "ppl": tempered}])
         with open(tmp_path / str(job) / "positions.csv", "a") as f:
             f.writelines(f"temperature,128,{p},{3 + p / 100 - c},5\n" for p in range(128))
-    markdown = report([str(tmp_path)], str(tmp_path / "out"))
+    markdown = report([str(tmp_path)], str(tmp_path / "out"), figures=False)
     lines = {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| ")}
     assert (
         "alibi (temperature)" not in lines
@@ -348,7 +350,7 @@ def test_per_position_bins_are_token_weighted_means_covering_every_position_once
     assert row.mean_nll == pytest.approx((seed0 + seed1) / 2)
     assert row.std_nll == pytest.approx(abs(seed1 - seed0) / 2**0.5)
     assert row.seeds == 2 and row.tokens == 8
-    report([str(tmp_path)], str(tmp_path / "out"))
+    report([str(tmp_path)], str(tmp_path / "out"), figures=False)
     written = pd.read_csv(tmp_path / "out" / "per_position.csv")
     assert list(written.columns) == [
         "train_len",
@@ -374,11 +376,11 @@ def test_rows_follow_the_order_the_sweep_listed_its_pes(tmp_path):
 
 
 def test_the_machines_the_runs_were_made_on_are_named(sweep_dir, tmp_path):
-    one = report([str(sweep_dir)], str(tmp_path / "one"))
+    one = report([str(sweep_dir)], str(tmp_path / "one"), figures=False)
     assert "Runs made on AMD EPYC (AVX512_BF16, 2 cores), bf16-mixed." in one
     other = {**HARDWARE, "cpu": "Intel Xeon", "isa": "AMX"}
     write_run(sweep_dir / "20", "alibi", 3, {64: 20.0, 128: 19.0}, hardware=other)
-    markdown = report([str(sweep_dir)], str(tmp_path / "two"))
+    markdown = report([str(sweep_dir)], str(tmp_path / "two"), figures=False)
     assert (
         "Runs made on 2 machines: AMD EPYC (AVX512_BF16, 2 cores), bf16-mixed (9 runs); "
         "Intel Xeon (AMX, 2 cores), bf16-mixed (1 run). `train tok/s` averages over them"
@@ -389,7 +391,7 @@ def test_a_model_lenext_did_not_train_is_no_second_machine(sweep_dir, tmp_path):
     """An ``eval.py hf=`` run on the same machine has no training precision and no train tok/s: it is named apart,
     not counted as a second machine whose speeds the table averages."""
     write_run(sweep_dir / "20", "alibi", 3, {64: 20.0, 128: 19.0}, hardware={**HARDWARE, "training_precision": None})
-    markdown = report([str(sweep_dir)], str(tmp_path / "out"))
+    markdown = report([str(sweep_dir)], str(tmp_path / "out"), figures=False)
     assert "Runs made on AMD EPYC (AVX512_BF16, 2 cores), bf16-mixed.\n" in markdown
     assert (
         "Models lenext did not train (`eval.py hf=`) evaluated on AMD EPYC (AVX512_BF16, 2 cores) (1 run)." in markdown
@@ -402,7 +404,7 @@ def test_a_job_whose_latest_attempt_failed_is_listed_as_failed(tmp_path, capsys)
     write_run(tmp_path / "1", "rope", 0, {64: 21.0})
     (tmp_path / "1" / "error.txt").write_text("data.max_len=0 is invalid\n")
     os.utime(tmp_path / "1" / "results.json", (1, 1))  # the results are older than the error
-    main([str(tmp_path)])
+    main([str(tmp_path), "--no-figures"])
     out = capsys.readouterr().out
     assert "| alibi |" in out and "| rope |" not in out and "failed: data.max_len=0 is invalid" in out
 
@@ -413,7 +415,7 @@ def test_a_hand_written_error_file_is_listed_on_one_line_and_row_fields_without_
     write_run(tmp_path / "0", "alibi", 0, {64: 20.0}, meta={"row_fields": {"pe": "alibi", "positions": "sequential"}})
     (tmp_path / "1").mkdir()
     (tmp_path / "1" / "error.txt").write_text("out of memory\n  at step 3\n")
-    main([str(tmp_path)])
+    main([str(tmp_path), "--no-figures"])
     out = capsys.readouterr().out
     assert "| alibi |" in out and "failed: out of memory at step 3\n" in out
 
@@ -475,7 +477,7 @@ def test_dynamic_ntk_rows_equal_to_ntk_by_construction_are_not_shown_twice(tmp_p
             for scaling in ("ntk", "dynamic_ntk")
         ]
         write_run(tmp_path / str(seed), "rope", seed, {64: 21, 128: 40}, scaling="none", extra_rows=variant_rows)
-    markdown = report([str(tmp_path)], str(tmp_path / "out"))
+    markdown = report([str(tmp_path)], str(tmp_path / "out"), figures=False)
     assert "| rope (ntk) |" in markdown and "dynamic_ntk)" not in markdown
     assert "`ntk` rows also stand for `dynamic_ntk`: equal by construction" in markdown
     assert "dynamic_ntk" not in (tmp_path / "out" / "table.csv").read_text()
@@ -483,7 +485,8 @@ def test_dynamic_ntk_rows_equal_to_ntk_by_construction_are_not_shown_twice(tmp_p
     assert set(frame.label) == {"rope", "rope (ntk)"}
     for seed in (0, 1):
         write_run(tmp_path / str(seed), "rope", seed, {64: 21, 128: 40}, scaling="none", extra_rows=variant_rows[:1])
-    assert "stand for" not in report([str(tmp_path)], str(tmp_path / "out"))  # dynamic_ntk not asked: nothing to say
+    markdown = report([str(tmp_path)], str(tmp_path / "out"), figures=False)
+    assert "stand for" not in markdown  # dynamic_ntk not asked: nothing to say
 
 
 def write_probe_run(folder, pe, seed, exact_by_length, train_len=32, task="copy", extra_rows=(), meta=None):
@@ -522,7 +525,7 @@ def test_a_probe_run_that_did_not_learn_its_task_at_l_train_is_kept_out_of_the_m
     assert exact.cell("nope", 64).status == "not learned"
     per_token = tables[TableKey(32, "accuracy", "token_accuracy", "copy")]
     assert per_token.cell("rope", 64)["mean"] == pytest.approx((0.55 + 0.35) / 2)  # the run, not the metric
-    markdown = report([str(tmp_path)], str(tmp_path / "out"))
+    markdown = report([str(tmp_path)], str(tmp_path / "out"), figures=False)
     assert "| nope | 10.0 † | not learned |" in markdown  # one seed beside rope's three: not tested
     assert "Not learned at their training length (exact match below 90% there;" in markdown
     assert "rope (seed 2: 40.0% at 32); nope (seed 0: 10.0% at 32)" in markdown
@@ -557,7 +560,7 @@ def test_a_second_stage_is_judged_learned_and_kept_at_its_own_training_length(tm
     assert (exact.cell("rope -> direct@256", 256)["mean"], exact.cell("rope -> direct@256", 256).n) == (2.5 / 3, 3)
     assert exact.cell("rope -> direct@256", 512)["mean"] == pytest.approx((0.2 + 0.4) / 2)
     assert exact.cell("rope -> direct@256", 512).n == 2
-    assert "rope -> direct@256 (seed 1: 50.0% at 256)" in report([str(tmp_path)], str(tmp_path / "out"))
+    assert "rope -> direct@256 (seed 1: 50.0% at 256)" in report([str(tmp_path)], str(tmp_path / "out"), figures=False)
 
 
 def test_a_pose_stage_not_learned_is_named_with_the_length_it_trained_at_not_its_target(tmp_path):
@@ -567,7 +570,7 @@ def test_a_pose_stage_not_learned_is_named_with_the_length_it_trained_at_not_its
     meta["row_fields"] = {"pe": "rope", "positions": "pose", "attention": [], "base": "rope", "method": "pose",
                           "stage_len": 256}  # fmt: skip
     write_probe_run(tmp_path / "0", "rope", 0, {64: 0.42, 256: 0.38}, 64, meta=meta)
-    assert "rope -> pose@256 (seed 0: 42.0% at 64)" in report([str(tmp_path)], str(tmp_path / "out"))
+    assert "rope -> pose@256 (seed 0: 42.0% at 64)" in report([str(tmp_path)], str(tmp_path / "out"), figures=False)
 
 
 def test_training_speed_is_a_mean_over_runs_whatever_rows_each_run_has(tmp_path):

@@ -154,7 +154,7 @@ def test_diagnostics_of_another_run_or_unreadable_are_left_out_and_listed(diagno
         else:
             result["rotation_coverage"] = {"summary": [{"length": 64, "unseen_fraction": "a quarter"}]}
         damaged.write_text(json.dumps(result))
-    markdown = report([str(diagnosed)], str(tmp_path / "out"))
+    markdown = report([str(diagnosed)], str(tmp_path / "out"), figures=False)
     for job in (2, 5, 6):
         assert f"- `{diagnosed / str(job)}`: diagnostics.json is not diagnose.py's: left out" in markdown
     assert (
@@ -229,7 +229,7 @@ def test_diagnostics_vs_ppl_is_each_statistics_rank_correlation_with_the_perplex
         write_diagnostics(runs / str(job), shift, {64: 0.0, 128: change})
     write_run(runs / "4", "sinusoidal", 0, {64: 20.0})
     write_diagnostics(runs / "4", 0.5, {64: 0.0, 128: 1.0})
-    report([str(runs)], str(tmp_path / "out"))
+    report([str(runs)], str(tmp_path / "out"), figures=False)
     table = pd.read_csv(tmp_path / "out" / "diagnostics_vs_ppl.csv").set_index(["statistic", "rows"])
     assert set(table.length) == {128} and set(table.labels) == {4} and set(table.train_len) == {64}
     values = [0.25 + shift for shift in shifts]

@@ -90,7 +90,7 @@ def test_runs_that_differ_in_a_setting_get_rows_of_their_own_and_a_repeated_seed
         t5_run(tmp_path / "sweep" / str(seed), seed, 64, {64: 30.0 + seed, 128: 40.0 + seed}, 64 if seed == 2 else None)
     t5_run(tmp_path / "diagnostics" / "t5_max_distance_128", 0, 128, {64: 33.0, 128: 60.0}, 128)
     t5_run(tmp_path / "diagnostics" / "t5_max_distance_64", 0, 64, {64: 30.0, 128: 40.0}, 64)
-    markdown = report([str(tmp_path)], str(tmp_path / "out"))
+    markdown = report([str(tmp_path)], str(tmp_path / "out"), figures=False)
     lines = table_lines(markdown)
     assert "t5" not in lines
     assert "| **31.00 ± 1.00** | **41.00 ± 1.00** |" in lines["t5 [pe.max_distance=64]"]
@@ -113,12 +113,12 @@ def test_a_run_and_its_re_evaluation_by_eval_py_get_two_rows(tmp_path):
         t5_run(tmp_path / "train" / str(seed), seed, 64, {64: 30.0 + seed, 128: 40.0 + seed})
     checkpoint = str(tmp_path / "train" / "0" / "checkpoints" / "last.ckpt")
     t5_run(tmp_path / "eval" / "0", 0, 64, {64: 35.0, 128: 45.0, 256: 70.0}, checkpoint=checkpoint)
-    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
+    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out"), figures=False))
     assert "| **30.50 ± 0.71** | **40.50 ± 0.71** |" in lines["t5"]
     assert "| 35.00 † | 45.00 † | 70.00 |" in lines["t5 (eval.py)"]  # the one row at 256: no best among one
 
     t5_run(tmp_path / "eval" / "1", 0, 64, {2048: 99.0}, checkpoint=checkpoint, **{"eval.factors": [32]})
-    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
+    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out"), figures=False))
     assert set(lines) - {"PE"} == {
         "t5",
         "t5 (eval.py) [eval.factors=[1,2]]",
@@ -189,11 +189,11 @@ def test_seeds_of_a_fixed_data_seed_pool_with_the_run_where_it_equals_the_seed(t
     other two; a sweep where data.seed follows the seed is a row of its own, whose seed 0 that run is too."""
     for seed in range(3):
         t5_run(tmp_path / "fixed" / str(seed), seed, 64, {64: 30.0 + 2 * seed}, **{"data.seed": 0})
-    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
+    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out"), figures=False))
     assert set(lines) - {"PE"} == {"t5"} and "| 32.00 ± 2.00 |" in lines["t5"]  # one row: no best named
     for seed in (1, 2):
         t5_run(tmp_path / "following" / str(seed), seed, 64, {64: 40.0 + seed})
-    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
+    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out"), figures=False))
     assert "| **32.00 ± 2.00** |" in lines["t5 [data.seed=0]"]
     assert "| 37.67 ± 6.66 " in lines["t5 [data.seed=${seed}]"]  # fixed/0's 30 (seed 0, data.seed 0), 41, 42
     # Its seed 0 too: that run and the fixed sweep's seed 0 are one setting, a seed of both rows (the following
@@ -201,7 +201,7 @@ def test_seeds_of_a_fixed_data_seed_pool_with_the_run_where_it_equals_the_seed(t
     t5_run(tmp_path / "following" / "0", 0, 64, {64: 30.0})
     loaded = load([str(tmp_path)])
     assert loaded.repeats == [(str(tmp_path / "following" / "0"), str(tmp_path / "fixed" / "0"))]
-    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
+    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out"), figures=False))
     assert "| **32.00 ± 2.00** |" in lines["t5 [data.seed=0]"]
     assert "| 37.67 ± 6.66 " in lines["t5 [data.seed=${seed}]"]  # the same three seeds
     # Two fixed sweeps, data.seed=0,1 x seed=0,1,2, and none following the seed: two rows, not a third of the two
@@ -210,7 +210,7 @@ def test_seeds_of_a_fixed_data_seed_pool_with_the_run_where_it_equals_the_seed(t
     for data_seed in range(2):
         for seed in range(3):
             t5_run(two / f"{data_seed}{seed}", seed, 64, {64: 30.0 + 10 * data_seed + seed}, **{"data.seed": data_seed})
-    lines = table_lines(report([str(two)], str(tmp_path / "out_two")))
+    lines = table_lines(report([str(two)], str(tmp_path / "out_two"), figures=False))
     assert set(lines) - {"PE"} == {"t5 [data.seed=0]", "t5 [data.seed=1]"}
     assert "31.00 ± 1.00" in lines["t5 [data.seed=0]"] and "41.00 ± 1.00" in lines["t5 [data.seed=1]"]
 
@@ -224,7 +224,7 @@ def test_a_seed_measured_nan_makes_its_cell_nan_and_a_row_without_a_value_shows_
     assert cells.loc[("t5", 128)].n == 3 and np.isnan(cells.loc[("t5", 128)]["mean"])
     assert pd.isna(cells.loc[("t5", 128)].separable) and cells.loc[("t5", 64)]["mean"] == 31.0
     assert (cells.loc[("t5", 256)].n, cells.loc[("t5", 256)].status) == (0, "no value")
-    line = table_lines(report([str(tmp_path)], str(tmp_path / "out")))["t5"]
+    line = table_lines(report([str(tmp_path)], str(tmp_path / "out"), figures=False))["t5"]
     assert "| t5 | 31.00 ± 1.00 | nan ± nan | - |" in line, line
 
 
@@ -304,14 +304,14 @@ def test_a_run_made_before_a_setting_existed_pools_with_one_that_has_it_at_its_d
     added["data.corpus.revision"] = None
     made = {"data.tokenizer": None, "data.tokenizer_sample_mb": 256}
     t5_run(tmp_path / "new", 1, 64, {64: 32.0}, meta={"tokenizer": "sotu-v2048"}, **added, **made)
-    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
+    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out"), figures=False))
     assert set(lines) - {"PE"} == {"t5"} and "| 31.00 ± 1.41 |" in lines["t5"]
     t5_run(tmp_path / "other", 2, 64, {64: 40.0}, meta={"tokenizer": "sotu-v4096"}, **added, **made)
-    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out")))
+    lines = table_lines(report([str(tmp_path)], str(tmp_path / "out"), figures=False))
     assert "t5 [data.tokenizer_id=sotu-v2048]" in lines and "t5 [data.tokenizer_id=sotu-v4096]" in lines
     t5_run(tmp_path / "rms", 3, 64, {64: 50.0}, meta={"tokenizer": "sotu-v2048"}, **{**added, "model.norm": "rmsnorm"})
     assert "t5 [model.norm=rmsnorm, data.tokenizer_id=sotu-v2048]" in table_lines(
-        report([str(tmp_path)], str(tmp_path / "out2"))
+        report([str(tmp_path)], str(tmp_path / "out2"), figures=False)
     )
 
 

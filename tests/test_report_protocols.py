@@ -182,7 +182,7 @@ def test_haystack_tables_mark_the_highest_rank_accuracy_best_and_state_the_chanc
         exact = tables[keys[1]]
         assert exact.cell("rope", 128)["mean"] == pytest.approx(0.1) and exact.cell("rope", 128).best
 
-    markdown = report([str(new_protocol_runs(tmp_path / "one"))], str(tmp_path / "out"))
+    markdown = report([str(new_protocol_runs(tmp_path / "one"))], str(tmp_path / "out"), figures=False)
     heading = "### L_train = 64, protocol `niah_single` (rank accuracy %, chance 20.0%, mean +- std over 2 seeds;"
     rank = cells_by_label(markdown, heading)
     assert rank["rope"][:2] == [f"**70.0 ± {100 * statistics.stdev([0.8, 0.6]):.1f}**", "30.0 ± 14.1 ~"]
