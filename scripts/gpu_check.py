@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (the CPU benchmark's rows, model sizes and FLOP count)
 import lenext.attention as attention_module  # noqa: E402
 import lenext.attention.fla_kernels as fla_kernels  # noqa: E402
-from lenext.attention.flex import fresh_compile_state  # noqa: E402
+from lenext.attention.flex import allow_recompiles, fresh_compile_state  # noqa: E402
 from lenext.build import build_decoder, build_net  # noqa: E402
 from lenext.cli import CONFIG_PACKAGE  # noqa: E402
 from lenext.errors import LengthNotSupported  # noqa: E402
@@ -531,7 +531,7 @@ def bench_training(rows, length, batch, device, warmup, steps, reps, budget, log
     start, arms, results = time.perf_counter(), {}, {"skipped": {}}
     # One compile state for the section: every row's flex kernel stays compiled for the timed repetitions.
     fresh_compile_state()
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(rows))
+    allow_recompiles(4 * len(rows))
     for row in rows:  # warm up (FlexAttention compiles here) while the budget's first two thirds last
         if time.perf_counter() - start > budget * 2 / 3:
             results["skipped"][row] = "time budget"

@@ -19,6 +19,22 @@ from tests import forked
 from tests.forked import ROOT, run_command  # noqa: F401 - ROOT: the repository, for the tests
 
 TEST_VOCAB = 512
+
+
+def transformers_runs_torch() -> bool:
+    """Whether transformers runs PyTorch models here: it turns PyTorch off below the torch it needs (transformers 5:
+    torch 2.6), which lenext's own code does not need (it takes torch 2.4)."""
+    from transformers.utils import is_torch_available
+
+    return is_torch_available()
+
+
+# Tests whose oracle or subject is a transformers model (lenext refuses such work on an older torch: tests/test_hf.py)
+needs_transformers_models = pytest.mark.skipif(
+    not transformers_runs_torch(), reason=f"transformers runs no PyTorch model on torch {torch.__version__}"
+)
+# What lenext refuses below torch 2.6 (FSDP2's fully_shard, module.compile=true): docs/install.md
+needs_torch_2_6 = pytest.mark.skipif(torch.__version__ < "2.6", reason=f"refused on torch {torch.__version__} (< 2.6)")
 CONFIG_FOLDER = Path(str(resources.files(CONFIG_PACKAGE)))  # the package's configs, as files
 
 

@@ -21,8 +21,10 @@ from lenext.export import export, main
 from lenext.hf import evaluate_hf, trained_context
 from lenext.run import evaluate_checkpoint
 from lenext.run_folder import resolve_training
-from tests.conftest import CONFIG_FOLDER, small_corpus_overrides
+from tests.conftest import CONFIG_FOLDER, needs_transformers_models, small_corpus_overrides
 from tests.test_evaluate import compose_eval
+
+pytestmark = needs_transformers_models  # the HF bridge, which lenext refuses where transformers runs no model
 
 PES = sorted(path.stem for path in (CONFIG_FOLDER / "pe").glob("*.yaml"))
 TRAIN_LEN = 32

@@ -14,7 +14,10 @@ from torch.testing import assert_close
 from lenext.data import EOS, TextFiles, train_tokenizer
 from lenext.errors import ConfigError
 from lenext.hf import HFLanguageModel, evaluate_hf, load_model
+from tests.conftest import needs_transformers_models
 from tests.test_evaluate import compose_eval
+
+pytestmark = needs_transformers_models  # the HF bridge, which lenext refuses where transformers runs no model
 
 VOCAB = 300
 CONTEXT = 32  # every tiny model's max_position_embeddings: eval.factors multiply it

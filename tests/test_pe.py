@@ -52,6 +52,7 @@ from lenext.pe.rope import (
     transformers_rope_parameters,
 )
 from lenext.positions import generator, pose_positions, randomized_positions
+from tests.conftest import needs_transformers_models
 
 VOCAB, TRAIN_LEN = 97, 16
 
@@ -270,6 +271,7 @@ TRAIN_LENS = (16, 512, 4096)
 
 
 @pytest.mark.parametrize("scaling", list(TRANSFORMERS_ROPE_TYPES))
+@needs_transformers_models
 def test_the_rope_parameters_lenext_gives_transformers_are_complete_and_mean_lenexts_scaling(scaling, caplog):
     """What an export's config.json and eval.py hf='s variants hand transformers: every key its validation asks for
     and none it does not know (a warning per model load), and frequencies equal to lenext's scaling's, constants
@@ -297,6 +299,7 @@ def test_the_rope_parameters_lenext_gives_transformers_are_complete_and_mean_len
 @ORACLE_GRID
 @BASES
 @FACTORS
+@needs_transformers_models
 def test_linear_scaling_matches_transformers(dim, base, factor):
     hf = hf_rope()
     for train_len in TRAIN_LENS:
@@ -311,6 +314,7 @@ def test_linear_scaling_matches_transformers(dim, base, factor):
 @ORACLE_GRID
 @BASES
 @FACTORS
+@needs_transformers_models
 def test_dynamic_ntk_matches_transformers(dim, base, factor):
     hf = hf_rope()
     for train_len in TRAIN_LENS:
@@ -323,6 +327,7 @@ def test_dynamic_ntk_matches_transformers(dim, base, factor):
 
 
 @pytest.mark.parametrize("length", [8, 16, 17, 32, 64, 100])
+@needs_transformers_models
 def test_dynamic_ntk_of_a_second_stage_follows_each_sequences_length(length):
     """A stage fine-tuned at L' = 64 from C = 16 under dynamic NTK rotates a sequence of L tokens with
     transformers' dynamic frequencies at seq_len L, not at L' (which it took for every L < L' before)."""
@@ -373,6 +378,7 @@ def test_yarn_refuses_beta_fast_at_or_below_beta_slow():
 @ORACLE_GRID
 @BASES
 @FACTORS
+@needs_transformers_models
 def test_static_ntk_matches_transformers_dynamic_at_factor_times_train_len(dim, base, factor):
     """Static NTK with factor s is HF's dynamic NTK with factor 1 at seq_len = s * L_train."""
     hf = hf_rope()
@@ -390,6 +396,7 @@ def test_static_ntk_matches_transformers_dynamic_at_factor_times_train_len(dim, 
 @ORACLE_GRID
 @BASES
 @FACTORS
+@needs_transformers_models
 def test_yarn_matches_transformers(dim, base, factor):
     hf = hf_rope()
     for train_len in TRAIN_LENS:
@@ -410,6 +417,7 @@ def test_yarn_matches_transformers(dim, base, factor):
 @BASES
 @FACTORS
 @pytest.mark.parametrize("low, high", [(1.0, 4.0), (2.0, 8.0)])
+@needs_transformers_models
 def test_llama3_matches_transformers(dim, base, factor, low, high):
     hf = hf_rope()
     for train_len in TRAIN_LENS:
@@ -433,6 +441,7 @@ def test_llama3_matches_transformers(dim, base, factor, low, high):
         ("llama3", {"low_freq_factor": 2.0, "high_freq_factor": 8.0}),
     ],
 )
+@needs_transformers_models
 def test_ropes_own_scaling_settings_reach_its_frequencies(scaling, settings):
     """pe.beta_fast/beta_slow (YaRN) and pe.low_freq_factor/high_freq_factor (Llama 3) set on ``RoPE`` give
     transformers' frequencies for the same settings (the defaults would not)."""
@@ -453,6 +462,7 @@ def test_ropes_own_scaling_settings_reach_its_frequencies(scaling, settings):
 @BASES
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 0.3, 0.75, 1.0])
 @pytest.mark.parametrize("factor", [None, 4.0])
+@needs_transformers_models
 def test_p_rope_frequencies_match_transformers_proportional(dim, base, fraction, factor):
     """p-RoPE's frequencies are transformers' ``proportional`` RoPE (Gemma's ``rope_proportion``): the highest
     int(p * d // 2) of RoPE's kept as they are (also under position interpolation), the rest 0."""
@@ -685,6 +695,7 @@ def test_rope_cache_follows_length_and_overrides():
 
 
 @pytest.mark.parametrize("num_buckets, max_distance", [(32, 128), (16, 64), (64, 256), (8, 20), (2, 8)])
+@needs_transformers_models
 def test_t5_buckets_match_transformers(num_buckets, max_distance):
     pytest.importorskip("transformers")
     from transformers.models.t5.modeling_t5 import T5Attention

@@ -17,7 +17,7 @@ from lenext.module import LanguageModel, shard
 from lenext.pe import FIRE, KERPLE, RoPE, T5Bias
 from lenext.run_folder import resolve_training
 from tests import forked
-from tests.conftest import CONFIG_FOLDER, tiny_overrides
+from tests.conftest import CONFIG_FOLDER, needs_torch_2_6, tiny_overrides
 
 PES = sorted(path.stem for path in (CONFIG_FOLDER / "pe").glob("*.yaml"))
 
@@ -53,6 +53,7 @@ def test_activation_checkpointing_gives_every_pes_loss_and_gradients(pe, precisi
 
 
 @pytest.mark.parametrize("pe", ["rope", "xpos", "alibi"])
+@needs_torch_2_6
 def test_compiled_blocks_under_activation_checkpointing_give_eager_gradients(pe, compose_train, monkeypatch):
     """The backward recomputes a checkpointed block outside the decoder's forward: RoPE's compiled block then
     traced without the forward's span, saved other tensors and failed ("A different number of tensors was saved";
@@ -151,6 +152,7 @@ def _sharded_step(rank: int, world: int, port: int, pe: str, out: str) -> None:
 
 
 @pytest.mark.parametrize("pe", sorted(STEP_PES))
+@needs_torch_2_6
 def test_a_sharded_step_on_two_ranks_gives_one_process_gradients(pe, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -206,6 +208,7 @@ def test_resuming_a_fire_run_from_before_its_vectors_reshapes_their_adamw_state(
         *("fox", "fox_rope", "alibi", "kerple", "cope", "dape", "path", "path_fox"),
     ],
 )
+@needs_torch_2_6
 def test_a_block_traces_as_one_graph(pe, compose_train):
     """What module.compile compiles, a block, traces whole: no graph break (a PE's table span is read once per
     forward by the decoder, not inside a block; attention recording is a plain global; CoPE's and DAPE's logit terms
@@ -226,6 +229,7 @@ def test_a_block_traces_as_one_graph(pe, compose_train):
 
 
 @pytest.mark.parametrize("pe", ["rope", "kerple", "cope"])
+@needs_torch_2_6
 def test_evaluation_runs_compiled_blocks_as_they_are_so_a_sweep_compiles_nothing_per_length(
     pe, compose_train, monkeypatch
 ):

@@ -123,8 +123,10 @@ def load_weights(net, weights: dict, from_base: bool = False) -> None:
 def unsharded(net, spec, vocab_size: int):
     """``net`` itself, or, if FSDP sharded it (trainer=fsdp), a plain copy holding every parameter whole, on every
     rank: the length sweep then runs as under DDP, each rank on its own windows, with no collective per forward."""
-    from torch.distributed.tensor import DTensor
-
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5, which has no FSDP2 (trainer=fsdp is refused there): nothing is sharded
+        return net
     if not any(isinstance(p, DTensor) for p in net.parameters()):
         return net
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -127,12 +127,20 @@ def refuse_nodes_without_a_cluster(num_nodes: int) -> None:
         )
 
 
-def refuse_a_mesh_that_does_not_fit(strategy, world_size: int) -> None:
-    """A ConfigError for trainer=fsdp's mesh (``trainer.strategy``, Lightning's ModelParallelStrategy) other than
-    every process in data parallel: Lightning checks it only once every process has started, after the corpus is
-    prepared, and lenext applies FSDP alone (no tensor-parallel plan: its ranks would train apart)."""
+def refuse_older_torch(setting: str, minimum: str, why: str) -> None:
+    """A ConfigError for ``setting`` on a torch older than ``minimum`` (lenext itself runs on torch >= 2.4)."""
+    if torch.__version__ < minimum:  # a TorchVersion: compared as a version ("2.10" after "2.6")
+        raise ConfigError(f"{setting} needs torch >= {minimum} ({why}); this environment has torch {torch.__version__}")
+
+
+def refuse_an_fsdp_that_cannot_run(strategy, world_size: int) -> None:
+    """A ConfigError for trainer=fsdp (``trainer.strategy``, Lightning's ModelParallelStrategy) on a torch without
+    FSDP2, or with a mesh other than every process in data parallel: Lightning checks the mesh only once every process
+    has started, after the corpus is prepared, and lenext applies FSDP alone (no tensor-parallel plan: its ranks
+    would train apart)."""
     if not OmegaConf.is_dict(strategy) or not str(strategy.get("_target_")).endswith(".ModelParallelStrategy"):
         return
+    refuse_older_torch("trainer.strategy=ModelParallelStrategy (trainer=fsdp)", "2.6", "FSDP2's fully_shard")
     tensor = strategy.get("tensor_parallel_size", "auto")
     if tensor != 1:
         raise ConfigError(

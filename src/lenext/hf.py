@@ -67,12 +67,26 @@ def transformers_quiet() -> Iterator[None]:
         transformers_logging.set_verbosity(verbosity)
 
 
+def refuse_without_transformers_models(setting: str) -> None:
+    """A ConfigError for ``setting`` where transformers runs no PyTorch model: it turns PyTorch off below the torch
+    it requires (transformers 5: 2.6), which lenext's own training and evaluation do not need (they take 2.4)."""
+    import transformers
+    from transformers.utils import is_torch_available
+
+    if not is_torch_available():
+        raise ConfigError(
+            f"{setting} needs transformers' PyTorch models, which transformers {transformers.__version__} turns off "
+            f"on this torch ({torch.__version__}; its warning above names the torch it needs): install a newer torch"
+        )
+
+
 def model_config(source: str, trust_remote_code: bool = False):
     """The model config at ``source``, refused in one line where transformers cannot read it (read before the
     tokenizer, whose loading reads it too and would be blamed for it)."""
     from transformers import AutoConfig
 
     where = f"hf={source!r}"
+    refuse_without_transformers_models(where)
     try:
         with transformers_quiet():
             config = AutoConfig.from_pretrained(

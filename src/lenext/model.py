@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lenext.attention import AttentionSettings, LengthScale, causal_attention
+from lenext.attention.flex import allow_recompiles
 from lenext.errors import ConfigError
 from lenext.pe import AttentionShape, PositionalEncoding
 from lenext.pe.base import SPAN, LayerPE, device_budget, forward_reads, sequential_positions
@@ -181,13 +182,9 @@ class Decoder(nn.Module):
         run the compiled blocks, at the training length; evaluation runs the blocks as they are, so a sweep over
         lengths does not recompile them per length (docs/scaling.md). A compiled block reads no tensor's value: the
         positions' span and a PE's other reads are those the decoder made before its blocks (``forward_reads``)."""
-        import torch._dynamo
-
         # dynamo's limit counts the graphs of one code object, which every block shares; a PE that reads its layer's
         # index (ALiBi's slopes, T5's table) specializes each block's graph: past the limit, blocks ran eager
-        config = torch._dynamo.config
-        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
-        setattr(config, name, max(getattr(config, name), 8 * len(self.blocks)))
+        allow_recompiles(8 * len(self.blocks))
         self.compiled_blocks = tuple(torch.compile(block) for block in self.blocks)  # not submodules: no state
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

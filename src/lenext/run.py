@@ -25,9 +25,10 @@ from lenext.errors import ConfigError, Stopped
 from lenext.evaluate import sweep
 from lenext.files import atomic_path
 from lenext.hardware import (
-    refuse_a_mesh_that_does_not_fit,
+    refuse_an_fsdp_that_cannot_run,
     refuse_more_cpu_processes_than_cores,
     refuse_nodes_without_a_cluster,
+    refuse_older_torch,
 )
 from lenext.loggers import CSVLogger, log_results_to_wandb
 from lenext.module import VAL_LOSS, VAL_PPL, VAL_WINDOWS, CheckpointOnStop, answer_metric, tokens_trained
@@ -220,7 +221,7 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     refuse_more_cpu_processes_than_cores(
         cfg.trainer.get("devices"), trainer.num_devices, trainer.strategy.root_device.type
     )
-    refuse_a_mesh_that_does_not_fit(cfg.trainer.get("strategy"), trainer.num_devices * trainer.num_nodes)
+    refuse_an_fsdp_that_cannot_run(cfg.trainer.get("strategy"), trainer.num_devices * trainer.num_nodes)
     if spec.start == "resume":
         refuse_resuming_on_other_processes(spec.checkpoint, trainer)
     if cfg.module.get("compile") and trainer.strategy.root_device.type == "cpu":
@@ -228,6 +229,8 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
             "module.compile=true is invalid on a CPU: torch.compile's CPU backend crashed (SIGSEGV) in the backward "
             "pass in some tries (DAPE, FIRE, RoPE under NTK: benchmarks/compile-check.md); it is for GPUs"
         )
+    if cfg.module.get("compile"):
+        refuse_older_torch("module.compile=true", "2.6", "torch 2.4's dynamo fails tracing lenext's attention")
     fresh_compile_state()  # each run of a multirun compiles its own flex kernels
     L.seed_everything(spec.seed, workers=True)
     # Validation scores the windows of the sweep's nonoverlap row at L_train: the same measurement.

@@ -32,6 +32,14 @@ def fresh_compile_state() -> None:
         torch._dynamo.reset()
 
 
+def allow_recompiles(graphs: int) -> None:
+    """dynamo's limit on the graphs one code object compiles raised to at least ``graphs`` (each compiled block, each
+    row of a benchmark, a graph of its own): past it, code runs eager."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+    setattr(config, name, max(getattr(config, name), graphs))
+
+
 @cache
 def compiled_flex_attention():
     """flex_attention compiled once, on first use: uncompiled it materializes all (L, L) scores."""

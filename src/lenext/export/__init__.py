@@ -22,6 +22,7 @@ from lenext.data import unmakeable_folder
 from lenext.errors import ConfigError, errors_in_one_line
 from lenext.export.native import NATIVE
 from lenext.export.remote import write_remote
+from lenext.hf import refuse_without_transformers_models
 from lenext.model import Decoder
 from lenext.pe import RoPE
 from lenext.results import RESULTS_FILE
@@ -131,6 +132,7 @@ def export(checkpoint: str, out: str, architecture: str = "auto", force: bool = 
     from lenext's, whether a tokenizer went with it)."""
     if architecture not in ARCHITECTURES:
         raise ConfigError(f"--architecture {architecture!r} is invalid: it must be one of {', '.join(ARCHITECTURES)}")
+    refuse_without_transformers_models("lenext-export")
     target = refuse_unsafe_folder(out, checkpoint, force)
     cache = cache_dir or os.environ.get("LENEXT_CACHE") or os.path.join(os.environ.get("LENEXT_ROOT", "."), ".cache")
     unusable = unmakeable_folder(cache)
