@@ -16,7 +16,7 @@ from lenext import hardware
 from lenext.positions import training_positions
 from lenext.run import build
 from lenext.run_folder import resolve_training
-from tests.conftest import ROOT
+from tests.conftest import ROOT, needs_torch_2_6, needs_transformers_models
 
 
 def load_script(name: str):
@@ -128,6 +128,7 @@ def test_rows_asked_keep_nope_for_the_training_ratios_and_an_unknown_row_is_refu
     assert "--rows: copy not a row; rows are " in capsys.readouterr().err
 
 
+@needs_torch_2_6
 def test_the_gpu_check_runs_its_sections_on_a_cpu(gpu_check, tmp_path, monkeypatch):
     """scripts/gpu_check.py on the CPU (its smoke test): an exactness row asked with ``@compile`` is checked as its PE,
     the training table lists the rows (one without fla's kernels), and FSDP on one rank equals DDP after two steps
@@ -314,6 +315,7 @@ def test_a_gpu_check_cut_off_keeps_the_exactness_rows_it_finished(gpu_check, tmp
     assert "| nope | L 16, L 40, L 40, drawn |" in report and "| alibi |" not in report
 
 
+@needs_transformers_models
 def test_the_gpu_checks_export_section_loads_each_export_and_computes_lenexts_numbers(gpu_check, tmp_path, monkeypatch):
     """Each architecture lenext-export writes, loaded by transformers (here on the CPU): fp32 logits and embedding
     gradients within 1e-4 / 1e-3 of float64, and under bf16 autocast no worse than twice lenext's own."""

@@ -23,7 +23,7 @@ from lenext.checkpoints import net_state
 from lenext.errors import CheckpointError, ConfigError
 from lenext.run import build, evaluate_checkpoint, train
 from lenext.run_folder import resolve_training
-from tests.conftest import run_train
+from tests.conftest import needs_transformers_models, run_train
 from tests.test_evaluate import compose_eval
 from tests.test_pe import hf_config, hf_rope
 
@@ -149,6 +149,7 @@ HF_TYPES = {"linear": "linear", "yarn": "yarn", "llama3": "llama3", "dynamic_ntk
 
 
 @pytest.mark.parametrize("scaling", ["linear", "ntk", "yarn", "llama3"])
+@needs_transformers_models
 def test_each_scaling_extends_from_the_bases_context_as_transformers_computes_it(compose_run, rope_base, scaling):
     """At L' = 4 x L_train: s = 4 and transformers' original_max_position_embeddings = the base's L_train; the
     current length as the original context (the silent error a second stage would make) gives other frequencies."""

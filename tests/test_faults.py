@@ -23,7 +23,7 @@ from lenext.resolve import TRAIN_NODES, TrainSettings, stage_settings
 from lenext.run import train
 from lenext.run_folder import preflight, refuse_other_settings, resolve_training
 from tests import forked
-from tests.conftest import ROOT, small_corpus_overrides
+from tests.conftest import ROOT, needs_transformers_models, small_corpus_overrides
 from tests.test_report import write_run
 
 GOOD = "A document long enough to be one. " * 20
@@ -600,6 +600,7 @@ def test_a_results_file_marked_complete_by_anything_but_true_is_not_counted(tmp_
     assert f"`{tmp_path / '1'}`: results.json not marked complete" in out and "| rope |" not in out
 
 
+@needs_transformers_models
 def test_a_checkpoint_meets_a_corpus_changed_since_it_trained_with_one_line(tmp_path, small_text_corpus):
     """A corpus edited after a run trained trains another tokenizer: its token ids mean other text. Resuming the
     run, evaluating or exporting its checkpoint, or starting a second stage from it, is refused in one line. A
