@@ -46,6 +46,6 @@ def test_the_hugging_face_bridge_is_refused_where_transformers_runs_no_model(mon
     with pytest.raises(ConfigError, match=r"^hf='gpt2' needs transformers' PyTorch models, which transformers "):
         model_config("gpt2")
     out = tmp_path / "export"
-    with pytest.raises(ConfigError, match=r"^lenext-export needs transformers' PyTorch models.*install a newer torch$"):
+    with pytest.raises(ConfigError, match=r"^lenext-export needs transformers' PyTorch models.*: 2.6 or newer\)$"):
         export(str(tmp_path / "missing.ckpt"), str(out))
     assert list(tmp_path.iterdir()) == []

@@ -76,7 +76,7 @@ def refuse_without_transformers_models(setting: str) -> None:
     if not is_torch_available():
         raise ConfigError(
             f"{setting} needs transformers' PyTorch models, which transformers {transformers.__version__} turns off "
-            f"on this torch ({torch.__version__}; its warning above names the torch it needs): install a newer torch"
+            f"on torch {torch.__version__}: install the torch it asks for (transformers 5: 2.6 or newer)"
         )
 
 
