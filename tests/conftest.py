@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_module
 
 from lenext.cli import CONFIG_PACKAGE
 from lenext.data import LMDataModule, Sotu
+from lenext.hardware import COMPILED_PATHS_TORCH
 from tests import forked
 from tests.forked import ROOT, run_command  # noqa: F401 - ROOT: the repository, for the tests
 
@@ -33,8 +34,10 @@ def transformers_runs_torch() -> bool:
 needs_transformers_models = pytest.mark.skipif(
     not transformers_runs_torch(), reason=f"transformers runs no PyTorch model on torch {torch.__version__}"
 )
-# What lenext refuses below torch 2.6 (FSDP2's fully_shard, module.compile=true): docs/install.md
-needs_torch_2_6 = pytest.mark.skipif(torch.__version__ < "2.6", reason=f"refused on torch {torch.__version__} (< 2.6)")
+# lenext's compiled paths (FlexAttention, module.compile=true, trainer=fsdp): refused or not taken on an older torch
+needs_compiled_paths_torch = pytest.mark.skipif(
+    torch.__version__ < COMPILED_PATHS_TORCH, reason=f"not taken on torch {torch.__version__} (lenext.hardware)"
+)
 CONFIG_FOLDER = Path(str(resources.files(CONFIG_PACKAGE)))  # the package's configs, as files
 
 

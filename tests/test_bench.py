@@ -16,7 +16,7 @@ from lenext import hardware
 from lenext.positions import training_positions
 from lenext.run import build
 from lenext.run_folder import resolve_training
-from tests.conftest import ROOT, needs_torch_2_6, needs_transformers_models
+from tests.conftest import ROOT, needs_compiled_paths_torch, needs_transformers_models
 
 
 def load_script(name: str):
@@ -128,7 +128,7 @@ def test_rows_asked_keep_nope_for_the_training_ratios_and_an_unknown_row_is_refu
     assert "--rows: copy not a row; rows are " in capsys.readouterr().err
 
 
-@needs_torch_2_6
+@needs_compiled_paths_torch
 def test_the_gpu_check_runs_its_sections_on_a_cpu(gpu_check, tmp_path, monkeypatch):
     """scripts/gpu_check.py on the CPU (its smoke test): an exactness row asked with ``@compile`` is checked as its PE,
     the training table lists the rows (one without fla's kernels), and FSDP on one rank equals DDP after two steps

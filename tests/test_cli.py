@@ -10,7 +10,7 @@ import lenext.configs
 import pytest
 import torch
 
-from tests.conftest import ROOT, needs_torch_2_6, run_train, small_corpus_overrides
+from tests.conftest import ROOT, needs_compiled_paths_torch, run_train, small_corpus_overrides
 from tests.forked import run_command
 
 
@@ -141,12 +141,12 @@ def test_help_says_what_the_command_does_with_examples_and_its_groups():
         pytest.param(
             ["trainer=fsdp_sim", "trainer.strategy.data_parallel_size=3"],
             "data_parallel_size=3 is invalid: it must be 2",
-            marks=needs_torch_2_6,  # below it, trainer=fsdp itself is refused first
+            marks=needs_compiled_paths_torch,  # below it, trainer=fsdp itself is refused first
         ),
         pytest.param(
             ["trainer=fsdp_sim", "trainer.strategy.tensor_parallel_size=2"],
             "tensor_parallel_size=2 is invalid",
-            marks=needs_torch_2_6,
+            marks=needs_compiled_paths_torch,
         ),
         (["model=llama_125m", "model.mlp_ratio=0.001"], "model.mlp_ratio=0.001 is invalid at model.d_model=768"),
         (["model.n_heads=3"], "model.n_heads"),

@@ -20,7 +20,9 @@ from lenext.pe import FIRE, KERPLE, ALiBi, AttentionShape, FoX, NoPE, ShawRelati
 from lenext.pe.base import position_span, sequential_positions
 from lenext.positions import generator, randomized_positions
 
-pytestmark = pytest.mark.skipif(attention_module.flex_attention is None, reason="FlexAttention needs torch >= 2.6")
+pytestmark = pytest.mark.skipif(
+    attention_module.flex_attention is None, reason="lenext takes FlexAttention from torch 2.11"
+)
 
 BATCH, HEADS, HEAD_DIM, LAYERS = 2, 4, 16, 2
 SHAPE = AttentionShape(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=LAYERS, train_len=16)
@@ -215,7 +217,7 @@ def flex_on_cpu(monkeypatch):
     (forward only: CPU flex has no backward); each call's block mask recorded."""
     calls = []
 
-    def eager(q, k, v, score_mod=None, block_mask=None, **aux):  # aux: return_aux, or return_lse before torch 2.9
+    def eager(q, k, v, score_mod=None, block_mask=None, **aux):  # aux: return_aux
         calls.append(block_mask)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -372,7 +374,7 @@ def dense_flex(q, k, v, score_mod=None, block_mask=None, **aux):
     out, logsumexp = scores.softmax(-1) @ v, scores.logsumexp(-1)
     if not aux:
         return out
-    return (out, logsumexp) if "return_lse" in aux else (out, SimpleNamespace(lse=logsumexp))
+    return out, SimpleNamespace(lse=logsumexp)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from lenext.module import LanguageModel, shard
 from lenext.pe import FIRE, KERPLE, RoPE, T5Bias
 from lenext.run_folder import resolve_training
 from tests import forked
-from tests.conftest import CONFIG_FOLDER, needs_torch_2_6, tiny_overrides
+from tests.conftest import CONFIG_FOLDER, needs_compiled_paths_torch, tiny_overrides
 
 PES = sorted(path.stem for path in (CONFIG_FOLDER / "pe").glob("*.yaml"))
 
@@ -53,7 +53,7 @@ def test_activation_checkpointing_gives_every_pes_loss_and_gradients(pe, precisi
 
 
 @pytest.mark.parametrize("pe", ["rope", "xpos", "alibi"])
-@needs_torch_2_6
+@needs_compiled_paths_torch
 def test_compiled_blocks_under_activation_checkpointing_give_eager_gradients(pe, compose_train, monkeypatch):
     """The backward recomputes a checkpointed block outside the decoder's forward: RoPE's compiled block then
     traced without the forward's span, saved other tensors and failed ("A different number of tensors was saved";
@@ -152,7 +152,7 @@ def _sharded_step(rank: int, world: int, port: int, pe: str, out: str) -> None:
 
 
 @pytest.mark.parametrize("pe", sorted(STEP_PES))
-@needs_torch_2_6
+@needs_compiled_paths_torch
 def test_a_sharded_step_on_two_ranks_gives_one_process_gradients(pe, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -208,7 +208,7 @@ def test_resuming_a_fire_run_from_before_its_vectors_reshapes_their_adamw_state(
         *("fox", "fox_rope", "alibi", "kerple", "cope", "dape", "path", "path_fox"),
     ],
 )
-@needs_torch_2_6
+@needs_compiled_paths_torch
 def test_a_block_traces_as_one_graph(pe, compose_train):
     """What module.compile compiles, a block, traces whole: no graph break (a PE's table span is read once per
     forward by the decoder, not inside a block; attention recording is a plain global; CoPE's and DAPE's logit terms
@@ -229,7 +229,7 @@ def test_a_block_traces_as_one_graph(pe, compose_train):
 
 
 @pytest.mark.parametrize("pe", ["rope", "kerple", "cope"])
-@needs_torch_2_6
+@needs_compiled_paths_torch
 def test_evaluation_runs_compiled_blocks_as_they_are_so_a_sweep_compiles_nothing_per_length(
     pe, compose_train, monkeypatch
 ):
@@ -259,7 +259,7 @@ def test_evaluation_runs_compiled_blocks_as_they_are_so_a_sweep_compiles_nothing
     torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.skipif(torch.__version__ < "2.6", reason="lenext's FlexAttention path needs torch >= 2.6")
+@needs_compiled_paths_torch
 @pytest.mark.parametrize(
     "pe",
     [
@@ -330,7 +330,7 @@ def test_a_training_step_reads_the_positions_span_once_or_not_at_all(pe, reads, 
         assert sum(e.name == "aten::_local_scalar_dense" for e in prof.events()) == expected
 
 
-@pytest.mark.skipif(torch.__version__ < "2.6", reason="lenext's FlexAttention path needs torch >= 2.6")
+@needs_compiled_paths_torch
 @pytest.mark.parametrize("threshold", [1000.0, 4.0])  # every query within L_thr (a table), past it (the MLP per score)
 def test_fire_on_the_gpus_flexattention_path_reads_its_thresholds_once_a_forward(threshold, compose_train, monkeypatch):
     """Whether FIRE's bias is a table by distance depends on its learned thresholds: every layer read its own (a wait
@@ -358,7 +358,7 @@ def test_fire_on_the_gpus_flexattention_path_reads_its_thresholds_once_a_forward
             assert sum(e.name == "aten::_local_scalar_dense" for e in prof.events()) + len(lists) == expected
 
 
-@pytest.mark.skipif(torch.__version__ < "2.6", reason="lenext's FlexAttention path needs torch >= 2.6")
+@needs_compiled_paths_torch
 def test_compiled_fire_blocks_on_the_gpus_flexattention_path_take_the_thresholds_the_decoder_read(monkeypatch):
     """The decoder reads FIRE's thresholds before compiled blocks (a PE made of PEs, here KERPLE's layer and FIRE's,
     passes the call on to FIRE): the blocks break no graph, and a forward reads one value at 0..L-1 and two at drawn

@@ -1,5 +1,5 @@
 """lenext takes torch >= 2.4; what needs a newer one is refused in one line before any work, on any torch (the
-version is patched here; docs/install.md lists what each feature needs, as measured on torch 2.4.1)."""
+version is patched here; docs/install.md says what each feature needs, as measured on torch 2.4.1 and 2.6.0)."""
 
 import re
 
@@ -11,7 +11,7 @@ from torch.torch_version import TorchVersion
 
 from lenext.errors import ConfigError
 from lenext.export import export
-from lenext.hardware import refuse_an_fsdp_that_cannot_run, refuse_older_torch
+from lenext.hardware import COMPILED_PATHS_TORCH, refuse_an_fsdp_that_cannot_run, refuse_older_torch
 from lenext.hf import model_config
 
 FSDP = OmegaConf.create(
@@ -23,18 +23,19 @@ FSDP = OmegaConf.create(
 )
 
 
-@pytest.mark.parametrize("version", ["2.4.1", "2.5.1+cu124", "2.6.0", "2.10.0", "2.13.0+cpu"])
-def test_a_setting_that_needs_torch_2_6_is_refused_below_it_naming_both_versions(monkeypatch, version):
+@pytest.mark.parametrize("version", ["2.4.1", "2.6.0+cu124", "2.10.0", "2.11.0", "2.13.0+cpu"])
+def test_compile_and_fsdp_are_refused_below_the_torch_their_paths_were_checked_on(monkeypatch, version):
+    """module.compile=true and trainer=fsdp need COMPILED_PATHS_TORCH (2.11), compared as versions (2.10 < 2.11);
+    the one line names both versions. Another strategy is not judged."""
     monkeypatch.setattr(torch, "__version__", TorchVersion(version))
-    if TorchVersion(version) < "2.6":  # as versions: 2.10 is newer than 2.6
-        with pytest.raises(
-            ConfigError, match=rf"^module.compile=true needs torch >= 2.6 \(why\); .* {re.escape(version)}$"
-        ):
-            refuse_older_torch("module.compile=true", "2.6", "why")
+    if TorchVersion(version) < COMPILED_PATHS_TORCH:
+        line = rf"^module.compile=true needs torch >= 2.11 \(why\); this environment has torch {re.escape(version)}$"
+        with pytest.raises(ConfigError, match=line):
+            refuse_older_torch("module.compile=true", COMPILED_PATHS_TORCH, "why")
         with pytest.raises(ConfigError, match=r"^trainer.strategy=ModelParallelStrategy \(trainer=fsdp\) needs torch"):
             refuse_an_fsdp_that_cannot_run(FSDP, 2)
     else:
-        refuse_older_torch("module.compile=true", "2.6", "why")
+        refuse_older_torch("module.compile=true", COMPILED_PATHS_TORCH, "why")
         refuse_an_fsdp_that_cannot_run(FSDP, 2)
     refuse_an_fsdp_that_cannot_run(OmegaConf.create({"_target_": "lightning.pytorch.strategies.DDPStrategy"}), 2)
 

@@ -125,7 +125,7 @@ def unsharded(net, spec, vocab_size: int):
     rank: the length sweep then runs as under DDP, each rank on its own windows, with no collective per forward."""
     try:
         from torch.distributed.tensor import DTensor
-    except ImportError:  # torch 2.4 (trainer=fsdp is refused below 2.6): nothing is sharded
+    except ImportError:  # torch 2.4 (trainer=fsdp is refused there): nothing is sharded
         return net
     if not any(isinstance(p, DTensor) for p in net.parameters()):
         return net

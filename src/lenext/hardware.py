@@ -127,6 +127,13 @@ def refuse_nodes_without_a_cluster(num_nodes: int) -> None:
         )
 
 
+# The oldest torch lenext's compiled paths (FlexAttention's score_mods, torch.compile's blocks, FSDP2) were checked on:
+# 2.11 on GPUs, 2.13 on CPUs. On 2.6 (CPU, 2026-12-01) compiled blocks broke graphs, FoX's score_mod failed under
+# vmap and a sharded step failed (Stream.record_event); on 2.4, dynamo failed tracing the attention. Below it, the
+# score-bias PEs take their explicit paths (the same numbers), and compile and FSDP are refused.
+COMPILED_PATHS_TORCH = "2.11"
+
+
 def refuse_older_torch(setting: str, minimum: str, why: str) -> None:
     """A ConfigError for ``setting`` on a torch older than ``minimum`` (lenext itself runs on torch >= 2.4)."""
     if torch.__version__ < minimum:  # a TorchVersion: compared as a version ("2.10" after "2.6")
@@ -140,7 +147,7 @@ def refuse_an_fsdp_that_cannot_run(strategy, world_size: int) -> None:
     would train apart)."""
     if not OmegaConf.is_dict(strategy) or not str(strategy.get("_target_")).endswith(".ModelParallelStrategy"):
         return
-    refuse_older_torch("trainer.strategy=ModelParallelStrategy (trainer=fsdp)", "2.6", "FSDP2's fully_shard")
+    refuse_older_torch("trainer.strategy=ModelParallelStrategy (trainer=fsdp)", COMPILED_PATHS_TORCH, "FSDP2")
     tensor = strategy.get("tensor_parallel_size", "auto")
     if tensor != 1:
         raise ConfigError(

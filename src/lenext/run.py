@@ -25,6 +25,7 @@ from lenext.errors import ConfigError, Stopped
 from lenext.evaluate import sweep
 from lenext.files import atomic_path
 from lenext.hardware import (
+    COMPILED_PATHS_TORCH,
     refuse_an_fsdp_that_cannot_run,
     refuse_more_cpu_processes_than_cores,
     refuse_nodes_without_a_cluster,
@@ -230,7 +231,7 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
             "pass in some tries (DAPE, FIRE, RoPE under NTK: benchmarks/compile-check.md); it is for GPUs"
         )
     if cfg.module.get("compile"):
-        refuse_older_torch("module.compile=true", "2.6", "torch 2.4's dynamo fails tracing lenext's attention")
+        refuse_older_torch("module.compile=true", COMPILED_PATHS_TORCH, "older ones break lenext's blocks' graphs")
     fresh_compile_state()  # each run of a multirun compiles its own flex kernels
     L.seed_everything(spec.seed, workers=True)
     # Validation scores the windows of the sweep's nonoverlap row at L_train: the same measurement.

@@ -5,18 +5,14 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from lenext.hardware import COMPILED_PATHS_TORCH
 from lenext.pe.base import BandValues
 
-# FlexAttention runs score-bias PEs on CUDA without any (L, L) tensor. torch 2.6 is the first
-# version whose backward reaches tensors a score_mod captures (the T5 table, Shaw's q . a^K).
-flex_attention = AuxRequest = None
-if torch.__version__ >= "2.6":
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-    try:  # torch >= 2.9 (earlier: return_lse)
-        from torch.nn.attention.flex_attention import AuxRequest
-    except ImportError:
-        pass
+# FlexAttention runs score-bias PEs on CUDA without any (L, L) tensor, on the torch it was checked on (an older one:
+# the explicit paths, the same numbers).
+flex_attention = None
+if torch.__version__ >= COMPILED_PATHS_TORCH:
+    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 FLEX_BLOCK = 128  # FlexAttention's sparse block size (its default)
 
@@ -153,8 +149,6 @@ def band_score_mod(band: torch.Tensor):
 def attention_with_lse(kernel, q, k, v, score_mod, block_mask) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernel`` (flex_attention, compiled or not) returning (out, its log-sum-exp (B, H, L) fp32), both
     differentiable."""
-    if AuxRequest is None:
-        return kernel(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True)
     out, aux = kernel(q, k, v, score_mod=score_mod, block_mask=block_mask, return_aux=AuxRequest(lse=True))
     return out, aux.lse
 
