@@ -74,6 +74,7 @@ def test_compiled_blocks_under_activation_checkpointing_give_eager_gradients(pe,
 
 
 @pytest.mark.parametrize("pe", ["alibi", "kerple"])
+@needs_compiled_paths_torch
 def test_every_block_of_a_deep_model_runs_compiled(pe, compose_train, monkeypatch):
     """A PE reading its layer's index compiles a graph per block; dynamo stopped at 8 graphs of the blocks' shared
     code and ran the rest eager, with a warning (4 of llama_125m's 12 blocks; found by an audit)."""
