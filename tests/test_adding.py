@@ -84,7 +84,7 @@ def test_the_example_pe_is_its_formula_on_both_paths():
     expected = torch.softmax(scores, -1) @ v.double()
     keyed = causal_attention(q, k, v, pe.layer(0).terms(None, q, k, positions))
     assert_close(keyed.double(), expected, atol=1e-5, rtol=1e-5)
-    if flex_attention is not None:  # torch >= 2.6
+    if flex_attention is not None:  # torch >= COMPILED_PATHS_TORCH (lenext.hardware)
         assert_close(eager_flex(q, k, v, pe.score_mod(q, positions, 0)).double(), expected, atol=1e-5, rtol=1e-5)
     q, k, v = q.double(), k.double(), v.double()  # a float64 model, the oracles' reference: float64 throughout
     assert_close(

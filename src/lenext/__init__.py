@@ -20,6 +20,8 @@ warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` i
 # a run folder's checkpoints are lenext's to judge: it resumes from them or refuses the folder (lenext.run).
 warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 # torch 2.4 warns at Lightning's load of the run's own last.ckpt when it resumes (a file lenext wrote).
-warnings.filterwarnings("ignore", message=r"You are using `torch.load` with `weights_only=False`", category=Warning)
+warnings.filterwarnings(
+    "ignore", message=r"You are using `torch.load` with `weights_only=False`", category=FutureWarning
+)
 # validation logs torchmetrics' computes, already reduced over the ranks (lenext.module): nothing to accumulate.
 warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('val/.*sync_dist=True")

@@ -225,12 +225,12 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     refuse_an_fsdp_that_cannot_run(cfg.trainer.get("strategy"), trainer.num_devices * trainer.num_nodes)
     if spec.start == "resume":
         refuse_resuming_on_other_processes(spec.checkpoint, trainer)
-    if cfg.module.get("compile") and trainer.strategy.root_device.type == "cpu":
-        raise ConfigError(
-            "module.compile=true is invalid on a CPU: torch.compile's CPU backend crashed (SIGSEGV) in the backward "
-            "pass in some tries (DAPE, FIRE, RoPE under NTK: benchmarks/compile-check.md); it is for GPUs"
-        )
     if cfg.module.get("compile"):
+        if trainer.strategy.root_device.type == "cpu":
+            raise ConfigError(
+                "module.compile=true is invalid on a CPU: torch.compile's CPU backend crashed (SIGSEGV) in the "
+                "backward pass in some tries (DAPE, FIRE, RoPE under NTK: benchmarks/compile-check.md); it is for GPUs"
+            )
         refuse_older_torch("module.compile=true", COMPILED_PATHS_TORCH, "older ones break lenext's blocks' graphs")
     fresh_compile_state()  # each run of a multirun compiles its own flex kernels
     L.seed_everything(spec.seed, workers=True)
