@@ -12,6 +12,7 @@ rows (memory O(rows x keys) per block).
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lenext.errors import ConfigError
@@ -65,13 +66,21 @@ class AdaptiveBias(LayerPE):
         (bias,) = base.biases
 
         def adaptive(logits: torch.Tensor, start: int, end: int, first: int) -> torch.Tensor:
-            pair = bias.pair(start, end, first).expand_as(logits)  # (B, H, rows, keys) fp32
+            pair = bias.pair(start, end, first)  # (B or 1, H, rows, keys) fp32
             seen = logits > float("-inf")  # the MLP's input on masked keys is any finite value: masked again after
-            scores = torch.where(seen, logits - pair, 0.0)  # s_ij: the logit without the base bias
-            features = torch.cat([scores, pair], dim=1).movedim(1, -1)  # (B, rows, keys, 2H)
+            scores = torch.where(seen, logits - pair, 0.0).movedim(1, -1)  # s_ij: (B, rows, keys, H)
+            pair = pair.movedim(1, -1)  # (B or 1, rows, keys, H)
+            # f's first layer on [s; b] as two products, b's once for a batch that shares it: no (B, .., 2H) copy.
             # Under bf16 autocast the MLP runs in bf16 (it is most of DAPE's work); its output joins fp32 logits.
-            budget = device_budget(HIDDEN_ELEMENTS, features.device)
-            rows = max(1, budget // (features.shape[0] * features.shape[2] * self.mlp[0].out_features))
-            return torch.cat([self.mlp(chunk) for chunk in features.split(rows, dim=1)], dim=1).movedim(-1, 1)
+            inner, activation, outer = self.mlp
+            heads = scores.size(-1)
+            on_scores, on_pair = inner.weight[:, :heads], inner.weight[:, heads:]
+            budget = device_budget(HIDDEN_ELEMENTS, logits.device)
+            rows = max(1, budget // (scores.shape[0] * scores.shape[2] * inner.out_features))
+            chunks = [
+                outer(activation(F.linear(s, on_scores) + F.linear(b, on_pair, inner.bias)))
+                for s, b in zip(scores.split(rows, dim=1), pair.split(rows, dim=1), strict=True)
+            ]
+            return torch.cat(chunks, dim=1).movedim(-1, 1)
 
         return ScoreTerms(base.biases, base.value, base.logits, base.logit_terms + (adaptive,))
