@@ -1,6 +1,7 @@
 #!/bin/bash
 # The code of 2026-11-23 (e8e5e54, the last bench.md on an AMX Xeon) against today's, the training section's 13 rows
 # of that day, alternated: old, new, old, new.
+# /tmp/old: a worktree of e8e5e54 (run on the current .venv with PYTHONPATH to its src); /tmp/ci: a clone of d762a69.
 set -u
 PY=/tmp/ci/.venv/bin/python
 ROWS=alibi,fire,kerple,learned,nope,rope,rope_ntk,shaw,sinusoidal,t5,xpos,rope+randomized,rope+pose
