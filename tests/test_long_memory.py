@@ -3,18 +3,21 @@
 
 The fused paths are checked at 16k tokens. The explicit query blocks (CoPE, stick-breaking, a key bias under
 SSMax, DAPE) hold a fixed number of score elements per block (about 40 MB in all for CoPE here), whatever L: at 8192
-tokens here and at 16k among the slow tests (5-25 s each on an AVX2 EPYC), with small blocks so that the
-bound is tight. Peak memory on CPU is sampled RSS, which the allocator's history moves in a long test worker:
-the explicit cases run in a process of their own."""
+tokens here and at 16k among the slow tests (5-25 s each on an AVX2 EPYC), with small blocks so that the bound is
+tight, in fp32 and under bf16 autocast (where a shape of product per block held GBs: ``widened_end``). Peak memory
+on CPU is sampled RSS, which the allocator's history moves in a long test worker: the explicit cases run in a
+process of their own."""
 
 import pytest
 import torch
 from hydra import compose, initialize_config_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lenext.attention import SCORE_BLOCK_ELEMENTS, AttentionSettings
 from lenext.build import instantiate
 from lenext.cli import CONFIG_PACKAGE
 from lenext.evaluate import PeakMemory
+from lenext.hardware import precision_autocast
 from lenext.model import Decoder
 from tests import forked
 
@@ -36,19 +39,23 @@ EXPLICIT = [
 ]
 
 
-def peak_mb(overrides: list[str], length: int) -> float:
+def decoder(overrides: list[str], n_layers: int) -> Decoder:
     with initialize_config_module(config_module=CONFIG_PACKAGE, version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, f"data.max_len={TRAIN_LEN}"])
     torch.manual_seed(0)
-    net = Decoder(
+    return Decoder(
         vocab_size=64,
         train_len=TRAIN_LEN,
         pe=instantiate(cfg.pe, "pe"),
         attention=AttentionSettings(**cfg.attention),
         d_model=16,
-        n_layers=3,
+        n_layers=n_layers,
         n_heads=HEADS,
-    ).eval()
+    )
+
+
+def peak_mb(overrides: list[str], length: int) -> float:
+    net = decoder(overrides, n_layers=3).eval()
     tokens = torch.randint(0, 64, (1, length + 1))
     with torch.no_grad():
         net.token_nll(tokens[:, :256], tokens[:, 1:257])  # one-time costs (kernels, thread pools) are not the forward's
@@ -67,20 +74,64 @@ def test_a_16k_forward_on_a_fused_path_holds_no_scores_of_every_pair(overrides):
     assert peak < pair_scores_mb(16384) / 8, f"{peak:.0f} MB"
 
 
-def peak_mb_in_a_fresh_process(overrides: list[str], length: int) -> float:
+def peak_mb_in_a_fresh_process(overrides: list[str], length: int, precision: str) -> float:
     """``peak_mb`` with 1 MB of fp32 scores per block, in a process of its own (a fork of one that has only imported
     lenext: tests/forked.py): in a long test worker glibc's adapted mmap threshold serves the blocks' temporaries
     from a heap they fragment (DAPE at 8192: 266 MB there, 60-65 MB in a new interpreter, 77 MB in the fork)."""
-    return forked.call(peak_mb_in_small_blocks, overrides, length)
+    return forked.call(peak_mb_in_small_blocks, overrides, length, precision)
 
 
-def peak_mb_in_small_blocks(overrides: list[str], length: int) -> float:
+def peak_mb_in_small_blocks(overrides: list[str], length: int, precision: str) -> float:
     SCORE_BLOCK_ELEMENTS["cpu"] = 2**18
-    return peak_mb(overrides, length)
+    with precision_autocast(torch.device("cpu"), precision):
+        return peak_mb(overrides, length)
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("length", [8192, pytest.param(16384, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("overrides", EXPLICIT, ids=" ".join)
-def test_a_long_forward_in_explicit_query_blocks_holds_one_block_of_scores(overrides, length):
-    peak = peak_mb_in_a_fresh_process(overrides, length)
+def test_a_long_forward_in_explicit_query_blocks_holds_one_block_of_scores(overrides, length, precision):
+    peak = peak_mb_in_a_fresh_process(overrides, length, precision)
     assert peak < pair_scores_mb(length) / 2, f"{peak:.0f} MB"
+
+
+class ProductShapes(TorchDispatchMode):
+    """The distinct (product, operand shapes) of the matrix products run while it is on, backward included."""
+
+    PRODUCTS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.PRODUCTS:
+            self.seen.add((func, *(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))))
+        return func(*args, **(kwargs or {}))
+
+
+def product_shapes(overrides: list[str], length: int, monkeypatch) -> int:
+    """How many shapes of products a training step of a one-layer model at ``length`` runs, 8 query rows a block."""
+    net = decoder(overrides, n_layers=1)
+    monkeypatch.setitem(SCORE_BLOCK_ELEMENTS, "cpu", HEADS * 8 * length)
+    tokens = torch.randint(0, 64, (1, length + 1))
+    with ProductShapes() as shapes:
+        net.token_nll(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+    return len(shapes.seen)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["pe=cope"],
+        ["pe=dape"],
+        ["pe=nope", "attention.normalizer=stick_breaking"],
+        ["pe=rope", "pe.scaling=self_extend"],
+    ],
+    ids=" ".join,
+)
+def test_the_query_blocks_products_take_as_many_shapes_at_any_number_of_blocks(overrides, monkeypatch):
+    """oneDNN builds and keeps a primitive for each new shape of a bf16 product on CPU: with keys of a width of
+    their own per query block, a 16k forward held GBs (CoPE 12.1 GB). Keys widened to one of ``KEY_WIDTHS`` widths:
+    as many shapes with 256 blocks as with 128 (twice as many before)."""
+    assert product_shapes(overrides, 2048, monkeypatch) == product_shapes(overrides, 1024, monkeypatch)

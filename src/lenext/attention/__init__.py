@@ -49,7 +49,7 @@ from lenext.attention.flex import (
     window_block_mask,
 )
 from lenext.errors import ConfigError
-from lenext.pe.base import NO_TERMS, BandValues, Bias, Logits, LogitTerm, ScoreTerms, device_budget
+from lenext.pe.base import NO_TERMS, BandValues, Bias, Logits, LogitTerm, ScoreTerms, device_budget, widened_end
 from lenext.ranges import PositiveInt
 
 # Float elements of mask per query block on the explicit path, by device. CPU: small enough for the heap to reuse
@@ -450,13 +450,15 @@ def _blocked_attention(
     for index in range(blocks):  # query blocks attend to keys [first, end)
         start, end = length * index // blocks, length * (index + 1) // blocks
         first = 0 if window is None else max(0, start - window + 1)
-        q_block, k_seen, v_seen = q[:, :, start:end], k[:, :, first:end], v[:, :, first:end]
+        q_block = q[:, :, start:end]
         mask = bias(start, end, first)
         if plain and not mask.requires_grad and q.device.type == "cpu" and record is None:
-            out[:, :, start:end] = _sdpa_keep_mask(q_block, k_seen, v_seen, attn_mask=mask)
+            out[:, :, start:end] = _sdpa_keep_mask(q_block, k[:, :, first:end], v[:, :, first:end], attn_mask=mask)
             continue
+        # products over keys [first, last), the future keys past ``end`` dropped: a few shapes (``widened_end``)
+        seen, last = end - first, widened_end(first, end, length)
         if logits is None:
-            scores = (q_block @ k_seen.transpose(-2, -1)).to(wide).mul_(head_dim**-0.5)
+            scores = (q_block @ k[:, :, first:last].transpose(-2, -1))[..., :seen].to(wide).mul_(head_dim**-0.5)
         else:
             scores = logits(start, end)[..., first:]
             if row_scale is not None:
@@ -468,12 +470,12 @@ def _blocked_attention(
         if stick_breaking:
             weights = stick_breaking_weights(scores, start, first)  # (B, H, rows, end - first)
             left = (1 - weights.sum(-1, keepdim=True)).to(v.dtype)  # the weight left over: on the query's own value
-            probs = weights.to(v.dtype)
-            block = probs @ v_seen + left * v[:, :, start:end]
+            probs = F.pad(weights.to(v.dtype), (0, last - end))
+            block = probs @ v[:, :, first:last] + left * v[:, :, start:end]
         else:
             weights = scores.softmax(-1)
-            probs = weights.to(v.dtype)  # (B, H, rows, end - first)
-            block = probs @ v_seen
+            probs = F.pad(weights.to(v.dtype), (0, last - end))  # (B, H, rows, last - first)
+            block = probs @ v[:, :, first:last]
         if record is not None:
             record(_recorded(weights.detach(), start, first, stick_breaking), start, end, first)
         if value_term is not None:

@@ -47,6 +47,19 @@ FAMILIES = ("no PE or absolute", "additive bias", "rotary", "2024-26 methods")
 HIDDEN_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}
 
 
+# The widths of keys the query blocks' matmuls take per length (the explicit attention path, DAPE's MLP, Self-Extend's
+# logits): oneDNN builds and keeps a primitive for each new shape of a bf16 matmul on CPU, GBs at 16k tokens when
+# every block has a width of its own (docs/performance.md, "Memory").
+KEY_WIDTHS = 32
+
+
+def widened_end(first: int, end: int, length: int) -> int:
+    """The end of keys [first, end) widened to a multiple of length / ``KEY_WIDTHS`` keys, at most ``length``: keys
+    end.. are future keys of every query the block holds, which its caller drops from the products."""
+    granule = -(-length // KEY_WIDTHS)
+    return min(length, first + -(-(end - first) // granule) * granule)
+
+
 def device_budget(budgets: dict[str, int], device: torch.device) -> int:
     """A per-device budget of elements (``HIDDEN_ELEMENTS``, attention's score blocks, the loss's logits) for
     ``device``: the CPU's on any device the table does not name."""

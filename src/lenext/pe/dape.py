@@ -16,7 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from lenext.errors import ConfigError
-from lenext.pe.base import HIDDEN_ELEMENTS, AttentionShape, LayerPE, PositionalEncoding, ScoreTerms, device_budget
+from lenext.pe.base import (
+    HIDDEN_ELEMENTS,
+    AttentionShape,
+    LayerPE,
+    PositionalEncoding,
+    ScoreTerms,
+    device_budget,
+    widened_end,
+)
 from lenext.ranges import PositiveInt
 
 
@@ -68,8 +76,10 @@ class AdaptiveBias(LayerPE):
         def adaptive(logits: torch.Tensor, start: int, end: int, first: int) -> torch.Tensor:
             pair = bias.pair(start, end, first)  # (B or 1, H, rows, keys) fp32
             seen = logits > float("-inf")  # the MLP's input on masked keys is any finite value: masked again after
-            scores = torch.where(seen, logits - pair, 0.0).movedim(1, -1)  # s_ij: (B, rows, keys, H)
-            pair = pair.movedim(1, -1)  # (B or 1, rows, keys, H)
+            # keys' = [first, widened end): a few shapes of the MLP's products (``widened_end``); keys past end dropped
+            keys, wider = end - first, (0, widened_end(first, end, q.size(-2)) - end)
+            scores = F.pad(torch.where(seen, logits - pair, 0.0), wider).movedim(1, -1)  # s_ij: (B, rows, keys', H)
+            pair = F.pad(pair, wider).movedim(1, -1)  # (B or 1, rows, keys', H)
             # f's first layer on [s; b] as two products, b's once for a batch that shares it: no (B, .., 2H) copy.
             # Under bf16 autocast the MLP runs in bf16 (it is most of DAPE's work); its output joins fp32 logits.
             inner, activation, outer = self.mlp
@@ -81,6 +91,6 @@ class AdaptiveBias(LayerPE):
                 outer(activation(F.linear(s, on_scores) + F.linear(b, on_pair, inner.bias)))
                 for s, b in zip(scores.split(rows, dim=1), pair.split(rows, dim=1), strict=True)
             ]
-            return torch.cat(chunks, dim=1).movedim(-1, 1)
+            return torch.cat(chunks, dim=1)[:, :, :keys].movedim(-1, 1)
 
         return ScoreTerms(base.biases, base.value, base.logits, base.logit_terms + (adaptive,))
