@@ -19,6 +19,7 @@ from lenext.cli import CONFIG_PACKAGE
 from lenext.evaluate import PeakMemory
 from lenext.hardware import precision_autocast
 from lenext.model import Decoder
+from lenext.pe.base import KEY_WIDTHS, widened_end
 from tests import forked
 
 HEADS, TRAIN_LEN = 2, 64
@@ -127,6 +128,7 @@ def product_shapes(overrides: list[str], length: int, monkeypatch) -> int:
         ["pe=dape"],
         ["pe=nope", "attention.normalizer=stick_breaking"],
         ["pe=rope", "pe.scaling=self_extend"],
+        ["pe=kerple", "attention.window=100"],
     ],
     ids=" ".join,
 )
@@ -135,3 +137,14 @@ def test_the_query_blocks_products_take_as_many_shapes_at_any_number_of_blocks(o
     their own per query block, a 16k forward held GBs (CoPE 12.1 GB). Keys widened to one of ``KEY_WIDTHS`` widths:
     as many shapes with 256 blocks as with 128 (twice as many before)."""
     assert product_shapes(overrides, 2048, monkeypatch) == product_shapes(overrides, 1024, monkeypatch)
+
+
+@pytest.mark.parametrize("length", [7, 1000, 1024, 16384])
+def test_keys_widen_to_a_few_widths_by_less_than_one_step_within_the_length(length):
+    """A block from key 0 gets one of at most ``KEY_WIDTHS`` widths, each under one step of length / KEY_WIDTHS
+    past its own end and never past the length; a window's later blocks (from a key past 0) keep their width."""
+    step = -(-length // KEY_WIDTHS)
+    widened = [widened_end(0, end, length) for end in range(1, length + 1)]
+    assert len(set(widened)) <= KEY_WIDTHS
+    assert all(end <= last < end + step and last <= length for end, last in enumerate(widened, start=1))
+    assert all(widened_end(first, length // 2 + first, length) == length // 2 + first for first in range(1, 4))

@@ -47,17 +47,20 @@ FAMILIES = ("no PE or absolute", "additive bias", "rotary", "2024-26 methods")
 HIDDEN_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}
 
 
-# The widths of keys the query blocks' matmuls take per length (the explicit attention path, DAPE's MLP, Self-Extend's
-# logits): oneDNN builds and keeps a primitive for each new shape of a bf16 matmul on CPU, GBs at 16k tokens when
-# every block has a width of its own (docs/performance.md, "Memory").
-KEY_WIDTHS = 32
+# The widths of keys the query blocks' products take per length (the explicit attention path, DAPE's MLP,
+# Self-Extend's logits): oneDNN builds and keeps a primitive for each new shape of a bf16 product on CPU, GBs at 16k
+# tokens when every block had a width of its own (docs/performance.md, "Memory").
+KEY_WIDTHS = 16
 
 
 def widened_end(first: int, end: int, length: int) -> int:
     """The end of keys [first, end) widened to a multiple of length / ``KEY_WIDTHS`` keys, at most ``length``: keys
-    end.. are future keys of every query the block holds, which its caller drops from the products."""
+    end.. are future keys of every query the block holds, which its caller drops from the products. Only a block
+    that sees keys from the first (``first`` 0) is widened: a window's later blocks all see rows + W - 1 keys."""
+    if first > 0:
+        return end
     granule = -(-length // KEY_WIDTHS)
-    return min(length, first + -(-(end - first) // granule) * granule)
+    return min(length, -(-end // granule) * granule)
 
 
 def device_budget(budgets: dict[str, int], device: torch.device) -> int:
