@@ -19,7 +19,16 @@ from lenext.pe.base import sequential_positions
 from lenext.pe.bias import ShawRelative
 from lenext.pe.cope import CoPE
 from lenext.pe.path import PaTH
-from tests.test_pe import BATCH, BIAS_KINDS, HEAD_DIM, HEADS, explicit_path, make_bias_pe, naive_biased_attention
+from tests.test_pe import (
+    BATCH,
+    BIAS_KINDS,
+    HEAD_DIM,
+    HEADS,
+    explicit_path,
+    make_bias_pe,
+    naive_biased_attention,
+    widened_keys,
+)
 
 KINDS = ("nope", *BIAS_KINDS)
 
@@ -337,9 +346,12 @@ def stick_breaking_reference(q, k, v, window=None):
 @pytest.mark.parametrize("rows", [None, 1, 7])
 @pytest.mark.parametrize("length", [1, 9, 60])
 def test_stick_breaking_matches_the_reference_code_in_float64(length, rows, window, monkeypatch):
-    """Outputs and gradients of q, k, v equal sb_ref's to 1e-10, in one block, single rows and blocks of 7."""
+    """Outputs and gradients of q, k, v equal sb_ref's to 1e-10, in one block, single rows and blocks of 7 with their
+    keys widened as for bf16 products on a CPU."""
     if rows is not None:
         monkeypatch.setitem(attention_module.SCORE_BLOCK_ELEMENTS, "cpu", BATCH * HEADS * length * rows)
+    if rows == 7:
+        widened_keys(monkeypatch)
     gen = torch.Generator().manual_seed(length)
     q, k, v = (torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen, dtype=torch.float64) for _ in "qkv")
     q, k, v = (t.requires_grad_() for t in (q, k, v))

@@ -14,6 +14,7 @@ from lenext.pe import AttentionShape, CoPE
 from lenext.pe.base import sequential_positions
 from lenext.positions import generator, randomized_positions
 from tests.conftest import hidden_keys
+from tests.test_pe import widened_keys
 
 BATCH, HEADS, HEAD_DIM = 2, 4, 8
 SHAPE = AttentionShape(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=2, train_len=16)
@@ -51,9 +52,12 @@ def inputs(length, dtype):
 @pytest.mark.parametrize("length, npos_max", [(9, None), (60, None), (60, 40)])
 def test_cope_matches_x_transformers_in_float64(length, npos_max, rows, window, monkeypatch):
     """Positions below and at the cap (npos_max 16: rows of 60 keys count past it), the explicit path in one
-    block, single rows and blocks of 7: outputs and gradients of q, k, v and the position embeddings to 1e-10."""
+    block, single rows and blocks of 7 with their keys widened as for bf16 products on a CPU: outputs and gradients
+    of q, k, v and the position embeddings to 1e-10."""
     if rows is not None:
         monkeypatch.setitem(attention_module.SCORE_BLOCK_ELEMENTS, "cpu", BATCH * HEADS * length * rows)
+    if rows == 7:
+        widened_keys(monkeypatch)
     layer = cope_layer(npos_max)
     q, k, v = inputs(length, torch.float64)
     got = causal_attention(q, k, v, layer.terms(None, q, k, sequential_positions(length)), window)

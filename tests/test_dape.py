@@ -19,6 +19,7 @@ from lenext.pe import DAPE, FIRE, KERPLE, ALiBi, AttentionShape, Compose, CoPE, 
 from lenext.pe.base import sequential_positions
 from lenext.positions import generator, randomized_positions
 from tests.conftest import hidden_keys
+from tests.test_pe import widened_keys
 
 BATCH, HEADS, HEAD_DIM, WIDTH = 2, 4, 8, 16
 SHAPE = AttentionShape(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_layers=2, train_len=16)
@@ -57,10 +58,13 @@ def inputs(length, dtype):
 @pytest.mark.parametrize("rows", [None, 1, 7])
 @pytest.mark.parametrize("length", [9, 60])
 def test_dape_matches_its_formula_in_float64(length, rows, window, monkeypatch):
-    """The explicit path in one block, single rows and blocks of 7 (and the MLP in chunks of 3 rows): outputs and
-    gradients of q, k, v, both MLP layers and KERPLE's r1, r2 to 1e-10."""
+    """The explicit path in one block, single rows and blocks of 7 (and the MLP in chunks of 3 rows) with their keys
+    widened as for bf16 products on a CPU: outputs and gradients of q, k, v, both MLP layers and KERPLE's r1, r2 to
+    1e-10."""
     if rows is not None:
         monkeypatch.setitem(attention_module.SCORE_BLOCK_ELEMENTS, "cpu", BATCH * HEADS * length * rows)
+    if rows == 7:
+        widened_keys(monkeypatch)
         monkeypatch.setitem(dape_module.HIDDEN_ELEMENTS, "cpu", BATCH * length * WIDTH * 3)
     pe, layer = dape_layer()
     q, k, v = inputs(length, torch.float64)

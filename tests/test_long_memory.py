@@ -2,7 +2,7 @@
 (docs/attention.md): the peak extra memory of a whole model's forward stays a fraction of one (H, L, L) tensor.
 
 The fused paths are checked at 16k tokens. The explicit query blocks (CoPE, stick-breaking, a key bias under
-SSMax, DAPE) hold a fixed number of score elements per block (about 40 MB in all for CoPE here), whatever L: at 8192
+SSMax, DAPE, PaTH's logits) hold a fixed number of score elements per block (about 40 MB in all for CoPE here), whatever L: at 8192
 tokens here and at 16k among the slow tests (5-25 s each on an AVX2 EPYC), with small blocks so that the bound is
 tight, in fp32 and under bf16 autocast (where a shape of product per block held GBs: ``widened_end``). Peak memory
 on CPU is sampled RSS, which the allocator's history moves in a long test worker: the explicit cases run in a
@@ -37,6 +37,7 @@ EXPLICIT = [
     pytest.param(["pe=dape"], marks=pytest.mark.slow),  # its MLP per pair: 26 s at 8192 on a 2-core EPYC
     ["pe=nope", "attention.normalizer=stick_breaking"],
     ["pe=fox", "attention.scale=ssmax"],
+    ["pe=path"],
 ]
 
 
@@ -112,11 +113,12 @@ class ProductShapes(TorchDispatchMode):
 
 
 def product_shapes(overrides: list[str], length: int, monkeypatch) -> int:
-    """How many shapes of products a training step of a one-layer model at ``length`` runs, 8 query rows a block."""
+    """How many shapes of products a training step of a one-layer model at ``length`` runs under bf16 autocast, 8
+    query rows a block."""
     net = decoder(overrides, n_layers=1)
     monkeypatch.setitem(SCORE_BLOCK_ELEMENTS, "cpu", HEADS * 8 * length)
     tokens = torch.randint(0, 64, (1, length + 1))
-    with ProductShapes() as shapes:
+    with ProductShapes() as shapes, precision_autocast(torch.device("cpu"), "bf16-mixed"):
         net.token_nll(tokens[:, :-1], tokens[:, 1:]).mean().backward()
     return len(shapes.seen)
 
@@ -142,9 +144,14 @@ def test_the_query_blocks_products_take_as_many_shapes_at_any_number_of_blocks(o
 @pytest.mark.parametrize("length", [7, 1000, 1024, 16384])
 def test_keys_widen_to_a_few_widths_by_less_than_one_step_within_the_length(length):
     """A block from key 0 gets one of at most ``KEY_WIDTHS`` widths, each under one step of length / KEY_WIDTHS
-    past its own end and never past the length; a window's later blocks (from a key past 0) keep their width."""
+    past its own end and never past the length, where its products are bf16 on a CPU; a window's later blocks (from
+    a key past 0) keep their width, and so does every block of fp32 products."""
     step = -(-length // KEY_WIDTHS)
-    widened = [widened_end(0, end, length) for end in range(1, length + 1)]
+    queries = torch.zeros(1, dtype=torch.bfloat16)
+    widened = [widened_end(0, end, length, queries) for end in range(1, length + 1)]
     assert len(set(widened)) <= KEY_WIDTHS
     assert all(end <= last < end + step and last <= length for end, last in enumerate(widened, start=1))
-    assert all(widened_end(first, length // 2 + first, length) == length // 2 + first for first in range(1, 4))
+    assert all(widened_end(first, length // 2 + first, length, queries) == length // 2 + first for first in (1, 2, 3))
+    with precision_autocast(torch.device("cpu"), "bf16-mixed"):
+        assert widened_end(0, 1, length, queries.float()) == widened[0]
+    assert all(widened_end(0, end, length, queries.float()) == end for end in range(1, length + 1))

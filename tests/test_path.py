@@ -17,7 +17,7 @@ from lenext.attention import causal_attention
 from lenext.model import Decoder
 from lenext.pe import AttentionShape, Compose, FoX, PaTH
 from lenext.pe.base import sequential_positions
-from lenext.pe.path import path_logits
+from lenext.pe.path import PathLogits
 from lenext.positions import generator, randomized_positions
 
 
@@ -163,8 +163,9 @@ def test_path_matches_fla_naive_in_float64(length, rows, chunk, monkeypatch):
 
 @pytest.mark.parametrize("chunk", [4, 64])
 def test_path_logits_multiply_out_the_papers_transformations(chunk, monkeypatch):
-    """path_logits against the definition in float64, each H_t = I - beta_t w_t w_t^T a matrix and every pair's
-    product H_i .. H_(j+1) multiplied out: in one chunk, and in chunks of 4 (three, the last padded)."""
+    """PaTH's logits against the definition in float64, each H_t = I - beta_t w_t w_t^T a matrix and every pair's
+    product H_i .. H_(j+1) multiplied out: in one chunk, and in chunks of 4 (three, the last padded); all rows at
+    once and in blocks of rows."""
     monkeypatch.setattr(path_module, "CHUNK", chunk)
     length, dim = 11, 5
     gen = torch.Generator().manual_seed(2)
@@ -181,7 +182,14 @@ def test_path_logits_multiply_out_the_papers_transformations(chunk, monkeypatch)
                 product = product @ householders[:, :, t]
             expected[:, :, i, j] = (q[:, :, i, None, :] @ product @ k[:, :, j, :, None])[..., 0, 0] / math.sqrt(dim)
     causal = torch.ones(length, length, dtype=torch.bool).tril()
-    assert_close(path_logits(q, k, w, beta)[..., causal], expected[..., causal], atol=1e-12, rtol=1e-12)
+    logits = PathLogits(q, k, w, beta)
+    assert_close(logits(0, length)[..., causal], expected[..., causal], atol=1e-12, rtol=1e-12)
+    # blocks of 3 rows, each against the keys up to its last, then one from the start again
+    for start, end in [(0, 3), (3, 6), (6, 9), (9, 11), (2, 7)]:
+        got = logits(start, end)
+        assert got.shape[-2:] == (end - start, end)
+        seen = causal[start:end, :end]
+        assert_close(got[..., seen], expected[..., start:end, :end][..., seen], atol=1e-12, rtol=1e-12)
 
 
 def test_path_logits_stay_close_in_fp32_and_under_bf16_autocast_when_products_cancel():
@@ -198,11 +206,11 @@ def test_path_logits_stay_close_in_fp32_and_under_bf16_autocast_when_products_ca
     w = F.normalize(signs * near, dim=-1)
     beta = torch.full((1, 2, length), 1.999, dtype=torch.float64)
     causal = torch.ones(length, length, dtype=torch.bool).tril()
-    exact = path_logits(q, k, w, beta)[..., causal]
+    exact = PathLogits(q, k, w, beta)(0, length)[..., causal]
     single = [t.float() for t in (q, k, w, beta)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        autocast = path_logits(*single)
-    for got in (path_logits(*single), autocast):
+        autocast = PathLogits(*single)(0, length)
+    for got in (PathLogits(*single)(0, length), autocast):
         assert (got.double()[..., causal] - exact).abs().max() < 1e-3 * exact.abs().max()
 
 

@@ -15,6 +15,7 @@ from torch.testing import assert_close
 
 import lenext.attention as attention_module
 import lenext.attention.band as band_module
+import lenext.pe.base as base_module
 from lenext.attention import causal_attention
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.model import Decoder
@@ -853,6 +854,12 @@ def explicit_path(monkeypatch) -> None:
     form the PE gives (key, band or pair), with the causal mask added."""
     monkeypatch.setattr(attention_module, "cpu_flash", lambda: False)
     monkeypatch.setattr(attention_module, "fused_mask_with_causal", lambda device_type: False)
+
+
+def widened_keys(monkeypatch) -> None:
+    """Every query block from key 0 takes its products over widened keys (``widened_end``), as bf16 products on a
+    CPU do, in any dtype: a float64 oracle then checks that the keys added are dropped."""
+    monkeypatch.setattr(base_module, "kernel_dtype", lambda x: torch.bfloat16)
 
 
 BIAS_KINDS = ("alibi", "t5", "t5_per_layer", "shaw", "shaw_value", "kerple", "kerple_power", "fire")

@@ -16,6 +16,7 @@ from lenext.attention import SCORE_BLOCK_ELEMENTS, causal_attention
 from lenext.errors import ConfigError, LengthNotSupported
 from lenext.pe import AttentionShape, RoPE, XPos
 from lenext.pe.base import sequential_positions
+from tests.test_pe import widened_keys
 
 HEAD_DIM, HEADS = 16, 2
 
@@ -58,8 +59,9 @@ def self_extend(q, k, v, pe: RoPE, positions=None) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [None, 5], ids=["one block", "blocks of 5 rows"])
 @pytest.mark.parametrize("length, train_len, window, factor", [(64, 16, 4, None), (96, 32, 8, 4.0), (40, 16, 5, 3.0)])
 def test_self_extend_matches_longlm_outputs_and_gradients(length, train_len, window, factor, rows, monkeypatch):
-    if rows is not None:  # query blocks whose keys are widened past their last row's (``widened_end``)
+    if rows is not None:  # query blocks whose keys are widened past their last row's, as for bf16 products on a CPU
         monkeypatch.setitem(SCORE_BLOCK_ELEMENTS, "cpu", 2 * HEADS * length * rows)
+        widened_keys(monkeypatch)
     torch.manual_seed(0)
     pe = RoPE(shape(train_len), scaling="self_extend", factor=factor, neighbor_window=window)
     group = factor or pe.group_size(length)

@@ -49,7 +49,18 @@ from lenext.attention.flex import (
     window_block_mask,
 )
 from lenext.errors import ConfigError
-from lenext.pe.base import NO_TERMS, BandValues, Bias, Logits, LogitTerm, ScoreTerms, device_budget, widened_end
+from lenext.pe.base import (
+    NO_TERMS,
+    BandValues,
+    Bias,
+    Logits,
+    LogitTerm,
+    ScoreTerms,
+    device_budget,
+    kernel_dtype,
+    widened,
+    widened_end,
+)
 from lenext.ranges import PositiveInt
 
 # Float elements of mask per query block on the explicit path, by device. CPU: small enough for the heap to reuse
@@ -360,7 +371,7 @@ def key_bias_channels_attention(q, k, v, key: torch.Tensor) -> torch.Tensor:
     key: (B or 1, H, 1, L) fp32 (float64 with float64 q, k, v).
     """
     head_dim, device = q.size(-1), q.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    dtype = kernel_dtype(q)
     wide = torch.promote_types(q.dtype, torch.float32)
     zeros = -(head_dim + 1) % HEAD_DIM_MULTIPLE.get(device, 1)
     channel = key.transpose(-2, -1).to(wide).expand(*k.shape[:-1], 1) * head_dim**0.5  # (B, H, L, 1)
@@ -456,7 +467,7 @@ def _blocked_attention(
             out[:, :, start:end] = _sdpa_keep_mask(q_block, k[:, :, first:end], v[:, :, first:end], attn_mask=mask)
             continue
         # products over keys [first, last), the future keys past ``end`` dropped: a few shapes (``widened_end``)
-        seen, last = end - first, widened_end(first, end, length)
+        seen, last = end - first, widened_end(first, end, length, q)
         if logits is None:
             scores = (q_block @ k[:, :, first:last].transpose(-2, -1))[..., :seen].to(wide).mul_(head_dim**-0.5)
         else:
@@ -469,13 +480,11 @@ def _blocked_attention(
             scores = scores + (added if row_scale is None else added * row_scale[..., start:end, :])
         if stick_breaking:
             weights = stick_breaking_weights(scores, start, first)  # (B, H, rows, end - first)
-            left = (1 - weights.sum(-1, keepdim=True)).to(v.dtype)  # the weight left over: on the query's own value
-            probs = F.pad(weights.to(v.dtype), (0, last - end))
-            block = probs @ v[:, :, first:last] + left * v[:, :, start:end]
         else:
             weights = scores.softmax(-1)
-            probs = F.pad(weights.to(v.dtype), (0, last - end))  # (B, H, rows, last - first)
-            block = probs @ v[:, :, first:last]
+        block = widened(weights.to(v.dtype), end, last) @ v[:, :, first:last]
+        if stick_breaking:  # the weight left over: on the query's own value
+            block = block + (1 - weights.sum(-1, keepdim=True)).to(v.dtype) * v[:, :, start:end]
         if record is not None:
             record(_recorded(weights.detach(), start, first, stick_breaking), start, end, first)
         if value_term is not None:

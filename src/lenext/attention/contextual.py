@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lenext.attention.fla_kernels import kernel_dtype
+from lenext.pe.base import kernel_dtype
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
-from lenext.pe.base import ScoreTerms
+from lenext.pe.base import ScoreTerms, kernel_dtype
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256  # fla's forgetting-attention and stick-breaking kernels'
@@ -46,12 +46,6 @@ def kernels() -> SimpleNamespace | None:
     return SimpleNamespace(
         forgetting=parallel_forgetting_attn, path=parallel_path_attn, stick_breaking=parallel_stickbreaking_attn
     )
-
-
-def kernel_dtype(q: torch.Tensor) -> torch.dtype:
-    """The dtype attention runs in: the autocast dtype, else q's."""
-    device = q.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
 
 
 def triton_serves(q: torch.Tensor) -> bool:

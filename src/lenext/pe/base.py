@@ -47,20 +47,33 @@ FAMILIES = ("no PE or absolute", "additive bias", "rotary", "2024-26 methods")
 HIDDEN_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}
 
 
-# The widths of keys the query blocks' products take per length (the explicit attention path, DAPE's MLP,
-# Self-Extend's logits): oneDNN builds and keeps a primitive for each new shape of a bf16 product on CPU, GBs at 16k
-# tokens when every block had a width of its own (docs/performance.md, "Memory").
+# The widths of keys the query blocks' products take per length where oneDNN computes them (bf16 on a CPU: the explicit
+# attention path, DAPE's MLP, Self-Extend's logits): it builds and keeps a primitive for each new shape, GBs at 16k
+# tokens when every block had a width of its own (docs/performance.md, "Precision by machine").
 KEY_WIDTHS = 16
 
 
-def widened_end(first: int, end: int, length: int) -> int:
-    """The end of keys [first, end) widened to a multiple of length / ``KEY_WIDTHS`` keys, at most ``length``: keys
-    end.. are future keys of every query the block holds, which its caller drops from the products. Only a block
-    that sees keys from the first (``first`` 0) is widened: a window's later blocks all see rows + W - 1 keys."""
-    if first > 0:
+def kernel_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype products of x run in: the autocast dtype of its device, else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def widened_end(first: int, end: int, length: int, x: torch.Tensor) -> int:
+    """The end of keys [first, end) widened to a multiple of length / ``KEY_WIDTHS`` keys, at most ``length``, where
+    products of x (the block's queries or logits) are bf16 on a CPU; else ``end``. Keys end.. are future keys of
+    every query the block holds, which its caller drops from the products. Only a block that sees keys from the
+    first (``first`` 0) is widened: a window's later blocks all see rows + W - 1 keys. Elsewhere the padding would
+    cost time for nothing (DAPE's fp32 forward at 8192 tokens: 1.1-1.4x)."""
+    if first > 0 or x.device.type != "cpu" or kernel_dtype(x) != torch.bfloat16:
         return end
     granule = -(-length // KEY_WIDTHS)
     return min(length, -(-end // granule) * granule)
+
+
+def widened(t: torch.Tensor, end: int, last: int) -> torch.Tensor:
+    """t (..., keys up to ``end``) with zeros on the keys end..``last`` (``widened_end``); t itself if none."""
+    return t if last == end else F.pad(t, (0, last - end))
 
 
 def device_budget(budgets: dict[str, int], device: torch.device) -> int:

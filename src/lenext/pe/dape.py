@@ -23,6 +23,7 @@ from lenext.pe.base import (
     PositionalEncoding,
     ScoreTerms,
     device_budget,
+    widened,
     widened_end,
 )
 from lenext.ranges import PositiveInt
@@ -77,9 +78,11 @@ class AdaptiveBias(LayerPE):
             pair = bias.pair(start, end, first)  # (B or 1, H, rows, keys) fp32
             seen = logits > float("-inf")  # the MLP's input on masked keys is any finite value: masked again after
             # keys' = [first, widened end): a few shapes of the MLP's products (``widened_end``); keys past end dropped
-            keys, wider = end - first, (0, widened_end(first, end, q.size(-2)) - end)
-            scores = F.pad(torch.where(seen, logits - pair, 0.0), wider).movedim(1, -1)  # s_ij: (B, rows, keys', H)
-            pair = F.pad(pair, wider).movedim(1, -1)  # (B or 1, rows, keys', H)
+            keys, last = end - first, widened_end(first, end, q.size(-2), logits)
+            scores = widened(torch.where(seen, logits - pair, 0.0), end, last).movedim(
+                1, -1
+            )  # s_ij: (B, rows, keys', H)
+            pair = widened(pair, end, last).movedim(1, -1)  # (B or 1, rows, keys', H)
             # f's first layer on [s; b] as two products, b's once for a batch that shares it: no (B, .., 2H) copy.
             # Under bf16 autocast the MLP runs in bf16 (it is most of DAPE's work); its output joins fp32 logits.
             inner, activation, outer = self.mlp

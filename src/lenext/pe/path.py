@@ -10,9 +10,9 @@ query against the key carried through every token between them:
 as flash-linear-attention's ``PaTHAttention`` layer (``use_low_rank_w``, ``use_w_shortconv``; its forget gate is
 FoX's, composed: ``pe=path_fox``) and its ``naive_path_attn`` reference. No position enters: PaTH is what the
 content makes of the order. The logits are computed here in chunks of 64 tokens with the UT transform, as fla's
-chunked algorithm (``path_logits``): O(L^2 d) work in L / 64 - 1 sequential steps, and the logits of a sequence are
-held whole: (B, H, L, L) memory. While training on CUDA under bf16 with fla installed, fla's PaTH kernel runs instead
-(``ScoreTerms.householders``; lenext.attention.fla_kernels).
+chunked algorithm, one block of query rows at a time (``PathLogits``): O(L^2 d) work in L / 64 sequential steps,
+O(L d) memory beside a block's logits. While training on CUDA under bf16 with fla installed, fla's PaTH kernel runs
+instead (``ScoreTerms.householders``; lenext.attention.fla_kernels).
 """
 
 import math
@@ -65,56 +65,77 @@ class Householders(LayerPE):
 
     def terms(self, x, q, k, positions) -> ScoreTerms:
         w, beta = self.directions(x)
-        cached = []
+        made = []  # built at the first call: fla's kernel, where it serves, needs only w and beta
 
         def logits(start: int, end: int) -> torch.Tensor:
-            if not cached:
-                cached.append(path_logits(q, k, w, beta))
-            return cached[0][..., start:end, :end]
+            if not made:
+                made.append(PathLogits(q, k, w, beta))
+            return made[0](start, end)
 
         return ScoreTerms(logits=logits, householders=lambda: (w, beta))
 
 
-def path_logits(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    """(B, H, L, L) logits q_i^T H_i .. H_(j+1) k_j / sqrt(d) (any finite value for j > i: the attention masks them);
-    q, k: (B, H, L, d), w: (B, H, L, d) unit vectors, beta: (B, H, L).
+class PathLogits:
+    """The logits q_i^T H_i .. H_(j+1) k_j / sqrt(d) of query rows against the keys before them (any finite value for
+    j > i: the attention masks them); q, k: (B, H, L, d), w: (B, H, L, d) unit vectors, beta: (B, H, L).
 
     In chunks of CHUNK tokens (the last padded with H = I), as fla's chunked PaTH: the product of any run of a
     chunk's transformations H_b .. H_a is I - W^T T W over that run, T the same run's block of the chunk's
     T = (I + strictly lower(diag(beta) W W^T))^-1 diag(beta) (the UT transform: a block of a triangular matrix's
     inverse is the inverse of its block). So within a chunk the logits, each query carried back to its chunk's
-    first token, each key carried forward to its last and the chunk's whole product are a few matrix products;
-    then query chunk a meets key chunk a - delta through the products of the chunks between, for delta = 1 ..
-    n - 1: n - 1 sequential steps; autograd keeps the carried queries of each, L^2 d / (2 CHUNK) numbers per head
-    beside the L^2 logits."""
-    # fp32 (or wider) under autocast too: a chunk's products cancel, which a bf16 Gram matrix turns into errors of
-    # the logits' size
-    with torch.autocast(q.device.type, enabled=False):
-        batch, heads, length, head_dim = q.shape
-        size = min(length, CHUNK)
-        chunks = -(-length // size)
-        pad = chunks * size - length  # padded tokens: beta 0, H = I, after every real token
+    first token, each key carried forward to its last and the chunk's whole product are a few matrix products,
+    made once. Then, as the query rows advance (the attention's blocks come in order), the keys of the chunks before
+    are carried forward through one chunk's product at a time: a row of chunk a meets every earlier key in one
+    product. O(L d) memory beside a block's logits (autograd keeps the keys carried to each chunk: L^2 d / (2 CHUNK)
+    numbers per head); L / CHUNK sequential steps, O(L^2 d) work."""
 
-        def split(t: torch.Tensor) -> torch.Tensor:  # (B, H, L, ...) -> (B, H, n, C, ...)
-            return F.pad(t, (0, 0) * (t.dim() - 3) + (0, pad)).unflatten(2, (chunks, size))
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, beta: torch.Tensor):
+        # fp32 (or wider) under autocast too: a chunk's products cancel, which a bf16 Gram matrix turns into errors of
+        # the logits' size
+        with torch.autocast(q.device.type, enabled=False):
+            batch, heads, length, head_dim = q.shape
+            size = min(length, CHUNK)
+            chunks = -(-length // size)
+            pad = chunks * size - length  # padded tokens: beta 0, H = I, after every real token
 
-        q = q.to(w.dtype) / math.sqrt(head_dim)  # scaled here: the (B, H, L, L) logits are written once
-        q, k, w, beta = split(q), split(k.to(w.dtype)), split(w), split(beta)
-        eye = torch.eye(size, dtype=w.dtype, device=w.device)
-        unit_lower = eye + (beta[..., :, None] * (w @ w.transpose(-1, -2))).tril(-1)
-        transform = torch.linalg.solve_triangular(unit_lower, torch.diag_embed(beta), upper=False)  # T: (B, H, n, C, C)
-        query_w = (q @ w.transpose(-1, -2)).tril()  # q_i . w_a for a <= i: the H_a that query i passes in its chunk
-        w_key = (w @ k.transpose(-1, -2)).tril(-1)  # w_b . k_j for b > j: the H_b that key j passes in its chunk
-        inside = q @ k.transpose(-1, -2) - query_w @ transform @ w_key  # (B, H, n, C, C): each chunk against itself
-        queries = q - query_w @ transform @ w  # carried back to their chunk's first token
-        keys = k - w_key.transpose(-1, -2) @ transform.transpose(-1, -2) @ w  # carried forward to their chunk's last
-        # each chunk's whole product H_last .. H_first: (B, H, n, d, d)
-        through = torch.eye(head_dim, dtype=w.dtype, device=w.device) - w.transpose(-1, -2) @ transform @ w
-        logits = q.new_zeros(batch, heads, chunks, size, chunks, size)
-        logits.diagonal(0, 2, 4).copy_(inside.permute(0, 1, 3, 4, 2))
-        queries = queries[:, :, 1:]  # chunks delta.. (here delta = 1), each carried to its first token
-        for delta in range(1, chunks):
-            block = queries @ keys[:, :, : chunks - delta].transpose(-1, -2)  # chunk a against chunk a - delta
-            logits.diagonal(-delta, 2, 4).copy_(block.permute(0, 1, 3, 4, 2))
-            queries = (queries @ through[:, :, : chunks - delta])[:, :, 1:]  # on through chunk a - delta
-        return logits.flatten(4, 5).flatten(2, 3)[..., :length, :length]
+            def split(t: torch.Tensor) -> torch.Tensor:  # (B, H, L, ...) -> (B, H, n, C, ...)
+                return F.pad(t, (0, 0) * (t.dim() - 3) + (0, pad)).unflatten(2, (chunks, size))
+
+            q = q.to(w.dtype) / math.sqrt(head_dim)  # scaled here, once
+            q, k, w, beta = split(q), split(k.to(w.dtype)), split(w), split(beta)
+            eye = torch.eye(size, dtype=w.dtype, device=w.device)
+            unit_lower = eye + (beta[..., :, None] * (w @ w.transpose(-1, -2))).tril(-1)
+            transform = torch.linalg.solve_triangular(
+                unit_lower, torch.diag_embed(beta), upper=False
+            )  # T: (B, H, n, C, C)
+            query_w = (q @ w.transpose(-1, -2)).tril()  # q_i . w_a for a <= i: the H_a that query i passes in its chunk
+            w_key = (w @ k.transpose(-1, -2)).tril(-1)  # w_b . k_j for b > j: the H_b that key j passes in its chunk
+            self.inside = q @ k.transpose(-1, -2) - query_w @ transform @ w_key  # (B, H, n, C, C): each chunk's own
+            self.queries = q - query_w @ transform @ w  # carried back to their chunk's first token
+            self.keys = k - w_key.transpose(-1, -2) @ transform.transpose(-1, -2) @ w  # forward to their chunk's last
+            # each chunk's whole product H_last .. H_first: (B, H, n, d, d)
+            self.through = torch.eye(head_dim, dtype=w.dtype, device=w.device) - w.transpose(-1, -2) @ transform @ w
+        self.size, self.device_type = size, q.device.type
+        self.chunk, self.carried = 0, q.new_zeros(batch, heads, 0, head_dim)  # keys before chunk 0 carried to it
+
+    def __call__(self, start: int, end: int) -> torch.Tensor:
+        """(B, H, end - start, end): query rows [start, end) against keys [0, end)."""
+        size = self.size
+        rows = []
+        with torch.autocast(self.device_type, enabled=False):
+            for chunk in range(start // size, -(-end // size)):
+                first, last = max(start, chunk * size) - chunk * size, min(end, (chunk + 1) * size) - chunk * size
+                earlier = self.queries[:, :, chunk, first:last] @ self.carried_to(chunk).transpose(-1, -2)
+                row = torch.cat([earlier, self.inside[:, :, chunk, first:last]], dim=-1)[..., :end]  # (B, H, r, keys)
+                rows.append(F.pad(row, (0, end - row.size(-1))))  # keys past the chunk: future keys of its rows
+        return torch.cat(rows, dim=-2)
+
+    def carried_to(self, chunk: int) -> torch.Tensor:
+        """(B, H, chunk x C, d): the keys of the chunks before ``chunk`` carried forward to its first token."""
+        if chunk < self.chunk:  # rows asked for again from an earlier chunk: carried afresh from the first
+            self.chunk, self.carried = 0, self.carried[:, :, :0]
+        while self.chunk < chunk:
+            through = self.through[:, :, self.chunk].transpose(-1, -2)
+            self.carried = torch.cat([self.carried @ through, self.keys[:, :, self.chunk]], dim=-2)
+            self.chunk += 1
+        return self.carried

@@ -261,7 +261,7 @@ class SelfExtend(Rotation):
         scale = q.size(-1) ** -0.5
 
         def block(start: int, end: int) -> torch.Tensor:  # (B, H, end - start, end) fp32 (float64 for float64 q)
-            last = widened_end(0, end, q.size(-2))  # a few shapes of the products; the keys past end dropped
+            last = widened_end(0, end, q.size(-2), near_q)  # a few shapes of the products; the keys past end dropped
             near = (near_q[:, :, start:end] @ near_k[:, :, :last].transpose(-2, -1))[..., :end]
             far = (far_q[:, :, start:end] @ far_k[:, :, :last].transpose(-2, -1))[..., :end]
             neighbours = position_differences(positions[:, start:end], positions[:, :end]) < window
