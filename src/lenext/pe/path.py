@@ -121,14 +121,16 @@ class PathLogits:
     def __call__(self, start: int, end: int) -> torch.Tensor:
         """(B, H, end - start, end): query rows [start, end) against keys [0, end)."""
         size = self.size
-        rows = []
+        batch, heads = self.queries.shape[:2]
+        out = self.queries.new_zeros(batch, heads, end - start, end)  # keys past a row's chunk: future keys, 0
         with torch.autocast(self.device_type, enabled=False):
             for chunk in range(start // size, -(-end // size)):
-                first, last = max(start, chunk * size) - chunk * size, min(end, (chunk + 1) * size) - chunk * size
-                earlier = self.queries[:, :, chunk, first:last] @ self.carried_to(chunk).transpose(-1, -2)
-                row = torch.cat([earlier, self.inside[:, :, chunk, first:last]], dim=-1)[..., :end]  # (B, H, r, keys)
-                rows.append(F.pad(row, (0, end - row.size(-1))))  # keys past the chunk: future keys of its rows
-        return torch.cat(rows, dim=-2)
+                offset = chunk * size  # the chunk's first token
+                first, last = max(start, offset), min(end, offset + size)  # its rows in the block
+                rows, mine = slice(first - start, last - start), slice(first - offset, last - offset)
+                out[:, :, rows, :offset] = self.queries[:, :, chunk, mine] @ self.carried_to(chunk).transpose(-1, -2)
+                out[:, :, rows, offset:last] = self.inside[:, :, chunk, mine, : last - offset]
+        return out
 
     def carried_to(self, chunk: int) -> torch.Tensor:
         """(B, H, chunk x C, d): the keys of the chunks before ``chunk`` carried forward to its first token."""
