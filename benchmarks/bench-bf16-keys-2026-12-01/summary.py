@@ -25,9 +25,7 @@ lines = [
 for pe in before:
     pairs = [(before[pe][i], after[pe][i]) for i in (2, 3)]
     lines.append(
-        f"| {pe} | "
-        + " | ".join(f"{mb:,.0f} MB / {ms / 1000:.1f} s" for pair in pairs for ms, mb in pair)
-        + " |"
+        f"| {pe} | " + " | ".join(f"{mb:,.0f} MB / {ms / 1000:.1f} s" for pair in pairs for ms, mb in pair) + " |"
     )
 (HERE / "summary.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
