@@ -105,9 +105,8 @@ class PathLogits:
             q, k, w, beta = split(q), split(k.to(w.dtype)), split(w), split(beta)
             eye = torch.eye(size, dtype=w.dtype, device=w.device)
             unit_lower = eye + (beta[..., :, None] * (w @ w.transpose(-1, -2))).tril(-1)
-            transform = torch.linalg.solve_triangular(
-                unit_lower, torch.diag_embed(beta), upper=False
-            )  # T: (B, H, n, C, C)
+            # T: (B, H, n, C, C)
+            transform = torch.linalg.solve_triangular(unit_lower, torch.diag_embed(beta), upper=False)
             query_w = (q @ w.transpose(-1, -2)).tril()  # q_i . w_a for a <= i: the H_a that query i passes in its chunk
             w_key = (w @ k.transpose(-1, -2)).tril(-1)  # w_b . k_j for b > j: the H_b that key j passes in its chunk
             self.inside = q @ k.transpose(-1, -2) - query_w @ transform @ w_key  # (B, H, n, C, C): each chunk's own
