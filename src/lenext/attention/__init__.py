@@ -58,8 +58,8 @@ from lenext.pe.base import (
     ScoreTerms,
     device_budget,
     kernel_dtype,
-    widened,
-    widened_end,
+    keys_product,
+    values_product,
 )
 from lenext.ranges import PositiveInt
 
@@ -466,10 +466,8 @@ def _blocked_attention(
         if plain and not mask.requires_grad and q.device.type == "cpu" and record is None:
             out[:, :, start:end] = _sdpa_keep_mask(q_block, k[:, :, first:end], v[:, :, first:end], attn_mask=mask)
             continue
-        # products over keys [first, last), the future keys past ``end`` dropped: a few shapes (``widened_end``)
-        seen, last = end - first, widened_end(first, end, length, q)
-        if logits is None:
-            scores = (q_block @ k[:, :, first:last].transpose(-2, -1))[..., :seen].to(wide).mul_(head_dim**-0.5)
+        if logits is None:  # the products over widened keys: a few shapes under bf16 on a CPU (``widened_end``)
+            scores = keys_product(q_block, k, first, end).to(wide).mul_(head_dim**-0.5)
         else:
             scores = logits(start, end)[..., first:]
             if row_scale is not None:
@@ -482,7 +480,7 @@ def _blocked_attention(
             weights = stick_breaking_weights(scores, start, first)  # (B, H, rows, end - first)
         else:
             weights = scores.softmax(-1)
-        block = widened(weights.to(v.dtype), end, last) @ v[:, :, first:last]
+        block = values_product(weights.to(v.dtype), v, first, end)
         if stick_breaking:  # the weight left over: on the query's own value
             block = block + (1 - weights.sum(-1, keepdim=True)).to(v.dtype) * v[:, :, start:end]
         if record is not None:

@@ -63,8 +63,8 @@ def widened_end(first: int, end: int, length: int, x: torch.Tensor) -> int:
     """The end of keys [first, end) widened to a multiple of length / ``KEY_WIDTHS`` keys, at most ``length``, where
     products of x (the block's queries or logits) are bf16 on a CPU; else ``end``. Keys end.. are future keys of
     every query the block holds, which its caller drops from the products. Only a block that sees keys from the
-    first (``first`` 0) is widened: a window's later blocks all see rows + W - 1 keys. Elsewhere the padding would
-    cost time for nothing (DAPE's fp32 forward at 8192 tokens: 1.1-1.4x)."""
+    first (``first`` 0) is widened: a window's later blocks all see rows + W - 1 keys. Elsewhere the padding costs
+    time and saves nothing (measured: docs/performance.md)."""
     if first > 0 or x.device.type != "cpu" or kernel_dtype(x) != torch.bfloat16:
         return end
     granule = -(-length // KEY_WIDTHS)
@@ -74,6 +74,20 @@ def widened_end(first: int, end: int, length: int, x: torch.Tensor) -> int:
 def widened(t: torch.Tensor, end: int, last: int) -> torch.Tensor:
     """t (..., keys up to ``end``) with zeros on the keys end..``last`` (``widened_end``); t itself if none."""
     return t if last == end else F.pad(t, (0, last - end))
+
+
+def keys_product(queries: torch.Tensor, keys: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """queries (..., rows, d) @ keys[..., first:end, :]^T (..., L, d): (..., rows, end - first), taken over the
+    widened keys (``widened_end``) and cut back."""
+    last = widened_end(first, end, keys.size(-2), queries)
+    return (queries @ keys[..., first:last, :].transpose(-2, -1))[..., : end - first]
+
+
+def values_product(weights: torch.Tensor, values: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """weights (..., rows, end - first) @ values[..., first:end, :] (..., L, d_v): (..., rows, d_v), taken over the
+    widened keys (``widened_end``), the weights 0 on those added."""
+    last = widened_end(first, end, values.size(-2), weights)
+    return widened(weights, end, last) @ values[..., first:last, :]
 
 
 def device_budget(budgets: dict[str, int], device: torch.device) -> int:

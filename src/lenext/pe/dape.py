@@ -79,10 +79,8 @@ class AdaptiveBias(LayerPE):
             seen = logits > float("-inf")  # the MLP's input on masked keys is any finite value: masked again after
             # keys' = [first, widened end): a few shapes of the MLP's products (``widened_end``); keys past end dropped
             keys, last = end - first, widened_end(first, end, q.size(-2), logits)
-            scores = widened(torch.where(seen, logits - pair, 0.0), end, last).movedim(
-                1, -1
-            )  # s_ij: (B, rows, keys', H)
-            pair = widened(pair, end, last).movedim(1, -1)  # (B or 1, rows, keys', H)
+            scores = widened(torch.where(seen, logits - pair, 0.0), end, last)  # s_ij
+            scores, pair = scores.movedim(1, -1), widened(pair, end, last).movedim(1, -1)  # (B or 1, rows, keys', H)
             # f's first layer on [s; b] as two products, b's once for a batch that shares it: no (B, .., 2H) copy.
             # Under bf16 autocast the MLP runs in bf16 (it is most of DAPE's work); its output joins fp32 logits.
             inner, activation, outer = self.mlp

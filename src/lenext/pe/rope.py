@@ -49,7 +49,7 @@ from typing import Annotated, Literal
 import torch
 
 from lenext.errors import ConfigError, LengthNotSupported
-from lenext.pe.base import AttentionShape, Logits, PositionalEncoding, position_differences, position_span, widened_end
+from lenext.pe.base import AttentionShape, Logits, PositionalEncoding, keys_product, position_differences, position_span
 from lenext.ranges import PositiveFloat, PositiveInt, Range
 
 
@@ -261,9 +261,8 @@ class SelfExtend(Rotation):
         scale = q.size(-1) ** -0.5
 
         def block(start: int, end: int) -> torch.Tensor:  # (B, H, end - start, end) fp32 (float64 for float64 q)
-            last = widened_end(0, end, q.size(-2), near_q)  # a few shapes of the products; the keys past end dropped
-            near = (near_q[:, :, start:end] @ near_k[:, :, :last].transpose(-2, -1))[..., :end]
-            far = (far_q[:, :, start:end] @ far_k[:, :, :last].transpose(-2, -1))[..., :end]
+            near = keys_product(near_q[:, :, start:end], near_k, 0, end)
+            far = keys_product(far_q[:, :, start:end], far_k, 0, end)
             neighbours = position_differences(positions[:, start:end], positions[:, :end]) < window
             return torch.where(neighbours[:, None], near, far).to(_real_dtype(q)).mul_(scale)
 
