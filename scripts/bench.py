@@ -63,7 +63,7 @@ from lenext import schema
 from lenext.attention import causal_attention
 from lenext.build import build_module, build_net, instantiate
 from lenext.cli import CONFIG_PACKAGE
-from lenext.data import TrainWindows, step_loader
+from lenext.data.loaders import TrainWindows, step_loader
 from lenext.errors import LengthNotSupported
 from lenext.files import write_atomic
 from lenext.hardware import default_precision, keep_freed_memory, machine_description, precision_autocast
@@ -673,7 +673,8 @@ def study_config(output_dir: str, precision: str, steps: int, extra: tuple[str, 
 
 
 def study_loader(cfg, steps: int) -> DataLoader:
-    """The data module's training batches (``lenext.data.step_loader``) of ``steps`` steps, over random tokens."""
+    """The data module's training batches (``lenext.data.loaders.step_loader``) of ``steps`` steps, over random
+    tokens."""
     tokens = steps * cfg.data.batch_size * cfg.data.max_len + 1  # as many windows as the steps take
     stream = torch.randint(
         0, cfg.data.vocab_size, (tokens,), dtype=torch.int32, generator=torch.Generator().manual_seed(SEED)

@@ -13,12 +13,13 @@ Measures (issue 45):
 2. On the 1 GB corpus's shards, in one process, the arms interleaved (a, b, a, b, ...): ``TrainWindows(stream, 512)``
    over (a) the shard-backed ``TokenStream`` (``data.stream("train")``) and (b) the same tokens as one in-memory
    int32 array (``np.concatenate(data.documents("train"))``, what lenext did before shards), read through
-   ``lenext.data.step_loader(batch_size=16, seed=0, trainer=None, num_workers=0)``: batches/s and tokens/s; then the
-   small model (``model=small``, L 512, batch 16, fp32, AdamW, train.py's model built as ``scripts/bench.py`` builds
-   it, the loss through ``lenext.scoring.scored_targets`` as the training step computes it) trained by each loader
-   alternately, one model per arm from the same initialisation: training tokens/s (and per CPU second of the
-   process, less sensitive to other processes on the machine) and the ratio shards / in-memory. Before timing,
-   every 100th document of each split is tokenized afresh and compared with what its shards hold.
+   ``lenext.data.loaders.step_loader(batch_size=16, seed=0, trainer=None, num_workers=0)``: batches/s and tokens/s;
+   then the small model (``model=small``, L 512, batch 16, fp32, AdamW, train.py's model built as
+   ``scripts/bench.py`` builds it, the loss through ``lenext.scoring.scored_targets`` as the training step computes
+   it) trained by each loader alternately, one model per arm from the same initialisation: training tokens/s (and
+   per CPU second of the process, less sensitive to other processes on the machine) and the ratio shards /
+   in-memory. Before timing, every 100th document of each split is tokenized afresh and compared with what its
+   shards hold.
 
 Where other processes share the machine, each measurement also records the cores they kept busy (/proc/stat).
 
@@ -76,7 +77,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def sotu_sentences() -> list[str]:
     """The sentences of the sotu training addresses, whitespace collapsed (one list, in a fixed order)."""
-    from lenext.data import Sotu
+    from lenext.data.sotu import Sotu
 
     sentences = []
     for document in Sotu().documents("train"):
@@ -329,7 +330,7 @@ class TrainingArm:
         import torch
 
         from lenext.build import build_net
-        from lenext.data import step_loader
+        from lenext.data.loaders import step_loader
         from lenext.module import adamw
         from lenext.resolve import config_pe_name, resolve
 
@@ -397,7 +398,7 @@ def bench_loaders(args, folder: Path, cache: Path, log) -> dict:
 
     import torch
 
-    from lenext.data import TrainWindows, step_loader
+    from lenext.data.loaders import TrainWindows, step_loader
 
     length, batch = args.length, args.batch
     data, cfg = open_data(folder, cache, length)

@@ -3,7 +3,7 @@
 Candidates: (a) litdata (``optimize`` with ``TokensLoader`` writing chunked token shards, read back with
 ``StreamingDataset`` + ``StreamingDataLoader``) and (b) Hugging Face ``datasets`` Arrow shards
 (``Dataset.from_generator`` + ``save_to_disk``, read memory-mapped with ``load_from_disk`` through a torch
-``DataLoader`` over a seeded permutation, the construction of ``lenext.data.StepShuffler``). Both store the same
+``DataLoader`` over a seeded permutation, the construction of ``lenext.data.loaders.StepShuffler``). Both store the same
 synthetic token stream (uint16 ids drawn chunk by chunk from a fixed seed) as disjoint training windows of
 513 tokens (512 inputs + 1 target). Measures, with the repetitions interleaved (a, b, a, b):
 
@@ -166,7 +166,7 @@ def open_loader(reader: str, root: Path, seed: int, num_workers: int, skip_batch
     from torch.utils.data import DataLoader
 
     dataset = datasets.load_from_disk(str(root / "shards")).with_format("numpy")
-    # lenext.data.StepShuffler's order: one permutation per epoch drawn from seed + epoch, resumed by position.
+    # lenext.data.loaders.StepShuffler's order: one permutation per epoch drawn from seed + epoch, resumed by position.
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[skip_batches * BATCH :]
     return DataLoader(
         dataset, batch_size=BATCH, sampler=order.tolist(), num_workers=num_workers, collate_fn=stack_tokens
@@ -477,7 +477,8 @@ def report(args, results: dict, spreads: dict, disks: dict, resumes: dict, wall_
         "An epoch is read uninterrupted; then a loader is stopped after about half the batches, a new loader is"
         " restored (litdata: `StreamingDataLoader.state_dict()` through a JSON round trip, then `load_state_dict` on a"
         " fresh `StreamingDataset` + `StreamingDataLoader`; datasets: the same seeded permutation rebuilt, the"
-        " consumed batches skipped, i.e. the sampler resumed from its position as `lenext.data.StepShuffler` does),"
+        " consumed batches skipped, i.e. the sampler resumed from its position as"
+        " `lenext.data.loaders.StepShuffler` does),"
         " and the batches before the stop plus the restored loader's are compared, batch by batch, with the"
         " uninterrupted epoch's. Run once each (a correctness check, not a timing).",
         "",

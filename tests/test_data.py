@@ -10,8 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-import lenext.data
-from lenext.data import DocumentWindows, HubCorpus, LMDataModule, Sotu, TextFiles, TrainWindows
+import lenext.data.datamodule
+import lenext.data.loaders
+import lenext.data.tokenizer
+from lenext.data import HubCorpus, LMDataModule, Sotu, TextFiles
+from lenext.data.corpus import SPLITS
+from lenext.data.loaders import DocumentWindows, TrainWindows
 from lenext.errors import DataError
 from tests.conftest import TEST_VOCAB
 
@@ -45,20 +49,20 @@ def test_caches_are_reused_without_retraining(sotu_data, cache_dir, monkeypatch)
     def no_training(*args, **kwargs):
         raise AssertionError("the tokenizer was trained again")
 
-    monkeypatch.setattr(lenext.data, "train_tokenizer", no_training)
+    monkeypatch.setattr(lenext.data.datamodule, "train_tokenizer", no_training)
     again = LMDataModule(Sotu(), max_len=32, vocab_size=TEST_VOCAB, cache_dir=cache_dir)
     again.load()
     after = {os.path.join(d, f): os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(cache_dir) for f in fs}
     assert after == files  # nothing rewritten: the splits came from their token shards
-    for split in lenext.data.SPLITS:
+    for split in SPLITS:
         assert all(
             np.array_equal(a, b) for a, b in zip(again.documents(split), sotu_data.documents(split), strict=True)
         )
 
 
 def test_documents_start_with_eos_and_train_stream_holds_only_train_tokens(sotu_data):
-    eos = sotu_data.tokenizer.token_to_id(lenext.data.EOS)
-    for split in lenext.data.SPLITS:
+    eos = sotu_data.tokenizer.token_to_id(lenext.data.tokenizer.EOS)
+    for split in SPLITS:
         assert all(d[0] == eos and (d[1:] != eos).all() for d in sotu_data.documents(split))
     stream = sotu_data.stream("train")[:]
     assert np.array_equal(stream, np.concatenate(sotu_data.documents("train")))
@@ -156,7 +160,7 @@ def loader_order(step: int, accumulate: int, world: int = 1, rank: int = 0) -> l
     trainer = types.SimpleNamespace(
         global_step=step, max_steps=30, accumulate_grad_batches=accumulate, world_size=world, global_rank=rank
     )
-    return [batch.tolist() for batch in lenext.data.step_loader(SampleIds(), 4, 0, trainer, 0)]
+    return [batch.tolist() for batch in lenext.data.loaders.step_loader(SampleIds(), 4, 0, trainer, 0)]
 
 
 @pytest.mark.parametrize("accumulate", [1, 2, 3])
@@ -190,8 +194,8 @@ def test_loader_workers_ignore_the_signals_that_stop_a_run():
     ends them."""
     trainer = types.SimpleNamespace(global_step=0, max_steps=2, accumulate_grad_batches=1, world_size=1, global_rank=0)
     loaders = (
-        lenext.data.step_loader(WorkerSignalHandlers(), 4, 0, trainer, num_workers=1),
-        lenext.data.evaluation_loader(WorkerSignalHandlers(), 4, None, num_workers=1),
+        lenext.data.loaders.step_loader(WorkerSignalHandlers(), 4, 0, trainer, num_workers=1),
+        lenext.data.loaders.evaluation_loader(WorkerSignalHandlers(), 4, None, num_workers=1),
     )
     for loader in loaders:
         assert all(batch["ignored"].all() for batch in loader)
@@ -202,16 +206,16 @@ def test_the_tokenizer_sample_is_bounded_in_bytes_of_text():
     """data.tokenizer_sample_mb counts UTF-8 bytes: 400 CJK characters are 1,200 bytes, so a 1,000-byte bound takes
     the first document, the one that crosses it (characters had taken three)."""
     documents = ["日" * 400] * 5
-    assert len(list(lenext.data.sample(documents, 0.001))) == 1
-    assert len(list(lenext.data.sample(["a" * 400] * 5, 0.001))) == 3
-    assert len(list(lenext.data.sample(documents, None))) == 5
+    assert len(list(lenext.data.tokenizer.sample(documents, 0.001))) == 1
+    assert len(list(lenext.data.tokenizer.sample(["a" * 400] * 5, 0.001))) == 3
+    assert len(list(lenext.data.tokenizer.sample(documents, None))) == 5
 
 
 def test_a_tokenizer_json_alone_starts_documents_with_its_end_of_text_as_a_file_or_in_a_folder(tmp_path):
     """A folder of a tokenizer.json without a config naming BOS/EOS (it was refused) takes the file's rule."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from lenext.data import external_tokenizer
+    from lenext.data.tokenizer import external_tokenizer
 
     vocab = {"<unk>": 0, "a": 1, "</s>": 2, "b": 3}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -254,7 +258,7 @@ def test_a_folder_of_the_corpus_that_cannot_be_read_is_named_not_passed_over(tmp
 def test_the_smallest_vocabulary_allowed_is_the_one_trained():
     """data.vocab_size counts the 256 bytes and EOS: its lower bound, 257, is a tokenizer of exactly 257 tokens
     (256 gave 257), and every size above it is the size asked for."""
-    from lenext.data import train_tokenizer
+    from lenext.data.tokenizer import train_tokenizer
 
     documents = [" ".join(f"word{i * j}" for j in range(200)) for i in range(20)]
     (bounds,) = typing.get_type_hints(LMDataModule.__init__, include_extras=True)["vocab_size"].__metadata__

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch.testing import assert_close
 
-from lenext.data import EOS, TextFiles, train_tokenizer
+from lenext.data import TextFiles
+from lenext.data.tokenizer import EOS, train_tokenizer
 from lenext.errors import ConfigError
 from lenext.hf import HFLanguageModel, evaluate_hf, load_model
 from tests.conftest import needs_transformers_models

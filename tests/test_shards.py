@@ -16,8 +16,13 @@ import pyarrow.parquet as pq
 import pytest
 
 import lenext.data
+import lenext.data.datamodule
+import lenext.data.hub
 import lenext.shards
-from lenext.data import SPLITS, Corpus, HubCorpus, LMDataModule, TextFiles, TrainWindows, byte_ends
+from lenext.data import Corpus, HubCorpus, LMDataModule, TextFiles
+from lenext.data.corpus import SPLITS
+from lenext.data.loaders import TrainWindows
+from lenext.data.tokenizer import byte_ends
 from lenext.errors import ConfigError, DataError
 from tests.forked import run_command
 
@@ -36,7 +41,7 @@ def write_corpus(folder, documents: int = 60, seed: int = 0) -> None:
 def small_shards(monkeypatch):
     """Shards of ~500 tokens and batches of 3 documents: every split spans several shards and batches."""
     monkeypatch.setattr(lenext.shards, "SHARD_TOKENS", 500)
-    monkeypatch.setattr(lenext.data, "ENCODE_BATCH", 3)
+    monkeypatch.setattr(lenext.data.datamodule, "ENCODE_BATCH", 3)
 
 
 def prepared(corpus: Corpus, cache, **kwargs) -> LMDataModule:
@@ -440,8 +445,10 @@ def test_the_tokenizer_trains_on_a_bounded_sample_of_the_training_split(tmp_path
     write_corpus(tmp_path / "corpus", documents=40)
     corpus = TextFiles(str(tmp_path / "corpus"))
     seen = []
-    train = lenext.data.train_tokenizer
-    monkeypatch.setattr(lenext.data, "train_tokenizer", lambda docs, vocab: train(seen.extend(docs) or seen, vocab))
+    train = lenext.data.datamodule.train_tokenizer
+    monkeypatch.setattr(
+        lenext.data.datamodule, "train_tokenizer", lambda docs, vocab: train(seen.extend(docs) or seen, vocab)
+    )
     prepared(corpus, tmp_path / "cache", tokenizer_sample_mb=0.002)  # 2,000 characters
     documents = list(corpus.documents("train"))
     assert seen == documents[: len(seen)] and 1 < len(seen) < len(documents)
@@ -591,8 +598,8 @@ def test_a_trained_tokenizer_is_read_without_a_lock_so_a_read_only_cache_serves_
     write_corpus(tmp_path / "corpus")
     corpus = TextFiles(str(tmp_path / "corpus"))
     locks = []
-    real = lenext.data.preparing
-    monkeypatch.setattr(lenext.data, "preparing", lambda *args: locks.append(args) or real(*args))
+    real = lenext.data.datamodule.preparing
+    monkeypatch.setattr(lenext.data.datamodule, "preparing", lambda *args: locks.append(args) or real(*args))
     first = prepared(corpus, tmp_path / "cache")
     key = os.path.basename(first.tokenizer_path)[: -len(".json")]
     assert (str(tmp_path / "cache" / "tokenizers"), f".{key}.lock") in locks
@@ -771,7 +778,7 @@ def test_a_pinned_hub_revision_is_read_and_is_another_corpus(monkeypatch):
         asked.append(options["revision"])
         return [{"text": f"a book at {options['revision']}"}]
 
-    monkeypatch.setattr(lenext.data, "unreachable_hub", lambda: None)
+    monkeypatch.setattr(lenext.data.hub, "unreachable_hub", lambda: None)
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     pinned = HubCorpus("deepmind/pg19", revision="a1b2c3")
     assert list(pinned.documents("test")) == ["a book at a1b2c3"] and asked == ["a1b2c3"]
@@ -790,7 +797,7 @@ def test_a_revision_the_hub_lacks_is_named_under_its_key(monkeypatch):
 
         return load_dataset
 
-    monkeypatch.setattr(lenext.data, "unreachable_hub", lambda: None)
+    monkeypatch.setattr(lenext.data.hub, "unreachable_hub", lambda: None)
     monkeypatch.setattr(datasets, "load_dataset", missing("Revision 'v9' doesn't exist for dataset 'deepmind/pg19'."))
     with pytest.raises(DataError, match=r"^data.corpus.revision: Revision 'v9' doesn't exist .*; name one of its com"):
         list(HubCorpus("deepmind/pg19", revision="v9").documents("train"))
@@ -823,7 +830,7 @@ def test_a_local_dataset_folder_rewritten_is_another_corpus(tmp_path):
 def test_a_local_dataset_folder_is_read_without_the_hub(tmp_path, monkeypatch):
     """A folder as ``path`` is read by datasets from disk: an offline machine reads it, and a file in it that
     cannot be parsed is named under data.corpus.path."""
-    monkeypatch.setattr(lenext.data, "unreachable_hub", lambda: "huggingface.co: offline")
+    monkeypatch.setattr(lenext.data.hub, "unreachable_hub", lambda: "huggingface.co: offline")
     for split in SPLITS:
         (tmp_path / f"{split}.jsonl").write_text(json.dumps({"text": f"{split} book"}) + "\n")
     assert list(HubCorpus(str(tmp_path)).documents("validation")) == ["validation book"]

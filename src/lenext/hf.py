@@ -30,7 +30,7 @@ from torch import nn
 
 from lenext import schema
 from lenext.build import CONFIG_PACKAGE, instantiate
-from lenext.data import external_tokenizer, token_id_bound
+from lenext.data.tokenizer import external_tokenizer, token_id_bound
 from lenext.errors import ConfigError, LengthNotSupported, first_line
 from lenext.evaluate import EvalSettings, SweepPlan, sweep, sweep_plan
 from lenext.hardware import canonical_precision

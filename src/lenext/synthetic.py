@@ -35,7 +35,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lenext.data import evaluation_loader, step_loader
+from lenext.data.loaders import evaluation_loader, step_loader
 from lenext.errors import ConfigError
 from lenext.positions import generator
 from lenext.protocols import ACCURACY, Answers, cap_windows

@@ -18,10 +18,10 @@ from omegaconf import OmegaConf
 
 from lenext.build import build_net, instantiate
 from lenext.checkpoints import load_checkpoint, net_state, refuse_other_data, stored_spec
-from lenext.data import unmakeable_folder
 from lenext.errors import ConfigError, errors_in_one_line
 from lenext.export.native import NATIVE
 from lenext.export.remote import write_remote
+from lenext.files import unmakeable_folder
 from lenext.hf import refuse_without_transformers_models
 from lenext.model import Decoder
 from lenext.pe import RoPE
