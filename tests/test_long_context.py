@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 import torch
 
+import lenext.protocols.key_tokens
 from lenext import protocols
 from lenext.errors import CheckpointError, ConfigError, LengthNotSupported
 from lenext.evaluate import TextEvaluation, sweep, sweep_plan
 from lenext.haystack import TASKS, HaystackText, measure_haystack, sample_rng
 from lenext.positions import Randomized
 from lenext.protocols import PROTOCOLS, KeyTokens, Window
+from lenext.protocols.base import ROW_FIELDS, registry
 from tests.test_evaluate import eval_cfg, tiny_net
 
 # ---- key-token perplexity -------------------------------------------------------------------------------------------
@@ -52,7 +54,7 @@ def test_key_token_perplexity_equals_the_definition_computed_target_by_target(ev
     target at a time: each target's short context rebuilt from the definition."""
     length, net = 40, loud_net(0)
     judge = net if evaluator is None else loud_net(1)
-    monkeypatch.setattr(protocols, "evaluator_net", lambda path, like: judge)
+    monkeypatch.setattr(lenext.protocols.key_tokens, "evaluator_net", lambda path, like: judge)
     rng = np.random.default_rng(1)
     documents = [rng.integers(0, 50, n).astype(np.int32) for n in (90, 45)]
     byte_ends = [np.cumsum(rng.integers(1, 4, len(d))) for d in documents]
@@ -444,7 +446,7 @@ def test_a_row_holds_its_protocols_parameters_and_row_fields_alone_so_a_paramete
     assert {row["protocol"] for row in rows} == set(PROTOCOLS)
     for row in rows:
         parameters = PROTOCOLS[row["protocol"]].from_plan(plan).parameters()
-        assert set(row) - set(parameters) <= protocols.ROW_FIELDS, row["protocol"]
+        assert set(row) - set(parameters) <= ROW_FIELDS, row["protocol"]
         assert {key: row[key] for key in parameters} == parameters
 
     @dataclasses.dataclass(frozen=True)
@@ -456,7 +458,7 @@ def test_a_row_holds_its_protocols_parameters_and_row_fields_alone_so_a_paramete
             return {"tokens": self.tokens}
 
     with pytest.raises(TypeError, match=r"protocol clashing: its parameters \['tokens'\] are names a results row"):
-        protocols.registry(protocols.NonOverlapping, Clashing)
+        registry(protocols.NonOverlapping, Clashing)
 
 
 @pytest.mark.parametrize("scheme", [None, Randomized(1024, 32)], ids=["sequential", "randomized"])
