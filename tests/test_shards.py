@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -700,6 +701,62 @@ def test_a_remote_that_cannot_be_reached_is_refused_before_any_work(tmp_path):
     ):
         LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote=ftp)
     LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote=(tmp_path / "empty").as_uri())
+
+
+@pytest.fixture
+def read_only_remote():
+    """``readonly://``: an fsspec store of its own that lists and reads the in-memory store and refuses every write,
+    as a bucket this machine may only read, or an HTTP mirror."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class ReadOnly(MemoryFileSystem):
+        protocol = "readonly"
+
+        def refuse(self, *args, **kwargs):
+            raise PermissionError("Access Denied")
+
+        pipe_file = put_file = makedirs = mkdir = mv = refuse
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return super()._strip_protocol(path.replace("readonly://", "memory://", 1))
+
+        def _open(self, path, mode="rb", **kwargs):
+            if "r" not in mode:
+                self.refuse()
+            return super()._open(path, mode, **kwargs)
+
+    fsspec.register_implementation("readonly", ReadOnly, clobber=True)
+
+
+def test_a_remote_this_machine_cannot_write_is_refused_before_the_corpus_is_read(
+    tmp_path, small_shards, read_only_remote, monkeypatch
+):
+    """A store this machine may list but not write, lacking the prepared corpus: refused in one line naming
+    data.remote before the corpus is read (it was refused after the preparation, at the push). One that holds the
+    prepared corpus serves as before: nothing is pushed. A local remote folder not yet made is made."""
+    write_corpus(tmp_path / "corpus")
+    memory = memory_remote("read-only")
+    url = memory.replace("memory://", "readonly://")
+
+    def unread(self, split):
+        raise AssertionError(f"the {split} split was read before data.remote was refused")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(TextFiles, "documents", unread)
+        with pytest.raises(ConfigError, match=rf"^data.remote='{url}' cannot be written \(PermissionError: Access "):
+            prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache_a", remote=url)
+    assert not (tmp_path / "cache_a" / "shards").exists()
+    fs, root = fsspec.core.url_to_fs(memory)
+    assert not fs.exists(root)  # nothing written there
+    first = prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache_b", remote=memory)  # pushes everything
+    assert [f for f in fs.find(root) if ".lenext-write-check-" in f] == []  # its write check removed
+    local = tmp_path / "not" / "yet"  # a local folder as remote, made by the first run that pushes
+    prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache_c", remote=local.as_uri())
+    assert sorted(os.listdir(local)) == ["shards", "tokenizers"]
+    monkeypatch.setattr(TextFiles, "documents", unread)
+    second = prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache_d", remote=url)  # pulls it, reads only
+    assert second.tokenizer.to_str() == first.tokenizer.to_str()
 
 
 def test_machines_pushing_the_same_split_at_once_both_succeed(tmp_path, small_shards):

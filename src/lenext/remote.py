@@ -7,6 +7,7 @@ copied first and the manifest last, each file under a temporary name until whole
 taken for a whole one. A pulled folder is checked as a locally prepared one is (``lenext.shards.open_split``).
 """
 
+import contextlib
 import os
 import re
 import uuid
@@ -42,6 +43,23 @@ class RemoteCache:
             pass  # an empty prefix: the first machine to prepare fills it
         except Exception as e:  # noqa: BLE001 (each store has its own: botocore's, google-auth's, HTTP errors)
             raise unreachable(url, e) from None
+
+    def refuse_unwritable(self) -> None:
+        """A ConfigError unless this machine can write to the remote: called before a corpus is prepared, whose
+        tokenizer and shards are pushed there once made (a read-only store, an HTTP mirror, would fail then, after
+        the work). A file of its own name is written and removed."""
+        probe = self._path(f".lenext-write-check-{uuid.uuid4().hex}")
+        try:
+            self.fs.makedirs(self.root, exist_ok=True)  # an empty prefix: made by the first push, as here
+            self.fs.pipe_file(probe, b"")
+        except Exception as e:  # noqa: BLE001 (each store has its own: botocore's, google-auth's, HTTP errors)
+            raise ConfigError(
+                f"data.remote={self.url!r} cannot be written ({type(e).__name__}: {first_line(e)}): this machine "
+                "prepares what neither its cache nor the remote holds and pushes it there; it must be a store this "
+                "machine can write, or one that holds the prepared corpus"
+            ) from None
+        with contextlib.suppress(Exception):  # a store that takes writes but not deletes keeps an empty file
+            self.fs.rm_file(probe)
 
     def pull_file(self, cache_dir: str, relative: str) -> None:
         """The remote's copy of a file into the cache, if the cache lacks it and the remote has it."""

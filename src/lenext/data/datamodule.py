@@ -151,6 +151,8 @@ class LMDataModule(L.LightningDataModule):
                 with preparing(self._folder(key, split)):  # the ranks of a node: one pulls, the rest find it pulled
                     self.remote.pull_split(self.cache_dir, self._relative_folder(key, split))
         if key is None or any(self._open_split(key, split) is None for split in SPLITS):
+            if self.remote:  # what is prepared here is pushed there: a store it cannot write is refused now
+                self.remote.refuse_unwritable()
             for split in SPLITS:  # the first document of each: an empty split is refused before any work
                 if next(iter(self.corpus.documents(split)), None) is None:
                     hint = self.corpus.empty_split_hint()
