@@ -706,7 +706,7 @@ def test_a_remote_that_cannot_be_reached_is_refused_before_any_work(tmp_path):
 @pytest.fixture
 def read_only_remote():
     """``readonly://``: an fsspec store of its own that lists and reads the in-memory store and refuses every write,
-    as a bucket this machine may only read, or an HTTP mirror."""
+    as a bucket this machine may only read, or an HTTP mirror; making a folder does nothing there, as on S3."""
     from fsspec.implementations.memory import MemoryFileSystem
 
     class ReadOnly(MemoryFileSystem):
@@ -715,7 +715,12 @@ def read_only_remote():
         def refuse(self, *args, **kwargs):
             raise PermissionError("Access Denied")
 
-        pipe_file = put_file = makedirs = mkdir = mv = refuse
+        pipe_file = put_file = mv = refuse
+
+        def makedirs(self, *args, **kwargs):
+            pass
+
+        mkdir = makedirs
 
         @classmethod
         def _strip_protocol(cls, path):

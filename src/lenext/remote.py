@@ -10,6 +10,7 @@ taken for a whole one. A pulled folder is checked as a locally prepared one is (
 import contextlib
 import os
 import re
+import tempfile
 import uuid
 
 import fsspec
@@ -45,21 +46,24 @@ class RemoteCache:
             raise unreachable(url, e) from None
 
     def refuse_unwritable(self) -> None:
-        """A ConfigError unless this machine can write to the remote: called before a corpus is prepared, whose
-        tokenizer and shards are pushed there once made (a read-only store, an HTTP mirror, would fail then, after
-        the work). A file of its own name is written and removed."""
+        """A ConfigError unless this machine can write to the remote as ``push`` does: called before a corpus is
+        prepared, whose tokenizer and shards are pushed there once made (a read-only store, an HTTP mirror, would
+        fail then, after the work). An empty file of its own name is put and renamed there, then removed."""
         probe = self._path(f".lenext-write-check-{uuid.uuid4().hex}")
         try:
-            self.fs.makedirs(self.root, exist_ok=True)  # an empty prefix: made by the first push, as here
-            self.fs.pipe_file(probe, b"")
+            with tempfile.NamedTemporaryFile() as empty:
+                self.fs.makedirs(self.root, exist_ok=True)
+                self.fs.put_file(empty.name, f"{probe}.partial")
+                self.fs.mv(f"{probe}.partial", probe)
         except Exception as e:  # noqa: BLE001 (each store has its own: botocore's, google-auth's, HTTP errors)
             raise ConfigError(
                 f"data.remote={self.url!r} cannot be written ({type(e).__name__}: {first_line(e)}): this machine "
                 "prepares what neither its cache nor the remote holds and pushes it there; it must be a store this "
-                "machine can write, or one that holds the prepared corpus"
+                "machine can write, or one that holds the prepared corpus (or unset data.remote to prepare here only)"
             ) from None
-        with contextlib.suppress(Exception):  # a store that takes writes but not deletes keeps an empty file
-            self.fs.rm_file(probe)
+        for leftover in (probe, f"{probe}.partial"):  # a store that takes writes but not deletes keeps them
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(leftover)
 
     def pull_file(self, cache_dir: str, relative: str) -> None:
         """The remote's copy of a file into the cache, if the cache lacks it and the remote has it."""
@@ -117,5 +121,5 @@ class RemoteCache:
 def unreachable(url: str, error: Exception) -> ConfigError:
     return ConfigError(
         f"data.remote={url!r} cannot be reached ({type(error).__name__}: {first_line(error)}): it must be a store "
-        "this machine can read and write"
+        "this machine can reach"
     )

@@ -3,7 +3,8 @@
 # --8<-- [start:protocol]
 from dataclasses import dataclass
 
-from lenext.protocols import NonOverlapping, TextProtocol, Window
+from lenext.protocols.base import TextProtocol, Window
+from lenext.protocols.nonoverlap import NonOverlapping
 
 
 @dataclass(frozen=True)

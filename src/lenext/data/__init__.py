@@ -13,8 +13,9 @@ held-out document also keeps the UTF-8 bytes of text its tokens span (``byte_end
 - ``loaders``: the training and evaluation windows and their loaders;
 - ``datamodule``: ``LMDataModule``, the corpus prepared into token shards once and read memory-mapped.
 
-The names below are the ``_target_``s of configs/data and of every run's saved config (``lenext.data.Sotu``):
-runs made before the modules were split keep loading.
+The corpora and ``LMDataModule`` below are the ``_target_``s of configs/data and of every run's saved config
+(``lenext.data.Sotu``): runs made before the modules were split keep loading. ``Corpus`` is what a corpus of one's
+own subclasses.
 """
 
 from lenext.data.corpus import Corpus
