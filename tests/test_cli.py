@@ -125,6 +125,8 @@ def test_help_says_what_the_command_does_with_examples_and_its_groups():
         (["data.seed=99999999999999999999"], "data.seed"),  # torch's generator overflowed after preparation
         (["data=synthetic", "data.seed=4294967296"], "data.seed"),
         (["data.tokenizer="], "data.tokenizer=''"),  # an unset $TOK: it trained the corpus's BPE instead
+        (["data.cache_dir="], "data.cache_dir=''"),  # it prepared into the folder the command ran in
+        (["data.remote="], "data.remote=''"),  # it ran without a remote, unsaid
         pytest.param(
             ["trainer=fsdp"],
             "no CUDA GPU; use trainer=cpu, or trainer=default (the fastest device and precision the machine has); "

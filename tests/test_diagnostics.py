@@ -505,6 +505,20 @@ def test_diagnose_refusals_name_its_own_keys_not_eval_pys(trained_run, tmp_path,
     assert raised.value.key in (None, given.split("=")[0]) and not (tmp_path / "out").exists()
 
 
+def test_diagnose_into_a_runs_folder_is_refused_before_anything_there_changes(trained_run, tmp_path):
+    """An audit found hydra.run.dir=<a training run> accepted: the run's .hydra/ record of its command was replaced
+    by diagnose.py's (eval.py refuses that folder)."""
+    run = tmp_path / "run"  # a run's folder: its results and its command's record
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("seed: 0\n")
+    (run / "results.json").write_text(json.dumps({"meta": {"seed": 0}, "rows": []}))
+    files = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    refused = r"^hydra.run.dir=.* holds a lenext run's results.json, whose record of its command \(.hydra/\) this "
+    with pytest.raises(ConfigError, match=refused):
+        diagnose(compose_diagnose(trained_run, run, f"ckpt={trained_run}", "lengths=[32]", "windows=1"))
+    assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == files
+
+
 def test_diagnose_py_answers_bad_input_in_one_line_and_has_help(tmp_path):
     environment = {**os.environ, "LENEXT_ROOT": str(tmp_path)}
     environment.pop("HYDRA_FULL_ERROR", None)

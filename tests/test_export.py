@@ -307,6 +307,14 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_written(
     (tmp_path / "a_file").write_text("")
     with pytest.raises(ConfigError, match=r"a_file/sub is inside .*a_file, which is a file: give a folder path$"):
         export(checkpoint, str(tmp_path / "a_file" / "sub"), cache_dir=cache_dir)
+    read_only = tmp_path / "read_only"  # a read-only disk: os.access says so, for root too (root may chmod-write)
+    read_only.mkdir()
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "access", lambda path, mode: os.fspath(path) != str(read_only))
+        with pytest.raises(ConfigError, match=r"read_only/out cannot be written: .*read_only is not writable; give a"):
+            export(checkpoint, str(read_only / "out"), cache_dir=cache_dir)  # a traceback after loading the model
+    assert os.listdir(read_only) == []
+    read_only.rmdir()
     (tmp_path / "link").symlink_to(taken)
     with pytest.raises(ConfigError, match=r"link is a symbolic link: give the folder itself, or a new folder$"):
         export(checkpoint, str(tmp_path / "link"), force=True, cache_dir=cache_dir)

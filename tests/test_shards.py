@@ -703,6 +703,35 @@ def test_a_remote_that_cannot_be_reached_is_refused_before_any_work(tmp_path):
     LMDataModule(TextFiles(str(tmp_path)), cache_dir=str(tmp_path / "cache"), remote=(tmp_path / "empty").as_uri())
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="/proc, a folder no process can write in (root too)")
+def test_a_cache_that_cannot_be_written_is_refused_before_the_corpus_is_read_where_it_must_be(tmp_path, monkeypatch):
+    """An existing cache folder on a read-only disk serves a prepared corpus (tested above); where the corpus is not
+    prepared there, one line naming data.cache_dir before the corpus is read (it was a traceback at the tokenizer's
+    lock). /proc stands for a read-only disk: root may write anywhere else."""
+    write_corpus(tmp_path / "corpus")
+
+    def unread(self, split):
+        raise AssertionError(f"the {split} split was read before data.cache_dir was refused")
+
+    monkeypatch.setattr(TextFiles, "documents", unread)
+    with pytest.raises(ConfigError, match=r"^data.cache_dir='/proc/lenext-cache' cannot be written \(\w"):
+        prepared(TextFiles(str(tmp_path / "corpus")), "/proc/lenext-cache")
+
+
+def test_a_tokenizer_that_cannot_encode_text_is_refused_before_the_corpus_is_read(tmp_path):
+    """A WordLevel tokenizer.json without an unknown token fails on the first word it lacks: it failed
+    mid-preparation, in a traceback; now one line naming data.tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"</s>": 0, "the": 1}, unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    write_corpus(tmp_path / "corpus")
+    with pytest.raises(ConfigError, match=r"^data.tokenizer='.*tokenizer.json' cannot encode text \(.*\): give a "):
+        prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache", tokenizer=str(tmp_path / "tokenizer.json"))
+    assert not (tmp_path / "cache").exists()
+
+
 @pytest.fixture
 def read_only_remote():
     """``readonly://``: an fsspec store of its own that lists and reads the in-memory store and refuses every write,

@@ -5,6 +5,7 @@ import itertools
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Iterable, Iterator
 from typing import Annotated
 
@@ -75,6 +76,10 @@ class LMDataModule(L.LightningDataModule):
             raise ConfigError(
                 "data.tokenizer='' is invalid: give a tokenizer.json or tokenizer folder, or null to train one"
             )
+        if cache_dir == "":  # an unset variable: it prepared into the folder the command ran in
+            raise ConfigError("data.cache_dir='' is invalid: give a folder (LENEXT_CACHE sets the default)")
+        if remote == "":  # an unset variable: no remote, unsaid
+            raise ConfigError("data.remote='' is invalid: give an fsspec URL (s3://bucket/prefix, ...), or null")
         self.seed, self.validation_max_windows, self.tokenizer_source = seed, validation_max_windows, tokenizer
         self.corpus, self.max_len, self.requested_vocab = corpus, max_len, vocab_size
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
@@ -151,6 +156,7 @@ class LMDataModule(L.LightningDataModule):
                 with preparing(self._folder(key, split)):  # the ranks of a node: one pulls, the rest find it pulled
                     self.remote.pull_split(self.cache_dir, self._relative_folder(key, split))
         if key is None or any(self._open_split(key, split) is None for split in SPLITS):
+            self._refuse_an_unwritable_cache()  # a prepared cache is only read: one on a read-only disk serves
             if self.remote:  # what is prepared here is pushed there: a store it cannot write is refused now
                 self.remote.refuse_unwritable()
             for split in SPLITS:  # the first document of each: an empty split is refused before any work
@@ -162,6 +168,20 @@ class LMDataModule(L.LightningDataModule):
         if self.remote:  # what this process made, for the other machines
             for relative in self._made:
                 self.remote.push(self.cache_dir, relative)
+
+    def _refuse_an_unwritable_cache(self) -> None:
+        """A ConfigError unless this process can write in the cache, checked by making its two folders and a file
+        there: before the corpus is read, where something must be prepared into it."""
+        try:
+            for folder in ("tokenizers", "shards"):
+                os.makedirs(os.path.join(self.cache_dir, folder), exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.cache_dir, prefix=".write-check-"):
+                pass
+        except OSError as e:
+            raise ConfigError(
+                f"data.cache_dir={self.cache_dir!r} cannot be written ({e.strerror or type(e).__name__}): the corpus "
+                "is not prepared there yet; give a folder this user can write (LENEXT_CACHE sets the default)"
+            ) from None
 
     def _open_split(self, tokenizer_key: str, split: str) -> Split | None:
         """The split prepared in the cache (None: not yet); a damaged one pulled from ``data.remote`` is named there

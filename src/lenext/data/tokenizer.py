@@ -49,7 +49,7 @@ def external_tokenizer(path: str, key: str = "data.tokenizer"):
             tokenizer = Tokenizer.from_file(path)
         except Exception as e:  # tokenizers raises its own Exception for a file that is not a tokenizer
             raise ConfigError(f"{where} cannot be read as a tokenizer.json ({first_line(e)})") from None
-        for_documents(tokenizer)
+        encodes(for_documents(tokenizer), where)
         start = end_of_text(tokenizer)
         if start is None:
             raise ConfigError(
@@ -79,7 +79,17 @@ def external_tokenizer(path: str, key: str = "data.tokenizer"):
             f"{where}: its tokenizer names neither a BOS nor an EOS token to start documents with, and has none of "
             f"{', '.join(END_OF_TEXT)}"
         )
-    return for_documents(loaded.backend_tokenizer), start
+    return encodes(for_documents(loaded.backend_tokenizer), where), start
+
+
+def encodes(tokenizer, where: str):
+    """``tokenizer``, or a ConfigError naming ``where`` if it cannot encode text (a WordLevel vocabulary without its
+    unknown token fails on the first word it lacks, mid-preparation)."""
+    try:
+        tokenizer.encode("lenext checks: a word it lacks, zzqxj 0123 ü 日本", add_special_tokens=False)
+    except Exception as e:  # tokenizers raises its own Exception
+        raise ConfigError(f"{where} cannot encode text ({first_line(e)}): give a tokenizer that can") from None
+    return tokenizer
 
 
 def end_of_text(tokenizer) -> int | None:

@@ -95,6 +95,9 @@ def refuse_unsafe_folder(out: str, checkpoint: str, force: bool) -> Path:
     blocking = next((parent for parent in target.parents if parent.exists() and not parent.is_dir()), None)
     if blocking is not None:
         raise ConfigError(f"{out} is inside {blocking}, which is a file: give a folder path")
+    existing = next(parent for parent in target.parents if parent.exists())  # where it is written, or made
+    if not os.access(existing, os.W_OK | os.X_OK):  # a read-only disk too (EROFS), for root as well
+        raise ConfigError(f"{out} cannot be written: {existing} is not writable; give a folder this user can write")
     here = Path.cwd().resolve()
     if target == here or target in here.parents:
         raise ConfigError(f"{out} is the folder this command runs in, or holds it: give a new folder")
