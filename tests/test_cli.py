@@ -127,6 +127,8 @@ def test_help_says_what_the_command_does_with_examples_and_its_groups():
         (["data.tokenizer="], "data.tokenizer=''"),  # an unset $TOK: it trained the corpus's BPE instead
         (["data.cache_dir="], "data.cache_dir=''"),  # it prepared into the folder the command ran in
         (["data.remote="], "data.remote=''"),  # it ran without a remote, unsaid
+        (["hydra.run.dir="], "the run's folder is ''"),  # the line named no folder
+        (["pe=xpos", "model.d_model=60", "model.n_heads=4"], "xPos rotates pairs"),  # it said RoPE
         pytest.param(
             ["trainer=fsdp"],
             "no CUDA GPU; use trainer=cpu, or trainer=default (the fastest device and precision the machine has); "
@@ -176,6 +178,13 @@ def test_hub_corpus_offline_points_to_text_files(tmp_path):
     assert result.returncode == 1
     assert "data=text_files" in result.stderr and "offline" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_eval_with_an_empty_hf_names_hf_not_a_missing_ckpt(tmp_path):
+    result = run_command("eval.py", ["hf="], {**os.environ, "LENEXT_ROOT": str(tmp_path)}, tmp_path)
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        "error: hf='' is invalid: give a Hugging Face model folder or hub id (hf=<model>), or ckpt=<run>"
+    ]
 
 
 def test_eval_takes_the_precision_names_training_takes_and_refuses_others(tmp_path):

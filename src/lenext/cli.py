@@ -373,11 +373,18 @@ def check_training_job(cfg: DictConfig) -> None:
         check_settings(cfg, TrainSettings, TRAIN_NODES)
 
 
+def evaluates_hf(cfg: DictConfig) -> bool:
+    """Whether eval.py evaluates a Hugging Face model (``hf=``) rather than a lenext checkpoint (``ckpt=``)."""
+    if cfg.get("hf") == "":  # an unset variable: taken for no model, it was refused as a missing ckpt
+        raise ConfigError("hf='' is invalid: give a Hugging Face model folder or hub id (hf=<model>), or ckpt=<run>")
+    return bool(cfg.get("hf"))
+
+
 def check_evaluation_job(cfg: DictConfig) -> None:
     """An eval.py job's checks before any work: types and ranges, then its checkpoint's run with this job's settings
     (``check_evaluation_settings``, ``checkpoint_model``) or its Hugging Face model's folder, tokenizer and plan
     (``checked_hf``)."""
-    if cfg.get("hf"):
+    if evaluates_hf(cfg):
         schema.check(cfg, EvalScriptSettings, EVAL_NODES)
         checked_hf(cfg)
     else:
@@ -423,7 +430,7 @@ def train_main(cfg: DictConfig) -> dict:
 def eval_main(cfg: DictConfig) -> str:
     keep_freed_memory()
     # The job's return value: None would read as a failed job in a study.
-    return evaluate_hf(cfg) if cfg.get("hf") else evaluate_checkpoint(cfg)
+    return evaluate_hf(cfg) if evaluates_hf(cfg) else evaluate_checkpoint(cfg)
 
 
 PREPARE_USAGE = """usage: lenext-prepare [override ...]

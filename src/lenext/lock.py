@@ -37,6 +37,8 @@ class FolderInUse(LenextError):
 def hold_folder(folder: str) -> bool:
     """Lock ``folder`` for this process (False if it holds it already, or the file system cannot lock), or raise
     FolderInUse naming the process that holds it."""
+    if not folder:  # an unset variable: the message named no folder
+        raise FolderInUse("the run's folder is '' (an unset variable in hydra.run.dir?): give a folder path")
     key = os.path.realpath(folder)
     if key in _held:
         return False

@@ -343,8 +343,8 @@ class RoPE(PositionalEncoding):
             )
         if shape.head_dim % 2:
             raise ConfigError(
-                f"RoPE rotates pairs of dimensions: the head dim model.d_model / model.n_heads = {shape.head_dim} "
-                "must be even"
+                f"{self.DISPLAY_NAME} rotates pairs of dimensions: the head dim model.d_model / model.n_heads = "
+                f"{shape.head_dim} must be even"
             )
         if scaling in ("ntk", "dynamic_ntk") and shape.head_dim <= 2:
             raise ConfigError(
