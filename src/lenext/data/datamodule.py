@@ -170,12 +170,14 @@ class LMDataModule(L.LightningDataModule):
                 self.remote.push(self.cache_dir, relative)
 
     def _refuse_an_unwritable_cache(self) -> None:
-        """A ConfigError unless this process can write in the cache, checked by making its two folders and a file
-        there: before the corpus is read, where something must be prepared into it."""
+        """A ConfigError unless this process can write in the cache (or, not made yet, in the folder it would be made
+        in), checked by a file made and removed there: before the corpus is read, where something must be prepared.
+        Nothing is left: a command refused after it leaves no cache."""
+        existing = os.path.abspath(self.cache_dir)
+        while not os.path.lexists(existing):
+            existing = os.path.dirname(existing)
         try:
-            for folder in ("tokenizers", "shards"):
-                os.makedirs(os.path.join(self.cache_dir, folder), exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.cache_dir, prefix=".write-check-"):
+            with tempfile.NamedTemporaryFile(dir=existing, prefix=".lenext-write-check-"):
                 pass
         except OSError as e:
             raise ConfigError(
