@@ -80,11 +80,17 @@ def unmakeable_folder(path: str) -> str | None:
     """Why the folder ``path`` cannot be made (a file in its way, a parent this user cannot write), or None; made
     by the first write, so that a refused command leaves none. An existing folder passes: a prepared cache is
     only read."""
-    existing = os.path.abspath(path)
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
+    existing = nearest_existing(path)
     if not os.path.isdir(existing):
         return f"{existing} is not a folder"
     if existing != os.path.abspath(path) and not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable"
     return None
+
+
+def nearest_existing(path: str) -> str:
+    """``path``, absolute, or the nearest folder above it that exists: where it would be made."""
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    return existing

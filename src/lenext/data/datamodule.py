@@ -26,7 +26,7 @@ from lenext.data.tokenizer import (
 )
 from lenext.errors import ConfigError, DataError, first_line
 from lenext.evaluate import TextEvaluation
-from lenext.files import atomic_path, unmakeable_folder, write_atomic
+from lenext.files import atomic_path, nearest_existing, unmakeable_folder, write_atomic
 from lenext.protocols import PROTOCOLS
 from lenext.ranges import NonNegativeInt, PositiveFloat, PositiveInt, Range, Seed
 from lenext.remote import RemoteCache
@@ -173,11 +173,8 @@ class LMDataModule(L.LightningDataModule):
         """A ConfigError unless this process can write in the cache (or, not made yet, in the folder it would be made
         in), checked by a file made and removed there: before the corpus is read, where something must be prepared.
         Nothing is left: a command refused after it leaves no cache."""
-        existing = os.path.abspath(self.cache_dir)
-        while not os.path.lexists(existing):
-            existing = os.path.dirname(existing)
         try:
-            with tempfile.NamedTemporaryFile(dir=existing, prefix=".lenext-write-check-"):
+            with tempfile.NamedTemporaryFile(dir=nearest_existing(self.cache_dir), prefix=".lenext-write-check-"):
                 pass
         except OSError as e:
             raise ConfigError(
