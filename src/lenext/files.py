@@ -1,5 +1,5 @@
 """Files written so that a reader, or a run killed mid-write, finds the previous file or the new one, never half;
-and ``unmakeable_folder``, why a folder lenext would write in cannot be made.
+and ``unmakeable_folder``, why a folder lenext would write in cannot be made (``nearest_existing``: where it would be).
 
 Every file lenext writes (checkpoints, tokenizers, results, report tables and plots, benchmarks) goes
 through ``atomic_path``: the writer fills a temporary file in the same folder, which then replaces the
