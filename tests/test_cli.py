@@ -129,6 +129,10 @@ def test_help_says_what_the_command_does_with_examples_and_its_groups():
         (["data.remote="], "data.remote=''"),  # it ran without a remote, unsaid
         (["hydra.run.dir="], "the run's folder is ''"),  # the line named no folder
         (["pe=xpos", "model.d_model=60", "model.n_heads=4"], "xPos rotates pairs"),  # it said RoPE
+        # sizes beyond any machine's memory: an allocation traceback, and an empty run folder left
+        (["model.d_model=4000000"], "the settings model.d_model=4000000, model.n_layers=6, model.n_heads=8 build"),
+        (["pe=learned", "pe.max_len=10000000000"], "the settings pe.max_len=10000000000 build a model of 9,537 GiB"),
+        (["pe=cope", "pe.npos_max=10000000000"], "its largest tensor, blocks.0.attn.pe.embedding, is (10000000000,"),
         pytest.param(
             ["trainer=fsdp"],
             "no CUDA GPU; use trainer=cpu, or trainer=default (the fastest device and precision the machine has); "

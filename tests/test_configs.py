@@ -1,5 +1,7 @@
 """Every config composes and builds; every PE trains in fast_dev_run through the real entry point."""
 
+import functools
+
 import hydra
 import pytest
 from omegaconf import OmegaConf
@@ -61,6 +63,29 @@ def test_every_pe_config_builds_and_runs_a_training_step_and_validation(compose_
     assert 1 < metrics["val/ppl"] < 10 * 512  # finite, and not absurd for an untrained 512-token model
 
 
+@pytest.mark.parametrize("pe", ALL_PES)
+def test_every_pe_resolves_on_the_meta_device_as_built_on_the_cpu(compose_train, pe):
+    """The resolver reads a PE's hyperparameters from a model built on the meta device (nothing allocated): the
+    same hyperparameters, parameters and buffers as the model built for real."""
+    import torch
+
+    from lenext.build import build_decoder
+    from lenext.resolve import resolved_pe
+
+    cfg = compose_train(f"pe={pe}")
+    config = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("pe", "model", "attention")}
+    real = build_decoder(config, 512, 512, 256)
+    with torch.device("meta"):
+        meta = build_decoder(config, 512, 512, 256)
+    assert resolved_pe(config, 512, 512) == {
+        "_target_": cfg.pe._target_,
+        "_partial_": True,
+        **real.pe.hyperparameters(),
+    }
+    shapes = {name: t.shape for name, t in [*real.named_parameters(), *real.named_buffers()]}
+    assert {name: t.shape for name, t in [*meta.named_parameters(), *meta.named_buffers()]} == shapes
+
+
 def test_a_run_that_evaluates_nothing_does_not_point_the_report_at_it(compose_train, tmp_path, capsys):
     train(compose_train(*tiny_overrides("pe=alibi", "trainer.fast_dev_run=true")))
     out = capsys.readouterr().out
@@ -109,3 +134,27 @@ def test_a_library_refusing_a_setting_is_named_with_the_settings_it_names_and_th
         ConfigError, match=r"^trainer is invalid: lightning.Trainer refused it: Precision '64-bits' is invalid"
     ):
         instantiate(node, "trainer")
+
+
+def test_a_model_is_refused_only_where_its_weights_exceed_the_machines_memory(monkeypatch):
+    """At exactly its weights' bytes the model is accepted; a byte less is refused, naming the largest tensor and
+    the settings of its group."""
+    import torch
+
+    from lenext import build
+    from lenext.errors import ConfigError
+    from lenext.model import Decoder
+    from lenext.pe import Learned
+
+    config = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "tie_embeddings": False}, "pe": {"max_len": 4096}}
+    with torch.device("meta"):
+        net = Decoder(100, 64, functools.partial(Learned, max_len=4096), d_model=32, n_layers=2, n_heads=4)
+    weights = 4 * sum(t.numel() for t in [*net.parameters(), *net.buffers()])
+    monkeypatch.setattr(build, "physical_memory", lambda: weights)
+    build.refuse_a_model_beyond_memory(net, config)
+    monkeypatch.setattr(build, "physical_memory", lambda: weights - 1)
+    with pytest.raises(
+        ConfigError,
+        match=r"^the settings pe.max_len=4096 build .* \(its largest tensor, pe.table.weight, is \(4096, 32\)\)",
+    ):
+        build.refuse_a_model_beyond_memory(net, config)

@@ -12,6 +12,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lenext.attention import AttentionSettings
 from lenext.errors import ConfigError, LenextError, first_line
+from lenext.hardware import physical_memory
 
 # How libraries refuse settings when their objects are built (Lightning's Trainer: MisconfigurationException).
 REFUSALS = (ValueError, TypeError, MisconfigurationException)
@@ -95,6 +96,25 @@ def build_decoder(config: dict, train_len: int, reach: int, vocab_size: int):
         pe=pe,
         attention=attention,
     )
+
+
+def refuse_a_model_beyond_memory(net, config: dict) -> None:
+    """A ConfigError where ``net``'s weights alone (built on the meta device: nothing allocated) exceed this
+    machine's memory: every process builds its model whole in host memory first, so the run could only fail, with
+    an allocation traceback. The largest tensor says which group's sizes (``config``'s ``model`` or ``pe``) to lower."""
+    tensors = dict(net.named_buffers()) | dict(net.named_parameters())
+    sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}
+    memory = physical_memory()
+    total = sum(sizes.values())
+    if total > memory:
+        largest = max(sizes, key=sizes.get)
+        group = "pe" if largest.startswith("pe.") or ".pe." in largest else "model"
+        sized = [f"{group}.{k}={v}" for k, v in config[group].items() if isinstance(v, int) and not isinstance(v, bool)]
+        raise ConfigError(
+            f"the settings {', '.join(sized) or group} build a model of {total / 2**30:,.0f} GiB of weights (its "
+            f"largest tensor, {largest}, is {tuple(tensors[largest].shape)}), more than this machine's "
+            f"{memory / 2**30:,.0f} GiB of memory: they must be smaller"
+        )
 
 
 def build_net(spec, vocab_size: int, weights: dict | None = None):

@@ -93,6 +93,11 @@ def machine_description() -> dict:
     return {**cpu_description(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
+def physical_memory() -> int:
+    """This machine's memory in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def refuse_mps(accelerator: str) -> None:
     """Apple's MPS lacks float64, in which lenext computes positions, RoPE's angles and its sums: refused before any
     work, where ``accelerator`` (Lightning's ``auto`` on a Mac without CUDA, or ``mps``) would train on it."""

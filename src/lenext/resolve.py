@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lenext import schema
 from lenext.attention import AttentionSettings
-from lenext.build import build_decoder, hydra_config, instantiate, load_weights
+from lenext.build import build_decoder, hydra_config, instantiate, load_weights, refuse_a_model_beyond_memory
 from lenext.errors import CheckpointError, ConfigError
 from lenext.evaluate import EvalSettings, SweepPlan, sweep_plan
 from lenext.hardware import PRECISION_NAMES, Precision, canonical_precision, refuse_mps
@@ -229,9 +229,14 @@ def resolve_evaluation(cfg: DictConfig, trained: RunSpec):
 def resolved_pe(config: dict, train_len: int, reach: int, base: "Base | None" = None) -> dict:
     """The run config's PE node with every hyperparameter resolved (``PositionalEncoding.hyperparameters``), read
     from the model built with it: milliseconds, and the model's own checks (heads and width, T5's buckets, RoPE's
-    head size) run on the way. With a ``base``, the model must hold its weights exactly (a CheckpointError else)."""
-    net = build_decoder(config, train_len, reach, base.vocab_size if base else 256)
-    if base is not None:
+    head size) run on the way. Built on the meta device, allocating nothing, and refused if its weights would not fit
+    in memory; with a ``base``, built for real and holding its weights exactly (a CheckpointError else)."""
+    if base is None:
+        with torch.device("meta"):
+            net = build_decoder(config, train_len, reach, 256)
+        refuse_a_model_beyond_memory(net, config)
+    else:
+        net = build_decoder(config, train_len, reach, base.vocab_size)
         try:
             load_weights(net, base.state, from_base=True)
         except RuntimeError as e:
