@@ -732,6 +732,24 @@ def test_a_tokenizer_that_cannot_encode_text_is_refused_before_the_corpus_is_rea
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_vocabulary_the_bpe_cannot_learn_from_its_sample_is_refused_not_shrunk(tmp_path):
+    """The BPE stops merging where its text has no pair left: the model got that smaller vocabulary, unsaid (found
+    by an audit, data.tokenizer_sample_mb=0.01). Refused naming both settings, no tokenizer kept; at exactly the
+    size it learns, accepted."""
+    write_corpus(tmp_path / "corpus")
+    corpus = TextFiles(str(tmp_path / "corpus"))
+    with pytest.raises(
+        ConfigError, match=r"^data.vocab_size=100000 is more than the BPE learns from data.tokeniz"
+    ) as e:
+        LMDataModule(corpus, vocab_size=100_000, tokenizer_sample_mb=0.01, cache_dir=str(tmp_path / "cache")).load()
+    assert not list((tmp_path / "cache").rglob("*.json"))
+    learned = int(re.search(r"it stops at ([\d,]+) tokens", str(e.value)).group(1).replace(",", ""))
+    assert str(e.value).endswith(f"raise data.tokenizer_sample_mb or set data.vocab_size <= {learned}")
+    data = LMDataModule(corpus, vocab_size=learned, tokenizer_sample_mb=0.01, cache_dir=str(tmp_path / "cache"))
+    data.load()
+    assert data.vocab_size == learned
+
+
 @pytest.fixture
 def read_only_remote():
     """``readonly://``: an fsspec store of its own that lists and reads the in-memory store and refuses every write,

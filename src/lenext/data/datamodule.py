@@ -241,6 +241,7 @@ class LMDataModule(L.LightningDataModule):
             with preparing(os.path.dirname(self.tokenizer_path), f".{key}.lock"):
                 if not os.path.exists(self.tokenizer_path):
                     tokenizer = train_tokenizer(documents(), self.requested_vocab)
+                    self._refuse_a_smaller_vocabulary(tokenizer)
                     with atomic_path(self.tokenizer_path) as tmp:
                         tokenizer.save(tmp)
                     self._made.append(f"tokenizers/{key}.json")
@@ -256,6 +257,22 @@ class LMDataModule(L.LightningDataModule):
             self._made.append(os.path.relpath(index, self.cache_dir))
         self.start_token = self.tokenizer.token_to_id(EOS)
         return key
+
+    def _refuse_a_smaller_vocabulary(self, tokenizer) -> None:
+        """A ConfigError where the BPE stopped short of ``data.vocab_size`` (its text has too few distinct pairs to
+        merge): the model would have a vocabulary other than the one asked for."""
+        learned = tokenizer.get_vocab_size()
+        if learned < self.requested_vocab:
+            text = (
+                "the whole training split"
+                if self.tokenizer_sample_mb is None
+                else (f"data.tokenizer_sample_mb={self.tokenizer_sample_mb} of the training split")
+            )
+            raise ConfigError(
+                f"data.vocab_size={self.requested_vocab} is more than the BPE learns from {text} of "
+                f"{self.corpus.name}: it stops at {learned:,} tokens; raise data.tokenizer_sample_mb or set "
+                f"data.vocab_size <= {learned}"
+            )
 
     def _prepare(self, split: str, tokenizer_key: str) -> Split:
         """The split's shards: reused, completed after a kill, or written."""
