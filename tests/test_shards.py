@@ -19,6 +19,7 @@ import pytest
 import lenext.data
 import lenext.data.datamodule
 import lenext.data.hub
+import lenext.remote
 import lenext.shards
 from lenext.data import Corpus, HubCorpus, LMDataModule, TextFiles
 from lenext.data.corpus import SPLITS
@@ -716,6 +717,29 @@ def test_a_cache_that_cannot_be_written_is_refused_before_the_corpus_is_read_whe
     monkeypatch.setattr(TextFiles, "documents", unread)
     with pytest.raises(ConfigError, match=r"^data.cache_dir='/proc/lenext-cache' cannot be written \(\w"):
         prepared(TextFiles(str(tmp_path / "corpus")), "/proc/lenext-cache")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="/proc, a folder no process can write in (root too)")
+def test_with_a_remote_a_cache_that_cannot_be_written_is_refused_before_a_pull_and_a_complete_one_is_only_read(
+    tmp_path, small_shards, monkeypatch
+):
+    """data.remote holding the prepared corpus: a cache that cannot be written was a traceback at the pull (and one
+    holding every split, on a read-only disk, at the pull's lock); now one line naming data.cache_dir, and a cache
+    holding every split is only read: no lock, no write check, nothing pulled."""
+    write_corpus(tmp_path / "corpus")
+    remote = memory_remote("pull-into")
+    prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache", remote=remote)  # prepared and pushed
+    message = r"^data.cache_dir='/proc/lenext-cache' cannot be written \(\w.*\): it lacks the prepared corpus, which"
+    with pytest.raises(ConfigError, match=message):
+        prepared(TextFiles(str(tmp_path / "corpus")), "/proc/lenext-cache", remote=remote)
+
+    def no_writes(*args, **kwargs):
+        raise AssertionError("a cache holding the prepared corpus was written to")
+
+    monkeypatch.setattr(lenext.data.datamodule, "preparing", no_writes)
+    monkeypatch.setattr(LMDataModule, "_refuse_an_unwritable_cache", no_writes)
+    monkeypatch.setattr(lenext.remote.RemoteCache, "pull_file", no_writes)
+    assert prepared(TextFiles(str(tmp_path / "corpus")), tmp_path / "cache", remote=remote).shards["train"].size[0]
 
 
 def test_a_tokenizer_that_cannot_encode_text_is_refused_before_the_corpus_is_read(tmp_path):

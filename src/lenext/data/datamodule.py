@@ -30,7 +30,7 @@ from lenext.files import atomic_path, nearest_existing, unmakeable_folder, write
 from lenext.protocols import PROTOCOLS
 from lenext.ranges import NonNegativeInt, PositiveFloat, PositiveInt, Range, Seed
 from lenext.remote import RemoteCache
-from lenext.shards import Split, SplitWriter, TokenStream, open_split, preparing, token_type
+from lenext.shards import MANIFEST, Split, SplitWriter, TokenStream, open_split, preparing, token_type
 
 log = logging.getLogger("lenext")
 
@@ -153,8 +153,10 @@ class LMDataModule(L.LightningDataModule):
         key = self.load_tokenizer(train=False)
         if key is not None and self.remote:
             for split in SPLITS:
-                with preparing(self._folder(key, split)):  # the ranks of a node: one pulls, the rest find it pulled
-                    self.remote.pull_split(self.cache_dir, self._relative_folder(key, split))
+                if not os.path.exists(os.path.join(self._folder(key, split), MANIFEST)):  # pulled or prepared here
+                    self._refuse_an_unwritable_cache()
+                    with preparing(self._folder(key, split)):  # the ranks of a node: one pulls, the rest find it
+                        self.remote.pull_split(self.cache_dir, self._relative_folder(key, split))
         if key is None or any(self._open_split(key, split) is None for split in SPLITS):
             self._refuse_an_unwritable_cache()  # a prepared cache is only read: one on a read-only disk serves
             if self.remote:  # what is prepared here is pushed there: a store it cannot write is refused now
@@ -178,8 +180,9 @@ class LMDataModule(L.LightningDataModule):
                 pass
         except OSError as e:
             raise ConfigError(
-                f"data.cache_dir={self.cache_dir!r} cannot be written ({e.strerror or type(e).__name__}): the corpus "
-                "is not prepared there yet; give a folder this user can write (LENEXT_CACHE sets the default)"
+                f"data.cache_dir={self.cache_dir!r} cannot be written ({e.strerror or type(e).__name__}): it lacks the "
+                "prepared corpus, which is made or pulled there; give a folder this user can write (LENEXT_CACHE "
+                "sets the default)"
             ) from None
 
     def _open_split(self, tokenizer_key: str, split: str) -> Split | None:
@@ -204,9 +207,11 @@ class LMDataModule(L.LightningDataModule):
 
     def _pull(self, relative: str) -> str:
         """The cache's path of ``relative``, pulled from ``data.remote`` first if the cache lacks it."""
-        if self.remote:
+        path = os.path.join(self.cache_dir, relative)
+        if self.remote and not os.path.exists(path):  # pulled or made here: either writes the cache
+            self._refuse_an_unwritable_cache()
             self.remote.pull_file(self.cache_dir, relative)
-        return os.path.join(self.cache_dir, relative)
+        return path
 
     def load_tokenizer(self, train: bool = True) -> str | None:
         """The tokenizer alone (``data.tokenizer``'s, else the BPE of the training split's first
