@@ -863,6 +863,32 @@ def test_machines_pushing_the_same_split_at_once_both_succeed(tmp_path, small_sh
     assert pushed == sorted(n for n in os.listdir(tmp_path / "cache" / split) if not n.startswith("."))
 
 
+def test_a_push_the_store_refuses_is_named_and_leaves_no_partial_file(tmp_path):
+    """A store that takes the upload but refuses its rename (the last step of every upload, the write check's too):
+    the file is named in one line, and its temporary copy removed, not left beside the split."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from lenext.remote import RemoteCache
+
+    class NoRename(MemoryFileSystem):
+        protocol = "norename"
+
+        def mv(self, *args, **kwargs):
+            raise PermissionError("rename denied")
+
+    fsspec.register_implementation("norename", NoRename, clobber=True)
+    url = memory_remote("no-rename").replace("memory://", "norename://")
+    (tmp_path / "tokenizers").mkdir()
+    (tmp_path / "tokenizers" / "t.json").write_text("{}")
+    remote = RemoteCache(url)
+    with pytest.raises(DataError, match=rf"^data.remote: {url}/tokenizers/t.json could not be written \(Permission"):
+        remote.push(str(tmp_path), "tokenizers/t.json")
+    with pytest.raises(ConfigError, match=rf"^data.remote='{url}' cannot be written \(PermissionError: rename denied"):
+        remote.refuse_unwritable()
+    fs, root = fsspec.core.url_to_fs(url)
+    assert [path for path in fs.find(root) if path.endswith(".partial")] == []
+
+
 def test_a_remote_is_not_part_of_what_a_run_is():
     """Where prepared data is fetched from does not change it: a run resumes, skips and pools over seeds with or
     without data.remote."""

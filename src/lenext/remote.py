@@ -48,22 +48,19 @@ class RemoteCache:
     def refuse_unwritable(self) -> None:
         """A ConfigError unless this machine can write to the remote as ``push`` does: called before a corpus is
         prepared, whose tokenizer and shards are pushed there once made (a read-only store, an HTTP mirror, would
-        fail then, after the work). An empty file of its own name is put and renamed there, then removed."""
+        fail then, after the work). An empty file of its own name is uploaded as ``push`` uploads, then removed."""
         probe = self._path(f".lenext-write-check-{uuid.uuid4().hex}")
         try:
             with tempfile.NamedTemporaryFile() as empty:
-                self.fs.makedirs(self.root, exist_ok=True)
-                self.fs.put_file(empty.name, f"{probe}.partial")
-                self.fs.mv(f"{probe}.partial", probe)
+                self._upload(empty.name, probe)
         except Exception as e:  # noqa: BLE001 (each store has its own: botocore's, google-auth's, HTTP errors)
             raise ConfigError(
                 f"data.remote={self.url!r} cannot be written ({type(e).__name__}: {first_line(e)}): this machine "
                 "prepares what neither its cache nor the remote holds and pushes it there; it must be a store this "
                 "machine can write, or one that holds the prepared corpus (or unset data.remote to prepare here only)"
             ) from None
-        for leftover in (probe, f"{probe}.partial"):  # a store that takes writes but not deletes keeps them
-            with contextlib.suppress(Exception):
-                self.fs.rm_file(leftover)
+        with contextlib.suppress(Exception):  # a store that takes writes but not deletes keeps it
+            self.fs.rm_file(probe)
 
     def pull_file(self, cache_dir: str, relative: str) -> None:
         """The remote's copy of a file into the cache, if the cache lacks it and the remote has it."""
@@ -89,15 +86,25 @@ class RemoteCache:
             return
         names = [n for n in os.listdir(local) if not n.startswith(".")] if folder else []  # not the lock
         for file in [f"{relative}/{n}" for n in sorted(names, key=lambda n: n == MANIFEST)] if folder else [relative]:
-            target = self._path(file)
-            partial = f"{target}.{uuid.uuid4().hex}.partial"
-            self._call(file, self.fs.makedirs, target.rpartition("/")[0], exist_ok=True)
-            self._call(file, self.fs.put_file, os.path.join(cache_dir, file), partial)
             try:
-                self.fs.mv(partial, target)
-            except Exception:  # noqa: BLE001 (a store's own errors): another machine's copy may have landed first
+                self._upload(os.path.join(cache_dir, file), self._path(file))
+            except Exception as e:  # noqa: BLE001 (a store's own errors): another machine's copy may have landed first
                 if not self._exists(file):
-                    raise DataError(f"data.remote: {self.url}/{file} could not be written") from None
+                    raise DataError(
+                        f"data.remote: {self.url}/{file} could not be written ({type(e).__name__}: {first_line(e)})"
+                    ) from None
+
+    def _upload(self, local: str, target: str) -> None:
+        """The local file onto the remote at ``target``, under a name of its own until whole (none left if it fails)."""
+        partial = f"{target}.{uuid.uuid4().hex}.partial"
+        try:
+            self.fs.makedirs(target.rpartition("/")[0], exist_ok=True)
+            self.fs.put_file(local, partial)
+            self.fs.mv(partial, target)
+        except Exception:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(partial)
+            raise
 
     def _path(self, relative: str) -> str:
         return f"{self.root}/{relative}"
