@@ -116,7 +116,7 @@ def test_a_depth_heatmaps_title_gives_its_tables_value():
     from lenext.report import Summary, figures
 
     summary = Summary(load([str(STUDIES / "probes" / "runs")]))
-    fig = figures.depth_heatmaps(summary)["passkey_depth.png"]
+    fig = figures.depth.depth_heatmaps(summary)["passkey_depth.png"]
     table = next(
         table for key, table in summary.tables.items() if key.task == "passkey" and key.metric == "exact_match"
     )
@@ -136,7 +136,7 @@ def test_a_per_position_curve_of_a_shorter_length_says_so():
     others' 2048-token windows; its legend entry says so, and the heading names the protocol."""
     from lenext.report import Summary, figures
 
-    fig = figures.per_position(Summary(load([str(STUDIES / "classic" / "runs")])))
+    fig = figures.positions.per_position(Summary(load([str(STUDIES / "classic" / "runs")])))
     entries = [name for ax in fig.axes for name in ax.get_legend_handles_labels()[1]]
     assert "learned (L_eval 64)" in entries and "rope" in entries and "rope (L_eval 2048)" not in entries
     assert "in nonoverlap windows of each row's longest L_eval" in fig.get_suptitle().replace("\n", " ")
@@ -149,7 +149,7 @@ def test_a_retrieval_title_says_when_no_row_is_apart_from_chance():
     outside it; a title ranking rows inside the band says so."""
     from lenext.report import Summary, figures
 
-    fig = figures.retrieval_vs_length(Summary(load([str(STUDIES / "long_context" / "runs")])))
+    fig = figures.lengths.retrieval_vs_length(Summary(load([str(STUDIES / "long_context" / "runs")])))
     titles = [ax.get_title().replace("\n", " ") for ax in fig.axes if ax.get_title()]
     single = [title for title in titles if title.startswith("niah_single")]
     alibi = next(title for title in titles if title.startswith("niah_multikey") and "alibi:" in title)
@@ -174,10 +174,10 @@ def test_results_files_without_answers_claim_nothing_about_chance(tmp_path):
             row.pop("answers", None)
         results_file.write_text(json.dumps(results))
     summary = Summary(load([str(runs)]))
-    fig = figures.retrieval_vs_length(summary)
+    fig = figures.lengths.retrieval_vs_length(summary)
     titles = [ax.get_title().replace("\n", " ") for ax in fig.axes if ax.get_title()]
     assert titles and not any("apart from chance" in title for title in titles)
-    heatmap = figures.depth_heatmaps(summary)["niah_single_depth.png"]
+    heatmap = figures.depth.depth_heatmaps(summary)["niah_single_depth.png"]
     assert "a cell holds" not in heatmap.get_suptitle().replace("\n", " ")
     for drawn in (fig, heatmap):
         figures.pyplot().close(drawn)

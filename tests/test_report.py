@@ -659,7 +659,7 @@ def test_a_probes_chance_level_comes_from_its_task_and_no_binomial_claim_is_made
     tables = summarize(collect(find_runs([str(tmp_path)])[0]))
     token = tables[TableKey(32, "accuracy", "token_accuracy", "copy")]
     assert token.chance == (1 / 16,) and tables[TableKey(32, "accuracy", "exact_match", "copy")].chance == ()
-    takeaway = figures.lengths_takeaway(token, ["rope"])
+    takeaway = figures.takeaways.lengths_takeaway(token, ["rope"])
     assert takeaway == "at 2x L_train: rope at 7% per-token (chance 6%)"  # 7% over 64 answers: no claim either way
 
 

@@ -181,14 +181,14 @@ def test_diagnostics_figure_draws_a_panel_per_statistic_in_the_pes_colours_with_
     assert colours == {"rope": figures.pe_colour("rope"), "alibi": figures.pe_colour("alibi")}
     titles = [ax.get_title().replace("\n", " ") for ax in fig.axes if ax.get_title()]
     assert len(titles) == 8  # 5 statistics, beyond over rows >= L_train, copying gain, unseen fraction
-    assert all(sum(1 for ax, *_ in lines if ax is axis) <= figures.MAX_CURVES for axis in fig.axes)
+    assert all(sum(1 for ax, *_ in lines if ax is axis) <= figures.style.MAX_CURVES for axis in fig.axes)
     gain = next(t for t in titles if t.startswith("copying gain"))
     # at 128 (2x L_train): both 0.5 (rope) and 0.0 (alibi); at 64 rope 1.5, alibi 0.01
     assert "at 2x L_train (copy 64 back): highest rope 0.50 (-1.00 from L_train); lowest alibi 0.00 (-0.01" in gain
     sink = next(t for t in titles if t.startswith("attention on the first token"))
     assert "highest alibi 0.350 (+0.000 from L_train); lowest rope 0.300" in sink
     assert "mean ± std over 2 seeds" in fig._suptitle.get_text().replace("\n", " ")
-    assert figures.diagnostic_takeaway(
+    assert figures.diagnostics.diagnostic_takeaway(
         pd.DataFrame({"label": ["a", "a"], "length": [64, 128], "mean": [0.05, -0.3]}), ["a"], 64, "copying_gain"
     ).endswith("no in-context copying")
 

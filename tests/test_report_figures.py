@@ -15,10 +15,12 @@ from tests.test_report_protocols import new_protocol_runs
 
 
 @pytest.fixture
-def registry(monkeypatch):
+def registry():
     """The figure registry, restored after the test: figures registered in it are the test's alone."""
-    monkeypatch.setattr(figures, "FIGURES", dict(figures.FIGURES))
-    return figures.FIGURES
+    saved = dict(figures.FIGURES)  # the one dict @figure registers into and write_figures draws from
+    yield figures.FIGURES
+    figures.FIGURES.clear()
+    figures.FIGURES.update(saved)
 
 
 def two_seeds_of_two_pes(folder):
@@ -31,7 +33,7 @@ def two_seeds_of_two_pes(folder):
 def test_a_figure_registered_in_one_entry_is_written_with_the_others(registry, tmp_path):
     assert (
         figures.figure("longest_length.png")(longest_length) is longest_length
-    )  # the decorator, as figures.py uses it
+    )  # the decorator, as the figure modules use it
     assert registry["longest_length.png"] is longest_length
     report([str(two_seeds_of_two_pes(tmp_path / "runs"))], str(tmp_path / "out"))
     written = tmp_path / "out" / "longest_length.png"
@@ -155,7 +157,7 @@ def test_a_pes_colour_is_the_same_in_every_figure_and_panel(tmp_path):
     assert len({figures.pe_colour(root) for root in seen}) == len(seen)
     # The same colour in a report of other PEs: it is the PE's, not its place in the report.
     alone = summary_of(two_seeds_of_two_pes(tmp_path / "other"))
-    colours = {row_of(entry): colour for _, entry, colour, _ in drawn_lines(figures.ppl_vs_length(alone))}
+    colours = {row_of(entry): colour for _, entry, colour, _ in drawn_lines(figures.lengths.ppl_vs_length(alone))}
     assert colours["rope"] == figures.pe_colour("rope") and colours["alibi"] == figures.pe_colour("alibi")
 
 
@@ -163,25 +165,25 @@ def test_a_panel_comparing_one_pes_variants_colours_them_by_method(tmp_path):
     """RoPE's scalings and second stages in distinct colours, the method's own in both (PI is linear): the
     comparison the panel makes is found by colour, not by line style."""
     summary = summary_of(extension_runs(tmp_path / "runs"))
-    lines = drawn_lines(figures.extension(summary))
+    lines = drawn_lines(figures.extension.extension(summary))
     colour = {row_of(entry): colour for _, entry, colour, _ in lines}
-    assert colour["rope (yarn)"] == colour["rope -> yarn@256"] == figures.METHOD_STYLES["yarn"][0]
-    assert colour["rope -> pi@256"] == figures.METHOD_STYLES["linear"][0]
-    assert colour["rope -> pose@256"] == figures.METHOD_STYLES["pose"][0]
+    assert colour["rope (yarn)"] == colour["rope -> yarn@256"] == figures.style.METHOD_STYLES["yarn"][0]
+    assert colour["rope -> pi@256"] == figures.style.METHOD_STYLES["linear"][0]
+    assert colour["rope -> pose@256"] == figures.style.METHOD_STYLES["pose"][0]
     rope = [colour[label] for label in ("rope", "rope (ntk)", "rope (yarn)", "rope -> pi@256", "rope -> pose@256")]
     assert len(set(rope)) == len(rope)
     # Every method panel draws a method in the same colour and the PE as trained in blue, which no method has:
     # vermillion is YaRN in p_rope's panel too, though p_rope's own colour is vermillion.
-    assert colour["rope"] == figures.AS_TRAINED_STYLE[0]
-    assert figures.pe_colour("p_rope") == figures.METHOD_STYLES["yarn"][0]
+    assert colour["rope"] == figures.style.AS_TRAINED_STYLE[0]
+    assert figures.pe_colour("p_rope") == figures.style.METHOD_STYLES["yarn"][0]
     info = pd.DataFrame(
         {"base": [None, None], "variant": [None, "yarn"], "extension_method": ["none", "yarn"], "pe": "p_rope"},
         index=["p_rope", "p_rope (yarn)"],
     )
-    styles = figures.line_styles(info, list(info.index), by_method=True)
-    assert styles["p_rope"]["color"] == figures.AS_TRAINED_STYLE[0]
-    assert styles["p_rope (yarn)"]["color"] == figures.METHOD_STYLES["yarn"][0]
-    assert figures.AS_TRAINED_STYLE[0] not in {colour for colour, _ in figures.METHOD_STYLES.values()}
+    styles = figures.style.line_styles(info, list(info.index), by_method=True)
+    assert styles["p_rope"]["color"] == figures.style.AS_TRAINED_STYLE[0]
+    assert styles["p_rope (yarn)"]["color"] == figures.style.METHOD_STYLES["yarn"][0]
+    assert figures.style.AS_TRAINED_STYLE[0] not in {colour for colour, _ in figures.style.METHOD_STYLES.values()}
 
 
 def test_two_pes_of_one_panel_never_share_a_colour():
@@ -190,22 +192,22 @@ def test_two_pes_of_one_panel_never_share_a_colour():
     assert figures.pe_colour("fox") == figures.pe_colour("rope")
     pes = ["fox", "alibi", "rope", "nope"]
     info = pd.DataFrame({"base": None, "variant": None, "extension_method": "none", "pe": pes}, index=pes)
-    colours = {label: style["color"] for label, style in figures.line_styles(info, pes, by_method=False).items()}
+    colours = {label: style["color"] for label, style in figures.style.line_styles(info, pes, by_method=False).items()}
     assert colours["rope"] == figures.pe_colour("rope") and colours["alibi"] == figures.pe_colour("alibi")
     assert len(set(colours.values())) == len(pes)
     assert colours["fox"] not in {figures.pe_colour(pe) for pe in pes}
-    alone = figures.line_styles(info.loc[["fox", "alibi"]], ["fox", "alibi"], by_method=False)
+    alone = figures.style.line_styles(info.loc[["fox", "alibi"]], ["fox", "alibi"], by_method=False)
     assert alone["fox"]["color"] == figures.pe_colour("fox")
     # More PEs than colours (diagnostics_vs_ppl draws every diagnosed row in one panel): drawn, some sharing one.
-    many = list(figures.KNOWN_PES)[:12]
+    many = list(figures.style.KNOWN_PES)[:12]
     info_many = pd.DataFrame({"base": None, "variant": None, "extension_method": "none", "pe": many}, index=many)
-    assert len({style["color"] for style in figures.line_styles(info_many, many, False).values()}) == 10
+    assert len({style["color"] for style in figures.style.line_styles(info_many, many, False).values()}) == 10
     # Every known PE drawn eight to a panel: never two of a panel in one colour.
-    known = list(figures.KNOWN_PES)
+    known = list(figures.style.KNOWN_PES)
     for start in range(len(known) - 7):
         panel = known[start : start + 8]
         info = pd.DataFrame({"base": None, "variant": None, "extension_method": "none", "pe": panel}, index=panel)
-        styles = figures.line_styles(info, panel, by_method=False)
+        styles = figures.style.line_styles(info, panel, by_method=False)
         assert len({style["color"] for style in styles.values()}) == 8, panel
 
 
@@ -219,10 +221,10 @@ def test_no_panel_draws_more_than_the_limit_and_every_row_is_drawn(tmp_path):
         rows = [{"protocol": "nonoverlap", "scaling": s, "length": 128, "ppl": 30.0, "status": "ok"} for s in scalings]
         write_run(tmp_path / f"{seed}_rope", "rope", seed, {64: 21, 128: 40}, scaling="none", extra_rows=rows)
     summary = summary_of(tmp_path)
-    fig = figures.ppl_vs_length(summary)
+    fig = figures.lengths.ppl_vs_length(summary)
     lines = drawn_lines(fig)
     per_panel = Counter(ax for ax, *_ in lines)
-    assert max(per_panel.values()) <= figures.MAX_CURVES and len(per_panel) >= 4
+    assert max(per_panel.values()) <= figures.style.MAX_CURVES and len(per_panel) >= 4
     table = next(iter(summary.tables.values()))
     assert {row_of(entry) for _, entry, *_ in lines} == set(table.index)
     scaled = [ax for ax in per_panel if "rope (yarn)" in {row_of(e) for a, e, *_ in lines if a is ax}]
@@ -251,7 +253,7 @@ def test_a_titles_takeaway_is_computed_from_the_statistics(tmp_path):
     table = next(iter(summary.tables.values()))
     mean = table.cells["mean"]
     assert (mean[("alibi", 128)] / mean[("alibi", 64)], mean[("nope", 128)] / mean[("nope", 64)]) == (22 / 21, 3.5)
-    titles = [ax.get_title() for ax in figures.ppl_vs_length(summary).axes]
+    titles = [ax.get_title() for ax in figures.lengths.ppl_vs_length(summary).axes]
     trained = [t for t in titles if "as trained" in t]
     assert len(trained) == 1
     assert "at 2x L_train: alibi stays within 5% of its L_train perplexity; nope 3.5x" in trained[0].replace("\n", " ")
@@ -263,7 +265,8 @@ def test_a_titles_takeaway_is_computed_from_the_statistics(tmp_path):
         f"above its L_train perplexity; rope {mean[('rope', 128)] / mean[('rope', 64)]:.1f}x"
     ]
     assert (
-        figures.lengths_takeaway(table, ["alibi"]) == "at 2x L_train: alibi stays within 5% of its L_train perplexity"
+        figures.takeaways.lengths_takeaway(table, ["alibi"])
+        == "at 2x L_train: alibi stays within 5% of its L_train perplexity"
     )
 
 
@@ -281,7 +284,7 @@ def test_a_figure_says_what_its_means_cover_and_which_seeds_learned_the_task(tmp
     and in the legend entry of each row that lost seeds there; where every seed learned, only the seed count. The
     line follows the seeds that learned it at L_train too (rope: 97.5%, then 45%), not from every seed's mean
     (78.3%, a hollow marker) to theirs, which would join two sets of seeds."""
-    fig = figures.accuracy_vs_length(summary_of(probe_runs(tmp_path / "some")))
+    fig = figures.lengths.accuracy_vs_length(summary_of(probe_runs(tmp_path / "some")))
     note = fig.get_suptitle().replace("\n", " ")
     assert "mean ± std over 3 seeds" in note
     assert "a line follows the seeds that learned the task (exact match ≥ 90% at L_train)" in note
@@ -296,7 +299,7 @@ def test_a_figure_says_what_its_means_cover_and_which_seeds_learned_the_task(tmp
     assert list(hollow[0].get_ydata()) == pytest.approx([100 * (1.0 + 0.95 + 0.40) / 3])
     title = " ".join(ax.get_title().replace("\n", " ") for ax in fig.axes)
     assert "at 2x L_train: alibi 90% exact-match; rope 45%" in title  # rope: seeds 0 and 1 (50%, 40%)
-    fig = figures.accuracy_vs_length(summary_of(probe_runs(tmp_path / "all", (1.0, 1.0, 1.0))))
+    fig = figures.lengths.accuracy_vs_length(summary_of(probe_runs(tmp_path / "all", (1.0, 1.0, 1.0))))
     assert "learned" not in fig.get_suptitle() and "mean ± std over 3 seeds" in fig.get_suptitle()
     assert {entry for _, entry, *_ in drawn_lines(fig)} == {"rope", "alibi"}
 
@@ -307,17 +310,17 @@ def test_axes_are_labelled_in_plain_numbers_and_heatmaps_in_a_colour_blind_safe_
     plt = figures.pyplot()
     fig, ax = plt.subplots()
     ax.plot([50, 100, 150], [0.99998, 1.00008, 1.00002])
-    figures.value_axis(ax, 0.99998, 1.00008)
+    figures.drawing.value_axis(ax, 0.99998, 1.00008)
     fig.canvas.draw()
     low, high = ax.get_ylim()
     assert high - low >= 0.02 and not ax.yaxis.get_offset_text().get_text()
     assert all("e" not in t.get_text() and "×" not in t.get_text() for t in ax.get_yticklabels())
     summary = summary_of(two_seeds_of_two_pes(tmp_path / "runs"))
-    fig = figures.ppl_vs_length(summary)
+    fig = figures.lengths.ppl_vs_length(summary)
     fig.canvas.draw()
     labels = [t.get_text() for ax in fig.axes for t in ax.get_yticklabels() + ax.get_xticklabels() if t.get_text()]
     assert labels and not [t for t in labels if "^" in t or "e+" in t]
-    assert figures.HEATMAP in {"cividis", "viridis"}
+    assert figures.style.HEATMAP in {"cividis", "viridis"}
 
 
 @pytest.mark.parametrize(
@@ -330,7 +333,7 @@ def test_a_log_value_axis_shows_at_least_two_plain_labels(low, high, expected):
     fig, ax = plt.subplots()
     ax.plot([64, 128], [low, high])
     ax.set_yscale("log")
-    figures.plain_log_values(ax)
+    figures.drawing.plain_log_values(ax)
     fig.canvas.draw()
     bottom, top = ax.get_ylim()
     shown = {
@@ -377,7 +380,7 @@ def test_no_legend_or_title_is_cropped(tmp_path):
     ],
 )
 def test_a_titles_growth_words_say_which_way_the_row_went(ratio, words):
-    assert figures.growth(ratio, "ppl") == words
+    assert figures.takeaways.growth(ratio, "ppl") == words
 
 
 def error_bars(ax) -> dict[str, list[tuple[float, float]]]:
@@ -394,18 +397,18 @@ def test_no_std_bar_reaches_past_the_values_its_metric_can_take(tmp_path):
     at 1 (2.0 +- 1.4); inside its range it is the std."""
     for seed, (at_train_len, at_twice) in enumerate(((1.0, 0.9), (1.0, 0.1), (0.9, 0.5))):
         write_probe_run(tmp_path / "probe" / str(seed), "rope", seed, {32: at_train_len, 64: at_twice})
-    fig = figures.accuracy_vs_length(summary_of(tmp_path / "probe"))
+    fig = figures.lengths.accuracy_vs_length(summary_of(tmp_path / "probe"))
     exact = next(ax for ax in fig.axes if "exact" in ax.get_title())
     at_train_len, at_twice = error_bars(exact)["rope"]
     assert at_train_len == pytest.approx((100 * (2.9 / 3) - 100 * pd.Series([1.0, 1.0, 0.9]).std(), 100.0))
     assert at_twice == pytest.approx((10.0, 90.0))
     for seed, ppl in enumerate((3.0, 1.01)):
         write_run(tmp_path / "ppl" / str(seed), "rope", seed, {64: 1.2, 128: ppl})
-    fig = figures.ppl_vs_length(summary_of(tmp_path / "ppl"))
+    fig = figures.lengths.ppl_vs_length(summary_of(tmp_path / "ppl"))
     at_train_len, at_128 = error_bars(fig.axes[0])["rope"]
     assert at_train_len == pytest.approx((1.2, 1.2))
     assert at_128 == pytest.approx((1.0, 2.005 + pd.Series([3.0, 1.01]).std()))
-    bars = figures.bounded_error([0.98, 0.5], [0.1, 0.1], (0.0, 1.0))
+    bars = figures.drawing.bounded_error([0.98, 0.5], [0.1, 0.1], (0.0, 1.0))
     assert bars.ravel().tolist() == pytest.approx([0.1, 0.1, 0.02, 0.1])  # (lower, upper) lengths
 
 
@@ -429,7 +432,7 @@ def test_a_per_position_titles_rise_is_from_the_token_weighted_loss_over_positio
     (token-weighted), not from the last of them alone, nor from the early positions with little context."""
     bins = [(0, 16, 9.0, 100), (16, 32, 5.0, 100), (32, 48, 4.0, 300), (48, 64, 3.0, 100), (64, 128, 4.5, 800)]
     curve = pd.DataFrame(bins, columns=["bin_start", "bin_end", "mean_nll", "tokens"])
-    title = figures.positions_takeaway({"alibi": curve}, 64)
+    title = figures.positions.positions_takeaway({"alibi": curve}, 64)
     # 4.5 - (4.0 x 300 + 3.0 x 100) / 400; the last bin alone would give +1.50, every bin below L_train -0.33
     assert title == "last bin (to position 128): alibi 4.50 nats (+0.75 from positions 32-63)"
 
@@ -445,16 +448,16 @@ def test_a_per_position_title_names_the_positions_of_the_report_s_own_bins_it_av
     rise = 4.0 - sum(nll * tokens for *_, nll, tokens in used) / sum(tokens for *_, tokens in used)
     span = f"{used[0][0]}-{used[-1][1] - 1}"
     assert used[0][0] < 64 and used[-1][1] <= 128  # a bin straddling L_train / 2 is used
-    title = figures.positions_takeaway({"rope": curve}, 128)
+    title = figures.positions.positions_takeaway({"rope": curve}, 128)
     assert title == f"last bin (to position 512): rope 4.00 nats ({rise:+.2f} from positions {span})"
 
 
 def test_a_near_constant_axis_is_kept_at_or_above_the_least_value_its_quantity_takes():
     """Passkey answers at perplexity 1.00 drew an axis from 0.98, a perplexity no model can have."""
     fig, (flat, floored, share) = figures.pyplot().subplots(1, 3)
-    figures.value_axis(flat, 1.0, 1.0)
-    figures.value_axis(floored, 1.0, 1.0, bounds=(1.0, np.inf))
-    figures.value_axis(share, 1.0, 1.0, log=False, bounds=(0.0, 1.0))  # a sink mass of 1: not above it
+    figures.drawing.value_axis(flat, 1.0, 1.0)
+    figures.drawing.value_axis(floored, 1.0, 1.0, bounds=(1.0, np.inf))
+    figures.drawing.value_axis(share, 1.0, 1.0, log=False, bounds=(0.0, 1.0))  # a sink mass of 1: not above it
     assert flat.get_ylim() == pytest.approx((0.98, 1.02)) and floored.get_ylim() == pytest.approx((1.0, 1.04))
     assert share.get_ylim() == pytest.approx((0.96, 1.0))
     figures.pyplot().close(fig)
@@ -477,7 +480,7 @@ def test_a_point_of_an_adaptation_curve_pooling_fewer_seeds_is_named_in_its_lege
     rope = summary.adaptation[summary.adaptation.row == "rope -> direct@256"]
     assert list(rope.step) == [0, 50, 99] and list(rope.seeds) == [1, 3, 3]  # drawn in order of steps
     assert list(summary.adaptation.row.unique()) == ["rope -> direct@256", "alibi -> direct@256"]
-    fig = figures.adaptation(summary)
+    fig = figures.extension.adaptation(summary)
     names = {row_of(entry): entry for _, entry, *_ in drawn_lines(fig)}
     # The title compares the curves where all have a value: not rope's step 0 against alibi's step 50.
     (title,) = [" ".join(ax.get_title().split()) for ax in fig.axes if ax.get_title()]
@@ -494,7 +497,7 @@ def test_rows_of_one_pe_under_other_settings_share_its_colour_and_are_told_apart
     """Runs of one PE with other settings (``rope [trainer.precision=...]``) in one panel: the PE's colour for each
     (a suffixed label had its colour from a hash: another PE's, found by an audit), a line style and marker each,
     so the legend tells them apart (they were drawn alike); a second stage stays dashed."""
-    from lenext.report.figures import PALETTE, line_styles, pe_style
+    from lenext.report.figures.style import PALETTE, line_styles, pe_style
 
     labels = ["rope [p=32]", "rope [p=bf16]", "alibi [p=32]", "alibi [p=bf16]", "rope [p=32] -> pi@128"]
     info = pd.DataFrame(
@@ -517,7 +520,7 @@ def test_rows_of_one_pe_under_other_settings_share_its_colour_and_are_told_apart
     from lenext.report.stats import Summary
     from tests.conftest import ROOT
 
-    info = figures.row_info(Summary(load([str(ROOT / "studies" / "classic")])))
+    info = figures.style.row_info(Summary(load([str(ROOT / "studies" / "classic")])))
     assert (
         info.pe["rope [trainer.precision=32-true]"] == info.pe["rope [trainer.precision=bf16-mixed] (yarn)"] == "rope"
     )
@@ -540,7 +543,7 @@ def test_apart_from_chance_is_an_exact_binomial_test_at_5_percent():
         labels = [f"{k} of {trials}" for k in range(trials + 1)]
         cells = {label: pd.Series({"mean": k / trials, "answers": trials}) for k, label in enumerate(labels)}
         table = SimpleNamespace(chance=(float(chance),), cell=lambda label, length: cells[label])  # noqa: B023
-        apart = figures.apart_from_chance(table, labels, 64)
+        apart = figures.takeaways.apart_from_chance(table, labels, 64)
         assert apart == [label for k, label in enumerate(labels) if exact_p(k, trials, chance) < Fraction(1, 20)]
         assert "0 of 60" not in apart and "0 of 96" not in apart
 
@@ -553,10 +556,10 @@ def test_the_extension_figure_keeps_what_its_tables_say_of_ranking_and_chance(tm
     for key, table in summary.tables.items():
         summary.tables[key] = replace(table, unranked=why, chance=(0.5,))
     drawn = []
-    monkeypatch.setattr(figures, "draw_lengths", lambda summary, tables, **_: drawn.extend(tables))
-    figures.extension(summary)
+    monkeypatch.setattr(figures.extension, "draw_lengths", lambda summary, tables, **_: drawn.extend(tables))
+    figures.extension.extension(summary)
     assert drawn and all(table.unranked == why and table.chance == (0.5,) for table in drawn)
     # the title then gives the values, not a best's growth (which the same table ranked would name)
-    takeaways = [figures.lengths_takeaway(table, list(table.index)) for table in drawn]
-    ranked = [figures.lengths_takeaway(replace(table, unranked=""), list(table.index)) for table in drawn]
+    takeaways = [figures.takeaways.lengths_takeaway(table, list(table.index)) for table in drawn]
+    ranked = [figures.takeaways.lengths_takeaway(replace(table, unranked=""), list(table.index)) for table in drawn]
     assert any(said != would for said, would in zip(takeaways, ranked, strict=True))

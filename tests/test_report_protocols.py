@@ -227,7 +227,7 @@ def test_the_haystack_figure_draws_rank_accuracy_with_the_chance_level_and_says_
     from tests.test_report_figures import drawn_lines, summary_of
 
     summary = summary_of(new_protocol_runs(tmp_path / "runs"))
-    fig = figures.retrieval_vs_length(summary)
+    fig = figures.lengths.retrieval_vs_length(summary)
     (ax,) = [ax for ax in fig.axes if ax.has_data()]
     assert {entry for _, entry, *_ in drawn_lines(fig)} == {"rope", "alibi"}
     assert ax.get_ylabel() == "rank accuracy %" and ax.get_yscale() == "linear"
@@ -235,7 +235,7 @@ def test_the_haystack_figure_draws_rank_accuracy_with_the_chance_level_and_says_
     assert len(chance) == 1  # the chance level, a horizontal line at 20%
     assert "at 2x L_train: alibi 40% rank accuracy; rope 30% (chance 20%)" in ax.get_title().replace("\n", " ")
     assert "chance level" in fig.get_suptitle()
-    files = figures.drawn_files("*_depth.png", figures.depth_heatmaps(summary))
+    files = figures.drawn_files("*_depth.png", figures.depth.depth_heatmaps(summary))
     assert [name for name, _ in files] == ["niah_single_depth.png"]
     heatmap = files[0][1]
     titles = [ax.get_title().replace("\n", " ") for ax in heatmap.axes if ax.get_title()]

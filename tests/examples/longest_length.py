@@ -1,8 +1,8 @@
 """The example figure of docs/adding/figure.md (shown there between the section markers)."""
 
 # --8<-- [start:figure]
-from lenext.report import pyplot
-from lenext.report.figures import pe_colour
+from lenext.report.figures.registry import pyplot
+from lenext.report.figures.style import pe_colour
 
 
 def longest_length(summary):

@@ -246,7 +246,6 @@ class LMDataModule(L.LightningDataModule):
             with preparing(os.path.dirname(self.tokenizer_path), f".{key}.lock"):
                 if not os.path.exists(self.tokenizer_path):
                     tokenizer = train_tokenizer(documents(), self.requested_vocab)
-                    self._refuse_a_smaller_vocabulary(tokenizer)
                     with atomic_path(self.tokenizer_path) as tmp:
                         tokenizer.save(tmp)
                     self._made.append(f"tokenizers/{key}.json")
@@ -261,22 +260,28 @@ class LMDataModule(L.LightningDataModule):
             write_atomic(index, key)
             self._made.append(os.path.relpath(index, self.cache_dir))
         self.start_token = self.tokenizer.token_to_id(EOS)
+        self._warn_of_a_smaller_vocabulary()
         return key
 
-    def _refuse_a_smaller_vocabulary(self, tokenizer) -> None:
-        """A ConfigError where the BPE stopped short of ``data.vocab_size`` (its text has too few distinct pairs to
-        merge): the model would have a vocabulary other than the one asked for."""
-        learned = tokenizer.get_vocab_size()
+    def _warn_of_a_smaller_vocabulary(self) -> None:
+        """A warning, each time it is loaded, where the BPE stopped short of ``data.vocab_size`` (its text had no pair
+        left to merge): the model's vocabulary is what it learned, as the tokenizers library takes its size for a
+        most, not the size asked for."""
+        learned = self.tokenizer.get_vocab_size()
         if learned < self.requested_vocab:
             text = (
                 "the whole training split"
                 if self.tokenizer_sample_mb is None
                 else (f"data.tokenizer_sample_mb={self.tokenizer_sample_mb} of the training split")
             )
-            raise ConfigError(
-                f"data.vocab_size={self.requested_vocab} is more than the BPE learns from {text} of "
-                f"{self.corpus.name}: it stops at {learned:,} tokens; raise data.tokenizer_sample_mb or set "
-                f"data.vocab_size <= {learned}"
+            log.warning(
+                "data.vocab_size=%d: the BPE learned %s tokens from %s of %s (no pair left to merge): the model's "
+                "vocabulary is %s tokens; more text (data.tokenizer_sample_mb) would learn more",
+                self.requested_vocab,
+                f"{learned:,}",
+                text,
+                self.corpus.name,
+                f"{learned:,}",
             )
 
     def _prepare(self, split: str, tokenizer_key: str) -> Split:
