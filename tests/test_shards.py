@@ -891,6 +891,19 @@ def test_a_push_the_store_refuses_is_named_and_leaves_no_partial_file(tmp_path):
     fs, root = fsspec.core.url_to_fs(url)
     assert [path for path in fs.find(root) if path.endswith(".partial")] == []
 
+    class CopyThenFail(MemoryFileSystem):  # s3fs's mv: a copy, then a delete, which a store may refuse
+        protocol = "copythenfail"
+
+        def mv(self, path1, path2, **kwargs):
+            self.copy(path1, path2)
+            raise PermissionError("delete denied")
+
+    fsspec.register_implementation("copythenfail", CopyThenFail, clobber=True)
+    copying = RemoteCache(memory_remote("copy-then-fail").replace("memory://", "copythenfail://"))
+    copying.refuse_unwritable()  # what push takes for written, the write check takes too
+    copying.push(str(tmp_path), "tokenizers/t.json")
+    assert copying._exists("tokenizers/t.json")
+
 
 def test_a_remote_is_not_part_of_what_a_run_is():
     """Where prepared data is fetched from does not change it: a run resumes, skips and pools over seeds with or

@@ -101,7 +101,9 @@ def build_decoder(config: dict, train_len: int, reach: int, vocab_size: int):
 def refuse_a_model_beyond_memory(net, config: dict) -> None:
     """A ConfigError where ``net``'s weights alone (built on the meta device: nothing allocated) exceed this
     machine's memory: every process builds its model whole in host memory first, so the run could only fail, with
-    an allocation traceback. The largest tensor says which group's sizes (``config``'s ``model`` or ``pe``) to lower."""
+    an allocation traceback. A lower bound of what a run needs (no gradients, optimizer state, other ranks; the
+    resolver's vocabulary of 256), so only a run that cannot fit is refused. The largest tensor says which group's
+    sizes (``config``'s ``model`` or ``pe``) to lower."""
     tensors = dict(net.named_buffers()) | dict(net.named_parameters())
     sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}
     memory = physical_memory()
@@ -110,8 +112,9 @@ def refuse_a_model_beyond_memory(net, config: dict) -> None:
         largest = max(sizes, key=sizes.get)
         group = "pe" if largest.startswith("pe.") or ".pe." in largest else "model"
         sized = [f"{group}.{k}={v}" for k, v in config[group].items() if isinstance(v, int) and not isinstance(v, bool)]
+        settings = ", ".join(sized) or f"of {group}"
         raise ConfigError(
-            f"the settings {', '.join(sized) or group} build a model of {total / 2**30:,.0f} GiB of weights (its "
+            f"the settings {settings} build a model of {total / 2**30:,.0f} GiB of weights (its "
             f"largest tensor, {largest}, is {tuple(tensors[largest].shape)}), more than this machine's "
             f"{memory / 2**30:,.0f} GiB of memory: they must be smaller"
         )

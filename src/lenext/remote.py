@@ -54,13 +54,14 @@ class RemoteCache:
             with tempfile.NamedTemporaryFile() as empty:
                 self._upload(empty.name, probe)
         except Exception as e:  # noqa: BLE001 (each store has its own: botocore's, google-auth's, HTTP errors)
-            raise ConfigError(
-                f"data.remote={self.url!r} cannot be written ({type(e).__name__}: {first_line(e)}): this machine "
-                "prepares what neither its cache nor the remote holds and pushes it there; it must be a store this "
-                "machine can write, or one that holds the prepared corpus (or unset data.remote to prepare here only)"
-            ) from None
-        with contextlib.suppress(Exception):  # a store that takes writes but not deletes keeps it
-            self.fs.rm_file(probe)
+            if not self._landed(probe):  # push takes a landed file too: s3fs's mv copies, then may fail to delete
+                raise ConfigError(
+                    f"data.remote={self.url!r} cannot be written ({type(e).__name__}: {first_line(e)}): this machine "
+                    "prepares what neither its cache nor the remote holds and pushes it there; it must be a store "
+                    "this machine can write, or one that holds the prepared corpus (or unset data.remote to prepare "
+                    "here only)"
+                ) from None
+        self._remove(probe)
 
     def pull_file(self, cache_dir: str, relative: str) -> None:
         """The remote's copy of a file into the cache, if the cache lacks it and the remote has it."""
@@ -89,22 +90,34 @@ class RemoteCache:
             try:
                 self._upload(os.path.join(cache_dir, file), self._path(file))
             except Exception as e:  # noqa: BLE001 (a store's own errors): another machine's copy may have landed first
-                if not self._exists(file):
+                if not self._landed(self._path(file)):
                     raise DataError(
                         f"data.remote: {self.url}/{file} could not be written ({type(e).__name__}: {first_line(e)})"
                     ) from None
 
     def _upload(self, local: str, target: str) -> None:
-        """The local file onto the remote at ``target``, under a name of its own until whole (none left if it fails)."""
+        """The local file onto the remote at ``target``, under a name of its own until whole (removed if it fails,
+        where the store allows)."""
         partial = f"{target}.{uuid.uuid4().hex}.partial"
         try:
             self.fs.makedirs(target.rpartition("/")[0], exist_ok=True)
             self.fs.put_file(local, partial)
             self.fs.mv(partial, target)
         except Exception:
-            with contextlib.suppress(Exception):
-                self.fs.rm_file(partial)
+            self._remove(partial)
             raise
+
+    def _landed(self, path: str) -> bool:
+        """Whether the remote holds ``path``, False where it cannot say."""
+        try:
+            return self.fs.exists(path)
+        except Exception:  # noqa: BLE001 (each store has its own errors)
+            return False
+
+    def _remove(self, path: str) -> None:
+        """``path`` removed from the remote, where the store allows (one that takes writes but not deletes keeps it)."""
+        with contextlib.suppress(Exception):
+            self.fs.rm_file(path)
 
     def _path(self, relative: str) -> str:
         return f"{self.root}/{relative}"

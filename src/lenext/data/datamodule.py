@@ -166,6 +166,8 @@ class LMDataModule(L.LightningDataModule):
                     hint = self.corpus.empty_split_hint()
                     raise DataError(f"corpus {self.corpus.name!r} has no {split} documents: check data.corpus{hint}")
             key = self.load_tokenizer()
+        if not self.tokenizer_source:
+            self._warn_of_a_smaller_vocabulary()
         self.shards = {split: self._prepare(split, key) for split in SPLITS}
         if self.remote:  # what this process made, for the other machines
             for relative in self._made:
@@ -260,29 +262,29 @@ class LMDataModule(L.LightningDataModule):
             write_atomic(index, key)
             self._made.append(os.path.relpath(index, self.cache_dir))
         self.start_token = self.tokenizer.token_to_id(EOS)
-        self._warn_of_a_smaller_vocabulary()
         return key
 
     def _warn_of_a_smaller_vocabulary(self) -> None:
-        """A warning, each time it is loaded, where the BPE stopped short of ``data.vocab_size`` (its text had no pair
-        left to merge): the model's vocabulary is what it learned, as the tokenizers library takes its size for a
-        most, not the size asked for."""
-        learned = self.tokenizer.get_vocab_size()
-        if learned < self.requested_vocab:
-            text = (
-                "the whole training split"
-                if self.tokenizer_sample_mb is None
-                else (f"data.tokenizer_sample_mb={self.tokenizer_sample_mb} of the training split")
-            )
-            log.warning(
-                "data.vocab_size=%d: the BPE learned %s tokens from %s of %s (no pair left to merge): the model's "
-                "vocabulary is %s tokens; more text (data.tokenizer_sample_mb) would learn more",
-                self.requested_vocab,
-                f"{learned:,}",
-                text,
-                self.corpus.name,
-                f"{learned:,}",
-            )
+        """A warning, in each run that loads it, where the BPE stopped short of ``data.vocab_size`` (its text had no
+        pair left to merge): the model's vocabulary is what it learned, as the tokenizers library takes the size for
+        a most, not the size asked for."""
+        if self.vocab_size >= self.requested_vocab:
+            return
+        if self.tokenizer_sample_mb is None:
+            text, more = "the whole training split", "a larger corpus would learn more"
+        else:
+            text = f"data.tokenizer_sample_mb={self.tokenizer_sample_mb} of the training split"
+            more = "more text (data.tokenizer_sample_mb) would learn more"
+        log.warning(
+            "data.vocab_size=%d: the BPE learned %s tokens from %s of %s (no pair left to merge): the model's "
+            "vocabulary is %s tokens; %s",
+            self.requested_vocab,
+            f"{self.vocab_size:,}",
+            text,
+            self.corpus.name,
+            f"{self.vocab_size:,}",
+            more,
+        )
 
     def _prepare(self, split: str, tokenizer_key: str) -> Split:
         """The split's shards: reused, completed after a kill, or written."""
