@@ -169,3 +169,19 @@ def test_keys_widen_to_a_few_widths_by_less_than_one_step_within_the_length(leng
     with precision_autocast(torch.device("cpu"), "bf16-mixed"):
         assert widened_end(0, 1, length, queries.float()) == widened[0]
     assert all(widened_end(0, end, length, queries.float()) == end for end in range(1, length + 1))
+
+
+def test_an_unwidened_keys_product_is_no_view():
+    """Where nothing is widened (fp32) the product is returned as made: the explicit path scales it in place
+    (``mul_``), which on a view autograd serves with a copy in the backward. That copy cost CoPE's fp32 training
+    about 5% (0.36 against 0.38 of NoPE over seven alternated pairs; docs/performance.md). Widened (bf16 on a CPU),
+    the products are cut back to the keys asked for."""
+    from lenext.pe.base import keys_product
+
+    queries, keys = torch.randn(1, 2, 8, 4, requires_grad=True), torch.randn(1, 2, 64, 4)
+    product = keys_product(queries, keys, 0, 40)
+    assert not product._is_view() and product.shape[-1] == 40
+    torch.testing.assert_close(product, queries @ keys[..., :40, :].transpose(-2, -1))
+    with precision_autocast(torch.device("cpu"), "bf16-mixed"):
+        widened = keys_product(queries, keys, 0, 41)  # over 44 keys (64 / KEY_WIDTHS = 4 a step)
+    assert widened.shape[-1] == 41 and widened._is_view()

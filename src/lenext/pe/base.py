@@ -80,7 +80,9 @@ def keys_product(queries: torch.Tensor, keys: torch.Tensor, first: int, end: int
     """queries (..., rows, d) @ keys[..., first:end, :]^T (..., L, d): (..., rows, end - first), taken over the
     widened keys (``widened_end``) and cut back."""
     last = widened_end(first, end, keys.size(-2), queries)
-    return (queries @ keys[..., first:last, :].transpose(-2, -1))[..., : end - first]
+    product = queries @ keys[..., first:last, :].transpose(-2, -1)
+    # not a view where nothing was widened: an in-place op on a view (the caller's mul_) costs a copy in the backward
+    return product if last == end else product[..., : end - first]
 
 
 def values_product(weights: torch.Tensor, values: torch.Tensor, first: int, end: int) -> torch.Tensor:
