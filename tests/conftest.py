@@ -1,11 +1,16 @@
 """Shared fixtures: composed configs (as lightning-hydra-template does) and one tokenized corpus."""
 
+import atexit
 import itertools
 import os
+import shutil
 import tempfile
 
-# transformers copies a remote-code model's files here (lenext's exports): one folder per test process, not ~/.cache.
-os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="hf-modules-"))
+# transformers copies a remote-code model's files here (lenext's exports): one folder per test process, not ~/.cache,
+# removed when the process ends.
+if "HF_MODULES_CACHE" not in os.environ:
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="hf-modules-")
+    atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
 from importlib import resources
 from pathlib import Path
 

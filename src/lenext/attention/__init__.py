@@ -1,24 +1,27 @@
-"""The one attention call site, ``causal_attention``: it picks the cheapest exact path for the PE.
+"""The one attention call site, ``causal_attention``: the first of ``FUSED_PATHS`` that serves the call computes
+it, else ``explicit``.
 
-Which path runs follows from the forms of score bias the PE provides (``lenext.pe.base``;
-docs/pes/index.md, "Attention paths"), never from its name:
+A fused path is a function of the call (``AttentionCall``) that returns its output, or None where it does not serve
+it exactly. Which one serves follows from the forms of score bias the PE provides (``lenext.pe.base``;
+docs/pes/index.md, "Attention paths"), never from its name. In order, cheapest first:
 
-- no score bias (NoPE, APEs, RoPE): SDPA ``is_causal``;
-- while training on CUDA under bf16 (or fp16) with fla installed, log gates (FoX's) and Householder products
-  (PaTH's), alone or together, and stick-breaking of q . k alone: fla's kernels (``fla_kernels``);
-- CoPE's logit term alone, on CUDA under bf16 (or fp16): lenext's CoPE kernel (``contextual``), its scores kept
-  on chip;
-- a key bias that needs a gradient (FoX's), but on CUDA in fp32: SDPA ``is_causal`` in fp32 (also under bf16), the
-  bias as an extra channel of q and k;
-- on CUDA, biases that each have a ``score_mod``, a key or a band form, and any sliding window (as a block mask):
-  compiled FlexAttention, no (L, L) tensor; one band bias with a value term of the band (Shaw's a^V): flex with its
-  log-sum-exp, from which the band's weights and the value term follow;
-- a key bias (ALiBi): a (B or 1, H, 1, L) fp32 mask on SDPA's fused causal kernel;
-- a band bias (T5, Shaw), with a value term of the band or not, on CPU: ``BandedAttention``, the fused causal flash
-  kernel for the keys beyond the band (bias 0) and the W band keys scored directly, in O(L W) extra memory;
-- otherwise (a pair bias: KERPLE, FIRE; a value term beside other biases; logits the PE computes itself:
-  Self-Extend; a window on CPU; no fused kernel): explicit scores in query blocks, so no (L, L) tensor at once.
-The PE gives biases; every mask (causal, the band's, a window's) is built here or in ``flex``.
+- ``sdpa_causal``: no score bias (NoPE, APEs, RoPE): SDPA ``is_causal``;
+- ``fla_path``: while training on CUDA under bf16 (or fp16) with fla installed, log gates (FoX's) and Householder
+  products (PaTH's), alone or together, and stick-breaking of q . k alone: fla's kernels (``fla_kernels``);
+- ``contextual_path``: CoPE's logit term alone, on CUDA under bf16 (or fp16): lenext's CoPE kernel
+  (``contextual``), its scores kept on chip;
+- ``key_channels``: a key bias that needs a gradient (FoX's), but on CUDA in fp32: SDPA ``is_causal`` in fp32
+  (also under bf16), the bias as an extra channel of q and k;
+- ``flex_band_values``, ``flex_path``: on CUDA, one band bias with a value term of the band (Shaw's a^V), flex
+  with its log-sum-exp; biases that each have a ``score_mod``, a key or a band form, and any sliding window (as a
+  block mask): compiled FlexAttention, no (L, L) tensor;
+- ``sdpa_key_mask``: a key bias (ALiBi): a (B or 1, H, 1, L) fp32 mask on SDPA's fused causal kernel;
+- ``banded``: a band bias (T5, Shaw), with a value term of the band or not, on CPU: ``BandedAttention``, the fused
+  causal flash kernel for the keys beyond the band (bias 0) and the W band keys scored directly, O(L W) memory;
+- ``explicit``, the rest (a pair bias: KERPLE, FIRE; a value term beside other biases; logits the PE computes
+  itself: Self-Extend; a window on CPU; no fused kernel): explicit scores in query blocks, no (L, L) tensor.
+The PE gives biases; every mask (causal, the band's, a window's) is built here or in ``flex``. A new kernel is a
+path function and its place in ``FUSED_PATHS``.
 
 The kernels live beside it: ``band`` (BandedAttention, CPU), ``flex`` (FlexAttention, CUDA), ``fla_kernels``
 (fla's Triton kernels, CUDA), ``contextual`` (lenext's CoPE kernel in Triton, CUDA).
@@ -200,7 +203,8 @@ def causal_attention(
     row_scale: torch.Tensor | None = None,
     stick_breaking: bool = False,
 ) -> torch.Tensor:
-    """Causal attention with a layer's score terms, on the cheapest path that is exact.
+    """Causal attention with a layer's score terms, on the first of ``FUSED_PATHS`` that serves them exactly, else
+    on the explicit path.
 
     q, k: (B, H, L, d_qk), v: (B, H, L, d_head) -> (B, H, L, d_head); d_qk >= d_head (PoPE's q and k are twice as
     wide), the logits scaled by 1/sqrt(d_qk). ``window``: each query sees its last ``window`` keys
@@ -208,106 +212,239 @@ def causal_attention(
     multiplied by it (SSMax); ``stick_breaking``: the weights by stick-breaking instead of softmax
     (``AttentionSettings``).
     """
-    biases, value_term, logits = terms.biases, terms.value, terms.logits
     width = v.size(-1)
     # q, k wider than v (PoPE): every path then sees one head dim, which the fused kernels need (the explicit ones
     # pay the zero channels; a value term is v's width, so it keeps the explicit path unpadded)
-    if q.size(-1) > width and value_term is None:
+    if q.size(-1) > width and terms.value is None:
         v = F.pad(v, (0, q.size(-1) - width))
         return causal_attention(q, k, v, terms, window, row_scale, stick_breaking)[..., :width]
-    if stick_breaking and not all(b.pair for b in biases):  # SelfAttention refuses it at build time first
+    if stick_breaking and not all(b.pair for b in terms.biases):  # SelfAttention refuses it at build time first
         raise ConfigError(
             "attention.normalizer=stick_breaking is invalid with this PE: a bias given up to a per-row constant "
             "(without a pair form), which softmax ignores and stick-breaking does not"
         )
-    if stick_breaking and value_term is not None:
+    if stick_breaking and terms.value is not None:
         raise ConfigError(
             "attention.normalizer=stick_breaking is invalid with a value term (Shaw's a^V): its band form needs "
             "a row's weights to sum to 1, and stick-breaking's do not"
         )
     if row_scale is not None:
-        q = q * row_scale.to(q.dtype)  # exact for q.k; each bias path below scales its bias too, or is not taken
+        q = q * row_scale.to(q.dtype)  # exact for q.k; each bias path scales its bias too, or does not serve
     if window is not None and window >= q.size(-2):
         window = None  # every row sees all its keys
-    # scores of q . k or the PE's logits, plus biases alone: what fused kernels compute (recording needs the explicit
-    # path's weights); scores_only: bare under softmax (fla's kernel is stick-breaking's only fused path)
-    unrecorded = len(terms.logit_terms) == 0 and _recorder is None
-    bare = unrecorded and value_term is None
-    scores_only = bare and not stick_breaking
-    plain = scores_only and logits is None
-    fused = plain and window is None
-    if fused and not biases:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    # a value term of the band beside one band bias (Shaw's a^V): it needs only the band's weights, which the band's
-    # fused paths have (BandedAttention's band, flex's log-sum-exp)
-    band_values = (
-        value_term is not None
-        and unrecorded
-        and not stick_breaking
-        and logits is None
-        and window is None
-        and row_scale is None
-        and len(biases) == 1
-        and biases[0].band is not None
-        and q.size(-1) == width
-    )
-    if band_values and flex_available(q):
-        return band_values_attention(flex_kernel(), q, k, v, *matched_bands(biases[0].band(), value_term))
-    if bare and row_scale is None and torch.is_grad_enabled() and fla_serves(q, terms, window, stick_breaking):
-        return fla_attention(q, k, v, terms, window, stick_breaking)
-    if contextual_serves(q, terms, window, row_scale, stick_breaking):
-        return contextual_kernel()(q, k, v, terms.contextual())
-    length = q.size(-2)
-    flex = plain and row_scale is None and flex_available(q) and all(b.flex or b.key or b.band for b in biases)
-    # The keys' sum, unless flex takes every bias by its own score_mod (ALiBi's on CUDA)
-    keyed = fused and row_scale is None and all(b.key for b in biases) and not (flex and all(b.flex for b in biases))
-    key = sum(b.key(0, length) for b in biases) if keyed else None  # (B or 1, H, 1, L)
-    if key is not None and key.requires_grad and torch.is_grad_enabled() and not (flex and q.dtype.itemsize >= 4):
-        # flex in fp32 only: from bf16 scores its gradient of FoX's gate bias is 80% off (docs/performance.md)
-        return key_bias_channels_attention(q, k, v, key)
-    if flex:  # a key bias without a score_mod of its own (FoX's) as one; CUDA's SDPA takes no mask with is_causal
-        if key is not None and not any(b.flex for b in biases):
-            score_mods = [key_score_mod(key)]  # the keys' sum, made above
-        else:
-            score_mods = [flex_score_mod(b, length) for b in biases]
-        if all(score_mods):  # a PE may have no score_mod for these positions (FIRE past its threshold)
-            mask = (
-                causal_block_mask(length, q.device) if window is None else window_block_mask(length, window, q.device)
-            )
-            score_mod = summed_score_mods(score_mods) if score_mods else None
-            return flex_kernel()(q, k, v, score_mod=score_mod, block_mask=mask)
-    if key is not None and fused_mask_with_causal(q.device.type):
-        # O(L) memory at any length; a strided mask (FoX's, a view of (B, L, H) gates) sends SDPA to (H, L, L) scores
-        return _sdpa_keep_mask(q, k, v, attn_mask=key.contiguous(), is_causal=True)
-    # BandedAttention computes in fp32: a float64 model (the oracles' reference) takes the explicit path
-    if (
-        (fused or band_values)
-        and len(biases) == 1
-        and biases[0].band
-        and q.device.type == "cpu"
-        and q.dtype != torch.float64
-        and cpu_flash()
-    ):
-        band = biases[0].band()  # (B or 1, H, L, W)
-        with torch.autocast(q.device.type, enabled=False):  # the band products stay fp32 under bf16
-            if value_term is None:
-                return BandedAttention.apply(q, k, v, band if row_scale is None else band * row_scale)
-            band, value_term = matched_bands(band, value_term)
-            return (BandedAttention.apply(q, k, v, band, value_term.band) + value_term.far).to(q.dtype)
-    bias = explicit_bias(biases, q, window, row_scale)
-    return _blocked_attention(q, k, v, bias, value_term, logits, row_scale, window, terms.logit_terms, stick_breaking)
+    call = AttentionCall.of(q, k, v, terms, window, row_scale, stick_breaking)
+    for path in FUSED_PATHS:
+        out = path(call)
+        if out is not None:
+            return out
+    return explicit(call)
 
 
-def contextual_serves(q, terms: ScoreTerms, window, row_scale, stick_breaking: bool) -> bool:
-    """Whether lenext's CoPE kernel computes attention with these terms: CoPE's logit term alone on the scores (no
-    bias, value term, logits of a PE's own, window, row scale or recording), under softmax, a head dim the kernel
-    has tiles for, where Triton kernels serve q's device and dtype (``triton_serves``) and Triton is installed."""
+@dataclass(frozen=True)
+class AttentionCall:
+    """One ``causal_attention`` call as the paths see it: q already scaled by ``row_scale``, a window shorter than
+    the sequence (else None), and ``key``, the sum of the key biases' key forms (B or 1, H, 1, L), where a fused
+    kernel may take the biases as one key bias (else None)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    terms: ScoreTerms
+    window: int | None
+    row_scale: torch.Tensor | None
+    stick_breaking: bool
+    key: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, q, k, v, terms: ScoreTerms, window, row_scale, stick_breaking: bool) -> "AttentionCall":
+        call = cls(q, k, v, terms, window, row_scale, stick_breaking)
+        biases = terms.biases
+        # the keys' sum, unless flex takes every bias by its own score_mod (ALiBi's on CUDA)
+        keyed = call.fused and row_scale is None and len(biases) > 0 and all(b.key for b in biases)
+        if not keyed or (call.flex and all(b.flex for b in biases)):
+            return call
+        key = sum(b.key(0, q.size(-2)) for b in biases)
+        return cls(q, k, v, terms, window, row_scale, stick_breaking, key)
+
+    @property
+    def unrecorded(self) -> bool:
+        """No logit term and no recording: fused kernels compute the scores of q . k or the PE's logits, plus
+        biases (recording needs the explicit path's weights)."""
+        return len(self.terms.logit_terms) == 0 and _recorder is None
+
+    @property
+    def bare(self) -> bool:
+        """Unrecorded, without a value term: under either normalizer (fla's kernel is stick-breaking's only
+        fused path)."""
+        return self.unrecorded and self.terms.value is None
+
+    @property
+    def plain(self) -> bool:
+        """Bare under softmax, on q . k plus biases (no logits of the PE's own)."""
+        return self.bare and not self.stick_breaking and self.terms.logits is None
+
+    @property
+    def fused(self) -> bool:
+        """Plain, on every key before each query (no window)."""
+        return self.plain and self.window is None
+
+    @property
+    def band_values(self) -> bool:
+        """A value term of the band beside one band bias (Shaw's a^V), alone: it needs only the band's weights,
+        which the band's fused paths have (BandedAttention's band, flex's log-sum-exp)."""
+        biases = self.terms.biases
+        return (
+            self.terms.value is not None
+            and self.unrecorded
+            and not self.stick_breaking
+            and self.terms.logits is None
+            and self.window is None
+            and self.row_scale is None
+            and len(biases) == 1
+            and biases[0].band is not None
+            and self.q.size(-1) == self.v.size(-1)
+        )
+
+    @property
+    def flex(self) -> bool:
+        """Compiled FlexAttention may take the call: plain, no row scale, on CUDA, every bias with a score_mod of
+        its own or a key or band form to make one of."""
+        plain = self.plain and self.row_scale is None and flex_available(self.q)
+        return plain and all(b.flex or b.key or b.band for b in self.terms.biases)
+
+
+def sdpa_causal(call: AttentionCall) -> torch.Tensor | None:
+    """No score bias (NoPE, APEs, RoPE): SDPA ``is_causal``."""
+    if call.fused and not call.terms.biases:
+        return F.scaled_dot_product_attention(call.q, call.k, call.v, is_causal=True)
+    return None
+
+
+def fla_path(call: AttentionCall) -> torch.Tensor | None:
+    """While training on CUDA under bf16 (or fp16) with fla installed: FoX's log gates and PaTH's Householder
+    products, alone or together, and stick-breaking of q . k alone, by fla's kernels."""
+    served = call.bare and call.row_scale is None and torch.is_grad_enabled()
+    if served and fla_serves(call.q, call.terms, call.window, call.stick_breaking):
+        return fla_attention(call.q, call.k, call.v, call.terms, call.window, call.stick_breaking)
+    return None
+
+
+def contextual_path(call: AttentionCall) -> torch.Tensor | None:
+    """CoPE's logit term alone on the scores (no bias, value term, logits of a PE's own, window, row scale or
+    recording), under softmax, a head dim the kernel has tiles for, where Triton kernels serve q's device and dtype
+    (``triton_serves``), Triton installed: lenext's CoPE kernel, its scores kept on chip."""
+    terms = call.terms
     if terms.contextual is None:
-        return False
+        return None
     # len(), not truthiness: dynamo does not trace ``not`` of a tuple of functions (a block compiles whole)
     alone = len(terms.biases) == 0 and terms.value is None and terms.logits is None and len(terms.logit_terms) == 1
-    plain = alone and window is None and row_scale is None and not stick_breaking and _recorder is None
-    return plain and q.size(-1) in CONTEXTUAL_HEAD_DIMS and triton_serves(q) and contextual_kernel() is not None
+    plain = alone and call.window is None and call.row_scale is None and not call.stick_breaking
+    served = plain and _recorder is None and call.q.size(-1) in CONTEXTUAL_HEAD_DIMS and triton_serves(call.q)
+    if served and contextual_kernel() is not None:
+        return contextual_kernel()(call.q, call.k, call.v, terms.contextual())
+    return None
+
+
+def key_channels(call: AttentionCall) -> torch.Tensor | None:
+    """A key bias that needs a gradient (FoX's), in fp32 where flex would compute it from bf16 scores (whose
+    gradient of FoX's gate bias is 80% off: docs/performance.md): SDPA ``is_causal``, the bias an extra channel of
+    q and k (``key_bias_channels_attention``)."""
+    key = call.key
+    if key is None or not key.requires_grad or not torch.is_grad_enabled():
+        return None
+    if call.flex and call.q.dtype.itemsize >= 4:
+        return None
+    return key_bias_channels_attention(call.q, call.k, call.v, key)
+
+
+def flex_band_values(call: AttentionCall) -> torch.Tensor | None:
+    """One band bias with a value term of the band (Shaw's a^V) on CUDA: flex with its log-sum-exp, from which the
+    band's weights and the value term follow."""
+    if call.band_values and flex_available(call.q):
+        band, values = matched_bands(call.terms.biases[0].band(), call.terms.value)
+        return band_values_attention(flex_kernel(), call.q, call.k, call.v, band, values)
+    return None
+
+
+def flex_path(call: AttentionCall) -> torch.Tensor | None:
+    """On CUDA, biases that each have a ``score_mod``, a key or a band form, and any sliding window (as a block
+    mask): compiled FlexAttention, no (L, L) tensor. A key bias without a score_mod of its own (FoX's) as one: CUDA's
+    SDPA takes no mask with is_causal."""
+    if not call.flex:
+        return None
+    biases, length = call.terms.biases, call.q.size(-2)
+    if call.key is not None and not any(b.flex for b in biases):
+        score_mods = [key_score_mod(call.key)]
+    else:
+        score_mods = [flex_score_mod(b, length) for b in biases]
+    if not all(score_mods):  # a PE may have no score_mod for these positions (FIRE past its threshold)
+        return None
+    if call.window is None:
+        mask = causal_block_mask(length, call.q.device)
+    else:
+        mask = window_block_mask(length, call.window, call.q.device)
+    score_mod = summed_score_mods(score_mods) if score_mods else None
+    return flex_kernel()(call.q, call.k, call.v, score_mod=score_mod, block_mask=mask)
+
+
+def sdpa_key_mask(call: AttentionCall) -> torch.Tensor | None:
+    """A key bias (ALiBi's): a (B or 1, H, 1, L) fp32 mask on SDPA's fused causal kernel, O(L) memory at any
+    length, where the device's SDPA takes a mask with is_causal."""
+    if call.key is None or not fused_mask_with_causal(call.q.device.type):
+        return None
+    # a strided mask (FoX's, a view of (B, L, H) gates) sends SDPA to (H, L, L) scores
+    return _sdpa_keep_mask(call.q, call.k, call.v, attn_mask=call.key.contiguous(), is_causal=True)
+
+
+def banded(call: AttentionCall) -> torch.Tensor | None:
+    """One band bias (T5, Shaw), with a value term of the band or not, on CPU: ``BandedAttention``, the fused causal
+    flash kernel for the keys beyond the band (bias 0) and the W band keys scored directly, in O(L W) extra memory.
+    It computes in fp32: a float64 model (the oracles' reference) takes the explicit path."""
+    biases, q = call.terms.biases, call.q
+    one_band = len(biases) == 1 and biases[0].band is not None
+    if not ((call.fused or call.band_values) and one_band and q.device.type == "cpu" and q.dtype != torch.float64):
+        return None
+    if not cpu_flash():
+        return None
+    band = biases[0].band()  # (B or 1, H, L, W)
+    with torch.autocast(q.device.type, enabled=False):  # the band products stay fp32 under bf16
+        if call.terms.value is None:
+            scaled = band if call.row_scale is None else band * call.row_scale
+            return BandedAttention.apply(q, call.k, call.v, scaled)
+        band, values = matched_bands(band, call.terms.value)
+        return (BandedAttention.apply(q, call.k, call.v, band, values.band) + values.far).to(q.dtype)
+
+
+def explicit(call: AttentionCall) -> torch.Tensor:
+    """Any call (a pair bias: KERPLE, FIRE; a value term beside other biases; logits the PE computes itself:
+    Self-Extend; a window on CPU; no fused kernel): explicit scores in query blocks, so no (L, L) tensor at once."""
+    terms = call.terms
+    bias = explicit_bias(terms.biases, call.q, call.window, call.row_scale)
+    return _blocked_attention(
+        call.q,
+        call.k,
+        call.v,
+        bias,
+        terms.value,
+        terms.logits,
+        call.row_scale,
+        call.window,
+        terms.logit_terms,
+        call.stick_breaking,
+    )
+
+
+# The fused paths, cheapest first: ``causal_attention`` takes the first whose output is not None, else ``explicit``.
+FUSED_PATHS: tuple[Callable[[AttentionCall], torch.Tensor | None], ...] = (
+    sdpa_causal,
+    fla_path,
+    contextual_path,
+    key_channels,
+    flex_band_values,
+    flex_path,
+    sdpa_key_mask,
+    banded,
+)
 
 
 @cache
