@@ -519,6 +519,26 @@ def test_diagnose_into_a_runs_folder_is_refused_before_anything_there_changes(tr
     assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == files
 
 
+def test_a_diagnose_sweep_into_a_training_sweeps_folder_is_refused_naming_the_sweep_before_any_job(
+    trained_run, tmp_path
+):
+    """Refused job by job, a diagnose.py sweep into a training sweep's folder named hydra.run.dir, which the user had
+    not set, and told them to set it; it names hydra.sweep.dir now, before the first job, as eval.py's sweep does."""
+    run = tmp_path / "sweep" / "0"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("pe: rope\n")
+    (run / "results.json").write_text(json.dumps({"complete": True, "meta": {"row": "rope", "seed": 0}, "rows": []}))
+    environment = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"LENEXT_ROOT": str(tmp_path)}
+    arguments = ["-m", f"hydra.sweep.dir={run.parent}", f"ckpt={trained_run}", "lengths=[32]", "windows=1"]
+    done = run_command("diagnose.py", arguments, environment, tmp_path)
+    assert done.returncode == 1 and done.stderr.splitlines() == [
+        f"error: hydra.sweep.dir={run.parent} holds a lenext run's {run / 'results.json'}, whose record of its "
+        "command (.hydra/) this diagnosis would replace: give it another folder (hydra.sweep.dir=...)"
+    ]
+    assert sorted(os.listdir(run)) in ([".hydra", "results.json"], [".hydra", ".lenext.lock", "results.json"])
+    assert (run / ".hydra" / "config.yaml").read_text() == "pe: rope\n"
+
+
 def test_diagnose_py_answers_bad_input_in_one_line_and_has_help(tmp_path):
     environment = {**os.environ, "LENEXT_ROOT": str(tmp_path)}
     environment.pop("HYDRA_FULL_ERROR", None)

@@ -47,7 +47,6 @@ from lenext.pe.base import PositionalEncoding
 from lenext.positions import PositionScheme, generator, window_positions
 from lenext.protocols import cap_windows
 from lenext.ranges import PositiveFloat, PositiveInt
-from lenext.results import RESULTS_FILE
 
 log = logging.getLogger("lenext")
 
@@ -402,13 +401,9 @@ def diagnose(cfg: DictConfig) -> str:
     from lenext.build import instantiate
     from lenext.checkpoints import stored_spec
     from lenext.evaluate import evaluation_positions
-    from lenext.run_folder import record_command
+    from lenext.run_folder import record_command, refuse_a_runs_folder
 
-    if os.path.exists(os.path.join(cfg.paths.output_dir, RESULTS_FILE)):  # its .hydra/ would become this command's
-        raise ConfigError(
-            f"hydra.run.dir={cfg.paths.output_dir} holds a lenext run's {RESULTS_FILE}, whose record of its command "
-            "(.hydra/) this diagnosis would replace: give it another folder (hydra.run.dir=<run>/diagnostics)"
-        )
+    refuse_a_runs_folder(cfg.paths.output_dir)  # a sweep's job folders: before its first job (DiagnosisFolders)
     path, spec, data, net, checkpoint = diagnosed_model(cfg)
     record_command(cfg)  # accepted: every check passed
     data.load()

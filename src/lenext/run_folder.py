@@ -149,6 +149,19 @@ def refuse_results_it_would_replace(
             )
 
 
+def refuse_a_runs_folder(output_dir: str, key: str = "hydra.run.dir", folder: str | None = None) -> None:
+    """diagnose.py writes its own record of its command (.hydra/) and no results.json: refused before any work where
+    the folder holds a lenext run's results.json, whose record it would replace. ``key`` and ``folder``: as
+    ``refuse_results_it_would_replace``'s."""
+    path = os.path.join(output_dir, RESULTS_FILE)
+    if os.path.exists(path):
+        raise ConfigError(
+            f"{key}={folder or output_dir} holds a lenext run's {RESULTS_FILE if folder is None else path}, whose "
+            f"record of its command (.hydra/) this diagnosis would replace: give it another folder "
+            f"({key}={'<run>/diagnostics' if folder is None else '...'})"
+        )
+
+
 def record_command(cfg: DictConfig) -> None:
     """``<run folder>/.hydra/``: the command's config, Hydra's and its overrides, as Hydra writes them, but once the
     command is accepted (configs/hydra/default.yaml turns Hydra's own off: it writes them before the job starts, so a
@@ -170,6 +183,8 @@ class EvaluationFolders(Callback):
     before any job starts (``refuse_results_it_would_replace``): a sweep into a training sweep's folder is refused
     before its first job, not job by job, each failed job writing its error.txt into a training run's folder."""
 
+    refuse = staticmethod(refuse_results_it_would_replace)
+
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config.hydra.run.dir)
 
@@ -181,10 +196,16 @@ class EvaluationFolders(Callback):
             if name.isdigit():  # a job folder of this sweep, by the default name
                 self._check(os.path.join(sweep, name), "hydra.sweep.dir", sweep)
 
-    @staticmethod
-    def _check(*where: str) -> None:
+    def _check(self, *where: str) -> None:
         with errors_in_one_line():
-            refuse_results_it_would_replace(*where)
+            self.refuse(*where)
+
+
+class DiagnosisFolders(EvaluationFolders):
+    """diagnose.py's run folder, or its sweep's job folders, checked as eval.py's are (``refuse_a_runs_folder``):
+    a sweep into a training sweep's folder is refused naming hydra.sweep.dir, before its first job."""
+
+    refuse = staticmethod(refuse_a_runs_folder)
 
 
 def implied_identity(meta: dict, cfg: DictConfig) -> dict:
