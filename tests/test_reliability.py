@@ -200,13 +200,13 @@ def test_a_full_disk_or_quota_names_the_file_a_write_was_for(tmp_path, monkeypat
 
 
 class _NaNWeightsAt(lightning.Callback):
-    """Makes every loss from optimizer step ``step`` on NaN."""
+    """Makes every loss from optimizer step ``step`` on NaN (counted from 1, as the progress lines count)."""
 
     def __init__(self, step: int):
         self.step = step
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
+        if trainer.global_step + 1 == self.step:
             with torch.no_grad():
                 module.net.embedding.weight.fill_(float("nan"))
 
@@ -255,17 +255,23 @@ def test_non_finite_loss_stops_with_its_first_step_named_and_no_checkpoint_writt
     """The loss is tested on the device and read at the loggers' steps and before any checkpoint (a read a step
     would make the host wait for the GPU every step): the error names the first bad step, not the step it was
     read at, and the last checkpoint is the last one before it."""
-    with pytest.raises(LenextError, match=r"became nan at step 3; the run stopped and it had written no checkpoint"):
-        _fit_tiny([_NaNWeightsAt(3)], precision=precision)  # read at step 5
+    with pytest.raises(LenextError, match=r"became nan at step 4; the run stopped and it had written no checkpoint"):
+        _fit_tiny([_NaNWeightsAt(4)], precision=precision)  # read at step 5
     every_step = lightning.pytorch.callbacks.ModelCheckpoint(tmp_path, save_last=True, every_n_train_steps=1)
-    with pytest.raises(LenextError, match=r"became nan at step 3; the run stopped and its last good checkpoint is"):
-        _fit_tiny([every_step, _NaNWeightsAt(3)], precision=precision)
+    with pytest.raises(
+        LenextError, match=r"became nan at step 4; the run stopped and its last good checkpoint is"
+    ) as e:
+        _fit_tiny([every_step, _NaNWeightsAt(4)], precision=precision)
+    # the precision's advice only where the run was not in fp32 already
+    assert str(e.value).endswith(
+        "Lower module.lr" + ("" if precision == "32-true" else " or try trainer.precision=32-true")
+    )
     last = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert last["global_step"] == 3 and all(t.isfinite().all() for t in last["state_dict"].values())
-    with pytest.raises(LenextError, match=r"became nan at step 11;"):  # after the last logging step: at the end
-        _fit_tiny([_NaNWeightsAt(11)], precision=precision)
-    with pytest.raises(LenextError, match=r"became nan at step 3;"):  # no logging: at the end
-        _fit_tiny([_NaNWeightsAt(3)], log_every=0, precision=precision)
+    with pytest.raises(LenextError, match=r"became nan at step 12;"):  # after the last logging step: at the end
+        _fit_tiny([_NaNWeightsAt(12)], precision=precision)
+    with pytest.raises(LenextError, match=r"became nan at step 4;"):  # no logging: at the end
+        _fit_tiny([_NaNWeightsAt(4)], log_every=0, precision=precision)
     _fit_tiny([], precision=precision)  # finite: no error
 
 
@@ -279,8 +285,8 @@ class _ValidationsEnded(lightning.Callback):
 
 def test_no_validation_runs_on_weights_a_non_finite_loss_updated():
     ended = _ValidationsEnded()
-    with pytest.raises(LenextError, match=r"became nan at step 3;"):  # before the validation after step 4
-        _fit_tiny([_NaNWeightsAt(3), ended], log_every=50, val_check_interval=4)
+    with pytest.raises(LenextError, match=r"became nan at step 4;"):  # before the validation after step 4
+        _fit_tiny([_NaNWeightsAt(4), ended], log_every=50, val_check_interval=4)
     assert ended.count == 0
 
 
@@ -306,8 +312,8 @@ def test_a_stop_after_a_non_finite_loss_says_so_and_writes_no_checkpoint(tmp_pat
             self.seen = exception
 
     stop, cleanup = CheckpointOnStop(str(tmp_path)), Cleanup()
-    module, trainer, data = _tiny_fit([stop, cleanup, _NaNWeightsAt(3), _SignalAt(4)], log_every=50)
-    with pytest.raises(LenextError, match=r"became nan at step 3; the run stopped and it had written no checkpoint"):
+    module, trainer, data = _tiny_fit([stop, cleanup, _NaNWeightsAt(4), _SignalAt(4)], log_every=50)
+    with pytest.raises(LenextError, match=r"became nan at step 4; the run stopped and it had written no checkpoint"):
         fit_and_validate(SimpleNamespace(start="scratch"), trainer, module, data)
     assert os.listdir(tmp_path) == [] and isinstance(cleanup.seen, SystemExit)
 

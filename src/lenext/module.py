@@ -330,7 +330,8 @@ class LanguageModel(L.LightningModule):
         step, value = self._non_finite
         first = ~torch.isfinite(loss.detach()) & (step < 0)
         value = torch.where(first, loss.detach().float(), value)
-        self._non_finite = (torch.where(first, self.global_step, step), value)
+        # the optimizer step this loss belongs to, counted from 1 as the progress lines count them
+        self._non_finite = (torch.where(first, self.global_step + 1, step), value)
 
     def _stop_if_a_loss_was_not_finite(self) -> None:
         """Raises NonFiniteLoss naming the first step, of any rank, whose training loss was not finite. Every rank
@@ -349,9 +350,10 @@ class LanguageModel(L.LightningModule):
             if last and os.path.exists(last)
             else "it had written no checkpoint yet"
         )
+        advice = "Lower module.lr" + ("" if self.trainer.precision == "32-true" else " or try trainer.precision=32-true")
         raise NonFiniteLoss(
             f"the training loss became {values[first].item()} at step {int(steps[first])}; the run stopped and "
-            f"{kept}. Lower module.lr or try trainer.precision=32-true"
+            f"{kept}. {advice}"
         )
 
     def on_validation_epoch_start(self) -> None:
