@@ -235,3 +235,17 @@ def test_a_value_for_a_node_of_settings_names_its_settings():
     message = r"^pe is a node of settings here, not a config to choose: give them one by one \(pe.<setting>=...\); "
     with pytest.raises(ConfigError, match=message + r"its settings: factor, scaling$"):
         check_overrides("eval", ["ckpt=x.ckpt", "pe=alibi"])
+
+
+def test_a_slurm_sweep_where_there_is_no_srun_is_refused_before_the_sweep_starts(monkeypatch):
+    """submitit's SLURM executor raised a traceback where srun is not on PATH, after the sweep's folder was made."""
+    from lenext.cli import check_overrides
+    from lenext.errors import ConfigError
+
+    sweep = ["pe=rope,alibi", "hydra/launcher=slurm", "hydra.launcher.partition=p"]
+    monkeypatch.setattr("lenext.cli.shutil.which", lambda name: None)
+    with pytest.raises(ConfigError, match=r"^hydra/launcher=slurm is invalid here: SLURM's srun is not on PATH"):
+        check_overrides("train", sweep, multirun=True)
+    check_overrides("train", sweep[1:])  # not a sweep: the launcher is not used
+    monkeypatch.setattr("lenext.cli.shutil.which", lambda name: f"/usr/bin/{name}")
+    check_overrides("train", sweep, multirun=True)

@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from importlib import resources
@@ -233,7 +234,10 @@ def check_overrides(config_name: str, overrides: list[str], multirun: bool = Fal
             ]
             first = compose(config_name, overrides=[*first_values, *settings], return_hydra_config=True)
             basic = first.hydra.sweeper.get("_target_", "").endswith(".BasicSweeper")  # its grid known here
-            if jobs and basic and (multirun or first.hydra.mode == RunMode.MULTIRUN):
+            sweep = multirun or first.hydra.mode == RunMode.MULTIRUN
+            if sweep and "SlurmLauncher" in str(first.hydra.launcher.get("_target_")):
+                refuse_slurm_without_srun()
+            if jobs and basic and sweep:
                 check_sweep_jobs(config_name, parsed, first.hydra.sweeper.get("params"))
 
 
@@ -358,6 +362,16 @@ def refuse_processes_of_its_own(cfg: DictConfig) -> None:
         raise ConfigError(
             f"trainer.strategy={shown} is invalid under hydra/launcher=parallel: joblib's workers cannot start its "
             "processes; sweep such jobs with the default launcher (one after another) or hydra/launcher=slurm"
+        )
+
+
+def refuse_slurm_without_srun() -> None:
+    """A ConfigError for hydra/launcher=slurm where SLURM's srun is not on PATH, which submitit's executor needs
+    (it raised a traceback after the sweep's folder was made)."""
+    if shutil.which("srun") is None:
+        raise ConfigError(
+            "hydra/launcher=slurm is invalid here: SLURM's srun is not on PATH on this machine; launch the sweep "
+            "from a machine of the SLURM cluster, or leave out hydra/launcher=slurm to run its jobs here"
         )
 
 

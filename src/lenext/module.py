@@ -350,7 +350,8 @@ class LanguageModel(L.LightningModule):
             if last and os.path.exists(last)
             else "it had written no checkpoint yet"
         )
-        advice = "Lower module.lr" + ("" if self.trainer.precision == "32-true" else " or try trainer.precision=32-true")
+        fp32 = self.trainer.precision == "32-true"
+        advice = "Lower module.lr" + ("" if fp32 else " or try trainer.precision=32-true")
         raise NonFiniteLoss(
             f"the training loss became {values[first].item()} at step {int(steps[first])}; the run stopped and "
             f"{kept}. {advice}"
