@@ -264,6 +264,11 @@ def test_a_bad_setting_of_any_job_refuses_the_sweep_before_its_first_job(tmp_pat
             ["seed=0,1", "trainer=ddp_sim", "hydra/launcher=parallel"],
             "job 0 of the sweep (seed=0): trainer.strategy=ddp is invalid under hydra/launcher=parallel",
         ),
+        *(  # a GPU where there is none: every job failed in turn (an audit)
+            [(["pe=rope,alibi", "trainer=gpu"], "job 0 of the sweep (pe=rope): trainer.accelerator=gpu is invalid")]
+            if not torch.cuda.is_available()
+            else []
+        ),
     ):
         result = run_train(tmp_path, "-m", *tiny_overrides(*sweep))
         assert result.returncode == 1 and result.stderr.startswith(f"error: {expected}"), result.stderr[-2000:]
@@ -293,6 +298,8 @@ def test_a_failing_job_is_recorded_and_the_sweep_goes_on(small_text_corpus, tmp_
     assert result.returncode == 1 and "study: 1 of 2 jobs failed; each one's error.txt says why" in result.stderr
     # The failed job counts as done, and its seconds stay out of the estimate for the jobs left.
     assert f"study: job 1 of 2 done (data.corpus.path={tmp_path / 'empty'}, failed)\n" in result.stdout
+    if launcher == "basic":  # with a job failed, the study is not said to be complete
+        assert "; the study's jobs have all run\n" in result.stdout and "complete" not in result.stdout
     (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
     assert empty in (sweep / "0" / "error.txt").read_text()
     results = json.loads((sweep / "1" / "results.json").read_text())

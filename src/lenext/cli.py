@@ -52,7 +52,13 @@ from lenext.lock import launched_by_another_process, remove_unused_folder
 from lenext.progress import sweep_grid
 from lenext.resolve import EVAL_NODES, RENAMED_KEYS, TRAIN_NODES, EvalScriptSettings, TrainSettings
 from lenext.results import ERROR_FILE
-from lenext.run import check_evaluation_settings, checkpoint_model, evaluate_checkpoint, train
+from lenext.run import (
+    check_evaluation_settings,
+    checkpoint_model,
+    evaluate_checkpoint,
+    refuse_a_machine_it_cannot_run_on,
+    train,
+)
 from lenext.run_folder import check_settings, preflight
 from lenext.schema import HYDRA_KEYS, did_you_mean
 
@@ -378,13 +384,14 @@ def refuse_slurm_without_srun() -> None:
 def check_training_job(cfg: DictConfig) -> None:
     """A train.py job's checks before any work: types and ranges, then the settings that only fail together
     (``preflight``), a second stage's against its base (``init_from``) where the base is there already; one the
-    sweep trains first (experiment=extension) is read by its own job only."""
+    sweep trains first (experiment=extension) is read by its own job only; and what it asks of this machine."""
     init_from = cfg.get("init_from")
     base = init_from and checkpoint_file(os.path.expanduser(init_from), "init_from", missing_ok=True)
     if not init_from or (base and os.path.isfile(base)):
         preflight(cfg, TrainSettings, TRAIN_NODES, sweeps=cfg.eval.enabled)
     else:
         check_settings(cfg, TrainSettings, TRAIN_NODES)
+    refuse_a_machine_it_cannot_run_on(cfg.trainer)
 
 
 def evaluates_hf(cfg: DictConfig) -> bool:

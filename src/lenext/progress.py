@@ -122,7 +122,7 @@ class StudyProgress(Callback):
         line = f"study: job {self.done}{of_total} done {what}"
         left = self.total - self.done if self.total else 0
         if self.total and not left:
-            line += "; the study is complete"
+            line += "; the study's jobs have all run" if self.failed else "; the study is complete"
         elif left and self.trained_seconds:
             line += f"; ~{duration(left * sum(self.trained_seconds) / len(self.trained_seconds))} left"
         print(line, flush=True)

@@ -195,6 +195,18 @@ def keep_a_best_checkpoint(trainer) -> None:
                 shutil.copyfile(last, tmp)
 
 
+def refuse_a_machine_it_cannot_run_on(trainer: DictConfig) -> None:
+    """What the trainer asks of this machine that it lacks (a CUDA GPU; a cluster for several nodes), refused in
+    ``build`` and, for each job of a sweep, before the first starts (``lenext.cli.check_training_job``)."""
+    if trainer.get("accelerator") in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"trainer.accelerator={trainer.accelerator} is invalid here: this machine has no CUDA GPU; use "
+            "trainer=cpu, or trainer=default (the fastest device and precision the machine has); trainer=ddp_sim and "
+            "trainer=fsdp_sim run DDP and FSDP as processes on this CPU"
+        )
+    refuse_nodes_without_a_cluster(int(trainer.get("num_nodes") or 1))
+
+
 def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     """Data module, LightningModule and Trainer of a resolved run, its net holding ``weights`` (a second stage's
     base's) if given; the corpus is read here, after every check."""
@@ -207,13 +219,7 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
             cfg.logger.wandb.name = cfg.logger.wandb.name or f"{spec.row}-L{spec.train_len}-seed{spec.seed}"
             if cfg.logger.wandb.group is None and hydra_cfg and hydra_cfg.mode == RunMode.MULTIRUN:
                 cfg.logger.wandb.group = os.path.basename(hydra_cfg.sweep.dir)  # one wandb group per sweep
-    if cfg.trainer.get("accelerator") in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise ConfigError(
-            f"trainer.accelerator={cfg.trainer.accelerator} is invalid here: this machine has no CUDA GPU; use "
-            "trainer=cpu, or trainer=default (the fastest device and precision the machine has); trainer=ddp_sim and "
-            "trainer=fsdp_sim run DDP and FSDP as processes on this CPU"
-        )
-    refuse_nodes_without_a_cluster(int(cfg.trainer.get("num_nodes") or 1))
+    refuse_a_machine_it_cannot_run_on(cfg.trainer)
     # The Trainer first: Lightning checks its settings together (devices, precision, strategy) when built.
     callbacks = [instantiate(c, f"callbacks.{name}") for name, c in (cfg.get("callbacks") or {}).items()]
     callbacks += [StepsBar()] if cfg.trainer.get("enable_progress_bar", True) else []
