@@ -249,3 +249,18 @@ def test_a_slurm_sweep_where_there_is_no_srun_is_refused_before_the_sweep_starts
     check_overrides("train", sweep[1:])  # not a sweep: the launcher is not used
     monkeypatch.setattr("lenext.cli.shutil.which", lambda name: f"/usr/bin/{name}")
     check_overrides("train", sweep, multirun=True)
+
+
+def test_a_corpus_too_short_for_a_batch_is_refused_before_the_model_is_built(small_text_corpus, tmp_path):
+    """Refused by the training loader, after the model was built and the run's record written: the run folder was
+    left behind (an audit)."""
+    run = tmp_path / "run"
+    overrides = small_corpus_overrides(small_text_corpus, "data.max_len=4096", "data.batch_size=16")
+    result = run_train(tmp_path, *overrides, f"hydra.run.dir={run}")
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr[-2000:]
+    assert re.match(
+        r"error: the training split has \d+ windows of data.max_len \+ 1 = 4097 tokens, fewer than "
+        r"data.batch_size=16: use a shorter data.max_len or a larger corpus$",
+        result.stderr,
+    )
+    assert "parameters" not in result.stdout and not run.exists()

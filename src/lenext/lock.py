@@ -91,13 +91,17 @@ def release_folder(folder: str) -> None:
 
 def remove_unused_folder(folder: str) -> None:
     """Remove ``folder`` if this process made it and it holds only what Hydra and the lock wrote before the command
-    was refused (``.hydra/``, the lock, an empty log): a refused command leaves no run folder behind."""
+    was refused: the lock and the command's log (of the data it prepared, say: the shards stay in the cache), and
+    ``.hydra/`` with an empty log (written once the command is accepted: lenext.run_folder.record_command). A refused
+    command leaves no run folder behind."""
     key = os.path.realpath(folder)
     if key not in _made or not os.path.isdir(folder):
         return
-    log = [name for name in os.listdir(folder) if name.endswith(".log")]
-    if set(os.listdir(folder)) - {".hydra", LOCK_FILE, *log} or any(
-        os.path.getsize(os.path.join(folder, n)) for n in log
+    names = set(os.listdir(folder))
+    logs = [name for name in names if name.endswith(".log")]
+    accepted = ".hydra" in names
+    if names - {".hydra", LOCK_FILE, *logs} or (
+        accepted and any(os.path.getsize(os.path.join(folder, n)) for n in logs)
     ):
         return
     release_folder(folder)

@@ -243,6 +243,7 @@ def build(cfg: DictConfig, spec: RunSpec, weights: dict | None = None):
     # Validation scores the windows of the sweep's nonoverlap row at L_train: the same measurement.
     datamodule = instantiate(cfg.data, "data", validation_max_windows=spec.eval.max_windows)
     datamodule.load()
+    datamodule.train_windows()  # a corpus too short for a batch: refused before the model is built
     if spec.start != "scratch":  # the checkpoint it starts from trained on this data (a corpus changed since: not)
         named = spec.checkpoint if spec.start == "resume" else f"init_from={spec.checkpoint}"
         trained_on = load_checkpoint(spec.checkpoint, key=None).get("trained_on")

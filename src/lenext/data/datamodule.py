@@ -330,14 +330,19 @@ class LMDataModule(L.LightningDataModule):
     def stream(self, split: str) -> TokenStream:
         return self.shards[split].stream()
 
-    def train_dataloader(self) -> DataLoader:
+    def train_windows(self) -> TrainWindows:
+        """The training split's windows of data.max_len + 1 tokens, refused where they cannot fill a batch (checked
+        by ``lenext.run.build`` before the model is built, once the data is loaded)."""
         windows = TrainWindows(self.stream("train"), self.max_len)
         if len(windows) < self.batch_size:
             raise DataError(
                 f"the training split has {len(windows)} windows of data.max_len + 1 = {self.max_len + 1} tokens, "
                 f"fewer than data.batch_size={self.batch_size}: use a shorter data.max_len or a larger corpus"
             )
-        return step_loader(windows, self.batch_size, self.seed, self.trainer, self.num_workers)
+        return windows
+
+    def train_dataloader(self) -> DataLoader:
+        return step_loader(self.train_windows(), self.batch_size, self.seed, self.trainer, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return self.document_loader("validation", self.max_len)
