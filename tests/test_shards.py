@@ -768,9 +768,10 @@ def test_a_vocabulary_the_bpe_cannot_learn_from_its_sample_is_said_each_time_it_
         data.load()
         learned = data.vocab_size
         assert learned < 100_000 and [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
-            f"data.vocab_size=100000: the BPE learned {learned:,} tokens from data.tokenizer_sample_mb=0.01 of the "
-            f"training split of {corpus.name} (no pair left to merge): the model's vocabulary is {learned:,} tokens; "
-            "more text (data.tokenizer_sample_mb) would learn more"
+            f"data.vocab_size=100000: the BPE learned {learned:,} tokens from at most data.tokenizer_sample_mb=0.01 "
+            f"of the training split of {corpus.name} (no pair left to merge): the model's vocabulary is {learned:,} "
+            "tokens; more text would learn more: a larger corpus, or a larger data.tokenizer_sample_mb where the "
+            "training split holds more than 0.01 MB"
         ]
     caplog.clear()
     LMDataModule(corpus, vocab_size=learned, tokenizer_sample_mb=0.01, cache_dir=cache).load()

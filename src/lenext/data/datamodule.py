@@ -273,8 +273,11 @@ class LMDataModule(L.LightningDataModule):
         if self.tokenizer_sample_mb is None:
             text, more = "the whole training split", "a larger corpus would learn more"
         else:
-            text = f"data.tokenizer_sample_mb={self.tokenizer_sample_mb} of the training split"
-            more = "more text (data.tokenizer_sample_mb) would learn more"
+            text = f"at most data.tokenizer_sample_mb={self.tokenizer_sample_mb} of the training split"
+            more = (
+                f"more text would learn more: a larger corpus, or a larger data.tokenizer_sample_mb where the training "
+                f"split holds more than {self.tokenizer_sample_mb} MB"
+            )
         log.warning(
             "data.vocab_size=%d: the BPE learned %s tokens from %s of %s (no pair left to merge): the model's "
             "vocabulary is %s tokens; %s",
