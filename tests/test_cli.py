@@ -264,3 +264,23 @@ def test_a_corpus_too_short_for_a_batch_is_refused_before_the_model_is_built(sma
         result.stderr,
     )
     assert "parameters" not in result.stdout and not run.exists()
+
+
+def test_a_data_setting_without_a_data_config_says_what_to_give():
+    """eval.py's data group chooses no config: data.batch_size=4 was 'not a setting of data; the settings there:
+    none' (an audit). With hf=, the data config to give; with ckpt=, that a checkpoint keeps its own data."""
+    from lenext.cli import check_overrides
+    from lenext.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError,
+        match=r"^data.batch_size is a setting of a data config, and this command chooses "
+        r"none: give data=<config> before it \(one of: .*sotu, .*text_files",
+    ):
+        check_overrides("eval", ["hf=/any/model", "data.batch_size=4"])
+    with pytest.raises(
+        ConfigError,
+        match=r"^data.vocab_size applies to hf= evaluations \(with data=<config>\): a "
+        r"checkpoint is evaluated on the data it was trained on$",
+    ):
+        check_overrides("eval", ["ckpt=/any/run", "data.vocab_size=100"])

@@ -302,6 +302,17 @@ def not_a_setting(config_name: str, overrides: list[str], error: Exception) -> C
     node = OmegaConf.select(root, path) if path else root
     known = sorted(k for k in node if k not in HYDRA_KEYS) if isinstance(node, DictConfig) else []
     settings = OmegaConf.select(root, unknown.group(1)) if name in known else None
+    options = group_options(path) if path and "." not in path and node is None else []
+    if options:  # eval.py's data.batch_size=4 without data=: its data group chooses no config by default
+        if config_name == "eval" and path == "data" and not any(line.startswith("hf=") for line in overrides):
+            return ConfigError(
+                f"{unknown.group(1)} applies to hf= evaluations (with data=<config>): a checkpoint is evaluated on "
+                "the data it was trained on"
+            )
+        return ConfigError(
+            f"{unknown.group(1)} is a setting of a {path} config, and this command chooses none: give "
+            f"{path}=<config> before it (one of: {', '.join(options)})"
+        )
     if isinstance(settings, DictConfig):  # pe=alibi to eval.py, whose pe node holds the checkpoint's PE settings
         return ConfigError(
             f"{unknown.group(1)} is a node of settings here, not a config to choose: give them one by one "
