@@ -33,8 +33,16 @@ GOOD = "A document long enough to be one. " * 20
     "name,content,expected",
     [
         ("latin1.txt", "caf\xe9 au lait\n".encode("latin-1"), r"latin1.txt, line 1 is not UTF-8 text \(byte 3"),
-        ("bad.jsonl", b'{"text": "fine"}\n{"text": "cut off', r"bad.jsonl, line 2 is not JSON"),
-        ("bad.jsonl", b'{"text": "fine"}\nnot json at all\n', r"bad.jsonl, line 2 is not JSON"),
+        (
+            "bad.jsonl",
+            b'{"text": "fine"}\n{"text": "cut off',
+            r"bad.jsonl, line 2 is not JSON \(Unterminated string starting at column 10\)",
+        ),
+        (
+            "bad.jsonl",
+            b'{"text": "fine"}\nnot json at all\n',
+            r"bad.jsonl, line 2 is not JSON \(Expecting value at column 1\)",
+        ),
         ("bad.jsonl", b'{"text": "fine"}\n\n{"body": "x"}\n', r"bad.jsonl, line 3: it has no 'text' field"),
         ("bad.jsonl", b'{"text": null}\n', r"bad.jsonl, line 1: its 'text' is null"),
         ("bad.jsonl", b'{"text": 7}\n', r"bad.jsonl, line 1: its 'text' is 7"),

@@ -462,7 +462,7 @@ def test_lenext_prepare_prepares_a_training_runs_data_and_refuses_bad_input(tmp_
     corpus = ["data=text_files", f"data.corpus.path={small_text_corpus}", "data.vocab_size=300"]
     done = run_command("lenext-prepare", corpus, env, tmp_path)
     assert done.returncode == 0, done.stderr
-    assert re.search(r"train: \d+ documents, [\d,]+ tokens in 1 shards", done.stdout)
+    assert re.search(r"train: \d+ documents, [\d,]+ tokens in 1 shard ", done.stdout)
     assert (tmp_path / ".cache" / "shards").is_dir()
     for bad, message in (
         (["data.tokenizer_sample_mb=0"], "data.tokenizer_sample_mb=0 is invalid: it must be a finite number > 0"),

@@ -469,7 +469,8 @@ PREPARE_USAGE = """usage: lenext-prepare [override ...]
 
 Prepare the data of `python train.py [override ...]` and stop: the tokenizer (trained on the first
 data.tokenizer_sample_mb of the training split, or data.tokenizer's) and each split's token shards, in
-paths.cache_dir. Training does this itself on first use; a killed preparation resumes where it stopped.
+data.cache_dir (paths.cache_dir by default). Training does this itself on first use; a killed preparation resumes
+where it stopped.
 
 Example: lenext-prepare data=text_files data.corpus.path=/data/my_corpus"""
 

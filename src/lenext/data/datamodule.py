@@ -315,7 +315,8 @@ class LMDataModule(L.LightningDataModule):
             documents, tokens = prepared.size
             where = os.path.dirname(prepared.files[0]) if prepared.files else "no shards"
             lines.append(
-                f"  {split}: {documents:,} documents, {tokens:,} tokens in {len(prepared.files)} shards ({where})"
+                f"  {split}: {documents:,} documents, {tokens:,} tokens in {len(prepared.files)} "
+                f"shard{'s' * (len(prepared.files) != 1)} ({where})"
             )
         return lines
 

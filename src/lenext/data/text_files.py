@@ -81,7 +81,9 @@ class TextFiles(Corpus):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{where} is not JSON ({e.msg}, column {e.colno}): fix or remove the line") from None
+                raise DataError(
+                    f"{where} is not JSON ({e.msg.removesuffix(' at')} at column {e.colno}): fix or remove the line"
+                ) from None
             except (ValueError, RecursionError) as e:  # a number of thousands of digits, nesting beyond the stack
                 raise DataError(f"{where} cannot be read as JSON ({e}): fix or remove the line") from None
             problem = self._record_problem(record)
