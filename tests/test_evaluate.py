@@ -703,17 +703,25 @@ def test_an_eval_sweep_into_other_job_folders_of_a_training_sweep_folder_goes_on
     assert (run / "results.json").read_text() == trained
 
 
-def test_counts_and_means_accumulate_in_float64():
+@pytest.mark.parametrize("moved", [False, True])
+def test_counts_and_means_accumulate_in_float64(moved):
     """torchmetrics' states are float32: 3,000 batches of 8,191 tokens summed to 24,573,952, not 24,573,000, and a
-    mean's weights lose units the same way past 2^24 tokens."""
+    mean's weights lose units the same way past 2^24 tokens. Moved to a device (every sweep's, Lightning's move of
+    the module), a metric took float32 again: each batch's mean NLL was rounded to float32 first (an audit: two
+    variants' NLLs 6.4e-7 apart gave one row's digits)."""
     from lenext.scoring import mean_metric, sum_metric
 
     tokens, nll = sum_metric(), mean_metric()
+    if moved:
+        tokens, nll = tokens.to("cpu"), torch.nn.ModuleList([nll]).to(torch.device("cpu"))[0]
     for i in range(3000):
         tokens.update(8191)
         nll.update(torch.tensor(0.1 * (i % 3), dtype=torch.float64), weight=8191)
     assert int(tokens.compute().item()) == 3000 * 8191
     assert nll.compute().dtype == torch.float64 and nll.compute().item() == pytest.approx(0.1, rel=1e-12)
+    one = mean_metric().to("cpu")
+    one.update(torch.tensor(9.023920502979308, dtype=torch.float64), weight=2048)
+    assert one.compute().item() == 9.023920502979308  # float32 made it 9.023920059204102
 
 
 def test_an_evaluation_without_curves_leaves_no_earlier_positions_file(tmp_path):

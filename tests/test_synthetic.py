@@ -391,3 +391,16 @@ def test_answer_metrics_are_float64_shares_by_update_and_by_call():
     total = metrics.compute()
     assert total["exact_match"].dtype == torch.float64
     assert (total["exact_match"].item(), total["token_accuracy"].item()) == (2 / 3, 8 / 9)
+
+
+def test_training_samples_too_few_for_a_batch_are_refused_before_the_model_is_built(tmp_path):
+    """An epoch of data.train_samples fewer than data.batch_size fills no batch: refused in one line, nothing left."""
+    from tests.conftest import run_train
+
+    run = tmp_path / "run"
+    done = run_train(tmp_path, "probe=passkey", "model=tiny", "data.train_samples=4", f"hydra.run.dir={run}")
+    assert done.returncode == 1 and done.stderr.splitlines() == [
+        "error: data.train_samples=4 is invalid: fewer than data.batch_size=32, an epoch would fill no batch; give "
+        "data.train_samples >= data.batch_size"
+    ]
+    assert not run.exists()

@@ -19,17 +19,36 @@ def distributed() -> tuple[int, int]:
     return 0, 1
 
 
+class Float64Inputs:
+    """A torchmetrics aggregator that stays float64 when moved: ``Metric._apply`` (any ``.to(device)``, Lightning's
+    move of a module) resets the metric's dtype to float32, and ``update`` then rounds each value and weight to
+    float32 before adding it to the float64 states (torchmetrics 1.9)."""
+
+    def _apply(self, fn, exclude_state=""):
+        moved = super()._apply(fn, exclude_state)
+        moved._dtype = torch.float64
+        return moved
+
+
+class Float64Mean(Float64Inputs, MeanMetric):
+    pass
+
+
+class Float64Sum(Float64Inputs, SumMetric):
+    pass
+
+
 def mean_metric() -> MeanMetric:
     """A weighted mean in float64 that keeps NaN: torchmetrics' default drops NaN values with a warning, so a
     diverged model's NaN losses would leave the mean of its other tokens, reported as all of them. A NaN is imputed
     as NaN (its "disable" would drop the weights too: torchmetrics 1.9). Its states default to float32, whose
     weights count exactly only to 2^24 tokens."""
-    return MeanMetric(nan_strategy=float("nan")).set_dtype(torch.float64)
+    return Float64Mean(nan_strategy=float("nan")).set_dtype(torch.float64)
 
 
 def sum_metric() -> SumMetric:
     """A sum in float64: torchmetrics' float32 state counts tokens exactly only to 2^24 (16.7M)."""
-    return SumMetric().set_dtype(torch.float64)
+    return Float64Sum().set_dtype(torch.float64)
 
 
 @torch.no_grad()

@@ -311,9 +311,18 @@ class SyntheticDataModule(L.LightningDataModule):
     def evaluation(self, split: str) -> TaskEvaluation:
         return TaskEvaluation(self.task, split, self.eval_samples)
 
+    def train_windows(self) -> TrainSamples:
+        """The training sequences, refused where an epoch of them cannot fill a batch (checked by
+        ``lenext.run.build`` before the model is built)."""
+        if self.train_samples < self.batch_size:
+            raise ConfigError(
+                f"data.train_samples={self.train_samples} is invalid: fewer than data.batch_size={self.batch_size}, "
+                "an epoch would fill no batch; give data.train_samples >= data.batch_size"
+            )
+        return TrainSamples(self.task, self.max_len + 1, self.seed, self.train_samples)
+
     def train_dataloader(self) -> DataLoader:
-        samples = TrainSamples(self.task, self.max_len + 1, self.seed, self.train_samples)
-        return step_loader(samples, self.batch_size, self.seed, self.trainer, self.num_workers)
+        return step_loader(self.train_windows(), self.batch_size, self.seed, self.trainer, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("validation")
