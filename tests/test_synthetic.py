@@ -394,8 +394,13 @@ def test_answer_metrics_are_float64_shares_by_update_and_by_call():
 
 
 def test_training_samples_too_few_for_a_batch_are_refused_before_the_model_is_built(tmp_path):
-    """An epoch of data.train_samples fewer than data.batch_size fills no batch: refused in one line, nothing left."""
+    """An epoch of data.train_samples fewer than data.batch_size fills no batch: refused in one line, nothing left;
+    in a sweep, before its first job."""
+    from lenext.cli import check_overrides
     from tests.conftest import run_train
+
+    with pytest.raises(ConfigError, match=r"^job 0 of the sweep \(seed=0\): data.train_samples=4 is invalid: fewer"):
+        check_overrides("train", ["probe=passkey", "data.train_samples=4", "seed=0,1"], multirun=True)
 
     run = tmp_path / "run"
     done = run_train(tmp_path, "probe=passkey", "model=tiny", "data.train_samples=4", f"hydra.run.dir={run}")

@@ -53,6 +53,7 @@ from lenext.progress import sweep_grid
 from lenext.resolve import EVAL_NODES, RENAMED_KEYS, TRAIN_NODES, EvalScriptSettings, TrainSettings
 from lenext.results import ERROR_FILE
 from lenext.run import (
+    DATA_OF_A_CHECKPOINT,
     check_evaluation_settings,
     checkpoint_model,
     evaluate_checkpoint,
@@ -305,10 +306,7 @@ def not_a_setting(config_name: str, overrides: list[str], error: Exception) -> C
     options = group_options(path) if path and "." not in path and node is None else []
     if options:  # eval.py's data.batch_size=4 without data=: its data group chooses no config by default
         if config_name == "eval" and path == "data" and not any(line.startswith("hf=") for line in overrides):
-            return ConfigError(
-                f"{unknown.group(1)} applies to hf= evaluations (with data=<config>): a checkpoint is evaluated on "
-                "the data it was trained on"
-            )
+            return ConfigError(f"{unknown.group(1)} {DATA_OF_A_CHECKPOINT}")
         return ConfigError(
             f"{unknown.group(1)} is a setting of a {path} config, and this command chooses none: give "
             f"{path}=<config> before it (one of: {', '.join(options)})"

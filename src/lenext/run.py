@@ -291,12 +291,16 @@ def checkpoint_model(cfg: DictConfig, path: str, check_only: bool = False):
     return spec, datamodule, net, checkpoint
 
 
+# Why eval.py ckpt= takes no data= (nor data.<key>, lenext.cli.not_a_setting)
+DATA_OF_A_CHECKPOINT = "applies to hf= evaluations: a checkpoint is evaluated on the data it was trained on"
+
+
 def check_evaluation_settings(cfg: DictConfig) -> None:
     """eval.py ckpt='s settings, checked before any work (by the evaluation, and by an eval.py sweep for each job
     before the first starts): hf='s own refused first (data= would fail on what it interpolates), then types and
     ranges; ``checkpoint_model`` checks the rest against the checkpoint."""
     if cfg.get("data"):
-        raise ConfigError("data= applies to hf= evaluations: a checkpoint is evaluated on the data it was trained on")
+        raise ConfigError(f"data= {DATA_OF_A_CHECKPOINT}")
     hf_only = {"context": cfg.get("context"), "trust_remote_code": cfg.get("trust_remote_code")}
     if given := [f"{key}={value}" for key, value in hf_only.items() if value not in (None, False)]:
         raise ConfigError(f"{', '.join(given)} applies to hf= evaluations: a checkpoint's L_train and code are its own")

@@ -278,6 +278,11 @@ class SyntheticDataModule(L.LightningDataModule):
             )
         if task == "passkey" and symbols < 10:
             raise ConfigError(f"data.symbols={symbols} is invalid: passkey's digits are the first 10 symbols, so >= 10")
+        if train_samples < batch_size:
+            raise ConfigError(
+                f"data.train_samples={train_samples} is invalid: fewer than data.batch_size={batch_size}, an epoch "
+                "would fill no batch; give data.train_samples >= data.batch_size"
+            )
         self.task = TASK_CLASSES[task](symbols, pairs, digits)
         self.max_len, self.batch_size, self.eval_batch_size = max_len, batch_size, eval_batch_size or batch_size
         self.eval_samples, self.train_samples = eval_samples, train_samples
@@ -312,13 +317,7 @@ class SyntheticDataModule(L.LightningDataModule):
         return TaskEvaluation(self.task, split, self.eval_samples)
 
     def train_windows(self) -> TrainSamples:
-        """The training sequences, refused where an epoch of them cannot fill a batch (checked by
-        ``lenext.run.build`` before the model is built)."""
-        if self.train_samples < self.batch_size:
-            raise ConfigError(
-                f"data.train_samples={self.train_samples} is invalid: fewer than data.batch_size={self.batch_size}, "
-                "an epoch would fill no batch; give data.train_samples >= data.batch_size"
-            )
+        """The training sequences (enough for a batch: refused in the constructor otherwise)."""
         return TrainSamples(self.task, self.max_len + 1, self.seed, self.train_samples)
 
     def train_dataloader(self) -> DataLoader:
